@@ -1,0 +1,183 @@
+"""Parallel bucketed LRU (PB-LRU): one rank's frame-choice state and its reference batch access.
+
+Exact batch semantics (DESIGN.md section 5), which the Pallas sieve (`impl="pallas"`) reproduces bit for bit:
+- a valid request whose LID is held by a slot of its bucket is a hit; the slot's stamp becomes `now`;
+  duplicates of one LID in a batch share the frame and the hit flag;
+- the distinct missing LIDs of a bucket, in order of first appearance, take the bucket's candidate slots in
+  order: the slots not hit in this batch, by (stamp ascending, slot ascending); empty slots have stamp -1 so
+  they come first. A filled slot reports the LID it displaced. Misses past the candidates get frame -1
+  (served from the host tier this step, not cached);
+- frame id = bucket * slots_per_bucket + slot; num_buckets = 1 is exactly a global LRU.
+
+The reference is sort based (no [N, S] compare matrix), so it serves pools of a million frames with B = 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import lid as lid_mod
+
+EMPTY_STAMP = -1
+EMPTY_TAG = np.uint32(0xFFFFFFFF)  # an empty slot never matches: lookups also require stamp >= 0
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["tag_hi", "tag_lo", "stamp"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class PBLRUState:
+    tag_hi: jax.Array  # [B, S] uint32  hi word of the LID held by each slot
+    tag_lo: jax.Array  # [B, S] uint32  lo word
+    stamp: jax.Array   # [B, S] int32   clock of the last hit or fill; -1 = empty
+
+    @property
+    def num_buckets(self) -> int:
+        return self.stamp.shape[-2]
+
+    @property
+    def slots_per_bucket(self) -> int:
+        return self.stamp.shape[-1]
+
+    @property
+    def num_frames(self) -> int:
+        return self.num_buckets * self.slots_per_bucket
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["frame", "hit", "evicted", "evicted_hi", "evicted_lo"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class AccessOut:
+    frame: jax.Array       # [N] int32   frame of the request's page; -1 for invalid or overflow
+    hit: jax.Array         # [N] bool    the page was resident before this batch
+    evicted: jax.Array     # [N] bool    on the first occurrence of a missing LID whose fill displaced a LID
+    evicted_hi: jax.Array  # [N] uint32  the displaced LID (EMPTY_TAG where evicted is False)
+    evicted_lo: jax.Array  # [N] uint32
+
+
+def init(num_buckets: int, slots_per_bucket: int) -> PBLRUState:
+    """An empty PB-LRU of num_buckets (a power of two) x slots_per_bucket frames."""
+    lid_mod.log2_buckets(num_buckets)
+    if isinstance(slots_per_bucket, bool) or not isinstance(slots_per_bucket, (int, np.integer)) \
+            or slots_per_bucket < 1:
+        raise ValueError(f"slots_per_bucket = {slots_per_bucket!r} must be an int >= 1")
+    if num_buckets * slots_per_bucket >= 2**31:
+        raise ValueError(f"num_frames = {num_buckets} x {slots_per_bucket} must be < 2**31 (int32 frame ids)")
+    shape = (num_buckets, slots_per_bucket)
+    return PBLRUState(tag_hi=jnp.full(shape, EMPTY_TAG, jnp.uint32), tag_lo=jnp.full(shape, EMPTY_TAG, jnp.uint32),
+                      stamp=jnp.full(shape, EMPTY_STAMP, jnp.int32))
+
+
+def _check_access_args(state: PBLRUState, hi, lo, valid, now) -> None:
+    if not isinstance(state, PBLRUState):
+        raise TypeError(f"state must be a PBLRUState, got {type(state).__name__}")
+    if state.stamp.ndim != 2:
+        raise ValueError(f"state must be one rank's [B, S] PB-LRU, got stamp shape {state.stamp.shape}")
+    for name, x, dt in (("hi", hi, jnp.uint32), ("lo", lo, jnp.uint32), ("valid", valid, jnp.bool_)):
+        if jnp.ndim(x) != 1:
+            raise ValueError(f"{name} must be 1-D [N], got shape {jnp.shape(x)}")
+        if jnp.result_type(x) != dt:
+            raise TypeError(f"{name} must be {jnp.dtype(dt).name}, got {jnp.result_type(x)}")
+    if not (jnp.shape(hi) == jnp.shape(lo) == jnp.shape(valid)):
+        raise ValueError(f"hi, lo and valid must share one shape, got {jnp.shape(hi)}, {jnp.shape(lo)}, "
+                         f"{jnp.shape(valid)}")
+    if jnp.ndim(now) != 0 or not jnp.issubdtype(jnp.result_type(now), jnp.integer):
+        raise TypeError(f"now must be an integer scalar, got {jnp.result_type(now)} of shape {jnp.shape(now)}")
+    if not isinstance(now, jax.core.Tracer) and not (0 <= int(now) < 2**31 - 1):
+        raise ValueError(f"now = {int(now)} must be in [0, 2**31 - 2] (stamps are int32, -1 means empty)")
+
+
+def access(state: PBLRUState, hi, lo, valid, now, impl: str = "ref") -> tuple[PBLRUState, AccessOut]:
+    """One batch of page requests at clock `now`. hi, lo [N] uint32; valid [N] bool; now int scalar >= 0.
+
+    impl: "ref" (vectorised jnp, any backend) or "pallas" (one program per bucket; interpret mode on CPU)."""
+    _check_access_args(state, hi, lo, valid, now)
+    now = jnp.asarray(now, jnp.int32)
+    if impl == "ref":
+        return ref_access(state, jnp.asarray(hi), jnp.asarray(lo), jnp.asarray(valid), now)
+    if impl == "pallas":
+        from .pallas_kernels import pb_lru_sieve
+        return pb_lru_sieve.access(state, jnp.asarray(hi), jnp.asarray(lo), jnp.asarray(valid), now)
+    raise ValueError(f"impl = {impl!r} must be 'ref' or 'pallas'")
+
+
+@jax.jit
+def ref_access(state: PBLRUState, hi, lo, valid, now) -> tuple[PBLRUState, AccessOut]:
+    """Sort-based reference of `access` (no argument checks; see `access`)."""
+    nb, ns = state.stamp.shape
+    nf, n = nb * ns, hi.shape[0]
+    req_bucket = lid_mod.bucket_bits(hi, lo, lid_mod.log2_buckets(nb))  # [N] int32
+
+    # 1. Hits and duplicates in one sort of slots and requests by (dead, hi, lo, id): ids [0, F) are slots,
+    #    [F, F + N) requests, so a resident LID's slot heads its run and the first request of a missing LID does.
+    occupied = state.stamp.reshape(nf) >= 0
+    dead = jnp.concatenate([~occupied, ~valid]).astype(jnp.int32)               # [F+N]
+    key_hi = jnp.concatenate([state.tag_hi.reshape(nf), hi])
+    key_lo = jnp.concatenate([state.tag_lo.reshape(nf), lo])
+    ids = jnp.arange(nf + n, dtype=jnp.int32)
+    s_dead, s_hi, s_lo, s_id = lax.sort((dead, key_hi, key_lo, ids), num_keys=4)
+    pos = jnp.arange(nf + n, dtype=jnp.int32)
+    run_start = jnp.concatenate([jnp.ones((1,), bool),
+                                 (s_dead[1:] != s_dead[:-1]) | (s_hi[1:] != s_hi[:-1]) | (s_lo[1:] != s_lo[:-1])])
+    head = lax.cummax(jnp.where(run_start, pos, 0))                               # [F+N] run head position
+    head_id = s_id[head]
+    is_req = s_id >= nf
+    req_of = jnp.where(is_req, s_id - nf, n)                                      # n = dropped
+    hit = jnp.zeros(n, bool).at[req_of].set(head_id < nf, mode="drop") & valid   # [N]
+    first = jnp.zeros(n, jnp.int32).at[req_of].set(head_id - nf, mode="drop")     # [N] first occurrence (misses)
+    hit_frame = jnp.zeros(n, jnp.int32).at[req_of].set(head_id, mode="drop")      # [N] slot id when hit
+
+    # 2. Rank each distinct missing LID within its bucket by first appearance.
+    idx = jnp.arange(n, dtype=jnp.int32)
+    is_first_miss = valid & ~hit & (first == idx)
+    mkey = jnp.where(is_first_miss, req_bucket, nb)
+    s_mkey, s_midx = lax.sort((mkey, idx), num_keys=2)
+    bucket_start = jnp.searchsorted(s_mkey, jnp.arange(nb + 1, dtype=jnp.int32), side="left")
+    s_rank = jnp.arange(n, dtype=jnp.int32) - bucket_start[jnp.minimum(s_mkey, nb)]
+    rank = jnp.zeros(n, jnp.int32).at[s_midx].set(s_rank)                        # [N] (meaningful on first misses)
+
+    # 3. Candidates of each bucket: slots not hit in this batch, by (stamp, slot); empty slots (stamp -1) first.
+    hit_slot = jnp.zeros(nf, jnp.int32).at[jnp.where(hit, hit_frame, nf)].set(1, mode="drop").reshape(nb, ns)
+    slot_idx = jnp.broadcast_to(jnp.arange(ns, dtype=jnp.int32), (nb, ns))
+    _, _, cand = lax.sort((hit_slot, state.stamp, slot_idx), dimension=1, num_keys=3)  # [B, S]
+    num_cand = ns - hit_slot.sum(axis=1)                                                 # [B]
+
+    # 4. Fill: the r-th distinct miss of bucket b takes cand[b, r] when r < num_cand[b].
+    fits = is_first_miss & (rank < num_cand[req_bucket])
+    fill_frame = req_bucket * ns + cand[req_bucket, jnp.minimum(rank, ns - 1)]
+    fill_frame = jnp.where(fits, fill_frame, -1)                                  # [N], on first misses only
+    frame = jnp.where(hit, hit_frame, fill_frame[first])
+    frame = jnp.where(valid, frame, -1)
+
+    safe = jnp.maximum(fill_frame, 0)
+    flat = lambda a: a.reshape(nf)
+    evicted = fits & (flat(state.stamp)[safe] >= 0)
+    evicted_hi = jnp.where(evicted, flat(state.tag_hi)[safe], EMPTY_TAG)
+    evicted_lo = jnp.where(evicted, flat(state.tag_lo)[safe], EMPTY_TAG)
+
+    # 5. New state: hit slots and filled slots get stamp `now`; filled slots take their new tags.
+    touched = jnp.where(hit, hit_frame, jnp.where(fits, fill_frame, nf))
+    stamp = flat(state.stamp).at[touched].set(now, mode="drop")
+    put = jnp.where(fits, fill_frame, nf)
+    tag_hi = flat(state.tag_hi).at[put].set(hi, mode="drop")
+    tag_lo = flat(state.tag_lo).at[put].set(lo, mode="drop")
+    new = PBLRUState(tag_hi=tag_hi.reshape(nb, ns), tag_lo=tag_lo.reshape(nb, ns), stamp=stamp.reshape(nb, ns))
+    return new, AccessOut(frame=frame, hit=hit, evicted=evicted, evicted_hi=evicted_hi, evicted_lo=evicted_lo)
+
+
+def release(state: PBLRUState, seq) -> PBLRUState:
+    """Empty every slot whose tag belongs to sequence `seq` (an int or int32 scalar)."""
+    if not isinstance(seq, jax.core.Tracer):
+        lid_mod._check_field("seq", np.asarray(seq))
+    return _release(state, jnp.asarray(seq, jnp.uint32))
+
+
+@jax.jit
+def _release(state: PBLRUState, seq) -> PBLRUState:
+    mine = (state.stamp >= 0) & ((state.tag_hi >> np.uint32(12)) == seq)
+    return PBLRUState(tag_hi=jnp.where(mine, EMPTY_TAG, state.tag_hi),
+                      tag_lo=jnp.where(mine, EMPTY_TAG, state.tag_lo),
+                      stamp=jnp.where(mine, EMPTY_STAMP, state.stamp))
