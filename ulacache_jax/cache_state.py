@@ -1,0 +1,134 @@
+"""The cache state: every device array of a UlaCache, as one immutable pytree, plus the host pool beside it.
+
+Layout (R = ranks of the `tp` axis, size 1 without TP; S = max_seqs; L = layers; G = groups per rank;
+P = max_pages_per_seq; F = PB-LRU frames; T = TAIL_PAGES; page = page_size; g = kv_heads_per_group; D = head_dim):
+- pool_k, pool_v [R, F + S*L*G*T, page, g, D]: frames 0..F-1 belong to the PB-LRU; the rest are the tail ring,
+  one fixed frame per (seq, layer, group, ring slot) outside the PB-LRU, so attention reads every page it needs,
+  selected or tail, from one pool by frame id.
+- kmin, kmax [R, S, L, G, P, g, D]: per-page, per-dim min and max of K (the Quest summaries).
+- vtlb (frame, host_page) [R, S, L, G, P]; pb (tag_hi, tag_lo, stamp) [R, B, slots].
+- seqs: length, flushed (pages with a host copy), active, each [S]: the same on every rank.
+- clock: int32 scalar, the PB-LRU's `now`.
+The host pool (`HostPool`, k and v [R, H, page, g, D]) is kept apart because it lives in memory kind
+`pinned_host` on GPU and must never be carried through a loop (DESIGN.md section 1): jitted steps take it as a
+read-only argument and write it once per call (donated in, aliased out).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from functools import partial
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from . import pb_lru, vtlb as vtlb_mod
+from .config import CacheConfig, TAIL_PAGES
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["length", "flushed", "active"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SeqTable:
+    length: jax.Array   # [S] int32  committed tokens
+    flushed: jax.Array  # [S] int32  leading pages that have their host copy (complete pages only)
+    active: jax.Array   # [S] bool
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["pb", "vtlb", "pool_k", "pool_v", "kmin", "kmax", "seqs", "clock"], meta_fields=["config"])
+@dataclasses.dataclass(frozen=True)
+class CacheState:
+    config: CacheConfig
+    pb: pb_lru.PBLRUState   # arrays [R, B, slots]
+    vtlb: vtlb_mod.VTLB     # arrays [R, S, L, G, P]
+    pool_k: jax.Array       # [R, F + S*L*G*T, page, g, D]
+    pool_v: jax.Array       # [R, F + S*L*G*T, page, g, D]
+    kmin: jax.Array         # [R, S, L, G, P, g, D]
+    kmax: jax.Array         # [R, S, L, G, P, g, D]
+    seqs: SeqTable
+    clock: jax.Array        # [] int32
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class HostPool:
+    k: jax.Array  # [R, H, page, g, D] in pinned_host on GPU
+    v: jax.Array  # [R, H, page, g, D]
+
+
+def tail_frame(config: CacheConfig, seq, layer, group, page):
+    """Frame id of the tail-ring slot holding page `page` of (seq, layer, local group)."""
+    base = config.num_frames
+    return base + ((seq * config.num_layers + layer) * config.groups_per_rank + group) * TAIL_PAGES + page % TAIL_PAGES
+
+
+def host_memory_kind(device=None) -> str | None:
+    """'pinned_host' where the backend has it (GPU), else None (plain device memory on CPU, same code path)."""
+    device = device or jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+def host_sharding(device=None) -> jax.sharding.Sharding:
+    device = device or jax.devices()[0]
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=host_memory_kind(device))
+
+
+def _pinnable_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info.get("MemAvailable")
+    except OSError:
+        return None
+
+
+def check_fits(config: CacheConfig, device=None, host_bytes: int | None = None) -> dict[str, int]:
+    """Refuse, with the numbers, a config whose pools do not fit the device or the host, before allocating."""
+    device = device or jax.devices()[0]
+    fp = config.footprint()
+    dev_bytes = sum(v for k, v in fp.items() if k != "host")
+    limit = None
+    try:
+        stats = device.memory_stats() or {}
+        limit = stats.get("bytes_limit")
+    except Exception:  # CPU devices may not report memory stats
+        limit = None
+    if limit is not None and dev_bytes > limit:
+        raise ValueError(f"cache needs {dev_bytes / 2**30:.2f} GiB of device memory per rank "
+                         f"({', '.join(f'{k} {v / 2**30:.2f}' for k, v in fp.items() if k != 'host')} GiB) "
+                         f"but the device has {limit / 2**30:.2f} GiB")
+    host_limit = host_bytes if host_bytes is not None else _pinnable_host_bytes()
+    host_need = fp["host"] * (config.tp if host_memory_kind(device) else 1)
+    if host_limit is not None and host_need > host_limit:
+        raise ValueError(f"host pool needs {host_need / 2**30:.2f} GiB (host_pages = {config.host_pages} x "
+                         f"{2 * config.page_bytes} B x {config.tp} ranks) but only {host_limit / 2**30:.2f} GiB "
+                         "of host memory is available to pin")
+    return fp
+
+
+def init(config: CacheConfig, *, device=None, check: bool = True) -> tuple[CacheState, HostPool]:
+    """A fresh cache (device state and host pool) for one device; `tp.shard_cache` spreads ranks over a mesh."""
+    if check:
+        check_fits(config, device)
+    c, r = config, config.tp
+    dt = c.jnp_dtype
+    page_shape = (c.page_size, c.kv_heads_per_group, c.head_dim)
+    num_pool = c.num_frames + c.max_seqs * c.num_layers * c.groups_per_rank * TAIL_PAGES
+    one = pb_lru.init(c.num_buckets, c.slots_per_bucket)
+    pb = jax.tree.map(lambda a: jnp.broadcast_to(a, (r,) + a.shape), one)
+    table = vtlb_mod.init(c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq, c.page_size)
+    table = jax.tree.map(lambda a: jnp.broadcast_to(a, (r,) + a.shape), table)
+    summ = (r, c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq, c.kv_heads_per_group, c.head_dim)
+    state = CacheState(
+        config=c, pb=pb, vtlb=table,
+        pool_k=jnp.zeros((r, num_pool) + page_shape, dt), pool_v=jnp.zeros((r, num_pool) + page_shape, dt),
+        kmin=jnp.zeros(summ, dt), kmax=jnp.zeros(summ, dt),
+        seqs=SeqTable(length=jnp.zeros(c.max_seqs, jnp.int32), flushed=jnp.zeros(c.max_seqs, jnp.int32),
+                      active=jnp.zeros(c.max_seqs, bool)),
+        clock=jnp.zeros((), jnp.int32))
+    hs = host_sharding(device)
+    host_shape = (r, c.host_pages) + page_shape
+    make = jax.jit(lambda: jnp.zeros(host_shape, dt), out_shardings=hs)
+    return state, HostPool(k=make(), v=make())

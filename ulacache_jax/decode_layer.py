@@ -1,0 +1,172 @@
+"""One layer's decode attention over the cache: append -> select -> sieve -> fetch -> attend.
+
+All functions here work on ONE rank's view of the state (leading rank axis of size 1): directly without TP, or
+per rank inside `jax.shard_map` (ulacache_jax/tp.py), where `rank` is the mesh axis index. The decode batch is
+every sequence slot (inactive slots are masked), so shapes never depend on how many requests are running.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from . import lid as lid_mod, pb_lru, selection, vtlb as vtlb_mod
+from .cache_state import CacheState, HostPool, tail_frame
+from .config import TAIL_PAGES
+from .pallas_kernels import page_copy
+from .pallas_kernels.sparse_decode_attention import sparse_decode_attention
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["hits", "misses", "overflow", "fetched"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class LayerStats:
+    hits: jax.Array      # [] int32 selected pages found in HBM
+    misses: jax.Array    # [] int32 selected pages not in HBM (filled or overflow)
+    overflow: jax.Array  # [] int32 misses with no free candidate slot: read from host, not cached
+    fetched: jax.Array   # [] int32 pages that crossed PCIe (= misses)
+
+    @staticmethod
+    def zeros():
+        z = jnp.zeros((), jnp.int32)
+        return LayerStats(z, z, z, z)
+
+    def __add__(self, o):
+        return LayerStats(self.hits + o.hits, self.misses + o.misses, self.overflow + o.overflow,
+                          self.fetched + o.fetched)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """Kernel choices: 'auto' is the Pallas kernel on GPU and the jnp reference elsewhere."""
+    attention: str = "auto"       # sparse_decode_attention impl
+    sieve: str = "auto"           # pb_lru access impl ('ref' or 'pallas')
+    copy: str = "auto"            # page_copy impl
+    fused_fetch: bool = False     # misses read by the attention kernel and stored into their frames in one pass
+    softcap: float | None = None
+
+    def sieve_impl(self) -> str:
+        if self.sieve != "auto":
+            return self.sieve
+        return "pallas" if jax.default_backend() == "gpu" else "ref"
+
+
+def append_token(state: CacheState, layer: int, k_new, v_new, pos, live) -> CacheState:
+    """Write one token's K/V per sequence into its tail-ring page and update that page's key summary.
+    k_new, v_new [S, KVr, D] (this rank's KV heads); pos [S] int32 token index; live [S] bool."""
+    c = state.config
+    S, G, g, P = c.max_seqs, c.groups_per_rank, c.kv_heads_per_group, c.page_size
+    dt = c.jnp_dtype
+    kg = k_new.astype(dt).reshape(S, G, g, c.head_dim)
+    vg = v_new.astype(dt).reshape(S, G, g, c.head_dim)
+    s = jnp.arange(S)[:, None]
+    gi = jnp.arange(G)[None, :]
+    page, off = pos // P, pos % P
+    frame = jnp.where(live[:, None], tail_frame(c, s, layer, gi, page[:, None]), state.pool_k.shape[1])  # [S, G]
+    offs = jnp.broadcast_to(off[:, None], (S, G))
+    pool_k = state.pool_k.at[0, frame, offs].set(kg, mode="drop")
+    pool_v = state.pool_v.at[0, frame, offs].set(vg, mode="drop")
+    pg = jnp.broadcast_to(jnp.where(live, page, c.max_pages_per_seq)[:, None], (S, G))       # P = dropped
+    first = (off == 0)[:, None, None, None]
+    old_min = state.kmin[0, s, layer, gi, jnp.minimum(pg, c.max_pages_per_seq - 1)]         # [S, G, g, D]
+    old_max = state.kmax[0, s, layer, gi, jnp.minimum(pg, c.max_pages_per_seq - 1)]
+    kmin = state.kmin.at[0, s, layer, gi, pg].set(jnp.where(first, kg, jnp.minimum(old_min, kg)), mode="drop")
+    kmax = state.kmax.at[0, s, layer, gi, pg].set(jnp.where(first, kg, jnp.maximum(old_max, kg)), mode="drop")
+    return dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, kmin=kmin, kmax=kmax)
+
+
+def attend_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, live, *,
+                 options: DecodeOptions = DecodeOptions(), rank=0):
+    """Decode attention of one layer for every slot, one token per sequence.
+
+    q [S, 1, Hr, D] (this rank's query heads), k_new/v_new [S, KVr, D], pos [S] int32 position of the new token
+    (= committed length), live [S] bool. Returns (state, out [S, 1, Hr, D], LayerStats)."""
+    c = state.config
+    S, G, P = c.max_seqs, c.groups_per_rank, c.page_size
+    state = append_token(state, layer, k_new, v_new, pos, live)
+    seq_len = jnp.where(live, pos + 1, 0)                                             # [S] visible tokens
+
+    # 1. Selection among flushed pages (Quest bound), static count K per (sequence, group).
+    flushed = jnp.where(live, state.seqs.flushed, 0)
+    scores = selection.ref_page_scores(q, state.kmin[0, :, layer], state.kmax[0, :, layer])    # [S, G, Pmax]
+    sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
+                                 recent_pages=c.recent_pages)                         # [S, G, K]
+    K = sel.shape[-1]
+    valid = (sel >= 0) & live[:, None, None]
+    page = jnp.where(valid, sel, 0)
+    seq_ids = jnp.broadcast_to(jnp.arange(S)[:, None, None], (S, G, K))
+    grp = jnp.broadcast_to(rank * G + jnp.arange(G)[None, :, None], (S, G, K))
+    hi, lo = lid_mod.pack(seq_ids, jnp.full_like(seq_ids, layer), grp, (page * P).astype(jnp.uint32))
+
+    # 2. Sieve: hits refresh, misses take frames; the vTLB follows.
+    pb = jax.tree.map(lambda a: a[0], state.pb)
+    pb, out = pb_lru.access(pb, hi.reshape(-1), lo.reshape(-1), valid.reshape(-1), state.clock,
+                            impl=options.sieve_impl())
+    table = jax.tree.map(lambda a: a[0], state.vtlb)
+    table = vtlb_mod.apply_access(table, hi.reshape(-1), lo.reshape(-1), out, rank * G)
+    frame = out.frame.reshape(S, G, K)
+    hit = out.hit.reshape(S, G, K)
+    host_idx = table.host_page[seq_ids, layer, jnp.arange(G)[None, :, None], page]    # [S, G, K]
+    miss = valid & ~hit
+    filled = miss & (frame >= 0)
+    overflow = miss & (frame < 0)
+
+    # 3. Misses cross PCIe once: fetched into their frames first, or read and stored by the attention kernel.
+    pool_k, pool_v = state.pool_k[0], state.pool_v[0]
+    if not options.fused_fetch:
+        dst = jnp.where(filled, frame, -1).reshape(-1)
+        pool_k = page_copy.fetch(pool_k, host.k[0], host_idx.reshape(-1), dst, impl=options.copy)
+        pool_v = page_copy.fetch(pool_v, host.v[0], host_idx.reshape(-1), dst, impl=options.copy)
+        src = jnp.where(valid, jnp.where(overflow, 2, 1), 0)
+    else:
+        src = jnp.where(valid, jnp.where(overflow, 2, jnp.where(filled, 3, 1)), 0)
+
+    # 4. Tail pages (unflushed, at most TAIL_PAGES) from the ring, appended to the attended set.
+    tp = flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                           # [S, T]
+    t_ok = live[:, None] & (tp * P < seq_len[:, None])
+    t_frame = tail_frame(c, jnp.arange(S)[:, None, None], layer, jnp.arange(G)[None, :, None], tp[:, None, :])
+    t_frame = jnp.broadcast_to(t_frame, (S, G, TAIL_PAGES))
+    t_ok = jnp.broadcast_to(t_ok[:, None, :], (S, G, TAIL_PAGES))
+    page_frame = jnp.concatenate([jnp.where(valid, frame, 0), t_frame], axis=-1).astype(jnp.int32)
+    page_start = jnp.concatenate([jnp.where(valid, page * P, -1),
+                                  jnp.where(t_ok, jnp.broadcast_to(tp[:, None, :], (S, G, TAIL_PAGES)) * P, -1)],
+                                 axis=-1).astype(jnp.int32)
+    page_src = jnp.concatenate([src, jnp.where(t_ok, 1, 0)], axis=-1).astype(jnp.int32)
+    page_host = jnp.concatenate([jnp.where(valid, host_idx, -1), jnp.full((S, G, TAIL_PAGES), -1)],
+                                axis=-1).astype(jnp.int32)
+    res = sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len.astype(jnp.int32),
+                                  host_k=host.k[0], host_v=host.v[0], page_host=page_host, page_src=page_src,
+                                  softcap=options.softcap, impl=options.attention,
+                                  store_misses=options.fused_fetch)
+    if options.fused_fetch:
+        attn, pool_k, pool_v = res
+    else:
+        attn = res
+    stats = LayerStats(hits=(valid & hit).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
+                       overflow=overflow.sum().astype(jnp.int32), fetched=miss.sum().astype(jnp.int32))
+    state = dataclasses.replace(state, pb=jax.tree.map(lambda a: a[None], pb),
+                                vtlb=jax.tree.map(lambda a: a[None], table),
+                                pool_k=pool_k[None], pool_v=pool_v[None])
+    return state, attn, stats
+
+
+def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto") -> tuple[CacheState, HostPool]:
+    """Write every completed, unflushed tail page to the host pool (once per page) and advance `flushed`."""
+    c = state.config
+    S, L, G, P = c.max_seqs, c.num_layers, c.groups_per_rank, c.page_size
+    length, flushed = state.seqs.length, state.seqs.flushed
+    p = flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                            # [S, T]
+    done = state.seqs.active[:, None] & ((p + 1) * P <= length[:, None])             # [S, T]
+    s = jnp.arange(S)[:, None, None, None]
+    l = jnp.arange(L)[None, :, None, None]
+    g = jnp.arange(G)[None, None, :, None]
+    pp = p[:, None, None, :]                                                          # [S, 1, 1, T]
+    src = tail_frame(c, s, l, g, pp)                                                  # [S, L, G, T]
+    dst = state.vtlb.host_page[0, s, l, g, jnp.minimum(pp, c.max_pages_per_seq - 1)]
+    dst = jnp.where(done[:, None, None, :], dst, -1).reshape(-1)
+    src = jnp.broadcast_to(src, dst.shape[:0] + (S, L, G, TAIL_PAGES)).reshape(-1).astype(jnp.int32)
+    hk = page_copy.flush(host.k[0], state.pool_k[0], src, dst.astype(jnp.int32), impl=impl)
+    hv = page_copy.flush(host.v[0], state.pool_v[0], src, dst.astype(jnp.int32), impl=impl)
+    seqs = dataclasses.replace(state.seqs, flushed=jnp.where(state.seqs.active, length // P, flushed))
+    return dataclasses.replace(state, seqs=seqs), HostPool(k=hk[None], v=hv[None])

@@ -1,0 +1,329 @@
+"""jit-compiled generation over UlaCache (sparse) or a dense HBM cache (the baseline), with the same model.
+
+Flow per batch: admit each prompt into a slot -> prefill each prompt layer by layer (dense causal attention over
+the prompt, K/V streamed into the host pool and summaries; the prompt length is bucketed to a power of two, so
+lengths do not recompile) -> decode in jitted chunks of `page_size` steps (a fori_loop with a done mask, reading
+the host pool, then one flush of the completed tail pages; state and host pool donated), one host sync per chunk.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .cache_state import CacheState, HostPool
+from .config import CacheConfig
+from .decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
+from .sampling import SamplingArrays, check_sampling, sample
+from .sequences import CacheManager, ingest_chunk
+from .models.attention import dense_attention
+
+
+def bucket_length(n: int, minimum: int) -> int:
+    """Prompt length bucket: the next power of two >= max(n, minimum), so only log2(max) shapes compile."""
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_size: int = 64,
+                         token_budget: int = 2048, dtype=None, **overrides) -> CacheConfig:
+    """A cache for `num_seqs` sequences of up to `max_tokens` tokens each, HBM frames for the whole budget."""
+    mc = model_config
+    pages = bucket_length(math.ceil(max_tokens / page_size), 1)
+    budget = min(token_budget, pages * page_size)
+    num_groups = mc.num_kv_heads if mc.num_kv_heads <= 16 else 16
+    frames_needed = num_seqs * mc.num_layers * num_groups * (budget // page_size)
+    slots = 64 if frames_needed >= 64 * 64 else max(4, frames_needed // 16)
+    buckets = bucket_length(math.ceil(frames_needed / slots), 1)
+    kw = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+              kv_heads_per_group=mc.num_kv_heads // num_groups,
+              max_seqs=num_seqs, max_pages_per_seq=pages, page_size=page_size,
+              dtype=jnp.dtype(dtype or "float32").name, num_buckets=buckets, slots_per_bucket=slots,
+              host_pages=num_seqs * mc.num_layers * num_groups * pages, token_budget=budget,
+              sink_pages=min(1, budget // page_size), recent_pages=min(2, max(0, budget // page_size - 1)))
+    kw.update(overrides)
+    return CacheConfig(**kw)
+
+
+def _check_prompts(prompt_ids, vocab_size: int, max_new_tokens: int) -> list[list[int]]:
+    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__"):
+        raise TypeError("prompt_ids must be a list of token-id lists")
+    out = []
+    for i, p in enumerate(prompt_ids):
+        p = [int(t) for t in np.asarray(p).reshape(-1)]
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, vocab_size = {vocab_size})")
+        out.append(p)
+    if not out:
+        raise ValueError("prompt_ids is empty")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens = {max_new_tokens!r} must be an int >= 1")
+    return out
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DenseCache:
+    """The baseline: every K/V in HBM. k, v [L, S, T_max, KV, D]."""
+    k: jax.Array
+    v: jax.Array
+
+
+def _prefill_attention(q, k, v, length):
+    """Causal attention over one prompt; q [1, T, H, D], k/v [1, T, KV, D]. cuDNN flash attention on GPU (O(T)
+    memory), the jnp reference elsewhere. Padding past `length` only sees earlier tokens, so it cannot leak."""
+    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    pos = jnp.arange(q.shape[1])[None]
+    return dense_attention(q, k, v, pos, pos)
+
+
+class Generator:
+    """Compiled prefill and decode-chunk functions for one model and one cache shape; reusable across batches."""
+
+    def __init__(self, model, cache_config: CacheConfig, *, attention: str = "sparse",
+                 options: DecodeOptions = DecodeOptions()):
+        if attention not in ("sparse", "dense"):
+            raise ValueError(f"attention = {attention!r} must be 'sparse' or 'dense'")
+        mc = model.config
+        c = cache_config
+        for name, a, b in (("num_layers", c.num_layers, mc.num_layers), ("num_kv_heads", c.num_kv_heads, mc.num_kv_heads),
+                           ("head_dim", c.head_dim, mc.head_dim)):
+            if a != b:
+                raise ValueError(f"cache_config.{name} = {a} does not match the model's {b}")
+        if getattr(mc, "sliding_window", None) is not None and c.max_context > mc.sliding_window:
+            raise ValueError(f"model uses a sliding window of {mc.sliding_window} tokens; the cache's max context "
+                             f"{c.max_context} exceeds it and sliding-window attention is not implemented in the cache")
+        self.model_config, self.config, self.attention, self.options = mc, c, attention, options
+        self.graphdef, self.params = nnx.split(model)
+        self.stats = LayerStats.zeros()
+        if attention == "sparse":
+            self.cache = CacheManager(c)
+            host_sh = self.cache.host_shardings()
+            self._prefill = jax.jit(self._prefill_sparse, donate_argnums=(1, 2), out_shardings=(None, host_sh, None))
+            self._decode = jax.jit(self._decode_sparse, donate_argnums=(1, 2),
+                                   out_shardings=(None, host_sh, None, None, None, None))
+        else:
+            self.cache = None
+            shape = (c.num_layers, c.max_seqs, c.max_context, c.num_kv_heads, c.head_dim)
+            self.dense = DenseCache(jnp.zeros(shape, c.jnp_dtype), jnp.zeros(shape, c.jnp_dtype))
+            self.dense_len = jnp.zeros(c.max_seqs, jnp.int32)
+            self._prefill = jax.jit(self._prefill_dense, donate_argnums=(1,))
+            self._decode = jax.jit(self._decode_dense, donate_argnums=(1,))
+
+    # ---- prefill -------------------------------------------------------------------------------------------
+    def _prefill_layers(self, params, ids, length, store):
+        """ids [T] (bucketed), length [] -> (last-token logits [V], per-layer K/V handed to `store`)."""
+        model = nnx.merge(self.graphdef, params)
+        T = ids.shape[0]
+        pos = jnp.arange(T, dtype=jnp.int32)[None]
+        x = model.embed(ids[None])
+        for l, layer in enumerate(model.layers):
+            q, k, v = layer.qkv(x, pos)
+            store(l, k[0], v[0])
+            x = layer.finish(x, _prefill_attention(q, k, v, length))
+        h = jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)
+        return model.logits(h)[0, 0]
+
+    def _prefill_sparse(self, params, state, host, slot, ids, length):
+        box = {"state": state, "host": host}
+
+        def store(l, k, v):
+            box["state"], box["host"] = ingest_chunk(box["state"], box["host"], slot, k[None], v[None], 0, length,
+                                                     layer0=l, impl=self.options.copy)
+
+        logits = self._prefill_layers(params, ids, length, store)
+        return box["state"], box["host"], logits
+
+    def _prefill_dense(self, params, dense, slot, ids, length):
+        box = {"dense": dense}
+        T = ids.shape[0]
+
+        def store(l, k, v):
+            d = box["dense"]
+            box["dense"] = DenseCache(d.k.at[l, slot, :T].set(k.astype(d.k.dtype)),
+                                      d.v.at[l, slot, :T].set(v.astype(d.v.dtype)))
+
+        logits = self._prefill_layers(params, ids, length, store)
+        return box["dense"], logits
+
+    # ---- decode --------------------------------------------------------------------------------------------
+    def _decode_loop(self, params, cache, attend, tok, done, remaining, length, key, sampling, stop_ids):
+        """page_size decode steps. tok [S] last token, done [S], remaining [S] tokens still allowed, length [S]
+        committed lengths. Returns (cache, tokens [S, steps] (-1 where nothing was produced), done, remaining,
+        length, stats)."""
+        model = nnx.merge(self.graphdef, params)
+        steps = self.config.page_size
+        S = tok.shape[0]
+
+        def body(i, carry):
+            cache, tok, done, remaining, length, out, stats = carry
+            live = ~done
+            x = model.embed(tok[:, None])
+            st = LayerStats.zeros()
+            for l, layer in enumerate(model.layers):
+                q, k, v = layer.qkv(x, length[:, None])
+                cache, o, s = attend(cache, l, q, k[:, 0], v[:, 0], length, live)
+                st = st + s
+                x = layer.finish(x, o)
+            logits = model.logits(x)[:, 0]
+            nxt = sample(logits, jax.random.fold_in(key, i), sampling)
+            nxt = jnp.where(live, nxt, -1)
+            length = length + live
+            remaining = remaining - live
+            done = done | (live & ((remaining <= 0) | jnp.isin(nxt, stop_ids)))
+            return cache, jnp.where(live, nxt, tok), done, remaining, length, out.at[:, i].set(nxt), stats + st
+
+        out = jnp.full((S, steps), -1, jnp.int32)
+        carry = (cache, tok, done, remaining, length, out, LayerStats.zeros())
+        cache, tok, done, remaining, length, out, stats = jax.lax.fori_loop(0, steps, body, carry)
+        return cache, out, done, remaining, length, stats
+
+    def _decode_sparse(self, params, state, host, tok, done, remaining, key, sampling, stop_ids):
+        opts = self.options
+
+        def attend(state, l, q, k, v, pos, live):
+            # the host pool is read here, never carried through the loop (DESIGN.md section 1)
+            return attend_layer(state, host, l, q, k, v, pos, live & state.seqs.active, options=opts)
+
+        state, out, done, remaining, length, stats = self._decode_loop(
+            params, state, attend, tok, done, remaining, state.seqs.length, key, sampling, stop_ids)
+        state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=length),
+                                    clock=state.clock + 1)
+        state, host = flush_tail(state, host, impl=opts.copy)
+        return state, host, out, done, remaining, stats
+
+    def _decode_dense(self, params, dense, length, tok, done, remaining, key, sampling, stop_ids):
+        T = dense.k.shape[2]
+
+        def attend(cache, l, q, k, v, pos, live):
+            S = q.shape[0]
+            w = jnp.where(live, pos, T)                                   # write index, T = dropped
+            ck = cache.k.at[l, jnp.arange(S), w].set(k.astype(cache.k.dtype), mode="drop")
+            cv = cache.v.at[l, jnp.arange(S), w].set(v.astype(cache.v.dtype), mode="drop")
+            seen = jnp.where(live, pos + 1, 0)
+            if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+                o = jax.nn.dot_product_attention(q, ck[l], cv[l], key_value_seq_lengths=jnp.maximum(seen, 1),
+                                                 implementation="cudnn")
+            else:
+                kpos = jnp.broadcast_to(jnp.arange(T)[None], (S, T))
+                o = dense_attention(q, ck[l], cv[l], pos[:, None], kpos, k_valid=kpos < seen[:, None])
+            return DenseCache(ck, cv), o, LayerStats.zeros()
+
+        dense, out, done, remaining, length, stats = self._decode_loop(
+            params, dense, attend, tok, done, remaining, length, key, sampling, stop_ids)
+        return dense, length, out, done, remaining, stats
+
+    # ---- host-side driver -----------------------------------------------------------------------------------
+    def prefill(self, slot: int, prompt: list[int]):
+        """Prefill one admitted slot; returns last-position logits [V]."""
+        c = self.config
+        T = bucket_length(len(prompt), c.page_size)
+        ids = jnp.asarray(np.pad(np.asarray(prompt, np.int32), (0, T - len(prompt))))
+        if self.attention == "sparse":
+            m = self.cache
+            m.state, m.host, logits = self._prefill(self.params, m.state, m.host, slot, ids, len(prompt))
+        else:
+            self.dense, logits = self._prefill(self.params, self.dense, slot, ids, len(prompt))
+            self.dense_len = self.dense_len.at[slot].set(len(prompt))
+        return logits
+
+    def decode_chunk(self, tok, done, remaining, key, sampling, stop_ids):
+        if self.attention == "sparse":
+            m = self.cache
+            m.state, m.host, out, done, remaining, stats = self._decode(self.params, m.state, m.host, tok, done,
+                                                                         remaining, key, sampling, stop_ids)
+        else:
+            self.dense, self.dense_len, out, done, remaining, stats = self._decode(
+                self.params, self.dense, self.dense_len, tok, done, remaining, key, sampling, stop_ids)
+        self.stats = self.stats + stats
+        return out, done, remaining
+
+    def admit(self, num_tokens: int) -> int:
+        if self.attention == "sparse":
+            return self.cache.admit(num_tokens)
+        raise NotImplementedError  # dense slots are assigned by the caller in order
+
+    def release(self, slot: int) -> None:
+        if self.attention == "sparse":
+            self.cache.release(slot)
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int, *, temperature=0.0, top_p=1.0, top_k=0, seed=0,
+            stop_ids=()) -> list[list[int]]:
+        """Generate for up to max_seqs prompts at once (the caller splits larger batches)."""
+        c = self.config
+        S = c.max_seqs
+        if len(prompts) > S:
+            raise ValueError(f"{len(prompts)} prompts exceed max_seqs = {S}")
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        if longest > c.max_context:
+            raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the cache's max context "
+                             f"{c.max_context} (max_pages_per_seq x page_size)")
+        key = jax.random.key(seed)
+        sampling = SamplingArrays.fill(S, temperature, top_p, top_k)
+        stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
+        slots = [self.admit(len(p) + max_new_tokens) if self.attention == "sparse" else i for i, p in enumerate(prompts)]
+        first = np.zeros(S, np.int32)
+        results: list[list[int]] = [[] for _ in prompts]
+        done = np.ones(S, bool)
+        remaining = np.zeros(S, np.int32)
+        try:
+            for i, (slot, p) in enumerate(zip(slots, prompts)):
+                logits = self.prefill(slot, p)
+                t = int(sample(logits[None], jax.random.fold_in(key, 1_000_003 + i),
+                               SamplingArrays.fill(1, temperature, top_p, top_k))[0])
+                results[i].append(t)
+                first[slot] = t
+                remaining[slot] = max_new_tokens - 1
+                done[slot] = remaining[slot] <= 0 or t in stop_ids
+            tok, dn, rem = jnp.asarray(first), jnp.asarray(done), jnp.asarray(remaining)
+            chunk = 0
+            while not bool(np.all(np.asarray(dn))):
+                out, dn, rem = self.decode_chunk(tok, dn, rem, jax.random.fold_in(key, chunk), sampling, stops)
+                out_np = np.asarray(out)
+                for i, slot in enumerate(slots):
+                    results[i].extend(int(t) for t in out_np[slot] if t >= 0)
+                last = np.where(out_np >= 0, out_np, -1)
+                tok_np = np.asarray(tok).copy()
+                for s in range(S):
+                    got = last[s][last[s] >= 0]
+                    if len(got):
+                        tok_np[s] = got[-1]
+                tok = jnp.asarray(tok_np)
+                chunk += 1
+        finally:
+            for slot in slots:
+                self.release(slot)
+        return results
+
+
+def generate(model, prompt_ids, *, max_new_tokens: int, cache_config: CacheConfig | None = None,
+             attention: str = "sparse", temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+             stop_ids=(), options: DecodeOptions = DecodeOptions()) -> list[list[int]]:
+    """Generate up to max_new_tokens tokens for each prompt (a ragged list of id lists) -> list of id lists.
+
+    attention="sparse" decodes with UlaCache (query-aware page selection over a two-tier cache);
+    attention="dense" is the baseline with the same model and every K/V in HBM. Prompts beyond the cache's
+    max_seqs run in successive waves (the Engine does continuous batching)."""
+    mc = model.config
+    prompts = _check_prompts(prompt_ids, mc.vocab_size, max_new_tokens)
+    check_sampling(temperature, top_p, top_k, mc.vocab_size)
+    if cache_config is None:
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        cache_config = default_cache_config(mc, num_seqs=bucket_length(len(prompts), 1) if len(prompts) <= 8 else 8,
+                                            max_tokens=longest, page_size=64 if longest > 512 else 16,
+                                            dtype=model.dtype)
+    gen = Generator(model, cache_config, attention=attention, options=options)
+    out: list[list[int]] = []
+    S = cache_config.max_seqs
+    for w in range(0, len(prompts), S):
+        out.extend(gen.run(prompts[w:w + S], max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                           seed=seed + w, stop_ids=tuple(stop_ids)))
+    return out

@@ -1,0 +1,50 @@
+"""Token sampling with per-sequence parameters (so one compiled step serves mixed requests)."""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["temperature", "top_p", "top_k"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    temperature: jax.Array  # [S] float32, 0 = greedy
+    top_p: jax.Array        # [S] float32 in (0, 1]
+    top_k: jax.Array        # [S] int32, 0 = off
+
+    @staticmethod
+    def fill(num: int, temperature=0.0, top_p=1.0, top_k=0) -> "SamplingArrays":
+        return SamplingArrays(jnp.full(num, temperature, jnp.float32), jnp.full(num, top_p, jnp.float32),
+                              jnp.full(num, top_k, jnp.int32))
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, vocab_size: int) -> None:
+    if not (temperature >= 0.0):
+        raise ValueError(f"temperature = {temperature} must be >= 0 (0 = greedy)")
+    if not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p = {top_p} must be in (0, 1]")
+    if not (isinstance(top_k, int) and 0 <= top_k <= vocab_size):
+        raise ValueError(f"top_k = {top_k!r} must be an int in [0, vocab_size = {vocab_size}] (0 = off)")
+
+
+def sample(logits, key, params: SamplingArrays):
+    """logits [S, V] float32 -> token ids [S] int32. Greedy where temperature == 0; else top-k, then top-p
+    (nucleus, the smallest prefix of the sorted distribution whose mass reaches top_p), then a categorical draw."""
+    S, V = logits.shape
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    t = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    scaled = logits / t
+    order = jnp.argsort(-scaled, axis=-1)                                      # [S, V] descending
+    srt = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(V)[None, :]
+    keep = (params.top_k[:, None] == 0) | (rank < params.top_k[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs                                # mass strictly before each token
+    keep &= before < params.top_p[:, None]
+    srt = jnp.where(keep, srt, -jnp.inf)
+    pick = jax.random.categorical(key, srt, axis=-1)                           # [S] index into sorted order
+    drawn = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(params.temperature > 0, drawn, greedy)

@@ -1,0 +1,45 @@
+"""Query-aware page selection (Quest bound), per sequence and KV-head group.
+
+Score of page p for group j: sum over the group's query heads h and dims d of max(q_hd * kmin_pd, q_hd * kmax_pd).
+Since kmax >= kmin, max(q*kmin, q*kmax) = relu(q)*kmax + min(q, 0)*kmin, so summing over heads first gives
+    score[p] = kmax[p] . sum_h relu(q_h) + kmin[p] . sum_h min(q_h, 0)
+exactly: two mat-vecs over the summaries, a memory-bound read of 2/page_size of the K bytes. The first
+`sink_pages` and last `recent_pages` flushed pages always win; only flushed pages are candidates (unflushed tail
+pages are always attended from the tail ring).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def fold_queries(q, num_groups: int, kv_heads_per_group: int):
+    """q [B, Q, H, D] -> (qpos, qneg) [B, G, g, D] fp32: sums over query positions and the query heads of each KV
+    head of relu(q) and min(q, 0)."""
+    B, Q, H, D = q.shape
+    kv = num_groups * kv_heads_per_group
+    qf = q.astype(jnp.float32).reshape(B, Q, num_groups, kv_heads_per_group, H // kv, D)
+    return jnp.maximum(qf, 0).sum(axis=(1, 4)), jnp.minimum(qf, 0).sum(axis=(1, 4))
+
+
+def ref_page_scores(q, kmin, kmax):
+    """q [B, Q, H, D]; kmin, kmax [B, G, P, g, D] -> scores [B, G, P] fp32 (Quest upper bound)."""
+    B, G, P, g, D = kmin.shape
+    qpos, qneg = fold_queries(q, G, g)
+    return (jnp.einsum("bgpjd,bgjd->bgp", kmax.astype(jnp.float32), qpos)
+            + jnp.einsum("bgpjd,bgjd->bgp", kmin.astype(jnp.float32), qneg))
+
+
+def select_pages(scores, flushed, *, select_pages: int, sink_pages: int, recent_pages: int):
+    """scores [B, G, P]; flushed [B] int32 candidate pages per sequence -> page ids [B, G, K] int32 (K =
+    min(select_pages, P)), -1 for unused; every flushed page when flushed <= K. Order: by score."""
+    B, G, P = scores.shape
+    k = min(select_pages, P)
+    p = jnp.arange(P, dtype=jnp.int32)
+    fl = flushed[:, None, None]
+    keep = (p < sink_pages) | (p >= fl - recent_pages)
+    s = jnp.where(keep, jnp.inf, jnp.nan_to_num(scores, nan=0.0, posinf=3e38, neginf=-3e38))
+    s = jnp.where(p < fl, s, -jnp.inf)
+    top, idx = lax.top_k(s, k)
+    return jnp.where(top > -jnp.inf, idx.astype(jnp.int32), -1)

@@ -1,0 +1,215 @@
+"""Sequence admission, release and prefill ingestion.
+
+Host-side bookkeeping (which slots and host pages are free) is plain Python (`HostAllocator`); the device-side
+updates are pure functions of (state, host) that callers jit with the state and host pool donated
+(`CacheManager` does that for you). Host memory is allocated by page, so sequences of any length share the
+host pool without fragmentation; every rank gets the same page indices in its own host pool.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from . import pb_lru, vtlb as vtlb_mod
+from .cache_state import CacheState, HostPool, init as init_state, tail_frame
+from .config import CacheConfig, TAIL_PAGES
+from .pallas_kernels import page_copy
+
+
+class CapacityError(ValueError):
+    """Admission would exceed a limit; the message names the limit and by how much. State is unchanged."""
+
+
+class HostAllocator:
+    """Free sequence slots and free host pages (the same indices on every rank)."""
+
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.free_slots: list[int] = list(range(config.max_seqs))[::-1]   # pop() gives the lowest slot
+        self.free_pages = np.arange(config.host_pages, dtype=np.int32)[::-1].copy()
+        self.num_free = config.host_pages                                  # free_pages[:num_free] are free
+        self.pages_of: dict[int, np.ndarray] = {}                          # slot -> [L, G, n] host page ids
+
+    def pages_needed(self, num_tokens: int) -> int:
+        c = self.config
+        return c.num_layers * c.groups_per_rank * math.ceil(num_tokens / c.page_size)
+
+    def check(self, num_tokens: int) -> None:
+        c = self.config
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
+            raise ValueError(f"num_tokens = {num_tokens!r} must be an int >= 1")
+        n_pages = math.ceil(num_tokens / c.page_size)
+        if n_pages > c.max_pages_per_seq:
+            raise CapacityError(f"sequence of {num_tokens} tokens needs {n_pages} pages, over max_pages_per_seq = "
+                                f"{c.max_pages_per_seq} by {n_pages - c.max_pages_per_seq} "
+                                f"(max context {c.max_context} tokens)")
+        if not self.free_slots:
+            raise CapacityError(f"all max_seqs = {c.max_seqs} sequence slots are in use (over by 1)")
+        need = self.pages_needed(num_tokens)
+        if need > self.num_free:
+            raise CapacityError(f"sequence of {num_tokens} tokens needs {need} host pages but only {self.num_free} "
+                                f"of host_pages = {c.host_pages} are free (short by {need - self.num_free})")
+
+    def reserve(self, num_tokens: int) -> tuple[int, np.ndarray]:
+        """-> (slot, table [L, G, max_pages_per_seq] int32 of host page ids, -1 past the sequence)."""
+        self.check(num_tokens)
+        c = self.config
+        n_pages = math.ceil(num_tokens / c.page_size)
+        need = self.pages_needed(num_tokens)
+        slot = self.free_slots.pop()
+        taken = self.free_pages[self.num_free - need:self.num_free][::-1].copy()
+        self.num_free -= need
+        self.pages_of[slot] = taken.reshape(c.num_layers, c.groups_per_rank, n_pages)
+        table = np.full((c.num_layers, c.groups_per_rank, c.max_pages_per_seq), -1, np.int32)
+        table[:, :, :n_pages] = self.pages_of[slot]
+        return slot, table
+
+    def free(self, slot: int) -> None:
+        if slot not in self.pages_of:
+            raise ValueError(f"slot {slot} is not admitted (admitted: {sorted(self.pages_of)})")
+        pages = self.pages_of.pop(slot).reshape(-1)[::-1]
+        self.free_pages[self.num_free:self.num_free + len(pages)] = pages
+        self.num_free += len(pages)
+        self.free_slots.append(slot)
+        self.free_slots.sort(reverse=True)
+
+
+def admit_device(state: CacheState, slot, table) -> CacheState:
+    """Device side of admission: the slot's host page table (same on every rank), an empty sequence."""
+    r = state.config.tp
+    host_page = state.vtlb.host_page.at[:, slot].set(jnp.broadcast_to(table, (r,) + table.shape))
+    frame = state.vtlb.frame.at[:, slot].set(-1)
+    seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(0),
+                               flushed=state.seqs.flushed.at[slot].set(0), active=state.seqs.active.at[slot].set(True))
+    return dataclasses.replace(state, vtlb=dataclasses.replace(state.vtlb, frame=frame, host_page=host_page), seqs=seqs)
+
+
+def release_device(state: CacheState, slot) -> CacheState:
+    """Free a slot's frames (PB-LRU slots and vTLB entries), host page table, summaries and sequence row."""
+    pb = jax.vmap(pb_lru._release, in_axes=(0, None))(state.pb, jnp.asarray(slot, jnp.uint32))
+    table = jax.vmap(vtlb_mod.release, in_axes=(0, None))(state.vtlb, slot)
+    seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(0),
+                               flushed=state.seqs.flushed.at[slot].set(0), active=state.seqs.active.at[slot].set(False))
+    return dataclasses.replace(state, pb=pb, vtlb=table, seqs=seqs,
+                               kmin=state.kmin.at[:, slot].set(0), kmax=state.kmax.at[:, slot].set(0))
+
+
+def split_groups(config: CacheConfig, x):
+    """[..., KV, D] -> [..., R, G, g, D]: KV heads to (rank, local group, head in group)."""
+    c = config
+    return x.reshape(x.shape[:-2] + (c.tp, c.groups_per_rank, c.kv_heads_per_group, c.head_dim))
+
+
+def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *, layer0: int = 0,
+                 impl: str = "auto"):
+    """Write prefill K/V of tokens [start, start + C) of sequence `slot` into the cache.
+
+    k, v [Lc, C, KV, D] for layers [layer0, layer0 + Lc) (C a multiple of page_size; start page-aligned; tokens at or past `length`, the sequence's
+    total prompt length, are padding). Complete pages go to the host pool (write-through), the page holding the
+    last token, if partial, goes to the tail ring; summaries are filled for every page touched. The sequence's
+    length becomes min(length, start + C) and its flushed count the complete pages. Returns (state, host)."""
+    c = state.config
+    L, C = k.shape[0], k.shape[1]
+    page, R, G = c.page_size, c.tp, c.groups_per_rank
+    n = C // page
+    p0 = start // page
+    dt = c.jnp_dtype
+    # [L, n, page, R, G, g, D] -> [R, L, G, n, page, g, D]
+    kp = split_groups(c, k.astype(dt).reshape(L, n, page, c.num_kv_heads, c.head_dim)).transpose(3, 0, 4, 1, 2, 5, 6)
+    vp = split_groups(c, v.astype(dt).reshape(L, n, page, c.num_kv_heads, c.head_dim)).transpose(3, 0, 4, 1, 2, 5, 6)
+    end = jnp.minimum(length, start + C)
+    tok = start + jnp.arange(C).reshape(n, page)                                     # [n, page]
+    live = (tok < end)[None, None, None, :, :, None, None]
+    big = jnp.asarray(jnp.finfo(dt).max, dt)
+    kmin = jnp.where(live, kp, big).min(axis=4)                                      # [R, L, G, n, g, D]
+    kmax = jnp.where(live, kp, -big).max(axis=4)
+    page_ids = p0 + jnp.arange(n)
+    has_tok = page_ids * page < end                                                  # [n]
+    lsl = slice(layer0, layer0 + L)
+    old_min = jax.lax.dynamic_slice_in_dim(state.kmin[:, slot, lsl], p0, n, axis=3)
+    old_max = jax.lax.dynamic_slice_in_dim(state.kmax[:, slot, lsl], p0, n, axis=3)
+    sel = has_tok[None, None, None, :, None, None]
+    new_kmin = jax.lax.dynamic_update_slice_in_dim(state.kmin[:, slot, lsl], jnp.where(sel, kmin, old_min), p0,
+                                                   axis=3)
+    new_kmax = jax.lax.dynamic_update_slice_in_dim(state.kmax[:, slot, lsl], jnp.where(sel, kmax, old_max), p0,
+                                                   axis=3)
+
+    complete = (page_ids + 1) * page <= end                                          # [n]
+    partial = has_tok & ~complete
+    # host write-through of complete pages: src rows [R][L*G*n], host ids from the vTLB
+    host_ids = jax.lax.dynamic_slice_in_dim(state.vtlb.host_page[:, slot, lsl], p0, n, axis=3)   # [R, L, G, n]
+    host_ids = jnp.where(complete[None, None, None, :], host_ids, -1).reshape(R, L * G * n)
+    src_idx = jnp.broadcast_to(jnp.arange(L * G * n, dtype=jnp.int32), (L * G * n,))
+    hk, hv = [], []
+    for r in range(R):
+        hk.append(page_copy.flush(host.k[r], kp[r].reshape(L * G * n, page, c.kv_heads_per_group, c.head_dim),
+                                  src_idx, host_ids[r], impl=impl))
+        hv.append(page_copy.flush(host.v[r], vp[r].reshape(L * G * n, page, c.kv_heads_per_group, c.head_dim),
+                                  src_idx, host_ids[r], impl=impl))
+    host = HostPool(k=jnp.stack(hk), v=jnp.stack(hv)) if R > 1 else HostPool(k=hk[0][None], v=hv[0][None])
+    # the partial last page goes to its tail-ring frame
+    li, gi, ni = jnp.meshgrid(jnp.arange(L), jnp.arange(G), jnp.arange(n), indexing="ij")
+    frames = tail_frame(c, slot, layer0 + li, gi, p0 + ni)                                    # [L, G, n]
+    frames = jnp.where(partial[None, None, :], frames, state.pool_k.shape[1]).reshape(-1)
+    pool_k = state.pool_k.at[:, frames].set(kp.reshape(R, L * G * n, page, c.kv_heads_per_group, c.head_dim),
+                                            mode="drop")
+    pool_v = state.pool_v.at[:, frames].set(vp.reshape(R, L * G * n, page, c.kv_heads_per_group, c.head_dim),
+                                            mode="drop")
+    seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(end),
+                               flushed=state.seqs.flushed.at[slot].set(end // page))
+    state = dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, seqs=seqs,
+                                kmin=state.kmin.at[:, slot, lsl].set(new_kmin),
+                                kmax=state.kmax.at[:, slot, lsl].set(new_kmax))
+    return state, host
+
+
+class CacheManager:
+    """Owns one cache (device state, host pool, allocator) and the jitted, donating entry points around it."""
+
+    def __init__(self, config: CacheConfig, *, device=None, impl: str = "auto"):
+        self.config, self.impl = config, impl
+        self.state, self.host = init_state(config, device=device)
+        self.alloc = HostAllocator(config)
+        self._admit = jax.jit(admit_device, donate_argnums=0)
+        self._release = jax.jit(release_device, donate_argnums=0)
+        self._ingest = jax.jit(lambda s, h, slot, k, v, start, length: ingest_chunk(s, h, slot, k, v, start, length,
+                                                                                     impl=impl),
+                               donate_argnums=(0, 1), out_shardings=(None, self.host_shardings()))
+
+    def host_shardings(self) -> HostPool:
+        return HostPool(k=self.host.k.sharding, v=self.host.v.sharding)
+
+    def admit(self, num_tokens: int) -> int:
+        """Reserve a slot and host pages for a sequence of up to num_tokens tokens (prompt + new tokens)."""
+        slot, table = self.alloc.reserve(num_tokens)
+        self.state = self._admit(self.state, slot, jnp.asarray(table))
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.alloc.free(slot)
+        self.state = self._release(self.state, slot)
+
+    def ingest(self, slot: int, k, v, length: int, chunk: int | None = None) -> None:
+        """Prefill K/V [L, T, KV, D] of a whole prompt, in page-aligned chunks of `chunk` tokens (padded)."""
+        c = self.config
+        T = k.shape[1]
+        if length > T:
+            raise ValueError(f"length = {length} exceeds the {T} tokens of K/V given")
+        if slot not in self.alloc.pages_of:
+            raise ValueError(f"slot {slot} is not admitted")
+        have = self.alloc.pages_of[slot].shape[-1] * c.page_size
+        if length > have:
+            raise CapacityError(f"prompt of {length} tokens exceeds the {have} tokens reserved at admission")
+        chunk = chunk or max(c.page_size, 1 << max(0, (T - 1).bit_length()))
+        chunk = -(-chunk // c.page_size) * c.page_size
+        for start in range(0, length, chunk):
+            kc, vc = k[:, start:start + chunk], v[:, start:start + chunk]
+            pad = chunk - kc.shape[1]
+            if pad:
+                kc = jnp.pad(kc, ((0, 0), (0, pad), (0, 0), (0, 0)))
+                vc = jnp.pad(vc, ((0, 0), (0, pad), (0, 0), (0, 0)))
+            self.state, self.host = self._ingest(self.state, self.host, slot, kc, vc, start, length)
