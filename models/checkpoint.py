@@ -1,0 +1,69 @@
+"""Orbax checkpoints of converted models: `save(model, path)` / `load(path)`, exact round trip.
+
+Layout of `path/`:
+    model.json   {"format": 1, "dtype": "bfloat16", "config": ModelConfig.to_dict()}
+    params/      orbax StandardCheckpointer tree of the model's params as a pure dict
+A pure dict (nested str keys, array leaves) rather than an nnx.State keeps the on-disk tree independent of
+flax's Variable classes, so checkpoints move between flax versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from .config import ModelConfig
+from .llama import LlamaModel
+
+META_FILE = "model.json"
+PARAMS_DIR = "params"
+FORMAT_VERSION = 1
+
+
+def _stringify(tree):
+    # nnx.List children have int keys; orbax tree paths want strings.
+    if isinstance(tree, dict):
+        return {str(k): _stringify(v) for k, v in tree.items()}
+    return tree
+
+
+def save(model: LlamaModel, path: str | os.PathLike) -> None:
+    """Writes `model` to the folder `path` (created; must not hold a checkpoint already)."""
+    folder = pathlib.Path(path).absolute()  # orbax requires absolute paths
+    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / PARAMS_DIR).exists():
+        raise FileExistsError(f"{folder / PARAMS_DIR} already exists")
+    params = _stringify(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(folder / PARAMS_DIR, params)
+        ckptr.wait_until_finished()
+    meta = {"format": FORMAT_VERSION, "dtype": np.dtype(model.dtype).name, "config": model.config.to_dict()}
+    # Written last, so a folder with model.json holds a complete checkpoint.
+    (folder / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def load(path: str | os.PathLike, *, dtype=None) -> LlamaModel:
+    """Restores a model written by `save`. `dtype=None` keeps the saved param dtype; otherwise orbax casts."""
+    folder = pathlib.Path(path).absolute()
+    meta_file = folder / META_FILE
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"no {META_FILE} in {folder}: not a checkpoint written by models.save")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{meta_file}: unsupported checkpoint format {meta.get('format')!r}")
+    config = ModelConfig.from_dict(meta["config"])
+    dtype = jnp.dtype(meta["dtype"]) if dtype is None else jnp.dtype(dtype)
+    model = nnx.eval_shape(lambda: LlamaModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.to_pure_dict(nnx.state(model, nnx.Param))  # ShapeDtypeStruct leaves
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(folder / PARAMS_DIR, _stringify(abstract))
+    graphdef, state = nnx.split(model)
+    nnx.replace_by_pure_dict(state, restored)  # maps the str layer keys back to ints
+    return nnx.merge(graphdef, state)
+
