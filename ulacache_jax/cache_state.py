@@ -66,6 +66,8 @@ def tail_frame(config: CacheConfig, seq, layer, group, page):
 def host_memory_kind(device=None) -> str | None:
     """'pinned_host' where the backend has it (GPU), else None (plain device memory on CPU, same code path)."""
     device = device or jax.devices()[0]
+    if device.platform != "gpu":  # CPU also lists pinned_host, but there it is the same RAM: keep one code path
+        return None
     kinds = {m.kind for m in device.addressable_memories()}
     return "pinned_host" if "pinned_host" in kinds else None
 
@@ -128,6 +130,8 @@ def init(config: CacheConfig, *, device=None, check: bool = True) -> tuple[Cache
         seqs=SeqTable(length=jnp.zeros(c.max_seqs, jnp.int32), flushed=jnp.zeros(c.max_seqs, jnp.int32),
                       active=jnp.zeros(c.max_seqs, bool)),
         clock=jnp.zeros((), jnp.int32))
+    # committed to the device from the start, so the first donated call compiles the same program as later ones
+    state = jax.device_put(state, jax.sharding.SingleDeviceSharding(device or jax.devices()[0]))
     hs = host_sharding(device)
     host_shape = (r, c.host_pages) + page_shape
     make = jax.jit(lambda: jnp.zeros(host_shape, dt), out_shardings=hs)

@@ -8,6 +8,7 @@ the host pool, then one flush of the completed tail pages; state and host pool d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from functools import partial
 
@@ -85,38 +86,19 @@ def _prefill_attention(q, k, v, length):
     return dense_attention(q, k, v, pos, pos)
 
 
-class Generator:
-    """Compiled prefill and decode-chunk functions for one model and one cache shape; reusable across batches."""
+class _Program:
+    """The jitted prefill and decode-chunk functions of one (model graph, cache shape, options): shared by every
+    Generator with the same key (see `_program`), so a new Generator for the same model does not recompile."""
 
-    def __init__(self, model, cache_config: CacheConfig, *, attention: str = "sparse",
-                 options: DecodeOptions = DecodeOptions()):
-        if attention not in ("sparse", "dense"):
-            raise ValueError(f"attention = {attention!r} must be 'sparse' or 'dense'")
-        mc = model.config
-        c = cache_config
-        for name, a, b in (("num_layers", c.num_layers, mc.num_layers), ("num_kv_heads", c.num_kv_heads, mc.num_kv_heads),
-                           ("head_dim", c.head_dim, mc.head_dim)):
-            if a != b:
-                raise ValueError(f"cache_config.{name} = {a} does not match the model's {b}")
-        if getattr(mc, "sliding_window", None) is not None and c.max_context > mc.sliding_window:
-            raise ValueError(f"model uses a sliding window of {mc.sliding_window} tokens; the cache's max context "
-                             f"{c.max_context} exceeds it and sliding-window attention is not implemented in the cache")
-        self.model_config, self.config, self.attention, self.options = mc, c, attention, options
-        self.graphdef, self.params = nnx.split(model)
-        self.stats = LayerStats.zeros()
+    def __init__(self, graphdef, config: CacheConfig, attention: str, options: DecodeOptions, host_sh):
+        self.graphdef, self.config, self.options = graphdef, config, options
         if attention == "sparse":
-            self.cache = CacheManager(c)
-            host_sh = self.cache.host_shardings()
-            self._prefill = jax.jit(self._prefill_sparse, donate_argnums=(1, 2), out_shardings=(None, host_sh, None))
-            self._decode = jax.jit(self._decode_sparse, donate_argnums=(1, 2),
-                                   out_shardings=(None, host_sh, None, None, None, None))
+            self.prefill = jax.jit(self._prefill_sparse, donate_argnums=(1, 2), out_shardings=(None, host_sh, None))
+            self.decode = jax.jit(self._decode_sparse, donate_argnums=(1, 2),
+                                  out_shardings=(None, host_sh, None, None, None, None))
         else:
-            self.cache = None
-            shape = (c.num_layers, c.max_seqs, c.max_context, c.num_kv_heads, c.head_dim)
-            self.dense = DenseCache(jnp.zeros(shape, c.jnp_dtype), jnp.zeros(shape, c.jnp_dtype))
-            self.dense_len = jnp.zeros(c.max_seqs, jnp.int32)
-            self._prefill = jax.jit(self._prefill_dense, donate_argnums=(1,))
-            self._decode = jax.jit(self._decode_dense, donate_argnums=(1,))
+            self.prefill = jax.jit(self._prefill_dense, donate_argnums=(1,))
+            self.decode = jax.jit(self._decode_dense, donate_argnums=(1,))
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def _prefill_layers(self, params, ids, length, store):
@@ -220,6 +202,42 @@ class Generator:
         dense, out, done, remaining, length, stats = self._decode_loop(
             params, dense, attend, tok, done, remaining, length, key, sampling, stop_ids)
         return dense, length, out, done, remaining, stats
+
+
+@functools.lru_cache(maxsize=8)
+def _program(graphdef, config: CacheConfig, attention: str, options: DecodeOptions, host_sh) -> _Program:
+    return _Program(graphdef, config, attention, options, host_sh)
+
+
+class Generator:
+    """Prefill and decode for one model and one cache shape; reusable across batches."""
+
+    def __init__(self, model, cache_config: CacheConfig, *, attention: str = "sparse",
+                 options: DecodeOptions = DecodeOptions()):
+        if attention not in ("sparse", "dense"):
+            raise ValueError(f"attention = {attention!r} must be 'sparse' or 'dense'")
+        mc = model.config
+        c = cache_config
+        for name, a, b in (("num_layers", c.num_layers, mc.num_layers), ("num_kv_heads", c.num_kv_heads, mc.num_kv_heads),
+                           ("head_dim", c.head_dim, mc.head_dim)):
+            if a != b:
+                raise ValueError(f"cache_config.{name} = {a} does not match the model's {b}")
+        if getattr(mc, "sliding_window", None) is not None and c.max_context > mc.sliding_window:
+            raise ValueError(f"model uses a sliding window of {mc.sliding_window} tokens; the cache's max context "
+                             f"{c.max_context} exceeds it and sliding-window attention is not implemented in the cache")
+        self.model_config, self.config, self.attention, self.options = mc, c, attention, options
+        graphdef, self.params = nnx.split(model)
+        self.stats = LayerStats.zeros()
+        if attention == "sparse":
+            self.cache = CacheManager(c)
+            host_sh = self.cache.host_shardings()
+        else:
+            self.cache, host_sh = None, None
+            shape = (c.num_layers, c.max_seqs, c.max_context, c.num_kv_heads, c.head_dim)
+            self.dense = DenseCache(jnp.zeros(shape, c.jnp_dtype), jnp.zeros(shape, c.jnp_dtype))
+            self.dense_len = jnp.zeros(c.max_seqs, jnp.int32)
+        self.program = _program(graphdef, c, attention, options, host_sh)
+        self._prefill, self._decode = self.program.prefill, self.program.decode
 
     # ---- host-side driver -----------------------------------------------------------------------------------
     def prefill(self, slot: int, prompt: list[int]):
