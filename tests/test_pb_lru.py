@@ -57,7 +57,7 @@ traces = st.tuples(
                                 st.booleans()), min_size=0, max_size=40), min_size=1, max_size=6))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces)
 def test_ref_matches_python_model(trace):
     (nb, ns), batches = trace

@@ -16,6 +16,7 @@ from . import lid as lid_mod, pb_lru, selection, vtlb as vtlb_mod
 from .cache_state import CacheState, HostPool, tail_frame
 from .config import TAIL_PAGES
 from .pallas_kernels import page_copy
+from .pallas_kernels.page_scores import page_scores
 from .pallas_kernels.sparse_decode_attention import sparse_decode_attention
 
 
@@ -42,6 +43,7 @@ class DecodeOptions:
     """Kernel choices: 'auto' is the Pallas kernel on GPU and the jnp reference elsewhere."""
     attention: str = "auto"       # sparse_decode_attention impl
     sieve: str = "auto"           # pb_lru access impl ('ref' or 'pallas')
+    scores: str = "auto"          # Quest page-score impl
     copy: str = "auto"            # page_copy impl
     fused_fetch: bool = False     # misses read by the attention kernel and stored into their frames in one pass
     softcap: float | None = None
@@ -89,7 +91,8 @@ def attend_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new,
 
     # 1. Selection among flushed pages (Quest bound), static count K per (sequence, group).
     flushed = jnp.where(live, state.seqs.flushed, 0)
-    scores = selection.ref_page_scores(q, state.kmin[0, :, layer], state.kmax[0, :, layer])    # [S, G, Pmax]
+    qpos, qneg = selection.fold_queries(q, G, c.kv_heads_per_group)                   # [S, G, g, D]
+    scores = page_scores(state.kmin[0], state.kmax[0], qpos, qneg, layer=layer, impl=options.scores)  # [S, G, P]
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages)                         # [S, G, K]
     K = sel.shape[-1]

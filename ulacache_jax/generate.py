@@ -161,12 +161,14 @@ class _Program:
             length = length + live
             remaining = remaining - live
             done = done | (live & ((remaining <= 0) | jnp.isin(nxt, stop_ids)))
-            return cache, jnp.where(live, nxt, tok), done, remaining, length, out.at[:, i].set(nxt), stats + st
+            return cache, jnp.where(live, nxt, tok), done, remaining, length, out.at[i].set(nxt), stats + st
 
-        out = jnp.full((S, steps), -1, jnp.int32)
+        # [steps, S], written by row: XLA:CPU copied the whole page pool every step when this buffer was [S, steps]
+        # written by column (measured with memory_analysis; tests/test_generate.py guards it)
+        out = jnp.full((steps, S), -1, jnp.int32)
         carry = (cache, tok, done, remaining, length, out, LayerStats.zeros())
         cache, tok, done, remaining, length, out, stats = jax.lax.fori_loop(0, steps, body, carry)
-        return cache, out, done, remaining, length, stats
+        return cache, out.T, done, remaining, length, stats
 
     def _decode_sparse(self, params, state, host, tok, done, remaining, key, sampling, stop_ids):
         opts = self.options
