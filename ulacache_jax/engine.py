@@ -1,0 +1,497 @@
+"""Continuous batching over a Generator's sequence slots: requests in, tokens streamed out.
+
+One `step()`:
+1. admit queued requests into free slots (FIFO) and prefill them; while other requests are decoding, at most
+   `max_prefill_tokens_per_step` prompt tokens are prefilled per step (at least one prompt), so running requests
+   keep producing tokens between prefills; when nothing is decoding, every free slot is filled at once;
+2. one decode chunk (`page_size` steps, one host sync) for every running request;
+3. finished requests (a stop id, max_new_tokens, or an error) release their slot and host pages at once, so the
+   next step admits queued requests into them.
+When the slots or the host pool are full (`CapacityError`), requests wait in the queue. A request that can never
+fit (prompt + max_new_tokens past the context limit, more host pages than the whole pool, an empty prompt, a
+token outside the vocabulary, bad sampling parameters) finishes at once with finish_reason "error" and a message;
+the other requests are not affected.
+
+Sampling parameters are per request (temperature, top_p, top_k, max_new_tokens, stop ids): the compiled decode
+chunk takes per-slot SamplingArrays and per-slot remaining counts. Stop ids are matched on the host, per
+request, when the chunk's tokens come back: the chunk itself is given no stop ids, so a request that stops
+mid-chunk keeps decoding until the chunk ends (the fixed-length chunk computes every slot anyway) and its
+tokens past the stop are dropped. (Giving the chunk the union of the running requests' stop ids would halt a request
+at another request's stop id, and resuming it would shift where its later chunks, and so its page flushes,
+fall; sparse attention depends on which pages are flushed (selected) or still in the tail ring (always
+attended), so its tokens would depend on the other requests.) Every request's chunks start at its own prefill,
+as in generate(), so greedy tokens do not depend on the batch. Seeds: `seed` draws the request's
+first token; later tokens are drawn on the device with one key per chunk (generate.py samples the whole batch
+with one key per step), so sampled (temperature > 0) output is reproducible for the same engine seed and the same
+request order, not across different batch mixes. Greedy output does not depend on batching.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from .config import CacheConfig
+from .decode_layer import DecodeOptions
+from .generate import Generator, bucket_length, default_cache_config
+from .sampling import SamplingArrays, check_sampling, sample
+from .sequences import CapacityError
+
+STOP = "stop"
+LENGTH = "length"
+ERROR = "error"
+FINISH_REASONS = (STOP, LENGTH, ERROR)
+_NO_STOPS = 8  # the chunk's stop-id array: all -1 (never sampled), stops are matched on the host
+_sample_first = jax.jit(sample)   # a request's first token, from its prefill logits [1, V]
+
+
+class RequestError(ValueError):
+    """A request that can never run (bad parameters, or too big for the cache); the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation parameters. temperature 0 = greedy; top_k 0 = off; seed None = derived from the
+    engine seed and the request id; stop_ids end the request (the stop token is kept in its tokens)."""
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = ()
+
+    def check(self, vocab_size: int) -> None:
+        m = self.max_new_tokens
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+            raise RequestError(f"max_new_tokens = {m!r} must be an int >= 1")
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+                raise RequestError(f"{name} = {v!r} must be a number")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
+            raise RequestError(f"top_k = {self.top_k!r} must be an int")
+        try:
+            check_sampling(float(self.temperature), float(self.top_p), int(self.top_k), vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
+            raise RequestError(f"seed = {self.seed!r} must be an int or None")
+        for t in self.stop_ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
+                raise RequestError(f"stop id {t!r} must be an int in [0, vocab_size = {vocab_size})")
+
+
+@dataclasses.dataclass
+class Request:
+    """One request's prompt, parameters, progress and timings (perf_counter seconds)."""
+    request_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int = 0                  # effective: sampling.max_new_tokens capped to the context limit
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    status: str = "queued"                   # queued | running | finished
+    finish_reason: str | None = None         # stop | length | error
+    error: str | None = None
+    capped: bool = False                     # max_new_tokens was lowered to fit the context limit
+    slot: int | None = None
+    t_added: float = 0.0
+    t_admitted: float | None = None
+    t_first_token: float | None = None
+    t_finished: float | None = None
+    deliveries: list[tuple[float, int, int]] = dataclasses.field(default_factory=list)  # (time, tokens, step)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == "finished"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What one step did for one request: the tokens it produced and, if it ended, why."""
+    request_id: int
+    new_tokens: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """Timeline entry of one step (seconds since the engine started). A decode chunk always runs page_size
+    steps for the whole slot batch (finished slots are masked), so decode_s / decode_steps is the step time."""
+    index: int
+    t_start: float
+    t_end: float = 0.0
+    prefills: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    prefill_compiled: bool = False           # a prompt-length bucket seen for the first time (includes compile)
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0                   # tokens produced by the chunk (first tokens come from prefill)
+    decode_compiled: bool = False            # first chunk of this engine (includes compile)
+    live_slots: int = 0
+    hits: int = 0
+    misses: int = 0
+    overflow: int = 0
+    fetched: int = 0
+    queued: int = 0
+    running: int = 0
+    finished: int = 0
+
+    @property
+    def compiled(self) -> bool:
+        return self.prefill_compiled or self.decode_compiled
+
+    @property
+    def tokens(self) -> int:
+        return self.decode_tokens + self.prefills
+
+
+class Engine:
+    """Continuous-batching inference over one Generator (sparse UlaCache or the dense baseline).
+
+    Engine(model, cache_config) builds the Generator; Engine(generator=gen) reuses a compiled one (its slots
+    must all be free). Without a cache_config, one is made for `max_seqs` sequences of up to `max_context`
+    tokens (default: the model's max_position_embeddings, at most 4096) with `page_size` and `token_budget`."""
+
+    def __init__(self, model=None, cache_config: CacheConfig | None = None, *, generator: Generator | None = None,
+                 attention: str = "sparse", options: DecodeOptions = DecodeOptions(), max_seqs: int = 4,
+                 max_context: int | None = None, page_size: int = 64, token_budget: int = 2048, seed: int = 0,
+                 max_prefill_tokens_per_step: int | None = None, clock=time.perf_counter):
+        if (model is None) == (generator is None):
+            raise ValueError("give exactly one of model or generator")
+        if generator is None:
+            mc = model.config
+            if cache_config is None:
+                ctx = max_context or min(mc.max_position_embeddings, 4096)
+                cache_config = default_cache_config(mc, num_seqs=max_seqs, max_tokens=ctx, page_size=page_size,
+                                                    token_budget=token_budget, dtype=model.dtype)
+            generator = Generator(model, cache_config, attention=attention, options=options)
+        self.gen = generator
+        self.config: CacheConfig = generator.config
+        self.vocab_size = generator.model_config.vocab_size
+        c = self.config
+        S = c.max_seqs
+        if max_prefill_tokens_per_step is not None and max_prefill_tokens_per_step < 1:
+            raise ValueError(f"max_prefill_tokens_per_step = {max_prefill_tokens_per_step} must be >= 1")
+        self.max_prefill_tokens_per_step = max_prefill_tokens_per_step or c.max_context
+        self.seed = int(seed)
+        self._key = jax.random.key(self.seed)
+        self._clock = clock
+        self.t0 = clock()
+        self.requests: dict[int, Request] = {}
+        self._queue: collections.deque[int] = collections.deque()
+        self._slot_req: dict[int, int] = {}           # slot -> request id
+        self._free_dense = list(range(S))[::-1]       # dense slots are assigned here (the Generator has none)
+        self._pending: list[StepOutput] = []          # requests that failed at add_request, reported next step
+        self._next_id = 0
+        # per-slot decode inputs, host side
+        self._tok = np.zeros(S, np.int32)
+        self._done = np.ones(S, bool)
+        self._remaining = np.zeros(S, np.int32)
+        self._temp = np.zeros(S, np.float32)
+        self._top_p = np.ones(S, np.float32)
+        self._top_k = np.zeros(S, np.int32)
+        self._chunks = 0
+        self._seen_buckets: set[int] = set()
+        self._no_stops = jnp.full(_NO_STOPS, -1, jnp.int32)
+        self.timeline: list[StepRecord] = []
+        self._stats0 = self._stats_now()
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> int:
+        """Queue a request -> its id. A request that can never run finishes at once with finish_reason "error"
+        (reported by the next step); it does not raise."""
+        sampling = sampling or SamplingParams()
+        rid = self._next_id
+        self._next_id += 1
+        now = self._clock()
+        try:
+            prompt = self._check_prompt(prompt_ids)
+        except RequestError as e:
+            prompt = []
+            err = str(e)
+        else:
+            err = None
+        req = Request(rid, prompt, sampling, t_added=now)
+        self.requests[rid] = req
+        if err is None:
+            try:
+                sampling.check(self.vocab_size)
+                req.max_new_tokens, req.capped = self._fit(len(prompt), int(sampling.max_new_tokens))
+            except RequestError as e:
+                err = str(e)
+        if err is not None:
+            self._finish(req, ERROR, error=err)
+            self._pending.append(StepOutput(rid, (), True, ERROR, err))
+        else:
+            self._queue.append(rid)
+        return rid
+
+    def _check_prompt(self, prompt_ids) -> list[int]:
+        if isinstance(prompt_ids, (str, bytes)):
+            raise RequestError("prompt_ids must be a sequence of token ids, not a string (tokenize it first)")
+        try:
+            arr = np.asarray(prompt_ids)
+        except Exception as e:  # ragged or odd objects
+            raise RequestError(f"prompt_ids is not a sequence of token ids ({e})") from None
+        if arr.size == 0:
+            raise RequestError("empty prompt")
+        if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer)):
+            raise RequestError(f"prompt_ids must be a flat sequence of ints (got dtype {arr.dtype}, shape {arr.shape})")
+        bad = arr[(arr < 0) | (arr >= self.vocab_size)]
+        if bad.size:
+            raise RequestError(f"token id {int(bad[0])} outside [0, vocab_size = {self.vocab_size})")
+        return [int(t) for t in arr]
+
+    def _fit(self, n_prompt: int, max_new: int) -> tuple[int, bool]:
+        """-> (effective max_new_tokens, capped). The cache holds prompt + max_new_tokens tokens per sequence."""
+        c = self.config
+        limit = c.max_context
+        if n_prompt + 1 > limit:
+            raise RequestError(f"prompt of {n_prompt} tokens does not fit the context limit of {limit} tokens "
+                               f"(max_pages_per_seq {c.max_pages_per_seq} x page_size {c.page_size}) with room for "
+                               f"one generated token")
+        eff = min(max_new, limit - n_prompt)
+        if self.gen.attention == "sparse":
+            need = self.gen.cache.alloc.pages_needed(n_prompt + eff)
+            if need > c.host_pages:
+                raise RequestError(f"prompt of {n_prompt} + {eff} new tokens needs {need} host pages, more than the "
+                                   f"whole host pool (host_pages = {c.host_pages})")
+        return eff, eff < max_new
+
+    def get(self, request_id: int) -> Request:
+        return self.requests[request_id]
+
+    def pop(self, request_id: int) -> Request:
+        """Forget a finished request (long batches: keeps the engine's memory flat)."""
+        req = self.requests[request_id]
+        if not req.finished:
+            raise ValueError(f"request {request_id} is {req.status}, not finished")
+        return self.requests.pop(request_id)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._slot_req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._queue or self._slot_req or self._pending)
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Admit + prefill queued requests into free slots, then one decode chunk for everything running.
+        -> one StepOutput per request that produced tokens or finished in this step."""
+        rec = StepRecord(len(self.timeline), self._clock() - self.t0)
+        new: dict[int, list[int]] = collections.OrderedDict()
+        ended: dict[int, None] = {}
+        for ev in self._pending:
+            ended[ev.request_id] = None
+        self._pending = []
+        self._admit_and_prefill(rec, new, ended)
+        if any(not self._done[s] for s in self._slot_req):
+            self._decode(rec, new, ended)
+        rec.t_end = self._clock() - self.t0
+        rec.queued, rec.running = len(self._queue), len(self._slot_req)
+        rec.finished = len(ended)
+        if rec.prefills or rec.decode_steps or ended:
+            self.timeline.append(rec)
+        outs = []
+        for rid in list(new) + [r for r in ended if r not in new]:
+            req = self.requests[rid]
+            fin = req.finished
+            outs.append(StepOutput(rid, tuple(new.get(rid, ())), fin, req.finish_reason if fin else None,
+                                   req.error if fin else None))
+        return outs
+
+    def _admit(self, n_tokens: int) -> int:
+        if self.gen.attention == "sparse":
+            return self.gen.admit(n_tokens)
+        if not self._free_dense:
+            raise CapacityError(f"all max_seqs = {self.config.max_seqs} sequence slots are in use")
+        return self._free_dense.pop()
+
+    def _release(self, slot: int) -> None:
+        self._slot_req.pop(slot, None)
+        self._done[slot] = True
+        self._remaining[slot] = 0
+        self._temp[slot], self._top_p[slot], self._top_k[slot] = 0.0, 1.0, 0
+        if self.gen.attention == "sparse":
+            self.gen.release(slot)
+        else:
+            self._free_dense.append(slot)
+            self._free_dense.sort(reverse=True)
+
+    def _admit_and_prefill(self, rec: StepRecord, new, ended) -> None:
+        decoding = any(not self._done[s] for s in self._slot_req)
+        used = 0
+        while self._queue:
+            req = self.requests[self._queue[0]]
+            if decoding and used and used + len(req.prompt_ids) > self.max_prefill_tokens_per_step:
+                break
+            try:
+                slot = self._admit(len(req.prompt_ids) + req.max_new_tokens)
+            except CapacityError as e:
+                if not self._slot_req:   # nothing will free anything: add_request's checks should prevent this
+                    raise RuntimeError(f"request {req.request_id} cannot be admitted into an empty cache: {e}") from e
+                break                                   # wait for a slot / host pages to be released
+            self._queue.popleft()
+            req.slot, req.status, req.t_admitted = slot, "running", self._clock()
+            self._slot_req[slot] = req.request_id
+            used += len(req.prompt_ids)
+            bucket = bucket_length(len(req.prompt_ids), self.config.page_size)
+            rec.prefill_compiled |= bucket not in self._seen_buckets
+            self._seen_buckets.add(bucket)
+            t0 = self._clock()
+            try:
+                logits = self.gen.prefill(slot, req.prompt_ids)
+                sp = req.sampling
+                key = (jax.random.key(int(sp.seed)) if sp.seed is not None
+                       else jax.random.fold_in(self._key, 1_000_003 + req.request_id))
+                first = int(_sample_first(logits[None], key,
+                                               SamplingArrays.fill(1, float(sp.temperature), float(sp.top_p),
+                                                                   int(sp.top_k)))[0])
+            except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
+                rec.prefill_s += self._clock() - t0
+                self._release(slot)
+                self._finish(req, ERROR, error=f"prefill failed: {type(e).__name__}: {e}")
+                ended[req.request_id] = None
+                continue
+            now = self._clock()
+            rec.prefill_s += now - t0
+            rec.prefills += 1
+            rec.prefill_tokens += len(req.prompt_ids)
+            req.tokens.append(first)
+            req.t_first_token = now
+            req.deliveries.append((now, 1, rec.index))
+            new.setdefault(req.request_id, []).append(first)
+            if first in req.sampling.stop_ids:
+                self._finish(req, STOP)
+            elif req.max_new_tokens <= 1:
+                self._finish(req, LENGTH)
+            else:
+                self._tok[slot], self._done[slot], self._remaining[slot] = first, False, req.max_new_tokens - 1
+                self._temp[slot], self._top_p[slot], self._top_k[slot] = sp.temperature, sp.top_p, sp.top_k
+                continue
+            self._release(slot)
+            ended[req.request_id] = None
+
+    def _stats_now(self) -> tuple[int, int, int, int]:
+        st = jax.device_get(self.gen.stats)
+        return int(st.hits), int(st.misses), int(st.overflow), int(st.fetched)
+
+    def _decode(self, rec: StepRecord, new, ended) -> None:
+        c = self.config
+        rec.decode_compiled = self._chunks == 0
+        rec.live_slots = int((~self._done).sum())
+        sampling = SamplingArrays(jnp.asarray(self._temp), jnp.asarray(self._top_p), jnp.asarray(self._top_k))
+        key = jax.random.fold_in(self._key, self._chunks)
+        before = self._stats0
+        t0 = self._clock()
+        try:
+            out, done, remaining = self.gen.decode_chunk(jnp.asarray(self._tok), jnp.asarray(self._done),
+                                                         jnp.asarray(self._remaining), key, sampling, self._no_stops)
+            out = np.asarray(out)
+            done, remaining = np.asarray(done).copy(), np.asarray(remaining).copy()
+        except Exception as e:
+            # the cache state was donated to the failed call: every running request is lost with it
+            msg = f"decode failed: {type(e).__name__}: {e}"
+            for slot, rid in list(self._slot_req.items()):
+                self._finish(self.requests[rid], ERROR, error=msg)
+                ended[rid] = None
+                self._slot_req.pop(slot)
+            raise
+        now = self._clock()
+        self._stats0 = self._stats_now()
+        rec.hits, rec.misses, rec.overflow, rec.fetched = (a - b for a, b in zip(self._stats0, before))
+        rec.decode_s = now - t0
+        rec.decode_steps = c.page_size
+        self._chunks += 1
+        for slot, rid in list(self._slot_req.items()):
+            if self._done[slot]:
+                continue
+            req = self.requests[rid]
+            got = [int(t) for t in out[slot] if t >= 0]
+            self._remaining[slot] = remaining[slot]
+            stop = next((i for i, t in enumerate(got) if t in req.sampling.stop_ids), None)
+            if stop is not None:
+                got = got[:stop + 1]              # the chunk ran on past the stop: those tokens are dropped
+            if got:
+                rec.decode_tokens += len(got)
+                req.tokens.extend(got)
+                req.deliveries.append((now, len(got), rec.index))
+                new.setdefault(rid, []).extend(got)
+                self._tok[slot] = got[-1]
+            if stop is not None:
+                reason = STOP
+            elif remaining[slot] <= 0:
+                reason = LENGTH
+            else:
+                self._done[slot] = False              # only a stop id (matched here) or the length ends a slot
+                continue
+            self._finish(req, reason)
+            self._release(slot)
+            ended[rid] = None
+
+    def _finish(self, req: Request, reason: str, *, error: str | None = None) -> None:
+        req.status, req.finish_reason, req.error = "finished", reason, error
+        req.t_finished = self._clock()
+        req.slot = None
+
+    # ---- driving loops ------------------------------------------------------------------------------------
+    def stream(self) -> Iterator[tuple[int, int]]:
+        """(request_id, token) pairs, in arrival order, until every request added so far (and during the
+        iteration) has finished. Requests that fail yield no tokens: check `get(id).finish_reason`."""
+        while self.has_unfinished():
+            for ev in self.step():
+                for t in ev.new_tokens:
+                    yield ev.request_id, t
+
+    def stream_request(self, request_id: int) -> Iterator[int]:
+        """The tokens of one request as they arrive, stepping the engine (and so every other request) as needed."""
+        req = self.requests[request_id]
+        i = 0
+        while True:
+            while i < len(req.tokens):
+                yield req.tokens[i]
+                i += 1
+            if req.finished:
+                return
+            self.step()
+
+    def run(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+            ) -> list[Request]:
+        """Add every prompt, step until all finish -> their Requests, in order (check finish_reason)."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"{len(sampling)} sampling params for {len(prompts)} prompts")
+        ids = [self.add_request(p, s) for p, s in zip(prompts, sampling)]
+        while any(not self.requests[i].finished for i in ids):
+            self.step()
+        return [self.requests[i] for i in ids]
+
+    # ---- accounting ------------------------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return self._clock() - self.t0
+
+    def stats_totals(self) -> dict[str, int]:
+        h, m, o, f = (sum(getattr(r, k) for r in self.timeline) for k in ("hits", "misses", "overflow", "fetched"))
+        return {"hits": h, "misses": m, "overflow": o, "fetched": f}
