@@ -63,7 +63,7 @@ def synthetic_fill_dense(gen, batch, ctx, seed):
 
 def run_side(model, mc, attention, batch, ctx, args, copy_bw):
     from ulacache_jax.generate import Generator, default_cache_config
-    from ulacache_jax.sampling import SamplingArrays
+    from ulacache_jax.sampling import SamplingArrays, row_keys
     page = 64
     frames_full = batch * mc.num_layers * mc.num_kv_heads * (args.budget // page)
     kw = {}
@@ -88,14 +88,16 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw):
     sampling = SamplingArrays.fill(S)
     stops = jnp.asarray([-1], jnp.int32)
     t0 = time.perf_counter()
-    out, _, _ = gen.decode_chunk(tok, done, rem, jax.random.key(0), sampling, stops)
+    out, _, _ = gen.decode_chunk(tok, done, rem, row_keys(jnp.arange(S, dtype=jnp.uint32), jnp.zeros(S, jnp.uint32)),
+                                 sampling, stops)
     out.block_until_ready()
     compile_s = time.perf_counter() - t0
     times = []
     gen.stats = type(gen.stats).zeros()
     for i in range(args.chunks):
         t = time.perf_counter()
-        out, _, _ = gen.decode_chunk(tok, done, rem, jax.random.key(i + 1), sampling, stops)
+        out, _, _ = gen.decode_chunk(tok, done, rem, row_keys(jnp.arange(S, dtype=jnp.uint32),
+                                                                   jnp.full(S, i + 1, jnp.uint32)), sampling, stops)
         np.asarray(out)
         times.append(time.perf_counter() - t)
     per_tok = np.asarray(times) / page

@@ -87,9 +87,10 @@ def test_decode_step_memory_has_no_cache_copies(model):
     gen = Generator(model, cfg)
     m = gen.cache
     S = cfg.max_seqs
-    from ulacache_jax.sampling import SamplingArrays
+    from ulacache_jax.sampling import SamplingArrays, row_keys
     args = (gen.params, m.state, m.host, jnp.zeros(S, jnp.int32), jnp.ones(S, bool), jnp.zeros(S, jnp.int32),
-            jax.random.key(0), SamplingArrays.fill(S), jnp.asarray([-1], jnp.int32))
+            row_keys(jnp.zeros(S, jnp.uint32), jnp.zeros(S, jnp.uint32)), SamplingArrays.fill(S),
+            jnp.asarray([-1], jnp.int32))
     mem = gen._decode.lower(*args).compile().memory_analysis()
     assert mem.temp_size_in_bytes < 0.5 * m.state.pool_k.nbytes, (mem.temp_size_in_bytes, m.state.pool_k.nbytes)
 

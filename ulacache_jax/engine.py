@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from .config import CacheConfig
 from .decode_layer import DecodeOptions
 from .generate import Generator, bucket_length, default_cache_config
-from .sampling import SamplingArrays, check_sampling, sample
+from .sampling import SamplingArrays, check_sampling, row_keys, sample
 from .sequences import CapacityError
 
 STOP = "stop"
@@ -190,7 +190,6 @@ class Engine:
             raise ValueError(f"max_prefill_tokens_per_step = {max_prefill_tokens_per_step} must be >= 1")
         self.max_prefill_tokens_per_step = max_prefill_tokens_per_step or c.max_context
         self.seed = int(seed)
-        self._key = jax.random.key(self.seed)
         self._clock = clock
         self.t0 = clock()
         self.requests: dict[int, Request] = {}
@@ -206,6 +205,8 @@ class Engine:
         self._temp = np.zeros(S, np.float32)
         self._top_p = np.ones(S, np.float32)
         self._top_k = np.zeros(S, np.int32)
+        self._seed = np.zeros(S, np.uint32)           # the running request's seed, and its decode-chunk count
+        self._chunk_of = np.zeros(S, np.uint32)
         self._chunks = 0
         self._seen_buckets: set[int] = set()
         self._no_stops = jnp.full(_NO_STOPS, -1, jnp.int32)
@@ -363,8 +364,11 @@ class Engine:
             try:
                 logits = self.gen.prefill(slot, req.prompt_ids)
                 sp = req.sampling
-                key = (jax.random.key(int(sp.seed)) if sp.seed is not None
-                       else jax.random.fold_in(self._key, 1_000_003 + req.request_id))
+                # a request's draws depend only on its own seed: the first from counter 2**31 - 1, decode chunk n
+                # from counter n (sampling.row_keys), whatever else shares the batch
+                seed = (int(sp.seed) if sp.seed is not None else self.seed * 1_000_003 + req.request_id) % 2**32
+                self._seed[slot], self._chunk_of[slot] = seed, 0
+                key = row_keys(jnp.asarray([seed], jnp.uint32), jnp.asarray([2**31 - 1], jnp.uint32))
                 first = int(_sample_first(logits[None], key,
                                                SamplingArrays.fill(1, float(sp.temperature), float(sp.top_p),
                                                                    int(sp.top_k)))[0])
@@ -402,12 +406,12 @@ class Engine:
         rec.decode_compiled = self._chunks == 0
         rec.live_slots = int((~self._done).sum())
         sampling = SamplingArrays(jnp.asarray(self._temp), jnp.asarray(self._top_p), jnp.asarray(self._top_k))
-        key = jax.random.fold_in(self._key, self._chunks)
+        keys = row_keys(jnp.asarray(self._seed), jnp.asarray(self._chunk_of))
         before = self._stats0
         t0 = self._clock()
         try:
             out, done, remaining = self.gen.decode_chunk(jnp.asarray(self._tok), jnp.asarray(self._done),
-                                                         jnp.asarray(self._remaining), key, sampling, self._no_stops)
+                                                         jnp.asarray(self._remaining), keys, sampling, self._no_stops)
             out = np.asarray(out)
             done, remaining = np.asarray(done).copy(), np.asarray(remaining).copy()
         except Exception as e:
@@ -424,6 +428,7 @@ class Engine:
         rec.decode_s = now - t0
         rec.decode_steps = c.page_size
         self._chunks += 1
+        self._chunk_of += 1
         for slot, rid in list(self._slot_req.items()):
             if self._done[slot]:
                 continue

@@ -20,7 +20,7 @@ from flax import nnx
 from .cache_state import CacheState, HostPool
 from .config import CacheConfig
 from .decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
-from .sampling import SamplingArrays, check_sampling, sample
+from .sampling import SamplingArrays, check_sampling, row_keys, sample
 from .sequences import CacheManager, ingest_chunk
 from .models.attention import dense_attention
 
@@ -137,8 +137,8 @@ class _Program:
         return box["dense"], logits
 
     # ---- decode --------------------------------------------------------------------------------------------
-    def _decode_loop(self, params, cache, attend, tok, done, remaining, length, key, sampling, stop_ids):
-        """page_size decode steps. tok [S] last token, done [S], remaining [S] tokens still allowed, length [S]
+    def _decode_loop(self, params, cache, attend, tok, done, remaining, length, keys, sampling, stop_ids):
+        """page_size decode steps. keys [S] one PRNG key per slot for this chunk; tok [S] last token, done [S], remaining [S] tokens still allowed, length [S]
         committed lengths. Returns (cache, tokens [S, steps] (-1 where nothing was produced), done, remaining,
         length, stats)."""
         model = nnx.merge(self.graphdef, params)
@@ -156,7 +156,7 @@ class _Program:
                 st = st + s
                 x = layer.finish(x, o)
             logits = model.logits(x)[:, 0]
-            nxt = sample(logits, jax.random.fold_in(key, i), sampling)
+            nxt = sample(logits, jax.vmap(jax.random.fold_in, (0, None))(keys, i), sampling)
             nxt = jnp.where(live, nxt, -1)
             length = length + live
             remaining = remaining - live
@@ -170,7 +170,7 @@ class _Program:
         cache, tok, done, remaining, length, out, stats = jax.lax.fori_loop(0, steps, body, carry)
         return cache, out.T, done, remaining, length, stats
 
-    def _decode_sparse(self, params, state, host, tok, done, remaining, key, sampling, stop_ids):
+    def _decode_sparse(self, params, state, host, tok, done, remaining, keys, sampling, stop_ids):
         opts = self.options
 
         def attend(state, l, q, k, v, pos, live):
@@ -178,13 +178,13 @@ class _Program:
             return attend_layer(state, host, l, q, k, v, pos, live & state.seqs.active, options=opts)
 
         state, out, done, remaining, length, stats = self._decode_loop(
-            params, state, attend, tok, done, remaining, state.seqs.length, key, sampling, stop_ids)
+            params, state, attend, tok, done, remaining, state.seqs.length, keys, sampling, stop_ids)
         state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=length),
                                     clock=state.clock + 1)
         state, host = flush_tail(state, host, impl=opts.copy)
         return state, host, out, done, remaining, stats
 
-    def _decode_dense(self, params, dense, length, tok, done, remaining, key, sampling, stop_ids):
+    def _decode_dense(self, params, dense, length, tok, done, remaining, keys, sampling, stop_ids):
         T = dense.k.shape[2]
 
         def attend(cache, l, q, k, v, pos, live):
@@ -202,7 +202,7 @@ class _Program:
             return DenseCache(ck, cv), o, LayerStats.zeros()
 
         dense, out, done, remaining, length, stats = self._decode_loop(
-            params, dense, attend, tok, done, remaining, length, key, sampling, stop_ids)
+            params, dense, attend, tok, done, remaining, length, keys, sampling, stop_ids)
         return dense, length, out, done, remaining, stats
 
 
@@ -255,14 +255,16 @@ class Generator:
             self.dense_len = self.dense_len.at[slot].set(len(prompt))
         return logits
 
-    def decode_chunk(self, tok, done, remaining, key, sampling, stop_ids):
+    def decode_chunk(self, tok, done, remaining, keys, sampling, stop_ids):
+        """One jitted chunk of page_size steps for every slot. keys [S]: one PRNG key per slot (see
+        sampling.row_keys). Returns (tokens [S, page_size] with -1 where a slot produced nothing, done, remaining)."""
         if self.attention == "sparse":
             m = self.cache
             m.state, m.host, out, done, remaining, stats = self._decode(self.params, m.state, m.host, tok, done,
-                                                                         remaining, key, sampling, stop_ids)
+                                                                         remaining, keys, sampling, stop_ids)
         else:
             self.dense, self.dense_len, out, done, remaining, stats = self._decode(
-                self.params, self.dense, self.dense_len, tok, done, remaining, key, sampling, stop_ids)
+                self.params, self.dense, self.dense_len, tok, done, remaining, keys, sampling, stop_ids)
         self.stats = self.stats + stats
         return out, done, remaining
 
@@ -286,7 +288,7 @@ class Generator:
         if longest > c.max_context:
             raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the cache's max context "
                              f"{c.max_context} (max_pages_per_seq x page_size)")
-        key = jax.random.key(seed)
+        seeds = jnp.asarray([(seed * 1_000_003 + s) % 2**32 for s in range(S)], jnp.uint32)
         sampling = SamplingArrays.fill(S, temperature, top_p, top_k)
         stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
         slots = [self.admit(len(p) + max_new_tokens) if self.attention == "sparse" else i for i, p in enumerate(prompts)]
@@ -297,7 +299,7 @@ class Generator:
         try:
             for i, (slot, p) in enumerate(zip(slots, prompts)):
                 logits = self.prefill(slot, p)
-                t = int(sample(logits[None], jax.random.fold_in(key, 1_000_003 + i),
+                t = int(sample(logits[None], row_keys(seeds[slot:slot + 1], jnp.asarray([2**31 - 1], jnp.uint32)),
                                SamplingArrays.fill(1, temperature, top_p, top_k))[0])
                 results[i].append(t)
                 first[slot] = t
@@ -306,7 +308,8 @@ class Generator:
             tok, dn, rem = jnp.asarray(first), jnp.asarray(done), jnp.asarray(remaining)
             chunk = 0
             while not bool(np.all(np.asarray(dn))):
-                out, dn, rem = self.decode_chunk(tok, dn, rem, jax.random.fold_in(key, chunk), sampling, stops)
+                keys = row_keys(seeds, jnp.full(S, chunk, jnp.uint32))
+                out, dn, rem = self.decode_chunk(tok, dn, rem, keys, sampling, stops)
                 out_np = np.asarray(out)
                 for i, slot in enumerate(slots):
                     results[i].extend(int(t) for t in out_np[slot] if t >= 0)

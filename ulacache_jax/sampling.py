@@ -21,6 +21,11 @@ class SamplingArrays:
                               jnp.full(num, top_k, jnp.int32))
 
 
+def row_keys(seeds, counters):
+    """Per-row keys [S] from integer seeds [S] and counters [S] (e.g. a request's chunk index)."""
+    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+
+
 def check_sampling(temperature: float, top_p: float, top_k: int, vocab_size: int) -> None:
     if not (temperature >= 0.0):
         raise ValueError(f"temperature = {temperature} must be >= 0 (0 = greedy)")
@@ -30,9 +35,10 @@ def check_sampling(temperature: float, top_p: float, top_k: int, vocab_size: int
         raise ValueError(f"top_k = {top_k!r} must be an int in [0, vocab_size = {vocab_size}] (0 = off)")
 
 
-def sample(logits, key, params: SamplingArrays):
-    """logits [S, V] float32 -> token ids [S] int32. Greedy where temperature == 0; else top-k, then top-p
-    (nucleus, the smallest prefix of the sorted distribution whose mass reaches top_p), then a categorical draw."""
+def sample(logits, keys, params: SamplingArrays):
+    """logits [S, V] float32, keys [S] (one PRNG key per row, so a request's draws do not depend on its batch
+    neighbours) -> token ids [S] int32. Greedy where temperature == 0; else top-k, then top-p (nucleus, the
+    smallest prefix of the sorted distribution whose mass reaches top_p), then a categorical draw."""
     S, V = logits.shape
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     t = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
@@ -45,6 +51,6 @@ def sample(logits, key, params: SamplingArrays):
     before = jnp.cumsum(probs, axis=-1) - probs                                # mass strictly before each token
     keep &= before < params.top_p[:, None]
     srt = jnp.where(keep, srt, -jnp.inf)
-    pick = jax.random.categorical(key, srt, axis=-1)                           # [S] index into sorted order
+    pick = jax.vmap(jax.random.categorical)(keys, srt)                         # [S] index into sorted order
     drawn = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(params.temperature > 0, drawn, greedy)
