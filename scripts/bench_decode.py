@@ -75,7 +75,8 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw):
                                token_budget=args.budget, dtype="bfloat16", **kw)
     if attention == "dense":
         cfg = dataclasses.replace(cfg, max_pages_per_seq=(ctx + (args.chunks + 1) * page) // page + 1)
-    gen = Generator(model, cfg, attention=attention)
+    from ulacache_jax.decode_layer import DecodeOptions
+    gen = Generator(model, cfg, attention=attention, options=DecodeOptions(sieve=args.sieve))
     S = cfg.max_seqs
     if attention == "sparse":
         slots_ = [gen.admit(ctx + (args.chunks + 1) * page) for _ in range(batch)]
@@ -123,6 +124,11 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw):
     return row
 
 
+def write_json(out, res):
+    with open(os.path.join(out, "decode.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--contexts", default="32768,131072")
@@ -133,6 +139,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--hbm-fraction", type=float, default=1.0, help="PB-LRU frames / pages a full step selects")
     p.add_argument("--sides", default="sparse,dense")
+    p.add_argument("--rows", default=None, help="explicit side:context:batch list, e.g. sparse:32768:1,dense:32768:1")
+    p.add_argument("--sieve", default="auto", help="PB-LRU impl for the sparse side: auto, ref or pallas")
+    p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")
     p.add_argument("--out", default="docs/benchmarks")
     args = p.parse_args(argv)
     from ulacache_jax.models import LlamaModel, get_preset
@@ -140,25 +149,30 @@ def main(argv=None):
     model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     copy_bw = copy_bandwidth()
     rows = []
-    for ctx in map(int, args.contexts.split(",")):
-        for b in map(int, args.batches.split(",")):
-            for side in args.sides.split(","):
-                try:
-                    rows.append(run_side(model, mc, side, b, ctx, args, copy_bw))
-                except Exception as e:  # an OOM at one size must not lose the others
-                    rows.append(dict(attention=side, batch=b, context=ctx, error=f"{type(e).__name__}: {e}"[:300]))
-                print(json.dumps(rows[-1]), flush=True)
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:
-        commit = "unknown"
+    if args.rows:
+        plan = [(side, int(ctx), int(b)) for side, ctx, b in (r.split(":") for r in args.rows.split(","))]
+    else:
+        plan = [(side, ctx, b) for ctx in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))
+                for side in args.sides.split(",")]
+    commit = args.commit
+    if commit is None:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        except Exception:
+            commit = "unknown"
+    os.makedirs(args.out, exist_ok=True)
+    for side, ctx, b in plan:
+        try:
+            rows.append(run_side(model, mc, side, b, ctx, args, copy_bw))
+        except Exception as e:  # an OOM at one size must not lose the others
+            rows.append(dict(attention=side, batch=b, context=ctx, error=f"{type(e).__name__}: {e}"[:300]))
+        print(json.dumps(rows[-1]), flush=True)
+        write_json(args.out, dict(commit=commit, rows=rows, partial=True))
     res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, commit=commit,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), copy_tb_s=copy_bw / 1e12,
-               model=f"llama-3.1-8b shape, {args.layers} layers, random bf16 weights",
+               model=f"llama-3.1-8b shape, {args.layers} layers, random bf16 weights", sieve=args.sieve,
                kv="synthetic fill on device (random, distinct per sequence), not a prefill", rows=rows)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "decode.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(args.out, res)
     try:
         import matplotlib
         matplotlib.use("Agg")
