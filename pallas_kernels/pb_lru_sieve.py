@@ -1,0 +1,535 @@
+"""The PB-LRU recency sieve as Pallas (Triton lowering) kernels: one program owns one bucket.
+
+`access(state, hi, lo, valid, now)` equals `ref_access` (= `ulacache_jax.pb_lru.ref_access`) bit for bit: same
+frames, hit flags, evictions and new state (DESIGN.md section 5). The per-bucket work needs no locks or atomics:
+requests are grouped by bucket first, so every slot and every request is written by exactly one program.
+
+1. Grouping: requests are placed bucket by bucket (invalid ones last) into `sorder` (original index), `shi`,
+   `slo`, with `bstart[b]` the first position of bucket b (bstart[B] starts the invalid tail, bstart[B+1] = N).
+   The order inside a bucket is arbitrary: the sieve defines "first appearance" by original index, so either
+   grouping below gives the same result.
+   - "sort" (default): jnp, an int32 sort of bucket << nbits | index, a scatter-add histogram and a cumsum.
+     On the H200 the XLA sort of 8K keys takes ~60 us (many small launches): most of the access time.
+   - "atomic": one Pallas program hashes, counts with atomic adds, takes the exclusive prefix sum and places
+     each request with an atomic cursor (one launch). Correct in interpret mode, including with GPU-like
+     atomics (tests/test_sieve.py), but its first H200 run (an earlier revision) gave wrong results and a
+     device fault, cause not isolated; this revision never mixes plain stores and atomics on one address and
+     reads the counts atomically. Not the default until `scripts/bench_sieve.py --diagnose` passes on a GPU.
+2. Sieve, grid (B + 1,): program b < B owns bucket b (S slots, frames b*S .. b*S+S-1), program B writes the
+   outputs of invalid requests.
+   Fast path (the bucket's slots fit one chunk, S <= T, and its requests fit one chunk, R <= C; chosen per
+   program at run time): everything in registers. [C, T] compares find hits; [C, C] compares find each LID's
+   first appearance and ranks the distinct misses by it; candidates (slots not hit) are taken in levels: the
+   smallest stamp m above the previous level, then the slots with stamp m in slot order (cumsum); the miss of
+   rank j fills the slot of rank j ([C, T] match) and reports the LID it displaced. A level costs two
+   reductions; levels = distinct stamps among the chosen slots (one on a cold pool, a few for clocks of recent
+   steps, at most the number of misses). Memory traffic: the bucket's slots and requests in, results out.
+   General path (any R and S): the same steps over request chunks of C and slot chunks of T with dynamic
+   loops, handing data between phases through scratch outputs and block barriers (`debug_barrier`): first
+   appearance and miss ranks are all-pairs counts over the bucket (O(R^2) compares), misses go to a per-bucket
+   list by rank, and when S > T hit and filled slots are marked with stamp -2 in the state until the end.
+
+Work per bucket: O(R * S + R^2 + levels * S) compares, so buckets must be many and small for speed (B of
+the order of the SM count or more); B = 1 is correct but one program scans every slot: a global LRU's speed is
+measured with the sort-based reference (DESIGN.md section 5).
+
+Status (2026-11-29): revision 1 (sort grouping, general path only, first appearance by sorted position) ran
+compiled on the H200 and matched the reference bit for bit at N = 8K for every B and both pools
+(docs/benchmarks/sieve_v1.json). This revision passes every interpret-mode test; its only H200 run used the
+atomic grouping and mismatched, then faulted, before any sort-grouping case ran. Run
+`python scripts/bench_sieve.py --diagnose` on a GPU (each grouping x path in its own process) to validate it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ulacache_jax import lid as lid_mod
+from ulacache_jax.pb_lru import AccessOut, PBLRUState, EMPTY_TAG, ref_access  # noqa: F401  (ref beside the kernel)
+
+MARK = -2                 # stamp of a slot hit or filled in this batch (general path with S > T, until the end)
+NONE = 2**31 - 1          # "no stamp": larger than any stamp (now <= 2**31 - 2)
+BIG = 2**31 - 1           # "no request index"
+TILE_ELEMS = 16384        # largest [C, T], [C, C] or [C, D] compare tile (8 warps: 64 elements per thread)
+GROUP_CHUNK = 4096        # requests per step of the grouping program (32 KB of layout-conversion shared memory)
+
+
+@dataclasses.dataclass(frozen=True)
+class SieveConfig:
+    """Static launch parameters (chunks are powers of two)."""
+    req_chunk: int        # C: requests handled together; the fast path needs a bucket's requests <= C
+    slot_chunk: int       # T: slots handled together; the bucket stays in registers when S <= T
+    num_warps: int
+    grouping: str = "sort"    # "sort" (jnp) or "atomic" (Pallas, one launch; see the module docstring)
+    fast_path: bool = True    # registers-only path for buckets with R <= C and S <= T
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def choose_config(num_requests: int, num_buckets: int, slots_per_bucket: int, *, max_slot_chunk: int = 1024,
+                  tile_elems: int = TILE_ELEMS, num_warps: int | None = None,
+                  grouping: str | None = None) -> SieveConfig:
+    """T covers the bucket when it can; C covers a bucket's request count (mean + 4 sigma of a Poisson load)
+    when the [C, T] and [C, C] tiles fit the budget."""
+    t = min(_next_pow2(slots_per_bucket), max_slot_chunk)
+    mean = num_requests / num_buckets
+    want = _next_pow2(int(mean + 4 * math.sqrt(mean) + 1))
+    cap = max(8, min(tile_elems // t, int(math.isqrt(tile_elems)), 128))
+    c = max(8, min(want, cap, _next_pow2(num_requests)))
+    if num_warps is None:
+        num_warps = 4 if c * max(c, t) <= 4096 else 8
+    if grouping is None:
+        grouping = "sort"
+    return SieveConfig(req_chunk=c, slot_chunk=t, num_warps=num_warps, grouping=grouping)
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _barrier(interpret: bool):
+    if not interpret:  # interpret mode runs one thread: nothing to order
+        plgpu.debug_barrier()
+
+
+def _gather(ref, idx, mask, other, size):
+    # masked lanes point past the end: never touched compiled; dropped/clamped-then-replaced in interpret mode
+    return plgpu.load(ref.at[jnp.where(mask, idx, size)], mask=mask, other=other)
+
+
+def _scatter(ref, idx, val, mask, size):
+    plgpu.store(ref.at[jnp.where(mask, idx, size)], val, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Grouping kernel (one program)
+# ----------------------------------------------------------------------------------------------------------------
+def _group_kernel(hi_ref, lo_ref, valid_ref, _hist_in, _cnt_in, sorder_ref, shi_ref, slo_ref, bstart_ref, hist_ref,
+                  cnt_ref, bkt_ref, *, n, nb, q, interpret, scalar_atomics):
+    # hi_ref, lo_ref [N] uint32, valid_ref [N] bool: the requests in the caller's order
+    # _hist_in, _cnt_in [P] int32 zeros (from XLA), aliased to hist_ref, cnt_ref: only atomics touch these two,
+    #   so no plain store and atomic ever meet on one address inside the kernel
+    # sorder_ref [N] int32, shi_ref, slo_ref [N] uint32: original index and LID, grouped by bucket
+    # bstart_ref [P] int32: first position of each bucket; [B] starts the invalid tail; [B + 1] = N
+    # bkt_ref [N] int32 scratch: bucket of each request (B for invalid)
+    bits = lid_mod.log2_buckets(nb)
+    p = hist_ref.shape[0]
+    iq = jnp.arange(q, dtype=jnp.int32)
+    nq = -(-n // q)
+    ones = jnp.ones((q,), jnp.int32)
+
+    def count(i, carry):
+        idx = i * q + iq
+        m = idx < n
+        h = plgpu.load(hi_ref.at[pl.ds(i * q, q)], mask=m, other=np.uint32(0))
+        l = plgpu.load(lo_ref.at[pl.ds(i * q, q)], mask=m, other=np.uint32(0))
+        v = plgpu.load(valid_ref.at[pl.ds(i * q, q)], mask=m, other=False)
+        b = jnp.where(v, lid_mod.bucket_bits(h, l, bits), nb)
+        plgpu.store(bkt_ref.at[pl.ds(i * q, q)], b, mask=m)
+        if not scalar_atomics:
+            plgpu.atomic_add(hist_ref, jnp.where(m, b, p), ones, mask=m)
+        return carry
+
+    lax.fori_loop(0, nq, count, jnp.int32(0))
+    if scalar_atomics:  # the interpreter's vector atomics lose duplicate indices: count one request at a time
+        def count1(i, carry):
+            b = bkt_ref[i]
+            hist_ref[b] = hist_ref[b] + 1
+            return carry
+        lax.fori_loop(0, n, count1, jnp.int32(0))
+    _barrier(interpret)
+    ip = jnp.arange(p, dtype=jnp.int32)
+    if scalar_atomics:
+        hv = hist_ref[...]
+    else:  # read the counts where the atomics were performed (L2), not through the L1 cache
+        hv = plgpu.atomic_add(hist_ref, ip, jnp.zeros((p,), jnp.int32))
+    plgpu.store(bstart_ref.at[pl.ds(0, p)], jnp.cumsum(hv) - hv)  # histogram entry B + 1 is 0: prefix N
+    _barrier(interpret)
+
+    def place(i, carry):
+        idx = i * q + iq
+        m = idx < n
+        b = plgpu.load(bkt_ref.at[pl.ds(i * q, q)], mask=m, other=0)
+        h = plgpu.load(hi_ref.at[pl.ds(i * q, q)], mask=m, other=np.uint32(0))
+        l = plgpu.load(lo_ref.at[pl.ds(i * q, q)], mask=m, other=np.uint32(0))
+        pos = _gather(bstart_ref, b, m, 0, p) + plgpu.atomic_add(cnt_ref, jnp.where(m, b, p), ones, mask=m)
+        _scatter(sorder_ref, pos, idx, m, n)
+        _scatter(shi_ref, pos, h, m, n)
+        _scatter(slo_ref, pos, l, m, n)
+        return carry
+
+    if scalar_atomics:
+        def place1(i, carry):
+            b = bkt_ref[i]
+            pos = bstart_ref[b] + cnt_ref[b]
+            cnt_ref[b] = cnt_ref[b] + 1
+            sorder_ref[pos] = i
+            shi_ref[pos] = hi_ref[i]
+            slo_ref[pos] = lo_ref[i]
+            return carry
+        lax.fori_loop(0, n, place1, jnp.int32(0))
+    else:
+        lax.fori_loop(0, nq, place, jnp.int32(0))
+
+
+def _group_atomic(hi, lo, valid, nb: int, interpret: bool, scalar_atomics: bool | None = None):
+    n = hi.shape[0]
+    if scalar_atomics is None:
+        scalar_atomics = interpret
+    q = min(_next_pow2(n), GROUP_CHUNK)
+    num_warps = 16 if q >= 4096 else 4
+    p = max(_next_pow2(nb + 2), 32 * num_warps)  # no [P] vector smaller than the thread count (no replicas)
+    sds = jax.ShapeDtypeStruct
+    zeros = jnp.zeros((p,), jnp.int32)
+    outs = pl.pallas_call(
+        partial(_group_kernel, n=n, nb=nb, q=q, interpret=interpret, scalar_atomics=scalar_atomics),
+        out_shape=(sds((n,), jnp.int32), sds((n,), jnp.uint32), sds((n,), jnp.uint32), sds((p,), jnp.int32),
+                   sds((p,), jnp.int32), sds((p,), jnp.int32), sds((n,), jnp.int32)),
+        grid=(1,), interpret=interpret, input_output_aliases={3: 4, 4: 5},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+    )(hi, lo, valid, zeros, zeros)
+    return outs[:4]
+
+
+def _key_bits(n: int) -> int:
+    return max(1, (n - 1).bit_length())
+
+
+def _group_sort(hi, lo, valid, nb: int):
+    n = hi.shape[0]
+    bkt = jnp.where(valid, lid_mod.bucket_bits(hi, lo, lid_mod.log2_buckets(nb)), nb)
+    idx = jnp.arange(n, dtype=jnp.int32)
+    bits = _key_bits(n)
+    if (nb + 1) << bits <= 2**31:  # one int32 key: bucket << bits | index
+        sorder = lax.sort(bkt * jnp.int32(1 << bits) + idx) & jnp.int32((1 << bits) - 1)
+    else:
+        _, sorder = lax.sort((bkt, idx), num_keys=2)
+    counts = jnp.zeros((nb + 2,), jnp.int32).at[bkt].add(1)
+    bstart = jnp.cumsum(counts) - counts
+    return sorder, hi[sorder], lo[sorder], bstart
+
+
+def group_requests(hi, lo, valid, num_buckets: int, grouping: str = "atomic", interpret: bool | None = None):
+    """(sorder [N] int32, shi [N] uint32, slo [N] uint32, bstart [>= B + 2] int32): requests grouped by bucket."""
+    if interpret is None:
+        interpret = not _on_gpu()
+    if grouping == "atomic":
+        return _group_atomic(hi, lo, valid, num_buckets, interpret)
+    if grouping == "sort":
+        return _group_sort(hi, lo, valid, num_buckets)
+    raise ValueError(f"grouping = {grouping!r} must be 'atomic' or 'sort'")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sieve kernel (one program per bucket)
+# ----------------------------------------------------------------------------------------------------------------
+def _sieve_kernel(sorder_ref, shi_ref, slo_ref, bstart_ref, now_ref, _th_in, _tl_in, _ts_in,
+                  th_ref, tl_ref, ts_ref, frame_ref, hit_ref, ev_ref, evh_ref, evl_ref,
+                  sframe_ref, sfo_ref, sflag_ref, mhi_ref, mlo_ref, morig_ref,
+                  *, n, nb, ns, cfg: SieveConfig, interpret):
+    # sorder_ref [N] int32, shi_ref, slo_ref [N] uint32: requests grouped by bucket (original index, LID)
+    # bstart_ref [>= B + 2] int32: bucket b owns grouped positions [bstart[b], bstart[b + 1])
+    # now_ref [1] int32
+    # th_ref, tl_ref [F] uint32, ts_ref [F] int32: the state, aliased to the inputs (read and written here)
+    # outputs, caller's order: frame_ref [N] int32, hit_ref, ev_ref [N] bool, evh_ref, evl_ref [N] uint32
+    # scratch (general path): sframe_ref [N] int32 by original index: frame of the request's own LID (hit or
+    #   filled slot, else -1); by grouped position: sfo_ref [N] int32 original index of the LID's first
+    #   appearance, sflag_ref [N] int32 1 on first appearances of missing LIDs; by bucket region and miss rank:
+    #   mhi_ref, mlo_ref [N] uint32 and morig_ref [N] int32 the miss of each rank
+    C, T = cfg.req_chunk, cfg.slot_chunk
+    D = max(C, min(1024, TILE_ELEMS // C))  # other requests compared per step of the all-pairs loops
+    nt = -(-ns // T)
+    resident = nt == 1
+    fast_ok = cfg.fast_path and resident and C * max(C, T) <= TILE_ELEMS
+    b = pl.program_id(0)
+    iC = jnp.arange(C, dtype=jnp.int32)
+    iT = jnp.arange(T, dtype=jnp.int32)
+    iD = jnp.arange(D, dtype=jnp.int32)
+    u0 = np.uint32(0)
+    empty = jnp.full((C,), EMPTY_TAG, jnp.uint32)
+    barrier = partial(_barrier, interpret)
+
+    def load_reqs(p0, width, limit, lids=True):
+        """Grouped positions [p0, p0 + width), mask (< limit), original indices and LIDs."""
+        p = p0 + jnp.arange(width, dtype=jnp.int32)
+        pm = p < limit
+        orig = plgpu.load(sorder_ref.at[pl.ds(p0, width)], mask=pm, other=0)
+        if not lids:
+            return p, pm, orig
+        h = plgpu.load(shi_ref.at[pl.ds(p0, width)], mask=pm, other=u0)
+        l = plgpu.load(slo_ref.at[pl.ds(p0, width)], mask=pm, other=u0)
+        return p, pm, orig, h, l
+
+    def write_outputs(orig, pm, frame, hit, evd, evh, evl):
+        _scatter(frame_ref, orig, frame, pm, n)
+        _scatter(hit_ref, orig, hit, pm, n)
+        _scatter(ev_ref, orig, evd, pm, n)
+        _scatter(evh_ref, orig, evh, pm, n)
+        _scatter(evl_ref, orig, evl, pm, n)
+
+    @pl.when(b == nb)
+    def _invalid():
+        start = bstart_ref[nb]
+
+        def body(rc, carry):
+            _, pm, orig = load_reqs(start + rc * C, C, n, lids=False)
+            false = jnp.zeros((C,), jnp.bool_)
+            write_outputs(orig, pm, jnp.full((C,), -1, jnp.int32), false, false, empty, empty)
+            return carry
+
+        lax.fori_loop(0, (n - start + C - 1) // C, body, jnp.int32(0))
+
+    @pl.when(b < nb)
+    def _bucket():
+        start = bstart_ref[b]
+        end = bstart_ref[b + 1]
+        nrc = (end - start + C - 1) // C
+        base = b * ns
+        now = now_ref[0]
+        smask = iT < ns
+        if resident:  # the bucket's slots stay in registers from here to the final store
+            th = plgpu.load(th_ref.at[pl.ds(base, T)], mask=smask, other=u0)
+            tl = plgpu.load(tl_ref.at[pl.ds(base, T)], mask=smask, other=u0)
+            ts = plgpu.load(ts_ref.at[pl.ds(base, T)], mask=smask, other=-1)
+            occ = smask & (ts >= 0)
+
+        def levels(cand, k):
+            """[T] miss rank given to each slot (-1: none): the first k candidates by (stamp, slot)."""
+            def cond(c):
+                taken, m, _ = c
+                return (taken < k) & (m < NONE)
+
+            def body(c):
+                taken, prev, srank = c
+                m = jnp.min(jnp.where(cand & (ts > prev), ts, NONE))
+                sel = cand & (ts == m)
+                si = sel.astype(jnp.int32)
+                rank = taken + jnp.cumsum(si) - si
+                return taken + jnp.sum(si), m, jnp.where(sel & (rank < k), rank, srank)
+
+            init = (jnp.int32(0), jnp.int32(MARK), jnp.full((T,), -1, jnp.int32))
+            return lax.while_loop(cond, body, init)[2]
+
+        def fast():
+            _, pm, orig, h, l = load_reqs(start, C, end)
+            m = (h[:, None] == th[None, :]) & (l[:, None] == tl[None, :]) & occ[None, :] & pm[:, None]   # [C, T]
+            hs = jnp.max(jnp.where(m, iT[None, :], -1), axis=1)
+            hit = hs >= 0
+            shit = jnp.sum(m.astype(jnp.int32), axis=0) > 0
+            same = (h[:, None] == h[None, :]) & (l[:, None] == l[None, :]) & pm[:, None] & pm[None, :]  # [C, C]
+            before = orig[None, :] < orig[:, None]  # [c, c']: request c' came first
+            first = pm & ~hit & (jnp.sum((same & before).astype(jnp.int32), axis=1) == 0)
+            rank = jnp.sum((first[None, :] & before).astype(jnp.int32), axis=1)
+            # rank of the LID's first appearance, for every request of a missing LID (-1 for hits)
+            mrank = jnp.max(jnp.where(same & first[None, :], rank[None, :], -1), axis=1)
+            srank = levels(smask & ~shit, jnp.sum(first.astype(jnp.int32)))
+            g = (mrank[:, None] == srank[None, :]) & (mrank >= 0)[:, None]                              # [C, T]
+            slot = jnp.where(hit, hs, jnp.max(jnp.where(g, iT[None, :], -1), axis=1))
+            f = g & first[:, None]  # fills, on the first appearances only
+            w = f & (ts >= 0)[None, :]
+            evd = jnp.sum(w.astype(jnp.int32), axis=1) > 0
+            evh = jnp.where(evd, jnp.sum(jnp.where(w, th[None, :], u0), axis=1), EMPTY_TAG)
+            evl = jnp.where(evd, jnp.sum(jnp.where(w, tl[None, :], u0), axis=1), EMPTY_TAG)
+            write_outputs(orig, pm, jnp.where(slot >= 0, base + slot, -1), hit, evd, evh, evl)
+            filled = jnp.sum(f.astype(jnp.int32), axis=0) > 0
+            plgpu.store(th_ref.at[pl.ds(base, T)], jnp.sum(jnp.where(f, h[:, None], u0), axis=0), mask=filled)
+            plgpu.store(tl_ref.at[pl.ds(base, T)], jnp.sum(jnp.where(f, l[:, None], u0), axis=0), mask=filled)
+            plgpu.store(ts_ref.at[pl.ds(base, T)], jnp.full((T,), now, jnp.int32), mask=shit | filled)
+
+        def lookup(h, l, pm):
+            """[C] slot of each request's LID in the bucket (-1: none); [T] int32 hits per slot (resident)."""
+            if resident:
+                m = (h[:, None] == th[None, :]) & (l[:, None] == tl[None, :]) & occ[None, :] & pm[:, None]
+                return jnp.max(jnp.where(m, iT[None, :], -1), axis=1), jnp.sum(m.astype(jnp.int32), axis=0)
+
+            def tbody(tc, hs):
+                s = tc * T + iT
+                sm = s < ns
+                cth = plgpu.load(th_ref.at[pl.ds(base + tc * T, T)], mask=sm, other=u0)
+                ctl = plgpu.load(tl_ref.at[pl.ds(base + tc * T, T)], mask=sm, other=u0)
+                cts = plgpu.load(ts_ref.at[pl.ds(base + tc * T, T)], mask=sm, other=-1)
+                cocc = sm & (cts != -1)  # a MARK (hit earlier in this batch) is still occupied
+                m = (h[:, None] == cth[None, :]) & (l[:, None] == ctl[None, :]) & cocc[None, :] & pm[:, None]
+                return jnp.maximum(hs, jnp.max(jnp.where(m, s[None, :], -1), axis=1))
+
+            return lax.fori_loop(0, nt, tbody, jnp.full((C,), -1, jnp.int32)), None
+
+        def general():
+            # ---- A1: hits; first appearance (smallest original index of the LID in the bucket) ------------
+            def a1(rc, carry):
+                k, shit = carry
+                p, pm, orig, h, l = load_reqs(start + rc * C, C, end)
+                hs, shit_c = lookup(h, l, pm)
+                hit = hs >= 0
+
+                def allpairs(d, fo):
+                    _, pm2, orig2, h2, l2 = load_reqs(start + d * D, D, end)
+                    eq = (h[:, None] == h2[None, :]) & (l[:, None] == l2[None, :]) & pm2[None, :]
+                    return jnp.minimum(fo, jnp.min(jnp.where(eq, orig2[None, :], BIG), axis=1))
+
+                fo = lax.fori_loop(0, (end - start + D - 1) // D, allpairs, orig)
+                first = pm & ~hit & (fo == orig)
+                _scatter(sframe_ref, orig, jnp.where(hit, base + hs, -1), pm, n)
+                plgpu.store(sfo_ref.at[pl.ds(start + rc * C, C)], fo, mask=pm)
+                plgpu.store(sflag_ref.at[pl.ds(start + rc * C, C)], first.astype(jnp.int32), mask=pm)
+                false = jnp.zeros((C,), jnp.bool_)
+                _scatter(hit_ref, orig, hit, pm, n)
+                _scatter(ev_ref, orig, false, pm, n)
+                _scatter(evh_ref, orig, empty, pm, n)
+                _scatter(evl_ref, orig, empty, pm, n)
+                if resident:
+                    shit = shit + shit_c
+                else:  # later chunks may read a MARK or the old stamp here: both count as occupied
+                    _scatter(ts_ref, base + hs, jnp.full((C,), MARK, jnp.int32), hit, nb * ns)
+                return k + jnp.sum(first.astype(jnp.int32)), shit
+
+            k, shit = lax.fori_loop(0, nrc, a1, (jnp.int32(0), jnp.zeros((T,), jnp.int32)))
+            barrier()
+
+            # ---- A2: rank of each missing LID by first appearance; the bucket's miss list ------------------
+            def a2(rc, carry):
+                p, pm, orig, h, l = load_reqs(start + rc * C, C, end)
+                first = plgpu.load(sflag_ref.at[pl.ds(start + rc * C, C)], mask=pm, other=0) > 0
+
+                def allpairs(d, rank):
+                    p2, pm2, orig2 = load_reqs(start + d * D, D, end, lids=False)
+                    f2 = plgpu.load(sflag_ref.at[pl.ds(start + d * D, D)], mask=pm2, other=0) > 0
+                    before = f2[None, :] & (orig2[None, :] < orig[:, None])
+                    return rank + jnp.sum(before.astype(jnp.int32), axis=1)
+
+                rank = lax.fori_loop(0, (end - start + D - 1) // D, allpairs, jnp.zeros((C,), jnp.int32))
+                _scatter(mhi_ref, start + rank, h, first, n)
+                _scatter(mlo_ref, start + rank, l, first, n)
+                _scatter(morig_ref, start + rank, orig, first, n)
+                return carry
+
+            lax.fori_loop(0, nrc, a2, jnp.int32(0))
+            barrier()
+
+            # ---- B: candidates by (stamp, slot) in levels; fill -------------------------------------------
+            def fill(s, ch, rank, old_stamp, old_h, old_l):
+                """Slots s [T] (mask ch) take the misses of rank `rank`; report what they displaced."""
+                j = start + rank
+                nh = _gather(mhi_ref, j, ch, u0, n)
+                nl = _gather(mlo_ref, j, ch, u0, n)
+                org = _gather(morig_ref, j, ch, 0, n)
+                _scatter(sframe_ref, org, base + s, ch, n)
+                was = old_stamp >= 0
+                _scatter(ev_ref, org, was, ch, n)
+                _scatter(evh_ref, org, jnp.where(was, old_h, EMPTY_TAG), ch, n)
+                _scatter(evl_ref, org, jnp.where(was, old_l, EMPTY_TAG), ch, n)
+                return nh, nl
+
+            if resident:
+                srank = levels(smask & (shit == 0), k)
+                filled = srank >= 0
+                nh, nl = fill(iT, filled, srank, ts, th, tl)
+                plgpu.store(th_ref.at[pl.ds(base, T)], nh, mask=filled)
+                plgpu.store(tl_ref.at[pl.ds(base, T)], nl, mask=filled)
+                plgpu.store(ts_ref.at[pl.ds(base, T)], jnp.full((T,), now, jnp.int32), mask=(shit > 0) | filled)
+            else:
+                def lcond(c):
+                    taken, m = c
+                    return (taken < k) & (m < NONE)
+
+                def lbody(c):
+                    taken, prev = c
+
+                    def minbody(tc, m):
+                        sm = (tc * T + iT) < ns
+                        cts = plgpu.load(ts_ref.at[pl.ds(base + tc * T, T)], mask=sm, other=MARK)
+                        return jnp.minimum(m, jnp.min(jnp.where(sm & (cts >= -1) & (cts > prev), cts, NONE)))
+
+                    m = lax.fori_loop(0, nt, minbody, jnp.int32(NONE))
+
+                    def selbody(tc, cnt):
+                        s = tc * T + iT
+                        sm = s < ns
+                        cts = plgpu.load(ts_ref.at[pl.ds(base + tc * T, T)], mask=sm, other=MARK)
+                        sel = sm & (cts >= -1) & (cts == m)
+                        si = sel.astype(jnp.int32)
+                        rank = cnt + jnp.cumsum(si) - si
+                        ch = sel & (rank < k)
+                        cth = plgpu.load(th_ref.at[pl.ds(base + tc * T, T)], mask=ch, other=u0)
+                        ctl = plgpu.load(tl_ref.at[pl.ds(base + tc * T, T)], mask=ch, other=u0)
+                        nh, nl = fill(s, ch, rank, cts, cth, ctl)
+                        plgpu.store(th_ref.at[pl.ds(base + tc * T, T)], nh, mask=ch)
+                        plgpu.store(tl_ref.at[pl.ds(base + tc * T, T)], nl, mask=ch)
+                        plgpu.store(ts_ref.at[pl.ds(base + tc * T, T)], jnp.full((T,), MARK, jnp.int32), mask=ch)
+                        return cnt + jnp.sum(si)
+
+                    taken = lax.fori_loop(0, nt, selbody, taken)
+                    barrier()
+                    return taken, m
+
+                lax.while_loop(lcond, lbody, (jnp.int32(0), jnp.int32(MARK)))
+            barrier()
+
+            # ---- C: every request takes the frame of its LID's first appearance -----------------------------
+            def cbody(rc, carry):
+                p, pm, orig = load_reqs(start + rc * C, C, end, lids=False)
+                fo = plgpu.load(sfo_ref.at[pl.ds(start + rc * C, C)], mask=pm, other=0)
+                _scatter(frame_ref, orig, _gather(sframe_ref, fo, pm, -1, n), pm, n)
+                if not resident:  # every hit or filled slot is the own frame of some request of this bucket
+                    own = _gather(sframe_ref, orig, pm, -1, n)
+                    _scatter(ts_ref, own, jnp.full((C,), now, jnp.int32), pm & (own >= 0), nb * ns)
+                return carry
+
+            lax.fori_loop(0, nrc, cbody, jnp.int32(0))
+
+        if fast_ok:
+            lax.cond(end - start <= C, fast, general)
+        else:
+            general()
+
+
+def sieve_call(state: PBLRUState, grouped, now, cfg: SieveConfig, interpret: bool):
+    """The sieve kernel on grouped requests (see `group_requests`): (new_state, AccessOut)."""
+    sorder, shi, slo, bstart = grouped
+    nb, ns = state.stamp.shape
+    nf, n = nb * ns, sorder.shape[0]
+    kernel = partial(_sieve_kernel, n=n, nb=nb, ns=ns, cfg=cfg, interpret=interpret)
+    sds = jax.ShapeDtypeStruct
+    out_shape = (sds((nf,), jnp.uint32), sds((nf,), jnp.uint32), sds((nf,), jnp.int32),          # state
+                 sds((n,), jnp.int32), sds((n,), jnp.bool_), sds((n,), jnp.bool_),                # frame hit ev
+                 sds((n,), jnp.uint32), sds((n,), jnp.uint32),                                     # ev_hi ev_lo
+                 sds((n,), jnp.int32), sds((n,), jnp.int32), sds((n,), jnp.int32),                 # scratch
+                 sds((n,), jnp.uint32), sds((n,), jnp.uint32), sds((n,), jnp.int32))
+    outs = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(nb + 1,), interpret=interpret,
+        input_output_aliases={5: 0, 6: 1, 7: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+    )(sorder, shi, slo, bstart, jnp.reshape(now, (1,)).astype(jnp.int32),
+      state.tag_hi.reshape(nf), state.tag_lo.reshape(nf), state.stamp.reshape(nf))
+    th, tl, ts, frame, hit, ev, evh, evl = outs[:8]
+    new = PBLRUState(tag_hi=th.reshape(nb, ns), tag_lo=tl.reshape(nb, ns), stamp=ts.reshape(nb, ns))
+    return new, AccessOut(frame=frame, hit=hit, evicted=ev, evicted_hi=evh, evicted_lo=evl)
+
+
+@partial(jax.jit, static_argnames=("config", "interpret"))
+def access(state: PBLRUState, hi, lo, valid, now, *, config: SieveConfig | None = None,
+           interpret: bool | None = None) -> tuple[PBLRUState, AccessOut]:
+    """Batched PB-LRU access (no argument checks; see `pb_lru.access`). hi, lo [N] uint32, valid [N] bool,
+    now int32 scalar. Compiled on GPU, interpret mode elsewhere (or as `interpret` says). The state is
+    updated in place when the caller donates it (otherwise XLA copies it once for the aliased kernel)."""
+    nb, ns = state.stamp.shape
+    n = hi.shape[0]
+    if interpret is None:
+        interpret = not _on_gpu()
+    if n == 0:
+        e = jnp.zeros((0,), jnp.uint32)
+        return state, AccessOut(frame=jnp.zeros((0,), jnp.int32), hit=jnp.zeros((0,), bool),
+                                evicted=jnp.zeros((0,), bool), evicted_hi=e, evicted_lo=e)
+    cfg = config or choose_config(n, nb, ns)
+    grouped = group_requests(hi, lo, valid, nb, cfg.grouping, interpret)
+    return sieve_call(state, grouped, jnp.asarray(now, jnp.int32), cfg, interpret)

@@ -1,0 +1,284 @@
+"""The Pallas PB-LRU sieve against the sort-based reference, bit for bit (interpret mode on CPU; the `gpu` test
+runs it compiled at realistic size). Shapes are few and fixed so the suite compiles each kernel once."""
+import dataclasses
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from ulacache_jax import pb_lru
+from ulacache_jax.pallas_kernels import pb_lru_sieve as sv
+from pb_lru_model import py_bucket
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def words(x):
+    x = np.asarray(x, np.uint64)
+    return (jnp.asarray((x >> np.uint64(32)).astype(np.uint32)),
+            jnp.asarray((x & np.uint64(0xFFFFFFFF)).astype(np.uint32)))
+
+
+def assert_same(ref, got, what=""):
+    (s_r, o_r), (s_k, o_k) = ref, got
+    for name in ("tag_hi", "tag_lo", "stamp"):
+        np.testing.assert_array_equal(np.asarray(getattr(s_k, name)), np.asarray(getattr(s_r, name)),
+                                      err_msg=f"state.{name} {what}")
+    for name in ("frame", "hit", "evicted", "evicted_hi", "evicted_lo"):
+        np.testing.assert_array_equal(np.asarray(getattr(o_k, name)), np.asarray(getattr(o_r, name)),
+                                      err_msg=f"out.{name} {what}")
+
+
+def assert_frames_consistent(lids, valid, out):
+    """Two distinct LIDs never get one frame; one LID never gets two frames."""
+    frame = np.asarray(out.frame)
+    by_frame, by_lid = {}, {}
+    for x, v, f in zip(lids.tolist(), np.asarray(valid).tolist(), frame.tolist()):
+        if not v:
+            assert f == -1
+            continue
+        assert by_lid.setdefault(x, f) == f, "one LID, two frames"
+        if f >= 0:
+            assert by_frame.setdefault(f, x) == x, "two LIDs, one frame"
+
+
+_sieve_call = jax.jit(sv.sieve_call, static_argnames=("cfg", "interpret"))
+
+
+def shuffled_grouping(hi, lo, valid, nb, rng):
+    """Requests grouped by bucket in a random order inside each bucket (what the atomic grouping may produce
+    on a GPU): the sieve must not depend on it."""
+    sorder, _, _, bstart = sv.group_requests(hi, lo, valid, nb, "sort")
+    sorder, bstart = np.array(sorder), np.asarray(bstart)
+    for b in range(nb + 1):
+        rng.shuffle(sorder[bstart[b]:bstart[b + 1]])
+    sorder = jnp.asarray(sorder)
+    return sorder, hi[sorder], lo[sorder], jnp.asarray(bstart)
+
+
+def run_both(nb, ns, batches, nows, config=None, shuffle_rng=None):
+    """Kernel and reference side by side over a trace; returns the last outputs."""
+    s_r = s_k = pb_lru.init(nb, ns)
+    for t, ((lids, valid), now) in enumerate(zip(batches, nows)):
+        hi, lo = words(lids)
+        v = jnp.asarray(valid)
+        now = jnp.int32(now)
+        ref = pb_lru.ref_access(s_r, hi, lo, v, now)
+        if shuffle_rng is None:
+            got = sv.access(s_k, hi, lo, v, now, config=config)
+        else:
+            cfg = config or sv.choose_config(len(lids), nb, ns)
+            got = _sieve_call(s_k, shuffled_grouping(hi, lo, v, nb, shuffle_rng), now, cfg=cfg, interpret=not ON_GPU)
+        assert_same(ref, got, f"at step {t}")
+        assert_frames_consistent(lids, valid, got[1])
+        (s_r, o_r), (s_k, _) = ref, got
+    return o_r
+
+
+def random_trace(rng, n, universe, steps, p_invalid=0.15):
+    """Batches drawn with replacement from a universe of LIDs: duplicates, recurring pages, invalid entries."""
+    pool = rng.integers(0, 2**63, universe, dtype=np.uint64)
+    out = []
+    for _ in range(steps):
+        lids = pool[rng.integers(0, universe, n)]
+        out.append((lids, rng.random(n) >= p_invalid))
+    return out
+
+
+# (num_buckets, slots_per_bucket, requests per batch, distinct LIDs, config)
+SMALL = sv.SieveConfig(req_chunk=8, slot_chunk=4, num_warps=4)
+CASES = {
+    "global_lru_B1": (1, 16, 48, 40, None),
+    "one_slot_per_bucket": (16, 1, 48, 40, None),
+    "overflow_small_pool": (4, 4, 64, 100, None),       # fast path: one chunk of requests per bucket
+    "odd_slots": (2, 3, 40, 20, None),
+    # slots in two chunks of 4 (state MARK path) and requests in chunks of 8 (all-pairs across chunks)
+    "chunked_slots_and_requests": (4, 8, 96, 60, SMALL),
+    "many_requests_per_bucket": (2, 64, 160, 300, sv.SieveConfig(req_chunk=8, slot_chunk=16, num_warps=4)),
+    # resident slots, some buckets over the request chunk: fast and general path in one launch
+    "fast_and_general_mixed": (4, 16, 48, 60, sv.SieveConfig(req_chunk=16, slot_chunk=16, num_warps=4)),
+    "atomic_grouping": (8, 4, 48, 50, sv.SieveConfig(req_chunk=16, slot_chunk=4, num_warps=4, grouping="atomic")),
+    "general_path_only": (4, 16, 48, 60, sv.SieveConfig(req_chunk=16, slot_chunk=16, num_warps=4, fast_path=False)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_reference_step_by_step(case):
+    nb, ns, n, universe, cfg = CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)))
+    batches = random_trace(rng, n, universe, steps=6)
+    nows = [0, 1, 1, 4, 2, 9]  # a repeated and a decreasing clock: the semantics do not assume monotone time
+    run_both(nb, ns, batches, nows, config=cfg)
+
+
+@pytest.mark.parametrize("case", ["overflow_small_pool", "chunked_slots_and_requests", "fast_and_general_mixed"])
+def test_order_inside_buckets_does_not_matter(case):
+    nb, ns, n, universe, cfg = CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)) + 1)
+    run_both(nb, ns, random_trace(rng, n, universe, steps=4), [0, 1, 1, 5], config=cfg, shuffle_rng=rng)
+
+
+def lids_in_bucket(rng, bucket, nb, count):
+    out = []
+    while len(out) < count:
+        x = int(rng.integers(0, 2**63, dtype=np.uint64))
+        if py_bucket(x, nb) == bucket:
+            out.append(x)
+    return np.array(out, np.uint64)
+
+
+def test_full_bucket_hits_and_overflow():
+    # bucket 0 of a 4 x 4 pool: fill it, then hit all 4 slots while 3 new LIDs (one duplicated) miss:
+    # no slot is a candidate, so the misses overflow to frame -1; other buckets fill normally.
+    nb, ns, n = 4, 4, 48
+    rng = np.random.default_rng(7)
+    old, new = lids_in_bucket(rng, 0, nb, 4), lids_in_bucket(rng, 0, nb, 3)
+    other = lids_in_bucket(rng, 1, nb, 2)
+    pad = lambda a: (np.concatenate([a, np.zeros(n - len(a), np.uint64)]),
+                     np.arange(n) < len(a))
+    step1 = np.concatenate([old, old[:2]])
+    step2 = np.concatenate([new[:1], old, new, other, old[3:], other[:1]])
+    batches = [pad(step1), pad(step2)]
+    out = run_both(nb, ns, batches, [3, 4])
+    f, hit = np.asarray(out.frame), np.asarray(out.hit)
+    assert (f[[0, 5, 6, 7]] == -1).all() and not hit[[0, 5, 6, 7]].any()        # the new LIDs overflow
+    assert hit[1:5].all() and sorted(f[1:5].tolist()) == [0, 1, 2, 3]          # the old LIDs hit bucket 0
+    assert (f[8:10] >= ns).all() and f[10] == f[4] and f[11] == f[8]           # duplicates share frames
+    assert not np.asarray(out.evicted).any()
+
+
+def test_eviction_order_is_stamp_then_slot():
+    # one bucket of 4 slots filled at clocks 5, 5, 2, 7 (slots 0..3); two new LIDs evict slot 2 (stamp 2),
+    # then slot 0 (stamp 5, lower slot than slot 1)
+    nb, ns, n = 1, 4, 8
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 2**63, 6, dtype=np.uint64)
+    pad = lambda x: (np.concatenate([x, np.zeros(n - len(x), np.uint64)]), np.arange(n) < len(x))
+    batches = [pad(a[:2]), pad(a[2:3]), pad(a[3:4]), pad(a[4:6])]
+    out = run_both(nb, ns, batches, [5, 2, 7, 8])
+    assert np.asarray(out.frame)[:2].tolist() == [2, 0]
+    ev = np.asarray(out.evicted_hi).astype(np.uint64) << np.uint64(32) | np.asarray(out.evicted_lo)
+    assert np.asarray(out.evicted)[:2].all() and ev[:2].tolist() == [int(a[2]), int(a[0])]
+
+
+@pytest.fixture
+def gpu_like_atomics():
+    """Interpret-mode atomic_add with GPU semantics: every lane sees the value left by the lanes served before
+    it (in a fixed random order, as on a GPU), masks honoured. The interpreter's own rule gives duplicate indices
+    one shared old value, so the kernel's vector-atomic path (the one compiled on the GPU) is only testable with
+    this. Private JAX API: skipped if it moved."""
+    try:
+        from jax._src.state import discharge
+        from jax._src.pallas.triton import primitives as tp
+        rules, prim = discharge._discharge_rules, tp.atomic_rmw_p
+    except (ImportError, AttributeError):
+        pytest.skip("private discharge-rule registry not available")
+    order = np.random.default_rng(5)
+
+    def rule(ctx, *args_flat, args_tree, atomic_type):
+        ref, transforms, val, mask = args_tree.unflatten(args_flat)
+        *prev, idx = transforms
+        ref = discharge.transform_array(ref, prev)
+        assert atomic_type == tp.AtomicOpType.ADD
+        (ind,) = idx.indices
+        ind = jnp.asarray(ind)
+        val = jnp.broadcast_to(val, ind.shape)
+        m = jnp.ones(ind.shape, bool) if mask is None else jnp.broadcast_to(mask, ind.shape)
+        prio = jnp.asarray(order.permutation(ind.shape[0]))
+        before = (ind[:, None] == ind[None, :]) & m[None, :] & (prio[None, :] < prio[:, None])
+        old = ref[jnp.clip(ind, 0, ref.shape[0] - 1)] + jnp.sum(jnp.where(before, val[None, :], 0), axis=1)
+        new = ref.at[jnp.where(m, ind, ref.shape[0])].add(jnp.where(m, val, 0), mode="drop")
+        return (new,) + (None,) * (len(ctx.in_avals) - 1), old
+
+    saved = rules[prim]
+    rules[prim] = rule
+    yield
+    rules[prim] = saved
+
+
+def test_atomic_grouping_vector_path(gpu_like_atomics):
+    # the grouping program's GPU code path (vector atomics, not the interpreter's one-at-a-time loop):
+    # a permutation of the requests, bucket by bucket, bounds exact; then the sieve on it equals the reference
+    nb, ns, n = 8, 8, 600
+    rng = np.random.default_rng(17)
+    group = jax.jit(lambda h, l, v: sv._group_atomic(h, l, v, nb, interpret=True, scalar_atomics=False))
+    cfg = sv.SieveConfig(req_chunk=128, slot_chunk=8, num_warps=4, grouping="atomic")
+    s_r = s_k = pb_lru.init(nb, ns)
+    for t, (lids, valid) in enumerate(random_trace(rng, n, 700, steps=3)):
+        hi, lo = words(lids)
+        v = jnp.asarray(valid)
+        grouped = group(hi, lo, v)
+        sorder, shi, bstart = np.asarray(grouped[0]), np.asarray(grouped[1]), np.asarray(grouped[3])
+        assert sorted(sorder.tolist()) == list(range(n)) and bstart[nb + 1] == n
+        np.testing.assert_array_equal(shi, np.asarray(hi)[sorder])
+        want = np.where(valid, [py_bucket(int(x), nb) for x in lids], nb)
+        for b in range(nb + 1):
+            assert (want[sorder[bstart[b]:bstart[b + 1]]] == b).all()
+        ref = pb_lru.ref_access(s_r, hi, lo, v, jnp.int32(t))
+        got = _sieve_call(s_k, grouped, jnp.int32(t), cfg=cfg, interpret=True)
+        assert_same(ref, got, f"at step {t}")
+        (s_r, _), (s_k, _) = ref, got
+
+
+def test_all_invalid_and_single_request():
+    nb, ns = 4, 4
+    state = pb_lru.init(nb, ns)
+    hi, lo = words(np.array([1, 2, 3], np.uint64))
+    new, out = sv.access(state, hi, lo, jnp.zeros(3, bool), jnp.int32(1))
+    assert np.asarray(out.frame).tolist() == [-1, -1, -1] and not np.asarray(out.hit).any()
+    np.testing.assert_array_equal(np.asarray(new.stamp), np.asarray(state.stamp))
+    ref = pb_lru.ref_access(state, hi[:1], lo[:1], jnp.ones(1, bool), jnp.int32(1))
+    assert_same(ref, sv.access(state, hi[:1], lo[:1], jnp.ones(1, bool), jnp.int32(1)))
+
+
+def test_dispatch_through_pb_lru_and_release():
+    # impl="pallas" through the public entry point, with holes left by release() in the middle of buckets
+    nb, ns, n = 4, 4, 48
+    rng = np.random.default_rng(11)
+    s_r = s_k = pb_lru.init(nb, ns)
+    for t, (lids, valid) in enumerate(random_trace(rng, n, 40, steps=4)):
+        if t == 2:
+            seq = int(lids[0]) >> 44
+            s_r, s_k = pb_lru.release(s_r, seq), pb_lru.release(s_k, seq)
+        hi, lo = words(lids)
+        ref = pb_lru.access(s_r, hi, lo, jnp.asarray(valid), t, impl="ref")
+        got = pb_lru.access(s_k, hi, lo, jnp.asarray(valid), t, impl="pallas")
+        assert_same(ref, got, f"at step {t}")
+        (s_r, _), (s_k, _) = ref, got
+
+
+def test_choose_config_bounds():
+    for n, nb, ns in [(8192, 256, 256), (8192, 16, 65536), (1, 1, 1), (262144, 1024, 1024)]:
+        c = sv.choose_config(n, nb, ns)
+        assert c.slot_chunk & (c.slot_chunk - 1) == 0 and c.req_chunk & (c.req_chunk - 1) == 0
+        assert c.slot_chunk <= 1024 and c.req_chunk * c.slot_chunk <= sv.TILE_ELEMS
+        assert c.grouping == "sort" and c.fast_path
+
+
+def decode_trace(rng, n, steps, churn=0.1):
+    """A hot set of n distinct LIDs, churn of it replaced each step, requested in a new order each step."""
+    hot = rng.choice(2**40, n, replace=False).astype(np.uint64)
+    out = []
+    for _ in range(steps):
+        k = int(churn * n)
+        hot[rng.choice(n, k, replace=False)] = rng.integers(2**40, 2**62, k, dtype=np.uint64)
+        out.append((rng.permutation(hot), np.ones(n, bool)))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the kernel compiled")
+@pytest.mark.parametrize("nb,ns", [(256, 256), (1024, 1024), (16, 4096)])
+@pytest.mark.parametrize("grouping", [
+    "sort",
+    # measured on the H200 (jax 0.11.2): the sort grouping passes at all three sizes, the atomic grouping
+    # (experimental, not the default) gives wrong results at (256, 256); kept visible as an expected failure
+    pytest.param("atomic", marks=pytest.mark.xfail(reason="atomic grouping miscompares on the H200", strict=False)),
+])  # atomic last: a fault there ends the process
+def test_compiled_realistic_size(nb, ns, grouping):
+    # 8K requests per step (one layer of a 32-sequence decode step), 64K- and 1M-frame pools
+    rng = np.random.default_rng(nb)
+    batches = decode_trace(rng, 8192, steps=4)
+    cfg = dataclasses.replace(sv.choose_config(8192, nb, ns), grouping=grouping)
+    run_both(nb, ns, batches, [1, 2, 3, 4], config=cfg)

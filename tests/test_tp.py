@@ -1,0 +1,373 @@
+"""Head-sharded tensor parallelism (ulacache_jax/tp.py) on CPU with forced host devices.
+
+The main pytest process has already started jax with one CPU device, so the multi-device checks run this file
+as a script in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8 set before jax starts, and
+read back a JSON report. Checks: TP = 2, 4, 8 give the same greedy tokens as TP = 1 and as the single-device
+`generate.generate`, with prefill and decode logits within fp32 tolerance; each rank's PB-LRU holds only pages of
+its own groups (and its vTLB slice agrees with it); the shards of every per-rank array live on their own device;
+the compiled step has exactly two psums (all-reduces) per layer and no other collective; more ranks than KV heads
+replicate heads and still match TP = 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+NUM_DEVICES = 8
+MAX_NEW = 20
+
+
+# ---- the subprocess side ---------------------------------------------------------------------------------------
+def _setup():
+    import jax.numpy as jnp
+    from flax import nnx
+    from ulacache_jax.config import CacheConfig
+    from ulacache_jax.models import LlamaModel, ModelConfig
+
+    # 8 KV heads of 16 dims (TP = 8 gives one head per rank), GQA 2; 2 layers.
+    mc = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=16, num_kv_heads=8, head_dim=16, attention_bias=True,
+                     attention_out_bias=True)
+    model = LlamaModel(mc, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    # random biases (zeros at init): q/k/v split by heads, o added once after the psum
+    for i, layer in enumerate(model.layers):
+        a = layer.self_attn
+        for name in ("q_bias", "k_bias", "v_bias", "o_bias"):
+            b = getattr(a, name)
+            b[...] = 0.1 * np.random.default_rng(i).standard_normal(b.shape).astype(np.float32)
+    # page 8, budget 32 tokens (4 pages: 1 sink + 2 recent + 1 by score) over 41-63 token prompts: selection is
+    # active; 8 x 4 frames per rank hold part of a step's selection at TP = 1 (192 pages), all of it at TP = 8.
+    cfg = CacheConfig(num_layers=2, num_kv_heads=8, head_dim=16, max_seqs=4, max_pages_per_seq=16, page_size=8,
+                      num_buckets=8, slots_per_bucket=4, host_pages=2 * 8 * 16 * 4, token_budget=32,
+                      dtype="float32")
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(0, 256, n))) for n in (50, 41, 63)]
+    return model, cfg, prompts
+
+
+def _drive(gen, prompts, cfg):
+    """admit + prefill + one decode chunk + next-token logits, without releasing (so the cache can be read)."""
+    import jax
+    import jax.numpy as jnp
+    from ulacache_jax.sampling import SamplingArrays
+
+    S = cfg.max_seqs
+    slots = [gen.admit(len(p) + MAX_NEW) for p in prompts]
+    pre = [np.asarray(gen.prefill(s, p)) for s, p in zip(slots, prompts)]
+    tok = np.zeros(S, np.int32)
+    done = np.ones(S, bool)
+    for s, lg in zip(slots, pre):
+        tok[s], done[s] = int(np.argmax(lg)), False
+    rem = np.where(done, 0, MAX_NEW).astype(np.int32)
+    keys = jax.random.split(jax.random.key(0), S)      # one PRNG key per slot (greedy: unused)
+    args = (jnp.asarray(tok), jnp.asarray(done), jnp.asarray(rem), keys, SamplingArrays.fill(S),
+            jnp.asarray([-1], jnp.int32))
+    out, _, _ = gen.decode_chunk(*args)
+    out = np.asarray(out)
+    last = np.where(done, 0, out[:, -1]).astype(np.int32)
+    nxt = np.asarray(gen.next_logits(last))
+    return slots, np.stack(pre), out, nxt, args
+
+
+def _greedy_full_forward(model, prompt, n):
+    import jax
+    import jax.numpy as jnp
+
+    ids, fwd = list(prompt), jax.jit(model.__call__)
+    for _ in range(n):
+        T = 1 << (len(ids) - 1).bit_length()           # padded to a power of two: causal, padding cannot leak
+        ids.append(int(jnp.argmax(fwd(jnp.asarray([ids + [0] * (T - len(ids))]))[0, len(ids) - 1])))
+    return ids[len(prompt):]
+
+
+def _collectives(text: str) -> dict[str, int]:
+    import re
+    names = ("all_reduce", "all_gather", "all_to_all", "collective_permute", "reduce_scatter")
+    return {n: len(re.findall(rf"\b(stablehlo|mhlo)\.{n}\b|\b{n.replace('_', '-')}(-start)?\(", text)) for n in names}
+
+
+def _ownership(gen) -> dict:
+    """Per rank: held PB-LRU pages, whether every held LID's group is the rank's own, vTLB <-> tag agreement."""
+    from ulacache_jax import lid as lid_mod
+
+    st, c = gen.cache.state, gen.config
+    G = c.groups_per_rank
+    tag_hi, tag_lo, stamp = (np.asarray(a) for a in (st.pb.tag_hi, st.pb.tag_lo, st.pb.stamp))
+    frame = np.asarray(st.vtlb.frame)
+    report = []
+    for r in range(c.tp):
+        held = stamp[r] >= 0
+        seq, layer, grp, tok = (np.asarray(a) for a in lid_mod.unpack(tag_hi[r][held], tag_lo[r][held]))
+        own = bool(np.all((grp >= r * G) & (grp < (r + 1) * G)))
+        # vTLB slice [S, L, G, P] -> frames; each resident entry's frame holds exactly that LID (local group + r*G)
+        ok = True
+        for s, l, g, p in zip(*np.nonzero(frame[r] >= 0)):
+            f = frame[r, s, l, g, p]
+            b, sl = divmod(int(f), c.slots_per_bucket)
+            h = (int(s) << 12) | (int(l) << 4) | (r * G + int(g))
+            ok &= stamp[r, b, sl] >= 0 and tag_hi[r, b, sl] == h and tag_lo[r, b, sl] == p * c.page_size
+        ok &= int((frame[r] >= 0).sum()) == int(held.sum())
+        report.append({"held": int(held.sum()), "own_groups_only": own, "vtlb_matches_tags": bool(ok),
+                       "groups_seen": sorted(set(map(int, grp)))})
+    placed = []
+    for name in ("pool_k", "kmin"):
+        arr = getattr(st, name)
+        devs = list(gen.mesh.devices.flat)
+        placed.append(all(sh.data.shape[0] == 1 and sh.device == devs[sh.index[0].start or 0]
+                          for sh in arr.addressable_shards))
+    placed.append(all(sh.data.shape[0] == 1 for sh in gen.cache.host.k.addressable_shards))
+    return {"ranks": report, "shards_on_own_device": all(placed)}
+
+
+def run_checks(tps: list[int]) -> dict:
+    import jax
+    from ulacache_jax import tp as tp_mod
+    from ulacache_jax.generate import Generator, generate
+
+    model, cfg, prompts = _setup()
+    res: dict = {"devices": len(jax.devices()), "tp": {}}
+    t0 = time.perf_counter()
+    res["reference"] = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg)
+    base = Generator(model, cfg)
+    res["reference_prefill"] = [np.asarray(base.prefill(base.admit(len(p) + MAX_NEW), p)).tolist() for p in prompts]
+    res["reference_s"] = time.perf_counter() - t0
+    for tp in tps:
+        t0 = time.perf_counter()
+        c = dataclasses.replace(cfg, tp=tp)
+        tokens = tp_mod.generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=cfg)
+        gen = tp_mod.TPGenerator(model, c)
+        slots, pre, out, nxt, args = _drive(gen, prompts, c)
+        m = gen.cache
+        lowered = {"decode": gen.program.decode.lower(gen.params, m.state, m.host, *args),
+                   "prefill": gen.program.prefill.lower(gen.params, m.state, m.host, 0, np.zeros(64, np.int32), 50)}
+        # the compiled program is checked at TP = 2 only (a second compile costs seconds on CPU)
+        coll = {k: {"lowered": _collectives(v.as_text()),
+                    "compiled": _collectives(v.compile().as_text()) if tp == 2 else None}
+                for k, v in lowered.items()}
+        res["tp"][tp] = {"tokens": tokens, "prefill": pre.tolist(), "chunk": out.tolist(), "next": nxt.tolist(),
+                         "slots": slots, "owner": _ownership(gen), "collectives": coll,
+                         "hits_per_rank": gen.rank_stats.hits.tolist(), "misses_per_rank": gen.rank_stats.misses.tolist(),
+                         "seconds": time.perf_counter() - t0}
+    return res
+
+
+def run_cache_manager(tp: int) -> dict:
+    """TPCacheManager (sharded, per-rank shard_map) against the single-device CacheManager of the same R-rank
+    config: admission, chunked ingestion and release leave identical arrays; `shard_cache` of a single-device
+    cache equals `init_sharded`."""
+    import jax
+    import jax.numpy as jnp
+    from ulacache_jax import cache_state, tp as tp_mod
+    from ulacache_jax.sequences import CacheManager
+
+    _, cfg, _ = _setup()
+    cfg = dataclasses.replace(cfg, tp=tp)
+    mesh = tp_mod.make_mesh(tp)
+    a, b = tp_mod.TPCacheManager(cfg, mesh), CacheManager(cfg)
+    same = lambda: all(np.array_equal(np.asarray(x), np.asarray(y))
+                       for x, y in zip(jax.tree.leaves((a.state, a.host)), jax.tree.leaves((b.state, b.host))))
+    res = {"init": same()}
+    s0, h0 = cache_state.init(cfg)
+    s1, h1 = tp_mod.shard_cache(s0, h0, mesh)
+    res["shard_cache"] = all(np.array_equal(np.asarray(x), np.asarray(y)) and x.sharding == y.sharding
+                             for x, y in zip(jax.tree.leaves((s1, h1)), jax.tree.leaves((a.state, a.host))))
+    rng = np.random.default_rng(3)
+    k, v = (jnp.asarray(rng.standard_normal((cfg.num_layers, 45, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)
+            for _ in range(2))
+    for m in (a, b):
+        m.admit(60)
+        slot = m.admit(50)
+        m.ingest(slot, k, v, 45, chunk=16)
+    res["ingest"] = same()
+    res["sharded"] = all(x.sharding.spec == tp_mod.P(tp_mod.TP_AXIS) for x in jax.tree.leaves((a.state.pool_k, a.host)))
+    for m in (a, b):
+        m.release(slot)
+    res["release"] = same()
+    return res
+
+
+def run_replicated(tps: list[int]) -> dict:
+    """More ranks than KV heads: 2 KV heads at TP = 4 and 8 (heads replicated 2x and 4x), context within budget."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from ulacache_jax import tp as tp_mod
+    from ulacache_jax.config import CacheConfig
+    from ulacache_jax.models import LlamaModel, ModelConfig
+
+    mc = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=8, num_kv_heads=2, head_dim=16)
+    model = LlamaModel(mc, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_seqs=2, max_pages_per_seq=16, page_size=8,
+                      num_buckets=4, slots_per_bucket=16, host_pages=2 * 8 * 16 * 2, token_budget=128,
+                      dtype="float32")
+    rng = np.random.default_rng(1)
+    prompts = [list(map(int, rng.integers(0, 256, n))) for n in (45, 60)]
+    # the budget covers the context, so sparse attention is exact: greedy full-forward decoding is the reference
+    res = {"reference": [_greedy_full_forward(model, p, 12) for p in prompts], "tp": {}}
+    for tp in tps:
+        rep = tp_mod.prepare_model(model, tp)
+        res["tp"][tp] = {"tokens": tp_mod.generate(model, prompts, max_new_tokens=12, tp=tp, cache_config=cfg),
+                         "kv_heads": rep.config.num_kv_heads}
+    return res
+
+
+# ---- the pytest side -------------------------------------------------------------------------------------------
+def _run_subprocess(mode: str, tps: list[int], share: str | None = None) -> dict:
+    """Run the checks in a fresh process with NUM_DEVICES CPU devices. Under pytest-xdist a module fixture runs once
+    per worker, so `share` (a path unique to this test run) lets the workers run it once and share the result."""
+    if share:
+        import fcntl
+        with open(share + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if os.path.exists(share):
+                with open(share) as f:
+                    return json.load(f)
+            res = _run_subprocess(mode, tps)
+            with open(share, "w") as f:
+                json.dump(res, f)
+            return res
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}", JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, __file__, mode, ",".join(map(str, tps))], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def checks(request, tmp_path_factory):
+    share = None
+    if hasattr(request.config, "workerinput"):      # pytest-xdist worker: share one run among the workers
+        uid = request.config.workerinput["testrunuid"]
+        share = str(tmp_path_factory.getbasetemp().parent / f"tp_checks_{uid}.json")
+    return _run_subprocess("checks", [1, 2, 4, 8], share)
+
+
+def test_subprocess_has_forced_devices(checks):
+    assert checks["devices"] == NUM_DEVICES
+
+
+def test_sharded_cache_manager_equals_single_device(checks):
+    assert checks["cache_manager"] == {"init": True, "shard_cache": True, "ingest": True, "sharded": True,
+                                       "release": True}
+
+
+def test_tp1_equals_single_device_generate(checks):
+    one = checks["tp"]["1"]
+    assert one["tokens"] == checks["reference"]
+    np.testing.assert_allclose(one["prefill"], checks["reference_prefill"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tp_same_tokens_and_logits_as_tp1(checks, tp):
+    one, r = checks["tp"]["1"], checks["tp"][str(tp)]
+    assert r["tokens"] == one["tokens"] == checks["reference"]
+    assert r["slots"] == one["slots"]
+    np.testing.assert_allclose(r["prefill"], one["prefill"], rtol=1e-4, atol=1e-4)
+    assert r["chunk"] == one["chunk"]
+    np.testing.assert_allclose(r["next"], one["next"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_rank_holds_only_its_groups(checks, tp):
+    own = checks["tp"][str(tp)]["owner"]
+    assert own["shards_on_own_device"]
+    G = 8 // tp
+    for r, rank in enumerate(own["ranks"]):
+        assert rank["held"] > 0                       # every rank cached pages of its own
+        assert rank["own_groups_only"], (r, rank["groups_seen"])
+        assert set(rank["groups_seen"]) == set(range(r * G, (r + 1) * G))
+        assert rank["vtlb_matches_tags"]
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_every_rank_hits_and_misses(checks, tp):
+    r = checks["tp"][str(tp)]
+    assert all(m > 0 for m in r["misses_per_rank"]) and all(h > 0 for h in r["hits_per_rank"])
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_only_two_psums_per_layer_and_no_cache_collective(checks, tp):
+    layers = 2
+    for fn, c in checks["tp"][str(tp)]["collectives"].items():
+        assert c["lowered"]["all_reduce"] == 2 * layers, (fn, c)
+        assert all(v == 0 for k, v in c["lowered"].items() if k != "all_reduce"), (fn, c)
+        if c["compiled"] is not None:     # XLA may merge all-reduces, never add a collective
+            assert all(v == 0 for k, v in c["compiled"].items() if k != "all_reduce"), (fn, c)
+            assert 0 < c["compiled"]["all_reduce"] <= 2 * layers, (fn, c)
+
+
+def test_more_ranks_than_kv_heads_replicates_heads():
+    res = _run_subprocess("replicated", [4, 8])
+    for tp, r in res["tp"].items():
+        assert r["kv_heads"] == int(tp)
+        assert r["tokens"] == res["reference"], tp
+
+
+# ---- single-process unit checks (no mesh needed) -----------------------------------------------------------------
+def test_num_groups_not_divisible_is_a_clear_error():
+    from ulacache_jax import tp as tp_mod
+    from ulacache_jax.config import CacheConfig
+
+    cfg = CacheConfig(num_layers=2, num_kv_heads=8, head_dim=16, kv_heads_per_group=4, page_size=8,
+                      token_budget=32)
+    with pytest.raises(ValueError, match=r"num_groups % tp == 0.*num_groups = 2.*tp = 4.*lower kv_heads_per_group"):
+        tp_mod.check_tp(cfg, 4)
+    with pytest.raises(ValueError, match="num_groups"):
+        CacheConfig(num_layers=2, num_kv_heads=8, head_dim=16, kv_heads_per_group=4, page_size=8, token_budget=32,
+                    tp=4)
+
+
+def test_prepare_model_checks_and_replicates():
+    import jax.numpy as jnp
+    from flax import nnx
+    from ulacache_jax import tp as tp_mod
+    from ulacache_jax.models import LlamaModel, ModelConfig
+
+    mc = ModelConfig(architecture="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                     num_heads=8, num_kv_heads=2, head_dim=8, attention_bias=True)
+    model = LlamaModel(mc, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert tp_mod.prepare_model(model, 2) is model
+    rep = tp_mod.prepare_model(model, 8)
+    assert rep.config.num_kv_heads == 8 and rep.layers[0].self_attn.k_proj.shape == (8, 8, 32)
+    ids = jnp.arange(12)[None] % 64
+    np.testing.assert_allclose(np.asarray(rep(ids)), np.asarray(model(ids)), rtol=1e-5, atol=1e-5)
+    assert model.config.num_kv_heads == 2                     # the original is untouched
+    with pytest.raises(ValueError, match="must divide num_kv_heads = 4 or be a multiple"):
+        tp_mod.prepare_model(LlamaModel(mc.replace(num_heads=12, num_kv_heads=4, intermediate_size=96),
+                                        rngs=nnx.Rngs(0)), 3)
+    with pytest.raises(ValueError, match="must divide the model's num_heads"):
+        tp_mod.prepare_model(model, 16)
+
+
+def test_param_specs_split_heads_and_mlp_width():
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+    from ulacache_jax import tp as tp_mod
+    from ulacache_jax.models import LlamaModel, get_preset
+
+    params = nnx.split(LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0)))[1]
+    specs = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(tp_mod.param_specs(params))}
+    want = {"q_proj": P("tp"), "k_proj": P("tp"), "v_proj": P("tp"), "o_proj": P(None, "tp"),
+            "gate_proj": P("tp"), "up_proj": P("tp"), "down_proj": P(None, "tp")}
+    for path, spec in specs.items():
+        name = next((n for n in want if f"'{n}'" in path), None)
+        assert spec == (want[name] if name else P()), path
+
+
+if __name__ == "__main__":
+    mode, tps = sys.argv[1], [int(t) for t in sys.argv[2].split(",")]
+    if mode == "checks":
+        out = run_checks(tps)
+        out["cache_manager"] = run_cache_manager(4)
+    else:
+        out = run_replicated(tps)
+    print(json.dumps(out))

@@ -1,0 +1,438 @@
+"""Head-sharded tensor parallelism (DESIGN.md section 6): the cache and the model split by KV-head groups over a
+mesh axis `tp`, every step under `jax.shard_map`.
+
+What is sharded, and how
+- Cache. Every per-rank array of `CacheState` already carries a leading rank axis R = config.tp; TP is that axis
+  sharded over `tp` (`P("tp")`): rank r holds the vTLB slice, PB-LRU, frame pool + tail ring, page summaries and
+  host pool of its `groups_per_rank` groups (global groups [r*G, (r+1)*G)) and nothing else. The sequence table
+  and the clock are replicated (`P()`): every rank runs the same admission. LIDs keep the global group id
+  (`attend_layer(..., rank=axis_index("tp"))`), so all ranks share one address space, but a rank's PB-LRU only
+  ever sees LIDs of its own groups. Each rank allocates only for the pages its own heads select.
+- Weights (Megatron-style). q/k/v projections and their biases are column-parallel by heads (q_proj [H, D, E]
+  and k/v_proj [K, D, E] split on the head axis: rank r gets query heads [r*H/R, ..) and KV heads [r*K/R, ..),
+  so the GQA pairing stays rank-local); o_proj [E, H, D] is row-parallel (split on H) and its partial sums are
+  `psum`med over `tp` before the o bias and the residual; MLP gate/up [F, E] are column-parallel on F and down
+  [E, F] row-parallel + `psum`. Embedding, norms and the LM head are replicated (every rank computes the full
+  logits: no gather, and sampling is identical on every rank).
+- Collectives. Exactly two `psum`s per layer (after the attention output projection and after the MLP), in
+  prefill and decode alike; nothing touches the cache (tests/test_tp.py checks the compiled HLO).
+
+How the step is wrapped. `TPGenerator` subclasses `generate.Generator` (the host-side driver: run, prefill,
+admit, release) and its compiled functions come from `_TPProgram`, a subclass of `generate._Program` that keeps
+its prefill and decode-loop code: each jitted entry point is `jax.jit(jax.shard_map(f, mesh, in_specs,
+out_specs))` (`per_rank`), where `f` sees one rank's view (leading axis 1) with the cache's static config
+swapped for the one-rank config (`local_config`: tp=1, num_kv_heads/R), which is exactly the single-device code
+path of `decode_layer`/`sequences`. Only `_decode_sparse` is overridden, to pass `rank=axis_index("tp")` to
+`attend_layer` and return per-rank stats. The model's row-parallel layers are `RowParallelAttention` /
+`RowParallelMLP` (subclasses that end in a `psum`), swapped into the graphdef that `nnx.merge` rebuilds inside
+the map. Admission, release and chunked ingestion (`TPCacheManager`) run per rank the same way. `check_vma=False`:
+outputs declared replicated (tokens, logits, lengths) are computed identically on every rank from psummed
+activations.
+
+More ranks than KV heads. When tp > num_kv_heads and tp % num_kv_heads == 0, `replicate_kv_heads` repeats each KV
+head's k/v projections tp/K times (k_proj [K, D, E] -> [K*rep, D, E], copies adjacent): query head h then uses
+copy h // (H/(K*rep)), which holds the same weights as its original head h // (H/K), so the model computes the
+same function with K*rep KV heads, one (or more) per rank. Each copy is cached, selected and evicted on its own
+rank: selection scores a copy over only that rank's query heads, which is finer than the unreplicated group (the
+same as TP=1 while every page is selected, i.e. context within the token budget; it may pick different pages
+beyond it). tp must divide num_heads and intermediate_size.
+
+Known limits: the LM head is replicated (vocab-parallel LM head + all-gather is not done); `pinned_host` arrays
+under shard_map are not yet probed on the H200 (DESIGN.md section 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from . import cache_state as cache_state_mod
+from .cache_state import CacheState, HostPool, host_memory_kind
+from .config import CacheConfig
+from .decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
+from .generate import Generator, _Program, _check_prompts, bucket_length, default_cache_config
+from .models.llama import MLP, Attention
+from .sampling import check_sampling
+from .sequences import CacheManager, HostAllocator, admit_device, ingest_chunk, release_device
+
+TP_AXIS = "tp"
+
+
+# ---- mesh and config ---------------------------------------------------------------------------------------------
+def make_mesh(tp: int, devices=None) -> Mesh:
+    """A 1-D mesh of `tp` devices named "tp". Default devices: this process's first `tp` (TP stays within a host;
+    across hosts replicas are data-parallel, see distributed.py)."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp = {tp!r} must be an int >= 1")
+    if tp > len(devices):
+        raise ValueError(f"tp = {tp} needs {tp} devices but only {len(devices)} are available "
+                         "(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)")
+    return Mesh(np.asarray(devices[:tp]), (TP_AXIS,))
+
+
+def check_tp(config: CacheConfig, tp: int | None = None) -> None:
+    """The clear error for a cache that cannot be head-sharded `tp` ways (CacheConfig checks it too)."""
+    tp = config.tp if tp is None else tp
+    if config.num_groups % tp:
+        raise ValueError(
+            f"head-sharded TP needs num_groups % tp == 0, but num_groups = {config.num_groups} (num_kv_heads = "
+            f"{config.num_kv_heads} / kv_heads_per_group = {config.kv_heads_per_group}) and tp = {tp}: "
+            + ("lower kv_heads_per_group" if config.num_kv_heads % tp == 0 else
+               "replicate KV heads first (tp.replicate_kv_heads / tp.prepare_model)" if tp % config.num_kv_heads == 0
+               else "tp must divide num_kv_heads or be a multiple of it"))
+
+
+def local_config(config: CacheConfig) -> CacheConfig:
+    """One rank's view of a TP cache: tp = 1 with that rank's KV heads. Every per-rank size (groups_per_rank,
+    frames, tail ring, host pages) is unchanged, so single-device code runs on one shard as is."""
+    check_tp(config)
+    return dataclasses.replace(config, tp=1, num_kv_heads=config.num_kv_heads // config.tp)
+
+
+def state_specs(state: CacheState) -> CacheState:
+    """PartitionSpecs of a CacheState: the leading rank axis of every per-rank array over "tp", the sequence
+    table and the clock replicated."""
+    specs = jax.tree.map(lambda _: P(TP_AXIS), state)
+    return dataclasses.replace(specs, seqs=jax.tree.map(lambda _: P(), state.seqs), clock=P())
+
+
+HOST_SPECS = HostPool(k=P(TP_AXIS), v=P(TP_AXIS))
+
+
+def init_sharded(config: CacheConfig, mesh: Mesh, *, check: bool = True) -> tuple[CacheState, HostPool]:
+    """A fresh TP cache: each rank's shard is built on its own device by the single-device `cache_state.init`
+    (one-rank config), then the shards are joined into global arrays sharded over "tp" (nothing is built for
+    all ranks on one device)."""
+    check_tp(config)
+    devices = list(mesh.devices.flat)
+    if len(devices) != config.tp:
+        raise ValueError(f"mesh has {len(devices)} devices but cache_config.tp = {config.tp}")
+    one = local_config(config)
+    parts = []
+    for d in devices:
+        with jax.default_device(d):
+            s, h = cache_state_mod.init(one, device=d, check=check)
+        parts.append((s, h))
+    specs = state_specs(parts[0][0])
+    kind = host_memory_kind(devices[0])
+
+    def join(spec, *xs, memory_kind=None):
+        sh = NamedSharding(mesh, spec, memory_kind=memory_kind)
+        shape = xs[0].shape if spec == P() else (config.tp,) + xs[0].shape[1:]
+        return jax.make_array_from_single_device_arrays(shape, sh, list(xs))
+
+    state = jax.tree.map(join, specs, *[p[0] for p in parts])
+    state = dataclasses.replace(state, config=config)
+    host = jax.tree.map(lambda spec, *xs: join(spec, *xs, memory_kind=kind), HOST_SPECS, *[p[1] for p in parts])
+    return state, host
+
+
+def shard_cache(state: CacheState, host: HostPool, mesh: Mesh) -> tuple[CacheState, HostPool]:
+    """Spread an existing cache (e.g. from `cache_state.init(config)` with config.tp = R, all on one device) over
+    the mesh: rank r's slice of the leading axis goes to device r."""
+    kind = host_memory_kind(mesh.devices.flat[0])
+    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(state)))
+    host = jax.device_put(host, jax.tree.map(lambda s: NamedSharding(mesh, s, memory_kind=kind), HOST_SPECS))
+    return state, host
+
+
+# ---- model ------------------------------------------------------------------------------------------------------
+class RowParallelAttention(Attention):
+    """Attention whose o_proj holds this rank's heads only: partial sums, psum over tp, then the bias."""
+
+    def out(self, attn_out):  # [B, T, Hr, D] -> [B, T, E]
+        y = jnp.einsum("BTHD,EHD->BTE", attn_out.astype(self.o_proj.dtype), self.o_proj[...])
+        y = jax.lax.psum(y, TP_AXIS)
+        return y if self.o_bias is None else y + self.o_bias[...]
+
+
+class RowParallelMLP(MLP):
+    """SwiGLU over this rank's slice of F (gate/up column-parallel, down row-parallel), psum over tp."""
+
+    def __call__(self, x):  # [B, T, E] -> [B, T, E]
+        return jax.lax.psum(super().__call__(x), TP_AXIS)
+
+
+def tp_graphdef(model) -> nnx.GraphDef:
+    """The model's graphdef with the row-parallel module classes: `nnx.merge(graphdef, local_params)` inside
+    shard_map then runs one rank's share of every layer, psums included. The weights are not copied."""
+    graphdef, params = nnx.split(model)
+    shell = nnx.merge(graphdef, params)          # new module objects over the same arrays
+    for layer in shell.layers:
+        if type(layer.self_attn) is Attention:
+            layer.self_attn.__class__ = RowParallelAttention
+        if type(layer.mlp) is MLP:
+            layer.mlp.__class__ = RowParallelMLP
+    return nnx.split(shell)[0]
+
+
+_COLUMN = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "q_bias": 0, "k_bias": 0, "v_bias": 0, "gate_proj": 0,
+           "up_proj": 0}
+_ROW = {"o_proj": 1, "down_proj": 1}
+
+
+def _param_name(path) -> str:
+    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return str(names[-1]) if names else ""
+
+
+def param_specs(params):
+    """PartitionSpecs for the model's params (an nnx.State): column-parallel q/k/v/gate/up, row-parallel o/down,
+    everything else replicated."""
+    def spec(path, x):
+        axis = {**_COLUMN, **_ROW}.get(_param_name(path))
+        if axis is None:
+            return P()
+        return P(*([None] * axis + [TP_AXIS]))
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def shard_params(params, mesh: Mesh):
+    """Place the params on the mesh per `param_specs` (checks that every split axis divides by tp)."""
+    tp = mesh.shape[TP_AXIS]
+    specs = param_specs(params)
+
+    def check(path, x, s):
+        for ax, name in enumerate(s):
+            if name == TP_AXIS and x.shape[ax] % tp:
+                raise ValueError(f"param {jax.tree_util.keystr(path)} of shape {x.shape}: axis {ax} "
+                                 f"({x.shape[ax]}) does not divide by tp = {tp}")
+    jax.tree_util.tree_map_with_path(check, params, specs)
+    return jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+
+
+def replicate_kv_heads(model, factor: int):
+    """A model computing the same function with each KV head repeated `factor` times (adjacent copies), so that
+    tp = num_kv_heads * factor ranks each own whole KV heads. Weights other than k/v are shared, not copied."""
+    mc = model.config
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
+        raise ValueError(f"factor = {factor!r} must be an int >= 1")
+    if factor == 1:
+        return model
+    if mc.num_heads % (mc.num_kv_heads * factor):
+        raise ValueError(f"cannot replicate {mc.num_kv_heads} KV heads {factor}x: num_heads = {mc.num_heads} is "
+                         f"not a multiple of {mc.num_kv_heads * factor}")
+    graphdef, params = nnx.split(model)
+    new = nnx.merge(graphdef, params)
+    for layer in new.layers:
+        a = layer.self_attn
+        for name in ("k_proj", "v_proj", "k_bias", "v_bias"):
+            var = getattr(a, name)
+            if var is not None:
+                setattr(a, name, nnx.Param(jnp.repeat(var[...], factor, axis=0)))
+    new.config = mc.replace(num_kv_heads=mc.num_kv_heads * factor)
+    return new
+
+
+def prepare_model(model, tp: int):
+    """Check that the model splits `tp` ways (heads, KV heads, MLP width) and replicate KV heads when tp exceeds
+    them. Returns the model to shard (the same object when nothing needs replicating)."""
+    mc = model.config
+    for name, n in (("num_heads", mc.num_heads), ("intermediate_size", mc.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"tp = {tp} must divide the model's {name} = {n}")
+    k = mc.num_kv_heads
+    if k % tp == 0:
+        return model
+    if tp % k == 0:
+        return replicate_kv_heads(model, tp // k)
+    raise ValueError(f"tp = {tp} must divide num_kv_heads = {k} or be a multiple of it (then KV heads are "
+                     "replicated)")
+
+
+# ---- cache manager and generator --------------------------------------------------------------------------------
+def per_rank(fn, mesh: Mesh, config: CacheConfig, in_specs, out_specs):
+    """`jax.shard_map(fn)` over "tp" where every CacheState argument and result carries the one-rank config
+    (`local_config`) inside the map and the global one outside, so `fn` is single-device cache code."""
+    local = local_config(config)
+
+    def swap(x, c):
+        return dataclasses.replace(x, config=c) if isinstance(x, CacheState) else x
+
+    def body(*args):
+        out = fn(*(swap(a, local) for a in args))
+        return tuple(swap(o, config) for o in out) if isinstance(out, tuple) else swap(out, config)
+    body.__name__ = f"tp_{getattr(fn, '__name__', 'fn')}"
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+class TPCacheManager(CacheManager):
+    """`CacheManager` over a TP mesh: the state and host pool sharded by rank, admission/release/ingestion run per
+    rank under shard_map (no collective). Host bookkeeping (`HostAllocator`) is shared: every rank uses the same
+    host page indices in its own pool."""
+
+    def __init__(self, config: CacheConfig, mesh: Mesh, *, impl: str = "auto"):
+        self.config, self.impl, self.mesh = config, impl, mesh
+        self.state, self.host = init_sharded(config, mesh)
+        self.alloc = HostAllocator(config)
+        self.specs = st = state_specs(self.state)
+        hs, r = HOST_SPECS, P()
+        self._admit = jax.jit(per_rank(admit_device, mesh, config, (st, r, r), st), donate_argnums=0)
+        self._release = jax.jit(per_rank(release_device, mesh, config, (st, r), st), donate_argnums=0)
+
+        def ingest(s, h, slot, k, v, start, length):
+            return ingest_chunk(s, h, slot, k, v, start, length, impl=impl)
+        kv = P(None, None, TP_AXIS)      # prefill K/V [L, C, KV, D] split on KV heads, like the k/v projections
+        self._ingest = jax.jit(per_rank(ingest, mesh, config, (st, hs, r, kv, kv, r, r), (st, hs)),
+                               donate_argnums=(0, 1), out_shardings=(None, self.host_shardings()))
+
+    def host_shardings(self) -> HostPool:
+        return HostPool(k=self.host.k.sharding, v=self.host.v.sharding)
+
+
+class _TPProgram(_Program):
+    """`generate._Program` (prefill, decode loop) with each jitted entry point wrapped in shard_map over "tp"."""
+
+    def __init__(self, graphdef, config: CacheConfig, options: DecodeOptions, host_sh, mesh: Mesh, param_spec,
+                 state_spec):
+        super().__init__(graphdef, config, "sparse", options, host_sh)   # its jits are replaced below, unused
+        ps, st, hs, r, rk = param_spec, state_spec, HOST_SPECS, P(), P(TP_AXIS)
+        stats_spec = jax.tree.map(lambda _: rk, LayerStats.zeros())
+        self.prefill = jax.jit(per_rank(self._prefill_sparse, mesh, config, (ps, st, hs, r, r, r), (st, hs, r)),
+                               donate_argnums=(1, 2), out_shardings=(None, host_sh, None))
+        self.decode = jax.jit(per_rank(self._decode_sparse, mesh, config, (ps, st, hs) + (r,) * 6,
+                                       (st, hs, r, r, r, stats_spec)),
+                              donate_argnums=(1, 2), out_shardings=(None, host_sh, None, None, None, None))
+        self.next_logits = jax.jit(per_rank(self._next_logits, mesh, config, (ps, st, hs, r), r))
+
+    def _decode_sparse(self, params, state, host, tok, done, remaining, keys, sampling, stop_ids):
+        # _Program._decode_sparse with the rank's global group offset passed to attend_layer; stats per rank.
+        opts, rank = self.options, jax.lax.axis_index(TP_AXIS)
+
+        def attend(state, l, q, k, v, pos, live):
+            return attend_layer(state, host, l, q, k, v, pos, live & state.seqs.active, options=opts, rank=rank)
+
+        state, out, done, remaining, length, stats = self._decode_loop(
+            params, state, attend, tok, done, remaining, state.seqs.length, keys, sampling, stop_ids)
+        state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=length),
+                                    clock=state.clock + 1)
+        state, host = flush_tail(state, host, impl=opts.copy)
+        return state, host, out, done, remaining, jax.tree.map(lambda a: a[None], stats)
+
+    def _next_logits(self, params, state, host, tok):
+        """One decode step's logits [S, V] for every active slot given its last token; nothing is committed."""
+        model = nnx.merge(self.graphdef, params)
+        rank, length, live = jax.lax.axis_index(TP_AXIS), state.seqs.length, state.seqs.active
+        x = model.embed(tok[:, None])
+        for l, layer in enumerate(model.layers):
+            q, k, v = layer.qkv(x, length[:, None])
+            state, o, _ = attend_layer(state, host, l, q, k[:, 0], v[:, 0], length, live, options=self.options,
+                                       rank=rank)
+            x = layer.finish(x, o)
+        return model.logits(x)[:, 0]
+
+
+@functools.lru_cache(maxsize=8)
+def _tp_program(graphdef, config, options, host_sh, mesh, param_treedef, param_leaf_specs, state_spec):
+    ps = jax.tree_util.tree_unflatten(param_treedef, param_leaf_specs)
+    return _TPProgram(graphdef, config, options, host_sh, mesh, ps, state_spec)
+
+
+class TPGenerator(Generator):
+    """`Generator` over a head-sharded TP mesh: the same host-side driver (`run`, `prefill`, `admit`, ...) and the
+    same traced prefill/decode code (`generate._Program`), each jitted entry point under shard_map. `stats` are
+    summed over ranks; `rank_stats` keeps them per rank (numpy [R] arrays)."""
+
+    def __init__(self, model, cache_config: CacheConfig, *, mesh: Mesh | None = None,
+                 options: DecodeOptions = DecodeOptions()):
+        mc = model.config
+        c = cache_config
+        check_tp(c)
+        mesh = make_mesh(c.tp) if mesh is None else mesh
+        if mesh.shape.get(TP_AXIS) != c.tp:
+            raise ValueError(f"mesh axis {TP_AXIS!r} has {mesh.shape.get(TP_AXIS)} devices, cache_config.tp = {c.tp}")
+        for name, a, b in (("num_layers", c.num_layers, mc.num_layers), ("num_kv_heads", c.num_kv_heads, mc.num_kv_heads),
+                           ("head_dim", c.head_dim, mc.head_dim)):
+            if a != b:
+                raise ValueError(f"cache_config.{name} = {a} does not match the model's {b}"
+                                 + (" (more ranks than KV heads? see tp.prepare_model)" if name == "num_kv_heads" else ""))
+        for name, n in (("num_heads", mc.num_heads), ("intermediate_size", mc.intermediate_size)):
+            if n % c.tp:
+                raise ValueError(f"tp = {c.tp} must divide the model's {name} = {n}")
+        if getattr(mc, "sliding_window", None) is not None and c.max_context > mc.sliding_window:
+            raise ValueError(f"model uses a sliding window of {mc.sliding_window} tokens; the cache's max context "
+                             f"{c.max_context} exceeds it and sliding-window attention is not implemented in the cache")
+        self.model_config, self.config, self.attention, self.options = mc, c, "sparse", options
+        self.mesh = mesh
+        self.params = shard_params(nnx.split(model)[1], mesh)
+        self.stats = LayerStats.zeros()
+        self.rank_stats = jax.tree.map(lambda z: np.zeros(c.tp, np.int64), LayerStats.zeros())
+        self.cache = TPCacheManager(c, mesh, impl=options.copy)
+        leaves, treedef = jax.tree_util.tree_flatten(param_specs(self.params))
+        self.program = _tp_program(tp_graphdef(model), c, options, self.cache.host_shardings(), mesh, treedef,
+                                   tuple(leaves), self.cache.specs)
+        self._prefill, self._decode = self.program.prefill, self.program.decode
+
+    def next_logits(self, tok) -> jax.Array:
+        """Logits [S, V] of the token after `tok` [S] (each slot's last token) for every active slot, through the
+        sparse cache exactly as a decode step computes them; the cache is not advanced (checks, scoring)."""
+        m = self.cache
+        return self.program.next_logits(self.params, m.state, m.host, jnp.asarray(tok, jnp.int32))
+
+    def decode_chunk(self, tok, done, remaining, keys, sampling, stop_ids):
+        # host-made inputs replicated on the mesh like the previous chunk's outputs: one compile, not two
+        tok, done, remaining, sampling, stop_ids = jax.device_put((tok, done, remaining, sampling, stop_ids),
+                                                                  NamedSharding(self.mesh, P()))
+        m = self.cache
+        m.state, m.host, out, done, remaining, stats = self._decode(self.params, m.state, m.host, tok, done,
+                                                                     remaining, keys, sampling, stop_ids)
+        per = jax.tree.map(lambda a: np.asarray(a).astype(np.int64), stats)
+        self.rank_stats = jax.tree.map(lambda a, b: a + b, self.rank_stats, per)
+        self.stats = self.stats + jax.tree.map(lambda a: jnp.asarray(a.sum(), jnp.int32), per)
+        return out, done, remaining
+
+
+def default_tp_cache_config(model_config, tp: int, *, num_seqs: int, max_tokens: int, page_size: int = 64,
+                            token_budget: int = 2048, dtype=None, **overrides) -> CacheConfig:
+    """`generate.default_cache_config` for `tp` ranks: the same policy, with the HBM frames and host pages sized
+    for one rank's groups (a rank caches only its own groups' pages)."""
+    c = default_cache_config(model_config, num_seqs=num_seqs, max_tokens=max_tokens, page_size=page_size,
+                             token_budget=token_budget, dtype=dtype, tp=tp)
+    check_tp(c)
+    frames_needed = num_seqs * c.num_layers * c.groups_per_rank * c.select_pages
+    slots = 64 if frames_needed >= 64 * 64 else max(4, frames_needed // 16)
+    buckets = bucket_length(math.ceil(frames_needed / slots), 1)
+    kw = dict(num_buckets=buckets, slots_per_bucket=slots,
+              host_pages=num_seqs * c.num_layers * c.groups_per_rank * c.max_pages_per_seq)
+    kw.update(overrides)
+    return dataclasses.replace(c, **kw)
+
+
+def generate(model, prompt_ids, *, max_new_tokens: int, tp: int, cache_config: CacheConfig | None = None,
+             mesh: Mesh | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+             stop_ids=(), options: DecodeOptions = DecodeOptions()) -> list[list[int]]:
+    """`generate.generate` (sparse attention) with the model and cache head-sharded over `tp` devices; the same
+    tokens as tp = 1 up to fp32 reduction order. `cache_config` may be given with tp = 1 or tp = `tp` (its
+    num_kv_heads is the model's; with more ranks than KV heads it is scaled to the replicated count)."""
+    k0 = model.config.num_kv_heads
+    model = prepare_model(model, tp)
+    mc = model.config
+    prompts = _check_prompts(prompt_ids, mc.vocab_size, max_new_tokens)
+    check_sampling(temperature, top_p, top_k, mc.vocab_size)
+    if cache_config is None:
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        cache_config = default_tp_cache_config(mc, tp, num_seqs=bucket_length(len(prompts), 1) if len(prompts) <= 8
+                                               else 8, max_tokens=longest, page_size=64 if longest > 512 else 16,
+                                               dtype=model.dtype)
+    else:
+        if cache_config.tp not in (1, tp):
+            raise ValueError(f"cache_config.tp = {cache_config.tp} but tp = {tp}")
+        one = dataclasses.replace(cache_config, tp=1)
+        if mc.num_kv_heads != k0 and one.num_kv_heads == k0:            # KV heads were replicated
+            one = dataclasses.replace(one, num_kv_heads=mc.num_kv_heads)
+        check_tp(one, tp)
+        cache_config = dataclasses.replace(one, tp=tp)
+    gen = TPGenerator(model, cache_config, mesh=mesh, options=options)
+    out: list[list[int]] = []
+    S = cache_config.max_seqs
+    for w in range(0, len(prompts), S):
+        out.extend(gen.run(prompts[w:w + S], max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                           seed=seed + w, stop_ids=tuple(stop_ids)))
+    return out
