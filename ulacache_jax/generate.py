@@ -258,6 +258,8 @@ class Generator:
     def decode_chunk(self, tok, done, remaining, keys, sampling, stop_ids):
         """One jitted chunk of page_size steps for every slot. keys [S]: one PRNG key per slot (see
         sampling.row_keys). Returns (tokens [S, page_size] with -1 where a slot produced nothing, done, remaining)."""
+        # committed like the chunk's own outputs, so the first chunk compiles the same program as the rest
+        tok, done, remaining = jax.device_put((tok, done, remaining), jax.devices()[0])
         if self.attention == "sparse":
             m = self.cache
             m.state, m.host, out, done, remaining, stats = self._decode(self.params, m.state, m.host, tok, done,
