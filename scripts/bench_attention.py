@@ -23,7 +23,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -32,6 +31,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from ulacache_jax.bench_meta import git_commit
 from ulacache_jax.pallas_kernels import sparse_decode_attention as sda
 
 H, KV, D, PAGE, TAIL = 64, 8, 128, 64, 2
@@ -654,31 +654,6 @@ def summary(results):
     return "\n".join(lines)
 
 
-def git_commit(root):
-    """HEAD's hash: `git rev-parse`, else read from .git (a copied tree may lack the objects git wants)."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "-q", "--verify", "HEAD"], capture_output=True, text=True,
-                             cwd=root).stdout.strip()
-        if len(out) == 40:
-            return out
-    except Exception:
-        pass
-    try:
-        head = open(os.path.join(root, ".git", "HEAD")).read().strip()
-        if not head.startswith("ref: "):
-            return head
-        ref = head[5:]
-        path = os.path.join(root, ".git", ref)
-        if os.path.exists(path):
-            return open(path).read().strip()
-        for line in open(os.path.join(root, ".git", "packed-refs")):
-            if line.strip().endswith(" " + ref):
-                return line.split()[0]
-    except Exception:
-        pass
-    return None
-
-
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "docs/benchmarks"))
@@ -704,7 +679,7 @@ def parse(argv=None):
 def main(argv=None, extra_sections=()):
     """Run the benchmark; returns the results dict (also written to OUT/attention.json and attention.png)."""
     a = parse(argv)
-    commit = git_commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    commit = git_commit()
     dev = jax.devices()[0]
     results = {"device": f"{dev.platform} {dev.device_kind}", "jax": jax.__version__, "git_commit": commit,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -17,7 +17,6 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 import time
 
 import numpy as np
@@ -144,6 +143,7 @@ def main(argv=None):
     p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")
     p.add_argument("--out", default="docs/benchmarks")
     args = p.parse_args(argv)
+    from ulacache_jax.bench_meta import git_commit
     from ulacache_jax.models import LlamaModel, get_preset
     mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
     model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -154,12 +154,7 @@ def main(argv=None):
     else:
         plan = [(side, ctx, b) for ctx in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))
                 for side in args.sides.split(",")]
-    commit = args.commit
-    if commit is None:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-        except Exception:
-            commit = "unknown"
+    commit = args.commit or git_commit()
     os.makedirs(args.out, exist_ok=True)
     for side, ctx, b in plan:
         try:

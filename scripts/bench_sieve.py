@@ -39,20 +39,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from ulacache_jax import lid as lid_mod
+from ulacache_jax.bench_meta import git_commit
 from ulacache_jax import pb_lru
 from ulacache_jax.pallas_kernels import pb_lru_sieve as sv
 
 STEPS = 16
 CHURN = 0.1
 TARGET_US = 20.0
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).decode().strip()
-    except Exception:
-        return "unknown"
 
 
 def np_bucket(x: np.ndarray, nb: int) -> np.ndarray:

@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -28,9 +27,11 @@ import jax.numpy as jnp
 
 try:
     from ulacache_jax.pallas_kernels import page_copy as pc
+    from ulacache_jax.bench_meta import git_commit
 except ModuleNotFoundError:  # run from a source tree without an install (the GPU machine's bare copy)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from ulacache_jax.pallas_kernels import page_copy as pc
+    from ulacache_jax.bench_meta import git_commit
 
 PAGE_SHAPE = (64, 1, 128)
 DTYPE = jnp.bfloat16
@@ -110,36 +111,6 @@ def measure(run, reps: int, nbytes: int, warmup: int = 2) -> dict:
     else:
         res.update(device_us=None, gbps=res["gbps_wall"])
     return res
-
-
-def git_commit() -> str:
-    """HEAD's hash (+ '-dirty' when the tree has changes); read from .git directly where git cannot run."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        out = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=root)
-        commit = out.stdout.strip()
-        if out.returncode != 0 or len(commit) != 40:
-            raise RuntimeError(out.stderr[:200])
-        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                            text=True, timeout=20, cwd=root)
-        return commit + ("-dirty" if st.returncode == 0 and st.stdout.strip() else "")
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        head = open(os.path.join(root, ".git", "HEAD")).read().strip()
-        if not head.startswith("ref: "):
-            return head
-        ref = head[5:]
-        path = os.path.join(root, ".git", ref)
-        if os.path.exists(path):
-            return open(path).read().strip()
-        for line in open(os.path.join(root, ".git", "packed-refs")):
-            if line.strip().endswith(" " + ref):
-                return line.split()[0]
-    except OSError:
-        pass
-    return "unknown"
 
 
 def device_info() -> dict:

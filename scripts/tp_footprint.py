@@ -34,7 +34,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -44,19 +43,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ulacache_jax import selection
+from ulacache_jax.bench_meta import git_commit
 from ulacache_jax.models import LlamaModel, ModelConfig
 from ulacache_jax.models.attention import dense_attention
 
 CLAIM = 0.571
 TPS = (2, 4, 8)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).decode().strip()
-    except Exception:
-        return "unknown"
 
 
 # ---- selection -------------------------------------------------------------------------------------------------

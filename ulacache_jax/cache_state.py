@@ -16,10 +16,8 @@ read-only argument and write it once per call (donated in, aliased out).
 from __future__ import annotations
 
 import dataclasses
-import os
 from functools import partial
 
-import numpy as np
 import jax
 import jax.numpy as jnp
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .cache_state import CacheState, HostPool
+
 from .config import CacheConfig
 from .decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
 from .sampling import SamplingArrays, check_sampling, row_keys, sample
@@ -346,8 +346,14 @@ def generate(model, prompt_ids, *, max_new_tokens: int, cache_config: CacheConfi
                                             max_tokens=longest, page_size=64 if longest > 512 else 16,
                                             dtype=model.dtype)
     gen = Generator(model, cache_config, attention=attention, options=options)
+    return run_in_waves(gen, prompts, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                        stop_ids=stop_ids)
+
+
+def run_in_waves(gen: Generator, prompts, max_new_tokens: int, *, temperature, top_p, top_k, seed, stop_ids):
+    """Prompts beyond the generator's max_seqs slots run in successive waves of max_seqs."""
     out: list[list[int]] = []
-    S = cache_config.max_seqs
+    S = gen.config.max_seqs
     for w in range(0, len(prompts), S):
         out.extend(gen.run(prompts[w:w + S], max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                            seed=seed + w, stop_ids=tuple(stop_ids)))

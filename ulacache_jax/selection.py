@@ -9,7 +9,6 @@ pages are always attended from the tail ring).
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

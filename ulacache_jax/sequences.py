@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from . import pb_lru, vtlb as vtlb_mod
 from .cache_state import CacheState, HostPool, init as init_state, tail_frame
-from .config import CacheConfig, TAIL_PAGES
+from .config import CacheConfig
 from .pallas_kernels import page_copy
 
 

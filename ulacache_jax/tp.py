@@ -56,7 +56,7 @@ from . import cache_state as cache_state_mod
 from .cache_state import CacheState, HostPool, host_memory_kind
 from .config import CacheConfig
 from .decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
-from .generate import Generator, _Program, _check_prompts, bucket_length, default_cache_config
+from .generate import Generator, _Program, _check_prompts, bucket_length, default_cache_config, run_in_waves
 from .models.llama import MLP, Attention
 from .sampling import check_sampling
 from .sequences import CacheManager, HostAllocator, admit_device, ingest_chunk, release_device
@@ -430,9 +430,5 @@ def generate(model, prompt_ids, *, max_new_tokens: int, tp: int, cache_config: C
         check_tp(one, tp)
         cache_config = dataclasses.replace(one, tp=tp)
     gen = TPGenerator(model, cache_config, mesh=mesh, options=options)
-    out: list[list[int]] = []
-    S = cache_config.max_seqs
-    for w in range(0, len(prompts), S):
-        out.extend(gen.run(prompts[w:w + S], max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                           seed=seed + w, stop_ids=tuple(stop_ids)))
-    return out
+    return run_in_waves(gen, prompts, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                        stop_ids=stop_ids)
