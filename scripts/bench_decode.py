@@ -55,13 +55,13 @@ def synthetic_fill_dense(gen, batch, ctx, seed):
     c = gen.config
     shape = gen.dense.k.shape
     fill = jax.jit(lambda key: jax.random.normal(key, shape, c.jnp_dtype), out_shardings=None)
-    from ulacache_jax.generate import DenseCache
+    from ulacache_jax.generation import DenseCache
     gen.dense = DenseCache(fill(jax.random.key(seed)), fill(jax.random.key(seed + 1)))
     gen.dense_len = jnp.where(jnp.arange(c.max_seqs) < batch, ctx, 0).astype(jnp.int32)
 
 
 def run_side(model, mc, attention, batch, ctx, args, copy_bw):
-    from ulacache_jax.generate import Generator, default_cache_config
+    from ulacache_jax.generation import Generator, default_cache_config
     from ulacache_jax.sampling import SamplingArrays, row_keys
     page = 64
     frames_full = batch * mc.num_layers * mc.num_kv_heads * (args.budget // page)

@@ -1,12 +1,12 @@
 """What bucketing costs in hit rate: PB-LRU (B buckets of S slots) against a global LRU (B = 1, the same code)
 and Belady's optimal policy (fully associative, capacity = pool, clairvoyant), on page-selection traces.
 
-    python scripts/eviction_study.py [--out docs/benchmarks] [--trace TRACE.npz]
+    python scripts/eviction_study.py [--out docs/benchmarks] [--trace TRACE.npz] [--name eviction] [--clock row]
 
 Pools hold 1/4, 1/8 and 1/16 of the trace's distinct pages; slots per bucket sweep from 8 upward to the whole
 pool (B = 1). Hit rates are over all requests after a warm-up (--warmup steps). Runs on CPU with the jnp
 reference (`pb_lru.ref_access`; the Pallas sieve is bit-identical to it). Writes eviction.json and eviction.png
-and prints a markdown table.
+(`--name` changes the stem) and prints a markdown table.
 
 Trace (SYNTHETIC unless --trace is given): `synthetic_trace` below. Each (sequence, layer, KV-group) stream owns
 `pages` pages whose key summaries are planted around `clusters` centroids, in runs of consecutive pages
@@ -16,6 +16,10 @@ for the Quest bound) up to `budget` pages, so selected pages recur across steps 
 topic. One step's batch is all streams' selected pages as LIDs, in stream order.
 --trace loads real selection traces instead: an .npz with `lids` (uint64 [steps, N]) and optional `valid` (bool
 [steps, N]), e.g. dumped from the model's generate loop (rerun then, and label the result as real).
+`scripts/selection_trace.py` writes such traces from the library's own decode path; their optional `label`
+(e.g. "random-weight model trace") names the source in the outputs, and their optional `clock` [steps] (the
+cache clock the library stamped each sieve call with) is used as PB-LRU's `now` with `--clock trace`; the
+default, `--clock row`, stamps row t with t, as for the synthetic trace.
 """
 from __future__ import annotations
 
@@ -74,12 +78,13 @@ def words(x):
     return (jnp.asarray((x >> np.uint64(32)).astype(np.uint32)), jnp.asarray((x & np.uint64(0xFFFFFFFF)).astype(np.uint32)))
 
 
-def pblru_hit_rate(trace, valid, nb, ns, warmup):
+def pblru_hit_rate(trace, valid, nb, ns, warmup, clock=None):
     state = pb_lru.init(nb, ns)
     hits = total = 0
     for t in range(trace.shape[0]):
         hi, lo = words(trace[t])
-        state, out = pb_lru.ref_access(state, hi, lo, jnp.asarray(valid[t]), jnp.int32(t))
+        now = t if clock is None else int(clock[t])
+        state, out = pb_lru.ref_access(state, hi, lo, jnp.asarray(valid[t]), jnp.int32(now))
         if t >= warmup:
             hits += int(out.hit.sum())
             total += int(valid[t].sum())
@@ -123,7 +128,12 @@ def main():
     ap.add_argument("--trace", default=None, help=".npz with lids [steps, N] uint64 (and valid); default synthetic")
     ap.add_argument("--warmup", type=int, default=40)
     ap.add_argument("--min-slots", type=int, default=8)
+    ap.add_argument("--name", default="eviction", help="stem of the output files (NAME.json, NAME.png)")
+    ap.add_argument("--clock", choices=("row", "trace"), default="row",
+                    help="PB-LRU stamps: the row index, or the trace's own `clock` (needs --trace)")
     args = ap.parse_args()
+    if args.clock == "trace" and not args.trace:
+        ap.error("--clock trace needs --trace")
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     if args.trace:
@@ -132,23 +142,31 @@ def main():
         valid = data["valid"].astype(bool) if "valid" in data else np.ones(trace.shape, bool)
         distinct = len(np.unique(trace[valid]))
         total_pages = int(data["total_pages"]) if "total_pages" in data else distinct
-        source = f"real selection trace {os.path.basename(args.trace)}"
+        label = str(data["label"]) if "label" in data else "real selection trace"
+        source = f"{label} {os.path.basename(args.trace)}"
+        if args.clock == "trace":
+            if "clock" not in data:
+                raise SystemExit(f"--clock trace: {args.trace} has no `clock`")
+            clock = data["clock"].astype(np.int64)
+            source += " (PB-LRU stamps: the library's cache clock)"
     else:
         trace, total_pages = synthetic_trace()
         valid = np.ones(trace.shape, bool)
         distinct = len(np.unique(trace[valid]))
         source = "SYNTHETIC (scripts/eviction_study.py synthetic_trace, default parameters)"
+    if args.clock == "row":
+        clock = np.arange(trace.shape[0])
     # pools hold 1/4, 1/8, 1/16 of the KV cache's pages (rounded down to a power of two so B = pool / S is one)
     pools = {frac: 1 << max(3, int(np.floor(np.log2(total_pages / frac)))) for frac in (4, 8, 16)}
     results = []
     for frac, pool in pools.items():
-        glob = pblru_hit_rate(trace, valid, 1, pool, args.warmup)
+        glob = pblru_hit_rate(trace, valid, 1, pool, args.warmup, clock)
         opt = belady_hit_rate(trace, valid, pool, args.warmup)
         rows = []
         s = args.min_slots
         while s <= pool:
             nb = pool // s
-            hr = glob if nb == 1 else pblru_hit_rate(trace, valid, nb, s, args.warmup)
+            hr = glob if nb == 1 else pblru_hit_rate(trace, valid, nb, s, args.warmup, clock)
             rows.append(dict(slots=s, buckets=nb, hit_rate=hr))
             s *= 2
         within = [r for r in rows if r["hit_rate"] >= glob - 0.01]
@@ -165,13 +183,16 @@ def main():
     except Exception:
         commit = "unknown"
     meta = dict(source=source, steps=int(trace.shape[0]), requests_per_step=int(trace.shape[1]),
-                total_pages=int(total_pages), distinct_pages_requested=int(distinct), warmup_steps=args.warmup, jax=jax.__version__,
+                total_pages=int(total_pages), distinct_pages_requested=int(distinct), warmup_steps=args.warmup,
+                clock=args.clock, jax=jax.__version__,
                 device=jax.devices()[0].device_kind, commit=commit,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=" ".join(sys.argv),
                 seconds=round(time.time() - t0, 1))
-    with open(os.path.join(args.out, "eviction.json"), "w") as fh:
+    if args.trace and "meta" in data:
+        meta["trace_meta"] = json.loads(str(data["meta"]))
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
         json.dump(dict(meta=meta, results=results), fh, indent=1)
-    plot(results, meta, os.path.join(args.out, "eviction.png"))
+    plot(results, meta, os.path.join(args.out, f"{args.name}.png"))
     print(f"\nTrace: {source}; {meta['steps']} steps x {meta['requests_per_step']} requests over a KV cache of "
           f"{total_pages} pages ({distinct} ever selected); hit rates after {args.warmup} warm-up steps.\n")
     print("| pool (of the KV pages) | frames | global LRU (B = 1) | Belady (optimal) | PB-LRU at S = 8 | "
@@ -201,7 +222,8 @@ def plot(results, meta, path):
     ax.set_xlabel("slots per bucket S (rightmost point: B = 1, global LRU, square)")
     ax.set_ylabel("hit rate (%)")
     label = "SYNTHETIC trace" if meta["source"].startswith("SYNTHETIC") else meta["source"]
-    ax.set_title(f"PB-LRU hit rate vs slots per bucket; dotted: Belady optimal ({label})", fontsize=9)
+    sep = " " if meta["source"].startswith("SYNTHETIC") else "\n"   # a long trace label goes on its own line
+    ax.set_title(f"PB-LRU hit rate vs slots per bucket; dotted: Belady optimal{sep}({label})", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

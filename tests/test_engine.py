@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from ulacache_jax.engine import Engine, SamplingParams
-from ulacache_jax.generate import Generator, default_cache_config, generate
+from ulacache_jax.generation import Generator, default_cache_config, generate
 from ulacache_jax.models import LlamaModel, get_preset
 
 LENS = (40, 100, 50, 120, 70)   # prefill buckets 64 and 128 only
@@ -135,3 +135,14 @@ def test_sampling_params_validation():
     with pytest.raises(ValueError, match="stop id"):
         SamplingParams(stop_ids=(300,)).check(258)
     SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=1, stop_ids=(257,)).check(258)
+
+
+def test_sampled_tokens_depend_only_on_the_request_seed(setup):
+    """A seeded request draws the same tokens alone or beside other requests (per-slot keys)."""
+    _, _, gen, prompts = setup
+    mine = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.95, seed=1234)
+    other = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=99)
+    alone = Engine(generator=gen, seed=0).run([prompts[2]], [mine])[0]
+    # beside another request, in the second slot this time, and with another engine seed
+    mixed = Engine(generator=gen, seed=5).run([prompts[4], prompts[2]], [other, mine])[1]
+    assert alone.tokens == mixed.tokens and len(alone.tokens) == MAX_NEW

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ulacache_jax.generate import Generator, generate, default_cache_config
+from ulacache_jax.generation import Generator, generate, default_cache_config
 from ulacache_jax.models import LlamaModel, get_preset
 
 

@@ -3,7 +3,7 @@
 The main pytest process has already started jax with one CPU device, so the multi-device checks run this file
 as a script in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8 set before jax starts, and
 read back a JSON report. Checks: TP = 2, 4, 8 give the same greedy tokens as TP = 1 and as the single-device
-`generate.generate`, with prefill and decode logits within fp32 tolerance; each rank's PB-LRU holds only pages of
+`generation.generate`, with prefill and decode logits within fp32 tolerance; each rank's PB-LRU holds only pages of
 its own groups (and its vTLB slice agrees with it); the shards of every per-rank array live on their own device;
 the compiled step has exactly two psums (all-reduces) per layer and no other collective; more ranks than KV heads
 replicate heads and still match TP = 1.
@@ -129,7 +129,7 @@ def _ownership(gen) -> dict:
 def run_checks(tps: list[int]) -> dict:
     import jax
     from ulacache_jax import tp as tp_mod
-    from ulacache_jax.generate import Generator, generate
+    from ulacache_jax.generation import Generator, generate
 
     model, cfg, prompts = _setup()
     res: dict = {"devices": len(jax.devices()), "tp": {}}

@@ -10,8 +10,8 @@ if _os.path.isfile(_os.path.join(_root, "pallas_kernels", "__init__.py")) and _r
 
 from . import lid, pb_lru, vtlb  # noqa: E402
 # Binding the function after the submodule loads makes `ulacache_jax.generate` the function (the API);
-# `from ulacache_jax.generate import Generator` still finds the module through sys.modules.
-from .generate import generate  # noqa: E402
+# `from ulacache_jax.generation import Generator` still finds the module through sys.modules.
+from .generation import generate  # noqa: E402
 
 __all__ = ["lid", "pb_lru", "vtlb", "generate", "Engine"]
 

@@ -321,7 +321,7 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     """The cache for this run: generate.default_cache_config (tp.default_tp_cache_config under --tp: frames and
     host pages per rank), then --hbm-pages / --host-gb."""
     from .config import CacheConfig
-    from .generate import default_cache_config
+    from .generation import default_cache_config
 
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,

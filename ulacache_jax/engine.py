@@ -20,10 +20,9 @@ tokens past the stop are dropped. (Giving the chunk the union of the running req
 at another request's stop id, and resuming it would shift where its later chunks, and so its page flushes,
 fall; sparse attention depends on which pages are flushed (selected) or still in the tail ring (always
 attended), so its tokens would depend on the other requests.) Every request's chunks start at its own prefill,
-as in generate(), so greedy tokens do not depend on the batch. Seeds: `seed` draws the request's
-first token; later tokens are drawn on the device with one key per chunk (generate.py samples the whole batch
-with one key per step), so sampled (temperature > 0) output is reproducible for the same engine seed and the same
-request order, not across different batch mixes. Greedy output does not depend on batching.
+as in generate(), so greedy tokens do not depend on the batch. Seeds: every slot samples with its own key,
+derived from the request's seed (or the engine seed and the request id) and the request's own chunk count
+(`sampling.row_keys`), so a request's sampled tokens depend only on its seed, not on what shares its batch.
 """
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 
 from .config import CacheConfig
 from .decode_layer import DecodeOptions
-from .generate import Generator, bucket_length, default_cache_config
+from .generation import Generator, bucket_length, default_cache_config
 from .sampling import SamplingArrays, check_sampling, row_keys, sample
 from .sequences import CapacityError
 

@@ -56,7 +56,7 @@ from . import cache_state as cache_state_mod
 from .cache_state import CacheState, HostPool, host_memory_kind
 from .config import CacheConfig
 from .decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
-from .generate import Generator, _Program, _check_prompts, bucket_length, default_cache_config, run_in_waves
+from .generation import Generator, _Program, _check_prompts, bucket_length, default_cache_config, run_in_waves
 from .models.llama import MLP, Attention
 from .sampling import check_sampling
 from .sequences import CacheManager, HostAllocator, admit_device, ingest_chunk, release_device
@@ -408,7 +408,7 @@ def default_tp_cache_config(model_config, tp: int, *, num_seqs: int, max_tokens:
 def generate(model, prompt_ids, *, max_new_tokens: int, tp: int, cache_config: CacheConfig | None = None,
              mesh: Mesh | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              stop_ids=(), options: DecodeOptions = DecodeOptions()) -> list[list[int]]:
-    """`generate.generate` (sparse attention) with the model and cache head-sharded over `tp` devices; the same
+    """`generation.generate` (sparse attention) with the model and cache head-sharded over `tp` devices; the same
     tokens as tp = 1 up to fp32 reduction order. `cache_config` may be given with tp = 1 or tp = `tp` (its
     num_kv_heads is the model's; with more ranks than KV heads it is scaled to the replicated count)."""
     k0 = model.config.num_kv_heads

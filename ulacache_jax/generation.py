@@ -86,6 +86,20 @@ def _prefill_attention(q, k, v, length):
     return dense_attention(q, k, v, pos, pos)
 
 
+PREFILL_CHUNK = 4096  # tokens of per-token prefill work (projections, MLP) at a time
+
+
+def _token_chunks(fn, chunk: int, *xs):
+    """Apply a per-token fn to arrays [1, T, ...] in chunks of `chunk` tokens (lax.map: one compiled chunk)."""
+    T = xs[0].shape[1]
+    if chunk >= T:
+        return fn(*xs)
+    n = T // chunk
+    split = [x.reshape((n, 1, chunk) + x.shape[2:]) for x in xs]
+    out = jax.lax.map(lambda a: fn(*a), tuple(split))
+    return jax.tree.map(lambda y: y.reshape((1, T) + y.shape[3:]), out)
+
+
 class _Program:
     """The jitted prefill and decode-chunk functions of one (model graph, cache shape, options): shared by every
     Generator with the same key (see `_program`), so a new Generator for the same model does not recompile."""
@@ -105,12 +119,15 @@ class _Program:
         """ids [T] (bucketed), length [] -> (last-token logits [V], per-layer K/V handed to `store`)."""
         model = nnx.merge(self.graphdef, params)
         T = ids.shape[0]
+        C = min(T, PREFILL_CHUNK)      # both powers of two: C divides T
         pos = jnp.arange(T, dtype=jnp.int32)[None]
         x = model.embed(ids[None])
         for l, layer in enumerate(model.layers):
-            q, k, v = layer.qkv(x, pos)
+            # per-token work in chunks of C tokens, so a 256K prompt never holds a [T, intermediate] MLP activation
+            # (7 GB at Llama-3.1-8B shape); attention itself is flash (cuDNN) on GPU, O(T) memory
+            q, k, v = _token_chunks(layer.qkv, C, x, pos)
             store(l, k[0], v[0])
-            x = layer.finish(x, _prefill_attention(q, k, v, length))
+            x = _token_chunks(layer.finish, C, x, _prefill_attention(q, k, v, length))
         h = jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)
         return model.logits(h)[0, 0]
 
