@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from .pallas_kernels import page_scores
+
 
 def fold_queries(q, num_groups: int, kv_heads_per_group: int):
     """q [B, Q, H, D] -> (qpos, qneg) [B, G, g, D] fp32: sums over query positions and the query heads of each KV
@@ -23,11 +25,11 @@ def fold_queries(q, num_groups: int, kv_heads_per_group: int):
 
 
 def ref_page_scores(q, kmin, kmax):
-    """q [B, Q, H, D]; kmin, kmax [B, G, P, g, D] -> scores [B, G, P] fp32 (Quest upper bound)."""
+    """q [B, Q, H, D]; kmin, kmax [B, G, P, g, D] (one layer's summaries) -> scores [B, G, P] fp32 (Quest bound);
+    the same math as the kernel's reference, which reads the summaries of every layer in place."""
     B, G, P, g, D = kmin.shape
     qpos, qneg = fold_queries(q, G, g)
-    return (jnp.einsum("bgpjd,bgjd->bgp", kmax.astype(jnp.float32), qpos)
-            + jnp.einsum("bgpjd,bgjd->bgp", kmin.astype(jnp.float32), qneg))
+    return page_scores.ref_page_scores(kmin[:, None], kmax[:, None], qpos, qneg, layer=0)
 
 
 def select_pages(scores, flushed, *, select_pages: int, sink_pages: int, recent_pages: int):
