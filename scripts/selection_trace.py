@@ -12,7 +12,8 @@ structure of a trained model (no retrieval heads, no topic locality learned from
 Path: the library's own. `Generator.prefill` (the jitted layer-by-layer prefill that streams K/V into the host pool
 and fills the key summaries), then decode token by token with `decode_layer.attend_layer` for every layer, in
 chunks of page_size steps with `decode_layer.flush_tail` after each chunk and the cache clock advanced per chunk,
-exactly as `Generator`'s decode chunk does (ulacache_jax/generation.py) (greedy sampling). Before each layer's `attend_layer` the
+exactly as `Generator`'s decode chunk does (ulacache_jax/generation.py), sampling with `sampling.sample` and the
+same per-slot keys as `Generator.run` (greedy by default; `--temperature`). Before each layer's `attend_layer` the
 selection it is about to make is recomputed with the same building blocks on the same inputs (`append_token`,
 `selection.fold_queries`, `pallas_kernels.page_scores.page_scores`, `selection.select_pages`), so the recorded
 pages are the pages the sieve receives. Two checks guard that (both on by default, both printed and stored):
@@ -26,8 +27,13 @@ K), or one row per decode step with every layer's requests concatenated (`--rows
 convention). Within a row: sequence-major, then group, then the selection's K pages (by score). LIDs are
 `seq << 44 | layer << 36 | group << 32 | page * page_size` (ulacache_jax/lid.py). Also stored: `total_pages`
 (the KV cache's complete pages at the end of decoding, over every (sequence, layer, group): the denominator of
-the study's pool fractions), `clock` [rows] (the cache clock the library stamped each call with: one value per decode
-chunk), `lib_hits`/`lib_requests` [steps, L], `tokens`, `label`, and a JSON `meta`.
+the study's pool fractions), `clock` [rows] (the cache clock the library stamped each call with: one value per
+decode chunk), `lib_hits`/`lib_requests` [steps, L], `tokens`, `label`, and a JSON `meta`.
+
+Caveat of the default (random weights, greedy): generation collapses to a repeated token within a few steps, so
+the queries move only with position and the trace's step-to-step locality is high; `--temperature 1.0` (random
+byte tokens) gives the opposite extreme. A trained model's selections lie somewhere else; rerun with --model.
+Outputs in docs/benchmarks/: eviction_model*.json/.png (the commands are in each JSON's meta).
 """
 from __future__ import annotations
 
@@ -52,8 +58,10 @@ try:  # the module was renamed generate -> generation (ulacache_jax.generate is 
     from ulacache_jax.generation import Generator, default_cache_config  # noqa: E402
 except ImportError:
     from ulacache_jax.generate import Generator, default_cache_config  # noqa: E402
-from ulacache_jax.models import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer, LlamaModel, ModelConfig  # noqa: E402
+from ulacache_jax.models import (BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer, LlamaModel,  # noqa: E402
+                                 ModelConfig)
 from ulacache_jax.pallas_kernels.page_scores import page_scores  # noqa: E402
+from ulacache_jax.sampling import SamplingArrays, row_keys, sample  # noqa: E402
 
 
 # ---- model and prompts ------------------------------------------------------------------------------------------
@@ -66,7 +74,7 @@ def build_model(args):
             tok = load_tokenizer(args.model)
         except FileNotFoundError:
             tok = None
-        return model, tok, f"model trace ({os.path.basename(os.path.normpath(args.model))}, trained weights)"
+        return model, tok, f"model trace ({os.path.basename(os.path.normpath(args.model))}, checkpoint weights)"
     cfg = ModelConfig(architecture="llama", vocab_size=BYTE_VOCAB_SIZE, hidden_size=args.hidden,
                       intermediate_size=2 * args.hidden, num_layers=args.layers, num_heads=args.heads,
                       num_kv_heads=args.kv_heads, head_dim=args.head_dim, rope_theta=500000.0,
@@ -103,10 +111,10 @@ def build_prompts(args, tokenizer, vocab_size):
 
 # ---- the decode loop, recording selections -----------------------------------------------------------------------
 def make_step(graphdef, options: DecodeOptions):
-    """One decode step of every slot through every layer, as in generation._Program._decode_loop's body (greedy);
+    """One decode step of every slot through every layer, as in generation._Program._decode_loop's body;
     also returns each layer's selected pages [L, S, G, K], their validity, and the sieve's hits [L]."""
 
-    def step(params, state, host, tok, length):
+    def step(params, state, host, tok, length, keys, i, sampling):
         c = state.config
         G, g = c.groups_per_rank, c.kv_heads_per_group
         model = nnx.merge(graphdef, params)
@@ -130,7 +138,7 @@ def make_step(graphdef, options: DecodeOptions):
             misses.append(s.misses)
             x = layer.finish(x, o)
         logits = model.logits(x)[:, 0]
-        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)   # = sampling.sample at temperature 0
+        nxt = sample(logits, jax.vmap(jax.random.fold_in, (0, None))(keys, i), sampling)
         return state, nxt, length + live, jnp.stack(pages), jnp.stack(valids), jnp.stack(hits), jnp.stack(misses)
 
     return jax.jit(step, donate_argnums=(1,))
@@ -196,6 +204,7 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--token-budget", type=int, default=512, help="selected tokens per (sequence, group)")
     ap.add_argument("--rows", choices=("layer", "step"), default="layer")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     ap.add_argument("--check-generate", action=argparse.BooleanOptionalAction, default=True,
                     help="also run Generator.run and require the same tokens")
     args = ap.parse_args()
@@ -220,9 +229,14 @@ def main():
     slots = [gen.admit(len(p) + args.steps + 1) for p in prompts]
     assert slots == sorted(slots) and len(set(slots)) == S
     first = np.zeros(cc.max_seqs, np.int32)
+    # the keys Generator.run derives (seed, slot, chunk, step in chunk), so sampled tokens match it too
+    seeds = jnp.asarray([(args.seed * 1_000_003 + s) % 2**32 for s in range(cc.max_seqs)], jnp.uint32)
+    sampling = SamplingArrays.fill(cc.max_seqs, args.temperature)
     t1 = time.time()
     for slot, p in zip(slots, prompts):
-        first[slot] = int(jnp.argmax(gen.prefill(slot, p)))
+        logits = gen.prefill(slot, p)
+        first[slot] = int(sample(logits[None], row_keys(seeds[slot:slot + 1], jnp.asarray([2**31 - 1], jnp.uint32)),
+                                 SamplingArrays.fill(1, args.temperature))[0])
     prefill_s = time.time() - t1
     print(f"prefill: {prefill_s:.1f} s", flush=True)
 
@@ -237,7 +251,9 @@ def main():
     t1 = time.time()
     for i in range(args.steps):
         clocks.append(int(state.clock))
-        state, tok, length, p, v, h, mi = step(gen.params, state, host, tok, length)
+        keys = row_keys(seeds, jnp.full(cc.max_seqs, i // cc.page_size, jnp.uint32))
+        state, tok, length, p, v, h, mi = step(gen.params, state, host, tok, length, keys,
+                                               jnp.int32(i % cc.page_size), sampling)
         pages.append(np.asarray(p))
         valids.append(np.asarray(v))
         hits.append(np.asarray(h))
@@ -286,7 +302,7 @@ def main():
     gen_ok = None
     if args.check_generate:
         t1 = time.time()
-        out = gen.run(prompts, args.steps + 1)
+        out = gen.run(prompts, args.steps + 1, temperature=args.temperature, seed=args.seed)
         mine = [[int(first[s])] + toks[s].tolist() for s in slots]
         gen_ok = out == mine
         print(f"check: Generator.run gives the same {args.steps + 1} tokens per sequence: {gen_ok} "
@@ -295,7 +311,8 @@ def main():
     rep_frac = repeat_fraction(pages, valids)
     distinct = len(np.unique(row_lids[row_valid]))
     meta = dict(label=label, model=args.model or "RANDOM weights (LlamaModel init, seed %d)" % args.seed,
-                model_config=mc.to_dict(), prompts=prompt_desc, prompt_tokens=[len(p) for p in prompts],
+                model_config=mc.to_dict(), prompts=prompt_desc, temperature=args.temperature,
+                prompt_tokens=[len(p) for p in prompts],
                 decode_steps=steps, rows=args.rows, rows_shape=list(row_lids.shape),
                 cache_config=dataclasses.asdict(cc), total_pages=total_pages, distinct_pages_requested=distinct,
                 repeat_fraction_vs_previous_step=rep_frac, library_hit_rate=lib_hit_rate,
