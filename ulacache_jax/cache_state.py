@@ -8,7 +8,7 @@ P = max_pages_per_seq; F = PB-LRU frames; T = TAIL_PAGES; page = page_size; g = 
 - kmin, kmax [R, S, L, G, P, g, D]: per-page, per-dim min and max of K (the Quest summaries).
 - vtlb (frame, host_page) [R, S, L, G, P]; pb (tag_hi, tag_lo, stamp) [R, B, slots].
 - seqs: length, flushed (pages with a host copy), active, each [S]: the same on every rank.
-- clock: int32 scalar, the PB-LRU's `now`.
+- clock: int32 scalar, the PB-LRU's `now`; ticks once per sieve call (each layer of each step).
 The host pool (`HostPool`, k and v [R, H, page, g, D]) is kept apart because it lives in memory kind
 `pinned_host` on GPU and must never be carried through a loop (DESIGN.md section 1): jitted steps take it as a
 read-only argument and write it once per call (donated in, aliased out).

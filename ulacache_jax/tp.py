@@ -311,8 +311,7 @@ class _TPProgram(_Program):
 
         state, out, done, remaining, length, stats = self._decode_loop(
             params, state, attend, tok, done, remaining, state.seqs.length, keys, sampling, stop_ids)
-        state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=length),
-                                    clock=state.clock + 1)
+        state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=length))
         state, host = flush_tail(state, host, impl=opts.copy)
         return state, host, out, done, remaining, jax.tree.map(lambda a: a[None], stats)
 
