@@ -119,8 +119,8 @@ def attend_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new,
     pool_k, pool_v = state.pool_k[0], state.pool_v[0]
     if not options.fused_fetch:
         dst = jnp.where(filled, frame, -1).reshape(-1)
-        pool_k = page_copy.fetch(pool_k, host.k[0], host_idx.reshape(-1), dst, impl=options.copy)
-        pool_v = page_copy.fetch(pool_v, host.v[0], host_idx.reshape(-1), dst, impl=options.copy)
+        pool_k, pool_v = page_copy.fetch([pool_k, pool_v], [host.k[0], host.v[0]], host_idx.reshape(-1), dst,
+                                         impl=options.copy)   # K and V in one launch
         src = jnp.where(valid, jnp.where(overflow, 2, 1), 0)
     else:
         src = jnp.where(valid, jnp.where(overflow, 2, jnp.where(filled, 3, 1)), 0)
@@ -171,8 +171,8 @@ def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto") -> tupl
     src = tail_frame(c, s, l, g, pp)                                                  # [S, L, G, T]
     dst = state.vtlb.host_page[0, s, l, g, jnp.minimum(pp, c.max_pages_per_seq - 1)]
     dst = jnp.where(done[:, None, None, :], dst, -1).reshape(-1)
-    src = jnp.broadcast_to(src, dst.shape[:0] + (S, L, G, TAIL_PAGES)).reshape(-1).astype(jnp.int32)
-    hk = page_copy.flush(host.k[0], state.pool_k[0], src, dst.astype(jnp.int32), impl=impl)
-    hv = page_copy.flush(host.v[0], state.pool_v[0], src, dst.astype(jnp.int32), impl=impl)
+    src = jnp.broadcast_to(src, (S, L, G, TAIL_PAGES)).reshape(-1).astype(jnp.int32)
+    hk, hv = page_copy.flush([host.k[0], host.v[0]], [state.pool_k[0], state.pool_v[0]], src, dst.astype(jnp.int32),
+                             impl=impl)   # K and V in one launch
     seqs = dataclasses.replace(state.seqs, flushed=jnp.where(state.seqs.active, length // P, flushed))
     return dataclasses.replace(state, seqs=seqs), HostPool(k=hk[None], v=hv[None])

@@ -114,8 +114,3 @@ def bucket(hi, lo, num_buckets: int) -> jax.Array:
     hi, lo = _check_words(hi, lo)
     return bucket_bits(hi, lo, bits)
 
-
-def page_lid(seq, layer, group, page, page_size: int):
-    """LID of page `page` (the page's first token index is page * page_size)."""
-    return pack(seq, layer, group, jnp.asarray(page).astype(jnp.uint32) * np.uint32(page_size)
-                if not _is_concrete(page) else np.asarray(page, np.int64) * page_size)
