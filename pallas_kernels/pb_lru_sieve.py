@@ -59,6 +59,7 @@ MARK = -2                 # stamp of a slot hit or filled in this batch (general
 NONE = 2**31 - 1          # "no stamp": larger than any stamp (now <= 2**31 - 2)
 BIG = 2**31 - 1           # "no request index"
 TILE_ELEMS = 16384        # largest [C, T], [C, C] or [C, D] compare tile (8 warps: 64 elements per thread)
+SCAN_MAX_WORK = 1 << 23  # "scan" grouping while N * B <= 2**23 (8K requests x 1024 buckets): each program reads all N
 GROUP_CHUNK = 4096        # requests per step of the grouping program (32 KB of layout-conversion shared memory)
 
 
@@ -68,7 +69,7 @@ class SieveConfig:
     req_chunk: int        # C: requests handled together; the fast path needs a bucket's requests <= C
     slot_chunk: int       # T: slots handled together; the bucket stays in registers when S <= T
     num_warps: int
-    grouping: str = "sort"    # "sort" (jnp) or "atomic" (Pallas, one launch; see the module docstring)
+    grouping: str = "scan"    # "scan" (in the sieve kernel), "sort" (jnp) or "atomic" (see the module docstring)
     fast_path: bool = True    # registers-only path for buckets with R <= C and S <= T
 
 
@@ -88,9 +89,30 @@ def choose_config(num_requests: int, num_buckets: int, slots_per_bucket: int, *,
     c = max(8, min(want, cap, _next_pow2(num_requests)))
     if num_warps is None:
         num_warps = 4 if c * max(c, t) <= 4096 else 8
-    if grouping is None:
-        grouping = "sort"
+    if grouping is None:  # the scan costs O(N * B) hash evaluations in all; the sort O(N log N) in ~100 launches
+        grouping = "scan" if num_requests * num_buckets <= SCAN_MAX_WORK else "sort"
     return SieveConfig(req_chunk=c, slot_chunk=t, num_warps=num_warps, grouping=grouping)
+
+
+def sieve_geometry(num_frames: int, num_requests: int) -> tuple[int, int]:
+    """(num_buckets, slots_per_bucket) for a pool of about `num_frames` frames accessed `num_requests` at a time:
+    the fewest buckets (the largest, so the closest to a global LRU in hit rate) with which an access stays on
+    the kernel's fast path (a bucket's load, mean + 4 sigma of a Poisson, fits one request chunk and its slots
+    one slot chunk) and groups requests inside the kernel (N * B <= SCAN_MAX_WORK). When no bucket count
+    satisfies both, buckets of 64 slots (the general path handles any load)."""
+    if num_frames < 1 or num_requests < 1:
+        raise ValueError(f"num_frames = {num_frames} and num_requests = {num_requests} must be >= 1")
+    b = 1
+    while b <= num_frames:
+        s = -(-num_frames // b)
+        cfg = choose_config(num_requests, b, s)
+        mean = num_requests / b
+        if (s <= cfg.slot_chunk and int(mean + 4 * math.sqrt(mean) + 1) <= cfg.req_chunk
+                and cfg.req_chunk * max(cfg.req_chunk, cfg.slot_chunk) <= TILE_ELEMS and cfg.grouping == "scan"):
+            return b, s
+        b *= 2
+    b = _next_pow2(-(-num_frames // 64))
+    return b, -(-num_frames // b)
 
 
 def _on_gpu() -> bool:
@@ -233,12 +255,48 @@ def group_requests(hi, lo, valid, num_buckets: int, grouping: str = "atomic", in
 # ----------------------------------------------------------------------------------------------------------------
 # Sieve kernel (one program per bucket)
 # ----------------------------------------------------------------------------------------------------------------
-def _sieve_kernel(sorder_ref, shi_ref, slo_ref, bstart_ref, now_ref, _th_in, _tl_in, _ts_in,
-                  th_ref, tl_ref, ts_ref, frame_ref, hit_ref, ev_ref, evh_ref, evl_ref,
-                  sframe_ref, sfo_ref, sflag_ref, mhi_ref, mlo_ref, morig_ref,
-                  *, n, nb, ns, cfg: SieveConfig, interpret):
-    # sorder_ref [N] int32, shi_ref, slo_ref [N] uint32: requests grouped by bucket (original index, LID)
-    # bstart_ref [>= B + 2] int32: bucket b owns grouped positions [bstart[b], bstart[b + 1])
+def _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, *, n, nb, q):
+    """Program b's share of the "scan" grouping: [start, end) of bucket b in the grouped order, and its requests
+    written there in original order. start = valid requests of buckets < b (B: the invalid tail after every
+    valid one), so each program finds its region alone and only ever writes inside it."""
+    bits = lid_mod.log2_buckets(nb)
+    iq = jnp.arange(q, dtype=jnp.int32)
+    u0 = np.uint32(0)
+
+    def load(i):
+        idx = i * q + iq
+        m = idx < n
+        h = plgpu.load(hi_ref.at[pl.ds(i * q, q)], mask=m, other=u0)
+        l = plgpu.load(lo_ref.at[pl.ds(i * q, q)], mask=m, other=u0)
+        v = plgpu.load(valid_ref.at[pl.ds(i * q, q)], mask=m, other=False)
+        return idx, m, h, l, jnp.where(v, lid_mod.bucket_bits(h, l, bits), nb)
+
+    def count(i, c):
+        _, m, _, _, bk = load(i)
+        return c[0] + jnp.sum((m & (bk < b)).astype(jnp.int32)), c[1] + jnp.sum((m & (bk == b)).astype(jnp.int32))
+
+    nq = -(-n // q)
+    start, size = lax.fori_loop(0, nq, count, (jnp.int32(0), jnp.int32(0)))
+
+    def place(i, cnt):
+        idx, m, h, l, bk = load(i)
+        sel = m & (bk == b)
+        si = sel.astype(jnp.int32)
+        pos = start + cnt + jnp.cumsum(si) - si
+        _scatter(sorder_ref, pos, idx, sel, n)
+        _scatter(shi_ref, pos, h, sel, n)
+        _scatter(slo_ref, pos, l, sel, n)
+        return cnt + jnp.sum(si)
+
+    lax.fori_loop(0, nq, place, jnp.int32(0))
+    return start, start + size
+
+
+def _sieve_kernel(*refs, n, nb, ns, cfg: SieveConfig, interpret):
+    # grouping "scan": hi_ref, lo_ref [N] uint32, valid_ref [N] bool (caller's order) are the inputs; this program
+    #   groups its own bucket's requests first (`_scan_group`) into the scratch outputs sorder_ref, shi_ref, slo_ref
+    # other groupings: sorder_ref [N] int32, shi_ref, slo_ref [N] uint32 are inputs, requests grouped by bucket
+    #   (original index, LID); bstart_ref [>= B + 2] int32: bucket b owns grouped positions [bstart[b], bstart[b+1])
     # now_ref [1] int32
     # th_ref, tl_ref [F] uint32, ts_ref [F] int32: the state, aliased to the inputs (read and written here)
     # outputs, caller's order: frame_ref [N] int32, hit_ref, ev_ref [N] bool, evh_ref, evl_ref [N] uint32
@@ -246,12 +304,24 @@ def _sieve_kernel(sorder_ref, shi_ref, slo_ref, bstart_ref, now_ref, _th_in, _tl
     #   filled slot, else -1); by grouped position: sfo_ref [N] int32 original index of the LID's first
     #   appearance, sflag_ref [N] int32 1 on first appearances of missing LIDs; by bucket region and miss rank:
     #   mhi_ref, mlo_ref [N] uint32 and morig_ref [N] int32 the miss of each rank
+    b = pl.program_id(0)
+    if cfg.grouping == "scan":
+        (hi_ref, lo_ref, valid_ref, now_ref, _th_in, _tl_in, _ts_in, th_ref, tl_ref, ts_ref, frame_ref, hit_ref,
+         ev_ref, evh_ref, evl_ref, sframe_ref, sfo_ref, sflag_ref, mhi_ref, mlo_ref, morig_ref,
+         sorder_ref, shi_ref, slo_ref) = refs
+        start, end = _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, n=n, nb=nb,
+                                 q=min(_next_pow2(n), 256 * cfg.num_warps))
+        _barrier(interpret)
+    else:
+        (sorder_ref, shi_ref, slo_ref, bstart_ref, now_ref, _th_in, _tl_in, _ts_in, th_ref, tl_ref, ts_ref,
+         frame_ref, hit_ref, ev_ref, evh_ref, evl_ref, sframe_ref, sfo_ref, sflag_ref, mhi_ref, mlo_ref,
+         morig_ref) = refs
+        start, end = bstart_ref[b], bstart_ref[b + 1]
     C, T = cfg.req_chunk, cfg.slot_chunk
     D = max(C, min(1024, TILE_ELEMS // C))  # other requests compared per step of the all-pairs loops
     nt = -(-ns // T)
     resident = nt == 1
     fast_ok = cfg.fast_path and resident and C * max(C, T) <= TILE_ELEMS
-    b = pl.program_id(0)
     iC = jnp.arange(C, dtype=jnp.int32)
     iT = jnp.arange(T, dtype=jnp.int32)
     iD = jnp.arange(D, dtype=jnp.int32)
@@ -278,9 +348,7 @@ def _sieve_kernel(sorder_ref, shi_ref, slo_ref, bstart_ref, now_ref, _th_in, _tl
         _scatter(evl_ref, orig, evl, pm, n)
 
     @pl.when(b == nb)
-    def _invalid():
-        start = bstart_ref[nb]
-
+    def _invalid():  # here start = the invalid tail's first position, end = N
         def body(rc, carry):
             _, pm, orig = load_reqs(start + rc * C, C, n, lids=False)
             false = jnp.zeros((C,), jnp.bool_)
@@ -291,8 +359,6 @@ def _sieve_kernel(sorder_ref, shi_ref, slo_ref, bstart_ref, now_ref, _th_in, _tl
 
     @pl.when(b < nb)
     def _bucket():
-        start = bstart_ref[b]
-        end = bstart_ref[b + 1]
         nrc = (end - start + C - 1) // C
         base = b * ns
         now = now_ref[0]
@@ -493,11 +559,14 @@ def _sieve_kernel(sorder_ref, shi_ref, slo_ref, bstart_ref, now_ref, _th_in, _tl
             general()
 
 
-def sieve_call(state: PBLRUState, grouped, now, cfg: SieveConfig, interpret: bool):
-    """The sieve kernel on grouped requests (see `group_requests`): (new_state, AccessOut)."""
-    sorder, shi, slo, bstart = grouped
+def sieve_call(state: PBLRUState, requests, now, cfg: SieveConfig, interpret: bool):
+    """The sieve kernel: (new_state, AccessOut). `requests` is (hi, lo, valid) in the caller's order when
+    cfg.grouping == "scan" (the kernel groups them itself), else grouped requests from `group_requests`."""
     nb, ns = state.stamp.shape
-    nf, n = nb * ns, sorder.shape[0]
+    nf, n = nb * ns, requests[0].shape[0]
+    scan = cfg.grouping == "scan"
+    if scan and len(requests) != 3 or not scan and len(requests) != 4:
+        raise ValueError(f"grouping {cfg.grouping!r} takes {3 if scan else 4} request arrays, got {len(requests)}")
     kernel = partial(_sieve_kernel, n=n, nb=nb, ns=ns, cfg=cfg, interpret=interpret)
     sds = jax.ShapeDtypeStruct
     out_shape = (sds((nf,), jnp.uint32), sds((nf,), jnp.uint32), sds((nf,), jnp.int32),          # state
@@ -505,11 +574,14 @@ def sieve_call(state: PBLRUState, grouped, now, cfg: SieveConfig, interpret: boo
                  sds((n,), jnp.uint32), sds((n,), jnp.uint32),                                     # ev_hi ev_lo
                  sds((n,), jnp.int32), sds((n,), jnp.int32), sds((n,), jnp.int32),                 # scratch
                  sds((n,), jnp.uint32), sds((n,), jnp.uint32), sds((n,), jnp.int32))
+    if scan:  # + the grouped requests (sorder, shi, slo), scratch written by the kernel
+        out_shape += (sds((n,), jnp.int32), sds((n,), jnp.uint32), sds((n,), jnp.uint32))
+    k = len(requests) + 1  # position of the first state input
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(nb + 1,), interpret=interpret,
-        input_output_aliases={5: 0, 6: 1, 7: 2},
+        input_output_aliases={k: 0, k + 1: 1, k + 2: 2},
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
-    )(sorder, shi, slo, bstart, jnp.reshape(now, (1,)).astype(jnp.int32),
+    )(*requests, jnp.reshape(now, (1,)).astype(jnp.int32),
       state.tag_hi.reshape(nf), state.tag_lo.reshape(nf), state.stamp.reshape(nf))
     th, tl, ts, frame, hit, ev, evh, evl = outs[:8]
     new = PBLRUState(tag_hi=th.reshape(nb, ns), tag_lo=tl.reshape(nb, ns), stamp=ts.reshape(nb, ns))
@@ -531,5 +603,7 @@ def access(state: PBLRUState, hi, lo, valid, now, *, config: SieveConfig | None 
         return state, AccessOut(frame=jnp.zeros((0,), jnp.int32), hit=jnp.zeros((0,), bool),
                                 evicted=jnp.zeros((0,), bool), evicted_hi=e, evicted_lo=e)
     cfg = config or choose_config(n, nb, ns)
-    grouped = group_requests(hi, lo, valid, nb, cfg.grouping, interpret)
-    return sieve_call(state, grouped, jnp.asarray(now, jnp.int32), cfg, interpret)
+    now = jnp.asarray(now, jnp.int32)
+    if cfg.grouping == "scan":
+        return sieve_call(state, (hi, lo, valid), now, cfg, interpret)
+    return sieve_call(state, group_requests(hi, lo, valid, nb, cfg.grouping, interpret), now, cfg, interpret)

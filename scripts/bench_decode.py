@@ -60,28 +60,34 @@ def synthetic_fill_dense(gen, batch, ctx, seed):
     gen.dense_len = jnp.where(jnp.arange(c.max_seqs) < batch, ctx, 0).astype(jnp.int32)
 
 
-def run_side(model, mc, attention, batch, ctx, args, copy_bw):
+def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None):
     from ulacache_jax.generation import Generator, default_cache_config
+    from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
     from ulacache_jax.sampling import SamplingArrays, row_keys
     page = 64
-    frames_full = batch * mc.num_layers * mc.num_kv_heads * (args.budget // page)
+    kv_fraction = args.kv_fraction if kv_fraction is None else kv_fraction
+    sieve = sieve or args.sieve
+    step_pages = batch * mc.num_kv_heads * (args.budget // page)        # pages one layer of a step selects
+    kv_pages = batch * mc.num_layers * mc.num_kv_heads * (ctx // page)
     kw = {}
-    if attention == "sparse":
-        slots = 64
-        frames = max(slots, int(frames_full * args.hbm_fraction))
-        kw = dict(num_buckets=1 << max(0, (frames // slots - 1).bit_length()), slots_per_bucket=slots)
+    if attention == "sparse":  # HBM frame pool = kv_fraction of the KV pages, at least one step's selection
+        frames = max(step_pages * mc.num_layers, int(kv_pages * kv_fraction))
+        nb, ns = sieve_geometry(frames, step_pages)
+        kw = dict(num_buckets=nb, slots_per_bucket=ns)
     cfg = default_cache_config(mc, num_seqs=batch, max_tokens=ctx + args.steps * page + page, page_size=page,
                                token_budget=args.budget, dtype="bfloat16", **kw)
     if attention == "dense":
         cfg = dataclasses.replace(cfg, max_pages_per_seq=(ctx + (args.chunks + 1) * page) // page + 1)
     from ulacache_jax.decode_layer import DecodeOptions
-    gen = Generator(model, cfg, attention=attention, options=DecodeOptions(sieve=args.sieve))
+    t_setup = time.perf_counter()
+    gen = Generator(model, cfg, attention=attention, options=DecodeOptions(sieve=sieve))
     S = cfg.max_seqs
     if attention == "sparse":
         slots_ = [gen.admit(ctx + (args.chunks + 1) * page) for _ in range(batch)]
         synthetic_fill_sparse(gen, slots_, ctx, seed=batch)
     else:
         synthetic_fill_dense(gen, batch, ctx, seed=batch)
+    setup_s = time.perf_counter() - t_setup
     tok = jnp.zeros(S, jnp.int32)
     done = jnp.arange(S) >= batch
     rem = jnp.full(S, 1 << 30, jnp.int32)
@@ -114,7 +120,12 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw):
         step_bytes = wbytes + batch * attended * kv_tok + summ
     floor_s = step_bytes / copy_bw
     row = dict(attention=attention, batch=batch, context=ctx, budget=args.budget, page=page,
-               hbm_fraction=args.hbm_fraction if attention == "sparse" else 1.0,
+               kv_fraction=kv_fraction if attention == "sparse" else 1.0,
+               pool_frames=cfg.num_frames if attention == "sparse" else None,
+               buckets=cfg.num_buckets if attention == "sparse" else None,
+               slots_per_bucket=cfg.slots_per_bucket if attention == "sparse" else None,
+               sieve=DecodeOptions(sieve=sieve).sieve_impl() if attention == "sparse" else None,
+               setup_s=setup_s,
                tokens_per_s=batch / float(np.median(per_tok)), p50_token_ms=1e3 * float(np.median(per_tok)),
                p99_token_ms=1e3 * float(np.percentile(per_tok, 99)), compile_s=compile_s,
                floor_token_ms=1e3 * floor_s, fraction_of_floor=floor_s / float(np.median(per_tok)),
@@ -136,10 +147,13 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=32, help="fewer layers for a quick check")
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--hbm-fraction", type=float, default=1.0, help="PB-LRU frames / pages a full step selects")
+    p.add_argument("--kv-fraction", type=float, default=0.25,
+                   help="HBM frame pool / KV pages (at least one step's selection)")
     p.add_argument("--sides", default="sparse,dense")
-    p.add_argument("--rows", default=None, help="explicit side:context:batch list, e.g. sparse:32768:1,dense:32768:1")
+    p.add_argument("--rows", default=None, help="explicit side:context:batch[:kv_fraction[:sieve]] list, e.g. "
+                                                "sparse:32768:1,dense:32768:1,sparse:131072:1:0.0625:ref")
     p.add_argument("--sieve", default="auto", help="PB-LRU impl for the sparse side: auto, ref or pallas")
+    p.add_argument("--append", action="store_true", help="keep the rows of an existing decode.json in --out")
     p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")
     p.add_argument("--out", default="docs/benchmarks")
     args = p.parse_args(argv)
@@ -150,49 +164,79 @@ def main(argv=None):
     copy_bw = copy_bandwidth()
     rows = []
     if args.rows:
-        plan = [(side, int(ctx), int(b)) for side, ctx, b in (r.split(":") for r in args.rows.split(","))]
+        plan = []
+        for r in args.rows.split(","):
+            f = r.split(":")
+            plan.append((f[0], int(f[1]), int(f[2]), float(f[3]) if len(f) > 3 and f[3] else None,
+                         f[4] if len(f) > 4 else None))
     else:
-        plan = [(side, ctx, b) for ctx in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))
-                for side in args.sides.split(",")]
+        plan = [(side, ctx, b, None, None) for ctx in map(int, args.contexts.split(","))
+                for b in map(int, args.batches.split(",")) for side in args.sides.split(",")]
     commit = args.commit or git_commit()
     os.makedirs(args.out, exist_ok=True)
-    for side, ctx, b in plan:
+    # a run may be split across sessions and machines: --append keeps the rows already in the JSON
+    old_path = os.path.join(args.out, "decode.json")
+    if args.append and os.path.exists(old_path):
+        with open(old_path) as f:
+            rows.extend(json.load(f).get("rows", []))
+    for side, ctx, b, frac, sieve in plan:
         try:
-            rows.append(run_side(model, mc, side, b, ctx, args, copy_bw))
+            rows.append(run_side(model, mc, side, b, ctx, args, copy_bw, kv_fraction=frac, sieve=sieve))
         except Exception as e:  # an OOM at one size must not lose the others
             rows.append(dict(attention=side, batch=b, context=ctx, error=f"{type(e).__name__}: {e}"[:300]))
+        rows[-1].update(commit=commit, device=str(jax.devices()[0].device_kind))
         print(json.dumps(rows[-1]), flush=True)
         write_json(args.out, dict(commit=commit, rows=rows, partial=True))
     res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, commit=commit,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), copy_tb_s=copy_bw / 1e12,
-               model=f"llama-3.1-8b shape, {args.layers} layers, random bf16 weights", sieve=args.sieve,
+               model=f"llama-3.1-8b shape, {args.layers} layers, random bf16 weights",
                kv="synthetic fill on device (random, distinct per sequence), not a prefill", rows=rows)
     write_json(args.out, res)
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for side in ("sparse", "dense"):
-            pts = [(f"{r['context'] // 1024}K b{r['batch']}", r["tokens_per_s"]) for r in rows
-                   if r.get("attention") == side and "tokens_per_s" in r]
-            if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=side)
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+        main_rows = [r for r in rows if "tokens_per_s" in r and
+                     (r["attention"] == "dense" or (r["kv_fraction"] == args.kv_fraction and r.get("sieve") == "pallas"))]
+        labels = sorted({(r["context"], r["batch"]) for r in main_rows})
+        for k, side in enumerate(("sparse", "dense")):
+            ys = [next((r["tokens_per_s"] for r in main_rows if r["attention"] == side
+                        and (r["context"], r["batch"]) == lb), 0.0) for lb in labels]
+            ax.bar(np.arange(len(labels)) + 0.4 * k - 0.2, ys, 0.4, label=side)
+        ax.set_xticks(np.arange(len(labels)), [f"{c // 1024}K b{b}" for c, b in labels])
         ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"decode, {res['model']}\n{res['device']}, synthetic KV", fontsize=9)
+        ax.set_title(f"sparse (pool {args.kv_fraction:g} of KV, Pallas sieve) vs dense\n{res['model']}, "
+                     f"{res['device']}, synthetic KV", fontsize=9)
         ax.legend()
+        sweep = sorted((r["kv_fraction"], r["tokens_per_s"], r["hit_rate"], r["context"], r["batch"], r["sieve"])
+                       for r in rows if r.get("attention") == "sparse" and "tokens_per_s" in r)
+        for key in sorted({(c, b, sv) for _, _, _, c, b, sv in sweep}):
+            pts = [(f, t, h) for f, t, h, c, b, sv in sweep if (c, b, sv) == key]
+            if len(pts) > 1:
+                ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{key[0] // 1024}K b{key[1]} {key[2]}: tok/s")
+                ax3 = ax2.twinx()
+                ax3.plot([p[0] for p in pts], [p[2] for p in pts], "s--", color="gray", label="hit rate")
+                ax3.set_ylabel("HBM hit rate")
+                ax3.set_ylim(0, 1)
+        ax2.set_xscale("log", base=2)
+        ax2.set_xlabel("HBM frame pool / KV pages (random weights: worst-case locality)")
+        ax2.set_ylabel("sparse decode tokens/s")
+        ax2.legend(fontsize=7, loc="upper left")
         fig.tight_layout()
         fig.savefig(os.path.join(args.out, "decode.png"), dpi=100)
     except Exception as e:
         print("plot failed:", e)
     print(f"\ncopy ceiling {copy_bw / 1e12:.2f} TB/s")
-    print(f"{'side':7s} {'ctx':>7s} {'B':>3s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'floor%':>7s} {'hit':>6s}")
+    print(f"{'side':7s} {'ctx':>7s} {'B':>3s} {'pool':>7s} {'sieve':>6s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} "
+          f"{'floor%':>7s} {'hit':>6s}")
     for r in rows:
         if "error" in r:
             print(f"{r['attention']:7s} {r['context']:7d} {r['batch']:3d}  ERROR {r['error'][:80]}")
             continue
         hr = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
-        print(f"{r['attention']:7s} {r['context']:7d} {r['batch']:3d} {r['tokens_per_s']:9.1f} {r['p50_token_ms']:8.2f} "
+        print(f"{r['attention']:7s} {r['context']:7d} {r['batch']:3d} {r.get('kv_fraction', 1.0):7.4f} "
+              f"{str(r.get('sieve') or '-'):>6s} {r['tokens_per_s']:9.1f} {r['p50_token_ms']:8.2f} "
               f"{r['p99_token_ms']:8.2f} {100 * r['fraction_of_floor']:6.1f}% {hr:>6s}")
     return res
 

@@ -401,13 +401,13 @@ def main():
                     ns = f // nb
                     work = make_workload(n, nb, ns, seed=n ^ f)
                     if nb > 1:
-                        scan = ("scan",) if n <= 8192 and nb in (256, 1024) else ()
+                        scan = ("scan",) if n <= 8192 else ()
                         rec = safe_bench("pallas", n, nb, ns, work, budget, steps, scan, check=True, profile=True)
                         records.append(rec)
                         show(rec)
                         if rec.get("check_ok") is False or "error" in rec:  # the other grouping, recorded too
                             cfg = sv.choose_config(n, nb, ns)
-                            cfg = dataclasses.replace(cfg, grouping="sort" if cfg.grouping == "atomic" else "atomic")
+                            cfg = dataclasses.replace(cfg, grouping="sort" if cfg.grouping != "sort" else "scan")
                             rec = safe_bench("pallas", n, nb, ns, work, budget, steps, scan, cfg=cfg, check=True,
                                              profile=True)
                             rec["fallback"] = True
@@ -422,10 +422,10 @@ def main():
                         rec = safe_bench("pallas", n, nb, ns, work, budget, steps, (), cfg=cfg, profile=True)
                         records.append(rec)
                         show(rec)
-                    if args.variants and nb == 256 and f == args.pools[0]:
+                    if args.variants and nb > 1 and n <= 8192:  # the other grouping (scan <-> sort)
                         base_cfg = sv.choose_config(n, nb, ns)
-                        cfg = dataclasses.replace(base_cfg, grouping="sort" if base_cfg.grouping == "atomic"
-                                                  else "atomic")
+                        cfg = dataclasses.replace(base_cfg, grouping="sort" if base_cfg.grouping == "scan"
+                                                  else "scan")
                         rec = safe_bench("pallas", n, nb, ns, work, budget, steps, (), cfg=cfg, check=True,
                                          profile=True)
                         records.append(rec)

@@ -68,7 +68,7 @@ def run_both(nb, ns, batches, nows, config=None, shuffle_rng=None):
         if shuffle_rng is None:
             got = sv.access(s_k, hi, lo, v, now, config=config)
         else:
-            cfg = config or sv.choose_config(len(lids), nb, ns)
+            cfg = dataclasses.replace(config or sv.choose_config(len(lids), nb, ns), grouping="sort")
             got = _sieve_call(s_k, shuffled_grouping(hi, lo, v, nb, shuffle_rng), now, cfg=cfg, interpret=not ON_GPU)
         assert_same(ref, got, f"at step {t}")
         assert_frames_consistent(lids, valid, got[1])
@@ -100,6 +100,11 @@ CASES = {
     "fast_and_general_mixed": (4, 16, 48, 60, sv.SieveConfig(req_chunk=16, slot_chunk=16, num_warps=4)),
     "atomic_grouping": (8, 4, 48, 50, sv.SieveConfig(req_chunk=16, slot_chunk=4, num_warps=4, grouping="atomic")),
     "general_path_only": (4, 16, 48, 60, sv.SieveConfig(req_chunk=16, slot_chunk=16, num_warps=4, fast_path=False)),
+    # the explicit configs above group in the kernel ("scan", the default); the same shapes grouped by the sort
+    "sort_grouping_chunked": (4, 8, 96, 60, dataclasses.replace(SMALL, grouping="sort")),
+    "sort_grouping_mixed": (4, 16, 48, 60, sv.SieveConfig(req_chunk=16, slot_chunk=16, num_warps=4, grouping="sort")),
+    # more requests than one scan chunk (256 x num_warps): the grouping scan loops and carries its counts
+    "scan_several_chunks": (8, 16, 1500, 900, sv.SieveConfig(req_chunk=64, slot_chunk=16, num_warps=1)),
 }
 
 
@@ -253,7 +258,10 @@ def test_choose_config_bounds():
         c = sv.choose_config(n, nb, ns)
         assert c.slot_chunk & (c.slot_chunk - 1) == 0 and c.req_chunk & (c.req_chunk - 1) == 0
         assert c.slot_chunk <= 1024 and c.req_chunk * c.slot_chunk <= sv.TILE_ELEMS
-        assert c.grouping == "sort" and c.fast_path
+        assert c.fast_path
+        assert c.grouping == ("scan" if n * nb <= sv.SCAN_MAX_WORK else "sort")
+    assert sv.choose_config(8192, 1024, 64).grouping == "scan"
+    assert sv.choose_config(262144, 1024, 1024).grouping == "sort"
 
 
 def decode_trace(rng, n, steps, churn=0.1):
@@ -271,6 +279,7 @@ def decode_trace(rng, n, steps, churn=0.1):
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the kernel compiled")
 @pytest.mark.parametrize("nb,ns", [(256, 256), (1024, 1024), (16, 4096)])
 @pytest.mark.parametrize("grouping", [
+    "scan",
     "sort",
     # measured on the H200 (jax 0.11.2): the sort grouping passes at all three sizes, the atomic grouping
     # (experimental, not the default) gives wrong results at (256, 256); kept visible as an expected failure

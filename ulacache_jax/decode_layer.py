@@ -49,9 +49,11 @@ class DecodeOptions:
     softcap: float | None = None
 
     def sieve_impl(self) -> str:
-        # 'auto' is the sort-based reference everywhere until the Pallas sieve's current revision passes on the
-        # H200 (its first revision did, 101 us per 8K requests vs 366 us for the reference; see docs/BENCHMARKS.md)
-        return "ref" if self.sieve == "auto" else self.sieve
+        # 'auto': the Pallas sieve on GPU (bit-exact with the reference, compiled on the H200, several times
+        # faster: docs/BENCHMARKS.md); the jnp reference elsewhere (interpret mode is for tests, not speed)
+        if self.sieve == "auto":
+            return "pallas" if jax.default_backend() == "gpu" else "ref"
+        return self.sieve
 
 
 def append_token(state: CacheState, layer: int, k_new, v_new, pos, live) -> CacheState:

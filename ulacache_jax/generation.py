@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+from .pallas_kernels.pb_lru_sieve import sieve_geometry
 from .config import CacheConfig
 from .decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
 from .sampling import SamplingArrays, check_sampling, row_keys, sample
@@ -38,8 +39,8 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
     budget = min(token_budget, pages * page_size)
     num_groups = mc.num_kv_heads if mc.num_kv_heads <= 16 else 16
     frames_needed = num_seqs * mc.num_layers * num_groups * (budget // page_size)
-    slots = 64 if frames_needed >= 64 * 64 else max(4, frames_needed // 16)
-    buckets = bucket_length(math.ceil(frames_needed / slots), 1)
+    # one sieve call = one layer of a decode step: the largest buckets that keep the Pallas sieve on its fast path
+    buckets, slots = sieve_geometry(frames_needed, num_seqs * num_groups * (budget // page_size))
     kw = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
               kv_heads_per_group=mc.num_kv_heads // num_groups,
               max_seqs=num_seqs, max_pages_per_seq=pages, page_size=page_size,

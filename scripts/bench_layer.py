@@ -1,0 +1,284 @@
+"""One layer's sparse decode (select -> sieve -> fetch -> attend, `decode_layer.attend_layer`) against cuDNN dense
+decode at the same shapes, and the cost of misses (issue 5, deliverable 4, layer rows).
+
+Shapes (issue 5): B sequences, H=64 query heads, KV=8, D=128, bf16, page 64, one layer, context C tokens already
+ingested (random K/V made on the device, distinct per sequence, written through the real ingestion path into the
+pinned host pool and the key summaries). The layer function is jitted with the cache state donated and run as a
+`fori_loop` of `--calls` calls inside one jit (the attention output feeds a checksum, so nothing is removed);
+time per call = median wall time of the loop / calls.
+
+Rows, same run:
+- cudnn: `jax.nn.dot_product_attention(implementation="cudnn")` over the whole context, q [B, 1, H, D].
+- layer, resident: the same q every call, so after the first call every selected page is in HBM (0 misses);
+  Pallas sieve and the jnp reference sieve.
+- layer, misses: every call first evicts all HBM copies of a fraction of the (sequence, KV group) pairs (PB-LRU
+  slots emptied, vTLB entries cleared: `evict_units`), so those pairs' selected pages all miss (fresh random
+  queries do not give controlled misses: with random keys the Quest bound favours the same wide pages for any
+  query); the measured miss fraction (the layer's stats) is reported with the PCIe bytes per call and GB/s
+  (every call of every variant runs the eviction pass, empty for the resident rows); both fetch strategies (a separate fetch kernel before attention, or the
+  attention kernel reading misses from the host pool and storing them into their frames).
+Before timing, one call of each variant is checked against the same call with the reference attention
+(`impl="ref"`) and reference sieve on a copy of the state (frames and output).
+
+Run (H200): python3 scripts/bench_layer.py --out DIR [--commit SHA]   -> DIR/layer.json, DIR/layer.png
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ulacache_jax.bench_meta import git_commit
+from ulacache_jax.cache_state import CacheState
+from ulacache_jax.config import CacheConfig
+from ulacache_jax.decode_layer import DecodeOptions, LayerStats, attend_layer
+from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
+from ulacache_jax.pb_lru import EMPTY_TAG
+from ulacache_jax.sequences import CacheManager
+
+H, KV, D, PAGE = 64, 8, 128, 64
+DT = jnp.bfloat16
+
+
+def make_cache(batch: int, ctx: int, budget: int, pool_steps: int, seed: int = 0) -> CacheManager:
+    """A one-layer cache holding `batch` sequences of `ctx` tokens (random K/V through the ingestion path)."""
+    pages = ctx // PAGE + 2
+    step_pages = batch * KV * (budget // PAGE)
+    nb, ns = sieve_geometry(pool_steps * step_pages, step_pages)
+    cfg = CacheConfig(num_layers=1, num_kv_heads=KV, head_dim=D, max_seqs=batch, max_pages_per_seq=pages,
+                      page_size=PAGE, kv_heads_per_group=1, dtype="bfloat16", num_buckets=nb, slots_per_bucket=ns,
+                      host_pages=batch * KV * pages, token_budget=budget, sink_pages=1, recent_pages=2)
+    m = CacheManager(cfg)
+    chunk = min(ctx, 32768)
+    mk = jax.jit(lambda key: jax.random.normal(key, (1, chunk, KV, D), DT))
+    for s in range(batch):
+        slot = m.admit(ctx + PAGE)
+        for start in range(0, ctx, chunk):
+            k = mk(jax.random.key(seed + 7919 * s + 2 * start))
+            v = mk(jax.random.key(seed + 7919 * s + 2 * start + 1))
+            m.state, m.host = m._ingest(m.state, m.host, slot, k, v, start, ctx)
+    jax.block_until_ready(m.state)
+    return m
+
+
+def copy_state(state: CacheState) -> CacheState:
+    return jax.tree.map(lambda a: jnp.array(a, copy=True), state)
+
+
+def evict_units(state: CacheState, cold) -> CacheState:
+    """Forget every HBM copy of the pages of the (sequence, group) pairs where cold [B, G] is True: PB-LRU slots
+    emptied, vTLB entries cleared. Their next selection misses entirely (a controlled miss fraction)."""
+    pb, tb = state.pb, state.vtlb
+    seq = (pb.tag_hi >> np.uint32(12)).astype(jnp.int32)
+    grp = (pb.tag_hi & np.uint32(0xF)).astype(jnp.int32)
+    b, g = cold.shape
+    mine = (pb.stamp >= 0) & cold[jnp.clip(seq, 0, b - 1), jnp.clip(grp, 0, g - 1)] & (seq < b)
+    pb = dataclasses.replace(pb, tag_hi=jnp.where(mine, EMPTY_TAG, pb.tag_hi),
+                             tag_lo=jnp.where(mine, EMPTY_TAG, pb.tag_lo), stamp=jnp.where(mine, -1, pb.stamp))
+    frame = jnp.where(cold[None, :, None, :, None], -1, tb.frame)                # [R, S, L, G, P]
+    return dataclasses.replace(state, pb=pb, vtlb=dataclasses.replace(tb, frame=frame))
+
+
+def layer_loop(options: DecodeOptions, calls: int, batch: int, ctx: int):
+    """jit(state, host, q, cold [B, KV] bool) -> (state, checksum, stats summed over the calls). Every call first
+    evicts the cold pairs' pages (an empty mask costs the same elementwise pass), then runs the layer."""
+    pos = jnp.full((batch,), ctx, jnp.int32)
+    live = jnp.ones((batch,), bool)
+
+    def run(state, host, q, cold):
+        kn = jnp.zeros((batch, KV, D), DT)
+
+        def body(i, carry):
+            st, chk, tot = carry
+            st = evict_units(st, cold)
+            st, out, stats = attend_layer(st, host, 0, q, kn, kn, pos, live, options=options)
+            return st, chk + out[0, 0, 0, 0].astype(jnp.float32), tot + stats
+
+        return lax.fori_loop(0, calls, body, (state, jnp.float32(0), LayerStats.zeros()))
+
+    return jax.jit(run, donate_argnums=0)
+
+
+def check_variant(m: CacheManager, options: DecodeOptions, q, batch, ctx) -> dict:
+    """One call of the variant and of the all-reference layer on copies of the state: frames and outputs."""
+    pos = jnp.full((batch,), ctx, jnp.int32)
+    live = jnp.ones((batch,), bool)
+    kn = jnp.zeros((batch, KV, D), DT)
+    f = jax.jit(lambda st: attend_layer(st, m.host, 0, q, kn, kn, pos, live, options=options))
+    ref_opt = DecodeOptions(attention="ref", sieve="ref", scores="ref", fused_fetch=False)
+    g = jax.jit(lambda st: attend_layer(st, m.host, 0, q, kn, kn, pos, live, options=ref_opt))
+    s1, o1, st1 = f(copy_state(m.state))
+    s2, o2, st2 = g(copy_state(m.state))
+    o1, o2 = np.asarray(o1, np.float32), np.asarray(o2, np.float32)
+    rel = float(np.abs(o1 - o2).max() / max(1e-6, np.abs(o2).max()))
+    same_frames = bool(jnp.array_equal(s1.vtlb.frame, s2.vtlb.frame))
+    return dict(rel_err_vs_ref=rel, frames_equal_ref=same_frames, misses_first_call=int(st1.misses),
+                ok=bool(rel < 2e-2 and same_frames and int(st1.misses) == int(st2.misses)))
+
+
+def time_loop(fn, m: CacheManager, q0, cold, reps: int, calls: int):
+    """Median seconds per call (wall of the whole loop / calls) and the stats of one loop."""
+    st, chk, tot = fn(m.state, m.host, q0, cold)                # compile + warm (first call brings pages in)
+    jax.block_until_ready(chk)
+    m.state = st
+    times = []
+    for r in range(reps):
+        t = time.perf_counter()
+        st, chk, tot = fn(m.state, m.host, q0, cold)
+        jax.block_until_ready((st, chk))
+        times.append(time.perf_counter() - t)
+        m.state = st
+    return float(np.median(times)) / calls, jax.tree.map(int, tot)
+
+
+def cudnn_time(batch: int, ctx: int, reps: int) -> dict:
+    """cuDNN dense decode over the whole context (K/V tiled from a random block on the device)."""
+    blk = jax.random.normal(jax.random.key(7), (batch, 2048, KV, D), DT)
+    tile = jax.jit(lambda x: jnp.tile(x, (1, ctx // 2048, 1, 1)))
+    k, v = tile(blk), tile(blk * 0.5)
+    q = jax.random.normal(jax.random.key(8), (batch, 1, H, D), DT)
+    # correctness where it is cheap: one sequence's first 8K tokens against XLA's attention
+    att = lambda q, k, v, impl: jax.nn.dot_product_attention(q, k, v, implementation=impl)
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    ks, vs = k[:1, :8192], v[:1, :8192]
+    a = np.asarray(jax.jit(att, static_argnums=3)(q[:1], ks, vs, impl), np.float32)
+    b = np.asarray(jax.jit(att, static_argnums=3)(q[:1], ks, vs, "xla"), np.float32)
+    err = float(np.abs(a - b).max() / np.abs(b).max())
+    n = 8
+
+    @jax.jit
+    def loop(q, k, v):
+        def body(i, c):
+            o = jax.nn.dot_product_attention(q + c.astype(q.dtype), k, v, implementation=impl)
+            return c + o[0, 0, 0, 0].astype(jnp.float32) * 1e-30
+        return lax.fori_loop(0, n, body, jnp.float32(0))
+
+    jax.block_until_ready(loop(q, k, v))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(loop(q, k, v))
+        ts.append(time.perf_counter() - t)
+    sec = float(np.median(ts)) / n
+    nbytes = 2 * batch * ctx * KV * D * 2
+    del k, v
+    return dict(us=sec * 1e6, kv_gb=nbytes / 1e9, tb_s=nbytes / sec / 1e12, rel_err_vs_xla_8k=err, impl=impl)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=262144)
+    p.add_argument("--budgets", type=int, nargs="+", default=[2048, 4096])
+    p.add_argument("--miss-units", type=float, nargs="+", default=[0.01, 0.1, 0.3],
+                   help="target miss fractions (fraction of (sequence, group) pairs evicted before every call)")
+    p.add_argument("--pool-steps", type=int, default=4, help="HBM frames = this many steps' selections")
+    p.add_argument("--calls", type=int, default=16)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--commit", default=None)
+    p.add_argument("--out", default=os.environ.get("OUT", "docs/benchmarks"))
+    a = p.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    dev = jax.devices()[0]
+    res = dict(device=dev.device_kind, jax=jax.__version__, commit=a.commit or git_commit(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               command=" ".join(sys.argv), shapes=dict(B=a.batch, H=H, KV=KV, D=D, page=PAGE, context=a.context),
+               rows=[])
+    path = os.path.join(a.out, "layer.json")
+
+    def add(row):
+        row = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
+        res["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+    t0 = time.perf_counter()
+    cd = cudnn_time(a.batch, a.context, a.reps)
+    add(dict(kind="cudnn", budget=None, **cd))
+    t1 = time.perf_counter()
+    m = make_cache(a.batch, a.context, max(a.budgets), a.pool_steps)
+    res["setup_s"] = dict(cudnn=round(t1 - t0, 1), cache=round(time.perf_counter() - t1, 1))
+    page_bytes = 2 * PAGE * D * 2                                                      # K + V of one page
+    q0 = jax.random.normal(jax.random.key(1), (a.batch, 1, H, D), DT)
+    rng = np.random.default_rng(0)
+    for budget in a.budgets:
+        m.state = dataclasses.replace(m.state, config=dataclasses.replace(m.config, token_budget=budget))
+        m.config = m.state.config
+        attended = a.batch * KV * (budget // PAGE + 2) * page_bytes                       # selected + tail pages
+        variants = [("resident", "pallas", False, 0.0)]
+        if budget == a.budgets[0]:  # the sieve and miss comparisons at the first budget (compile time)
+            variants += [("resident", "ref", False, 0.0)]
+            variants += [("misses", "pallas", fused, f) for f in a.miss_units for fused in (False, True)]
+        for kind, sieve, fused, frac in variants:
+            opt = DecodeOptions(sieve=sieve, fused_fetch=fused)
+            units = max(1, int(round(frac * a.batch * KV))) if frac else 0
+            cold = np.zeros(a.batch * KV, bool)
+            cold[rng.choice(a.batch * KV, min(units, a.batch * KV), replace=False)] = True
+            cold = jnp.asarray(cold.reshape(a.batch, KV))
+            row = dict(kind=kind, budget=budget, sieve=sieve, fused_fetch=fused, target_miss=frac)
+            try:
+                row.update(check_variant(m, opt, q0, a.batch, a.context))
+                fn = layer_loop(opt, a.calls, a.batch, a.context)
+                sec, tot = time_loop(fn, m, q0, cold, a.reps, a.calls)
+                req = tot.hits + tot.misses
+                miss = tot.misses / max(1, req)
+                pcie = tot.misses * page_bytes / a.calls
+                row.update(us=sec * 1e6, miss_fraction=miss, pcie_mb_per_call=pcie / 1e6,
+                           pcie_gb_s=pcie / sec / 1e9, attended_tb_s=attended / sec / 1e12,
+                           speedup_vs_cudnn=cd["us"] / (sec * 1e6))
+            except Exception as e:  # one variant failing must not lose the others
+                row["error"] = repr(e)[:400]
+            add(row)
+    res["total_s"] = round(time.perf_counter() - t0, 1)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    plot(res, os.path.join(a.out, "layer.png"))
+    print(f"\ncuDNN dense decode B={a.batch} ctx={a.context}: {cd['us']:.1f} us ({cd['tb_s']:.2f} TB/s)")
+    print("| kind | budget | sieve | fused fetch | miss % | us/call | PCIe GB/s | x cuDNN | check |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in res["rows"][1:]:
+        if "error" in r:
+            print(f"| {r['kind']} | {r['budget']} | {r['sieve']} | {r['fused_fetch']} | ERROR {r['error'][:60]} |")
+            continue
+        print(f"| {r['kind']} | {r['budget']} | {r['sieve']} | {r['fused_fetch']} | {100 * r['miss_fraction']:.1f} | "
+              f"{r['us']:.1f} | {r['pcie_gb_s']:.1f} | {r['speedup_vs_cudnn']:.1f} | {r['ok']} |")
+    return res
+
+
+def plot(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in res["rows"] if r["kind"] != "cudnn" and "us" in r]
+    cd = res["rows"][0]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for budget in sorted({r["budget"] for r in rows}):
+        for fused, style in ((False, "o-"), (True, "s--")):
+            pts = sorted((100 * r["miss_fraction"], r["us"]) for r in rows if r["budget"] == budget
+                         and r["sieve"] == "pallas" and r["fused_fetch"] == fused)
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"layer, budget {budget}, {'fused' if fused else 'separate'} fetch")
+    if "us" in cd:
+        ax.axhline(cd["us"], color="k", ls=":", label=f"cuDNN dense decode ({cd['us']:.0f} us)")
+    ax.set_yscale("log")
+    ax.set_xlabel("selected pages missing from HBM (%)")
+    ax.set_ylabel("us per layer call")
+    s = res["shapes"]
+    ax.set_title(f"select+sieve+attend, B={s['B']} ctx={s['context'] // 1024}K, {res['device']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
