@@ -53,10 +53,17 @@ def synthetic_fill_sparse(gen, slots, ctx, seed):
 
 def synthetic_fill_dense(gen, batch, ctx, seed):
     c = gen.config
-    shape = gen.dense.k.shape
-    fill = jax.jit(lambda key: jax.random.normal(key, shape, c.jnp_dtype), out_shardings=None)
+    L, S, T, KV, D = gen.dense.k.shape
+    blk = 4096  # a random 4096-token block per (layer, sequence), tiled: no full-size temporaries; the old
+    # zero cache is donated, so the largest batch that fits in HBM can be filled (distinct bytes per sequence)
+
+    def make(old, key):
+        b = jax.random.normal(key, (L, S, blk, KV, D), c.jnp_dtype)
+        return jnp.tile(b, (1, 1, -(-T // blk), 1, 1))[:, :, :T]
+
+    fill = jax.jit(make, donate_argnums=0)
     from ulacache_jax.generation import DenseCache
-    gen.dense = DenseCache(fill(jax.random.key(seed)), fill(jax.random.key(seed + 1)))
+    gen.dense = DenseCache(fill(gen.dense.k, jax.random.key(seed)), fill(gen.dense.v, jax.random.key(seed + 1)))
     gen.dense_len = jnp.where(jnp.arange(c.max_seqs) < batch, ctx, 0).astype(jnp.int32)
 
 

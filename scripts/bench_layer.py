@@ -88,8 +88,8 @@ def evict_units(state: CacheState, cold) -> CacheState:
     return dataclasses.replace(state, pb=pb, vtlb=dataclasses.replace(tb, frame=frame))
 
 
-def layer_loop(options: DecodeOptions, calls: int, batch: int, ctx: int):
-    """jit(state, host, q, cold [B, KV] bool) -> (state, checksum, stats summed over the calls). Every call first
+def layer_loop(options: DecodeOptions, calls: int, batch: int, ctx: int, host_sh):
+    """jit(state, host, q, cold [B, KV] bool) -> (state, checksum, stats summed over the calls, host). Every call first
     evicts the cold pairs' pages (an empty mask costs the same elementwise pass), then runs the layer."""
     pos = jnp.full((batch,), ctx, jnp.int32)
     live = jnp.ones((batch,), bool)
@@ -103,9 +103,9 @@ def layer_loop(options: DecodeOptions, calls: int, batch: int, ctx: int):
             st, out, stats = attend_layer(st, host, 0, q, kn, kn, pos, live, options=options)
             return st, chk + out[0, 0, 0, 0].astype(jnp.float32), tot + stats
 
-        return lax.fori_loop(0, calls, body, (state, jnp.float32(0), LayerStats.zeros()))
+        return lax.fori_loop(0, calls, body, (state, jnp.float32(0), LayerStats.zeros())) + (host,)
 
-    return jax.jit(run, donate_argnums=0)
+    return jax.jit(run, donate_argnums=(0, 1), out_shardings=(None, None, None, host_sh))
 
 
 def check_variant(m: CacheManager, options: DecodeOptions, q, batch, ctx) -> dict:
@@ -113,12 +113,15 @@ def check_variant(m: CacheManager, options: DecodeOptions, q, batch, ctx) -> dic
     pos = jnp.full((batch,), ctx, jnp.int32)
     live = jnp.ones((batch,), bool)
     kn = jnp.zeros((batch, KV, D), DT)
-    # the host pool is an argument, never a closure constant (it would be baked into the program)
-    f = jax.jit(lambda st, host: attend_layer(st, host, 0, q, kn, kn, pos, live, options=options))
+    # the host pool is an argument (a closure would bake it into the program as a constant), donated and returned
+    # in host memory as in the decode program (XLA requires a pinned_host input the program reads to come back)
+    def call(opt):
+        return jax.jit(lambda st, host: attend_layer(st, host, 0, q, kn, kn, pos, live, options=opt) + (host,),
+                       donate_argnums=(0, 1), out_shardings=(None, None, None, m.host_shardings()))
+
     ref_opt = DecodeOptions(attention="ref", sieve="ref", scores="ref", fused_fetch=False)
-    g = jax.jit(lambda st, host: attend_layer(st, host, 0, q, kn, kn, pos, live, options=ref_opt))
-    s1, o1, st1 = f(copy_state(m.state), m.host)
-    s2, o2, st2 = g(copy_state(m.state), m.host)
+    s1, o1, st1, m.host = call(options)(copy_state(m.state), m.host)
+    s2, o2, st2, m.host = call(ref_opt)(copy_state(m.state), m.host)
     o1, o2 = np.asarray(o1, np.float32), np.asarray(o2, np.float32)
     rel = float(np.abs(o1 - o2).max() / max(1e-6, np.abs(o2).max()))
     same_frames = bool(jnp.array_equal(s1.vtlb.frame, s2.vtlb.frame))
@@ -128,13 +131,13 @@ def check_variant(m: CacheManager, options: DecodeOptions, q, batch, ctx) -> dic
 
 def time_loop(fn, m: CacheManager, q0, cold, reps: int, calls: int):
     """Median seconds per call (wall of the whole loop / calls) and the stats of one loop."""
-    st, chk, tot = fn(m.state, m.host, q0, cold)                # compile + warm (first call brings pages in)
+    st, chk, tot, m.host = fn(m.state, m.host, q0, cold)        # compile + warm (first call brings pages in)
     jax.block_until_ready(chk)
     m.state = st
     times = []
     for r in range(reps):
         t = time.perf_counter()
-        st, chk, tot = fn(m.state, m.host, q0, cold)
+        st, chk, tot, m.host = fn(m.state, m.host, q0, cold)
         jax.block_until_ready((st, chk))
         times.append(time.perf_counter() - t)
         m.state = st
@@ -229,7 +232,7 @@ def main(argv=None):
             row = dict(kind=kind, budget=budget, sieve=sieve, fused_fetch=fused, target_miss=frac)
             try:
                 row.update(check_variant(m, opt, q0, a.batch, a.context))
-                fn = layer_loop(opt, a.calls, a.batch, a.context)
+                fn = layer_loop(opt, a.calls, a.batch, a.context, m.host_shardings())
                 sec, tot = time_loop(fn, m, q0, cold, a.reps, a.calls)
                 req = tot.hits + tot.misses
                 miss = tot.misses / max(1, req)
