@@ -40,7 +40,7 @@ from jax import lax
 from ulacache_jax.bench_meta import git_commit
 from ulacache_jax.cache_state import CacheState
 from ulacache_jax.config import CacheConfig
-from ulacache_jax.decode_layer import DecodeOptions, LayerStats, attend_layer
+from ulacache_jax.decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
 from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
 from ulacache_jax.pb_lru import EMPTY_TAG
 from ulacache_jax.sequences import CacheManager
@@ -103,7 +103,11 @@ def layer_loop(options: DecodeOptions, calls: int, batch: int, ctx: int, host_sh
             st, out, stats = attend_layer(st, host, 0, q, kn, kn, pos, live, options=options)
             return st, chk + out[0, 0, 0, 0].astype(jnp.float32), tot + stats
 
-        return lax.fori_loop(0, calls, body, (state, jnp.float32(0), LayerStats.zeros())) + (host,)
+        st, chk, tot = lax.fori_loop(0, calls, body, (state, jnp.float32(0), LayerStats.zeros()))
+        # as in the decode program: the host pool goes through the tail flush (nothing completes here, pos is
+        # fixed), which XLA needs for a pinned_host input that kernels read (E1200 otherwise)
+        st, host = flush_tail(st, host)
+        return st, chk, tot, host
 
     return jax.jit(run, donate_argnums=(0, 1), out_shardings=(None, None, None, host_sh))
 
@@ -116,8 +120,11 @@ def check_variant(m: CacheManager, options: DecodeOptions, q, batch, ctx) -> dic
     # the host pool is an argument (a closure would bake it into the program as a constant), donated and returned
     # in host memory as in the decode program (XLA requires a pinned_host input the program reads to come back)
     def call(opt):
-        return jax.jit(lambda st, host: attend_layer(st, host, 0, q, kn, kn, pos, live, options=opt) + (host,),
-                       donate_argnums=(0, 1), out_shardings=(None, None, None, m.host_shardings()))
+        def f(st, host):
+            st, o, stats = attend_layer(st, host, 0, q, kn, kn, pos, live, options=opt)
+            st, host = flush_tail(st, host)
+            return st, o, stats, host
+        return jax.jit(f, donate_argnums=(0, 1), out_shardings=(None, None, None, m.host_shardings()))
 
     ref_opt = DecodeOptions(attention="ref", sieve="ref", scores="ref", fused_fetch=False)
     s1, o1, st1, m.host = call(options)(copy_state(m.state), m.host)
