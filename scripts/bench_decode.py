@@ -147,6 +147,8 @@ def write_json(out, res):
 
 
 def main(argv=None):
+    from ulacache_jax.cache_state import raise_host_limit
+    raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--contexts", default="32768,131072")
     p.add_argument("--batches", default="1,4")

@@ -191,6 +191,8 @@ def cudnn_time(batch: int, ctx: int, reps: int) -> dict:
 
 
 def main(argv=None):
+    from ulacache_jax.cache_state import raise_host_limit
+    raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=262144)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from ulacache_jax.config import CacheConfig
 from ulacache_jax.cache_state import tail_frame, check_fits
+from ulacache_jax import cache_state
 from ulacache_jax.sequences import CacheManager, CapacityError
 from ulacache_jax.decode_layer import flush_tail
 from ulacache_jax.pallas_kernels import page_copy
@@ -134,3 +135,23 @@ def test_admit_release_restores_fresh_state():
     for name in ("pb", "vtlb", "seqs", "kmin", "kmax", "clock"):
         assert leaves_equal(getattr(fresh, name), getattr(st, name)), name
     assert m.alloc.num_free == c.host_pages and sorted(m.alloc.free_slots) == [0, 1, 2]
+
+def test_host_limit_default_and_env(monkeypatch):
+    monkeypatch.delenv(cache_state.HOST_LIMIT_ENV, raising=False)
+    assert cache_state.xla_host_limit_bytes() == 64 * 2**30
+    monkeypatch.setenv(cache_state.HOST_LIMIT_ENV, "200")
+    assert cache_state.xla_host_limit_bytes() == 200 * 2**30
+    monkeypatch.setenv(cache_state.HOST_LIMIT_ENV, "lots")
+    with pytest.raises(ValueError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB = 'lots'"):
+        cache_state.xla_host_limit_bytes()
+
+def test_raise_host_limit_respects_user_setting(monkeypatch):
+    monkeypatch.setenv(cache_state.HOST_LIMIT_ENV, "70")
+    assert cache_state.raise_host_limit() is None
+    monkeypatch.delenv(cache_state.HOST_LIMIT_ENV)
+    monkeypatch.setattr(cache_state, "_pinnable_host_bytes", lambda: 250 * 2**30)
+    assert cache_state.raise_host_limit(0.9) == 225
+    assert cache_state.xla_host_limit_bytes() == 225 * 2**30
+    monkeypatch.delenv(cache_state.HOST_LIMIT_ENV)
+    monkeypatch.setattr(cache_state, "_pinnable_host_bytes", lambda: 16 * 2**30)  # never below XLA's default
+    assert cache_state.raise_host_limit(0.9) == 64

@@ -16,6 +16,7 @@ read-only argument and write it once per call (donated in, aliased out).
 from __future__ import annotations
 
 import dataclasses
+import os
 from functools import partial
 
 import jax
@@ -84,6 +85,34 @@ def _pinnable_host_bytes() -> int | None:
         return None
 
 
+HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+DEFAULT_HOST_LIMIT_GB = 64  # XLA's pinned-host BFC allocator default (measured on the H200, jax 0.11.2)
+
+
+def xla_host_limit_bytes() -> int:
+    """What XLA's pinned-host allocator may hold in all: $XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, default 64.
+    Host pools beyond it fail at allocation with RESOURCE_EXHAUSTED however much RAM the machine has."""
+    raw = os.environ.get(HOST_LIMIT_ENV)
+    try:
+        gb = float(raw) if raw else DEFAULT_HOST_LIMIT_GB
+    except ValueError:
+        raise ValueError(f"{HOST_LIMIT_ENV} = {raw!r} must be a number of GiB") from None
+    return int(gb * 2**30)
+
+
+def raise_host_limit(fraction: float = 0.9) -> int | None:
+    """Entry points call this first: set XLA's pinned-host limit to `fraction` of MemAvailable (unless the user
+    set it). It only takes effect before the GPU backend starts; returns the limit in GiB it set, else None."""
+    if os.environ.get(HOST_LIMIT_ENV):
+        return None
+    avail = _pinnable_host_bytes()
+    if not avail:
+        return None
+    gb = max(DEFAULT_HOST_LIMIT_GB, int(fraction * avail / 2**30))
+    os.environ[HOST_LIMIT_ENV] = str(gb)
+    return gb
+
+
 def check_fits(config: CacheConfig, device=None, host_bytes: int | None = None) -> dict[str, int]:
     """Refuse, with the numbers, a config whose pools do not fit the device or the host, before allocating."""
     device = device or jax.devices()[0]
@@ -105,6 +134,10 @@ def check_fits(config: CacheConfig, device=None, host_bytes: int | None = None) 
         raise ValueError(f"host pool needs {host_need / 2**30:.2f} GiB (host_pages = {config.host_pages} x "
                          f"{2 * config.page_bytes} B x {config.tp} ranks) but only {host_limit / 2**30:.2f} GiB "
                          "of host memory is available to pin")
+    if host_bytes is None and host_memory_kind(device) and host_need > xla_host_limit_bytes():
+        raise ValueError(f"host pool needs {host_need / 2**30:.2f} GiB but XLA's pinned host allocator is limited "
+                         f"to {xla_host_limit_bytes() / 2**30:.0f} GiB: set {HOST_LIMIT_ENV} (GiB) before JAX "
+                         "starts, or call ulacache_jax.cache_state.raise_host_limit() first")
     return fp
 
 

@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .cache_state import raise_host_limit
+    raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default, whatever the RAM
     try:
         if args.command == "generate":
             return cmd_generate(args)
