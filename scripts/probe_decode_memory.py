@@ -1,0 +1,113 @@
+"""Where does a decode program allocate a second cache? Compile-only probe (nothing cache-sized is allocated).
+
+On the H200 (2026-11-29, jax 0.11.2) the dense decode program at 128K x 7 sequences asked for 56.1 GiB more
+(= one whole K cache) and the sparse decode program at 128K x 4 for 64 GiB more host memory (= the host pool),
+while on CPU `memory_analysis` shows both caches aliased input -> output with small temps. This script lowers and
+compiles `Generator`'s decode programs from abstract arguments (ShapeDtypeStruct with the real shardings and
+memory kinds) at any size, prints argument / output / alias / temp bytes against the cache bytes, and lists the
+largest `copy`, `transpose` and custom-call buffers of the optimized HLO, so the culprit shows in one call.
+
+Run (GPU):  python3 scripts/probe_decode_memory.py --context 131072 --batch 7 [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+SIZES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
+
+
+def big_buffers(hlo: str, min_bytes: int, top: int = 12):
+    """(bytes, line) of HLO instructions whose result is at least min_bytes: copies, transposes, custom calls."""
+    out = []
+    pat = re.compile(r"=\s*(\w+)\[([\d,]*)\]\{[^}]*\}(?:\s*S\(\d+\))?\s+(copy|transpose|custom-call|copy-start|fusion)")
+    for line in hlo.splitlines():
+        m = pat.search(line)
+        if not m:
+            continue
+        dt, dims, op = m.groups()
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) * SIZES.get(dt, 4)
+        if n >= min_bytes:
+            out.append((n, op, line.strip()[:220]))
+    return sorted(out, reverse=True)[:top]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--batch", type=int, default=7)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--sides", nargs="+", default=["dense", "sparse"])
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    a = p.parse_args(argv)
+    from ulacache_jax.cache_state import init as init_state, host_sharding
+    from ulacache_jax.decode_layer import DecodeOptions
+    from ulacache_jax.generation import DenseCache, _Program, default_cache_config
+    from ulacache_jax.models import LlamaModel, get_preset
+    from ulacache_jax.sampling import SamplingArrays, row_keys
+
+    mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=a.layers)
+    model = nnx.eval_shape(lambda: LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model)
+    dev = jax.devices()[0]
+    dsh = jax.sharding.SingleDeviceSharding(dev)
+    S = a.batch
+    small = (jnp.zeros(S, jnp.int32), jnp.ones(S, bool), jnp.zeros(S, jnp.int32),
+             row_keys(jnp.zeros(S, jnp.uint32), jnp.zeros(S, jnp.uint32)), SamplingArrays.fill(S),
+             jnp.asarray([-1], jnp.int32))
+    spec = lambda x, sh=dsh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    report = {}
+    for side in a.sides:
+        cfg = default_cache_config(mc, num_seqs=S, max_tokens=a.context + 2 * 64, page_size=64,
+                                   token_budget=a.budget, dtype="bfloat16")
+        if side == "sparse":
+            state, host = jax.eval_shape(lambda: init_state(cfg, check=False))
+            hs = host_sharding(dev)
+            host_sh = jax.tree.map(lambda _: hs, host)
+            prog = _Program(graphdef, cfg, "sparse", DecodeOptions(), host_sh)
+            args = (jax.tree.map(spec, params), jax.tree.map(spec, state), jax.tree.map(lambda x: spec(x, hs), host))
+            cache_bytes = {"state": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)),
+                           "host": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(host))}
+        else:
+            prog = _Program(graphdef, cfg, "dense", DecodeOptions(), None)
+            shape = (cfg.num_layers, S, cfg.max_context, cfg.num_kv_heads, cfg.head_dim)
+            d = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=dsh)
+            args = (jax.tree.map(spec, params), DenseCache(d, d), jax.ShapeDtypeStruct((S,), jnp.int32, sharding=dsh))
+            cache_bytes = {"k+v": 2 * int(np.prod(shape)) * 2}
+        comp = prog.decode.lower(*args, *small).compile()
+        mem = comp.memory_analysis()
+        rec = dict(cache_bytes=cache_bytes, argument=mem.argument_size_in_bytes, output=mem.output_size_in_bytes,
+                   alias=mem.alias_size_in_bytes, temp=mem.temp_size_in_bytes,
+                   host_argument=getattr(mem, "host_argument_size_in_bytes", None),
+                   host_output=getattr(mem, "host_output_size_in_bytes", None),
+                   host_alias=getattr(mem, "host_alias_size_in_bytes", None),
+                   host_temp=getattr(mem, "host_temp_size_in_bytes", None))
+        hlo = comp.as_text()
+        biggest = max(cache_bytes.values())
+        rec["big_buffers"] = [dict(bytes=n, op=op, hlo=line) for n, op, line in big_buffers(hlo, biggest // 64)]
+        rec["entry_alias"] = hlo.splitlines()[0][:600]
+        report[side] = rec
+        print(f"== {side}: " + " ".join(f"{k}={v / 2**30:.2f}GiB" if isinstance(v, int) else f"{k}={v}"
+                                         for k, v in rec.items() if k not in ("big_buffers", "entry_alias")))
+        for b in rec["big_buffers"]:
+            print(f"   {b['bytes'] / 2**30:8.2f} GiB {b['op']:12s} {b['hlo'][:160]}")
+        if a.out:
+            with open(os.path.join(a.out, f"decode_memory_{side}.hlo.txt"), "w") as f:
+                f.write(hlo)
+    if a.out:
+        with open(os.path.join(a.out, "decode_memory.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report
+
+
+if __name__ == "__main__":
+    main()
