@@ -106,3 +106,17 @@ def test_bad_inputs(model):
         generate(model, [[1]], max_new_tokens=2, top_p=0.0)
     with pytest.raises(ValueError, match="attention"):
         generate(model, [[1]], max_new_tokens=2, attention="flash")
+
+
+def test_decode_near_int32_clock_overflow_rebases_and_matches(model, prompts):
+    # small pool (evictions happen) and a budget below the context: the PB-LRU decisions matter. A generator whose
+    # clock starts 50 ticks before int32 overflow must wind it back and make exactly the same decisions.
+    cfg = default_cache_config(model.config, num_seqs=3, max_tokens=160, page_size=8, token_budget=32,
+                               num_buckets=4, slots_per_bucket=6)
+    a, b = Generator(model, cfg), Generator(model, cfg)
+    b.cache.state = b.cache.state.__class__(**{**b.cache.state.__dict__, "clock": jnp.int32(2**31 - 50)})
+    ta = a.run(prompts, 40)
+    tb = b.run(prompts, 40)
+    assert ta == tb
+    assert int(a.stats.misses) > 0 and int(a.stats.hits) == int(b.stats.hits)
+    assert 0 < int(b.cache.state.clock) < 2**30

@@ -154,3 +154,36 @@ def test_bad_inputs():
         vtlb.translate(table, *lid.pack(np.array([5]), np.array([0]), np.array([0]), np.array([0])))
     with pytest.raises(ValueError, match="max_seqs"):
         vtlb.init(0, 1, 1, 4, PAGE)
+
+
+def test_rebase_keeps_recent_order_and_empties():
+    stamp = jnp.asarray([[-1, 0, 5, 9], [10, 11, -1, 3]], jnp.int32)
+    s = pb_lru.PBLRUState(tag_hi=jnp.zeros((2, 4), jnp.uint32), tag_lo=jnp.zeros((2, 4), jnp.uint32), stamp=stamp)
+    r = pb_lru.rebase(s, 6)
+    np.testing.assert_array_equal(np.asarray(r.stamp), [[-1, 0, 0, 3], [4, 5, -1, 0]])
+
+
+def test_trace_from_a_rebased_clock_equals_trace_from_zero():
+    # the same trace at clock t and at clock t + 2**31 - 64 with the cache's rebase before every step: every
+    # output and the final tags are identical (stamps differ by the constant offset the rebase leaves)
+    from ulacache_jax import cache_state
+    rng = np.random.default_rng(3)
+    universe = rng.integers(0, 2**40, 300, dtype=np.uint64)
+    a = b = pb_lru.init(8, 4)
+    clock_b = 2**31 - 64
+    for t in range(120):
+        x = universe[rng.integers(0, 300, 24)]
+        hi, lo = (jnp.asarray((x >> np.uint64(32)).astype(np.uint32)),
+                  jnp.asarray((x & np.uint64(0xFFFFFFFF)).astype(np.uint32)))
+        valid = jnp.asarray(rng.random(24) < 0.9)
+        # wind b's clock back as the decode does (at/keep scaled down so it happens inside this trace)
+        off = clock_b - 40 if clock_b >= 100 else 0
+        b, clock_b = pb_lru.rebase(b, off), clock_b - off
+        a, out_a = pb_lru.ref_access(a, hi, lo, valid, jnp.int32(t))
+        b, out_b = pb_lru.ref_access(b, hi, lo, valid, jnp.int32(clock_b))
+        clock_b += 1
+        for f in ("frame", "hit", "evicted", "evicted_hi", "evicted_lo"):
+            np.testing.assert_array_equal(np.asarray(getattr(out_a, f)), np.asarray(getattr(out_b, f)), err_msg=f)
+    np.testing.assert_array_equal(np.asarray(a.tag_lo), np.asarray(b.tag_lo))
+    with pytest.raises(ValueError, match="keep"):
+        cache_state.rebase_clock(None, at=10, keep=20)

@@ -8,7 +8,8 @@ P = max_pages_per_seq; F = PB-LRU frames; T = TAIL_PAGES; page = page_size; g = 
 - kmin, kmax [R, S, L, G, P, g, D]: per-page, per-dim min and max of K (the Quest summaries).
 - vtlb (frame, host_page) [R, S, L, G, P]; pb (tag_hi, tag_lo, stamp) [R, B, slots].
 - seqs: length, flushed (pages with a host copy), active, each [S]: the same on every rank.
-- clock: int32 scalar, the PB-LRU's `now`; ticks once per sieve call (each layer of each step).
+- clock: int32 scalar, the PB-LRU's `now`; ticks once per sieve call (each layer of each step); wound back by
+  `rebase_clock` at the start of every decode chunk once it reaches 2**30, so it never wraps.
 The host pool (`HostPool`, k and v [R, H, page, g, D]) is kept apart because it lives in memory kind
 `pinned_host` on GPU and must never be carried through a loop (DESIGN.md section 1): jitted steps take it as a
 read-only argument and write it once per call (donated in, aliased out).
@@ -83,6 +84,21 @@ def _pinnable_host_bytes() -> int | None:
         return info.get("MemAvailable")
     except OSError:
         return None
+
+
+CLOCK_REBASE_AT = 2**30   # clock value at which a decode chunk winds the clock back (far below int32 overflow)
+CLOCK_KEEP = 2**29        # ticks of recency kept exact by the rebase (~46 h at 3200 sieve calls per second)
+
+
+def rebase_clock(state: CacheState, at: int = CLOCK_REBASE_AT, keep: int = CLOCK_KEEP) -> CacheState:
+    """Wind the PB-LRU clock back by clock - keep once it reaches `at` (a no-op before): stamps older than `keep`
+    ticks tie at 0, recent order is unchanged. Run at the start of every decode chunk, so the int32 clock (one
+    tick per sieve call) never wraps; a wrapped stamp would read as an empty slot while the vTLB still maps it."""
+    if not 0 < keep < at < 2**31 - 2**20:
+        raise ValueError(f"rebase_clock: need 0 < keep = {keep} < at = {at} < 2**31 - 2**20")
+    off = jnp.where(state.clock >= at, state.clock - keep, 0).astype(jnp.int32)
+    pb = jax.vmap(pb_lru.rebase, in_axes=(0, None))(state.pb, off)
+    return dataclasses.replace(state, pb=pb, clock=state.clock - off)
 
 
 HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"

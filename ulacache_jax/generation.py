@@ -19,6 +19,7 @@ from flax import nnx
 
 
 from .pallas_kernels.pb_lru_sieve import sieve_geometry
+from .cache_state import rebase_clock
 from .config import CacheConfig
 from .decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
 from .sampling import SamplingArrays, check_sampling, row_keys, sample
@@ -190,6 +191,7 @@ class _Program:
 
     def _decode_sparse(self, params, state, host, tok, done, remaining, keys, sampling, stop_ids):
         opts = self.options
+        state = rebase_clock(state)   # the int32 PB-LRU clock never wraps (a no-op until 2**30 ticks)
 
         def attend(state, l, q, k, v, pos, live):
             # the host pool is read here, never carried through the loop (DESIGN.md section 1)

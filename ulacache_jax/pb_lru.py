@@ -168,6 +168,15 @@ def ref_access(state: PBLRUState, hi, lo, valid, now) -> tuple[PBLRUState, Acces
     return new, AccessOut(frame=frame, hit=hit, evicted=evicted, evicted_hi=evicted_hi, evicted_lo=evicted_lo)
 
 
+def rebase(state: PBLRUState, offset) -> PBLRUState:
+    """Every stamp moved `offset` ticks back (int32 scalar >= 0), clamped at 0; empty slots stay empty. Order among
+    slots younger than `offset` ticks is unchanged; older ones tie at 0, and ties break by slot index (section 5),
+    so the clock can be wound back before int32 overflows without changing recent recency order."""
+    off = jnp.asarray(offset, jnp.int32)
+    stamp = jnp.where(state.stamp >= 0, jnp.maximum(state.stamp - off, 0), state.stamp)
+    return PBLRUState(tag_hi=state.tag_hi, tag_lo=state.tag_lo, stamp=stamp)
+
+
 def release(state: PBLRUState, seq) -> PBLRUState:
     """Empty every slot whose tag belongs to sequence `seq` (an int or int32 scalar)."""
     if not isinstance(seq, jax.core.Tracer):

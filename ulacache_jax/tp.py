@@ -53,7 +53,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import cache_state as cache_state_mod
-from .cache_state import CacheState, HostPool, host_memory_kind
+from .cache_state import CacheState, HostPool, host_memory_kind, rebase_clock
 from .config import CacheConfig
 from .decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
 from .generation import Generator, _Program, _check_prompts, bucket_length, default_cache_config, run_in_waves
@@ -305,6 +305,7 @@ class _TPProgram(_Program):
     def _decode_sparse(self, params, state, host, tok, done, remaining, keys, sampling, stop_ids):
         # _Program._decode_sparse with the rank's global group offset passed to attend_layer; stats per rank.
         opts, rank = self.options, jax.lax.axis_index(TP_AXIS)
+        state = rebase_clock(state)   # the int32 PB-LRU clock never wraps (a no-op until 2**30 ticks)
 
         def attend(state, l, q, k, v, pos, live):
             return attend_layer(state, host, l, q, k, v, pos, live & state.seqs.active, options=opts, rank=rank)
