@@ -90,7 +90,7 @@ def choose_config(num_requests: int, num_buckets: int, slots_per_bucket: int, *,
     c = max(8, min(want, cap, _next_pow2(num_requests)))
     if num_warps is None:
         num_warps = 4 if c * max(c, t) <= 4096 else 8
-    if grouping is None:  # the scan costs O(N * B) hash evaluations in all; the sort O(N log N) in ~100 launches
+    if grouping is None:  # the scan costs O(N * B) hash evaluations in all; the XLA sort ~40 us at 8K on the H200
         grouping = "scan" if num_requests * num_buckets <= SCAN_MAX_WORK else "sort"
     return SieveConfig(req_chunk=c, slot_chunk=t, num_warps=num_warps, grouping=grouping)
 
@@ -566,7 +566,7 @@ def sieve_call(state: PBLRUState, requests, now, cfg: SieveConfig, interpret: bo
     nb, ns = state.stamp.shape
     nf, n = nb * ns, requests[0].shape[0]
     scan = cfg.grouping == "scan"
-    if scan and len(requests) != 3 or not scan and len(requests) != 4:
+    if len(requests) != (3 if scan else 4):
         raise ValueError(f"grouping {cfg.grouping!r} takes {3 if scan else 4} request arrays, got {len(requests)}")
     kernel = partial(_sieve_kernel, n=n, nb=nb, ns=ns, cfg=cfg, interpret=interpret)
     sds = jax.ShapeDtypeStruct
