@@ -11,6 +11,8 @@ requests are grouped by bucket first, so every slot and every request is written
      all N requests twice: start_b = valid requests of buckets < b, then its own requests written in original
      order into its region (`_scan_group`). No sort, no atomics, no other launch; O(N * B) work in all, so large
      N * B use the sort.
+   - "ids" (experimental, not yet timed on a GPU): the same, but one XLA fusion computes every request's bucket
+     first, so the two passes read 4 bytes per request and hash nothing.
    - "sort": jnp, an int32 sort of bucket << nbits | index, a scatter-add histogram and a cumsum (`bstart`).
      On the H200 the XLA sort of 8K keys takes ~40 us of device time in ~4 kernels: more than the sieve itself.
    - "atomic": one Pallas program hashes, counts with atomic adds, takes the exclusive prefix sum and places
@@ -60,6 +62,7 @@ MARK = -2                 # stamp of a slot hit or filled in this batch (general
 NONE = 2**31 - 1          # "no stamp": larger than any stamp (now <= 2**31 - 2)
 BIG = 2**31 - 1           # "no request index"
 TILE_ELEMS = 16384        # largest [C, T], [C, C] or [C, D] compare tile (8 warps: 64 elements per thread)
+IN_KERNEL = ("scan", "ids")  # groupings done by the sieve kernel itself (inputs: hi, lo, valid or bucket ids)
 SCAN_MAX_WORK = 1 << 23  # "scan" grouping while N * B <= 2**23 (8K requests x 1024 buckets): each program reads all N
 GROUP_CHUNK = 4096        # requests per step of the grouping program (32 KB of layout-conversion shared memory)
 
@@ -70,7 +73,7 @@ class SieveConfig:
     req_chunk: int        # C: requests handled together; the fast path needs a bucket's requests <= C
     slot_chunk: int       # T: slots handled together; the bucket stays in registers when S <= T
     num_warps: int
-    grouping: str = "scan"    # "scan" (in the sieve kernel), "sort" (jnp) or "atomic" (see the module docstring)
+    grouping: str = "scan"    # "scan"/"ids" (in the sieve kernel), "sort" (jnp) or "atomic" (module docstring)
     fast_path: bool = True    # registers-only path for buckets with R <= C and S <= T
 
 
@@ -256,32 +259,39 @@ def group_requests(hi, lo, valid, num_buckets: int, grouping: str = "atomic", in
 # ----------------------------------------------------------------------------------------------------------------
 # Sieve kernel (one program per bucket)
 # ----------------------------------------------------------------------------------------------------------------
-def _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, *, n, nb, q):
+def _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, *, n, nb, q, bkt_ref=None):
     """Program b's share of the "scan" grouping: [start, end) of bucket b in the grouped order, and its requests
     written there in original order. start = valid requests of buckets < b (B: the invalid tail after every
-    valid one), so each program finds its region alone and only ever writes inside it."""
+    valid one), so each program finds its region alone and only ever writes inside it. With `bkt_ref` ([N]
+    int32 bucket of each request, B for invalid: the "ids" grouping) the passes read 4 bytes per request and
+    hash nothing; the LID words are loaded only where the bucket matches."""
     bits = lid_mod.log2_buckets(nb)
     iq = jnp.arange(q, dtype=jnp.int32)
     u0 = np.uint32(0)
 
-    def load(i):
+    def bucket(i):
         idx = i * q + iq
         m = idx < n
+        if bkt_ref is not None:  # LID words not loaded here
+            return idx, m, plgpu.load(bkt_ref.at[pl.ds(i * q, q)], mask=m, other=nb), None, None
         h = plgpu.load(hi_ref.at[pl.ds(i * q, q)], mask=m, other=u0)
         l = plgpu.load(lo_ref.at[pl.ds(i * q, q)], mask=m, other=u0)
         v = plgpu.load(valid_ref.at[pl.ds(i * q, q)], mask=m, other=False)
-        return idx, m, h, l, jnp.where(v, lid_mod.bucket_bits(h, l, bits), nb)
+        return idx, m, jnp.where(v, lid_mod.bucket_bits(h, l, bits), nb), h, l
 
     def count(i, c):
-        _, m, _, _, bk = load(i)
+        _, m, bk, _, _ = bucket(i)
         return c[0] + jnp.sum((m & (bk < b)).astype(jnp.int32)), c[1] + jnp.sum((m & (bk == b)).astype(jnp.int32))
 
     nq = -(-n // q)
     start, size = lax.fori_loop(0, nq, count, (jnp.int32(0), jnp.int32(0)))
 
     def place(i, cnt):
-        idx, m, h, l, bk = load(i)
+        idx, m, bk, h, l = bucket(i)
         sel = m & (bk == b)
+        if h is None:
+            h = plgpu.load(hi_ref.at[pl.ds(i * q, q)], mask=sel, other=u0)
+            l = plgpu.load(lo_ref.at[pl.ds(i * q, q)], mask=sel, other=u0)
         si = sel.astype(jnp.int32)
         pos = start + cnt + jnp.cumsum(si) - si
         _scatter(sorder_ref, pos, idx, sel, n)
@@ -306,12 +316,14 @@ def _sieve_kernel(*refs, n, nb, ns, cfg: SieveConfig, interpret):
     #   appearance, sflag_ref [N] int32 1 on first appearances of missing LIDs; by bucket region and miss rank:
     #   mhi_ref, mlo_ref [N] uint32 and morig_ref [N] int32 the miss of each rank
     b = pl.program_id(0)
-    if cfg.grouping == "scan":
+    if cfg.grouping in IN_KERNEL:
         (hi_ref, lo_ref, valid_ref, now_ref, _th_in, _tl_in, _ts_in, th_ref, tl_ref, ts_ref, frame_ref, hit_ref,
          ev_ref, evh_ref, evl_ref, sframe_ref, sfo_ref, sflag_ref, mhi_ref, mlo_ref, morig_ref,
          sorder_ref, shi_ref, slo_ref) = refs
+        # "ids": valid_ref holds the bucket ids computed by XLA beforehand ([N] int32, B for invalid)
         start, end = _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, n=n, nb=nb,
-                                 q=min(_next_pow2(n), 256 * cfg.num_warps))
+                                 q=min(_next_pow2(n), 256 * cfg.num_warps),
+                                 bkt_ref=valid_ref if cfg.grouping == "ids" else None)
         _barrier(interpret)
     else:
         (sorder_ref, shi_ref, slo_ref, bstart_ref, now_ref, _th_in, _tl_in, _ts_in, th_ref, tl_ref, ts_ref,
@@ -565,7 +577,7 @@ def sieve_call(state: PBLRUState, requests, now, cfg: SieveConfig, interpret: bo
     cfg.grouping == "scan" (the kernel groups them itself), else grouped requests from `group_requests`."""
     nb, ns = state.stamp.shape
     nf, n = nb * ns, requests[0].shape[0]
-    scan = cfg.grouping == "scan"
+    scan = cfg.grouping in IN_KERNEL
     if len(requests) != (3 if scan else 4):
         raise ValueError(f"grouping {cfg.grouping!r} takes {3 if scan else 4} request arrays, got {len(requests)}")
     kernel = partial(_sieve_kernel, n=n, nb=nb, ns=ns, cfg=cfg, interpret=interpret)
@@ -607,4 +619,7 @@ def access(state: PBLRUState, hi, lo, valid, now, *, config: SieveConfig | None 
     now = jnp.asarray(now, jnp.int32)
     if cfg.grouping == "scan":
         return sieve_call(state, (hi, lo, valid), now, cfg, interpret)
+    if cfg.grouping == "ids":  # bucket ids by one XLA fusion; the kernel's passes then read 4 bytes per request
+        bkt = jnp.where(valid, lid_mod.bucket_bits(hi, lo, lid_mod.log2_buckets(nb)), nb).astype(jnp.int32)
+        return sieve_call(state, (hi, lo, bkt), now, cfg, interpret)
     return sieve_call(state, group_requests(hi, lo, valid, nb, cfg.grouping, interpret), now, cfg, interpret)

@@ -422,14 +422,16 @@ def main():
                         rec = safe_bench("pallas", n, nb, ns, work, budget, steps, (), cfg=cfg, profile=True)
                         records.append(rec)
                         show(rec)
-                    if args.variants and nb > 1 and n <= 8192:  # the other grouping (scan <-> sort)
+                    if args.variants and nb > 1 and n <= 8192:  # the other groupings (scan, ids, sort)
                         base_cfg = sv.choose_config(n, nb, ns)
-                        cfg = dataclasses.replace(base_cfg, grouping="sort" if base_cfg.grouping == "scan"
-                                                  else "scan")
-                        rec = safe_bench("pallas", n, nb, ns, work, budget, steps, (), cfg=cfg, check=True,
-                                         profile=True)
-                        records.append(rec)
-                        show(rec)
+                        for g in ("scan", "ids", "sort"):
+                            if g == base_cfg.grouping:
+                                continue
+                            cfg = dataclasses.replace(base_cfg, grouping=g)
+                            rec = safe_bench("pallas", n, nb, ns, work, budget, steps, (), cfg=cfg, check=True,
+                                             profile=True)
+                            records.append(rec)
+                            show(rec)
                     save()
     except TimeoutError:
         print("out of time: stopping", flush=True)

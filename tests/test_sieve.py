@@ -105,6 +105,10 @@ CASES = {
     "sort_grouping_mixed": (4, 16, 48, 60, sv.SieveConfig(req_chunk=16, slot_chunk=16, num_warps=4, grouping="sort")),
     # more requests than one scan chunk (256 x num_warps): the grouping scan loops and carries its counts
     "scan_several_chunks": (8, 16, 1500, 900, sv.SieveConfig(req_chunk=64, slot_chunk=16, num_warps=1)),
+    # bucket ids computed by XLA first (experimental "ids" grouping): fast and general paths, several chunks
+    "ids_grouping_mixed": (4, 16, 48, 60, sv.SieveConfig(req_chunk=16, slot_chunk=16, num_warps=4, grouping="ids")),
+    "ids_several_chunks": (8, 16, 1500, 900, sv.SieveConfig(req_chunk=64, slot_chunk=16, num_warps=1,
+                                                             grouping="ids")),
 }
 
 
@@ -280,6 +284,7 @@ def decode_trace(rng, n, steps, churn=0.1):
 @pytest.mark.parametrize("nb,ns", [(256, 256), (1024, 1024), (16, 4096)])
 @pytest.mark.parametrize("grouping", [
     "scan",
+    "ids",
     "sort",
     # measured on the H200 (jax 0.11.2): the sort grouping passes at all three sizes, the atomic grouping
     # (experimental, not the default) gives wrong results at (256, 256); kept visible as an expected failure
