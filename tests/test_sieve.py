@@ -296,3 +296,21 @@ def test_compiled_realistic_size(nb, ns, grouping):
     batches = decode_trace(rng, 8192, steps=4)
     cfg = dataclasses.replace(sv.choose_config(8192, nb, ns), grouping=grouping)
     run_both(nb, ns, batches, [1, 2, 3, 4], config=cfg)
+
+
+def test_sieve_geometry_fewest_buckets_on_the_fast_path():
+    def fast(n, b, s):
+        c = sv.choose_config(n, b, s)
+        mean = n / b
+        return (s <= c.slot_chunk and int(mean + 4 * np.sqrt(mean) + 1) <= c.req_chunk
+                and c.req_chunk * max(c.req_chunk, c.slot_chunk) <= sv.TILE_ELEMS and c.grouping == "scan")
+
+    for frames, n in [(8192, 256), (262144, 8192), (917504, 1792), (32768, 8192), (100, 3)]:
+        b, s = sv.sieve_geometry(frames, n)
+        assert b & (b - 1) == 0 and b * s >= frames and (b - 1) * s < frames + b
+        assert fast(n, b, s), (frames, n, b, s)
+        assert b == 1 or not fast(n, b // 2, -(-frames // (b // 2))), (frames, n, b)  # fewest such buckets
+    # no bucket count keeps both (65536 requests exceed the scan's N x B bound): 64-slot buckets
+    assert sv.sieve_geometry(65536, 65536) == (1024, 64)
+    with pytest.raises(ValueError, match="num_frames = 0"):
+        sv.sieve_geometry(0, 8)
