@@ -81,14 +81,19 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
+def _bucket_load_chunk(num_requests: int, num_buckets: int) -> int:
+    """Request chunk that holds a bucket's load almost always: mean + 4 sigma of a Poisson, to a power of two."""
+    mean = num_requests / num_buckets
+    return _next_pow2(int(mean + 4 * math.sqrt(mean) + 1))
+
+
 def choose_config(num_requests: int, num_buckets: int, slots_per_bucket: int, *, max_slot_chunk: int = 1024,
                   tile_elems: int = TILE_ELEMS, num_warps: int | None = None,
                   grouping: str | None = None) -> SieveConfig:
     """T covers the bucket when it can; C covers a bucket's request count (mean + 4 sigma of a Poisson load)
     when the [C, T] and [C, C] tiles fit the budget."""
     t = min(_next_pow2(slots_per_bucket), max_slot_chunk)
-    mean = num_requests / num_buckets
-    want = _next_pow2(int(mean + 4 * math.sqrt(mean) + 1))
+    want = _bucket_load_chunk(num_requests, num_buckets)
     cap = max(8, min(tile_elems // t, int(math.isqrt(tile_elems)), 128))
     c = max(8, min(want, cap, _next_pow2(num_requests)))
     if num_warps is None:
@@ -110,8 +115,7 @@ def sieve_geometry(num_frames: int, num_requests: int) -> tuple[int, int]:
     while b <= num_frames:
         s = -(-num_frames // b)
         cfg = choose_config(num_requests, b, s)
-        mean = num_requests / b
-        if (s <= cfg.slot_chunk and int(mean + 4 * math.sqrt(mean) + 1) <= cfg.req_chunk
+        if (s <= cfg.slot_chunk and _bucket_load_chunk(num_requests, b) <= cfg.req_chunk
                 and cfg.req_chunk * max(cfg.req_chunk, cfg.slot_chunk) <= TILE_ELEMS and cfg.grouping == "scan"):
             return b, s
         b *= 2

@@ -38,11 +38,10 @@ def copy_bandwidth(nbytes=4 << 30) -> float:
     return 2 * nbytes / float(np.median(ts))
 
 
-def synthetic_fill_sparse(gen, slots, ctx, seed):
-    """Random K/V (distinct per sequence, made on the device) through the real ingestion path."""
-    c = gen.config
-    m = gen.cache
-    chunk = min(ctx, 8192)
+def synthetic_fill_sparse(m, slots, ctx, seed, chunk=8192):
+    """Random K/V (distinct per sequence, made on the device) through the real ingestion path of CacheManager m."""
+    c = m.config
+    chunk = min(ctx, chunk)
     mk = jax.jit(lambda key: jax.random.normal(key, (c.num_layers, chunk, c.num_kv_heads, c.head_dim), c.jnp_dtype))
     for i, slot in enumerate(slots):
         for start in range(0, ctx, chunk):
@@ -91,7 +90,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     S = cfg.max_seqs
     if attention == "sparse":
         slots_ = [gen.admit(ctx + (args.chunks + 1) * page) for _ in range(batch)]
-        synthetic_fill_sparse(gen, slots_, ctx, seed=batch)
+        synthetic_fill_sparse(gen.cache, slots_, ctx, seed=batch)
     else:
         synthetic_fill_dense(gen, batch, ctx, seed=batch)
     setup_s = time.perf_counter() - t_setup

@@ -47,6 +47,8 @@ from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
 from ulacache_jax.pb_lru import EMPTY_TAG
 from ulacache_jax.sequences import CacheManager
 
+from bench_decode import synthetic_fill_sparse  # scripts/ is on sys.path when a script runs
+
 H, KV, D, PAGE = 64, 8, 128, 64
 DT = jnp.bfloat16
 
@@ -60,14 +62,7 @@ def make_cache(batch: int, ctx: int, budget: int, pool_steps: int, seed: int = 0
                       page_size=PAGE, kv_heads_per_group=1, dtype="bfloat16", num_buckets=nb, slots_per_bucket=ns,
                       host_pages=batch * KV * pages, token_budget=budget, sink_pages=1, recent_pages=2)
     m = CacheManager(cfg)
-    chunk = min(ctx, 32768)
-    mk = jax.jit(lambda key: jax.random.normal(key, (1, chunk, KV, D), DT))
-    for s in range(batch):
-        slot = m.admit(ctx + PAGE)
-        for start in range(0, ctx, chunk):
-            k = mk(jax.random.key(seed + 7919 * s + 2 * start))
-            v = mk(jax.random.key(seed + 7919 * s + 2 * start + 1))
-            m.state, m.host = m._ingest(m.state, m.host, slot, k, v, start, ctx)
+    synthetic_fill_sparse(m, [m.admit(ctx + PAGE) for _ in range(batch)], ctx, seed, chunk=32768)
     jax.block_until_ready(m.state)
     return m
 
