@@ -52,38 +52,52 @@ def synthetic_fill_sparse(m, slots, ctx, seed, chunk=8192):
 
 def synthetic_fill_dense(gen, batch, ctx, seed):
     c = gen.config
-    L, S, T, KV, D = gen.dense.k.shape
-    blk = 4096  # a random 4096-token block per (layer, sequence), tiled: no full-size temporaries; the old
-    # zero cache is donated, so the largest batch that fits in HBM can be filled (distinct bytes per sequence)
+    S, T, KV, D = gen.dense.k[0].shape
+    blk = 4096  # a random 4096-token block per sequence and layer, tiled: no full-size temporaries; each layer's
+    # zero array is donated, so the largest batch that fits in HBM can be filled (distinct bytes per sequence)
 
     def make(old, key):
-        b = jax.random.normal(key, (L, S, blk, KV, D), c.jnp_dtype)
-        return jnp.tile(b, (1, 1, -(-T // blk), 1, 1))[:, :, :T]
+        b = jax.random.normal(key, (S, blk, KV, D), c.jnp_dtype)
+        return jnp.tile(b, (1, -(-T // blk), 1, 1))[:, :T]
 
     fill = jax.jit(make, donate_argnums=0)
     from ulacache_jax.generation import DenseCache
-    gen.dense = DenseCache(fill(gen.dense.k, jax.random.key(seed)), fill(gen.dense.v, jax.random.key(seed + 1)))
+    key = lambda l, i: jax.random.key(seed * 1_000_003 + 2 * l + i)
+    gen.dense = DenseCache(tuple(fill(x, key(l, 0)) for l, x in enumerate(gen.dense.k)),
+                           tuple(fill(x, key(l, 1)) for l, x in enumerate(gen.dense.v)))
     gen.dense_len = jnp.where(jnp.arange(c.max_seqs) < batch, ctx, 0).astype(jnp.int32)
 
 
-def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None):
-    from ulacache_jax.generation import Generator, default_cache_config
+def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64):
+    """The cache of one row: room for ctx + (chunks + 1) pages per sequence; sparse: an HBM frame pool of
+    kv_fraction of the KV pages (at least one step's selection) and pages rounded up to the 128-page score block
+    (the host pool is sized to the context, not to a power of two); dense: exactly the tokens needed (HBM)."""
+    from ulacache_jax.generation import default_cache_config
     from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
+    need = (ctx + (args.chunks + 1) * page) // page + 1
+    step_pages = batch * mc.num_kv_heads * (args.budget // page)        # pages one layer of a step selects
+    kv_pages = batch * mc.num_layers * mc.num_kv_heads * (ctx // page)
+    kw = {}
+    if attention == "sparse":
+        frames = max(step_pages * mc.num_layers, int(kv_pages * kv_fraction))
+        nb, ns = sieve_geometry(frames, step_pages)
+        pages = -(-need // 128) * 128
+        kw = dict(num_buckets=nb, slots_per_bucket=ns, max_pages_per_seq=pages)
+    else:
+        kw = dict(max_pages_per_seq=need)
+    cfg = default_cache_config(mc, num_seqs=batch, max_tokens=need * page, page_size=page,
+                               token_budget=args.budget, dtype="bfloat16", **kw)
+    # host pool: every page of every sequence, layer and group at the overridden page count
+    return dataclasses.replace(cfg, host_pages=batch * cfg.num_layers * cfg.num_groups * cfg.max_pages_per_seq)
+
+
+def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None):
+    from ulacache_jax.generation import Generator
     from ulacache_jax.sampling import SamplingArrays, row_keys
     page = 64
     kv_fraction = args.kv_fraction if kv_fraction is None else kv_fraction
     sieve = sieve or args.sieve
-    step_pages = batch * mc.num_kv_heads * (args.budget // page)        # pages one layer of a step selects
-    kv_pages = batch * mc.num_layers * mc.num_kv_heads * (ctx // page)
-    kw = {}
-    if attention == "sparse":  # HBM frame pool = kv_fraction of the KV pages, at least one step's selection
-        frames = max(step_pages * mc.num_layers, int(kv_pages * kv_fraction))
-        nb, ns = sieve_geometry(frames, step_pages)
-        kw = dict(num_buckets=nb, slots_per_bucket=ns)
-    cfg = default_cache_config(mc, num_seqs=batch, max_tokens=ctx + args.steps * page + page, page_size=page,
-                               token_budget=args.budget, dtype="bfloat16", **kw)
-    if attention == "dense":
-        cfg = dataclasses.replace(cfg, max_pages_per_seq=(ctx + (args.chunks + 1) * page) // page + 1)
+    cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction)
     from ulacache_jax.decode_layer import DecodeOptions
     t_setup = time.perf_counter()
     gen = Generator(model, cfg, attention=attention, options=DecodeOptions(sieve=sieve))

@@ -42,7 +42,9 @@ from jax import lax
 from ulacache_jax.bench_meta import git_commit
 from ulacache_jax.cache_state import CacheState
 from ulacache_jax.config import CacheConfig
-from ulacache_jax.decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
+from ulacache_jax import selection
+from ulacache_jax.decode_layer import DecodeOptions, LayerStats, attend_layer, attend_pages, flush_tail, plan_layer
+from ulacache_jax.pallas_kernels.page_scores import page_scores
 from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
 from ulacache_jax.pb_lru import EMPTY_TAG
 from ulacache_jax.sequences import CacheManager
@@ -55,7 +57,9 @@ DT = jnp.bfloat16
 
 def make_cache(batch: int, ctx: int, budget: int, pool_steps: int, seed: int = 0) -> CacheManager:
     """A one-layer cache holding `batch` sequences of `ctx` tokens (random K/V through the ingestion path)."""
-    pages = ctx // PAGE + 2
+    # room for the context and the decode's new tokens, a multiple of 128 pages: page_scores blocks 128 pages
+    # when they divide the count (4098 pages made 2-page blocks, 2049 programs per sequence and group)
+    pages = -(-(ctx // PAGE + 2) // 128) * 128
     step_pages = batch * KV * (budget // PAGE)
     nb, ns = sieve_geometry(pool_steps * step_pages, step_pages)
     cfg = CacheConfig(num_layers=1, num_kv_heads=KV, head_dim=D, max_seqs=batch, max_pages_per_seq=pages,
@@ -107,6 +111,80 @@ def layer_loop(options: DecodeOptions, calls: int, batch: int, ctx: int, host_sh
         return st, chk, tot, host
 
     return jax.jit(run, donate_argnums=(0, 1), out_shardings=(None, None, None, host_sh))
+
+
+STAGES = ("scores", "select", "plan", "attention")
+
+
+def stage_loop(stage: str, options: DecodeOptions, calls: int, batch: int, ctx: int, host_sh):
+    """jit(state, host, q, plan) -> (state, checksum, host): `calls` runs of one part of the layer, to split the
+    layer's time. scores: fold the queries and score every page (page_scores); select: + top-k selection; plan:
+    everything before the attention kernel (append, select, sieve, vTLB, separate fetch: `plan_layer`); attention:
+    the attention kernel alone over a fixed resident PagePlan (`attend_pages`). Each call's query depends on the
+    previous call's checksum, so XLA cannot hoist a call out of the loop."""
+    pos = jnp.full((batch,), ctx, jnp.int32)
+    live = jnp.ones((batch,), bool)
+    kn = jnp.zeros((batch, KV, D), DT)
+
+    def one(st, host, q, plan):
+        c = st.config
+        if stage in ("scores", "select"):
+            qpos, qneg = selection.fold_queries(q, c.groups_per_rank, c.kv_heads_per_group)
+            sc = page_scores(st.kmin[0], st.kmax[0], qpos, qneg, layer=0, impl=options.scores)  # [S, G, P]
+            if stage == "scores":
+                return st, sc[:, :, 0].sum()
+            sel = selection.select_pages(sc, jnp.where(live, st.seqs.flushed, 0), select_pages=c.select_pages,
+                                         sink_pages=c.sink_pages, recent_pages=c.recent_pages)
+            return st, sel[:, :, 0].sum().astype(jnp.float32)
+        if stage == "plan":
+            st, pl_, _ = plan_layer(st, host, 0, q, kn, kn, pos, live, options=options)
+            return st, pl_.frame[:, :, 0].sum().astype(jnp.float32)
+        st, out = attend_pages(st, host, q, plan, options=options)
+        return st, out[0, 0, 0, 0].astype(jnp.float32)
+
+    def run(state, host, q, plan):
+        def body(i, carry):
+            st, chk = carry
+            st, x = one(st, host, q + (chk * 1e-30).astype(q.dtype), plan)
+            return st, chk + x
+
+        st, chk = lax.fori_loop(0, calls, body, (state, jnp.float32(0)))
+        st, host = flush_tail(st, host)  # the pinned host pool goes back out (E1200 otherwise), as in layer_loop
+        return st, chk, host
+
+    return jax.jit(run, donate_argnums=(0, 1), out_shardings=(None, None, host_sh))
+
+
+def resident_plan(m: CacheManager, options: DecodeOptions, q, batch, ctx):
+    """The PagePlan of one call on a copy of the state after the pages are resident (the attention stage's input)."""
+    pos = jnp.full((batch,), ctx, jnp.int32)
+    live = jnp.ones((batch,), bool)
+    kn = jnp.zeros((batch, KV, D), DT)
+
+    def f(st, host):
+        st, plan, stats = plan_layer(st, host, 0, q, kn, kn, pos, live, options=options)
+        st, host = flush_tail(st, host)
+        return st, plan, stats, host
+
+    fn = jax.jit(f, donate_argnums=(0, 1), out_shardings=(None, None, None, m.host_shardings()))
+    m.state, _, _, m.host = fn(m.state, m.host)        # bring the pages in
+    st, plan, stats, m.host = fn(copy_state(m.state), m.host)
+    assert int(stats.misses) == 0, f"resident plan has {int(stats.misses)} misses"
+    return plan
+
+
+def time_stage(fn, m: CacheManager, q0, plan, reps: int, calls: int) -> float:
+    st, chk, m.host = fn(m.state, m.host, q0, plan)
+    jax.block_until_ready(chk)
+    m.state = st
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        st, chk, m.host = fn(m.state, m.host, q0, plan)
+        jax.block_until_ready((st, chk))
+        times.append(time.perf_counter() - t)
+        m.state = st
+    return float(np.median(times)) / calls
 
 
 def check_variant(m: CacheManager, options: DecodeOptions, q, batch, ctx) -> dict:
@@ -197,6 +275,8 @@ def main(argv=None):
     p.add_argument("--pool-steps", type=int, default=4, help="HBM frames = this many steps' selections")
     p.add_argument("--calls", type=int, default=16)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--no-stages", dest="stages", action="store_false",
+                   help="skip the split of the resident layer's time into scores / select / plan / attention")
     p.add_argument("--commit", default=None)
     p.add_argument("--out", default=os.environ.get("OUT", "docs/benchmarks"))
     a = p.parse_args(argv)
@@ -252,6 +332,23 @@ def main(argv=None):
             except Exception as e:  # one variant failing must not lose the others
                 row["error"] = repr(e)[:400]
             add(row)
+        if budget == a.budgets[0] and a.stages:  # where the resident layer's time goes
+            opt = DecodeOptions(sieve="pallas")
+            plan = resident_plan(m, opt, q0, a.batch, a.context)
+            summ = a.batch * KV * m.config.max_pages_per_seq * 2 * D * 2                   # kmin + kmax bytes
+            for stage in STAGES:
+                row = dict(kind="stage", stage=stage, budget=budget, sieve="pallas", fused_fetch=False)
+                try:
+                    sec = time_stage(stage_loop(stage, opt, a.calls, a.batch, a.context, m.host_shardings()),
+                                     m, q0, plan, a.reps, a.calls)
+                    row.update(us=sec * 1e6, speedup_vs_cudnn=cd["us"] / (sec * 1e6))
+                    if stage == "scores":
+                        row["summaries_tb_s"] = summ / sec / 1e12
+                    if stage == "attention":
+                        row["attended_tb_s"] = attended / sec / 1e12
+                except Exception as e:
+                    row["error"] = repr(e)[:400]
+                add(row)
     res["total_s"] = round(time.perf_counter() - t0, 1)
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
@@ -260,11 +357,21 @@ def main(argv=None):
     print("| kind | budget | sieve | fused fetch | miss % | us/call | PCIe GB/s | x cuDNN | check |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"][1:]:
+        if r["kind"] == "stage":
+            continue
         if "error" in r:
             print(f"| {r['kind']} | {r['budget']} | {r['sieve']} | {r['fused_fetch']} | ERROR {r['error'][:60]} |")
             continue
         print(f"| {r['kind']} | {r['budget']} | {r['sieve']} | {r['fused_fetch']} | {100 * r['miss_fraction']:.1f} | "
               f"{r['us']:.1f} | {r['pcie_gb_s']:.1f} | {r['speedup_vs_cudnn']:.1f} | {r['ok']} |")
+    stages = [r for r in res["rows"] if r["kind"] == "stage"]
+    if stages:
+        print("\n| stage (resident, budget %d) | us/call | TB/s |" % stages[0]["budget"])
+        print("|---|---|---|")
+        for r in stages:
+            bw = r.get("summaries_tb_s", r.get("attended_tb_s", ""))
+            print(f"| {r['stage']} | {r.get('us', float('nan')):.1f} | {bw if bw == '' else round(bw, 2)} |"
+                  + (f" ERROR {r['error'][:80]}" if "error" in r else ""))
     return res
 
 
@@ -272,7 +379,7 @@ def plot(res, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [r for r in res["rows"] if r["kind"] != "cudnn" and "us" in r]
+    rows = [r for r in res["rows"] if r["kind"] in ("resident", "misses") and "us" in r]
     cd = res["rows"][0]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for budget in sorted({r["budget"] for r in rows}):

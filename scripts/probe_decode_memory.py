@@ -47,11 +47,14 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--sides", nargs="+", default=["dense", "sparse"])
+    p.add_argument("--kv-fraction", type=float, default=0.25, help="sparse HBM frame pool, as in bench_decode")
+    p.add_argument("--chunks", type=int, default=3, help="decode chunks the cache has room for, as in bench_decode")
     p.add_argument("--out", default=os.environ.get("OUT"))
     a = p.parse_args(argv)
     from ulacache_jax.cache_state import init as init_state, host_sharding
     from ulacache_jax.decode_layer import DecodeOptions
-    from ulacache_jax.generation import DenseCache, _Program, default_cache_config
+    from ulacache_jax.generation import DenseCache, _Program
+    from bench_decode import bench_config  # scripts/ is on sys.path when a script runs
     from ulacache_jax.models import LlamaModel, get_preset
     from ulacache_jax.sampling import SamplingArrays, row_keys
 
@@ -67,8 +70,8 @@ def main(argv=None):
     spec = lambda x, sh=dsh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
     report = {}
     for side in a.sides:
-        cfg = default_cache_config(mc, num_seqs=S, max_tokens=a.context + 2 * 64, page_size=64,
-                                   token_budget=a.budget, dtype="bfloat16")
+        # the cache bench_decode.py builds for this row (sparse pool: --kv-fraction of the KV)
+        cfg = bench_config(mc, side, S, a.context, a, a.kv_fraction)
         if side == "sparse":
             state, host = jax.eval_shape(lambda: init_state(cfg, check=False))
             hs = host_sharding(dev)
@@ -79,10 +82,10 @@ def main(argv=None):
                            "host": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(host))}
         else:
             prog = _Program(graphdef, cfg, "dense", DecodeOptions(), None)
-            shape = (cfg.num_layers, S, cfg.max_context, cfg.num_kv_heads, cfg.head_dim)
-            d = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=dsh)
+            shape = (S, cfg.max_context, cfg.num_kv_heads, cfg.head_dim)
+            d = tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=dsh) for _ in range(cfg.num_layers))
             args = (jax.tree.map(spec, params), DenseCache(d, d), jax.ShapeDtypeStruct((S,), jnp.int32, sharding=dsh))
-            cache_bytes = {"k+v": 2 * int(np.prod(shape)) * 2}
+            cache_bytes = {"k+v": 2 * cfg.num_layers * int(np.prod(shape)) * 2}
         comp = prog.decode.lower(*args, *small).compile()
         mem = comp.memory_analysis()
         rec = dict(cache_bytes=cache_bytes, argument=mem.argument_size_in_bytes, output=mem.output_size_in_bytes,

@@ -120,3 +120,13 @@ def test_decode_near_int32_clock_overflow_rebases_and_matches(model, prompts):
     assert ta == tb
     assert int(a.stats.misses) > 0 and int(a.stats.hits) == int(b.stats.hits)
     assert 0 < int(b.cache.state.clock) < 2**30
+
+
+def test_bucket_pages_bounds_waste_and_keeps_score_blocks():
+    from ulacache_jax.generation import bucket_pages
+    assert [bucket_pages(n) for n in (1, 3, 100, 128)] == [1, 4, 128, 128]
+    for n in (129, 1000, 2054, 4102, 8200, 70000):
+        b = bucket_pages(n)
+        assert n <= b <= n * 1.125 + 128 and b % 128 == 0, (n, b)
+    # few sizes per octave, so ragged maximum lengths share compiled programs
+    assert len({bucket_pages(n) for n in range(2048, 4096)}) <= 16

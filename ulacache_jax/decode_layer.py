@@ -80,12 +80,25 @@ def append_token(state: CacheState, layer: int, k_new, v_new, pos, live) -> Cach
     return dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, kmin=kmin, kmax=kmax)
 
 
-def attend_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, live, *,
-                 options: DecodeOptions = DecodeOptions(), rank=0):
-    """Decode attention of one layer for every slot, one token per sequence.
+@partial(jax.tree_util.register_dataclass, data_fields=["frame", "start", "src", "host_page", "seq_len"],
+         meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class PagePlan:
+    """What one layer's attention reads, per (sequence, group): the selected pages then the tail pages.
+    frame, start, src, host_page [S, G, K + TAIL_PAGES] int32 (HBM frame, first token or -1 = unused, source:
+    0 unused / 1 HBM / 2 host, not cached / 3 host, stored into `frame` by the kernel, host page or -1);
+    seq_len [S] int32 visible tokens."""
+    frame: jax.Array
+    start: jax.Array
+    src: jax.Array
+    host_page: jax.Array
+    seq_len: jax.Array
 
-    q [S, 1, Hr, D] (this rank's query heads), k_new/v_new [S, KVr, D], pos [S] int32 position of the new token
-    (= committed length), live [S] bool. Returns (state, out [S, 1, Hr, D], LayerStats)."""
+
+def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, live, *,
+               options: DecodeOptions = DecodeOptions(), rank=0):
+    """Append -> select -> sieve -> (separate) fetch for one layer: everything before the attention kernel.
+    Returns (state, PagePlan, LayerStats); arguments as in `attend_layer`."""
     c = state.config
     S, G, P = c.max_seqs, c.groups_per_rank, c.page_size
     state = append_token(state, layer, k_new, v_new, pos, live)
@@ -117,7 +130,7 @@ def attend_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new,
     filled = miss & (frame >= 0)
     overflow = miss & (frame < 0)
 
-    # 3. Misses cross PCIe once: fetched into their frames first, or read and stored by the attention kernel.
+    # 3. Misses cross PCIe once: fetched into their frames here, or read and stored by the attention kernel.
     pool_k, pool_v = state.pool_k[0], state.pool_v[0]
     if not options.fused_fetch:
         dst = jnp.where(filled, frame, -1).reshape(-1)
@@ -133,21 +146,15 @@ def attend_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new,
     t_frame = tail_frame(c, jnp.arange(S)[:, None, None], layer, jnp.arange(G)[None, :, None], tp[:, None, :])
     t_frame = jnp.broadcast_to(t_frame, (S, G, TAIL_PAGES))
     t_ok = jnp.broadcast_to(t_ok[:, None, :], (S, G, TAIL_PAGES))
-    page_frame = jnp.concatenate([jnp.where(valid, frame, 0), t_frame], axis=-1).astype(jnp.int32)
-    page_start = jnp.concatenate([jnp.where(valid, page * P, -1),
-                                  jnp.where(t_ok, jnp.broadcast_to(tp[:, None, :], (S, G, TAIL_PAGES)) * P, -1)],
-                                 axis=-1).astype(jnp.int32)
-    page_src = jnp.concatenate([src, jnp.where(t_ok, 1, 0)], axis=-1).astype(jnp.int32)
-    page_host = jnp.concatenate([jnp.where(valid, host_idx, -1), jnp.full((S, G, TAIL_PAGES), -1)],
-                                axis=-1).astype(jnp.int32)
-    res = sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len.astype(jnp.int32),
-                                  host_k=host.k[0], host_v=host.v[0], page_host=page_host, page_src=page_src,
-                                  softcap=options.softcap, impl=options.attention,
-                                  store_misses=options.fused_fetch)
-    if options.fused_fetch:
-        attn, pool_k, pool_v = res
-    else:
-        attn = res
+    plan = PagePlan(
+        frame=jnp.concatenate([jnp.where(valid, frame, 0), t_frame], axis=-1).astype(jnp.int32),
+        start=jnp.concatenate([jnp.where(valid, page * P, -1),
+                               jnp.where(t_ok, jnp.broadcast_to(tp[:, None, :], (S, G, TAIL_PAGES)) * P, -1)],
+                              axis=-1).astype(jnp.int32),
+        src=jnp.concatenate([src, jnp.where(t_ok, 1, 0)], axis=-1).astype(jnp.int32),
+        host_page=jnp.concatenate([jnp.where(valid, host_idx, -1), jnp.full((S, G, TAIL_PAGES), -1)],
+                                  axis=-1).astype(jnp.int32),
+        seq_len=seq_len.astype(jnp.int32))
     stats = LayerStats(hits=(valid & hit).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
                        overflow=overflow.sum().astype(jnp.int32), fetched=miss.sum().astype(jnp.int32))
     # the clock ticks once per sieve call (every layer of every step), so recency orders the accesses as they
@@ -156,6 +163,31 @@ def attend_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new,
     state = dataclasses.replace(state, pb=jax.tree.map(lambda a: a[None], pb),
                                 vtlb=jax.tree.map(lambda a: a[None], table),
                                 pool_k=pool_k[None], pool_v=pool_v[None], clock=state.clock + 1)
+    return state, plan, stats
+
+
+def attend_pages(state: CacheState, host: HostPool, q, plan: PagePlan, *,
+                 options: DecodeOptions = DecodeOptions()):
+    """The attention kernel over a PagePlan. q [S, 1, Hr, D] -> (state, out [S, 1, Hr, D]); with fused fetch the
+    kernel also stores the host-read misses into their frames (the state's pool changes)."""
+    res = sparse_decode_attention(q, state.pool_k[0], state.pool_v[0], plan.frame, plan.start, plan.seq_len,
+                                  host_k=host.k[0], host_v=host.v[0], page_host=plan.host_page, page_src=plan.src,
+                                  softcap=options.softcap, impl=options.attention,
+                                  store_misses=options.fused_fetch)
+    if not options.fused_fetch:
+        return state, res
+    attn, pool_k, pool_v = res
+    return dataclasses.replace(state, pool_k=pool_k[None], pool_v=pool_v[None]), attn
+
+
+def attend_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, live, *,
+                 options: DecodeOptions = DecodeOptions(), rank=0):
+    """Decode attention of one layer for every slot, one token per sequence: `plan_layer` then `attend_pages`.
+
+    q [S, 1, Hr, D] (this rank's query heads), k_new/v_new [S, KVr, D], pos [S] int32 position of the new token
+    (= committed length), live [S] bool. Returns (state, out [S, 1, Hr, D], LayerStats)."""
+    state, plan, stats = plan_layer(state, host, layer, q, k_new, v_new, pos, live, options=options, rank=rank)
+    state, attn = attend_pages(state, host, q, plan, options=options)
     return state, attn, stats
 
 

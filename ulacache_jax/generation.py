@@ -32,11 +32,21 @@ def bucket_length(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
+def bucket_pages(n: int) -> int:
+    """Pages per sequence for a cache of n pages: the next power of two up to 128, then the next multiple of
+    max(128, 2^(bit_length - 4)): at most 16 sizes per octave (few compiles), at most 1/8 more host pool than
+    needed (a power of two doubled it at 128K + a few pages), and a multiple of the 128-page score block."""
+    if n <= 128:
+        return bucket_length(n, 1)
+    step = max(128, 1 << (n.bit_length() - 4))
+    return -(-n // step) * step
+
+
 def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_size: int = 64,
                          token_budget: int = 2048, dtype=None, **overrides) -> CacheConfig:
     """A cache for `num_seqs` sequences of up to `max_tokens` tokens each, HBM frames for the whole budget."""
     mc = model_config
-    pages = bucket_length(math.ceil(max_tokens / page_size), 1)
+    pages = bucket_pages(math.ceil(max_tokens / page_size))
     budget = min(token_budget, pages * page_size)
     num_groups = mc.num_kv_heads if mc.num_kv_heads <= 16 else 16
     frames_needed = num_seqs * mc.num_layers * num_groups * (budget // page_size)
@@ -74,9 +84,20 @@ def _check_prompts(prompt_ids, vocab_size: int, max_new_tokens: int) -> list[lis
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class DenseCache:
-    """The baseline: every K/V in HBM. k, v [L, S, T_max, KV, D]."""
-    k: jax.Array
-    v: jax.Array
+    """The baseline: every K/V in HBM. k, v: one [S, T_max, KV, D] array per layer (a tuple of L). One array per
+    layer, not one [L, ...] array: with a single array each layer's token write produced a new whole-cache value
+    that cuDNN read a slice of, and XLA kept a second full cache (the dense decode at 128K x 7 sequences asked for
+    56 GiB more than the cache on the H200, scripts/probe_decode_memory.py)."""
+    k: tuple
+    v: tuple
+
+    @staticmethod
+    def zeros(num_layers: int, shape, dtype) -> "DenseCache":
+        return DenseCache(tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                          tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+
+    def set_layer(self, l: int, k, v) -> "DenseCache":
+        return DenseCache(self.k[:l] + (k,) + self.k[l + 1:], self.v[:l] + (v,) + self.v[l + 1:])
 
 
 def _prefill_attention(q, k, v, length):
@@ -149,8 +170,8 @@ class _Program:
 
         def store(l, k, v):
             d = box["dense"]
-            box["dense"] = DenseCache(d.k.at[l, slot, :T].set(k.astype(d.k.dtype)),
-                                      d.v.at[l, slot, :T].set(v.astype(d.v.dtype)))
+            box["dense"] = d.set_layer(l, d.k[l].at[slot, :T].set(k.astype(d.k[l].dtype)),
+                                       d.v[l].at[slot, :T].set(v.astype(d.v[l].dtype)))
 
         logits = self._prefill_layers(params, ids, length, store)
         return box["dense"], logits
@@ -204,21 +225,21 @@ class _Program:
         return state, host, out, done, remaining, stats
 
     def _decode_dense(self, params, dense, length, tok, done, remaining, keys, sampling, stop_ids):
-        T = dense.k.shape[2]
+        T = dense.k[0].shape[1]
 
         def attend(cache, l, q, k, v, pos, live):
             S = q.shape[0]
             w = jnp.where(live, pos, T)                                   # write index, T = dropped
-            ck = cache.k.at[l, jnp.arange(S), w].set(k.astype(cache.k.dtype), mode="drop")
-            cv = cache.v.at[l, jnp.arange(S), w].set(v.astype(cache.v.dtype), mode="drop")
+            ck = cache.k[l].at[jnp.arange(S), w].set(k.astype(cache.k[l].dtype), mode="drop")     # [S, T, KV, D]
+            cv = cache.v[l].at[jnp.arange(S), w].set(v.astype(cache.v[l].dtype), mode="drop")
             seen = jnp.where(live, pos + 1, 0)
             if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
-                o = jax.nn.dot_product_attention(q, ck[l], cv[l], key_value_seq_lengths=jnp.maximum(seen, 1),
+                o = jax.nn.dot_product_attention(q, ck, cv, key_value_seq_lengths=jnp.maximum(seen, 1),
                                                  implementation="cudnn")
             else:
                 kpos = jnp.broadcast_to(jnp.arange(T)[None], (S, T))
-                o = dense_attention(q, ck[l], cv[l], pos[:, None], kpos, k_valid=kpos < seen[:, None])
-            return DenseCache(ck, cv), o, LayerStats.zeros()
+                o = dense_attention(q, ck, cv, pos[:, None], kpos, k_valid=kpos < seen[:, None])
+            return cache.set_layer(l, ck, cv), o, LayerStats.zeros()
 
         dense, out, done, remaining, length, stats = self._decode_loop(
             params, dense, attend, tok, done, remaining, length, keys, sampling, stop_ids)
@@ -254,8 +275,8 @@ class Generator:
             host_sh = self.cache.host_shardings()
         else:
             self.cache, host_sh = None, None
-            shape = (c.num_layers, c.max_seqs, c.max_context, c.num_kv_heads, c.head_dim)
-            self.dense = DenseCache(jnp.zeros(shape, c.jnp_dtype), jnp.zeros(shape, c.jnp_dtype))
+            self.dense = DenseCache.zeros(c.num_layers, (c.max_seqs, c.max_context, c.num_kv_heads, c.head_dim),
+                                          c.jnp_dtype)
             self.dense_len = jnp.zeros(c.max_seqs, jnp.int32)
         self.program = _program(graphdef, c, attention, options, host_sh)
         self._prefill, self._decode = self.program.prefill, self.program.decode
