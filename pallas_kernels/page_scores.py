@@ -34,11 +34,20 @@ def _block_pages(num_pages: int, cap: int = 128) -> int:
     return b
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "interpret"))
-def page_scores_pallas(kmin, kmax, qpos, qneg, *, layer: int, interpret: bool = False):
-    """kmin, kmax [S, L, G, P, g, D]; qpos, qneg [S, G, g, D] float32 -> scores [S, G, P] float32 for `layer`."""
+@functools.partial(jax.jit, static_argnames=("layer", "interpret", "block_pages", "num_warps"))
+def page_scores_pallas(kmin, kmax, qpos, qneg, *, layer: int, interpret: bool = False,
+                       block_pages: int | None = None, num_warps: int | None = None):
+    """kmin, kmax [S, L, G, P, g, D]; qpos, qneg [S, G, g, D] float32 -> scores [S, G, P] float32 for `layer`.
+    block_pages (a power of two dividing P) and num_warps: launch shape (defaults: the largest block <= 128
+    dividing P, Triton's default warps)."""
     S, L, G, P, g, D = kmin.shape
-    bp = _block_pages(P)
+    bp = block_pages or _block_pages(P)
+    if P % bp:
+        raise ValueError(f"block_pages = {bp} must divide the page count {P}")
+    kwargs = {}
+    if num_warps and not interpret:
+        from jax.experimental.pallas import triton as pltr
+        kwargs["compiler_params"] = pltr.CompilerParams(num_warps=num_warps)
     summ = pl.BlockSpec((None, None, None, bp, g, D), lambda s, j, b: (s, layer, j, b, 0, 0))
     qspec = pl.BlockSpec((None, None, g, D), lambda s, j, b: (s, j, 0, 0))
     return pl.pallas_call(
@@ -46,7 +55,7 @@ def page_scores_pallas(kmin, kmax, qpos, qneg, *, layer: int, interpret: bool = 
         in_specs=[summ, summ, qspec, qspec],
         out_specs=pl.BlockSpec((None, None, bp), lambda s, j, b: (s, j, b)),
         out_shape=jax.ShapeDtypeStruct((S, G, P), jnp.float32),
-        name="quest_page_scores")(kmin, kmax, qpos.astype(jnp.float32), qneg.astype(jnp.float32))
+        name="quest_page_scores", **kwargs)(kmin, kmax, qpos.astype(jnp.float32), qneg.astype(jnp.float32))
 
 
 def ref_page_scores(kmin, kmax, qpos, qneg, *, layer: int):

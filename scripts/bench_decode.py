@@ -104,7 +104,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     S = cfg.max_seqs
     if attention == "sparse":
         slots_ = [gen.admit(ctx + (args.chunks + 1) * page) for _ in range(batch)]
-        synthetic_fill_sparse(gen.cache, slots_, ctx, seed=batch)
+        synthetic_fill_sparse(gen.cache, slots_, ctx, seed=batch, chunk=32768)
     else:
         synthetic_fill_dense(gen, batch, ctx, seed=batch)
     setup_s = time.perf_counter() - t_setup
