@@ -15,8 +15,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -91,6 +95,19 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64):
     return dataclasses.replace(cfg, host_pages=batch * cfg.num_layers * cfg.num_groups * cfg.max_pages_per_seq)
 
 
+def check_dense_fits(cfg, model):
+    """Refuse a dense row whose K/V cache does not fit in the free HBM (XLA's allocator otherwise retries an
+    out-of-memory allocation every 10 s instead of failing: a run on the H200 hung there until its time limit)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return  # CPU: no allocator statistics
+    cache = 2 * cfg.num_layers * cfg.max_seqs * cfg.max_context * cfg.num_kv_heads * cfg.head_dim * 2
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if cache > free:
+        raise MemoryError(f"dense K/V cache of {cache / 2**30:.1f} GiB exceeds the free HBM {free / 2**30:.1f} GiB "
+                          f"(weights and earlier rows included: run rows isolated, the default)")
+
+
 def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None):
     from ulacache_jax.generation import Generator
     from ulacache_jax.sampling import SamplingArrays, row_keys
@@ -99,6 +116,8 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     sieve = sieve or args.sieve
     cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction)
     from ulacache_jax.decode_layer import DecodeOptions
+    if attention == "dense":
+        check_dense_fits(cfg, model)
     t_setup = time.perf_counter()
     gen = Generator(model, cfg, attention=attention, options=DecodeOptions(sieve=sieve))
     S = cfg.max_seqs
@@ -151,7 +170,25 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                floor_token_ms=1e3 * floor_s, fraction_of_floor=floor_s / float(np.median(per_tok)),
                hit_rate=hits / max(1, hits + misses) if attention == "sparse" else None, chunks=args.chunks)
     del gen
+    gc.collect()  # the generator's buffers go now, not at some later collection
     return row
+
+
+def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
+    """One row in a child process with this run's options; its row, or an error row."""
+    spec = f"{side}:{ctx}:{batch}:{'' if frac is None else frac}:{sieve or ''}"
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, os.path.abspath(__file__), "--rows", spec, "--out", tmp, "--commit", commit,
+               "--budget", str(args.budget), "--layers", str(args.layers), "--chunks", str(args.chunks),
+               "--steps", str(args.steps), "--kv-fraction", str(args.kv_fraction), "--sieve", args.sieve]
+        proc = None
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
+            with open(os.path.join(tmp, "decode.json")) as f:
+                return json.load(f)["rows"][-1]
+        except Exception as e:  # a crash or timeout of one row must not lose the others
+            tail = proc.stderr[-200:] if proc is not None else ""
+            return dict(attention=side, batch=batch, context=ctx, error=f"{type(e).__name__}: {e} {tail}"[:300])
 
 
 def write_json(out, res):
@@ -178,12 +215,13 @@ def main(argv=None):
     p.add_argument("--append", action="store_true", help="keep the rows of an existing decode.json in --out")
     p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")
     p.add_argument("--out", default="docs/benchmarks")
+    p.add_argument("--no-isolate", dest="isolate", action="store_false",
+                   help="run every row in this process (default: one child process per row)")
+    p.add_argument("--row-timeout", type=float, default=900, help="seconds one isolated row may take")
     args = p.parse_args(argv)
     from ulacache_jax.bench_meta import git_commit
     from ulacache_jax.models import LlamaModel, get_preset
     mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
-    model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    copy_bw = copy_bandwidth()
     rows = []
     if args.rows:
         plan = []
@@ -201,26 +239,56 @@ def main(argv=None):
     if args.append and os.path.exists(old_path):
         with open(old_path) as f:
             rows.extend(json.load(f).get("rows", []))
+    # each row in a fresh process: a large row's buffers (or XLA's allocator state) cannot starve the next one
+    # (on the H200 a 128K x 7 dense row after the sparse one could not get its cache); the parent then never
+    # touches the GPU (jax.devices() would take XLA's preallocated share of HBM)
+    isolate = args.isolate and len(plan) > 1
+    if not isolate:
+        model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        copy_bw = copy_bandwidth()
     for side, ctx, b, frac, sieve in plan:
-        try:
-            rows.append(run_side(model, mc, side, b, ctx, args, copy_bw, kv_fraction=frac, sieve=sieve))
-        except Exception as e:  # an OOM at one size must not lose the others
-            rows.append(dict(attention=side, batch=b, context=ctx, error=f"{type(e).__name__}: {e}"[:300]))
-        rows[-1].update(commit=commit, device=str(jax.devices()[0].device_kind))
+        if isolate:
+            rows.append(run_isolated(args, commit, side, ctx, b, frac, sieve))
+        else:
+            try:
+                rows.append(run_side(model, mc, side, b, ctx, args, copy_bw, kv_fraction=frac, sieve=sieve))
+            except Exception as e:  # an OOM at one size must not lose the others
+                rows.append(dict(attention=side, batch=b, context=ctx, error=f"{type(e).__name__}: {e}"[:300]))
+            rows[-1].update(device=str(jax.devices()[0].device_kind), copy_tb_s=copy_bw / 1e12)
+        rows[-1].setdefault("commit", commit)
         print(json.dumps(rows[-1]), flush=True)
         write_json(args.out, dict(commit=commit, rows=rows, partial=True))
-    res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, commit=commit,
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(), copy_tb_s=copy_bw / 1e12,
+    devices = sorted({r["device"] for r in rows if "device" in r})
+    res = dict(device=", ".join(devices), jax=jax.__version__, commit=commit,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               copy_tb_s="per row (measured in the row's process)",
                model=f"llama-3.1-8b shape, {args.layers} layers, random bf16 weights",
                kv="synthetic fill on device (random, distinct per sequence), not a prefill", rows=rows)
     write_json(args.out, res)
+    plot(res, os.path.join(args.out, "decode.png"), args.kv_fraction)
+    print(f"{'side':7s} {'ctx':>7s} {'B':>3s} {'pool':>7s} {'sieve':>6s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} "
+          f"{'floor%':>7s} {'hit':>6s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['attention']:7s} {r['context']:7d} {r['batch']:3d}  ERROR {r['error'][:80]}")
+            continue
+        hr = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
+        print(f"{r['attention']:7s} {r['context']:7d} {r['batch']:3d} {r.get('kv_fraction', 1.0):7.4f} "
+              f"{str(r.get('sieve') or '-'):>6s} {r['tokens_per_s']:9.1f} {r['p50_token_ms']:8.2f} "
+              f"{r['p99_token_ms']:8.2f} {100 * r['fraction_of_floor']:6.1f}% {hr:>6s}")
+    return res
+
+
+def plot(res, path, kv_fraction):
+    """Left: tokens/s sparse vs dense per (context, batch) at the main pool fraction; right: the pool sweep."""
+    rows = res["rows"]
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
         main_rows = [r for r in rows if "tokens_per_s" in r and
-                     (r["attention"] == "dense" or (r["kv_fraction"] == args.kv_fraction and r.get("sieve") == "pallas"))]
+                     (r["attention"] == "dense" or (r["kv_fraction"] == kv_fraction and r.get("sieve") == "pallas"))]
         labels = sorted({(r["context"], r["batch"]) for r in main_rows})
         for k, side in enumerate(("sparse", "dense")):
             ys = [next((r["tokens_per_s"] for r in main_rows if r["attention"] == side
@@ -228,7 +296,7 @@ def main(argv=None):
             ax.bar(np.arange(len(labels)) + 0.4 * k - 0.2, ys, 0.4, label=side)
         ax.set_xticks(np.arange(len(labels)), [f"{c // 1024}K b{b}" for c, b in labels])
         ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"sparse (pool {args.kv_fraction:g} of KV, Pallas sieve) vs dense\n{res['model']}, "
+        ax.set_title(f"sparse (pool {kv_fraction:g} of KV, Pallas sieve) vs dense\n{res['model']}, "
                      f"{res['device']}, synthetic KV", fontsize=9)
         ax.legend()
         sweep = sorted((r["kv_fraction"], r["tokens_per_s"], r["hit_rate"], r["context"], r["batch"], r["sieve"])
@@ -246,21 +314,9 @@ def main(argv=None):
         ax2.set_ylabel("sparse decode tokens/s")
         ax2.legend(fontsize=7, loc="upper left")
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "decode.png"), dpi=100)
+        fig.savefig(path, dpi=100)
     except Exception as e:
         print("plot failed:", e)
-    print(f"\ncopy ceiling {copy_bw / 1e12:.2f} TB/s")
-    print(f"{'side':7s} {'ctx':>7s} {'B':>3s} {'pool':>7s} {'sieve':>6s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} "
-          f"{'floor%':>7s} {'hit':>6s}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['attention']:7s} {r['context']:7d} {r['batch']:3d}  ERROR {r['error'][:80]}")
-            continue
-        hr = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
-        print(f"{r['attention']:7s} {r['context']:7d} {r['batch']:3d} {r.get('kv_fraction', 1.0):7.4f} "
-              f"{str(r.get('sieve') or '-'):>6s} {r['tokens_per_s']:9.1f} {r['p50_token_ms']:8.2f} "
-              f"{r['p99_token_ms']:8.2f} {100 * r['fraction_of_floor']:6.1f}% {hr:>6s}")
-    return res
 
 
 if __name__ == "__main__":
