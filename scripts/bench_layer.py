@@ -117,7 +117,7 @@ STAGES = ("scores", "select", "plan", "attention")
 
 
 def stage_loop(stage: str, options: DecodeOptions, calls: int, batch: int, ctx: int, host_sh):
-    """jit(state, host, q, plan) -> (state, checksum, host): `calls` runs of one part of the layer, to split the
+    """jit(state, host, q, plan) -> (state, checksum, zero stats, host): `calls` runs of one part of the layer, to split the
     layer's time. scores: fold the queries and score every page (page_scores); select: + top-k selection; plan:
     everything before the attention kernel (append, select, sieve, vTLB, separate fetch: `plan_layer`); attention:
     the attention kernel alone over a fixed resident PagePlan (`attend_pages`). Each call's query depends on the
@@ -150,9 +150,9 @@ def stage_loop(stage: str, options: DecodeOptions, calls: int, batch: int, ctx: 
 
         st, chk = lax.fori_loop(0, calls, body, (state, jnp.float32(0)))
         st, host = flush_tail(st, host)  # the pinned host pool goes back out (E1200 otherwise), as in layer_loop
-        return st, chk, host
+        return st, chk, LayerStats.zeros(), host   # layer_loop's outputs, so time_loop times both
 
-    return jax.jit(run, donate_argnums=(0, 1), out_shardings=(None, None, host_sh))
+    return jax.jit(run, donate_argnums=(0, 1), out_shardings=(None, None, None, host_sh))
 
 
 def resident_plan(m: CacheManager, options: DecodeOptions, q, batch, ctx):
@@ -171,20 +171,6 @@ def resident_plan(m: CacheManager, options: DecodeOptions, q, batch, ctx):
     st, plan, stats, m.host = fn(copy_state(m.state), m.host)
     assert int(stats.misses) == 0, f"resident plan has {int(stats.misses)} misses"
     return plan
-
-
-def time_stage(fn, m: CacheManager, q0, plan, reps: int, calls: int) -> float:
-    st, chk, m.host = fn(m.state, m.host, q0, plan)
-    jax.block_until_ready(chk)
-    m.state = st
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        st, chk, m.host = fn(m.state, m.host, q0, plan)
-        jax.block_until_ready((st, chk))
-        times.append(time.perf_counter() - t)
-        m.state = st
-    return float(np.median(times)) / calls
 
 
 def check_variant(m: CacheManager, options: DecodeOptions, q, batch, ctx) -> dict:
@@ -214,15 +200,16 @@ def check_variant(m: CacheManager, options: DecodeOptions, q, batch, ctx) -> dic
                 ok=bool(rel < 2e-2 and same_frames and int(st1.misses) == int(st2.misses)))
 
 
-def time_loop(fn, m: CacheManager, q0, cold, reps: int, calls: int):
-    """Median seconds per call (wall of the whole loop / calls) and the stats of one loop."""
-    st, chk, tot, m.host = fn(m.state, m.host, q0, cold)        # compile + warm (first call brings pages in)
+def time_loop(fn, m: CacheManager, q0, extra, reps: int, calls: int):
+    """Median seconds per call (wall of the whole loop / calls) and the stats of one loop; fn is a layer_loop
+    (extra = the cold mask) or a stage_loop (extra = the PagePlan)."""
+    st, chk, tot, m.host = fn(m.state, m.host, q0, extra)        # compile + warm (first call brings pages in)
     jax.block_until_ready(chk)
     m.state = st
     times = []
     for r in range(reps):
         t = time.perf_counter()
-        st, chk, tot, m.host = fn(m.state, m.host, q0, cold)
+        st, chk, tot, m.host = fn(m.state, m.host, q0, extra)
         jax.block_until_ready((st, chk))
         times.append(time.perf_counter() - t)
         m.state = st
@@ -339,8 +326,8 @@ def main(argv=None):
             for stage in STAGES:
                 row = dict(kind="stage", stage=stage, budget=budget, sieve="pallas", fused_fetch=False)
                 try:
-                    sec = time_stage(stage_loop(stage, opt, a.calls, a.batch, a.context, m.host_shardings()),
-                                     m, q0, plan, a.reps, a.calls)
+                    sec, _ = time_loop(stage_loop(stage, opt, a.calls, a.batch, a.context, m.host_shardings()),
+                                       m, q0, plan, a.reps, a.calls)
                     row.update(us=sec * 1e6, speedup_vs_cudnn=cd["us"] / (sec * 1e6))
                     if stage == "scores":
                         row["summaries_tb_s"] = summ / sec / 1e12
