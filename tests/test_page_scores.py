@@ -28,6 +28,22 @@ def test_kernel_matches_reference_and_quest_bound(g, P, dtype):
         np.testing.assert_allclose(np.asarray(want), quest, rtol=1e-4, atol=1e-3)
 
 
+def test_launch_shape_does_not_change_scores():
+    from ulacache_jax.pallas_kernels.page_scores import page_scores_pallas
+    rng = np.random.default_rng(7)
+    S, L, G, P, g, D = 2, 2, 2, 32, 1, 16
+    kmin = jnp.asarray(rng.standard_normal((S, L, G, P, g, D)), jnp.float32)
+    kmax = kmin + jnp.abs(jnp.asarray(rng.standard_normal(kmin.shape), jnp.float32))
+    q = jnp.asarray(rng.standard_normal((S, 1, 8, D)), jnp.float32)
+    qpos, qneg = selection.fold_queries(q, G, g)
+    want = np.asarray(ref_page_scores(kmin, kmax, qpos, qneg, layer=1))
+    for bp in (1, 8, 32):
+        got = page_scores_pallas(kmin, kmax, qpos, qneg, layer=1, interpret=True, block_pages=bp, num_warps=2)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="block_pages = 12 must divide the page count 32"):
+        page_scores_pallas(kmin, kmax, qpos, qneg, layer=1, interpret=True, block_pages=12)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 def test_kernel_compiled_on_gpu():
