@@ -39,14 +39,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from . import on_gpu
+
 PAGES_PER_PROGRAM = 1      # entries per program: 1, 2, 4, 8 measured equal on the H200 (PCIe bound)
 NUM_WARPS = 4              # 128 threads move a 16 KiB tile as 8 x 16-byte loads each
 MAX_TILE_BYTES = 16384     # a larger page is split into several power-of-two tiles of at most this size
 _ANY = pl.BlockSpec(memory_space=pl.ANY)
-
-
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
 
 
 def _pow2_parts(n: int) -> list[tuple[int, int]]:
@@ -203,7 +201,7 @@ def copy_pages_pallas(dst, src, src_idx, dst_idx, *, src_rank=None, dst_rank=Non
     (s_spec, s_arg), (d_spec, d_arg) = _rank_spec(src_rank), _rank_spec(dst_rank)
     rank_args = [a for a in (s_arg, d_arg) if a is not None]
     if interpret is None:
-        interpret = not _on_gpu()
+        interpret = not on_gpu()
     num = len(dsts)
     tiles = tuple(tuple(page_tiles(d.shape[-3:], d.dtype.itemsize)) for d in dsts)
     body = functools.partial(_copy_kernel, num_arrays=num, pages_per_program=ppp, tiles=tiles,
@@ -241,7 +239,7 @@ def _pick(impl: str) -> str:
     if impl not in ("auto", "pallas", "ref"):
         raise ValueError(f"impl = {impl!r} must be 'auto', 'pallas' or 'ref'")
     if impl == "auto":
-        return "pallas" if _on_gpu() else "ref"
+        return "pallas" if on_gpu() else "ref"
     return impl
 
 

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from . import on_gpu
+
 
 def _scores_kernel(kmin_ref, kmax_ref, qpos_ref, qneg_ref, out_ref):
     # kmin_ref, kmax_ref [p, g, D] (this sequence, layer, group, page block); qpos_ref, qneg_ref [g, D]; out_ref [p]
@@ -69,7 +71,7 @@ def page_scores(kmin, kmax, qpos, qneg, *, layer: int, impl: str = "auto"):
     """impl: 'auto' (kernel on GPU, reference elsewhere), 'pallas' (kernel; interpret mode off GPU) or 'ref'."""
     if impl not in ("auto", "pallas", "ref"):
         raise ValueError(f"impl = {impl!r} must be 'auto', 'pallas' or 'ref'")
-    on_gpu = jax.default_backend() == "gpu"
-    if impl == "ref" or (impl == "auto" and not on_gpu):
+    gpu = on_gpu()
+    if impl == "ref" or (impl == "auto" and not gpu):
         return ref_page_scores(kmin, kmax, qpos, qneg, layer=layer)
-    return page_scores_pallas(kmin, kmax, qpos, qneg, layer=layer, interpret=not on_gpu)
+    return page_scores_pallas(kmin, kmax, qpos, qneg, layer=layer, interpret=not gpu)

@@ -55,6 +55,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from . import on_gpu
+
 from ulacache_jax import lid as lid_mod
 from ulacache_jax.pb_lru import AccessOut, PBLRUState, EMPTY_TAG, ref_access  # noqa: F401  (ref beside the kernel)
 
@@ -121,10 +123,6 @@ def sieve_geometry(num_frames: int, num_requests: int) -> tuple[int, int]:
         b *= 2
     b = _next_pow2(-(-num_frames // 64))
     return b, -(-num_frames // b)
-
-
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
 
 
 def _barrier(interpret: bool):
@@ -252,7 +250,7 @@ def _group_sort(hi, lo, valid, nb: int):
 def group_requests(hi, lo, valid, num_buckets: int, grouping: str = "atomic", interpret: bool | None = None):
     """(sorder [N] int32, shi [N] uint32, slo [N] uint32, bstart [>= B + 2] int32): requests grouped by bucket."""
     if interpret is None:
-        interpret = not _on_gpu()
+        interpret = not on_gpu()
     if grouping == "atomic":
         return _group_atomic(hi, lo, valid, num_buckets, interpret)
     if grouping == "sort":
@@ -614,7 +612,7 @@ def access(state: PBLRUState, hi, lo, valid, now, *, config: SieveConfig | None 
     nb, ns = state.stamp.shape
     n = hi.shape[0]
     if interpret is None:
-        interpret = not _on_gpu()
+        interpret = not on_gpu()
     if n == 0:
         e = jnp.zeros((0,), jnp.uint32)
         return state, AccessOut(frame=jnp.zeros((0,), jnp.int32), hit=jnp.zeros((0,), bool),

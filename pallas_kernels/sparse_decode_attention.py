@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from . import on_gpu
+
 try:  # Triton-lowering primitives (masked load/store, compiler params); present in jax 0.11.2 and 0.12
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover - a jax without the Triton backend
@@ -49,10 +51,6 @@ NEG_INIT = -1e30  # finite start of the running max: an all-masked row keeps m =
 NUM_SMS_H200 = 132
 IMPLS = ("auto", "pallas", "mosaic", "ref")  # pallas = the Triton-lowering kernel (every feature)
 AUTO_GPU_BACKEND = "mosaic"  # impl="auto" on GPU where both apply: measured faster (docs/benchmarks/attention.md)
-
-
-def _on_gpu() -> bool:
-    return jax.devices()[0].platform == "gpu"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -555,7 +553,7 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
     b, nq, h, d, page, g, ng, kv = _check(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k, host_v,
                                           page_host, page_src)
     if impl == "auto":
-        if not _on_gpu():
+        if not on_gpu():
             impl = "ref"
         elif (AUTO_GPU_BACKEND == "mosaic" and mosaic_supported(q, pool_k, host_k, store_misses)
               and nq * (h // kv) <= MOSAIC_ROWS):
@@ -576,7 +574,7 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
         if not (mosaic_supported(q, pool_k, host_k, store_misses) and nq * (h // kv) <= MOSAIC_ROWS):
             raise ValueError("impl='mosaic' needs bf16/f16, g = 1, Q * H / KV <= 64, D % 64 == 0, page % 64 == 0 "
                              "and no host pool; use impl='pallas'")
-        if not _on_gpu():
+        if not on_gpu():
             raise NotImplementedError("the Mosaic GPU interpreter has no wgmma on CPU: use impl='pallas' or 'ref'")
         tune = default_mosaic_tuning(b, kv, page_frame.shape[2])
         tune.update(tuning or {})
@@ -589,7 +587,7 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
                           itemsize=jnp.dtype(pool_k.dtype).itemsize)
     tune.update(tuning or {})
     return _pallas_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k, host_v, page_host, page_src,
-                             scale=scale, softcap=softcap, store_misses=bool(store_misses), interpret=not _on_gpu(),
+                             scale=scale, softcap=softcap, store_misses=bool(store_misses), interpret=not on_gpu(),
                              **tune)
 
 
@@ -622,7 +620,7 @@ def fetch_pages(pool_k, pool_v, host_k, host_v, frame, host_page, *, impl="auto"
 
     pool_k/v [F, t, g, D] (aliased: donate them), host_k/v [P, t, g, D]. Returns the new (pool_k, pool_v)."""
     if impl == "auto":
-        impl = "pallas" if _on_gpu() else "ref"
+        impl = "pallas" if on_gpu() else "ref"
     if impl == "ref":
         return ref_fetch_pages(pool_k, pool_v, host_k, host_v, frame, host_page)
     nf, page, g, d = pool_k.shape
@@ -631,7 +629,7 @@ def fetch_pages(pool_k, pool_v, host_k, host_v, frame, host_page, *, impl="auto"
     npad = -(-n // npb) * npb
     frame = jnp.pad(frame.astype(jnp.int32), (0, npad - n), constant_values=-1)
     host_page = jnp.pad(host_page.astype(jnp.int32), (0, npad - n))
-    interpret = (not _on_gpu()) if interpret is None else interpret
+    interpret = (not on_gpu()) if interpret is None else interpret
     ko, vo = pl.pallas_call(
         functools.partial(_fetch_kernel, npb=npb), grid=(npad // npb,),
         in_specs=[ANY] * 6, out_specs=[ANY, ANY],

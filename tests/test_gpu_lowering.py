@@ -1,0 +1,103 @@
+"""Every Triton kernel lowers for an H200 on a machine without a GPU.
+
+jax lowers a Pallas call to Triton IR at `jit(...).lower()` time; with an abstract H200 device
+(`jax.sharding.use_abstract_mesh`) and `lowering_platforms=("cuda",)` that runs on CPU, so an unsupported primitive
+or a bad block shape in a kernel fails here, in CI, instead of on the device. What this cannot see: Triton's own
+compile to PTX and XLA's GPU compile (those run on the H200: `pytest -m gpu`).
+"""
+import pytest
+import jax
+import jax.numpy as jnp
+from jax._src import mesh as mesh_lib
+
+from ulacache_jax import pb_lru
+from ulacache_jax.pallas_kernels import page_copy, pb_lru_sieve
+from ulacache_jax.pallas_kernels.page_scores import page_scores_pallas
+from ulacache_jax.pallas_kernels.sparse_decode_attention import _pallas_attention
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_jit_caches():
+    """Traces made here (GPU dispatch, interpret=False) must never be reused by a CPU test in this process."""
+    yield
+    jax.clear_caches()
+
+
+def lower_for_h200(fn, *args) -> str:
+    """StableHLO text of fn lowered for CUDA on an abstract H200 (no GPU needed)."""
+    h200 = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=mesh_lib.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    with jax.sharding.use_abstract_mesh(h200):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("block_pages,num_warps", [(None, None), (32, 4), (128, 8)])
+def test_page_scores_lowers(block_pages, num_warps):
+    S, L, G, P, g, D = 2, 2, 8, 256, 1, 128
+    summ, q = spec((S, L, G, P, g, D), jnp.bfloat16), spec((S, G, g, D), jnp.float32)
+    txt = lower_for_h200(lambda a, b, c, d: page_scores_pallas(a, b, c, d, layer=1, interpret=False,
+                                                               block_pages=block_pages, num_warps=num_warps),
+                         summ, summ, q, q)
+    assert txt.count(TRITON_CALL) == 1
+
+
+@pytest.mark.parametrize("grouping", ["scan", "ids", "sort"])
+@pytest.mark.parametrize("nb,ns,n", [(128, 512, 8192), (16, 4096, 1024)])
+def test_sieve_lowers(grouping, nb, ns, n):
+    cfg = pb_lru_sieve.choose_config(n, nb, ns, grouping=grouping)
+    state = jax.eval_shape(lambda: pb_lru.init(nb, ns))
+    u = spec((n,), jnp.uint32)
+    txt = lower_for_h200(lambda st, hi, lo, v, now: pb_lru_sieve.access(st, hi, lo, v, now, config=cfg,
+                                                                         interpret=False),
+                         state, u, u, spec((n,), jnp.bool_), spec((), jnp.int32))
+    assert txt.count(TRITON_CALL) >= 1
+
+
+def test_page_copy_lowers():
+    pool, host = spec((512, 64, 1, 128), jnp.bfloat16), spec((4096, 64, 1, 128), jnp.bfloat16)
+    idx = spec((300,), jnp.int32)
+    txt = lower_for_h200(lambda dk, dv, sk, sv, si, di: page_copy.copy_pages_pallas(
+        [dk, dv], [sk, sv], si, di, interpret=False), pool, pool, host, host, idx, idx)
+    assert txt.count(TRITON_CALL) == 1
+
+
+@pytest.mark.parametrize("store_misses", [False, True])
+def test_sparse_attention_triton_lowers(store_misses):
+    B, H, KV, D, page, nslot, nf, nh = 4, 64, 8, 128, 64, 34, 2048, 8192
+    q = spec((B, 1, H, D), jnp.bfloat16)
+    pool, host = spec((nf, page, 1, D), jnp.bfloat16), spec((nh, page, 1, D), jnp.bfloat16)
+    tab = spec((B, KV, nslot), jnp.int32)
+    txt = lower_for_h200(lambda q, pk, pv, fr, st, sl, hk, hv, hp, src: _pallas_attention(
+        q, pk, pv, fr, st, sl, hk, hv, hp, src, scale=D ** -0.5, softcap=None, store_misses=store_misses,
+        interpret=False, num_splits=4, pages_per_block=2, num_warps=4, num_stages=2),
+        q, pool, pool, tab, tab, spec((B,), jnp.int32), host, host, tab, tab)
+    assert txt.count(TRITON_CALL) >= 1
+
+
+def test_decode_layer_lowers_with_gpu_dispatch(monkeypatch):
+    """One layer's decode as the GPU runs it (impl="auto" picks the kernels): scores, sieve, fetch, attention."""
+    from ulacache_jax.cache_state import init as init_state
+    from ulacache_jax.config import CacheConfig
+    from ulacache_jax.decode_layer import DecodeOptions, attend_layer, flush_tail
+
+    cfg = CacheConfig(num_layers=2, num_kv_heads=8, head_dim=128, max_seqs=2, max_pages_per_seq=256, page_size=64,
+                      kv_heads_per_group=1, dtype="bfloat16", num_buckets=16, slots_per_bucket=64,
+                      host_pages=2 * 2 * 8 * 256, token_budget=1024, sink_pages=1, recent_pages=2)
+    state, host = jax.eval_shape(lambda: init_state(cfg, check=False))
+    S = cfg.max_seqs
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+    def layer(st, hp, q, kn, pos, live):
+        st, out, stats = attend_layer(st, hp, 1, q, kn, kn, pos, live, options=DecodeOptions())
+        return flush_tail(st, hp), out
+
+    txt = lower_for_h200(layer, state, host, spec((S, 1, 64, 128), jnp.bfloat16), spec((S, 8, 128), jnp.bfloat16),
+                         spec((S,), jnp.int32), spec((S,), jnp.bool_))
+    # page scores, sieve, fetch, attention and the tail flush: five Triton kernels, no jnp fallback
+    assert txt.count(TRITON_CALL) == 5, txt.count(TRITON_CALL)
