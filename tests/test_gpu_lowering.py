@@ -101,3 +101,15 @@ def test_decode_layer_lowers_with_gpu_dispatch(monkeypatch):
                          spec((S,), jnp.int32), spec((S,), jnp.bool_))
     # page scores, sieve, fetch, attention and the tail flush: five Triton kernels, no jnp fallback
     assert txt.count(TRITON_CALL) == 5, txt.count(TRITON_CALL)
+
+
+def test_sparse_attention_mosaic_lowers(monkeypatch):
+    """The Mosaic GPU attention kernel (what impl="auto" runs on resident pages) lowers too."""
+    from ulacache_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
+    B, H, KV, D, page, nslot, nf = 4, 64, 8, 128, 64, 34, 2048
+    q, pool = spec((B, 1, H, D), jnp.bfloat16), spec((nf, page, 1, D), jnp.bfloat16)
+    tab = spec((B, KV, nslot), jnp.int32)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    txt = lower_for_h200(lambda q, pk, pv, fr, st, sl: sparse_decode_attention(q, pk, pv, fr, st, sl, impl="auto"),
+                         q, pool, pool, tab, tab, spec((B,), jnp.int32))
+    assert "custom_call @mosaic_gpu" in txt and TRITON_CALL not in txt
