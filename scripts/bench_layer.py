@@ -137,7 +137,7 @@ def stage_loop(stage: str, options: DecodeOptions, calls: int, batch: int, ctx: 
             if stage == "scores":
                 return st, sc[:, :, 0].sum()
             sel = selection.select_pages(sc, jnp.where(live, st.seqs.flushed, 0), select_pages=c.select_pages,
-                                         sink_pages=c.sink_pages, recent_pages=c.recent_pages)
+                                         sink_pages=c.sink_pages, recent_pages=c.recent_pages, impl=options.topk)
             return st, sel[:, :, 0].sum().astype(jnp.float32)
         if stage == "plan":
             st, pl_, _ = plan_layer(st, host, 0, q, kn, kn, pos, live, options=options)
@@ -303,11 +303,11 @@ def main(argv=None):
         m.config = m.state.config
         attended = a.batch * KV * (budget // PAGE + 2) * page_bytes                       # selected + tail pages
         variants = [("resident", "pallas", False, 0.0)]
-        if budget == a.budgets[0]:  # the sieve and miss comparisons at the first budget (compile time)
-            variants += [("resident", "ref", False, 0.0)]
+        if budget == a.budgets[0]:  # the sieve, top-k and miss comparisons at the first budget (compile time)
+            variants += [("resident", "ref", False, 0.0), ("resident-topk-kernel", "pallas", False, 0.0)]
             variants += [("misses", "pallas", fused, f) for f in a.miss_units for fused in (False, True)]
         for kind, sieve, fused, frac in variants:
-            opt = DecodeOptions(sieve=sieve, fused_fetch=fused)
+            opt = DecodeOptions(sieve=sieve, fused_fetch=fused, topk="pallas" if "topk" in kind else "ref")
             units = max(1, int(round(frac * a.batch * KV))) if frac else 0
             cold = np.zeros(a.batch * KV, bool)
             cold[rng.choice(a.batch * KV, min(units, a.batch * KV), replace=False)] = True
@@ -381,7 +381,7 @@ def plot(res, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [r for r in res["rows"] if r["kind"] in ("resident", "misses") and "us" in r]
+    rows = [r for r in res["rows"] if r["kind"] in ("resident", "misses") and "us" in r]  # the plot's lines
     cd = res["rows"][0]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for budget in sorted({r["budget"] for r in rows}):

@@ -5,8 +5,8 @@ Shapes: B sequences x KV=8 groups (one KV head each) x P pages of 64 tokens, D=1
 one layer; q [B, 1, 64, 128]. Score variants: the Pallas kernel at several (block_pages, num_warps) and the jnp
 einsum reference; each is checked against the reference (fp32, rtol 1e-4) before timing, and its bandwidth over
 the summary bytes is reported as a fraction of the HBM copy bandwidth measured in the same run. Top-k variants
-over the [B, KV, P] scores (k = budget / 64): lax.top_k and a two-stage top-k (per 128-page block, then over the
-block winners), checked for the same selected set. Time = median over reps of a jitted loop of `--calls` calls
+over the [B, KV, P] scores (k = budget / 64): lax.top_k, a two-stage top-k (per 128-page block, then over the
+block winners) and the radix-select kernel (pallas_kernels/page_topk.py), checked for the same selected set. Time = median over reps of a jitted loop of `--calls` calls
 (each call's query depends on the previous result, so no call is hoisted) / calls.
 
 Run (H200): python3 scripts/bench_select.py --out DIR [--commit SHA]   -> DIR/select.json, DIR/select.png
@@ -27,6 +27,7 @@ from jax import lax
 
 from ulacache_jax.bench_meta import git_commit
 from ulacache_jax.pallas_kernels import page_scores as ps
+from ulacache_jax.pallas_kernels.page_topk import top_k_pallas
 from ulacache_jax.selection import fold_queries
 
 from bench_decode import copy_bandwidth  # scripts/ is on sys.path when a script runs
@@ -119,7 +120,9 @@ def main(argv=None):
     k = a.budget // 64
     sc = jnp.asarray(ref)
     want = np.sort(np.asarray(lax.top_k(sc, k)[1]), axis=-1)
-    for name, fn in (("lax.top_k", lambda s: lax.top_k(s, k)), ("two_stage", lambda s: two_stage_top_k(s, k))):
+    radix = lambda s: top_k_pallas(s, k, interpret=not on_gpu)
+    for name, fn in (("lax.top_k", lambda s: lax.top_k(s, k)), ("two_stage", lambda s: two_stage_top_k(s, k)),
+                     ("pallas_radix", radix)):
         row = dict(kind="top_k", impl=name, k=k)
         got = np.sort(np.asarray(jax.jit(fn)(sc)[1]), axis=-1)
         row["ok"] = bool((got == want).all())

@@ -92,6 +92,25 @@ def test_small_budget_attends_exactly_the_selected_pages_through_evictions():
     assert int(stats.overflow) >= 0
 
 
+def test_top_k_kernel_makes_the_same_layer_steps():
+    """The radix-select top-k (interpret mode) selects what lax.top_k does: same frames, hits, outputs, 3 steps."""
+    lengths = [120, 97]
+    c, m, kv, rng = setup(lengths, token_budget=32, buckets=2, slots=3)
+    steps = {t: jax.jit(lambda s, h, q, k, v, pos, live, t=t: attend_layer(s, h, 0, q, k, v, pos, live,
+                                                                             options=DecodeOptions(topk=t)))
+             for t in ("ref", "pallas")}
+    states = {t: m.state for t in steps}
+    for it in range(3):
+        q = jnp.asarray(rng.standard_normal((2, 1, 2 * QPK, 16)), jnp.float32)
+        kn = jnp.zeros((2, 2, 16), jnp.float32)
+        res = {t: steps[t](states[t], m.host, q, kn, kn, jnp.asarray(lengths, jnp.int32), jnp.ones(2, bool))
+               for t in steps}
+        states = {t: r[0] for t, r in res.items()}
+        np.testing.assert_array_equal(np.asarray(states["ref"].vtlb.frame), np.asarray(states["pallas"].vtlb.frame))
+        np.testing.assert_array_equal(np.asarray(res["ref"][1]), np.asarray(res["pallas"][1]))
+        assert int(res["ref"][2].hits) == int(res["pallas"][2].hits)
+
+
 def test_planted_needle_is_selected():
     c, m, kv, rng = setup([128], token_budget=32)
     q = np.zeros((1, 1, 2 * QPK, 16), np.float32)

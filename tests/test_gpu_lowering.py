@@ -113,3 +113,9 @@ def test_sparse_attention_mosaic_lowers(monkeypatch):
     txt = lower_for_h200(lambda q, pk, pv, fr, st, sl: sparse_decode_attention(q, pk, pv, fr, st, sl, impl="auto"),
                          q, pool, pool, tab, tab, spec((B,), jnp.int32))
     assert "custom_call @mosaic_gpu" in txt and TRITON_CALL not in txt
+
+
+def test_page_top_k_lowers():
+    from ulacache_jax.pallas_kernels.page_topk import top_k_pallas
+    txt = lower_for_h200(lambda s: top_k_pallas(s, 32, interpret=False), spec((32, 8, 4224), jnp.float32))
+    assert txt.count(TRITON_CALL) == 1

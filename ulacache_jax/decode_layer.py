@@ -44,6 +44,7 @@ class DecodeOptions:
     attention: str = "auto"       # sparse_decode_attention impl
     sieve: str = "auto"           # pb_lru access impl ('ref' or 'pallas')
     scores: str = "auto"          # Quest page-score impl
+    topk: str = "ref"             # page top-k: lax.top_k ('ref') or the radix-select kernel ('pallas'; not yet timed)
     copy: str = "auto"            # page_copy impl
     fused_fetch: bool = False     # misses read by the attention kernel and stored into their frames in one pass
     softcap: float | None = None
@@ -109,7 +110,7 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     qpos, qneg = selection.fold_queries(q, G, c.kv_heads_per_group)                   # [S, G, g, D]
     scores = page_scores(state.kmin[0], state.kmax[0], qpos, qneg, layer=layer, impl=options.scores)  # [S, G, P]
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
-                                 recent_pages=c.recent_pages)                         # [S, G, K]
+                                 recent_pages=c.recent_pages, impl=options.topk)      # [S, G, K]
     K = sel.shape[-1]
     valid = (sel >= 0) & live[:, None, None]
     page = jnp.where(valid, sel, 0)

@@ -10,9 +10,8 @@ pages are always attended from the tail ring).
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
-from .pallas_kernels import page_scores
+from .pallas_kernels import page_scores, page_topk
 
 
 def fold_queries(q, num_groups: int, kv_heads_per_group: int):
@@ -32,9 +31,10 @@ def ref_page_scores(q, kmin, kmax):
     return page_scores.ref_page_scores(kmin[:, None], kmax[:, None], qpos, qneg, layer=0)
 
 
-def select_pages(scores, flushed, *, select_pages: int, sink_pages: int, recent_pages: int):
+def select_pages(scores, flushed, *, select_pages: int, sink_pages: int, recent_pages: int, impl: str = "ref"):
     """scores [B, G, P]; flushed [B] int32 candidate pages per sequence -> page ids [B, G, K] int32 (K =
-    min(select_pages, P)), -1 for unused; every flushed page when flushed <= K. Order: by score."""
+    min(select_pages, P)), -1 for unused; every flushed page when flushed <= K. Order: by score.
+    impl: the top-k, 'ref' (lax.top_k) or 'pallas' / 'auto' (pallas_kernels/page_topk.py: the same result)."""
     B, G, P = scores.shape
     k = min(select_pages, P)
     p = jnp.arange(P, dtype=jnp.int32)
@@ -42,5 +42,5 @@ def select_pages(scores, flushed, *, select_pages: int, sink_pages: int, recent_
     keep = (p < sink_pages) | (p >= fl - recent_pages)
     s = jnp.where(keep, jnp.inf, jnp.nan_to_num(scores, nan=0.0, posinf=3e38, neginf=-3e38))
     s = jnp.where(p < fl, s, -jnp.inf)
-    top, idx = lax.top_k(s, k)
+    top, idx = page_topk.top_k(s, k, impl=impl)
     return jnp.where(top > -jnp.inf, idx.astype(jnp.int32), -1)

@@ -1,0 +1,101 @@
+"""Top-k page selection as a Pallas kernel: a radix select per row instead of XLA's sort-based top-k.
+
+On the H200 `lax.top_k` over the page scores of one layer (256 rows of 4224 pages, k = 32) costs ~115 us, as much
+as the sieve and the vTLB update together (docs/BENCHMARKS.md, layer stages). Here one program owns one row:
+1. each score becomes an order-preserving uint32 key (sign flip; -0.0 is folded into +0.0 first, so equal floats
+   get equal keys);
+2. the k-th largest key T is found bit by bit from the top (32 passes of a count over the row, in registers);
+3. the selected set is every key > T plus the lowest-index keys == T up to k (the same tie rule as `lax.top_k`),
+   compacted by a prefix sum and scattered to the output in index order.
+The k winners are then sorted by (score descending, index ascending) in XLA (k values a row), so the result is
+exactly `lax.top_k`'s: same values, same indices, same order. Axis alphabet: R rows, P pages (Pp: padded to a
+power of two with -inf, never chosen before a real page), k winners (kp: padded to a power of two).
+EXPERIMENTAL: matches `lax.top_k` in interpret mode and lowers for the H200 (tests/test_gpu_lowering.py); not yet
+compiled or timed on the GPU (`scripts/bench_select.py` times it beside `lax.top_k`), so selection keeps
+`lax.top_k` unless asked (`select_pages(..., impl="pallas")`).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from . import on_gpu
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _sort_keys(x):
+    """float32 -> uint32 whose unsigned order is the float order (-inf lowest, +inf highest; -0.0 == +0.0)."""
+    bits = lax.bitcast_convert_type(x + 0.0, jnp.uint32)         # + 0.0 turns -0.0 into +0.0
+    neg = (bits >> np.uint32(31)) == np.uint32(1)
+    return jnp.where(neg, ~bits, bits | np.uint32(0x80000000))
+
+
+def _topk_kernel(s_ref, v_ref, i_ref, *, k: int, kp: int, pp: int):
+    # s_ref [Pp] float32 (one row); v_ref [kp] float32, i_ref [kp] int32: the k winners in index order
+    x = s_ref[...]
+    key = _sort_keys(x)
+    idx = jnp.arange(pp, dtype=jnp.int32)
+
+    def bit(b, t):  # the largest t with count(key >= t) >= k, built from the top bit down
+        cand = t | (np.uint32(1) << (np.uint32(31) - b.astype(jnp.uint32)))
+        return jnp.where(jnp.sum((key >= cand).astype(jnp.int32)) >= k, cand, t)
+
+    t = lax.fori_loop(0, 32, bit, jnp.uint32(0))
+    gt = key > t
+    eq = (key == t).astype(jnp.int32)
+    need = k - jnp.sum(gt.astype(jnp.int32))                       # ties to take, lowest index first
+    sel = gt | ((eq == 1) & (jnp.cumsum(eq) - eq < need))
+    si = sel.astype(jnp.int32)
+    pos = jnp.where(sel, jnp.cumsum(si) - si, kp)                  # masked lanes point past the end
+    plgpu.store(v_ref.at[pos], x, mask=sel)
+    plgpu.store(i_ref.at[pos], idx, mask=sel)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret", "num_warps"))
+def top_k_pallas(s, k: int, *, interpret: bool = False, num_warps: int | None = None):
+    """s [..., P] float32 (no NaN) -> (values [..., k], indices [..., k] int32), exactly `lax.top_k(s, k)`."""
+    *lead, p = s.shape
+    if not 1 <= k <= p:
+        raise ValueError(f"k = {k} must be in [1, {p}] (the last axis)")
+    rows = int(np.prod(lead)) if lead else 1
+    pp, kp = _next_pow2(p), _next_pow2(k)
+    x = jnp.pad(s.reshape(rows, p).astype(jnp.float32), ((0, 0), (0, pp - p)), constant_values=-jnp.inf)
+    kwargs = {}
+    if not interpret:
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps or (8 if pp >= 4096 else 4),
+                                                         num_stages=1)
+    v, i = pl.pallas_call(
+        functools.partial(_topk_kernel, k=k, kp=kp, pp=pp), grid=(rows,), interpret=interpret,
+        in_specs=[pl.BlockSpec((None, pp), lambda r: (r, 0))],
+        out_specs=[pl.BlockSpec((None, kp), lambda r: (r, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((rows, kp), jnp.float32), jax.ShapeDtypeStruct((rows, kp), jnp.int32)],
+        name="page_top_k", **kwargs)(x)
+    v, i = v[:, :k], i[:, :k]
+    # lax.top_k's order: score descending, lower index first among equal scores (k values a row: cheap)
+    neg, i = lax.sort((-v, i), dimension=1, num_keys=2)
+    return (-neg).reshape(*lead, k), i.reshape(*lead, k)
+
+
+def ref_top_k(s, k: int):
+    """The reference: `lax.top_k` (XLA's)."""
+    v, i = lax.top_k(s.astype(jnp.float32), k)
+    return v, i.astype(jnp.int32)
+
+
+def top_k(s, k: int, *, impl: str = "ref"):
+    """impl: 'ref' (lax.top_k, the default until the kernel is timed on the GPU), 'pallas' (the kernel;
+    interpret mode off GPU) or 'auto' (the kernel on GPU, lax.top_k elsewhere)."""
+    if impl not in ("auto", "pallas", "ref"):
+        raise ValueError(f"impl = {impl!r} must be 'auto', 'pallas' or 'ref'")
+    if impl == "ref" or (impl == "auto" and not on_gpu()):
+        return ref_top_k(s, k)
+    return top_k_pallas(s, k, interpret=not on_gpu())
