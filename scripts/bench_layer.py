@@ -17,10 +17,10 @@ Rows, same run:
   query); the measured miss fraction (the layer's stats) is reported with the PCIe bytes per call and GB/s
   (every call of every variant runs the eviction pass, empty for the resident rows); both fetch strategies (a separate fetch kernel before attention, or the
   attention kernel reading misses from the host pool and storing them into their frames).
-Before timing, one call of each variant is checked against the same call with the reference sieve and scores and
-the separate fetch on a copy of the state (vTLB frames equal, outputs within 2e-2; the attention kernel itself is
-checked against its jnp reference in bench_attention.py and the tests: that reference reads the pinned host pool
-through XLA, which does not compile on the GPU).
+Before timing, one call of each variant is checked against the same call with every jnp reference (sieve, scores,
+top-k, attention) and the separate fetch on a copy of the state (vTLB frames equal, outputs within 2e-2).
+Also rows for the opt-in kernels not yet run inside the layer on the H200 (radix top-k, Mosaic attention) and a
+split of the resident layer's time into stages.
 
 Run (H200): python3 scripts/bench_layer.py --out DIR [--commit SHA]   -> DIR/layer.json, DIR/layer.png
 """
@@ -114,16 +114,15 @@ def layer_loop(options: DecodeOptions, calls: int, batch: int, ctx: int, host_sh
     return jax.jit(run, donate_argnums=(0, 1), out_shardings=(None, None, None, host_sh))
 
 
-STAGES = ("scores", "select", "plan", "attention", "attention-hbm")
+STAGES = ("scores", "select", "plan", "attention", "attention-mosaic")
 
 
 def stage_loop(stage: str, options: DecodeOptions, calls: int, batch: int, ctx: int, host_sh):
     """jit(state, host, q, plan) -> (state, checksum, zero stats, host): `calls` runs of one part of the layer, to split the
     layer's time. scores: fold the queries and score every page (page_scores); select: + top-k selection; plan:
     everything before the attention kernel (append, select, sieve, vTLB, separate fetch: `plan_layer`); attention:
-    the attention kernel alone over a fixed resident PagePlan (`attend_pages`, which hands the kernel the host pool
-    for overflow reads, so the Triton kernel runs); attention-hbm: the same pages without the host pool, which lets
-    `impl="auto"` pick the Mosaic GPU kernel (what the layer would gain if overflow pages never read the host). Each call's query depends on the
+    the attention kernel alone over a fixed resident PagePlan (`attend_pages`: the Triton kernel on GPU);
+    attention-mosaic: the same with the Mosaic GPU kernel (DecodeOptions(attention="mosaic"); the reference on CPU). Each call's query depends on the
     previous call's checksum, so XLA cannot hoist a call out of the loop."""
     pos = jnp.full((batch,), ctx, jnp.int32)
     live = jnp.ones((batch,), bool)
@@ -142,11 +141,8 @@ def stage_loop(stage: str, options: DecodeOptions, calls: int, batch: int, ctx: 
         if stage == "plan":
             st, pl_, _ = plan_layer(st, host, 0, q, kn, kn, pos, live, options=options)
             return st, pl_.frame[:, :, 0].sum().astype(jnp.float32)
-        if stage == "attention-hbm":
-            out = sparse_decode_attention(q, st.pool_k[0], st.pool_v[0], plan.frame, plan.start, plan.seq_len,
-                                          page_src=plan.src, impl=options.attention)
-            return st, out[0, 0, 0, 0].astype(jnp.float32)
-        st, out = attend_pages(st, host, q, plan, options=options)
+        opt = dataclasses.replace(options, attention=mosaic_impl()) if stage == "attention-mosaic" else options
+        st, out = attend_pages(st, host, q, plan, options=opt)
         return st, out[0, 0, 0, 0].astype(jnp.float32)
 
     def run(state, host, q, plan):
@@ -160,6 +156,11 @@ def stage_loop(stage: str, options: DecodeOptions, calls: int, batch: int, ctx: 
         return st, chk, LayerStats.zeros(), host   # layer_loop's outputs, so time_loop times both
 
     return jax.jit(run, donate_argnums=(0, 1), out_shardings=(None, None, None, host_sh))
+
+
+def mosaic_impl() -> str:
+    """The Mosaic GPU attention kernel on GPU; the jnp reference on CPU (Mosaic GPU has no CPU interpreter)."""
+    return "mosaic" if jax.default_backend() == "gpu" else "ref"
 
 
 def resident_plan(m: CacheManager, options: DecodeOptions, q, batch, ctx):
@@ -194,10 +195,9 @@ def check_variant(m: CacheManager, options: DecodeOptions, q, batch, ctx) -> dic
             return st, o, stats, host
         return jax.jit(f, donate_argnums=(0, 1), out_shardings=(None, None, None, m.host_shardings()))
 
-    # reference: the jnp sieve and scores and the separate fetch; the attention kernel stays (its jnp reference
-    # gathers from the pinned_host pool in XLA, which XLA rejects on GPU: E1200) and is checked against its
-    # reference in bench_attention and the tests
-    ref_opt = DecodeOptions(sieve="ref", scores="ref", fused_fetch=False)
+    # reference: the jnp sieve, scores, top-k and attention with the separate fetch (every page is in HBM by then,
+    # overflow staged, so the jnp attention never reads the pinned host pool, which XLA rejects on GPU: E1200)
+    ref_opt = DecodeOptions(sieve="ref", scores="ref", topk="ref", attention="ref", fused_fetch=False)
     s1, o1, st1, m.host = call(options)(copy_state(m.state), m.host)
     s2, o2, st2, m.host = call(ref_opt)(copy_state(m.state), m.host)
     o1, o2 = np.asarray(o1, np.float32), np.asarray(o2, np.float32)
@@ -304,10 +304,13 @@ def main(argv=None):
         attended = a.batch * KV * (budget // PAGE + 2) * page_bytes                       # selected + tail pages
         variants = [("resident", "pallas", False, 0.0)]
         if budget == a.budgets[0]:  # the sieve, top-k and miss comparisons at the first budget (compile time)
-            variants += [("resident", "ref", False, 0.0), ("resident-topk-kernel", "pallas", False, 0.0)]
+            # the opt-in kernels not yet run inside the layer on the H200: radix top-k, Mosaic attention, both
+            variants += [("resident", "ref", False, 0.0), ("resident-topk-kernel", "pallas", False, 0.0),
+                         ("resident-mosaic", "pallas", False, 0.0), ("resident-topk-kernel-mosaic", "pallas", False, 0.0)]
             variants += [("misses", "pallas", fused, f) for f in a.miss_units for fused in (False, True)]
         for kind, sieve, fused, frac in variants:
-            opt = DecodeOptions(sieve=sieve, fused_fetch=fused, topk="pallas" if "topk" in kind else "ref")
+            opt = DecodeOptions(sieve=sieve, fused_fetch=fused, topk="pallas" if "topk" in kind else "ref",
+                                attention=mosaic_impl() if "mosaic" in kind else "auto")
             units = max(1, int(round(frac * a.batch * KV))) if frac else 0
             cold = np.zeros(a.batch * KV, bool)
             cold[rng.choice(a.batch * KV, min(units, a.batch * KV), replace=False)] = True
@@ -330,11 +333,11 @@ def main(argv=None):
             opt = DecodeOptions(sieve="pallas")
             plan = resident_plan(m, opt, q0, a.batch, a.context)
             summ = a.batch * KV * m.config.max_pages_per_seq * 2 * D * 2                   # kmin + kmax bytes
-            # the HBM-only attention (Mosaic on GPU) against its jnp reference on the resident pages first
+            # the Mosaic attention against the jnp reference on the resident pages first
             hbm = lambda impl: jax.jit(lambda st, pp: sparse_decode_attention(
                 q0, st.pool_k[0], st.pool_v[0], pp.frame, pp.start, pp.seq_len, page_src=pp.src,
                 impl=impl))(m.state, plan).astype(jnp.float32)
-            o_k, o_r = np.asarray(hbm("auto")), np.asarray(hbm("ref"))
+            o_k, o_r = np.asarray(hbm(mosaic_impl())), np.asarray(hbm("ref"))
             hbm_err = float(np.abs(o_k - o_r).max() / max(1e-6, np.abs(o_r).max()))
             for stage in STAGES:
                 row = dict(kind="stage", stage=stage, budget=budget, sieve="pallas", fused_fetch=False)
@@ -346,7 +349,7 @@ def main(argv=None):
                         row["summaries_tb_s"] = summ / sec / 1e12
                     if stage.startswith("attention"):
                         row["attended_tb_s"] = attended / sec / 1e12
-                    if stage == "attention-hbm":
+                    if stage == "attention-mosaic":
                         row.update(rel_err_vs_ref=hbm_err, ok=hbm_err < 2e-2)
                 except Exception as e:
                     row["error"] = repr(e)[:400]

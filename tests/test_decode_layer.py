@@ -6,7 +6,8 @@ import jax.numpy as jnp
 
 from ulacache_jax import selection
 from ulacache_jax.config import CacheConfig
-from ulacache_jax.decode_layer import DecodeOptions, attend_layer, flush_tail
+from ulacache_jax.cache_state import overflow_frame
+from ulacache_jax.decode_layer import DecodeOptions, attend_layer, flush_tail, plan_layer
 from ulacache_jax.models.attention import dense_attention
 from ulacache_jax.sequences import CacheManager
 
@@ -67,7 +68,7 @@ def test_small_budget_attends_exactly_the_selected_pages_through_evictions():
     lengths = [120, 97]
     c, m, kv, rng = setup(lengths, token_budget=32, buckets=2, slots=3)  # 6 frames for 2x4 requests: overflow
     step = jax.jit(lambda s, h, q, k, v, pos, live: attend_layer(s, h, 0, q, k, v, pos, live))
-    state = m.state
+    state, overflowed = m.state, 0
     for it in range(3):
         q = rng.standard_normal((2, 1, 2 * QPK, 16)).astype(np.float32)
         kn = np.zeros((2, 2, 16), np.float32)
@@ -89,7 +90,28 @@ def test_small_budget_attends_exactly_the_selected_pages_through_evictions():
                 got = np.asarray(out[s:s + 1, :, g * QPK:(g + 1) * QPK])
                 np.testing.assert_allclose(got, np.asarray(want), atol=1e-4 * float(jnp.abs(want).max()), rtol=0)
         assert int(stats.hits) + int(stats.misses) == 2 * 2 * 4
-    assert int(stats.overflow) >= 0
+        overflowed += int(stats.overflow)
+    assert overflowed > 0  # the overflow pages (staged in HBM overflow frames) were attended correctly above
+
+
+def test_overflow_is_staged_in_hbm_and_attention_never_reads_the_host():
+    lengths = [120, 97]
+    c, m, kv, rng = setup(lengths, token_budget=32, buckets=2, slots=3)  # 6 frames for 2x4 requests
+    q = jnp.asarray(rng.standard_normal((2, 1, 2 * QPK, 16)), jnp.float32)
+    kn = jnp.zeros((2, 2, 16), jnp.float32)
+    st, plan, stats = jax.jit(lambda s, h: plan_layer(s, h, 0, q, kn, kn, jnp.asarray(lengths, jnp.int32),
+                                                      jnp.ones(2, bool)))(m.state, m.host)
+    n_over = int(stats.overflow)
+    assert n_over > 0
+    src, frame = np.asarray(plan.src), np.asarray(plan.frame)
+    assert set(np.unique(src)) <= {0, 1}                               # HBM or unused: no host reads
+    staged = frame[(frame >= overflow_frame(c, 0)) & (src == 1)]
+    assert sorted(staged) == [overflow_frame(c, i) for i in range(n_over)]   # one overflow frame each, in order
+    # the staged pages hold the selected pages' bytes (fetched from the host pool)
+    np.testing.assert_array_equal(np.asarray(st.pool_k[0, staged]),
+                                  np.asarray(m.host.k[0, plan.host_page[frame >= overflow_frame(c, 0)]]))
+    # the vTLB does not record staged pages: they are not cached
+    assert not np.isin(np.asarray(st.vtlb.frame), staged).any()
 
 
 def test_top_k_kernel_makes_the_same_layer_steps():

@@ -80,8 +80,13 @@ def test_sparse_attention_triton_lowers(store_misses):
     assert txt.count(TRITON_CALL) >= 1
 
 
-def test_decode_layer_lowers_with_gpu_dispatch(monkeypatch):
-    """One layer's decode as the GPU runs it (impl="auto" picks the kernels): scores, sieve, fetch, attention."""
+@pytest.mark.parametrize("options,triton,mosaic", [
+    (dict(), 5, 0),                                     # scores, sieve, fetch, attention, tail flush
+    (dict(fused_fetch=True), 4, 0),                     # no fetch launch: attention reads misses from the host
+    (dict(attention="mosaic", topk="pallas"), 5, 1),    # + the top-k kernel; Mosaic attention for Triton's
+])
+def test_decode_layer_lowers_with_gpu_dispatch(monkeypatch, options, triton, mosaic):
+    """One layer's decode as the GPU runs it (impl="auto" picks the kernels), default and opt-in kernels."""
     from ulacache_jax.cache_state import init as init_state
     from ulacache_jax.config import CacheConfig
     from ulacache_jax.decode_layer import DecodeOptions, attend_layer, flush_tail
@@ -94,13 +99,12 @@ def test_decode_layer_lowers_with_gpu_dispatch(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
 
     def layer(st, hp, q, kn, pos, live):
-        st, out, stats = attend_layer(st, hp, 1, q, kn, kn, pos, live, options=DecodeOptions())
+        st, out, stats = attend_layer(st, hp, 1, q, kn, kn, pos, live, options=DecodeOptions(**options))
         return flush_tail(st, hp), out
 
     txt = lower_for_h200(layer, state, host, spec((S, 1, 64, 128), jnp.bfloat16), spec((S, 8, 128), jnp.bfloat16),
                          spec((S,), jnp.int32), spec((S,), jnp.bool_))
-    # page scores, sieve, fetch, attention and the tail flush: five Triton kernels, no jnp fallback
-    assert txt.count(TRITON_CALL) == 5, txt.count(TRITON_CALL)
+    assert (txt.count(TRITON_CALL), txt.count("custom_call @mosaic_gpu")) == (triton, mosaic)
 
 
 def test_sparse_attention_mosaic_lowers(monkeypatch):

@@ -2,9 +2,10 @@
 
 Layout (R = ranks of the `tp` axis, size 1 without TP; S = max_seqs; L = layers; G = groups per rank;
 P = max_pages_per_seq; F = PB-LRU frames; T = TAIL_PAGES; page = page_size; g = kv_heads_per_group; D = head_dim):
-- pool_k, pool_v [R, F + S*L*G*T, page, g, D]: frames 0..F-1 belong to the PB-LRU; the rest are the tail ring,
-  one fixed frame per (seq, layer, group, ring slot) outside the PB-LRU, so attention reads every page it needs,
-  selected or tail, from one pool by frame id.
+- pool_k, pool_v [R, F + S*L*G*T + O, page, g, D]: frames 0..F-1 belong to the PB-LRU; then the tail ring, one
+  fixed frame per (seq, layer, group, ring slot) outside the PB-LRU; then O = S*G*select_pages overflow frames
+  where a layer call stages the selected pages that found no free PB-LRU slot. So attention reads every page it
+  needs, selected, overflowed or tail, from one HBM pool by frame id.
 - kmin, kmax [R, S, L, G, P, g, D]: per-page, per-dim min and max of K (the Quest summaries).
 - vtlb (frame, host_page) [R, S, L, G, P]; pb (tag_hi, tag_lo, stamp) [R, B, slots].
 - seqs: length, flushed (pages with a host copy), active, each [S]: the same on every rank.
@@ -55,6 +56,12 @@ class CacheState:
 class HostPool:
     k: jax.Array  # [R, H, page, g, D] in pinned_host on GPU
     v: jax.Array  # [R, H, page, g, D]
+
+
+def overflow_frame(config: CacheConfig, index):
+    """HBM frame of the index-th overflow page of a layer call (after the PB-LRU frames and the tail ring)."""
+    c = config
+    return c.num_frames + c.max_seqs * c.num_layers * c.groups_per_rank * TAIL_PAGES + index
 
 
 def tail_frame(config: CacheConfig, seq, layer, group, page):
@@ -164,7 +171,7 @@ def init(config: CacheConfig, *, device=None, check: bool = True) -> tuple[Cache
     c, r = config, config.tp
     dt = c.jnp_dtype
     page_shape = (c.page_size, c.kv_heads_per_group, c.head_dim)
-    num_pool = c.num_frames + c.max_seqs * c.num_layers * c.groups_per_rank * TAIL_PAGES
+    num_pool = c.num_frames + c.max_seqs * c.num_layers * c.groups_per_rank * TAIL_PAGES + c.overflow_frames
     one = pb_lru.init(c.num_buckets, c.slots_per_bucket)
     pb = jax.tree.map(lambda a: jnp.broadcast_to(a, (r,) + a.shape), one)
     table = vtlb_mod.init(c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq, c.page_size)

@@ -88,6 +88,12 @@ class CacheConfig:
         return self.token_budget // self.page_size
 
     @property
+    def overflow_frames(self) -> int:
+        """HBM frames per rank that stage one layer call's overflow pages (misses with no free PB-LRU slot), so
+        attention reads only HBM: at most every selected page of every sequence and group overflows."""
+        return self.max_seqs * self.groups_per_rank * self.select_pages
+
+    @property
     def max_context(self) -> int:
         return self.max_pages_per_seq * self.page_size
 
@@ -107,6 +113,7 @@ class CacheConfig:
         return {
             "frames": 2 * self.num_frames * self.page_bytes,
             "tail": 2 * per_pg * TAIL_PAGES * self.page_bytes,
+            "overflow": 2 * self.overflow_frames * self.page_bytes,
             "summaries": 2 * per_pg * self.max_pages_per_seq * self.kv_heads_per_group * self.head_dim * isz,
             "vtlb": 2 * 4 * per_pg * self.max_pages_per_seq,
             "pb_lru": 12 * self.num_frames,

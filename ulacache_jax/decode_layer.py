@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from . import lid as lid_mod, pb_lru, selection, vtlb as vtlb_mod
-from .cache_state import CacheState, HostPool, tail_frame
+from .cache_state import CacheState, HostPool, overflow_frame, tail_frame
 from .config import TAIL_PAGES
 from .pallas_kernels import page_copy
 from .pallas_kernels.page_scores import page_scores
@@ -41,13 +41,21 @@ class LayerStats:
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
     """Kernel choices: 'auto' is the Pallas kernel on GPU and the jnp reference elsewhere."""
-    attention: str = "auto"       # sparse_decode_attention impl
+    attention: str = "auto"       # sparse_decode_attention impl (see attention_impl)
     sieve: str = "auto"           # pb_lru access impl ('ref' or 'pallas')
     scores: str = "auto"          # Quest page-score impl
     topk: str = "ref"             # page top-k: lax.top_k ('ref') or the radix-select kernel ('pallas'; not yet timed)
     copy: str = "auto"            # page_copy impl
     fused_fetch: bool = False     # misses read by the attention kernel and stored into their frames in one pass
     softcap: float | None = None
+
+    def attention_impl(self) -> str:
+        # 'auto': the Triton kernel on GPU (compiled and checked inside the decode on the H200); the Mosaic GPU
+        # kernel (faster alone, docs/benchmarks/attention.md) is opt-in (attention="mosaic") until it has run
+        # inside the decode program on the H200; the jnp reference elsewhere
+        if self.attention == "auto":
+            return "pallas" if jax.default_backend() == "gpu" else "ref"
+        return self.attention
 
     def sieve_impl(self) -> str:
         # 'auto': the Pallas sieve on GPU (bit-exact with the reference, compiled on the H200, several times
@@ -134,10 +142,14 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     # 3. Misses cross PCIe once: fetched into their frames here, or read and stored by the attention kernel.
     pool_k, pool_v = state.pool_k[0], state.pool_v[0]
     if not options.fused_fetch:
-        dst = jnp.where(filled, frame, -1).reshape(-1)
+        # overflow pages (no free slot) are staged in this call's overflow frames, so attention reads only HBM
+        ov = overflow.reshape(-1).astype(jnp.int32)
+        stage = overflow_frame(c, jnp.cumsum(ov) - ov).reshape(S, G, K)               # [S, G, K]
+        frame = jnp.where(overflow, stage, frame)
+        dst = jnp.where(miss, frame, -1).reshape(-1)
         pool_k, pool_v = page_copy.fetch([pool_k, pool_v], [host.k[0], host.v[0]], host_idx.reshape(-1), dst,
                                          impl=options.copy)   # K and V in one launch
-        src = jnp.where(valid, jnp.where(overflow, 2, 1), 0)
+        src = jnp.where(valid, 1, 0)
     else:
         src = jnp.where(valid, jnp.where(overflow, 2, jnp.where(filled, 3, 1)), 0)
 
@@ -170,13 +182,16 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
 def attend_pages(state: CacheState, host: HostPool, q, plan: PagePlan, *,
                  options: DecodeOptions = DecodeOptions()):
     """The attention kernel over a PagePlan. q [S, 1, Hr, D] -> (state, out [S, 1, Hr, D]); with fused fetch the
-    kernel also stores the host-read misses into their frames (the state's pool changes)."""
+    kernel also reads the misses from the host pool and stores them into their frames (the state's pool changes);
+    otherwise every page is in HBM (misses fetched, overflow staged by `plan_layer`) and the host pool is not an
+    operand."""
+    if not options.fused_fetch:
+        return state, sparse_decode_attention(q, state.pool_k[0], state.pool_v[0], plan.frame, plan.start,
+                                              plan.seq_len, page_src=plan.src, softcap=options.softcap,
+                                              impl=options.attention_impl())
     res = sparse_decode_attention(q, state.pool_k[0], state.pool_v[0], plan.frame, plan.start, plan.seq_len,
                                   host_k=host.k[0], host_v=host.v[0], page_host=plan.host_page, page_src=plan.src,
-                                  softcap=options.softcap, impl=options.attention,
-                                  store_misses=options.fused_fetch)
-    if not options.fused_fetch:
-        return state, res
+                                  softcap=options.softcap, impl=options.attention_impl(), store_misses=True)
     attn, pool_k, pool_v = res
     return dataclasses.replace(state, pool_k=pool_k[None], pool_v=pool_v[None]), attn
 
