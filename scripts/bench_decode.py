@@ -119,7 +119,8 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     if attention == "dense":
         check_dense_fits(cfg, model)
     t_setup = time.perf_counter()
-    gen = Generator(model, cfg, attention=attention, options=DecodeOptions(sieve=sieve))
+    gen = Generator(model, cfg, attention=attention, options=DecodeOptions(sieve=sieve, topk=args.topk,
+                                                                          attention=args.attention_impl))
     S = cfg.max_seqs
     if attention == "sparse":
         slots_ = [gen.admit(ctx + (args.chunks + 1) * page) for _ in range(batch)]
@@ -164,6 +165,8 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                buckets=cfg.num_buckets if attention == "sparse" else None,
                slots_per_bucket=cfg.slots_per_bucket if attention == "sparse" else None,
                sieve=DecodeOptions(sieve=sieve).sieve_impl() if attention == "sparse" else None,
+               topk=args.topk if attention == "sparse" else None,
+               attention_impl=args.attention_impl if attention == "sparse" else None,
                setup_s=setup_s,
                tokens_per_s=batch / float(np.median(per_tok)), p50_token_ms=1e3 * float(np.median(per_tok)),
                p99_token_ms=1e3 * float(np.percentile(per_tok, 99)), compile_s=compile_s,
@@ -180,7 +183,8 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, os.path.abspath(__file__), "--rows", spec, "--out", tmp, "--commit", commit,
                "--budget", str(args.budget), "--layers", str(args.layers), "--chunks", str(args.chunks),
-               "--steps", str(args.steps), "--kv-fraction", str(args.kv_fraction), "--sieve", args.sieve]
+               "--steps", str(args.steps), "--kv-fraction", str(args.kv_fraction), "--sieve", args.sieve,
+               "--topk", args.topk, "--attention-impl", args.attention_impl]
         proc = None
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
@@ -212,6 +216,8 @@ def main(argv=None):
     p.add_argument("--rows", default=None, help="explicit side:context:batch[:kv_fraction[:sieve]] list, e.g. "
                                                 "sparse:32768:1,dense:32768:1,sparse:131072:1:0.0625:ref")
     p.add_argument("--sieve", default="auto", help="PB-LRU impl for the sparse side: auto, ref or pallas")
+    p.add_argument("--topk", default="ref", help="page top-k of the sparse side: ref (lax.top_k) or pallas")
+    p.add_argument("--attention-impl", default="auto", help="sparse attention kernel: auto (Triton on GPU) or mosaic")
     p.add_argument("--append", action="store_true", help="keep the rows of an existing decode.json in --out")
     p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")
     p.add_argument("--out", default="docs/benchmarks")
