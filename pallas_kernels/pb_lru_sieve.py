@@ -99,7 +99,10 @@ def choose_config(num_requests: int, num_buckets: int, slots_per_bucket: int, *,
     cap = max(8, min(tile_elems // t, int(math.isqrt(tile_elems)), 128))
     c = max(8, min(want, cap, _next_pow2(num_requests)))
     if num_warps is None:
-        num_warps = 4 if c * max(c, t) <= 4096 else 8
+        # 8 warps for big [C, T] tiles, except square-ish ones with C >= 64: at (C, T) = (64, 256), 8K requests,
+        # 4 warps took 52 us against 73 us with 8 (two H200 runs, docs/benchmarks/sieve*.json); (32, 512) was only
+        # measured with 8 warps (33 us) and keeps them
+        num_warps = 4 if c * max(c, t) <= 4096 or (c >= 64 and c * t <= 16384) else 8
     if grouping is None:  # the scan costs O(N * B) hash evaluations in all; the XLA sort ~40 us at 8K on the H200
         grouping = "scan" if num_requests * num_buckets <= SCAN_MAX_WORK else "sort"
     return SieveConfig(req_chunk=c, slot_chunk=t, num_warps=num_warps, grouping=grouping)
