@@ -23,6 +23,7 @@ Also rows for the opt-in kernels not yet run inside the layer on the H200 (radix
 split of the resident layer's time into stages.
 
 Run (H200): python3 scripts/bench_layer.py --out DIR [--commit SHA]   -> DIR/layer.json, DIR/layer.png
+Other shapes: --batch 8 --context 32768 --budgets 1024 2048 4096 --no-stages --no-compare --name layer_b8_32k
 """
 from __future__ import annotations
 
@@ -264,13 +265,16 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=262144)
     p.add_argument("--budgets", type=int, nargs="+", default=[2048, 4096])
-    p.add_argument("--miss-units", type=float, nargs="+", default=[0.01, 0.1, 0.3],
+    p.add_argument("--miss-units", type=float, nargs="*", default=[0.01, 0.1, 0.3],
                    help="target miss fractions (fraction of (sequence, group) pairs evicted before every call)")
     p.add_argument("--pool-steps", type=int, default=4, help="HBM frames = this many steps' selections")
     p.add_argument("--calls", type=int, default=16)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-stages", dest="stages", action="store_false",
                    help="skip the split of the resident layer's time into scores / select / plan / attention")
+    p.add_argument("--name", default="layer", help="output file stem")
+    p.add_argument("--no-compare", dest="compare", action="store_false",
+                   help="only the default layer per budget (no reference-sieve, opt-in kernel or miss rows)")
     p.add_argument("--commit", default=None)
     p.add_argument("--out", default=os.environ.get("OUT", "docs/benchmarks"))
     a = p.parse_args(argv)
@@ -280,7 +284,7 @@ def main(argv=None):
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command=" ".join(sys.argv), shapes=dict(B=a.batch, H=H, KV=KV, D=D, page=PAGE, context=a.context),
                rows=[])
-    path = os.path.join(a.out, "layer.json")
+    path = os.path.join(a.out, f"{a.name}.json")
 
     def add(row):
         row = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
@@ -303,7 +307,7 @@ def main(argv=None):
         m.config = m.state.config
         attended = a.batch * KV * (budget // PAGE + 2) * page_bytes                       # selected + tail pages
         variants = [("resident", "pallas", False, 0.0)]
-        if budget == a.budgets[0]:  # the sieve, top-k and miss comparisons at the first budget (compile time)
+        if budget == a.budgets[0] and a.compare:  # sieve, top-k, attention and miss rows at the first budget
             # the opt-in kernels not yet run inside the layer on the H200: radix top-k, Mosaic attention, both
             variants += [("resident", "ref", False, 0.0), ("resident-topk-kernel", "pallas", False, 0.0),
                          ("resident-mosaic", "pallas", False, 0.0), ("resident-topk-kernel-mosaic", "pallas", False, 0.0)]
@@ -357,7 +361,7 @@ def main(argv=None):
     res["total_s"] = round(time.perf_counter() - t0, 1)
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
-    plot(res, os.path.join(a.out, "layer.png"))
+    plot(res, os.path.join(a.out, f"{a.name}.png"))
     print(f"\ncuDNN dense decode B={a.batch} ctx={a.context}: {cd['us']:.1f} us ({cd['tb_s']:.2f} TB/s)")
     print("| kind | budget | sieve | fused fetch | miss % | us/call | PCIe GB/s | x cuDNN | check |")
     print("|---|---|---|---|---|---|---|---|---|")
