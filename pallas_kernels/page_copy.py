@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import on_gpu
+from . import on_gpu, pick_impl
 
 PAGES_PER_PROGRAM = 1      # entries per program: 1, 2, 4, 8 measured equal on the H200 (PCIe bound)
 NUM_WARPS = 4              # 128 threads move a 16 KiB tile as 8 x 16-byte loads each
@@ -235,14 +235,6 @@ def ref_copy_pages(dst, src, src_idx, dst_idx, *, src_rank=None, dst_rank=None):
     return out if is_seq else out[0]
 
 
-def _pick(impl: str) -> str:
-    if impl not in ("auto", "pallas", "ref"):
-        raise ValueError(f"impl = {impl!r} must be 'auto', 'pallas' or 'ref'")
-    if impl == "auto":
-        return "pallas" if on_gpu() else "ref"
-    return impl
-
-
 def fetch(pool, host, host_idx, frame_idx, *, rank=None, impl: str = "auto", **kernel_kwargs):
     """Copy host pages into HBM frames: pool[frame_idx[i]] = host[host_idx[i]] where both indices are valid.
 
@@ -250,7 +242,7 @@ def fetch(pool, host, host_idx, frame_idx, *, rank=None, impl: str = "auto", **k
     read zero-copy); host_idx, frame_idx [N] int32, -1 = skip. pool and host may be lists (K and V together: one
     kernel launch). With `rank` (int or traced scalar) both carry the leading rank axis ([R, F, ...], [R, H, ...])
     and that rank's pages are copied, indexed inside the kernel. Returns the new pool."""
-    if _pick(impl) == "ref":
+    if pick_impl(impl) == "ref":
         return ref_fetch(pool, host, host_idx, frame_idx, rank=rank)
     kernel_kwargs.setdefault("name", "fetch_pages")
     return copy_pages_pallas(pool, host, host_idx, frame_idx, src_rank=rank, dst_rank=rank, **kernel_kwargs)
@@ -269,7 +261,7 @@ def flush(host, src, src_idx, host_idx, *, rank=None, impl: str = "auto", **kern
     src if it has 5 axes (the pool), else src is one batch [M, ...]. Returns the new host pool.
     The reference (an XLA scatter) is for CPU and tests: on GPU, XLA scatter into pinned_host is slow host compute."""
     src_rank = rank if rank is not None and _as_list(src)[0][0].ndim == 5 else None
-    if _pick(impl) == "ref":
+    if pick_impl(impl) == "ref":
         return ref_copy_pages(host, src, src_idx, host_idx, src_rank=src_rank, dst_rank=rank)
     kernel_kwargs.setdefault("name", "flush_pages")
     return copy_pages_pallas(host, src, src_idx, host_idx, src_rank=src_rank, dst_rank=rank, **kernel_kwargs)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import on_gpu
+from . import on_gpu, pick_impl
 
 
 def _scores_kernel(kmin_ref, kmax_ref, qpos_ref, qneg_ref, out_ref):
@@ -69,9 +69,6 @@ def ref_page_scores(kmin, kmax, qpos, qneg, *, layer: int):
 
 def page_scores(kmin, kmax, qpos, qneg, *, layer: int, impl: str = "auto"):
     """impl: 'auto' (kernel on GPU, reference elsewhere), 'pallas' (kernel; interpret mode off GPU) or 'ref'."""
-    if impl not in ("auto", "pallas", "ref"):
-        raise ValueError(f"impl = {impl!r} must be 'auto', 'pallas' or 'ref'")
-    gpu = on_gpu()
-    if impl == "ref" or (impl == "auto" and not gpu):
+    if pick_impl(impl) == "ref":
         return ref_page_scores(kmin, kmax, qpos, qneg, layer=layer)
-    return page_scores_pallas(kmin, kmax, qpos, qneg, layer=layer, interpret=not gpu)
+    return page_scores_pallas(kmin, kmax, qpos, qneg, layer=layer, interpret=not on_gpu())

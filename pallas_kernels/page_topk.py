@@ -25,11 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import on_gpu
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
+from . import next_pow2, on_gpu, pick_impl
 
 
 def _sort_keys(x):
@@ -67,7 +63,7 @@ def top_k_pallas(s, k: int, *, interpret: bool = False, num_warps: int | None = 
     if not 1 <= k <= p:
         raise ValueError(f"k = {k} must be in [1, {p}] (the last axis)")
     rows = int(np.prod(lead)) if lead else 1
-    pp, kp = _next_pow2(p), _next_pow2(k)
+    pp, kp = next_pow2(p), next_pow2(k)
     x = jnp.pad(s.reshape(rows, p).astype(jnp.float32), ((0, 0), (0, pp - p)), constant_values=-jnp.inf)
     kwargs = {}
     if not interpret:
@@ -94,8 +90,6 @@ def ref_top_k(s, k: int):
 def top_k(s, k: int, *, impl: str = "ref"):
     """impl: 'ref' (lax.top_k, the default until the kernel is timed on the GPU), 'pallas' (the kernel;
     interpret mode off GPU) or 'auto' (the kernel on GPU, lax.top_k elsewhere)."""
-    if impl not in ("auto", "pallas", "ref"):
-        raise ValueError(f"impl = {impl!r} must be 'auto', 'pallas' or 'ref'")
-    if impl == "ref" or (impl == "auto" and not on_gpu()):
+    if pick_impl(impl) == "ref":
         return ref_top_k(s, k)
     return top_k_pallas(s, k, interpret=not on_gpu())

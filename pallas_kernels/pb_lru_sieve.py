@@ -55,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import on_gpu
+from . import next_pow2, on_gpu
 
 from ulacache_jax import lid as lid_mod
 from ulacache_jax.pb_lru import AccessOut, PBLRUState, EMPTY_TAG, ref_access  # noqa: F401  (ref beside the kernel)
@@ -79,14 +79,10 @@ class SieveConfig:
     fast_path: bool = True    # registers-only path for buckets with R <= C and S <= T
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
 def _bucket_load_chunk(num_requests: int, num_buckets: int) -> int:
     """Request chunk that holds a bucket's load almost always: mean + 4 sigma of a Poisson, to a power of two."""
     mean = num_requests / num_buckets
-    return _next_pow2(int(mean + 4 * math.sqrt(mean) + 1))
+    return next_pow2(int(mean + 4 * math.sqrt(mean) + 1))
 
 
 def choose_config(num_requests: int, num_buckets: int, slots_per_bucket: int, *, max_slot_chunk: int = 1024,
@@ -94,10 +90,10 @@ def choose_config(num_requests: int, num_buckets: int, slots_per_bucket: int, *,
                   grouping: str | None = None) -> SieveConfig:
     """T covers the bucket when it can; C covers a bucket's request count (mean + 4 sigma of a Poisson load)
     when the [C, T] and [C, C] tiles fit the budget."""
-    t = min(_next_pow2(slots_per_bucket), max_slot_chunk)
+    t = min(next_pow2(slots_per_bucket), max_slot_chunk)
     want = _bucket_load_chunk(num_requests, num_buckets)
     cap = max(8, min(tile_elems // t, int(math.isqrt(tile_elems)), 128))
-    c = max(8, min(want, cap, _next_pow2(num_requests)))
+    c = max(8, min(want, cap, next_pow2(num_requests)))
     if num_warps is None:
         # 8 warps for big [C, T] tiles, except square-ish ones with C >= 64: at (C, T) = (64, 256), 8K requests,
         # 4 warps took 52 us against 73 us with 8 (two H200 runs, docs/benchmarks/sieve*.json); (32, 512) was only
@@ -124,7 +120,7 @@ def sieve_geometry(num_frames: int, num_requests: int) -> tuple[int, int]:
                 and cfg.req_chunk * max(cfg.req_chunk, cfg.slot_chunk) <= TILE_ELEMS and cfg.grouping == "scan"):
             return b, s
         b *= 2
-    b = _next_pow2(-(-num_frames // 64))
+    b = next_pow2(-(-num_frames // 64))
     return b, -(-num_frames // b)
 
 
@@ -217,9 +213,9 @@ def _group_atomic(hi, lo, valid, nb: int, interpret: bool, scalar_atomics: bool 
     n = hi.shape[0]
     if scalar_atomics is None:
         scalar_atomics = interpret
-    q = min(_next_pow2(n), GROUP_CHUNK)
+    q = min(next_pow2(n), GROUP_CHUNK)
     num_warps = 16 if q >= 4096 else 4
-    p = max(_next_pow2(nb + 2), 32 * num_warps)  # no [P] vector smaller than the thread count (no replicas)
+    p = max(next_pow2(nb + 2), 32 * num_warps)  # no [P] vector smaller than the thread count (no replicas)
     sds = jax.ShapeDtypeStruct
     zeros = jnp.zeros((p,), jnp.int32)
     outs = pl.pallas_call(
@@ -327,7 +323,7 @@ def _sieve_kernel(*refs, n, nb, ns, cfg: SieveConfig, interpret):
          sorder_ref, shi_ref, slo_ref) = refs
         # "ids": valid_ref holds the bucket ids computed by XLA beforehand ([N] int32, B for invalid)
         start, end = _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, n=n, nb=nb,
-                                 q=min(_next_pow2(n), 256 * cfg.num_warps),
+                                 q=min(next_pow2(n), 256 * cfg.num_warps),
                                  bkt_ref=valid_ref if cfg.grouping == "ids" else None)
         _barrier(interpret)
     else:
@@ -340,9 +336,7 @@ def _sieve_kernel(*refs, n, nb, ns, cfg: SieveConfig, interpret):
     nt = -(-ns // T)
     resident = nt == 1
     fast_ok = cfg.fast_path and resident and C * max(C, T) <= TILE_ELEMS
-    iC = jnp.arange(C, dtype=jnp.int32)
     iT = jnp.arange(T, dtype=jnp.int32)
-    iD = jnp.arange(D, dtype=jnp.int32)
     u0 = np.uint32(0)
     empty = jnp.full((C,), EMPTY_TAG, jnp.uint32)
     barrier = partial(_barrier, interpret)

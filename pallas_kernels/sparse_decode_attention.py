@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from . import on_gpu
+from . import next_pow2, on_gpu
 
 try:  # Triton-lowering primitives (masked load/store, compiler params); present in jax 0.11.2 and 0.12
     from jax.experimental.pallas import triton as pltriton
@@ -261,10 +261,6 @@ def _attn_kernel(*refs, nq, r, g, d, page, npb, nblk, scale, softcap, has_host, 
     l_ref[...] = l_run
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def default_tuning(batch: int, num_kv: int, num_slots: int, page: int, has_host: bool = False,
                    itemsize: int = 2) -> dict:
     """Splits and pages per step for the shapes at hand (measured on the H200: docs/benchmarks/attention.md).
@@ -277,7 +273,7 @@ def default_tuning(batch: int, num_kv: int, num_slots: int, page: int, has_host:
         npb = max(1, npb // 2)
     steps = max(1, -(-num_slots // npb))
     want = max(1, -(-2 * NUM_SMS_H200 // (batch * num_kv)))
-    splits = min(_next_pow2(want), _next_pow2(max(1, steps // 2)), 16)
+    splits = min(next_pow2(want), next_pow2(max(1, steps // 2)), 16)
     return dict(num_splits=max(1, splits), pages_per_block=npb, num_warps=4, num_stages=2)
 
 
@@ -291,7 +287,7 @@ def _pallas_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k
     kv = ng * g
     r = h // kv
     m_rows = nq * r
-    mp = max(16, _next_pow2(m_rows))                                  # tl.dot wants >= 16 rows
+    mp = max(16, next_pow2(m_rows))                                  # tl.dot wants >= 16 rows
     npb, ns = pages_per_block, num_splits
     nblk = -(-nslot // (ns * npb))
     kp = ns * nblk * npb

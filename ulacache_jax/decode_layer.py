@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from . import lid as lid_mod, pb_lru, selection, vtlb as vtlb_mod
 from .cache_state import CacheState, HostPool, overflow_frame, tail_frame
 from .config import TAIL_PAGES
-from .pallas_kernels import page_copy
+from .pallas_kernels import on_gpu, page_copy
 from .pallas_kernels.page_scores import page_scores
 from .pallas_kernels.sparse_decode_attention import sparse_decode_attention
 
@@ -54,14 +54,14 @@ class DecodeOptions:
         # kernel (faster alone, docs/benchmarks/attention.md) is opt-in (attention="mosaic") until it has run
         # inside the decode program on the H200; the jnp reference elsewhere
         if self.attention == "auto":
-            return "pallas" if jax.default_backend() == "gpu" else "ref"
+            return "pallas" if on_gpu() else "ref"
         return self.attention
 
     def sieve_impl(self) -> str:
         # 'auto': the Pallas sieve on GPU (bit-exact with the reference, compiled on the H200, several times
         # faster: docs/BENCHMARKS.md); the jnp reference elsewhere (interpret mode is for tests, not speed)
         if self.sieve == "auto":
-            return "pallas" if jax.default_backend() == "gpu" else "ref"
+            return "pallas" if on_gpu() else "ref"
         return self.sieve
 
 
