@@ -67,8 +67,14 @@ def ref_page_scores(kmin, kmax, qpos, qneg, *, layer: int):
     return jnp.einsum("sjpid,sjid->sjp", mx, qpos) + jnp.einsum("sjpid,sjid->sjp", mn, qneg)
 
 
-def page_scores(kmin, kmax, qpos, qneg, *, layer: int, impl: str = "auto"):
-    """impl: 'auto' (kernel on GPU, reference elsewhere), 'pallas' (kernel; interpret mode off GPU) or 'ref'."""
+def page_scores(kmin, kmax, qpos, qneg, *, layer: int, impl: str = "auto", launch: tuple[int, int] | None = None):
+    """impl: 'auto' (kernel on GPU, reference elsewhere), 'pallas' (kernel; interpret mode off GPU) or 'ref'.
+    launch: (block_pages, num_warps) for the kernel; None keeps page_scores_pallas's defaults. A block that does
+    not divide the page count falls back to the default block (page counts differ between configs)."""
     if pick_impl(impl) == "ref":
         return ref_page_scores(kmin, kmax, qpos, qneg, layer=layer)
-    return page_scores_pallas(kmin, kmax, qpos, qneg, layer=layer, interpret=not on_gpu())
+    bp, nw = launch or (None, None)
+    if bp is not None and kmin.shape[3] % bp:
+        bp = None
+    return page_scores_pallas(kmin, kmax, qpos, qneg, layer=layer, interpret=not on_gpu(), block_pages=bp,
+                              num_warps=nw)

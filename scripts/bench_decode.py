@@ -108,6 +108,10 @@ def check_dense_fits(cfg, model):
                           f"(weights and earlier rows included: run rows isolated, the default)")
 
 
+def score_launch(args):
+    return tuple(args.score_launch) if args.score_launch else None
+
+
 def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None):
     from ulacache_jax.generation import Generator
     from ulacache_jax.sampling import SamplingArrays, row_keys
@@ -120,7 +124,8 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
         check_dense_fits(cfg, model)
     t_setup = time.perf_counter()
     gen = Generator(model, cfg, attention=attention, options=DecodeOptions(sieve=sieve, topk=args.topk,
-                                                                          attention=args.attention_impl))
+                                                                          attention=args.attention_impl,
+                                                                          score_launch=score_launch(args)))
     S = cfg.max_seqs
     if attention == "sparse":
         slots_ = [gen.admit(ctx + (args.chunks + 1) * page) for _ in range(batch)]
@@ -167,6 +172,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                sieve=DecodeOptions(sieve=sieve).sieve_impl() if attention == "sparse" else None,
                topk=args.topk if attention == "sparse" else None,
                attention_impl=args.attention_impl if attention == "sparse" else None,
+               score_launch=score_launch(args) if attention == "sparse" else None,
                setup_s=setup_s,
                tokens_per_s=batch / float(np.median(per_tok)), p50_token_ms=1e3 * float(np.median(per_tok)),
                p99_token_ms=1e3 * float(np.percentile(per_tok, 99)), compile_s=compile_s,
@@ -185,6 +191,8 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
                "--budget", str(args.budget), "--layers", str(args.layers), "--chunks", str(args.chunks),
                "--steps", str(args.steps), "--kv-fraction", str(args.kv_fraction), "--sieve", args.sieve,
                "--topk", args.topk, "--attention-impl", args.attention_impl]
+        if args.score_launch:
+            cmd += ["--score-launch", *map(str, args.score_launch)]
         proc = None
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
@@ -217,6 +225,8 @@ def main(argv=None):
                                                 "sparse:32768:1,dense:32768:1,sparse:131072:1:0.0625:ref")
     p.add_argument("--sieve", default="auto", help="PB-LRU impl for the sparse side: auto, ref or pallas")
     p.add_argument("--topk", default="ref", help="page top-k of the sparse side: ref (lax.top_k) or pallas")
+    p.add_argument("--score-launch", type=int, nargs=2, default=None, metavar=("BLOCK_PAGES", "WARPS"),
+                   help="score kernel launch shape of the sparse side (default: the kernel's own)")
     p.add_argument("--attention-impl", default="auto", help="sparse attention kernel: auto (Triton on GPU) or mosaic")
     p.add_argument("--append", action="store_true", help="keep the rows of an existing decode.json in --out")
     p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")

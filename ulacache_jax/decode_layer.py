@@ -44,6 +44,7 @@ class DecodeOptions:
     attention: str = "auto"       # sparse_decode_attention impl (see attention_impl)
     sieve: str = "auto"           # pb_lru access impl ('ref' or 'pallas')
     scores: str = "auto"          # Quest page-score impl
+    score_launch: tuple[int, int] | None = None  # (block_pages, num_warps) of the score kernel; None: its default
     topk: str = "ref"             # page top-k: lax.top_k ('ref') or the radix-select kernel ('pallas'; not yet timed)
     copy: str = "auto"            # page_copy impl
     fused_fetch: bool = False     # misses read by the attention kernel and stored into their frames in one pass
@@ -116,7 +117,8 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     # 1. Selection among flushed pages (Quest bound), static count K per (sequence, group).
     flushed = jnp.where(live, state.seqs.flushed, 0)
     qpos, qneg = selection.fold_queries(q, G, c.kv_heads_per_group)                   # [S, G, g, D]
-    scores = page_scores(state.kmin[0], state.kmax[0], qpos, qneg, layer=layer, impl=options.scores)  # [S, G, P]
+    scores = page_scores(state.kmin[0], state.kmax[0], qpos, qneg, layer=layer, impl=options.scores,
+                         launch=options.score_launch)                                 # [S, G, P]
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [S, G, K]
     K = sel.shape[-1]
