@@ -26,6 +26,7 @@ import time
 import numpy as np
 import jax
 import jax.numpy as jnp
+from jax import lax
 from flax import nnx
 
 
@@ -62,7 +63,10 @@ def synthetic_fill_dense(gen, batch, ctx, seed):
 
     def make(old, key):
         b = jax.random.normal(key, (S, blk, KV, D), c.jnp_dtype)
-        return jnp.tile(b, (1, -(-T // blk), 1, 1))[:, :T]
+        # written INTO the donated array: jit prunes an unused argument, and a pruned donation is no donation (the
+        # old zeros stayed alive beside the new cache: the H200's 128K x 7 and 256K x 3 dense rows ran out of HBM
+        # one 1.75 GiB layer array short and XLA's allocator retried until the row's time limit)
+        return lax.dynamic_update_slice(old, jnp.tile(b, (1, -(-T // blk), 1, 1))[:, :T], (0, 0, 0, 0))
 
     fill = jax.jit(make, donate_argnums=0)
     from ulacache_jax.generation import DenseCache

@@ -1,0 +1,42 @@
+"""The benchmark scripts' own helpers (scripts/ is not a package: imported by path)."""
+import os
+import sys
+
+import numpy as np
+import jax.numpy as jnp
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+
+from bench_decode import synthetic_fill_dense  # noqa: E402
+from pick_launch import pick  # noqa: E402
+from ulacache_jax.generation import Generator, default_cache_config  # noqa: E402
+from ulacache_jax.models import LlamaModel, get_preset  # noqa: E402
+
+
+def test_dense_fill_consumes_the_zero_cache():
+    """The fill must write into the donated zero arrays: an unused donated argument is pruned by jit and stays
+    alive, which doubled the dense cache's HBM on the H200 (its largest-batch rows could not run)."""
+    model = LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    cfg = default_cache_config(model.config, num_seqs=3, max_tokens=256, page_size=16)
+    gen = Generator(model, cfg, attention="dense")
+    old = gen.dense.k + gen.dense.v
+    synthetic_fill_dense(gen, 2, 100, seed=1)
+    assert all(x.is_deleted() for x in old)
+    k = np.asarray(gen.dense.k[0])                                                   # [S, T, KV, D]
+    assert k.shape == old[0].shape
+    assert np.abs(k[0]).sum() > 0 and not np.array_equal(k[0], k[1])                  # random, distinct per sequence
+    assert list(np.asarray(gen.dense_len)) == [100, 100, 0]
+
+
+def test_pick_launch_takes_the_fastest_checked_variant():
+    rows = [dict(kind="scores", impl="pallas", block_pages=16, num_warps=8, ok=True, us=190.0),
+            dict(kind="scores", impl="pallas", block_pages=128, num_warps=4, ok=True, us=400.0),
+            dict(kind="scores", impl="pallas", block_pages=32, num_warps=2, ok=False, us=50.0),   # wrong: ignored
+            dict(kind="scores", impl="ref", ok=True, us=100.0),                                 # not a launch
+            dict(kind="top_k", impl="lax.top_k", ok=True, us=115.0),
+            dict(kind="top_k", impl="pallas_radix", ok=True, us=20.0)]
+    assert pick(dict(rows=rows)) == ["--score-launch", "16", "8", "--topk", "pallas"]
+    failed_layer = dict(rows=[dict(kind="resident-topk-kernel", ok=False)])
+    assert pick(dict(rows=rows), failed_layer) == ["--score-launch", "16", "8"]
+    assert pick(dict(rows=[dict(kind="top_k", impl="pallas_radix", error="x")])) == []
