@@ -88,8 +88,8 @@ def ref_top_k(s, k: int):
 
 
 def top_k(s, k: int, *, impl: str = "ref"):
-    """impl: 'ref' (lax.top_k, the default until the kernel is timed on the GPU), 'pallas' (the kernel;
-    interpret mode off GPU) or 'auto' (the kernel on GPU, lax.top_k elsewhere)."""
+    """impl: 'ref' (lax.top_k), 'pallas' (the kernel; interpret mode off GPU) or 'auto' (the kernel on GPU,
+    lax.top_k elsewhere: DecodeOptions' default)."""
     if pick_impl(impl) == "ref":
         return ref_top_k(s, k)
     return top_k_pallas(s, k, interpret=not on_gpu())

@@ -657,6 +657,7 @@ def summary(results):
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "docs/benchmarks"))
+    p.add_argument("--commit", default=None, help="commit id to record (the device copy has no .git)")
     p.add_argument("--only", nargs="*", default=None, choices=SECTIONS, help="sections to run (default: all)")
     p.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
     p.add_argument("--batches", nargs="*", type=int, default=[8, 32])
@@ -679,7 +680,7 @@ def parse(argv=None):
 def main(argv=None, extra_sections=()):
     """Run the benchmark; returns the results dict (also written to OUT/attention.json and attention.png)."""
     a = parse(argv)
-    commit = git_commit()
+    commit = a.commit or git_commit()
     dev = jax.devices()[0]
     results = {"device": f"{dev.platform} {dev.device_kind}", "jax": jax.__version__, "git_commit": commit,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -215,6 +215,9 @@ def write_json(out, res):
 def main(argv=None):
     from ulacache_jax.cache_state import raise_host_limit
     raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default
+    # XLA takes 75% of HBM by default: the largest dense batches (112 GiB of K/V at 128K x 7 + 15 GiB of weights)
+    # were refused on the H200 with 90 GiB free; the row processes inherit this
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--contexts", default="32768,131072")
     p.add_argument("--batches", default="1,4")
@@ -228,7 +231,8 @@ def main(argv=None):
     p.add_argument("--rows", default=None, help="explicit side:context:batch[:kv_fraction[:sieve]] list, e.g. "
                                                 "sparse:32768:1,dense:32768:1,sparse:131072:1:0.0625:ref")
     p.add_argument("--sieve", default="auto", help="PB-LRU impl for the sparse side: auto, ref or pallas")
-    p.add_argument("--topk", default="ref", help="page top-k of the sparse side: ref (lax.top_k) or pallas")
+    p.add_argument("--topk", default="auto", help="page top-k of the sparse side: auto (the radix kernel on GPU), "
+                   "ref (lax.top_k) or pallas")
     p.add_argument("--score-launch", type=int, nargs=2, default=None, metavar=("BLOCK_PAGES", "WARPS"),
                    help="score kernel launch shape of the sparse side (default: the kernel's own)")
     p.add_argument("--attention-impl", default="auto", help="sparse attention kernel: auto (Triton on GPU) or mosaic")

@@ -1,8 +1,7 @@
-"""Command-line flags for the fastest measured selection kernels: reads bench_select's JSON (and optionally a
-bench_layer JSON) and prints `--score-launch BP W` for the fastest score launch shape that matched the reference,
-plus `--topk pallas` when the radix-select top-k matched lax.top_k and was faster (and, given a layer JSON, its
-layer row also passed the all-reference check). Prints nothing when a file is missing, so a device script can
-fall back to the defaults: `python3 scripts/bench_decode.py ... $(python3 scripts/pick_launch.py select.json)`.
+"""Command-line flags for the fastest measured selection kernels: reads bench_select's JSON and prints
+`--score-launch BP W` for the fastest score launch shape that matched the reference, and `--topk ref` when
+lax.top_k beat the radix-select kernel (the GPU default) there. Prints nothing when the file is missing, so a
+device script falls back to the defaults: `python3 scripts/bench_decode.py ... $(python3 scripts/pick_launch.py select.json)`.
 """
 from __future__ import annotations
 
@@ -10,34 +9,26 @@ import json
 import sys
 
 
-def pick(select: dict, layer: dict | None = None) -> list[str]:
+def pick(select: dict) -> list[str]:
     rows = select.get("rows", [])
-    scores = [r for r in rows if r.get("kind") == "scores" and r.get("ok") and "us" in r]
     flags = []
-    kern = [r for r in scores if r["impl"] == "pallas"]
+    kern = [r for r in rows if r.get("kind") == "scores" and r.get("impl") == "pallas" and r.get("ok") and "us" in r]
     if kern:
         best = min(kern, key=lambda r: r["us"])
         flags += ["--score-launch", str(best["block_pages"]), str(best["num_warps"])]
     topk = {r["impl"]: r for r in rows if r.get("kind") == "top_k" and r.get("ok") and "us" in r}
-    if "pallas_radix" in topk and "lax.top_k" in topk and topk["pallas_radix"]["us"] < topk["lax.top_k"]["us"]:
-        layer_ok = layer is None or any(r.get("kind") == "resident-topk-kernel" and r.get("ok")
-                                        for r in layer.get("rows", []))
-        if layer_ok:
-            flags += ["--topk", "pallas"]
+    if "lax.top_k" in topk and ("pallas_radix" not in topk or topk["lax.top_k"]["us"] < topk["pallas_radix"]["us"]):
+        flags += ["--topk", "ref"]
     return flags
 
 
 def main(argv: list[str]) -> None:
-    docs = []
-    for path in argv[:2]:
-        try:
-            with open(path) as f:
-                docs.append(json.load(f))
-        except (OSError, ValueError):
-            docs.append(None)
-    if not docs or docs[0] is None:
+    try:
+        with open(argv[0]) as f:
+            select = json.load(f)
+    except (IndexError, OSError, ValueError):
         return
-    print(" ".join(pick(docs[0], docs[1] if len(docs) > 1 else None)))
+    print(" ".join(pick(select)))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def test_pick_launch_takes_the_fastest_checked_variant():
             dict(kind="scores", impl="ref", ok=True, us=100.0),                                 # not a launch
             dict(kind="top_k", impl="lax.top_k", ok=True, us=115.0),
             dict(kind="top_k", impl="pallas_radix", ok=True, us=20.0)]
-    assert pick(dict(rows=rows)) == ["--score-launch", "16", "8", "--topk", "pallas"]
-    failed_layer = dict(rows=[dict(kind="resident-topk-kernel", ok=False)])
-    assert pick(dict(rows=rows), failed_layer) == ["--score-launch", "16", "8"]
+    assert pick(dict(rows=rows)) == ["--score-launch", "16", "8"]                    # the radix kernel: default
+    slow_radix = rows[:4] + [dict(rows[4]), dict(rows[5], us=300.0)]
+    assert pick(dict(rows=slow_radix)) == ["--score-launch", "16", "8", "--topk", "ref"]
     assert pick(dict(rows=[dict(kind="top_k", impl="pallas_radix", error="x")])) == []

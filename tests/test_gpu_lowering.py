@@ -81,9 +81,10 @@ def test_sparse_attention_triton_lowers(store_misses):
 
 
 @pytest.mark.parametrize("options,triton,mosaic", [
-    (dict(), 5, 0),                                     # scores, sieve, fetch, attention, tail flush
-    (dict(fused_fetch=True), 4, 0),                     # no fetch launch: attention reads misses from the host
-    (dict(attention="mosaic", topk="pallas"), 5, 1),    # + the top-k kernel; Mosaic attention for Triton's
+    (dict(), 6, 0),                                     # scores, top-k, sieve, fetch, attention, tail flush
+    (dict(fused_fetch=True), 5, 0),                     # no fetch launch: attention reads misses from the host
+    (dict(topk="ref"), 5, 0),                           # lax.top_k instead of the top-k kernel
+    (dict(attention="mosaic"), 5, 1),                   # Mosaic attention for Triton's
 ])
 def test_decode_layer_lowers_with_gpu_dispatch(monkeypatch, options, triton, mosaic):
     """One layer's decode as the GPU runs it (impl="auto" picks the kernels), default and opt-in kernels."""
