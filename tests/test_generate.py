@@ -70,11 +70,13 @@ def test_stop_ids_end_a_sequence(model, prompts):
     assert out == free[:free.index(stop) + 1]
 
 
-def test_prompt_lengths_are_bucketed_no_recompilation(model):
+@pytest.mark.parametrize("attention", ["sparse", "dense"])
+def test_prompt_lengths_are_bucketed_no_recompilation(model, attention):
+    # dense: its first cache once was uncommitted, so the second request compiled prefill and decode again
     cfg = default_cache_config(model.config, num_seqs=1, max_tokens=256, page_size=16)
-    gen = Generator(model, cfg)
+    gen = Generator(model, cfg, attention=attention)
     for n in (65, 80, 100, 128):          # one bucket (128)
-        gen.run([[1] * n], 2)
+        gen.run([[1] * n], 20)
     assert gen._prefill._cache_size() == 1 and gen._decode._cache_size() == 1
     gen.run([[1] * 20], 2)                # a second bucket (32)
     assert gen._prefill._cache_size() == 2 and gen._decode._cache_size() == 1

@@ -92,9 +92,11 @@ class DenseCache:
     v: tuple
 
     @staticmethod
-    def zeros(num_layers: int, shape, dtype) -> "DenseCache":
-        return DenseCache(tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-                          tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+    def zeros(num_layers: int, shape, dtype, device=None) -> "DenseCache":
+        """device: where the arrays live, committed (see Generator: an uncommitted first cache compiles the
+        programs a second time once their committed outputs come back)."""
+        return DenseCache(tuple(jnp.zeros(shape, dtype, device=device) for _ in range(num_layers)),
+                          tuple(jnp.zeros(shape, dtype, device=device) for _ in range(num_layers)))
 
     def set_layer(self, l: int, k, v) -> "DenseCache":
         return DenseCache(self.k[:l] + (k,) + self.k[l + 1:], self.v[:l] + (v,) + self.v[l + 1:])
@@ -275,9 +277,13 @@ class Generator:
             host_sh = self.cache.host_shardings()
         else:
             self.cache, host_sh = None, None
+            # committed to the device from the start: the programs' outputs come back committed, and an
+            # uncommitted first cache made prefill and decode compile twice (the H200's dense rows paid a second
+            # compile in their first timed chunk: p99 7x the p50)
+            dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             self.dense = DenseCache.zeros(c.num_layers, (c.max_seqs, c.max_context, c.num_kv_heads, c.head_dim),
-                                          c.jnp_dtype)
-            self.dense_len = jnp.zeros(c.max_seqs, jnp.int32)
+                                          c.jnp_dtype, device=dev)
+            self.dense_len = jnp.zeros(c.max_seqs, jnp.int32, device=dev)
         self.program = _program(graphdef, c, attention, options, host_sh)
         self._prefill, self._decode = self.program.prefill, self.program.decode
 
