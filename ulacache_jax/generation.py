@@ -212,19 +212,27 @@ class _Program:
         cache, tok, done, remaining, length, out, stats = jax.lax.fori_loop(0, steps, body, carry)
         return cache, out.T, done, remaining, length, stats
 
+    def _rank(self):
+        """This program's TP rank inside the traced code (0 here; tp._TPProgram: the mesh axis index)."""
+        return 0
+
+    def _out_stats(self, stats):
+        """The decode's LayerStats as returned (tp._TPProgram adds a leading rank axis)."""
+        return stats
+
     def _decode_sparse(self, params, state, host, tok, done, remaining, keys, sampling, stop_ids):
-        opts = self.options
+        opts, rank = self.options, self._rank()
         state = rebase_clock(state)   # the int32 PB-LRU clock never wraps (a no-op until 2**30 ticks)
 
         def attend(state, l, q, k, v, pos, live):
             # the host pool is read here, never carried through the loop (DESIGN.md section 1)
-            return attend_layer(state, host, l, q, k, v, pos, live & state.seqs.active, options=opts)
+            return attend_layer(state, host, l, q, k, v, pos, live & state.seqs.active, options=opts, rank=rank)
 
         state, out, done, remaining, length, stats = self._decode_loop(
             params, state, attend, tok, done, remaining, state.seqs.length, keys, sampling, stop_ids)
         state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=length))
         state, host = flush_tail(state, host, impl=opts.copy)
-        return state, host, out, done, remaining, stats
+        return state, host, out, done, remaining, self._out_stats(stats)
 
     def _decode_dense(self, params, dense, length, tok, done, remaining, keys, sampling, stop_ids):
         T = dense.k[0].shape[1]

@@ -22,8 +22,8 @@ admit, release) and its compiled functions come from `_TPProgram`, a subclass of
 its prefill and decode-loop code: each jitted entry point is `jax.jit(jax.shard_map(f, mesh, in_specs,
 out_specs))` (`per_rank`), where `f` sees one rank's view (leading axis 1) with the cache's static config
 swapped for the one-rank config (`local_config`: tp=1, num_kv_heads/R), which is exactly the single-device code
-path of `decode_layer`/`sequences`. Only `_decode_sparse` is overridden, to pass `rank=axis_index("tp")` to
-`attend_layer` and return per-rank stats. The model's row-parallel layers are `RowParallelAttention` /
+path of `decode_layer`/`sequences`. Only two hooks of the decode are overridden: `_rank` (`axis_index("tp")`,
+passed to `attend_layer`) and `_out_stats` (per-rank stats). The model's row-parallel layers are `RowParallelAttention` /
 `RowParallelMLP` (subclasses that end in a `psum`), swapped into the graphdef that `nnx.merge` rebuilds inside
 the map. Admission, release and chunked ingestion (`TPCacheManager`) run per rank the same way. `check_vma=False`:
 outputs declared replicated (tokens, logits, lengths) are computed identically on every rank from psummed
@@ -53,9 +53,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import cache_state as cache_state_mod
-from .cache_state import CacheState, HostPool, host_memory_kind, rebase_clock
+from .cache_state import CacheState, HostPool, host_memory_kind
 from .config import CacheConfig
-from .decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
+from .decode_layer import DecodeOptions, LayerStats, attend_layer
 from .generation import Generator, _Program, _check_prompts, bucket_length, default_cache_config, run_in_waves
 from .models.llama import MLP, Attention
 from .sampling import check_sampling
@@ -302,24 +302,16 @@ class _TPProgram(_Program):
                               donate_argnums=(1, 2), out_shardings=(None, host_sh, None, None, None, None))
         self.next_logits = jax.jit(per_rank(self._next_logits, mesh, config, (ps, st, hs, r), r))
 
-    def _decode_sparse(self, params, state, host, tok, done, remaining, keys, sampling, stop_ids):
-        # _Program._decode_sparse with the rank's global group offset passed to attend_layer; stats per rank.
-        opts, rank = self.options, jax.lax.axis_index(TP_AXIS)
-        state = rebase_clock(state)   # the int32 PB-LRU clock never wraps (a no-op until 2**30 ticks)
+    def _rank(self):
+        return jax.lax.axis_index(TP_AXIS)     # the rank's global group offset for attend_layer
 
-        def attend(state, l, q, k, v, pos, live):
-            return attend_layer(state, host, l, q, k, v, pos, live & state.seqs.active, options=opts, rank=rank)
-
-        state, out, done, remaining, length, stats = self._decode_loop(
-            params, state, attend, tok, done, remaining, state.seqs.length, keys, sampling, stop_ids)
-        state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=length))
-        state, host = flush_tail(state, host, impl=opts.copy)
-        return state, host, out, done, remaining, jax.tree.map(lambda a: a[None], stats)
+    def _out_stats(self, stats):
+        return jax.tree.map(lambda a: a[None], stats)   # per rank: [R] after shard_map
 
     def _next_logits(self, params, state, host, tok):
         """One decode step's logits [S, V] for every active slot given its last token; nothing is committed."""
         model = nnx.merge(self.graphdef, params)
-        rank, length, live = jax.lax.axis_index(TP_AXIS), state.seqs.length, state.seqs.active
+        rank, length, live = self._rank(), state.seqs.length, state.seqs.active
         x = model.embed(tok[:, None])
         for l, layer in enumerate(model.layers):
             q, k, v = layer.qkv(x, length[:, None])
