@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+from .pallas_kernels import on_gpu
 from .pallas_kernels.pb_lru_sieve import sieve_geometry
 from .cache_state import rebase_clock
 from .config import CacheConfig
@@ -102,10 +103,16 @@ class DenseCache:
         return DenseCache(self.k[:l] + (k,) + self.k[l + 1:], self.v[:l] + (v,) + self.v[l + 1:])
 
 
+def _use_cudnn(q) -> bool:
+    """cuDNN attention (prefill, dense decode) on GPU for half-precision inputs, the one backend test the kernels
+    use too; the jnp reference elsewhere (cuDNN takes no fp32)."""
+    return on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16)
+
+
 def _prefill_attention(q, k, v, length):
     """Causal attention over one prompt; q [1, T, H, D], k/v [1, T, KV, D]. cuDNN flash attention on GPU (O(T)
     memory), the jnp reference elsewhere. Padding past `length` only sees earlier tokens, so it cannot leak."""
-    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+    if _use_cudnn(q):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     pos = jnp.arange(q.shape[1])[None]
     return dense_attention(q, k, v, pos, pos)
@@ -243,7 +250,7 @@ class _Program:
             ck = cache.k[l].at[jnp.arange(S), w].set(k.astype(cache.k[l].dtype), mode="drop")     # [S, T, KV, D]
             cv = cache.v[l].at[jnp.arange(S), w].set(v.astype(cache.v[l].dtype), mode="drop")
             seen = jnp.where(live, pos + 1, 0)
-            if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+            if _use_cudnn(q):
                 o = jax.nn.dot_product_attention(q, ck, cv, key_value_seq_lengths=jnp.maximum(seen, 1),
                                                  implementation="cudnn")
             else:
