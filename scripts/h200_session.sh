@@ -7,7 +7,10 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ulacache_out}; C=$2; mkdir -p "$OUT"
 case $1 in
-select)  # issue 5: the score launch sweep the last run cut after its 16-page rows, and the top-k variants
+select)  # the compiled-kernel tests of the new defaults, then (issue 5) the score launch sweep the last run cut
+         # after its 16-page rows, and the top-k variants
+  timeout 150 python3 -m pytest -q -m gpu tests/test_page_topk.py tests/test_page_scores.py 2>&1 | tail -5 \
+    | tee "$OUT/select_gpu_tests.txt"
   timeout 300 python3 scripts/bench_select.py --out "$OUT" --commit "$C" --reps 5
   cp "$OUT/select.json" /tmp/ulacache_select.json ;;
 decode)  # issue 7: the largest dense batch at 128K and 256K (the dense fill no longer doubles the cache) with
