@@ -40,3 +40,12 @@ def test_pick_launch_takes_the_fastest_checked_variant():
     slow_radix = rows[:4] + [dict(rows[4]), dict(rows[5], us=300.0)]
     assert pick(dict(rows=slow_radix)) == ["--score-launch", "16", "8", "--topk", "ref"]
     assert pick(dict(rows=[dict(kind="top_k", impl="pallas_radix", error="x")])) == []
+
+
+def test_bench_ingest_checks_and_reports(tmp_path):
+    from bench_ingest import main
+    res = main(["--layers", "2", "--context", "1024", "--chunks", "256", "--reps", "1", "--out", str(tmp_path)])
+    row = res["rows"][0]
+    assert "error" not in row and row["check_first_chunk"] is True
+    assert row["ingest"]["bytes"] == 2 * 2 * 256 * 8 * 128 * 2 and row["ingest"]["wall_us"] > 0
+    assert (tmp_path / "ingest.json").exists() and (tmp_path / "ingest.png").exists()
