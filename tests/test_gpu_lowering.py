@@ -27,8 +27,11 @@ def _fresh_jit_caches():
 
 def lower_for_h200(fn, *args) -> str:
     """StableHLO text of fn lowered for CUDA on an abstract H200 (no GPU needed)."""
-    h200 = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=mesh_lib.AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    # Auto axis: the library runs without an explicit-sharding mesh (an Explicit axis, the default, types iotas
+    # as sharded and refuses updates that mix them with unsharded operands)
+    h200 = mesh_lib.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                 abstract_device=mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                                                         platform="cuda"))
     with jax.sharding.use_abstract_mesh(h200):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -124,3 +127,27 @@ def test_page_top_k_lowers():
     from ulacache_jax.pallas_kernels.page_topk import top_k_pallas
     txt = lower_for_h200(lambda s: top_k_pallas(s, 32, interpret=False), spec((32, 8, 4224), jnp.float32))
     assert txt.count(TRITON_CALL) == 1
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ingest_passes_the_host_pool_to_the_flush_kernel_only(monkeypatch, tp):
+    """Prefill ingestion writes complete pages through with one flush launch per rank that indexes the rank inside
+    the kernel: no XLA slice, reshape or stack of the pinned_host pool (XLA may run those as host copies of the
+    whole pool; the ingest once sliced and stacked it)."""
+    from ulacache_jax.cache_state import init as init_state
+    from ulacache_jax.config import CacheConfig
+    from ulacache_jax.sequences import ingest_chunk
+
+    cfg = CacheConfig(num_layers=2, num_kv_heads=8, head_dim=128, max_seqs=2, max_pages_per_seq=64, page_size=64,
+                      kv_heads_per_group=1, dtype="bfloat16", num_buckets=16, slots_per_bucket=64,
+                      host_pages=2 * 2 * 8 * 64, token_budget=1024, sink_pages=1, recent_pages=2, tp=tp)
+    state, host = jax.eval_shape(lambda: init_state(cfg, check=False))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    kv = spec((2, 1024, 8, 128), jnp.bfloat16)
+    txt = lower_for_h200(lambda st, hp, k, v: ingest_chunk(st, hp, 1, k, v, 0, 1000)[1], state, host, kv, kv)
+    assert txt.count(TRITON_CALL) == tp
+    pool_type = "tensor<" + "x".join(map(str, host.k.shape)) + "xbf16>"
+    # every op that reads a pool-shaped value is the flush kernel (or the function's return)
+    readers = [ln.strip() for ln in txt.splitlines() if pool_type in ln and "= " in ln and "custom_call" not in ln
+               and "sharding_constraint" not in ln]
+    assert not [ln for ln in readers if any(op in ln for op in ("slice", "reshape", "concatenate", "broadcast"))], readers

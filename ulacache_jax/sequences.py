@@ -144,13 +144,13 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
     host_ids = jax.lax.dynamic_slice_in_dim(state.vtlb.host_page[:, slot, lsl], p0, n, axis=3)   # [R, L, G, n]
     host_ids = jnp.where(complete[None, None, None, :], host_ids, -1).reshape(R, L * G * n)
     src_idx = jnp.arange(L * G * n, dtype=jnp.int32)
-    hk, hv = [], []
+    hk, hv = host.k, host.v
     for r in range(R):
+        # the rank is indexed inside the kernel (rank=r): no XLA slice or stack of the pinned_host pool, which
+        # XLA may run as host copies of the whole pool (page_copy's contract)
         pages = [x[r].reshape(L * G * n, page, c.kv_heads_per_group, c.head_dim) for x in (kp, vp)]
-        k_r, v_r = page_copy.flush([host.k[r], host.v[r]], pages, src_idx, host_ids[r], impl=impl)  # one launch
-        hk.append(k_r)
-        hv.append(v_r)
-    host = HostPool(k=jnp.stack(hk), v=jnp.stack(hv)) if R > 1 else HostPool(k=hk[0][None], v=hv[0][None])
+        hk, hv = page_copy.flush([hk, hv], pages, src_idx, host_ids[r], rank=r, impl=impl)  # K and V: one launch
+    host = HostPool(k=hk, v=hv)
     # the partial last page goes to its tail-ring frame
     li, gi, ni = jnp.meshgrid(jnp.arange(L), jnp.arange(G), jnp.arange(n), indexing="ij")
     frames = tail_frame(c, slot, layer0 + li, gi, p0 + ni)                                    # [L, G, n]
