@@ -26,13 +26,13 @@ layers)  # issue 5: the layer at the shapes not yet run (B = 32 and 8 at 32K and
     timeout 140 python3 scripts/bench_layer.py --out "$OUT" --commit "$C" --batch $1 --context $2 \
       --budgets 1024 2048 4096 --calls 8 --reps 3 --no-stages --no-compare --name layer_b$1_$(($2 / 1024))k
   done ;;
-rest)    # issue 7: the 32K pair and the prefill ingestion rate; issue 3: N = 256K on 1M frames; issue 5:
+rest)    # issue 7: the 32K pair and the prefill ingestion rate; issue 3: N = 8K and 256K on 1M frames; issue 5:
          # the attention kernel at 256K
   mkdir -p "$OUT/decode32k"
   timeout 120 python3 scripts/bench_decode.py --out "$OUT/decode32k" --commit "$C" --chunks 4 --row-timeout 55 \
     --rows sparse:32768:1,dense:32768:1
-  timeout 150 python3 scripts/bench_sieve.py --out "$OUT" --commit "$C" --requests 262144 --pools 1048576 \
-    --buckets 256 1024 --budget-s 0.2 --name sieve_256k_1m
+  timeout 150 python3 scripts/bench_sieve.py --out "$OUT" --commit "$C" --requests 8192 262144 --pools 1048576 \
+    --buckets 64 128 256 1024 --budget-s 0.2 --max-seconds 130 --name sieve_1m
   timeout 100 python3 scripts/bench_ingest.py --out "$OUT" --commit "$C"
   timeout 200 python3 scripts/bench_attention.py --out "$OUT" --commit "$C" --batches 32 --budgets 4096 --contexts 262144 ;;
 *) echo "usage: $0 {select|decode|layers|rest} COMMIT"; exit 2 ;;
