@@ -47,7 +47,8 @@ class DecodeOptions:
     score_launch: tuple[int, int] | None = None  # (block_pages, num_warps) of the score kernel; None: its default
     topk: str = "auto"            # page top-k: 'auto' = the radix-select kernel on GPU (exactly lax.top_k's result;
     #                               in the layer on the H200 548.6 vs 674.3 us: XLA sorts every score row for
-    #                               lax.top_k), lax.top_k elsewhere; 'ref' or 'pallas' to force one
+    #                               lax.top_k) for rows up to page_topk.AUTO_MAX_PAGES, lax.top_k otherwise;
+    #                               'ref' or 'pallas' to force one
     copy: str = "auto"            # page_copy impl
     fused_fetch: bool = False     # misses read by the attention kernel and stored into their frames in one pass
     softcap: float | None = None
