@@ -43,6 +43,21 @@ def copy_bandwidth(nbytes=4 << 30) -> float:
     return 2 * nbytes / float(np.median(ts))
 
 
+def read_bandwidth(nbytes=4 << 30) -> float:
+    """HBM read ceiling in bytes/s: a sum over nbytes of bf16 (read once, nothing written), median of 10. A decode
+    step mostly reads (weights, K/V), and on the H200 it ran faster than the read + write copy rate above, so the
+    copy floor (the issue's) is reported beside this one."""
+    x = jnp.ones(nbytes // 2, jnp.bfloat16)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return nbytes / float(np.median(ts))
+
+
 def synthetic_fill_sparse(m, slots, ctx, seed, chunk=8192):
     """Random K/V (distinct per sequence, made on the device) through the real ingestion path of CacheManager m."""
     c = m.config
@@ -116,7 +131,7 @@ def score_launch(args):
     return tuple(args.score_launch) if args.score_launch else None
 
 
-def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None):
+def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None, read_bw=None):
     from ulacache_jax.generation import Generator
     from ulacache_jax.sampling import SamplingArrays, row_keys
     page = 64
@@ -181,6 +196,8 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                tokens_per_s=batch / float(np.median(per_tok)), p50_token_ms=1e3 * float(np.median(per_tok)),
                p99_token_ms=1e3 * float(np.percentile(per_tok, 99)), compile_s=compile_s,
                floor_token_ms=1e3 * floor_s, fraction_of_floor=floor_s / float(np.median(per_tok)),
+               read_floor_token_ms=1e3 * step_bytes / read_bw if read_bw else None,
+               fraction_of_read_floor=step_bytes / read_bw / float(np.median(per_tok)) if read_bw else None,
                hit_rate=hits / max(1, hits + misses) if attention == "sparse" else None, chunks=args.chunks)
     del gen
     gc.collect()  # the generator's buffers go now, not at some later collection
@@ -269,16 +286,18 @@ def main(argv=None):
     isolate = args.isolate and len(plan) > 1
     if not isolate:
         model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        copy_bw = copy_bandwidth()
+        copy_bw, read_bw = copy_bandwidth(), read_bandwidth()
     for side, ctx, b, frac, sieve in plan:
         if isolate:
             rows.append(run_isolated(args, commit, side, ctx, b, frac, sieve))
         else:
             try:
-                rows.append(run_side(model, mc, side, b, ctx, args, copy_bw, kv_fraction=frac, sieve=sieve))
+                rows.append(run_side(model, mc, side, b, ctx, args, copy_bw, kv_fraction=frac, sieve=sieve,
+                                     read_bw=read_bw))
             except Exception as e:  # an OOM at one size must not lose the others
                 rows.append(dict(attention=side, batch=b, context=ctx, error=f"{type(e).__name__}: {e}"[:300]))
-            rows[-1].update(device=str(jax.devices()[0].device_kind), copy_tb_s=copy_bw / 1e12)
+            rows[-1].update(device=str(jax.devices()[0].device_kind), copy_tb_s=copy_bw / 1e12,
+                            read_tb_s=read_bw / 1e12)
         rows[-1].setdefault("commit", commit)
         print(json.dumps(rows[-1]), flush=True)
         write_json(args.out, dict(commit=commit, rows=rows, partial=True))
@@ -297,9 +316,10 @@ def main(argv=None):
             print(f"{r['attention']:7s} {r['context']:7d} {r['batch']:3d}  ERROR {r['error'][:80]}")
             continue
         hr = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
+        rd = "" if r.get("fraction_of_read_floor") is None else f"{100 * r['fraction_of_read_floor']:5.1f}%"
         print(f"{r['attention']:7s} {r['context']:7d} {r['batch']:3d} {r.get('kv_fraction', 1.0):7.4f} "
               f"{str(r.get('sieve') or '-'):>6s} {r['tokens_per_s']:9.1f} {r['p50_token_ms']:8.2f} "
-              f"{r['p99_token_ms']:8.2f} {100 * r['fraction_of_floor']:6.1f}% {hr:>6s}")
+              f"{r['p99_token_ms']:8.2f} {100 * r['fraction_of_floor']:6.1f}% {rd:>6s} {hr:>6s}")
     return res
 
 
