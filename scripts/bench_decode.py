@@ -30,32 +30,29 @@ from jax import lax
 from flax import nnx
 
 
-def copy_bandwidth(nbytes=4 << 30) -> float:
-    """HBM copy ceiling in bytes/s (read + write counted), median of 10."""
+def _median_seconds(f, nbytes: int, reps: int = 10) -> float:
+    """Median seconds of jit(f) over a bf16 array of nbytes (compiled and warmed first)."""
     x = jnp.ones(nbytes // 2, jnp.bfloat16)
-    f = jax.jit(lambda a: a * 1)
+    f = jax.jit(f)
     f(x).block_until_ready()
     ts = []
-    for _ in range(10):
+    for _ in range(reps):
         t = time.perf_counter()
         f(x).block_until_ready()
         ts.append(time.perf_counter() - t)
-    return 2 * nbytes / float(np.median(ts))
+    return float(np.median(ts))
+
+
+def copy_bandwidth(nbytes=4 << 30) -> float:
+    """HBM copy ceiling in bytes/s (read + write counted), median of 10."""
+    return 2 * nbytes / _median_seconds(lambda a: a * 1, nbytes)
 
 
 def read_bandwidth(nbytes=4 << 30) -> float:
     """HBM read ceiling in bytes/s: a sum over nbytes of bf16 (read once, nothing written), median of 10. A decode
     step mostly reads (weights, K/V), and on the H200 it ran faster than the read + write copy rate above, so the
     copy floor (the issue's) is reported beside this one."""
-    x = jnp.ones(nbytes // 2, jnp.bfloat16)
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return nbytes / float(np.median(ts))
+    return nbytes / _median_seconds(lambda a: jnp.sum(a, dtype=jnp.float32), nbytes)
 
 
 def synthetic_fill_sparse(m, slots, ctx, seed, chunk=8192):

@@ -45,6 +45,7 @@ from ulacache_jax.cache_state import CacheState
 from ulacache_jax.config import CacheConfig
 from ulacache_jax import selection
 from ulacache_jax.decode_layer import DecodeOptions, LayerStats, attend_layer, attend_pages, flush_tail, plan_layer
+from ulacache_jax.pallas_kernels import on_gpu
 from ulacache_jax.pallas_kernels.page_scores import page_scores
 from ulacache_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
 from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
@@ -162,7 +163,7 @@ def stage_loop(stage: str, options: DecodeOptions, calls: int, batch: int, ctx: 
 
 def mosaic_impl() -> str:
     """The Mosaic GPU attention kernel on GPU; the jnp reference on CPU (Mosaic GPU has no CPU interpreter)."""
-    return "mosaic" if jax.default_backend() == "gpu" else "ref"
+    return "mosaic" if on_gpu() else "ref"
 
 
 def resident_plan(m: CacheManager, options: DecodeOptions, q, batch, ctx):
@@ -233,7 +234,7 @@ def cudnn_time(batch: int, ctx: int, reps: int) -> dict:
     q = jax.random.normal(jax.random.key(8), (batch, 1, H, D), DT)
     # correctness where it is cheap: one sequence's first 8K tokens against XLA's attention
     att = lambda q, k, v, impl: jax.nn.dot_product_attention(q, k, v, implementation=impl)
-    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    impl = "cudnn" if on_gpu() else "xla"
     ks, vs = k[:1, :8192], v[:1, :8192]
     a = np.asarray(jax.jit(att, static_argnums=3)(q[:1], ks, vs, impl), np.float32)
     b = np.asarray(jax.jit(att, static_argnums=3)(q[:1], ks, vs, "xla"), np.float32)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ulacache_jax.bench_meta import git_commit
-from ulacache_jax.pallas_kernels import page_scores as ps
+from ulacache_jax.pallas_kernels import on_gpu, page_scores as ps
 from ulacache_jax.pallas_kernels.page_topk import top_k_pallas
 from ulacache_jax.selection import fold_queries
 
@@ -76,13 +76,13 @@ def main(argv=None):
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     B, P = a.batch, a.pages
-    on_gpu = jax.default_backend() == "gpu"
+    gpu = on_gpu()
     keys = jax.random.split(jax.random.key(0), 3)
     kmin = jax.random.normal(keys[0], (B, 1, KV, P, 1, D), jnp.bfloat16)
     kmax = kmin + jnp.abs(jax.random.normal(keys[1], kmin.shape, jnp.bfloat16))
     q = jax.random.normal(keys[2], (B, 1, H, D), jnp.bfloat16)
     summ_bytes = 2 * kmin.size * 2
-    bw = copy_bandwidth(1 << 30 if on_gpu else 1 << 24)
+    bw = copy_bandwidth(1 << 30 if gpu else 1 << 24)
     res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, commit=a.commit or git_commit(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command=" ".join(sys.argv), shapes=dict(B=B, KV=KV, P=P, D=D, budget=a.budget),
@@ -97,7 +97,7 @@ def main(argv=None):
             qpos, qneg = fold_queries(qq, KV, 1)
             if impl == "ref":
                 return ps.ref_page_scores(kmin, kmax, qpos, qneg, layer=0)
-            return ps.page_scores_pallas(kmin, kmax, qpos, qneg, layer=0, interpret=not on_gpu,
+            return ps.page_scores_pallas(kmin, kmax, qpos, qneg, layer=0, interpret=not gpu,
                                          block_pages=bp, num_warps=nw)
         return f
 
@@ -125,7 +125,7 @@ def main(argv=None):
     k = a.budget // 64
     sc = jnp.asarray(ref)
     want = np.sort(np.asarray(lax.top_k(sc, k)[1]), axis=-1)
-    radix = lambda s: top_k_pallas(s, k, interpret=not on_gpu)
+    radix = lambda s: top_k_pallas(s, k, interpret=not gpu)
     for name, fn in (("lax.top_k", lambda s: lax.top_k(s, k)), ("two_stage", lambda s: two_stage_top_k(s, k)),
                      ("pallas_radix", radix)):
         row = dict(kind="top_k", impl=name, k=k)
