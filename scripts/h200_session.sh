@@ -16,16 +16,19 @@ select)  # the compiled-kernel tests of the new defaults, then (issue 5) the sco
 decode)  # issue 7: the largest dense batch at 128K and 256K (the dense fill no longer doubles the cache) with
          # the sparse rows of the same run, then the Mosaic attention in the decode program
   F=$(python3 scripts/pick_launch.py /tmp/ulacache_select.json); echo "decode flags: $F"
-  timeout 420 python3 scripts/bench_decode.py --out "$OUT" --commit "$C" --chunks 4 --row-timeout 150 $F \
+  timeout 430 python3 scripts/bench_decode.py --out "$OUT" --commit "$C" --chunks 4 --row-timeout 170 $F \
     --rows dense:131072:7,sparse:131072:7,dense:262144:3,sparse:262144:3
   mkdir -p "$OUT/mosaic"
-  timeout 150 python3 scripts/bench_decode.py --out "$OUT/mosaic" --commit "$C" --chunks 4 --row-timeout 140 $F \
+  timeout 160 python3 scripts/bench_decode.py --out "$OUT/mosaic" --commit "$C" --chunks 4 --row-timeout 90 $F \
     --attention-impl mosaic --rows sparse:131072:1,sparse:262144:1 ;;
 layers)  # issue 5: the layer at the shapes not yet run (B = 32 and 8 at 32K and 128K)
   for s in "32 131072" "32 32768" "8 131072" "8 32768"; do set -- $s
     timeout 140 python3 scripts/bench_layer.py --out "$OUT" --commit "$C" --batch $1 --context $2 \
       --budgets 1024 2048 4096 --calls 8 --reps 3 --no-stages --no-compare --name layer_b$1_$(($2 / 1024))k
-  done ;;
+  done
+  # the compiled checks of the radix top-k and the score kernel's new launch defaults
+  timeout 100 python3 -m pytest -q -m gpu tests/test_page_topk.py tests/test_page_scores.py 2>&1 | tail -5 \
+    | tee "$OUT/select_gpu_tests.txt" ;;
 rest)    # issue 7: the 32K pair and the prefill ingestion rate; issue 3: N = 8K and 256K on 1M frames; issue 5:
          # the attention kernel at 256K
   mkdir -p "$OUT/decode32k"
