@@ -8,7 +8,7 @@ as the sieve and the vTLB update together (docs/BENCHMARKS.md, layer stages). He
 3. the selected set is every key > T plus the lowest-index keys == T up to k (the same tie rule as `lax.top_k`),
    compacted by a prefix sum and scattered to the output in index order.
 The k winners are then sorted by (score descending, index ascending) in XLA (k values a row), so the result is
-exactly `lax.top_k`'s: same values, same indices, same order. Axis alphabet: R rows, P pages (Pp: padded to a
+exactly `ref_top_k`'s (`lax.top_k` over scores with -0.0 folded into +0.0): same values, indices and order. Axis alphabet: R rows, P pages (Pp: padded to a
 power of two with -inf, never chosen before a real page), k winners (kp: padded to a power of two).
 Status: matches `lax.top_k` in interpret mode (random, ties, +-inf, -0.0) and lowers for the H200
 (tests/test_gpu_lowering.py); on the H200 it ran compiled inside the decode layer and every sparse decode row of
@@ -36,7 +36,8 @@ AUTO_MAX_PAGES = 8192  # the longest padded row compiled and timed on the H200 (
 
 def _sort_keys(x):
     """float32 -> uint32 whose unsigned order is the float order (-inf lowest, +inf highest; -0.0 == +0.0)."""
-    bits = lax.bitcast_convert_type(x + 0.0, jnp.uint32)         # + 0.0 turns -0.0 into +0.0
+    # -0.0 -> +0.0 by a select: `x + 0.0` did it compiled, but XLA simplified it away in interpret mode
+    bits = lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0), x), jnp.uint32)
     neg = (bits >> np.uint32(31)) == np.uint32(1)
     return jnp.where(neg, ~bits, bits | np.uint32(0x80000000))
 
@@ -88,8 +89,12 @@ def top_k_pallas(s, k: int, *, interpret: bool = False, num_warps: int | None = 
 
 
 def ref_top_k(s, k: int):
-    """The reference: `lax.top_k` (XLA's)."""
-    v, i = lax.top_k(s.astype(jnp.float32), k)
+    """The reference: `lax.top_k` (XLA's) with -0.0 folded into +0.0 first, so equal scores tie, lowest index
+    first. Why: XLA's top-k ranks +0.0 above -0.0 (a total order). The H200 run of tests/test_page_topk.py's
+    adversarial case found the compiled kernel (which folds) disagreeing with the unfolded reference; in interpret
+    mode they had agreed only because XLA simplified the kernel's `x + 0.0` fold away."""
+    s = s.astype(jnp.float32)
+    v, i = lax.top_k(jnp.where(s == 0, jnp.float32(0), s), k)  # a select, not `+ 0.0`, which XLA may simplify away
     return v, i.astype(jnp.int32)
 
 
