@@ -8,6 +8,14 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (sm_90: wgmma and TMA, what the Mosaic GPU kernels are written
+    for; a Blackwell or Ampere GPU takes the Triton kernels)."""
+    if not on_gpu():
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).split(".")[0] == "9"
+
+
 def pick_impl(impl: str) -> str:
     """'auto' -> 'pallas' on GPU, 'ref' elsewhere; 'pallas' and 'ref' as given; anything else is refused."""
     if impl not in ("auto", "pallas", "ref"):

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from . import next_pow2, on_gpu
+from . import next_pow2, on_gpu, on_hopper
 
 try:  # Triton-lowering primitives (masked load/store, compiler params); present in jax 0.11.2 and 0.12
     from jax.experimental.pallas import triton as pltriton
@@ -523,6 +523,21 @@ def _mosaic_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, *, sca
     return out[:, :, :m_rows].reshape(b, kv, nq, r, d).transpose(0, 2, 1, 3, 4).reshape(b, nq, h, d).astype(q.dtype)
 
 
+def resolve_impl(impl: str, q, pool_k, num_kv: int, host_k=None, store_misses=False) -> str:
+    """What impl="auto" runs: the Mosaic kernel on a Hopper GPU where it applies (resident pages, bf16/f16, g = 1,
+    at most MOSAIC_ROWS query rows per kv head), the Triton kernel on other GPUs and shapes, the reference off GPU.
+    Other impls are returned as given. q [B, Q, H, D]; pool_k [F, t, g, D]; num_kv = KV."""
+    if impl != "auto":
+        return impl
+    if not on_gpu():
+        return "ref"
+    _, nq, h, _ = q.shape
+    if (AUTO_GPU_BACKEND == "mosaic" and on_hopper() and mosaic_supported(q, pool_k, host_k, store_misses)
+            and nq * (h // num_kv) <= MOSAIC_ROWS):
+        return "mosaic"
+    return "pallas"
+
+
 def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, *, host_k=None, host_v=None,
                             page_host=None, page_src=None, scale=None, softcap=None, impl="auto",
                             store_misses=False, tuning=None):
@@ -548,14 +563,7 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     b, nq, h, d, page, g, ng, kv = _check(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k, host_v,
                                           page_host, page_src)
-    if impl == "auto":
-        if not on_gpu():
-            impl = "ref"
-        elif (AUTO_GPU_BACKEND == "mosaic" and mosaic_supported(q, pool_k, host_k, store_misses)
-              and nq * (h // kv) <= MOSAIC_ROWS):
-            impl = "mosaic"
-        else:
-            impl = "pallas"
+    impl = resolve_impl(impl, q, pool_k, kv, host_k, store_misses)
     if impl == "ref":
         return ref_sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k=host_k,
                                            host_v=host_v, page_host=page_host, page_src=page_src, scale=scale,
@@ -570,8 +578,9 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
         if not (mosaic_supported(q, pool_k, host_k, store_misses) and nq * (h // kv) <= MOSAIC_ROWS):
             raise ValueError("impl='mosaic' needs bf16/f16, g = 1, Q * H / KV <= 64, D % 64 == 0, page % 64 == 0 "
                              "and no host pool; use impl='pallas'")
-        if not on_gpu():
-            raise NotImplementedError("the Mosaic GPU interpreter has no wgmma on CPU: use impl='pallas' or 'ref'")
+        if not on_hopper():
+            raise NotImplementedError("impl='mosaic' needs a Hopper GPU (sm_90: wgmma; the Mosaic GPU interpreter "
+                                      "has none on CPU): use impl='pallas' or 'ref'")
         tune = default_mosaic_tuning(b, kv, page_frame.shape[2])
         tune.update(tuning or {})
         out = _mosaic_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, scale=scale, softcap=softcap,

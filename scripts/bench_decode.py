@@ -249,7 +249,7 @@ def main(argv=None):
                    "ref (lax.top_k) or pallas")
     p.add_argument("--score-launch", type=int, nargs=2, default=None, metavar=("BLOCK_PAGES", "WARPS"),
                    help="score kernel launch shape of the sparse side (default: the kernel's own)")
-    p.add_argument("--attention-impl", default="auto", help="sparse attention kernel: auto (Triton on GPU) or mosaic")
+    p.add_argument("--attention-impl", default="auto", help="sparse attention kernel: auto (Mosaic on Hopper where it applies, else Triton), pallas (Triton) or mosaic")
     p.add_argument("--append", action="store_true", help="keep the rows of an existing decode.json in --out")
     p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")
     p.add_argument("--out", default="docs/benchmarks")

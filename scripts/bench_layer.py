@@ -19,7 +19,8 @@ Rows, same run:
   attention kernel reading misses from the host pool and storing them into their frames).
 Before timing, one call of each variant is checked against the same call with every jnp reference (sieve, scores,
 top-k, attention) and the separate fetch on a copy of the state (vTLB frames equal, outputs within 2e-2).
-Also rows with lax.top_k instead of the radix top-k kernel and with the opt-in Mosaic attention kernel, and a
+Also rows with lax.top_k instead of the radix top-k kernel and with the Triton attention kernel instead of the
+Mosaic one (the default on Hopper since commit 6ad707e's decode rows; the Triton kernel was the default before), and a
 split of the resident layer's time into stages.
 
 Run (H200): python3 scripts/bench_layer.py --out DIR [--commit SHA]   -> DIR/layer.json, DIR/layer.png
@@ -116,15 +117,15 @@ def layer_loop(options: DecodeOptions, calls: int, batch: int, ctx: int, host_sh
     return jax.jit(run, donate_argnums=(0, 1), out_shardings=(None, None, None, host_sh))
 
 
-STAGES = ("scores", "select", "plan", "attention", "attention-mosaic")
+STAGES = ("scores", "select", "plan", "attention", "attention-mosaic")  # attention: the Triton kernel
 
 
 def stage_loop(stage: str, options: DecodeOptions, calls: int, batch: int, ctx: int, host_sh):
     """jit(state, host, q, plan) -> (state, checksum, zero stats, host): `calls` runs of one part of the layer, to split the
     layer's time. scores: fold the queries and score every page (page_scores); select: + top-k selection; plan:
     everything before the attention kernel (append, select, sieve, vTLB, separate fetch: `plan_layer`); attention:
-    the attention kernel alone over a fixed resident PagePlan (`attend_pages`: the Triton kernel on GPU);
-    attention-mosaic: the same with the Mosaic GPU kernel (DecodeOptions(attention="mosaic"); the reference on CPU). Each call's query depends on the
+    the attention kernel alone over a fixed resident PagePlan (`attend_pages` with the Triton kernel on GPU);
+    attention-mosaic: the same with the Mosaic GPU kernel (the reference on CPU for both). Each call's query depends on the
     previous call's checksum, so XLA cannot hoist a call out of the loop."""
     pos = jnp.full((batch,), ctx, jnp.int32)
     live = jnp.ones((batch,), bool)
@@ -144,7 +145,7 @@ def stage_loop(stage: str, options: DecodeOptions, calls: int, batch: int, ctx: 
         if stage == "plan":
             st, pl_, _ = plan_layer(st, host, 0, q, kn, kn, pos, live, options=options)
             return st, pl_.frame[:, :, 0].sum().astype(jnp.float32)
-        opt = dataclasses.replace(options, attention=mosaic_impl()) if stage == "attention-mosaic" else options
+        opt = dataclasses.replace(options, attention=kernel_impl("mosaic" if stage == "attention-mosaic" else "triton"))
         st, out = attend_pages(st, host, q, plan, options=opt)
         return st, out[0, 0, 0, 0].astype(jnp.float32)
 
@@ -161,9 +162,10 @@ def stage_loop(stage: str, options: DecodeOptions, calls: int, batch: int, ctx: 
     return jax.jit(run, donate_argnums=(0, 1), out_shardings=(None, None, None, host_sh))
 
 
-def mosaic_impl() -> str:
-    """The Mosaic GPU attention kernel on GPU; the jnp reference on CPU (Mosaic GPU has no CPU interpreter)."""
-    return "mosaic" if on_gpu() else "ref"
+def kernel_impl(kernel: str) -> str:
+    """The named attention kernel ('mosaic' or 'triton') on GPU; the jnp reference on CPU (Mosaic GPU has no CPU
+    interpreter, and the Triton one in interpret mode would only make the CPU test slow)."""
+    return {"mosaic": "mosaic", "triton": "pallas"}[kernel] if on_gpu() else "ref"
 
 
 def resident_plan(m: CacheManager, options: DecodeOptions, q, batch, ctx):
@@ -314,10 +316,10 @@ def main(argv=None):
     # a run cut by its time limit keeps the rows the issue asks for
     todo = [(b, ("resident", "pallas", False, 0.0)) for b in a.budgets]
     if a.compare:  # sieve, top-k, attention and miss rows at the first budget
-        # the reference sieve, lax.top_k instead of the radix kernel, and the opt-in Mosaic attention
+        # the reference sieve, lax.top_k instead of the radix kernel, and the Triton attention for Mosaic's
         todo += [(a.budgets[0], v) for v in [
             ("resident", "ref", False, 0.0), ("resident-lax-topk", "pallas", False, 0.0),
-            ("resident-mosaic", "pallas", False, 0.0)]]
+            ("resident-triton", "pallas", False, 0.0)]]
     if a.stages:
         todo.append((a.budgets[0], ("stages", None, False, 0.0)))
     if a.compare:
@@ -329,7 +331,7 @@ def main(argv=None):
         if kind != "stages":
             topk = "ref" if "lax-topk" in kind else a.topk
             opt = DecodeOptions(sieve=sieve, fused_fetch=fused, topk=topk, score_launch=launch,
-                                attention=mosaic_impl() if "mosaic" in kind else "auto")
+                                attention=kernel_impl("triton") if "triton" in kind else "auto")
             units = max(1, int(round(frac * a.batch * KV))) if frac else 0
             cold = np.zeros(a.batch * KV, bool)
             cold[rng.choice(a.batch * KV, min(units, a.batch * KV), replace=False)] = True
@@ -358,7 +360,7 @@ def main(argv=None):
             q0, st.pool_k[0], st.pool_v[0], pp.frame, pp.start, pp.seq_len, page_src=pp.src,
             impl=impl))(m.state, plan).astype(jnp.float32)
         try:
-            o_k, o_r = np.asarray(hbm(mosaic_impl())), np.asarray(hbm("ref"))
+            o_k, o_r = np.asarray(hbm(kernel_impl("mosaic"))), np.asarray(hbm("ref"))
             hbm_err = float(np.abs(o_k - o_r).max() / max(1e-6, np.abs(o_r).max()))
         except Exception as e:  # the Mosaic kernel failing must not lose the other stages
             hbm_err = repr(e)[:400]

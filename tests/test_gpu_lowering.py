@@ -12,6 +12,7 @@ from jax._src import mesh as mesh_lib
 
 from ulacache_jax import pb_lru
 from ulacache_jax.pallas_kernels import page_copy, pb_lru_sieve
+from ulacache_jax.pallas_kernels import sparse_decode_attention as sda
 from ulacache_jax.pallas_kernels.page_scores import page_scores_pallas
 from ulacache_jax.pallas_kernels.sparse_decode_attention import _pallas_attention
 
@@ -84,10 +85,11 @@ def test_sparse_attention_triton_lowers(store_misses):
 
 
 @pytest.mark.parametrize("options,triton,mosaic", [
-    (dict(), 6, 0),                                     # scores, top-k, sieve, fetch, attention, tail flush
-    (dict(fused_fetch=True), 5, 0),                     # no fetch launch: attention reads misses from the host
-    (dict(topk="ref"), 5, 0),                           # lax.top_k instead of the top-k kernel
-    (dict(attention="mosaic"), 5, 1),                   # Mosaic attention for Triton's
+    (dict(), 5, 1),                                     # scores, top-k, sieve, fetch, tail flush; Mosaic attention
+    (dict(fused_fetch=True), 5, 0),                     # no fetch launch: Triton attention reads misses from host
+    (dict(topk="ref"), 4, 1),                           # lax.top_k instead of the top-k kernel
+    (dict(attention="pallas"), 6, 0),                   # Triton attention for Mosaic's
+    (dict(attention="mosaic"), 5, 1),
 ])
 def test_decode_layer_lowers_with_gpu_dispatch(monkeypatch, options, triton, mosaic):
     """One layer's decode as the GPU runs it (impl="auto" picks the kernels), default and opt-in kernels."""
@@ -101,6 +103,7 @@ def test_decode_layer_lowers_with_gpu_dispatch(monkeypatch, options, triton, mos
     state, host = jax.eval_shape(lambda: init_state(cfg, check=False))
     S = cfg.max_seqs
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(sda, "on_hopper", lambda: True)       # lowered for the H200 (sm_90) from a CPU machine
 
     def layer(st, hp, q, kn, pos, live):
         st, out, stats = attend_layer(st, hp, 1, q, kn, kn, pos, live, options=DecodeOptions(**options))
@@ -118,6 +121,7 @@ def test_sparse_attention_mosaic_lowers(monkeypatch):
     q, pool = spec((B, 1, H, D), jnp.bfloat16), spec((nf, page, 1, D), jnp.bfloat16)
     tab = spec((B, KV, nslot), jnp.int32)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(sda, "on_hopper", lambda: True)
     txt = lower_for_h200(lambda q, pk, pv, fr, st, sl: sparse_decode_attention(q, pk, pv, fr, st, sl, impl="auto"),
                          q, pool, pool, tab, tab, spec((B,), jnp.int32))
     assert "custom_call @mosaic_gpu" in txt and TRITON_CALL not in txt

@@ -54,11 +54,11 @@ class DecodeOptions:
     softcap: float | None = None
 
     def attention_impl(self) -> str:
-        # 'auto': the Triton kernel on GPU (compiled and checked inside the decode on the H200); the Mosaic GPU
-        # kernel (faster alone, docs/benchmarks/attention.md) is opt-in (attention="mosaic") until it has run
-        # inside the decode program on the H200; the jnp reference elsewhere
-        if self.attention == "auto":
-            return "pallas" if on_gpu() else "ref"
+        # 'auto': the kernel module's own choice (sparse_decode_attention.resolve_impl): the Mosaic GPU kernel on
+        # a Hopper GPU where it applies (resident pages: the separate-fetch path), the Triton kernel for the rest
+        # (the fused-fetch path, other GPUs), the jnp reference off GPU. Why Mosaic: inside the 32-layer decode on
+        # the H200 it gave 675.2 tok/s against 643.5 with the Triton kernel (128K x 7) and 148.3 / 140.7 against
+        # 146.0 / 138.1 at 128K / 256K x 1 (docs/BENCHMARKS.md); 'pallas' or 'mosaic' force one
         return self.attention
 
     def sieve_impl(self) -> str:
