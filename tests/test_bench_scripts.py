@@ -29,6 +29,23 @@ def test_dense_fill_consumes_the_zero_cache():
     assert list(np.asarray(gen.dense_len)) == [100, 100, 0]
 
 
+def test_dense_fill_keeps_one_decode_program():
+    """After the fill, decode chunks reuse one compiled program: an uncommitted dense_len once made the first
+    timed chunk compile it again (the H200 dense rows' p99)."""
+    from ulacache_jax.sampling import SamplingArrays, row_keys
+    model = LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    cfg = default_cache_config(model.config, num_seqs=3, max_tokens=256, page_size=16)
+    gen = Generator(model, cfg, attention="dense")
+    synthetic_fill_dense(gen, 2, 100, seed=1)
+    S = cfg.max_seqs
+    for i in range(2):
+        out, _, _ = gen.decode_chunk(jnp.zeros(S, jnp.int32), jnp.arange(S) >= 2, jnp.full(S, 1 << 30, jnp.int32),
+                                     row_keys(jnp.arange(S, dtype=jnp.uint32), jnp.full(S, i, jnp.uint32)),
+                                     SamplingArrays.fill(S), jnp.asarray([-1], jnp.int32))
+        np.asarray(out)
+    assert gen._decode._cache_size() == 1
+
+
 def test_pick_launch_takes_the_fastest_checked_variant():
     rows = [dict(kind="scores", impl="pallas", block_pages=16, num_warps=8, ok=True, us=190.0),
             dict(kind="scores", impl="pallas", block_pages=128, num_warps=4, ok=True, us=400.0),
