@@ -278,7 +278,7 @@ def main(argv=None):
                    help="skip the split of the resident layer's time into scores / select / plan / attention")
     p.add_argument("--name", default="layer", help="output file stem")
     p.add_argument("--no-compare", dest="compare", action="store_false",
-                   help="only the default layer per budget (no reference-sieve, opt-in kernel or miss rows)")
+                   help="only the default layer per budget (no reference-sieve, lax.top_k, Triton-attention or miss rows)")
     p.add_argument("--score-launch", type=int, nargs=2, default=None, metavar=("BLOCK_PAGES", "WARPS"),
                    help="score kernel launch shape for every variant (scripts/pick_launch.py reads bench_select's)")
     p.add_argument("--topk", default="auto", help="page top-k of every row but resident-lax-topk: auto "

@@ -92,7 +92,7 @@ def test_sparse_attention_triton_lowers(store_misses):
     (dict(attention="mosaic"), 5, 1),
 ])
 def test_decode_layer_lowers_with_gpu_dispatch(monkeypatch, options, triton, mosaic):
-    """One layer's decode as the GPU runs it (impl="auto" picks the kernels), default and opt-in kernels."""
+    """One layer's decode as the GPU runs it (impl="auto" picks the kernels), default and forced kernels."""
     from ulacache_jax.cache_state import init as init_state
     from ulacache_jax.config import CacheConfig
     from ulacache_jax.decode_layer import DecodeOptions, attend_layer, flush_tail
