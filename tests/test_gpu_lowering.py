@@ -127,6 +127,26 @@ def test_sparse_attention_mosaic_lowers(monkeypatch):
     assert "custom_call @mosaic_gpu" in txt and TRITON_CALL not in txt
 
 
+def test_sparse_attention_mosaic_lowers_under_shard_map(monkeypatch):
+    """TP decode runs the attention per rank under shard_map: the Mosaic kernel (the Hopper default) lowers there,
+    one launch per rank over that rank's heads and pool (2 ranks on an abstract H200 mesh)."""
+    from jax.sharding import PartitionSpec as P
+    B, H, KV, D, page, nslot, nf = 4, 64, 8, 128, 64, 34, 2048
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(sda, "on_hopper", lambda: True)
+    mesh = mesh_lib.AbstractMesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
+                                 abstract_device=mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                                                         platform="cuda"))
+    rank = jax.shard_map(lambda q, pk, pv, fr, st, sl: sda.sparse_decode_attention(q, pk[0], pv[0], fr, st, sl),
+                         mesh=mesh, in_specs=(P(None, None, "tp"), P("tp"), P("tp"), P(None, "tp"), P(None, "tp"), P()),
+                         out_specs=P(None, None, "tp"))
+    pool, tab = spec((2, nf, page, 1, D), jnp.bfloat16), spec((B, KV, nslot), jnp.int32)   # [R, F, t, g, D]
+    with jax.sharding.use_abstract_mesh(mesh):
+        txt = jax.jit(rank).trace(spec((B, 1, H, D), jnp.bfloat16), pool, pool, tab, tab,
+                                  spec((B,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert txt.count("custom_call @mosaic_gpu") == 1 and TRITON_CALL not in txt
+
+
 def test_page_top_k_lowers():
     from ulacache_jax.pallas_kernels.page_topk import top_k_pallas
     txt = lower_for_h200(lambda s: top_k_pallas(s, 32, interpret=False), spec((32, 8, 4224), jnp.float32))
