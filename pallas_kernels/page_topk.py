@@ -8,9 +8,11 @@ as the sieve and the vTLB update together (docs/BENCHMARKS.md, layer stages). He
 3. the selected set is every key > T plus the lowest-index keys == T up to k (the same tie rule as `lax.top_k`),
    compacted by a prefix sum and scattered to the output in index order.
 The k winners are then sorted by (score descending, index ascending) in XLA (k values a row), so the result is
-exactly `ref_top_k`'s (`lax.top_k` over scores with -0.0 folded into +0.0): same values, indices and order. Axis alphabet: R rows, P pages (Pp: padded to a
-power of two with -inf, never chosen before a real page), k winners (kp: padded to a power of two).
-Status: matches `lax.top_k` in interpret mode (random, ties, +-inf, -0.0) and lowers for the H200
+exactly `ref_top_k`'s (`lax.top_k` over scores with -0.0 folded into +0.0): same values, indices and order.
+Axis alphabet: R rows, P pages (Pp: padded to a power of two with -inf, never chosen before a real page), k
+winners (kp: padded to a power of two).
+Status: matches `ref_top_k` in interpret mode and compiled on the H200 (random, ties, +-inf, -0.0: tests/
+test_page_topk.py, `-m gpu` passed at commit 6ad707e) and lowers for the H200
 (tests/test_gpu_lowering.py); on the H200 it ran compiled inside the decode layer and every sparse decode row of
 commit f2e71bc, its selections equal to the reference's, and made the B=32, 256K layer 548.6 us against 674.3 with
 `lax.top_k` (docs/BENCHMARKS.md). So `impl="auto"` (the decode's default) uses it on GPU for rows up to

@@ -523,6 +523,12 @@ def _mosaic_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, *, sca
     return out[:, :, :m_rows].reshape(b, kv, nq, r, d).transpose(0, 2, 1, 3, 4).reshape(b, nq, h, d).astype(q.dtype)
 
 
+def _mosaic_applies(q, pool_k, num_kv: int, host_k, store_misses) -> bool:
+    """mosaic_supported, and the kv head's query rows (Q * H / KV) fit one wgmma tile of MOSAIC_ROWS."""
+    _, nq, h, _ = q.shape
+    return mosaic_supported(q, pool_k, host_k, store_misses) and nq * (h // num_kv) <= MOSAIC_ROWS
+
+
 def resolve_impl(impl: str, q, pool_k, num_kv: int, host_k=None, store_misses=False) -> str:
     """What impl="auto" runs: the Mosaic kernel on a Hopper GPU where it applies (resident pages, bf16/f16, g = 1,
     at most MOSAIC_ROWS query rows per kv head), the Triton kernel on other GPUs and shapes, the reference off GPU.
@@ -531,9 +537,7 @@ def resolve_impl(impl: str, q, pool_k, num_kv: int, host_k=None, store_misses=Fa
         return impl
     if not on_gpu():
         return "ref"
-    _, nq, h, _ = q.shape
-    if (AUTO_GPU_BACKEND == "mosaic" and on_hopper() and mosaic_supported(q, pool_k, host_k, store_misses)
-            and nq * (h // num_kv) <= MOSAIC_ROWS):
+    if AUTO_GPU_BACKEND == "mosaic" and on_hopper() and _mosaic_applies(q, pool_k, num_kv, host_k, store_misses):
         return "mosaic"
     return "pallas"
 
@@ -575,7 +579,7 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
     scale = float(1.0 / math.sqrt(d) if scale is None else scale)
     softcap = None if softcap is None else float(softcap)
     if impl == "mosaic":
-        if not (mosaic_supported(q, pool_k, host_k, store_misses) and nq * (h // kv) <= MOSAIC_ROWS):
+        if not _mosaic_applies(q, pool_k, kv, host_k, store_misses):
             raise ValueError("impl='mosaic' needs bf16/f16, g = 1, Q * H / KV <= 64, D % 64 == 0, page % 64 == 0 "
                              "and no host pool; use impl='pallas'")
         if not on_hopper():
