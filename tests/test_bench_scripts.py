@@ -14,12 +14,16 @@ from ulacache_jax.generation import Generator, default_cache_config  # noqa: E40
 from ulacache_jax.models import LlamaModel, get_preset  # noqa: E402
 
 
+def tiny_dense_generator():
+    model = LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    cfg = default_cache_config(model.config, num_seqs=3, max_tokens=256, page_size=16)
+    return Generator(model, cfg, attention="dense")
+
+
 def test_dense_fill_consumes_the_zero_cache():
     """The fill must write into the donated zero arrays: an unused donated argument is pruned by jit and stays
     alive, which doubled the dense cache's HBM on the H200 (its largest-batch rows could not run)."""
-    model = LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
-    cfg = default_cache_config(model.config, num_seqs=3, max_tokens=256, page_size=16)
-    gen = Generator(model, cfg, attention="dense")
+    gen = tiny_dense_generator()
     old = gen.dense.k + gen.dense.v
     synthetic_fill_dense(gen, 2, 100, seed=1)
     assert all(x.is_deleted() for x in old)
@@ -33,11 +37,9 @@ def test_dense_fill_keeps_one_decode_program():
     """After the fill, decode chunks reuse one compiled program: an uncommitted dense_len once made the first
     timed chunk compile it again (the H200 dense rows' p99)."""
     from ulacache_jax.sampling import SamplingArrays, row_keys
-    model = LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
-    cfg = default_cache_config(model.config, num_seqs=3, max_tokens=256, page_size=16)
-    gen = Generator(model, cfg, attention="dense")
+    gen = tiny_dense_generator()
     synthetic_fill_dense(gen, 2, 100, seed=1)
-    S = cfg.max_seqs
+    S = gen.config.max_seqs
     for i in range(2):
         out, _, _ = gen.decode_chunk(jnp.zeros(S, jnp.int32), jnp.arange(S) >= 2, jnp.full(S, 1 << 30, jnp.int32),
                                      row_keys(jnp.arange(S, dtype=jnp.uint32), jnp.full(S, i, jnp.uint32)),
