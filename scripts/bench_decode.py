@@ -131,6 +131,16 @@ def score_launch(args):
     return tuple(args.score_launch) if args.score_launch else None
 
 
+def attention_kernel(impl: str, mc, cfg) -> str:
+    """The kernel the sparse decode's attention resolves to ('mosaic', 'triton' or 'ref'): 'auto' changed meaning
+    (Triton until commit 4f19811, Mosaic on Hopper since), so each row records what actually ran."""
+    from ulacache_jax.pallas_kernels.sparse_decode_attention import resolve_impl
+    q = jax.ShapeDtypeStruct((cfg.max_seqs, 1, mc.num_heads, mc.head_dim), cfg.jnp_dtype)         # [B, Q, H, D]
+    pool = jax.ShapeDtypeStruct((1, cfg.page_size, cfg.kv_heads_per_group, mc.head_dim), cfg.jnp_dtype)
+    got = resolve_impl(impl, q, pool, mc.num_kv_heads)       # the separate-fetch path: resident pages only
+    return {"pallas": "triton"}.get(got, got)
+
+
 def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None, read_bw=None):
     from ulacache_jax.generation import Generator
     from ulacache_jax.sampling import SamplingArrays, row_keys
@@ -191,6 +201,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                sieve=DecodeOptions(sieve=sieve).sieve_impl() if attention == "sparse" else None,
                topk=args.topk if attention == "sparse" else None,
                attention_impl=args.attention_impl if attention == "sparse" else None,
+               attention_kernel=attention_kernel(args.attention_impl, mc, cfg) if attention == "sparse" else None,
                score_launch=score_launch(args) if attention == "sparse" else None,
                setup_s=setup_s,
                tokens_per_s=batch / float(np.median(per_tok)), p50_token_ms=1e3 * float(np.median(per_tok)),
@@ -334,10 +345,14 @@ def plot(res, path, kv_fraction):
         main_rows = [r for r in rows if "tokens_per_s" in r and
                      (r["attention"] == "dense" or (r["kv_fraction"] == kv_fraction and r.get("sieve") == "pallas"))]
         labels = sorted({(r["context"], r["batch"]) for r in main_rows})
-        for k, side in enumerate(("sparse", "dense")):
-            ys = [next((r["tokens_per_s"] for r in main_rows if r["attention"] == side
+        side = lambda r: (f"sparse, {r['attention_kernel']} attention" if r.get("attention_kernel")
+                          else r["attention"])
+        sides = sorted({side(r) for r in main_rows}, key=lambda x: (x == "dense", x))
+        w = 0.8 / len(sides)
+        for k, name in enumerate(sides):
+            ys = [next((r["tokens_per_s"] for r in main_rows if side(r) == name
                         and (r["context"], r["batch"]) == lb), 0.0) for lb in labels]
-            ax.bar(np.arange(len(labels)) + 0.4 * k - 0.2, ys, 0.4, label=side)
+            ax.bar(np.arange(len(labels)) + w * k - 0.4 + w / 2, ys, w, label=name)
         ax.set_xticks(np.arange(len(labels)), [f"{c // 1024}K b{b}" for c, b in labels])
         ax.set_ylabel("decode tokens/s")
         ax.set_title(f"sparse (pool {kv_fraction:g} of KV, Pallas sieve) vs dense\n{res['model']}, "

@@ -68,3 +68,21 @@ def test_bench_ingest_checks_and_reports(tmp_path):
     assert "error" not in row and row["check_first_chunk"] is True
     assert row["ingest"]["bytes"] == 2 * 2 * 256 * 8 * 128 * 2 and row["ingest"]["wall_us"] > 0
     assert (tmp_path / "ingest.json").exists() and (tmp_path / "ingest.png").exists()
+
+
+def test_rows_record_the_attention_kernel_that_ran(monkeypatch):
+    """'auto' changed meaning (Triton, then Mosaic on Hopper): each decode row records the resolved kernel."""
+    from bench_decode import attention_kernel
+    from ulacache_jax.pallas_kernels import sparse_decode_attention as sda
+    mc = get_preset("llama-3.1-8b")
+    cfg = default_cache_config(mc, num_seqs=2, max_tokens=4096, dtype="bfloat16")
+    tiny = get_preset("tiny")
+    tiny_cfg = default_cache_config(tiny, num_seqs=2, max_tokens=256, page_size=16)
+    assert attention_kernel("auto", mc, cfg) == "ref"                                   # CPU
+    monkeypatch.setattr(sda, "on_gpu", lambda: True)
+    assert attention_kernel("pallas", mc, cfg) == "triton"
+    monkeypatch.setattr(sda, "on_hopper", lambda: True)
+    assert attention_kernel("auto", mc, cfg) == "mosaic"
+    assert attention_kernel("auto", tiny, tiny_cfg) == "triton"                         # head_dim 16: not Mosaic's
+    monkeypatch.setattr(sda, "on_hopper", lambda: False)
+    assert attention_kernel("auto", mc, cfg) == "triton"
