@@ -31,6 +31,13 @@ def _scores_kernel(kmin_ref, kmax_ref, qpos_ref, qneg_ref, out_ref):
     out_ref[...] = jnp.sum(kmax * qpos + kmin * qneg, axis=1)
 
 
+def pad_page_count(num_pages: int, multiple: int = 128) -> int:
+    """num_pages rounded up to a multiple of `multiple`, so the default score block (_block_pages) stays at its
+    measured 16 pages (4098 pages once made 2-page blocks: 2049 programs per sequence and group); 128 keeps the
+    shapes of the published benchmarks (4224 pages at 256K)."""
+    return -(-num_pages // multiple) * multiple
+
+
 def _block_pages(num_pages: int, cap: int = 16) -> int:
     """Largest power of two dividing num_pages, at most cap (Triton blocks are powers of two). cap 16 with 8
     warps: measured on the H200 (scripts/bench_select.py, B=32 x 8 groups x 4224 pages): 191.6 us, 2.89 TB/s over
@@ -54,7 +61,7 @@ def page_scores_pallas(kmin, kmax, qpos, qneg, *, layer: int, interpret: bool = 
     if P % bp:
         raise ValueError(f"block_pages = {bp} must divide the page count {P}")
     kwargs = {}
-    if num_warps and not interpret:
+    if not interpret:
         from jax.experimental.pallas import triton as pltr
         kwargs["compiler_params"] = pltr.CompilerParams(num_warps=num_warps)
     summ = pl.BlockSpec((None, None, None, bp, g, D), lambda s, j, b: (s, layer, j, b, 0, 0))

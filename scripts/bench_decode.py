@@ -93,9 +93,10 @@ def synthetic_fill_dense(gen, batch, ctx, seed):
 
 def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64):
     """The cache of one row: room for ctx + (chunks + 1) pages per sequence; sparse: an HBM frame pool of
-    kv_fraction of the KV pages (at least one step's selection) and pages rounded up to the 128-page score block
-    (the host pool is sized to the context, not to a power of two); dense: exactly the tokens needed (HBM)."""
+    kv_fraction of the KV pages (at least one step's selection) and pages padded by `pad_page_count` (the host
+    pool is sized to the context, not to a power of two); dense: exactly the tokens needed (HBM)."""
     from ulacache_jax.generation import default_cache_config
+    from ulacache_jax.pallas_kernels.page_scores import pad_page_count
     from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
     need = (ctx + (args.chunks + 1) * page) // page + 1
     step_pages = batch * mc.num_kv_heads * (args.budget // page)        # pages one layer of a step selects
@@ -104,7 +105,7 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64):
     if attention == "sparse":
         frames = max(step_pages * mc.num_layers, int(kv_pages * kv_fraction))
         nb, ns = sieve_geometry(frames, step_pages)
-        pages = -(-need // 128) * 128
+        pages = pad_page_count(need)
         kw = dict(num_buckets=nb, slots_per_bucket=ns, max_pages_per_seq=pages)
     else:
         kw = dict(max_pages_per_seq=need)

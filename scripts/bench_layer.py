@@ -47,7 +47,7 @@ from ulacache_jax.config import CacheConfig
 from ulacache_jax import selection
 from ulacache_jax.decode_layer import DecodeOptions, LayerStats, attend_layer, attend_pages, flush_tail, plan_layer
 from ulacache_jax.pallas_kernels import on_gpu
-from ulacache_jax.pallas_kernels.page_scores import page_scores
+from ulacache_jax.pallas_kernels.page_scores import pad_page_count, page_scores
 from ulacache_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
 from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
 from ulacache_jax.pb_lru import EMPTY_TAG
@@ -61,9 +61,7 @@ DT = jnp.bfloat16
 
 def make_cache(batch: int, ctx: int, budget: int, pool_steps: int, seed: int = 0) -> CacheManager:
     """A one-layer cache holding `batch` sequences of `ctx` tokens (random K/V through the ingestion path)."""
-    # room for the context and the decode's new tokens, a multiple of 128 pages: page_scores blocks 128 pages
-    # when they divide the count (4098 pages made 2-page blocks, 2049 programs per sequence and group)
-    pages = -(-(ctx // PAGE + 2) // 128) * 128
+    pages = pad_page_count(ctx // PAGE + 2)   # room for the context and the decode's new tokens
     step_pages = batch * KV * (budget // PAGE)
     nb, ns = sieve_geometry(pool_steps * step_pages, step_pages)
     cfg = CacheConfig(num_layers=1, num_kv_heads=KV, head_dim=D, max_seqs=batch, max_pages_per_seq=pages,
