@@ -36,7 +36,8 @@ def bucket_length(n: int, minimum: int) -> int:
 def bucket_pages(n: int) -> int:
     """Pages per sequence for a cache of n pages: the next power of two up to 128, then the next multiple of
     max(128, 2^(bit_length - 4)): at most 16 sizes per octave (few compiles), at most 1/8 more host pool than
-    needed (a power of two doubled it at 128K + a few pages), and a multiple of the 128-page score block."""
+    needed (a power of two doubled it at 128K + a few pages), and a multiple of 128 pages (the score block
+    divides it; see page_scores.pad_page_count)."""
     if n <= 128:
         return bucket_length(n, 1)
     step = max(128, 1 << (n.bit_length() - 4))
