@@ -111,8 +111,9 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64):
         kw = dict(max_pages_per_seq=need)
     cfg = default_cache_config(mc, num_seqs=batch, max_tokens=need * page, page_size=page,
                                token_budget=args.budget, dtype="bfloat16", **kw)
-    # host pool: every page of every sequence, layer and group at the overridden page count
-    return dataclasses.replace(cfg, host_pages=batch * cfg.num_layers * cfg.num_groups * cfg.max_pages_per_seq)
+    # host pool: the pages admit reserves (`need` per sequence, layer and group), not the padded page-table width:
+    # at 32K x 27 the padding (518 -> 640 pages) alone would pin 28 GB more host memory
+    return dataclasses.replace(cfg, host_pages=batch * cfg.num_layers * cfg.num_groups * need)
 
 
 def check_dense_fits(cfg, model):
@@ -153,16 +154,21 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     if attention == "dense":
         check_dense_fits(cfg, model)
     t_setup = time.perf_counter()
+    log = lambda what: print(f"[{attention} {ctx}x{batch}] {what} at {time.perf_counter() - t_setup:.1f} s",
+                             file=sys.stderr, flush=True)  # phase times survive a row timeout (run_isolated)
     gen = Generator(model, cfg, attention=attention, options=DecodeOptions(sieve=sieve, topk=args.topk,
                                                                           attention=args.attention_impl,
                                                                           score_launch=score_launch(args)))
     S = cfg.max_seqs
+    log(f"cache made (host pool {cfg.host_pages * cfg.page_bytes * 2 / 1e9:.1f} GB)")
     if attention == "sparse":
         slots_ = [gen.admit(ctx + (args.chunks + 1) * page) for _ in range(batch)]
         synthetic_fill_sparse(gen.cache, slots_, ctx, seed=batch, chunk=32768)
     else:
         synthetic_fill_dense(gen, batch, ctx, seed=batch)
+    jax.block_until_ready((gen.cache.state, gen.cache.host) if attention == "sparse" else gen.dense)
     setup_s = time.perf_counter() - t_setup
+    log("filled")
     tok = jnp.zeros(S, jnp.int32)
     done = jnp.arange(S) >= batch
     rem = jnp.full(S, 1 << 30, jnp.int32)
@@ -173,6 +179,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                                  sampling, stops)
     out.block_until_ready()
     compile_s = time.perf_counter() - t0
+    log("first chunk (compile) done")
     times = []
     gen.stats = type(gen.stats).zeros()
     for i in range(args.chunks):
@@ -232,7 +239,13 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
             with open(os.path.join(tmp, "decode.json")) as f:
                 return json.load(f)["rows"][-1]
         except Exception as e:  # a crash or timeout of one row must not lose the others
-            tail = proc.stderr[-200:] if proc is not None else ""
+            err = proc.stderr if proc is not None else getattr(e, "stderr", None)
+            if isinstance(err, bytes):
+                err = err.decode(errors="replace")
+            tail = (err or "")[-300:]
+            if isinstance(e, subprocess.TimeoutExpired):  # the command line tells nothing; the phase log does
+                return dict(attention=side, batch=batch, context=ctx,
+                            error=f"timeout after {args.row_timeout:.0f} s; {tail}"[:400])
             return dict(attention=side, batch=batch, context=ctx, error=f"{type(e).__name__}: {e} {tail}"[:300])
 
 
