@@ -171,12 +171,17 @@ def run_cache_manager(tp: int) -> dict:
     cfg = dataclasses.replace(cfg, tp=tp)
     mesh = tp_mod.make_mesh(tp)
     a, b = tp_mod.TPCacheManager(cfg, mesh), CacheManager(cfg)
-    same = lambda: all(np.array_equal(np.asarray(x), np.asarray(y))
+    # pinned_host arrays are read through a device copy: np.asarray caches a numpy view on the jax.Array itself,
+    # and on a GPU a cached view of a pinned_host array is an external reference that makes the next donating
+    # ingest fail (seen on the H200; a jnp.copy of it does not compile: XLA wants its output in host memory too)
+    read = lambda x: np.asarray(jax.device_put(x, x.sharding.with_memory_kind("device"))
+                                if x.sharding.memory_kind == "pinned_host" else x)
+    same = lambda: all(np.array_equal(read(x), read(y))
                        for x, y in zip(jax.tree.leaves((a.state, a.host)), jax.tree.leaves((b.state, b.host))))
     res = {"init": same()}
     s0, h0 = cache_state.init(cfg)
     s1, h1 = tp_mod.shard_cache(s0, h0, mesh)
-    res["shard_cache"] = all(np.array_equal(np.asarray(x), np.asarray(y)) and x.sharding == y.sharding
+    res["shard_cache"] = all(np.array_equal(read(x), read(y)) and x.sharding == y.sharding
                              for x, y in zip(jax.tree.leaves((s1, h1)), jax.tree.leaves((a.state, a.host))))
     rng = np.random.default_rng(3)
     k, v = (jnp.asarray(rng.standard_normal((cfg.num_layers, 45, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)
@@ -310,6 +315,45 @@ def test_more_ranks_than_kv_heads_replicates_heads():
         assert r["tokens"] == res["reference"], tp
 
 
+@pytest.mark.gpu
+def test_tp_on_real_gpus():
+    """The TP checks on this machine's GPUs instead of forced CPU devices: compiled kernels, the pinned_host pool
+    under shard_map, NCCL all-reduces. TP = 1 and 2 (4, 8 where that many GPUs exist); f32 matmuls at `highest`
+    precision so the 1e-4 logit tolerances mean what they mean on CPU (XLA may use TF32 otherwise)."""
+    import jax
+    n = jax.device_count("gpu") if jax.default_backend() == "gpu" else 0
+    if n < 2:
+        pytest.skip(f"needs >= 2 GPUs, found {n}")
+    tps = [t for t in (1, 2, 4, 8) if t <= n]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_DEFAULT_MATMUL_PRECISION="highest")
+    env.setdefault("NCCL_NVLS_ENABLE", "0")          # NVLink multicast stays off on shared hosts (device/KINDS.md)
+    p = subprocess.run([sys.executable, __file__, "gpu", ",".join(map(str, tps))], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["devices"] == n and res["platform"] == "gpu"
+    assert res["cache_manager"] == {"init": True, "shard_cache": True, "ingest": True, "sharded": True,
+                                    "release": True}
+    one = res["tp"]["1"]
+    assert one["tokens"] == res["reference"]
+    for tp in tps[1:]:
+        r = res["tp"][str(tp)]
+        assert r["tokens"] == one["tokens"], tp
+        np.testing.assert_allclose(r["prefill"], one["prefill"], rtol=1e-4, atol=1e-4)
+        assert r["chunk"] == one["chunk"], tp
+        np.testing.assert_allclose(r["next"], one["next"], rtol=1e-4, atol=1e-4)
+        G = 8 // tp
+        assert r["owner"]["shards_on_own_device"], tp
+        for k, rank in enumerate(r["owner"]["ranks"]):
+            assert rank["held"] > 0 and rank["own_groups_only"] and rank["vtlb_matches_tags"], (tp, k, rank)
+            assert set(rank["groups_seen"]) == set(range(k * G, (k + 1) * G)), (tp, k)
+        for fn, c in r["collectives"].items():
+            assert all(v == 0 for k, v in c["lowered"].items() if k != "all_reduce"), (fn, c)
+            if c["compiled"] is not None:
+                assert all(v == 0 for k, v in c["compiled"].items() if k != "all_reduce"), (fn, c)
+                assert 0 < c["compiled"]["all_reduce"] <= 4, (fn, c)
+
+
 # ---- single-process unit checks (no mesh needed) -----------------------------------------------------------------
 def test_num_groups_not_divisible_is_a_clear_error():
     from ulacache_jax import tp as tp_mod
@@ -365,9 +409,11 @@ def test_param_specs_split_heads_and_mlp_width():
 
 if __name__ == "__main__":
     mode, tps = sys.argv[1], [int(t) for t in sys.argv[2].split(",")]
-    if mode == "checks":
+    if mode in ("checks", "gpu"):
         out = run_checks(tps)
-        out["cache_manager"] = run_cache_manager(4)
+        out["cache_manager"] = run_cache_manager(4 if mode == "checks" else max(tps))
+        import jax
+        out["platform"] = jax.default_backend()
     else:
         out = run_replicated(tps)
     print(json.dumps(out))
