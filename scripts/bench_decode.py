@@ -91,16 +91,17 @@ def synthetic_fill_dense(gen, batch, ctx, seed):
                                    gen.dense_len.sharding)
 
 
-def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64):
+def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1):
     """The cache of one row: room for ctx + (chunks + 1) pages per sequence; sparse: an HBM frame pool of
     kv_fraction of the KV pages (at least one step's selection) and pages padded by `pad_page_count` (the host
-    pool is sized to the context, not to a power of two); dense: exactly the tokens needed (HBM)."""
+    pool is sized to the context, not to a power of two); dense: exactly the tokens needed (HBM). tp > 1 (sparse
+    only): frames and host pages are per rank (a rank holds its own KV-head groups' pages only)."""
     from ulacache_jax.generation import default_cache_config
     from ulacache_jax.pallas_kernels.page_scores import pad_page_count
     from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
     need = (ctx + (args.chunks + 1) * page) // page + 1
-    step_pages = batch * mc.num_kv_heads * (args.budget // page)        # pages one layer of a step selects
-    kv_pages = batch * mc.num_layers * mc.num_kv_heads * (ctx // page)
+    step_pages = batch * mc.num_kv_heads // tp * (args.budget // page)  # pages one layer of a step selects (rank)
+    kv_pages = batch * mc.num_layers * mc.num_kv_heads // tp * (ctx // page)
     kw = {}
     if attention == "sparse":
         frames = max(step_pages * mc.num_layers, int(kv_pages * kv_fraction))
@@ -110,10 +111,10 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64):
     else:
         kw = dict(max_pages_per_seq=need)
     cfg = default_cache_config(mc, num_seqs=batch, max_tokens=need * page, page_size=page,
-                               token_budget=args.budget, dtype="bfloat16", **kw)
+                               token_budget=args.budget, dtype="bfloat16", tp=tp, **kw)
     # host pool: the pages admit reserves (`need` per sequence, layer and group), not the padded page-table width:
     # at 32K x 27 the padding (518 -> 640 pages) alone would pin 28 GB more host memory
-    return dataclasses.replace(cfg, host_pages=batch * cfg.num_layers * cfg.num_groups * need)
+    return dataclasses.replace(cfg, host_pages=batch * cfg.num_layers * cfg.groups_per_rank * need)
 
 
 def check_dense_fits(cfg, model):
@@ -149,16 +150,22 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     page = 64
     kv_fraction = args.kv_fraction if kv_fraction is None else kv_fraction
     sieve = sieve or args.sieve
-    cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction)
+    tp = args.tp
+    if tp > 1 and attention != "sparse":
+        raise ValueError(f"--tp {tp}: only the sparse side runs head-sharded (TPGenerator); got {attention}")
+    cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction, tp=tp)
     from ulacache_jax.decode_layer import DecodeOptions
     if attention == "dense":
         check_dense_fits(cfg, model)
     t_setup = time.perf_counter()
     log = lambda what: print(f"[{attention} {ctx}x{batch}] {what} at {time.perf_counter() - t_setup:.1f} s",
                              file=sys.stderr, flush=True)  # phase times survive a row timeout (run_isolated)
-    gen = Generator(model, cfg, attention=attention, options=DecodeOptions(sieve=sieve, topk=args.topk,
-                                                                          attention=args.attention_impl,
-                                                                          score_launch=score_launch(args)))
+    opts = DecodeOptions(sieve=sieve, topk=args.topk, attention=args.attention_impl, score_launch=score_launch(args))
+    if tp > 1:
+        from ulacache_jax.tp import TPGenerator
+        gen = TPGenerator(model, cfg, options=opts)
+    else:
+        gen = Generator(model, cfg, attention=attention, options=opts)
     S = cfg.max_seqs
     log(f"cache made (host pool {cfg.host_pages * cfg.page_bytes * 2 / 1e9:.1f} GB)")
     if attention == "sparse":
@@ -200,8 +207,9 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
         attended = min(ctx, args.budget + 2 * page)
         summ = batch * (ctx // page) * 2 * mc.num_kv_heads * mc.head_dim * 2 * mc.num_layers
         step_bytes = wbytes + batch * attended * kv_tok + summ
-    floor_s = step_bytes / copy_bw
-    row = dict(attention=attention, batch=batch, context=ctx, budget=args.budget, page=page,
+    floor_s = step_bytes / (tp * copy_bw)  # TP: every rank reads its share at once (the replicated embedding and
+    # LM head, ~2 GB at 8B, are read by every rank: the floor is a little optimistic for tp > 1)
+    row = dict(attention=attention, batch=batch, context=ctx, budget=args.budget, page=page, tp=tp,
                kv_fraction=kv_fraction if attention == "sparse" else 1.0,
                pool_frames=cfg.num_frames if attention == "sparse" else None,
                buckets=cfg.num_buckets if attention == "sparse" else None,
@@ -215,8 +223,8 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                tokens_per_s=batch / float(np.median(per_tok)), p50_token_ms=1e3 * float(np.median(per_tok)),
                p99_token_ms=1e3 * float(np.percentile(per_tok, 99)), compile_s=compile_s,
                floor_token_ms=1e3 * floor_s, fraction_of_floor=floor_s / float(np.median(per_tok)),
-               read_floor_token_ms=1e3 * step_bytes / read_bw if read_bw else None,
-               fraction_of_read_floor=step_bytes / read_bw / float(np.median(per_tok)) if read_bw else None,
+               read_floor_token_ms=1e3 * step_bytes / (tp * read_bw) if read_bw else None,
+               fraction_of_read_floor=step_bytes / (tp * read_bw) / float(np.median(per_tok)) if read_bw else None,
                hit_rate=hits / max(1, hits + misses) if attention == "sparse" else None, chunks=args.chunks)
     del gen
     gc.collect()  # the generator's buffers go now, not at some later collection
@@ -230,7 +238,7 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--rows", spec, "--out", tmp, "--commit", commit,
                "--budget", str(args.budget), "--layers", str(args.layers), "--chunks", str(args.chunks),
                "--steps", str(args.steps), "--kv-fraction", str(args.kv_fraction), "--sieve", args.sieve,
-               "--topk", args.topk, "--attention-impl", args.attention_impl]
+               "--topk", args.topk, "--attention-impl", args.attention_impl, "--tp", str(args.tp)]
         if args.score_launch:
             cmd += ["--score-launch", *map(str, args.score_launch)]
         proc = None
@@ -278,6 +286,8 @@ def main(argv=None):
     p.add_argument("--score-launch", type=int, nargs=2, default=None, metavar=("BLOCK_PAGES", "WARPS"),
                    help="score kernel launch shape of the sparse side (default: the kernel's own)")
     p.add_argument("--attention-impl", default="auto", help="sparse attention kernel: auto (Mosaic on Hopper where it applies, else Triton), pallas (Triton) or mosaic")
+    p.add_argument("--tp", type=int, default=1, help="head-sharded tensor parallelism over this many GPUs (sparse "
+                   "rows only; ulacache_jax.tp.TPGenerator)")
     p.add_argument("--append", action="store_true", help="keep the rows of an existing decode.json in --out")
     p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")
     p.add_argument("--out", default="docs/benchmarks")
