@@ -39,7 +39,8 @@ beyond it). tp must divide num_heads and intermediate_size.
 
 Known limits: the LM head is replicated (vocab-parallel LM head + all-gather is not done). On GPUs: checked on 2
 H200s (tests/test_tp.py::test_tp_on_real_gpus: TP = 2 gives TP = 1's tokens and logits with the compiled kernels
-and the pinned_host pool under shard_map); not timed, and 4 or 8 GPUs not run.
+and the pinned_host pool under shard_map) and timed at the 8B shape, 128K (docs/BENCHMARKS.md, "TP decode on 2
+GPUs": 1.07x TP = 1 at batch 1); 4 or 8 GPUs and the 70B shape not run.
 """
 from __future__ import annotations
 
