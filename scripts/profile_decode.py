@@ -148,6 +148,9 @@ def main(argv=None):
         print("ROW " + json.dumps(profile_row(a, c, b, args)), flush=True)
         return
     os.makedirs(args.out, exist_ok=True)
+    from ulacache_jax.cache_state import raise_host_limit
+    raise_host_limit()          # the row processes inherit it: XLA's pinned-host pool is 64 GiB by default
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     from ulacache_jax.bench_meta import git_commit
     commit = args.commit or git_commit()
     for a, c, b in specs:           # each row in its own process: one row's HBM cannot starve the next
