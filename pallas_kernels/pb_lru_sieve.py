@@ -5,19 +5,13 @@ frames, hit flags, evictions and new state (DESIGN.md section 5). The per-bucket
 requests are grouped by bucket first, so every slot and every request is written by exactly one program.
 
 1. Grouping: requests are placed bucket by bucket (invalid ones last) into `sorder` (original index), `shi`,
-   `slo`, bucket b owning positions [start_b, end_b). The order inside a bucket is arbitrary: the sieve defines
-   "first appearance" by original index, so every grouping below gives the same result.
-   - "scan" (default while N * B <= SCAN_MAX_WORK): inside the sieve kernel, one launch in all. Program b reads
-     all N requests twice: start_b = valid requests of buckets < b, then its own requests written in original
-     order into its region (`_scan_group`). No sort, no atomics, no other launch; O(N * B) work in all, so large
-     N * B use the sort.
-   - "ids" (experimental, not yet timed on a GPU): the same, but one XLA fusion computes every request's bucket
-     first, so the two passes read 4 bytes per request and hash nothing.
-   - "sort": jnp, an int32 sort of bucket << nbits | index, a scatter-add histogram and a cumsum (`bstart`).
-     On the H200 the XLA sort of 8K keys takes ~40 us of device time in ~4 kernels: more than the sieve itself.
-   - "atomic": one Pallas program hashes, counts with atomic adds, takes the exclusive prefix sum and places
-     each request with an atomic cursor (one launch). Correct in interpret mode, including with GPU-like
-     atomics (tests/test_sieve.py), but it miscompares on the H200 (cause not isolated); experimental.
+   `slo`, bucket b owning positions [start_b, end_b), in original order inside each bucket.
+   - "scan" (default while N * B <= SCAN_MAX_WORK; the only one the decode uses, `sieve_geometry` keeps it there):
+     inside the sieve kernel, one launch in all. Program b reads all N requests twice: start_b = valid requests
+     of buckets < b, then its own requests written in original order into its region (`_scan_group`). No sort,
+     no atomics, no other launch; O(N * B) work in all, so large N * B use the sort.
+   - "sort" (`group_requests`): jnp, an int32 sort of bucket << nbits | index, a scatter-add histogram and a
+     cumsum (`bstart`); its cost is the XLA sort, independent of B.
 2. Sieve, grid (B + 1,): program b < B owns bucket b (S slots, frames b*S .. b*S+S-1), program B writes the
    outputs of invalid requests.
    Fast path (the bucket's slots fit one chunk, S <= T, and its requests fit one chunk, R <= C; chosen per
@@ -35,12 +29,6 @@ requests are grouped by bucket first, so every slot and every request is written
 Work per bucket: O(R * S + R^2 + levels * S) compares, so buckets must be many and small for speed (B of
 the order of the SM count or more); B = 1 is correct but one program scans every slot: a global LRU's speed is
 measured with the sort-based reference (DESIGN.md section 5).
-
-Status (2026-11-29, H200, jax 0.11.2): the scan and sort groupings pass compiled against the reference at
-(B, S) = (256, 256), (1024, 1024), (16, 4096) with 8K requests (docs/benchmarks/sieve_gpu_tests.txt), and every
-default-configuration and grouping-variant run of scripts/bench_sieve.py was checked against the reference
-bit for bit over 16 steps and matched. Best 8K-request access:
-33.4 us of device time (64K frames, B = 128, scan grouping; sort grouping 73 us; jnp reference ~400 us wall).
 """
 from __future__ import annotations
 
@@ -64,9 +52,8 @@ MARK = -2                 # stamp of a slot hit or filled in this batch (general
 NONE = 2**31 - 1          # "no stamp": larger than any stamp (now <= 2**31 - 2)
 BIG = 2**31 - 1           # "no request index"
 TILE_ELEMS = 16384        # largest [C, T], [C, C] or [C, D] compare tile (8 warps: 64 elements per thread)
-IN_KERNEL = ("scan", "ids")  # groupings done by the sieve kernel itself (inputs: hi, lo, valid or bucket ids)
+GROUPINGS = ("scan", "sort")
 SCAN_MAX_WORK = 1 << 23  # "scan" grouping while N * B <= 2**23 (8K requests x 1024 buckets): each program reads all N
-GROUP_CHUNK = 4096        # requests per step of the grouping program (32 KB of layout-conversion shared memory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +62,16 @@ class SieveConfig:
     req_chunk: int        # C: requests handled together; the fast path needs a bucket's requests <= C
     slot_chunk: int       # T: slots handled together; the bucket stays in registers when S <= T
     num_warps: int
-    grouping: str = "scan"    # "scan"/"ids" (in the sieve kernel), "sort" (jnp) or "atomic" (module docstring)
+    grouping: str = "scan"    # "scan" (in the sieve kernel) or "sort" (jnp, `group_requests`): module docstring
     fast_path: bool = True    # registers-only path for buckets with R <= C and S <= T
+
+    def __post_init__(self):
+        if self.grouping not in GROUPINGS:
+            raise ValueError(f"grouping = {self.grouping!r} must be one of {GROUPINGS}")
+        for name in ("req_chunk", "slot_chunk", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} = {v} must be a power of two >= 1")
 
 
 def _bucket_load_chunk(num_requests: int, num_buckets: int) -> int:
@@ -139,101 +134,17 @@ def _scatter(ref, idx, val, mask, size):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Grouping kernel (one program)
+# Sort grouping (jnp), for large N x B
 # ----------------------------------------------------------------------------------------------------------------
-def _group_kernel(hi_ref, lo_ref, valid_ref, _hist_in, _cnt_in, sorder_ref, shi_ref, slo_ref, bstart_ref, hist_ref,
-                  cnt_ref, bkt_ref, *, n, nb, q, interpret, scalar_atomics):
-    # hi_ref, lo_ref [N] uint32, valid_ref [N] bool: the requests in the caller's order
-    # _hist_in, _cnt_in [P] int32 zeros (from XLA), aliased to hist_ref, cnt_ref: only atomics touch these two,
-    #   so no plain store and atomic ever meet on one address inside the kernel
-    # sorder_ref [N] int32, shi_ref, slo_ref [N] uint32: original index and LID, grouped by bucket
-    # bstart_ref [P] int32: first position of each bucket; [B] starts the invalid tail; [B + 1] = N
-    # bkt_ref [N] int32 scratch: bucket of each request (B for invalid)
-    bits = lid_mod.log2_buckets(nb)
-    p = hist_ref.shape[0]
-    iq = jnp.arange(q, dtype=jnp.int32)
-    nq = -(-n // q)
-    ones = jnp.ones((q,), jnp.int32)
-
-    def count(i, carry):
-        idx = i * q + iq
-        m = idx < n
-        h = plgpu.load(hi_ref.at[pl.ds(i * q, q)], mask=m, other=np.uint32(0))
-        l = plgpu.load(lo_ref.at[pl.ds(i * q, q)], mask=m, other=np.uint32(0))
-        v = plgpu.load(valid_ref.at[pl.ds(i * q, q)], mask=m, other=False)
-        b = jnp.where(v, lid_mod.bucket_bits(h, l, bits), nb)
-        plgpu.store(bkt_ref.at[pl.ds(i * q, q)], b, mask=m)
-        if not scalar_atomics:
-            plgpu.atomic_add(hist_ref, jnp.where(m, b, p), ones, mask=m)
-        return carry
-
-    lax.fori_loop(0, nq, count, jnp.int32(0))
-    if scalar_atomics:  # the interpreter's vector atomics lose duplicate indices: count one request at a time
-        def count1(i, carry):
-            b = bkt_ref[i]
-            hist_ref[b] = hist_ref[b] + 1
-            return carry
-        lax.fori_loop(0, n, count1, jnp.int32(0))
-    _barrier(interpret)
-    ip = jnp.arange(p, dtype=jnp.int32)
-    if scalar_atomics:
-        hv = hist_ref[...]
-    else:  # read the counts where the atomics were performed (L2), not through the L1 cache
-        hv = plgpu.atomic_add(hist_ref, ip, jnp.zeros((p,), jnp.int32))
-    plgpu.store(bstart_ref.at[pl.ds(0, p)], jnp.cumsum(hv) - hv)  # histogram entry B + 1 is 0: prefix N
-    _barrier(interpret)
-
-    def place(i, carry):
-        idx = i * q + iq
-        m = idx < n
-        b = plgpu.load(bkt_ref.at[pl.ds(i * q, q)], mask=m, other=0)
-        h = plgpu.load(hi_ref.at[pl.ds(i * q, q)], mask=m, other=np.uint32(0))
-        l = plgpu.load(lo_ref.at[pl.ds(i * q, q)], mask=m, other=np.uint32(0))
-        pos = _gather(bstart_ref, b, m, 0, p) + plgpu.atomic_add(cnt_ref, jnp.where(m, b, p), ones, mask=m)
-        _scatter(sorder_ref, pos, idx, m, n)
-        _scatter(shi_ref, pos, h, m, n)
-        _scatter(slo_ref, pos, l, m, n)
-        return carry
-
-    if scalar_atomics:
-        def place1(i, carry):
-            b = bkt_ref[i]
-            pos = bstart_ref[b] + cnt_ref[b]
-            cnt_ref[b] = cnt_ref[b] + 1
-            sorder_ref[pos] = i
-            shi_ref[pos] = hi_ref[i]
-            slo_ref[pos] = lo_ref[i]
-            return carry
-        lax.fori_loop(0, n, place1, jnp.int32(0))
-    else:
-        lax.fori_loop(0, nq, place, jnp.int32(0))
-
-
-def _group_atomic(hi, lo, valid, nb: int, interpret: bool, scalar_atomics: bool | None = None):
-    n = hi.shape[0]
-    if scalar_atomics is None:
-        scalar_atomics = interpret
-    q = min(next_pow2(n), GROUP_CHUNK)
-    num_warps = 16 if q >= 4096 else 4
-    p = max(next_pow2(nb + 2), 32 * num_warps)  # no [P] vector smaller than the thread count (no replicas)
-    sds = jax.ShapeDtypeStruct
-    zeros = jnp.zeros((p,), jnp.int32)
-    outs = pl.pallas_call(
-        partial(_group_kernel, n=n, nb=nb, q=q, interpret=interpret, scalar_atomics=scalar_atomics),
-        out_shape=(sds((n,), jnp.int32), sds((n,), jnp.uint32), sds((n,), jnp.uint32), sds((p,), jnp.int32),
-                   sds((p,), jnp.int32), sds((p,), jnp.int32), sds((n,), jnp.int32)),
-        grid=(1,), interpret=interpret, input_output_aliases={3: 4, 4: 5},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-    )(hi, lo, valid, zeros, zeros)
-    return outs[:4]
-
-
 def _key_bits(n: int) -> int:
     return max(1, (n - 1).bit_length())
 
 
-def _group_sort(hi, lo, valid, nb: int):
-    n = hi.shape[0]
+def group_requests(hi, lo, valid, num_buckets: int):
+    """The "sort" grouping: (sorder [N] int32, shi [N] uint32, slo [N] uint32, bstart [B + 2] int32), requests
+    grouped by bucket (invalid ones last), in original order inside each bucket; bucket b owns grouped positions
+    [bstart[b], bstart[b + 1])."""
+    n, nb = hi.shape[0], num_buckets
     bkt = jnp.where(valid, lid_mod.bucket_bits(hi, lo, lid_mod.log2_buckets(nb)), nb)
     idx = jnp.arange(n, dtype=jnp.int32)
     bits = _key_bits(n)
@@ -246,26 +157,13 @@ def _group_sort(hi, lo, valid, nb: int):
     return sorder, hi[sorder], lo[sorder], bstart
 
 
-def group_requests(hi, lo, valid, num_buckets: int, grouping: str = "atomic", interpret: bool | None = None):
-    """(sorder [N] int32, shi [N] uint32, slo [N] uint32, bstart [>= B + 2] int32): requests grouped by bucket."""
-    if interpret is None:
-        interpret = not on_gpu()
-    if grouping == "atomic":
-        return _group_atomic(hi, lo, valid, num_buckets, interpret)
-    if grouping == "sort":
-        return _group_sort(hi, lo, valid, num_buckets)
-    raise ValueError(f"grouping = {grouping!r} must be 'atomic' or 'sort'")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Sieve kernel (one program per bucket)
 # ----------------------------------------------------------------------------------------------------------------
-def _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, *, n, nb, q, bkt_ref=None):
+def _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, *, n, nb, q):
     """Program b's share of the "scan" grouping: [start, end) of bucket b in the grouped order, and its requests
     written there in original order. start = valid requests of buckets < b (B: the invalid tail after every
-    valid one), so each program finds its region alone and only ever writes inside it. With `bkt_ref` ([N]
-    int32 bucket of each request, B for invalid: the "ids" grouping) the passes read 4 bytes per request and
-    hash nothing; the LID words are loaded only where the bucket matches."""
+    valid one), so each program finds its region alone and only ever writes inside it."""
     bits = lid_mod.log2_buckets(nb)
     iq = jnp.arange(q, dtype=jnp.int32)
     u0 = np.uint32(0)
@@ -273,8 +171,6 @@ def _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, *, n
     def bucket(i):
         idx = i * q + iq
         m = idx < n
-        if bkt_ref is not None:  # LID words not loaded here
-            return idx, m, plgpu.load(bkt_ref.at[pl.ds(i * q, q)], mask=m, other=nb), None, None
         h = plgpu.load(hi_ref.at[pl.ds(i * q, q)], mask=m, other=u0)
         l = plgpu.load(lo_ref.at[pl.ds(i * q, q)], mask=m, other=u0)
         v = plgpu.load(valid_ref.at[pl.ds(i * q, q)], mask=m, other=False)
@@ -290,9 +186,6 @@ def _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, *, n
     def place(i, cnt):
         idx, m, bk, h, l = bucket(i)
         sel = m & (bk == b)
-        if h is None:
-            h = plgpu.load(hi_ref.at[pl.ds(i * q, q)], mask=sel, other=u0)
-            l = plgpu.load(lo_ref.at[pl.ds(i * q, q)], mask=sel, other=u0)
         si = sel.astype(jnp.int32)
         pos = start + cnt + jnp.cumsum(si) - si
         _scatter(sorder_ref, pos, idx, sel, n)
@@ -307,7 +200,7 @@ def _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, *, n
 def _sieve_kernel(*refs, n, nb, ns, cfg: SieveConfig, interpret):
     # grouping "scan": hi_ref, lo_ref [N] uint32, valid_ref [N] bool (caller's order) are the inputs; this program
     #   groups its own bucket's requests first (`_scan_group`) into the scratch outputs sorder_ref, shi_ref, slo_ref
-    # other groupings: sorder_ref [N] int32, shi_ref, slo_ref [N] uint32 are inputs, requests grouped by bucket
+    # grouping "sort": sorder_ref [N] int32, shi_ref, slo_ref [N] uint32 are inputs, requests grouped by bucket
     #   (original index, LID); bstart_ref [>= B + 2] int32: bucket b owns grouped positions [bstart[b], bstart[b+1])
     # now_ref [1] int32
     # th_ref, tl_ref [F] uint32, ts_ref [F] int32: the state, aliased to the inputs (read and written here)
@@ -317,14 +210,12 @@ def _sieve_kernel(*refs, n, nb, ns, cfg: SieveConfig, interpret):
     #   appearance, sflag_ref [N] int32 1 on first appearances of missing LIDs; by bucket region and miss rank:
     #   mhi_ref, mlo_ref [N] uint32 and morig_ref [N] int32 the miss of each rank
     b = pl.program_id(0)
-    if cfg.grouping in IN_KERNEL:
+    if cfg.grouping == "scan":
         (hi_ref, lo_ref, valid_ref, now_ref, _th_in, _tl_in, _ts_in, th_ref, tl_ref, ts_ref, frame_ref, hit_ref,
          ev_ref, evh_ref, evl_ref, sframe_ref, sfo_ref, sflag_ref, mhi_ref, mlo_ref, morig_ref,
          sorder_ref, shi_ref, slo_ref) = refs
-        # "ids": valid_ref holds the bucket ids computed by XLA beforehand ([N] int32, B for invalid)
         start, end = _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, n=n, nb=nb,
-                                 q=min(next_pow2(n), 256 * cfg.num_warps),
-                                 bkt_ref=valid_ref if cfg.grouping == "ids" else None)
+                                 q=min(next_pow2(n), 256 * cfg.num_warps))
         _barrier(interpret)
     else:
         (sorder_ref, shi_ref, slo_ref, bstart_ref, now_ref, _th_in, _tl_in, _ts_in, th_ref, tl_ref, ts_ref,
@@ -576,7 +467,7 @@ def sieve_call(state: PBLRUState, requests, now, cfg: SieveConfig, interpret: bo
     cfg.grouping == "scan" (the kernel groups them itself), else grouped requests from `group_requests`."""
     nb, ns = state.stamp.shape
     nf, n = nb * ns, requests[0].shape[0]
-    scan = cfg.grouping in IN_KERNEL
+    scan = cfg.grouping == "scan"
     if len(requests) != (3 if scan else 4):
         raise ValueError(f"grouping {cfg.grouping!r} takes {3 if scan else 4} request arrays, got {len(requests)}")
     kernel = partial(_sieve_kernel, n=n, nb=nb, ns=ns, cfg=cfg, interpret=interpret)
@@ -618,7 +509,4 @@ def access(state: PBLRUState, hi, lo, valid, now, *, config: SieveConfig | None 
     now = jnp.asarray(now, jnp.int32)
     if cfg.grouping == "scan":
         return sieve_call(state, (hi, lo, valid), now, cfg, interpret)
-    if cfg.grouping == "ids":  # bucket ids by one XLA fusion; the kernel's passes then read 4 bytes per request
-        bkt = jnp.where(valid, lid_mod.bucket_bits(hi, lo, lid_mod.log2_buckets(nb)), nb).astype(jnp.int32)
-        return sieve_call(state, (hi, lo, bkt), now, cfg, interpret)
-    return sieve_call(state, group_requests(hi, lo, valid, nb, cfg.grouping, interpret), now, cfg, interpret)
+    return sieve_call(state, group_requests(hi, lo, valid, nb), now, cfg, interpret)

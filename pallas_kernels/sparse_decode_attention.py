@@ -153,14 +153,6 @@ def ref_sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_l
     return out, new_k, new_v
 
 
-def ref_fetch_pages(pool_k, pool_v, host_k, host_v, frame, host_page):
-    """Copy host pages host_page[N] into pool frames frame[N] (frame < 0: skip). Plain jnp reference."""
-    nf = pool_k.shape[0]
-    tgt = jnp.where(frame >= 0, frame, nf)
-    hidx = jnp.clip(host_page, 0, host_k.shape[0] - 1)
-    return pool_k.at[tgt].set(host_k[hidx], mode="drop"), pool_v.at[tgt].set(host_v[hidx], mode="drop")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # kernel
 # ----------------------------------------------------------------------------------------------------------------
@@ -598,52 +590,3 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
     return _pallas_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k, host_v, page_host, page_src,
                              scale=scale, softcap=softcap, store_misses=bool(store_misses), interpret=not on_gpu(),
                              **tune)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# separate fetch kernel (the alternative to the fused fill): host pages -> their new frames, before attention
-# ----------------------------------------------------------------------------------------------------------------
-def _fetch_kernel(frame_ref, hidx_ref, hk_ref, hv_ref, _k_in, _v_in, ko_ref, vo_ref, *, npb):
-    # frame_ref, hidx_ref [Np] int32; hk/hv [P, t, g, D] host (read in place); ko/vo [F, t, g, D] aliased pool
-    off = pl.program_id(0) * npb
-    fr = frame_ref[pl.ds(off, npb)]
-    ok = fr >= 0
-    _, page, g, d = hk_ref.shape
-    shp = (npb, page, g, d)
-    tok = jnp.broadcast_to(jnp.arange(page, dtype=jnp.int32)[None, :, None, None], shp)
-    head = jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32)[None, None, :, None], shp)
-    col = jnp.broadcast_to(jnp.arange(d, dtype=jnp.int32)[None, None, None, :], shp)
-    hp = jnp.broadcast_to(jnp.where(ok, hidx_ref[pl.ds(off, npb)], 0)[:, None, None, None], shp)
-    fidx = jnp.broadcast_to(jnp.where(ok, fr, ko_ref.shape[0])[:, None, None, None], shp)  # skipped: past the pool
-    m = jnp.broadcast_to(ok[:, None, None, None], shp)
-    pltriton.store(ko_ref.at[fidx, tok, head, col], pltriton.load(hk_ref.at[hp, tok, head, col], mask=m, other=0),
-                   mask=m)
-    pltriton.store(vo_ref.at[fidx, tok, head, col], pltriton.load(hv_ref.at[hp, tok, head, col], mask=m, other=0),
-                   mask=m)
-
-
-@functools.partial(jax.jit, static_argnames=("impl", "pages_per_block", "interpret"))
-def fetch_pages(pool_k, pool_v, host_k, host_v, frame, host_page, *, impl="auto", pages_per_block=1,
-                interpret=None):
-    """Copy host pages host_page [N] into pool frames frame [N] (frame < 0: skip), one PCIe crossing each.
-
-    pool_k/v [F, t, g, D] (aliased: donate them), host_k/v [P, t, g, D]. Returns the new (pool_k, pool_v)."""
-    if impl == "auto":
-        impl = "pallas" if on_gpu() else "ref"
-    if impl == "ref":
-        return ref_fetch_pages(pool_k, pool_v, host_k, host_v, frame, host_page)
-    nf, page, g, d = pool_k.shape
-    n = frame.shape[0]
-    npb = pages_per_block
-    npad = -(-n // npb) * npb
-    frame = jnp.pad(frame.astype(jnp.int32), (0, npad - n), constant_values=-1)
-    host_page = jnp.pad(host_page.astype(jnp.int32), (0, npad - n))
-    interpret = (not on_gpu()) if interpret is None else interpret
-    ko, vo = pl.pallas_call(
-        functools.partial(_fetch_kernel, npb=npb), grid=(npad // npb,),
-        in_specs=[ANY] * 6, out_specs=[ANY, ANY],
-        out_shape=[jax.ShapeDtypeStruct(pool_k.shape, pool_k.dtype), jax.ShapeDtypeStruct(pool_v.shape, pool_v.dtype)],
-        input_output_aliases={4: 0, 5: 1}, interpret=interpret,
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1),
-        name="fetch_pages")(frame, host_page, host_k, host_v, pool_k, pool_v)
-    return ko, vo

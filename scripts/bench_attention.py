@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ulacache_jax.bench_meta import git_commit
+from ulacache_jax.pallas_kernels import page_copy
 from ulacache_jax.pallas_kernels import sparse_decode_attention as sda
 
 H, KV, D, PAGE, TAIL = 64, 8, 128, 64, 2
@@ -475,7 +476,7 @@ def section_miss(ctx: BenchContext):
 
             def separate(c, fr, st, sl, hk, hv, impl="pallas"):
                 q, pk, pv = c
-                pk, pv = sda.fetch_pages(pk, pv, hk, hv, miss_fr_c, miss_hp_c, impl="pallas")
+                pk, pv = page_copy.fetch([pk, pv], [hk, hv], miss_hp_c, miss_fr_c, impl="pallas")
                 return sda.sparse_decode_attention(q, pk, pv, fr, st, sl, impl=impl), pk, pv
 
             variants = [("zero_copy", zero_copy, False, "pallas"), ("fused", fused, True, "pallas"),

@@ -2,8 +2,6 @@
 sort-based jnp reference, for N requests, pools of F frames and B buckets (DESIGN.md section 5, issue 3).
 
 Run on the GPU:  python scripts/bench_sieve.py --out docs/benchmarks [--commit SHA] [--variants]
-                 python scripts/bench_sieve.py --diagnose --out DIR   (each grouping x path checked against the
-                 reference in its own process, so a device fault ends only that case; writes sieve_diagnose.json)
 Writes sieve.json and sieve.png to --out and prints a table.
 
 Workload (synthetic, decode-like): a hot set of N distinct LIDs (random seq/layer/group/page fields), 10% of it
@@ -29,7 +27,6 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -284,60 +281,6 @@ def plot(records, path):
     fig.savefig(path, dpi=120)
 
 
-def diagnose_one(spec: dict) -> dict:
-    """One component check on the device: the grouping against the sort grouping, then 3 steps of the sieve
-    against the reference (outputs and state)."""
-    n, nb, ns = spec["n"], spec["nb"], spec["ns"]
-    cfg = dataclasses.replace(sv.choose_config(n, nb, ns), grouping=spec["grouping"], fast_path=spec["fast_path"])
-    np_state, age, batches = make_workload(n, nb, ns, seed=1)
-    his, los = (jnp.asarray(a) for a in words(batches))
-    valid = jnp.asarray(np.random.default_rng(2).random(n) < 0.95)
-    out = dict(spec, config=dataclasses.asdict(cfg))
-    g = jax.jit(lambda h, l, v: sv.group_requests(h, l, v, nb, cfg.grouping))(his[0], los[0], valid)
-    r = jax.jit(lambda h, l, v: sv.group_requests(h, l, v, nb, "sort"))(his[0], los[0], valid)
-    so, bs = np.asarray(g[0]), np.asarray(g[3])[:nb + 2]
-    so_r, bs_r = np.asarray(r[0]), np.asarray(r[3])[:nb + 2]
-    out["bstart_ok"] = bool(np.array_equal(bs, bs_r))
-    out["group_ok"] = out["bstart_ok"] and all(
-        sorted(so[bs[b]:bs[b + 1]].tolist()) == sorted(so_r[bs_r[b]:bs_r[b + 1]].tolist()) for b in range(nb + 1))
-    out["lids_ok"] = bool(np.array_equal(np.asarray(g[1]), np.asarray(his[0])[so]))
-    s_k = s_r = device_state(np_state)
-    ok = []
-    for t in range(3):
-        now = jnp.int32(age + t)
-        ref = pb_lru.ref_access(s_r, his[t], los[t], valid, now)
-        got = sv.access(s_k, his[t], los[t], valid, now, config=cfg)
-        names = ["tag_hi", "tag_lo", "stamp", "frame", "hit", "evicted", "evicted_hi", "evicted_lo"]
-        bad = [nm for nm, x, y in zip(names, jax.tree.leaves(got), jax.tree.leaves(ref))
-               if not bool(jnp.array_equal(x, y))]
-        ok.append(bad)
-        (s_r, _), (s_k, _) = ref, got
-    out["steps_bad_fields"] = ok
-    out["sieve_ok"] = not any(ok)
-    return out
-
-
-def diagnose(out_dir: str, timeout_s: float):
-    """Each component in its own process (a device fault ends only that one): groupings x paths x shapes."""
-    specs = [dict(grouping=g, fast_path=f, n=8192, nb=nb, ns=ns)
-             for g in ("sort", "atomic") for f in (False, True)
-             for nb, ns in ((256, 256), (1024, 64), (16, 4096))
-             if f or nb != 16]  # (16, 4096) has no fast path
-    results = []
-    for spec in specs:
-        cmd = [sys.executable, os.path.abspath(__file__), "--diagnose-one", json.dumps(spec)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            line = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-            res = json.loads(line[-1]) if line else dict(spec, error=(proc.stderr or "")[-600:])
-        except subprocess.TimeoutExpired:
-            res = dict(spec, error="timeout")
-        results.append(res)
-        print(json.dumps({k: v for k, v in res.items() if k != "config"}), flush=True)
-    with open(os.path.join(out_dir, "sieve_diagnose.json"), "w") as fh:
-        json.dump(results, fh, indent=1)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="docs/benchmarks")
@@ -349,15 +292,7 @@ def main():
     ap.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new configurations after this")
     ap.add_argument("--variants", action="store_true", help="also time launch variants (warps, grouping)")
     ap.add_argument("--name", default="sieve", help="output file stem")
-    ap.add_argument("--diagnose", action="store_true", help="check groupings and paths in separate processes")
-    ap.add_argument("--diagnose-one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.diagnose_one:
-        print(json.dumps(diagnose_one(json.loads(args.diagnose_one))), flush=True)
-        return
-    if args.diagnose:
-        os.makedirs(args.out, exist_ok=True)
-        return diagnose(args.out, timeout_s=120)
     os.makedirs(args.out, exist_ok=True)
     t_begin = time.perf_counter()
     dev = jax.devices()[0]
@@ -422,9 +357,9 @@ def main():
                         rec = safe_bench("pallas", n, nb, ns, work, budget, steps, (), cfg=cfg, profile=True)
                         records.append(rec)
                         show(rec)
-                    if args.variants and nb > 1 and n <= 8192:  # the other groupings (scan, ids, sort)
+                    if args.variants and nb > 1 and n <= 8192:  # the other grouping
                         base_cfg = sv.choose_config(n, nb, ns)
-                        for g in ("scan", "ids", "sort"):
+                        for g in sv.GROUPINGS:
                             if g == base_cfg.grouping:
                                 continue
                             cfg = dataclasses.replace(base_cfg, grouping=g)

@@ -51,7 +51,7 @@ def test_page_scores_lowers(block_pages, num_warps):
     assert txt.count(TRITON_CALL) == 1
 
 
-@pytest.mark.parametrize("grouping", ["scan", "ids", "sort"])
+@pytest.mark.parametrize("grouping", pb_lru_sieve.GROUPINGS)
 @pytest.mark.parametrize("nb,ns,n", [(128, 512, 8192), (16, 4096, 1024)])
 def test_sieve_lowers(grouping, nb, ns, n):
     cfg = pb_lru_sieve.choose_config(n, nb, ns, grouping=grouping)
