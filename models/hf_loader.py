@@ -110,13 +110,21 @@ def from_pretrained(
     *,
     device: jax.Device | jax.sharding.Sharding | None = None,
 ) -> LlamaModel:
-    """Loads a Hugging Face Llama / Qwen2 / Mistral folder into a LlamaModel with params in `dtype`.
+    """Loads a Llama / Qwen2 / Mistral model into a LlamaModel with params in `dtype`: a Hugging Face folder,
+    a GGUF file or a folder holding one (gguf_loader.from_gguf), or a pretrained preset name
+    (pretrained.PRETRAINED, e.g. "smollm2-135m").
 
     `device`: where params go (default: jax's default device). Raises CheckpointError naming the file or
     tensor for missing/corrupt shards, missing or unexpected tensors and shape mismatches, and ValueError
     naming an unsupported architecture.
     """
-    folder = pathlib.Path(path)
+    from .gguf_loader import find_gguf, from_gguf  # gguf_loader imports this module
+    from .pretrained import resolve_model_path
+
+    folder = resolve_model_path(path)
+    gguf_file = find_gguf(folder)
+    if gguf_file is not None:
+        return from_gguf(gguf_file, dtype, device=device)
     config = read_hf_config(folder)
     files = _tensor_files(folder)
     expected = hf_tensor_map(config)
