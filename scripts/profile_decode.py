@@ -37,10 +37,10 @@ def load_device_events(trace_dir: str) -> list[dict]:
 
 
 def _op_name(e: dict) -> str:
-    """An op's name without XLA's per-instance numeric suffix (fusion.123 -> fusion), so the unrolled layers'
-    copies of one op add up."""
-    name = (e.get("args") or {}).get("hlo_op") or e["name"]
-    return re.sub(r"[._]\d+$", "", name)
+    """A launch's kernel name without XLA's per-instance numeric suffix (fusion.123 -> fusion), so the unrolled
+    layers' copies of one op add up. The kernel name, not the event's `hlo_op`: with XLA's command buffers (on by
+    default) the hlo_op of every captured kernel is just "command_buffer"."""
+    return re.sub(r"[._]\d+$", "", e["name"])
 
 
 def summarize(events: list[dict], *, steps: int, layers: int) -> dict:
@@ -112,6 +112,8 @@ def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
             jax.block_until_ready(gen.decode_chunk(tok, done, rem, keys(1), sampling, stops))
         events = load_device_events(tmp)
     res = summarize(events, steps=cfg.page_size, layers=mc.num_layers)
+    mid = len(events) // 2
+    res["sample_events"] = sorted(events, key=lambda e: e["ts"])[mid:mid + 40]   # raw, for reading the names
     res.update(attention=attention, context=ctx, batch=batch, budget=args.budget, layers=mc.num_layers,
                steps=cfg.page_size, kv_fraction=args.kv_fraction if attention == "sparse" else 1.0,
                device=str(jax.devices()[0].device_kind), jax=jax.__version__,
