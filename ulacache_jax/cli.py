@@ -2,12 +2,28 @@
 
     ulacache generate --input prompts.jsonl --output results.jsonl [--model PATH_OR_PRESET] [--report r.json]
 
-Input: one JSON object a line, {"id": ..., "prompt": "..."} or {"id": ..., "prompt_ids": [...]}, optionally
-with per-request "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_ids". Output: one JSON object a
-line as each request finishes, {"id", "line", "text", "ids", "finish_reason" (stop | length | error),
-"prompt_tokens", "completion_tokens"} or {"id", "line", "finish_reason": "error", "error"}; flushed line by line
-so an interrupted run loses nothing and `--resume` continues it. Exit code: 0 if every request succeeded, 1 if
-any line failed (bad input or a failed request), 2 for bad options, 130 when interrupted.
+Input: one JSON object a line, with an "id" and exactly one of "messages" (a chat: [{"role", "content"}, ...],
+rendered by the model's chat template), "prompt" (text) or "prompt_ids" (token ids); optionally "max_new_tokens"
+(or OpenAI's "max_tokens"), "temperature", "top_p", "top_k", "seed", "stop" (strings, matched on the decoded
+text; the text is cut before the stop string) and "stop_ids". The file is read as bytes and decoded line by line:
+a line with invalid UTF-8 or a lone surrogate fails alone, by line number; a UTF-8 BOM is ignored.
+
+Output: one JSON object a line, {"id", "line", "text", "token_ids", "finish_reason" (stop | length | error),
+"prompt_tokens", "completion_tokens", "settings"} or {"id", "line", "finish_reason": "error", "error",
+"settings"}. "settings" is a fingerprint of the run's model, dtype, sampling defaults and limits. The output is
+locked for the run (a second run on it fails at once, naming the holder's pid), written in whole lines, fsynced
+after each batch of results; an interrupted run (Ctrl-C or SIGTERM) keeps what finished. `--resume` continues
+it: a torn last line is dropped, ids already done with the same settings are skipped (other settings are
+refused unless --force), error records a new success supersedes are removed (the file is rewritten atomically).
+The report and plot are written to a temp file and renamed. Every path is checked before the model loads.
+
+Exit code: 0 if every request succeeded, 1 if any line failed (bad input or a failed request) or the output
+could not be written, 2 for bad options or unusable paths, 130 when interrupted by SIGINT (Ctrl-C), 143 by
+SIGTERM (128 + the signal number).
+
+Compilation: `generate` keeps JAX's persistent compilation cache in $XDG_CACHE_HOME/ulacache_jax/jax_cache
+(~/.cache/ulacache_jax/jax_cache without XDG_CACHE_HOME; or $JAX_COMPILATION_CACHE_DIR when set), so a restart
+reuses the compiled programs; `--compile-cache DIR` picks another folder, `--compile-cache off` turns it off.
 """
 from __future__ import annotations
 
@@ -16,17 +32,40 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-KNOWN_FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_ids")
+from . import jsonl_io
+from .jsonl_io import OutputError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+SAMPLING_FIELDS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_ids")
+KNOWN_FIELDS = ("id", "messages", "prompt", "prompt_ids") + SAMPLING_FIELDS
+COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
 
 class UsageError(Exception):
     """Bad options or an unusable model/output path: reported on stderr, exit code 2."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt, so both stop the same graceful way."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _exit_code(e: KeyboardInterrupt) -> int:
+    return 128 + e.signum if isinstance(e, Terminated) else EXIT_INTERRUPTED
+
+
+def _signal_name(e: KeyboardInterrupt) -> str:
+    return "SIGTERM" if isinstance(e, Terminated) else "SIGINT (Ctrl-C)"
 
 
 # ---- argument parsing -----------------------------------------------------------------------------------------
@@ -44,22 +83,29 @@ def _positive_float(s: str) -> float:
     return v
 
 
+def default_compile_cache_dir() -> pathlib.Path:
+    """$XDG_CACHE_HOME/ulacache_jax/jax_cache (XDG_CACHE_HOME defaults to ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "ulacache_jax" / "jax_cache"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ulacache", description="UlaCache-JAX: long-context serving with a two-tier "
                                 "sparse KV cache (HBM + host).")
     sub = p.add_subparsers(dest="command", required=True, metavar="{generate,bench,demo}")
     g = sub.add_parser("generate", help="batch offline inference over a JSONL file of prompts",
                        description="Batch offline inference with continuous batching over the cache's sequence "
-                       "slots. Input lines: {\"id\": ..., \"prompt\": \"...\"} or "
-                       "{\"id\": ..., \"prompt_ids\": [...]}, "
-                       "optionally with max_new_tokens, temperature, top_p, top_k, seed, stop_ids. Exit code 0 if "
-                       "every request succeeded, 1 if any failed, 2 for bad options, 130 when interrupted.")
+                       "slots. Input lines: {\"id\": ..., \"messages\": [...]} or {\"id\": ..., \"prompt\": \"...\"} "
+                       "or {\"id\": ..., \"prompt_ids\": [...]}, optionally with max_new_tokens (or max_tokens), "
+                       "temperature, top_p, top_k, seed, stop (strings), stop_ids. Output lines carry text and "
+                       "token_ids. Exit code 0 if every request succeeded, 1 if any failed, 2 for bad options, 130 "
+                       "when interrupted by Ctrl-C, 143 by SIGTERM (finished results are kept: --resume continues).")
     g.add_argument("--model", default=None,
                    help="a Hugging Face model folder (config.json + safetensors), a checkpoint folder written by "
                         "ulacache_jax.models.save, or a preset name (tiny, tiny-gqa8, llama-3.1-8b, ...: RANDOM "
                         "weights). Default: the tiny byte-level preset with random weights (gibberish output)")
     g.add_argument("--input", required=True, help="JSONL prompts ('-' = stdin)")
-    g.add_argument("--output", required=True, help="JSONL results, written as requests finish")
+    g.add_argument("--output", required=True, help="JSONL results, written as requests finish (locked for the run)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -67,11 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="engine sampling seed (and the random weights of a preset)")
     g.add_argument("--stop-ids", default=None,
                    help="comma-separated stop token ids (default: the model's EOS ids; 'none' for no stop ids)")
+    g.add_argument("--stop", action="append", default=[],
+                   help="a stop string (repeatable): the request ends when its decoded text contains it, and the "
+                        "output text is cut before it")
     g.add_argument("--token-budget", type=_positive_int, default=2048,
                    help="tokens each KV-head group attends per step (sink + recent + selected pages)")
     g.add_argument("--page-size", type=_positive_int, default=64, help="tokens per KV page (power of two)")
     g.add_argument("--hbm-pages", type=_positive_int, default=None,
-                   help="HBM frame pool size in pages (default: the whole token budget of every slot)")
+                   help="HBM frame pool size in pages (default: the whole token budget of every slot); checked "
+                        "against the device's memory before anything is allocated")
     g.add_argument("--host-gb", type=_positive_float, default=None,
                    help="host pool size in GiB (default: every slot at the full context)")
     g.add_argument("--max-seqs", type=_positive_int, default=4, help="sequence slots decoded together")
@@ -89,9 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", default=None, help="PNG of hit rate and throughput over time (default: the report "
                                                  "path with .png)")
     g.add_argument("--resume", action="store_true",
-                   help="append to --output, skipping ids that already have a result there (failed lines are tried "
-                        "again; an input error already reported for the same line is not repeated)")
+                   help="continue --output: drop a torn last line, skip ids that already have a result made with "
+                        "the same settings (model, dtype, sampling defaults, limits), try failed lines again and "
+                        "replace their error records when they now succeed")
+    g.add_argument("--force", action="store_true",
+                   help="with --resume: accept results made with other settings (they count as done) and drop "
+                        "lines of --output that are not result records")
     g.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty --output")
+    g.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                   help="JAX persistent compilation cache, so restarts do not recompile (default: "
+                        "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/ulacache_jax/jax_cache; 'off' = none)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     g.add_argument("--quiet", action="store_true", help="do not print the report")
 
@@ -106,20 +163,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .cache_state import raise_host_limit
-    raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default, whatever the RAM
+    # SIGTERM stops like Ctrl-C (graceful, finished results kept, exit 143); only the main thread can set it
+    old_term = None
     try:
+        old_term = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:
+        pass
+    try:
+        from .cache_state import raise_host_limit
+        raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default, whatever the RAM
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "bench":
             return cmd_bench(args)
         from . import demo
         return demo.main(["--out-dir", args.out_dir] if args.out_dir else [])
-    except UsageError as e:
+    except (UsageError, OutputError) as e:
         print(f"ulacache {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt as e:   # start-up (model load, compile): one line, no traceback
+        print(f"ulacache {args.command}: interrupted by {_signal_name(e)} during start-up; no results were "
+              "written", file=sys.stderr)
+        return _exit_code(e)
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 # ---- model ----------------------------------------------------------------------------------------------------
@@ -131,15 +205,27 @@ class LoadedModel:
     random_weights: bool
 
 
-def load_model(spec: str | None, dtype: str, seed: int) -> LoadedModel:
+def resolve_dtype(dtype: str) -> str:
+    if dtype != "auto":
+        return dtype
     import jax
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def _model_error(spec: str, e: BaseException) -> UsageError:
+    """A clear message for a model folder the loaders in models/ could not read."""
+    if isinstance(e, KeyError):
+        return UsageError(f"--model {spec!r}: the model's config lacks the field {e.args[0]!r} (config.json of a "
+                          "Hugging Face folder, or 'config' in model.json of a ulacache_jax checkpoint)")
+    return UsageError(f"--model {spec!r}: cannot load it ({type(e).__name__}: {e})")
+
+
+def load_model(spec: str | None, dtype: str, seed: int) -> LoadedModel:
     import jax.numpy as jnp
     from flax import nnx
     from . import models
 
-    if dtype == "auto":
-        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    jdt = jnp.dtype(dtype)
+    jdt = jnp.dtype(resolve_dtype(dtype))
     name = spec or "tiny"
     path = pathlib.Path(name)
     if spec is None or (name in models.PRESETS and not path.exists()):
@@ -150,15 +236,25 @@ def load_model(spec: str | None, dtype: str, seed: int) -> LoadedModel:
     if not path.exists():
         raise UsageError(f"--model {spec!r}: no such folder, and not a preset (presets: {', '.join(models.PRESETS)})")
     try:
-        if (path / "model.json").is_file():
+        if path.is_dir() and (path / "model.json").is_file():
             model = models.load(path, dtype=jdt)
         else:
             model = models.from_pretrained(path, dtype=jdt)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--model {spec!r}: {e}") from None
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:   # noqa: BLE001 - the loaders raise KeyError/TypeError on incomplete configs
+        raise _model_error(spec, e) from None
     tok = None
-    if (path / "tokenizer.json").is_file():
-        tok = models.load_tokenizer(path)
+    gguf = path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))
+    if (path.is_dir() and (path / "tokenizer.json").is_file()) or gguf:
+        try:
+            tok = models.load_tokenizer(path)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:   # noqa: BLE001 - tokenizers raises a bare Exception on a corrupt file
+            where = path / "tokenizer.json" if path.is_dir() and not gguf else path
+            raise UsageError(f"--model {spec!r}: cannot read the tokenizer {where} ({type(e).__name__}: "
+                             f"{str(e)[:300]})") from None
     elif model.config.vocab_size == models.BYTE_VOCAB_SIZE:
         tok = models.ByteTokenizer()
     return LoadedModel(model, tok, f"{path.name} ({path})", False)
@@ -172,6 +268,7 @@ class Record:
     prompt_ids: list[int]
     sampling: object           # engine.SamplingParams
     capped_from: int | None = None
+    stop: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -192,35 +289,34 @@ def _id_key(x) -> str:
 class ResumeState:
     done_ids: set = dataclasses.field(default_factory=set)       # ids with a result (not an error)
     reported: set = dataclasses.field(default_factory=set)       # (line, id) of lines already reported as errors
-    need_newline: bool = False
 
 
-def read_resume_state(path: pathlib.Path) -> ResumeState:
-    """What an existing output file already holds (for --resume). A last line cut short by an interruption is
-    not valid JSON: it is ignored (that request runs again)."""
+def resume_state(records: list[dict]) -> ResumeState:
     st = ResumeState()
-    if not path.exists():
-        return st
-    text = path.read_text(encoding="utf-8")
-    for line in text.splitlines():
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict) or "id" not in obj:
+    for obj in records:
+        if "id" not in obj:
             continue
         if obj.get("finish_reason") == "error":
             st.reported.add((obj.get("line"), _id_key(obj["id"])))
         else:
             st.done_ids.add(_id_key(obj["id"]))
-    st.need_newline = bool(text) and not text.endswith("\n")
     return st
 
 
-def parse_input(lines, *, tokenizer, vocab_size: int, limit: int, defaults, resume: ResumeState | None = None):
-    """-> (records, errors, skipped, skipped_errors). `defaults`: engine.SamplingParams from the command line.
-    With `resume`: ids that already have a result are skipped; a line that fails again as already reported in
-    the output is not reported twice (counted in skipped_errors)."""
+def read_input(path: str) -> list[jsonl_io.InputLine]:
+    """The input file ('-' = stdin) as lines, decoded one by one (module docstring)."""
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else pathlib.Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"--input {path}: {e.strerror or e}") from None
+    return jsonl_io.split_lines(data)
+
+
+def parse_input(lines, *, tokenizer, vocab_size: int, limit: int, defaults, resume: ResumeState | None = None,
+                default_stop: tuple[str, ...] = ()):
+    """-> (records, errors, skipped, skipped_errors). `lines`: InputLines (or str, numbered from 1); `defaults`:
+    engine.SamplingParams from the command line. With `resume`: ids that already have a result are skipped; a
+    line that fails again as already reported in the output is not reported twice (counted in skipped_errors)."""
     from .engine import RequestError
 
     resume = resume or ResumeState()
@@ -228,13 +324,17 @@ def parse_input(lines, *, tokenizer, vocab_size: int, limit: int, defaults, resu
     errors: list[InputError] = []
     seen: dict[str, int] = {}
     skipped = skipped_errors = 0
-    for n, raw in enumerate(lines, start=1):
-        if not raw.strip():
+    for i, item in enumerate(lines, start=1):
+        line = item if isinstance(item, jsonl_io.InputLine) else jsonl_io.InputLine(i, item)
+        n = line.number
+        if line.text is not None and not line.text.strip():
             continue
         rid = None
         try:
-            rec = _parse_line(raw, n, seen, resume.done_ids, tokenizer=tokenizer, vocab_size=vocab_size,
-                              limit=limit, defaults=defaults)
+            if line.error is not None:
+                raise RequestError(line.error, None)
+            rec = _parse_line(line.text, n, seen, resume.done_ids, tokenizer=tokenizer, vocab_size=vocab_size,
+                              limit=limit, defaults=defaults, default_stop=default_stop)
         except RequestError as e:
             rid = e.args[1] if len(e.args) > 1 else None
             if (n, _id_key(rid)) in resume.reported:
@@ -249,7 +349,53 @@ def parse_input(lines, *, tokenizer, vocab_size: int, limit: int, defaults, resu
     return records, errors, skipped, skipped_errors
 
 
-def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab_size: int, limit: int, defaults):
+def _text_field(obj, name, fail) -> str:
+    v = obj[name]
+    if not isinstance(v, str):
+        fail(f"'{name}' must be a string, got {type(v).__name__}")
+    bad = jsonl_io.lone_surrogate(v)
+    if bad:
+        fail(f"'{name}' holds a {bad}")
+    return v
+
+
+def _stop_strings(v, fail) -> tuple[str, ...]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        fail("'stop' must be a string or a list of strings")
+    for s in items:
+        if not s:
+            fail("'stop' holds an empty string")
+        bad = jsonl_io.lone_surrogate(s)
+        if bad:
+            fail(f"'stop' holds a {bad}")
+    return tuple(items)
+
+
+def _chat_ids(messages, tokenizer, fail) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        fail("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            fail(f"messages[{j}] must be an object with string 'role' and 'content'")
+        for k in ("role", "content"):
+            bad = jsonl_io.lone_surrogate(m[k])
+            if bad:
+                fail(f"messages[{j}].{k} holds a {bad}")
+    if tokenizer is None:
+        fail("this model has no tokenizer (no tokenizer.json): give 'prompt_ids'")
+    if not hasattr(tokenizer, "apply_chat_template"):
+        fail(f"this model's tokenizer ({type(tokenizer).__name__}) has no chat template: give 'prompt' or "
+             "'prompt_ids'")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:   # noqa: BLE001 - a template error (jinja2, no template) fails this line only
+        fail(f"chat template failed: {type(e).__name__}: {e}")
+    return list(ids)
+
+
+def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab_size: int, limit: int, defaults,
+                default_stop: tuple[str, ...] = ()):
     """One input line -> Record, or None if its id already has a result. Raises RequestError(message, id)."""
     from .engine import RequestError
 
@@ -265,6 +411,9 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
     if not isinstance(obj, dict):
         fail(f"expected a JSON object, got {type(obj).__name__}")
     rid = obj.get("id")
+    if isinstance(rid, str) and jsonl_io.lone_surrogate(rid):
+        rid = None
+        fail("'id' holds a " + jsonl_io.lone_surrogate(obj["id"]))
     unknown = sorted(set(obj) - set(KNOWN_FIELDS))
     if unknown:
         fail(f"unknown field(s) {', '.join(map(repr, unknown))} (known: {', '.join(KNOWN_FIELDS)})")
@@ -278,12 +427,16 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
     seen[key] = n
     if key in done_ids:
         return None
-    if ("prompt" in obj) == ("prompt_ids" in obj):
-        fail("give exactly one of 'prompt' (text) and 'prompt_ids' (token ids)")
-    if "prompt" in obj:
-        text = obj["prompt"]
-        if not isinstance(text, str):
-            fail(f"'prompt' must be a string, got {type(text).__name__}")
+    given = [k for k in ("messages", "prompt", "prompt_ids") if k in obj]
+    if len(given) != 1:
+        fail("give exactly one of 'messages' (chat), 'prompt' (text) and 'prompt_ids' (token ids)"
+             + (f"; got {', '.join(given)}" if given else ""))
+    if "messages" in obj:
+        ids = _chat_ids(obj["messages"], tokenizer, fail)
+        if not ids:
+            fail("empty prompt (the chat template rendered nothing)")
+    elif "prompt" in obj:
+        text = _text_field(obj, "prompt", fail)
         if not text.strip():
             fail("empty prompt" + (" (only whitespace)" if text else ""))
         if tokenizer is None:
@@ -295,14 +448,20 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
             fail("'prompt_ids' must be a list of ints")
         if not ids:
             fail("empty prompt")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            fail(f"token id {bad[0]} outside [0, vocab_size = {vocab_size})")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        fail(f"token id {bad[0]} outside [0, vocab_size = {vocab_size})")
     over = {k: obj[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed") if k in obj}
+    if "max_tokens" in obj:
+        if "max_new_tokens" in obj and obj["max_new_tokens"] != obj["max_tokens"]:
+            fail(f"max_tokens = {obj['max_tokens']!r} and max_new_tokens = {obj['max_new_tokens']!r} disagree "
+                 "(they are one setting: give one)")
+        over["max_new_tokens"] = obj["max_tokens"]
     if "stop_ids" in obj:
         if not isinstance(obj["stop_ids"], list):
             fail("'stop_ids' must be a list of ints")
         over["stop_ids"] = tuple(obj["stop_ids"])
+    stop = _stop_strings(obj["stop"], fail) if "stop" in obj else default_stop
     sp = dataclasses.replace(defaults, **over)
     try:
         sp.check(vocab_size)
@@ -311,11 +470,41 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
     if len(ids) + 1 > limit:
         fail(f"prompt of {len(ids)} tokens is longer than the context limit of {limit} tokens (with room for one "
              "generated token; --max-context)")
-    rec = Record(n, rid, [int(t) for t in ids], sp)
+    rec = Record(n, rid, [int(t) for t in ids], sp, stop=stop)
     if len(ids) + sp.max_new_tokens > limit:
         rec.capped_from = sp.max_new_tokens
         rec.sampling = dataclasses.replace(sp, max_new_tokens=limit - len(ids))
     return rec
+
+
+# ---- stop strings -----------------------------------------------------------------------------------------------
+def find_stop(text: str, stops) -> tuple[int, str] | None:
+    """The earliest stop string in `text` -> (its index, the string), or None."""
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def apply_stop(tokens: list[int], tokenizer, stops) -> tuple[str | None, list[int], str | None]:
+    """-> (text cut before the first stop string, the tokens up to the one that completed it, the stop string);
+    with no stop string in the text: (the whole text, all tokens, None)."""
+    if tokenizer is None:
+        return None, tokens, None
+    text = tokenizer.decode(tokens)
+    hit = find_stop(text, stops) if stops else None
+    if hit is None:
+        return text, tokens, None
+    lo, hi = 1, len(tokens)          # the fewest tokens whose text holds a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if find_stop(tokenizer.decode(tokens[:mid]), stops) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return text[:hit[0]], tokens[:lo], hit[1]
 
 
 # ---- generate ---------------------------------------------------------------------------------------------------
@@ -349,6 +538,45 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     except ValueError as e:
         raise UsageError(f"cache settings: {e}") from None
     return cfg
+
+
+def device_memory_bytes(device=None) -> tuple[int | None, str]:
+    """-> (bytes the device can hold, what that is): the allocator's limit on an accelerator; on CPU, whose
+    'device memory' is host RAM, MemAvailable."""
+    import jax
+    device = device or jax.devices()[0]
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:   # noqa: BLE001 - CPU devices may not report memory stats
+        limit = None
+    if limit:
+        return int(limit), f"{device.device_kind} memory"
+    from .cache_state import _pinnable_host_bytes
+    avail = _pinnable_host_bytes()
+    return avail, "available host memory (MemAvailable; the CPU backend's device memory)"
+
+
+def check_device_memory(args, cfg, param_bytes: int, limit: int | None, what: str) -> None:
+    """Refuse, before allocating, a cache (frame pool, tail ring, summaries, or the dense KV) that with the weights
+    exceeds the device's memory; with --hbm-pages, name it and the largest value that fits."""
+    from . import report as report_mod
+    if limit is None:
+        return
+    fp = report_mod.footprint(cfg, args.attention)
+    need = fp["hbm_bytes"] // max(1, cfg.tp) + param_bytes
+    if need <= limit:
+        return
+    gib = 2**30
+    msg = (f"the cache needs {fp['hbm_bytes'] // max(1, cfg.tp) / gib:.2f} GiB of device memory and the weights "
+           f"{param_bytes / gib:.2f} GiB, but the device has {limit / gib:.2f} GiB ({what})")
+    if args.hbm_pages is not None and args.attention == "sparse":
+        per_frame = 2 * cfg.page_bytes + 12                   # K + V page, PB-LRU tag/stamp
+        frames = fp["hbm_detail"]["frames"] + fp["hbm_detail"]["pb_lru"]
+        room = limit - (need - frames)
+        fits = max(0, room // per_frame)
+        raise UsageError(f"--hbm-pages {args.hbm_pages}: {cfg.num_frames} frames x {per_frame} B = "
+                         f"{frames / gib:.2f} GiB; {msg}: at most about {fits} pages fit")
+    raise UsageError(f"{msg}: lower --max-seqs, --max-context or --token-budget (or --hbm-pages)")
 
 
 def find_tp_module():
@@ -386,22 +614,122 @@ def _is_tty(stream) -> bool:
         return False
 
 
-def cmd_generate(args) -> int:
-    t_start = time.perf_counter()
-    out_path = pathlib.Path(args.output)
-    if not out_path.parent.exists():
-        raise UsageError(f"--output {args.output}: folder {out_path.parent} does not exist")
+def setup_compile_cache(choice: str | None) -> str | None:
+    """Point JAX's persistent compilation cache at `choice` ('off' = leave it off; None = $JAX_COMPILATION_CACHE_DIR
+    if set, else default_compile_cache_dir()) -> the folder used, or None. Every compile that takes 0.1 s or more is
+    kept: the decode chunk and each prompt bucket, which make up the ~20 s a restart otherwise spends compiling."""
+    if choice is not None and choice.strip().lower() == "off":
+        return None
+    folder = choice or os.environ.get(COMPILE_CACHE_ENV) or str(default_compile_cache_dir())
+    p = pathlib.Path(folder)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--compile-cache {folder}: cannot create it ({e.strerror}); 'off' runs without it") \
+            from None
+    jsonl_io.check_writable_dir(p, "--compile-cache")
+    import jax
+    jax.config.update("jax_compilation_cache_dir", str(p))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return str(p)
+
+
+def run_settings(args) -> dict:
+    """What decides a run's outputs, for the --resume fingerprint: the model, dtype, sampling defaults, limits.
+    (Pool sizes, slots and --tp change speed, not tokens: they are left out.)"""
+    model = args.model or "tiny"
+    if pathlib.Path(model).exists():
+        model = os.path.realpath(model)
+    return {"model": model, "dtype": resolve_dtype(args.dtype), "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "stop_ids": args.stop_ids, "stop": list(args.stop),
+            "max_context": args.max_context, "token_budget": args.token_budget, "page_size": args.page_size,
+            "attention": args.attention}
+
+
+def check_paths(args) -> None:
+    """Every path the run writes, checked before the model loads (module docstring)."""
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite contradict each other")
-    if out_path.exists() and out_path.stat().st_size and not (args.resume or args.overwrite):
+    if args.force and not args.resume:
+        raise UsageError("--force only applies to --resume")
+    if args.input != "-":
+        inp = pathlib.Path(args.input)
+        if not inp.exists():
+            raise UsageError(f"--input {args.input} does not exist")
+        if jsonl_io.same_file(args.input, args.output):
+            raise UsageError(f"--output {args.output} is the input file {args.input}"
+                             + (f" (both resolve to {os.path.realpath(args.output)})"
+                                if args.input != args.output else "") + ": results would replace the prompts")
+    jsonl_io.check_writable_file(args.output, "--output")
+    out = pathlib.Path(args.output)
+    if out.exists() and out.stat().st_size and not (args.resume or args.overwrite):
         raise UsageError(f"--output {args.output} exists and is not empty: --resume to continue it, --overwrite "
                          "to replace it")
-    resume = read_resume_state(out_path) if args.resume else ResumeState()
+    plot = args.plot or (str(pathlib.Path(args.report).with_suffix(".png")) if args.report else None)
+    for flag, path in (("--report", args.report), ("--plot", plot)):
+        if path is None:
+            continue
+        jsonl_io.check_writable_file(path, flag)
+        for other, name in ((args.output, "--output"), (args.input, "--input")):
+            if other != "-" and jsonl_io.same_file(path, other):
+                raise UsageError(f"{flag} {path} is the same file as {name} {other}")
+
+
+def _prepare_resume(args, fingerprint: str) -> ResumeState:
+    """Read --output for --resume: refuse other settings (unless --force), repair a torn last line, drop error
+    records a success supersedes, rewriting the file atomically if anything changed."""
+    existing = jsonl_io.read_output(args.output)
+    if existing.bad_lines and not args.force:
+        ln = existing.bad_lines
+        raise UsageError(f"--output {args.output}: line(s) {', '.join(map(str, ln[:5]))}{' ...' if len(ln) > 5 else ''}"
+                         " are not result records (not a ulacache output?); --force drops them")
+    other = existing.other_settings(fingerprint)
+    if other and not args.force:
+        fps = sorted({str(r.get(jsonl_io.SETTINGS_FIELD)) for r in other})
+        raise UsageError(f"--resume: {len(other)} of the {len(existing.records)} records in {args.output} were made "
+                         f"with other settings (fingerprint {', '.join(fps[:3])}; this run's is {fingerprint}: "
+                         "model, dtype, sampling defaults, --max-context, --token-budget, --page-size, "
+                         "--attention): rerun with the same options, or --force to mix them")
+    kept = jsonl_io.compact(existing.records)
+    if existing.torn_tail or existing.bad_lines or len(kept) != len(existing.records):
+        jsonl_io.rewrite_output(args.output, kept)
+        parts = []
+        if existing.torn_tail:
+            parts.append(f"a torn last line ({len(existing.torn_tail)} bytes) dropped")
+        if existing.bad_lines:
+            parts.append(f"{len(existing.bad_lines)} non-record lines dropped (--force)")
+        if len(kept) != len(existing.records):
+            parts.append(f"{len(existing.records) - len(kept)} superseded error records removed")
+        print(f"ulacache: --resume: repaired {args.output}: {'; '.join(parts)}", file=sys.stderr)
+    return resume_state(kept)
+
+
+def _finish_resume(args) -> None:
+    """After a --resume run: the new successes supersede old error records; rewrite atomically if so."""
+    existing = jsonl_io.read_output(args.output)
+    kept = jsonl_io.compact(existing.records)
+    if len(kept) != len(existing.records) or existing.torn_tail:
+        jsonl_io.rewrite_output(args.output, kept)
+
+
+def cmd_generate(args) -> int:
+    t_start = time.perf_counter()
+    check_paths(args)
+    lock = jsonl_io.OutputLock(args.output).acquire()
     try:
-        lines = sys.stdin.read().splitlines() if args.input == "-" else \
-            pathlib.Path(args.input).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--input {args.input}: {e}") from None
+        return _generate_locked(args, t_start)
+    finally:
+        lock.release()
+
+
+def _generate_locked(args, t_start: float) -> int:
+    settings = run_settings(args)
+    fingerprint = jsonl_io.settings_fingerprint(settings)
+    resume = _prepare_resume(args, fingerprint) if args.resume else ResumeState()
+    lines = read_input(args.input)
+    setup_compile_cache(args.compile_cache)
 
     from .engine import Engine, SamplingParams
     from . import report as report_mod
@@ -425,6 +753,11 @@ def cmd_generate(args) -> int:
             stops = tuple(int(s) for s in args.stop_ids.split(",") if s.strip())
         except ValueError:
             raise UsageError(f"--stop-ids {args.stop_ids!r}: expected comma-separated ints") from None
+    stop_strings = tuple(args.stop)
+    if any(not s for s in stop_strings):
+        raise UsageError("--stop: empty stop string")
+    if stop_strings and loaded.tokenizer is None:
+        raise UsageError("--stop needs a tokenizer to decode the text; this model has none (use --stop-ids)")
     defaults = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=None, stop_ids=stops)
     try:
@@ -433,7 +766,8 @@ def cmd_generate(args) -> int:
         raise UsageError(str(e)) from None
     limit = args.max_context or mc.max_position_embeddings
     records, errors, skipped, skipped_errors = parse_input(lines, tokenizer=loaded.tokenizer, vocab_size=mc.vocab_size,
-                                                           limit=limit, defaults=defaults, resume=resume)
+                                                           limit=limit, defaults=defaults, resume=resume,
+                                                           default_stop=stop_strings)
     for e in errors:
         print(f"{args.input}:{e.line}: id {json.dumps(e.id)}: {e.error}", file=sys.stderr)
     if skipped or skipped_errors:
@@ -441,10 +775,12 @@ def cmd_generate(args) -> int:
               "errors already reported there, not repeated", file=sys.stderr)
 
     engine = None
+    param_bytes = _param_bytes(loaded.model)
     if records:   # built before the output is touched: a bad cache setting leaves it as it was
         longest = min(limit, max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in records))
         num_seqs = min(args.max_seqs, len(records))
         cfg = _cache_config(args, mc, loaded.model.dtype, num_seqs, longest, tp_mod)
+        check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes())
         try:
             if tp_mod is not None:
                 engine = Engine(generator=tp_mod.TPGenerator(loaded.model, cfg), seed=args.seed,
@@ -455,19 +791,20 @@ def cmd_generate(args) -> int:
         except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
             raise UsageError(f"cache: {e}") from None
 
-    mode = "a" if args.resume else "w"
+    def stamp(d: dict) -> dict:
+        d[jsonl_io.SETTINGS_FIELD] = fingerprint
+        return d
+
     engine_failed = 0
-    interrupted = False
+    interrupted: KeyboardInterrupt | None = None
+    write_error: OutputError | None = None
     rep = None
-    with open(out_path, mode, encoding="utf-8") as out:
-        if resume.need_newline:
-            out.write("\n")
-        for e in errors:
-            out.write(json.dumps(e.as_output()) + "\n")
-        out.flush()
+    finished = []
+    writer = jsonl_io.ResultWriter(args.output, append=args.resume)
+    try:
+        writer.write_batch([stamp(e.as_output()) for e in errors])
         if engine is not None:
             by_rid = {engine.add_request(r.prompt_ids, r.sampling): r for r in records}
-            finished = []
             bar = None
             if _is_tty(sys.stderr) and not args.no_progress:
                 from tqdm import tqdm
@@ -475,66 +812,93 @@ def cmd_generate(args) -> int:
             n_tokens = 0
             try:
                 while engine.has_unfinished():
+                    batch = []
                     for ev in engine.step():
                         n_tokens += len(ev.new_tokens)
+                        rec = by_rid[ev.request_id]
                         if not ev.finished:
+                            if rec.stop and hasattr(engine, "abort"):
+                                _abort_on_stop(engine, ev.request_id, rec, loaded.tokenizer)
                             continue
                         req = engine.pop(ev.request_id)
-                        rec = by_rid[ev.request_id]
                         finished.append(req)
-                        out.write(json.dumps(_result_line(rec, req, loaded.tokenizer)) + "\n")
-                        out.flush()
+                        batch.append(stamp(_result_line(rec, req, loaded.tokenizer)))
                         if req.finish_reason == "error":
                             engine_failed += 1
                             print(f"{args.input}:{rec.line}: id {json.dumps(rec.id)}: {req.error}", file=sys.stderr)
                         if bar is not None:
                             bar.update(1)
+                    writer.write_batch(batch)      # whole lines, fsynced, once per step
                     if bar is not None:
                         el = engine.elapsed()
                         bar.set_postfix_str(f"{n_tokens / el:.1f} tok/s, {engine.num_running} running, "
                                             f"{engine.num_queued} queued" if el > 0 else "")
-            except KeyboardInterrupt:
-                interrupted = True
+            except KeyboardInterrupt as e:
+                interrupted = e
             finally:
                 if bar is not None:
                     bar.close()
-            rep = report_mod.build_report(
-                engine, finished, wall_s=time.perf_counter() - t_start, model_label=loaded.label,
-                random_weights=loaded.random_weights, param_bytes=_param_bytes(loaded.model),
-                extra={"input": args.input, "output": args.output,
-                       "lines": {"requests": len(records), "input_errors": len(errors), "skipped_resume": skipped,
-                                 "input_errors_reported_before": skipped_errors},
-                       "input_errors": [dataclasses.asdict(e) for e in errors], "interrupted": interrupted})
-    if interrupted:
-        print(f"ulacache: interrupted; finished requests are in {args.output}: rerun with --resume to continue",
-              file=sys.stderr)
+    except OutputError as e:
+        write_error = e
+    finally:
+        writer.close()
+    if args.resume and write_error is None:
+        _finish_resume(args)
+    if engine is not None:
+        rep = report_mod.build_report(
+            engine, finished, wall_s=time.perf_counter() - t_start, model_label=loaded.label,
+            random_weights=loaded.random_weights, param_bytes=param_bytes,
+            extra={"input": args.input, "output": args.output, "settings": settings,
+                   "settings_fingerprint": fingerprint,
+                   "lines": {"requests": len(records), "input_errors": len(errors), "skipped_resume": skipped,
+                             "input_errors_reported_before": skipped_errors},
+                   "input_errors": [dataclasses.asdict(e) for e in errors],
+                   "interrupted": None if interrupted is None else _signal_name(interrupted)})
+    if write_error is not None:
+        print(f"ulacache generate: error: {write_error}", file=sys.stderr)
+    if interrupted is not None:
+        print(f"ulacache: interrupted by {_signal_name(interrupted)}; the {len(finished)} requests finished in this "
+              f"run are in {args.output}: rerun with --resume to continue", file=sys.stderr)
     if rep is not None:
-        if args.report:
-            plot = args.plot or str(pathlib.Path(args.report).with_suffix(".png"))
-            rep["plot"] = plot
-            report_mod.write_json(rep, args.report)
-            report_mod.plot_timeline(rep, plot)
-        elif args.plot:
-            report_mod.plot_timeline(rep, args.plot)
+        plot = args.plot or (str(pathlib.Path(args.report).with_suffix(".png")) if args.report else None)
+        try:
+            if args.report:
+                rep["plot"] = plot
+                report_mod.write_json(rep, args.report)
+            if plot:
+                report_mod.plot_timeline(rep, plot)
+        except OSError as e:
+            print(f"ulacache generate: error: cannot write the report or plot ({e})", file=sys.stderr)
+            write_error = write_error or OutputError(str(e))
         if not args.quiet:
             print(report_mod.format_report(rep))
             if args.report:
                 print(f"report: {args.report}  plot: {rep['plot']}")
     elif not args.quiet:
         print(f"ulacache: nothing to run ({len(errors)} input errors, {skipped} ids already done)")
-    if interrupted:
-        return EXIT_INTERRUPTED
+    if interrupted is not None:
+        return _exit_code(interrupted)
     # with --resume, input errors reported by the earlier run still count: the input still has failing lines
-    return EXIT_FAILED if errors or skipped_errors or engine_failed else EXIT_OK
+    return EXIT_FAILED if errors or skipped_errors or engine_failed or write_error else EXIT_OK
+
+
+def _abort_on_stop(engine, request_id: int, rec: Record, tokenizer) -> None:
+    """End a running request early once its text holds a stop string (an Engine with `abort(request_id)`;
+    without it the request runs to its limit and the text is cut afterwards, same output)."""
+    req = engine.get(request_id)
+    if tokenizer is not None and find_stop(tokenizer.decode(req.tokens), rec.stop) is not None:
+        engine.abort(request_id)
 
 
 def _result_line(rec: Record, req, tokenizer) -> dict:
     if req.finish_reason == "error":
         return {"id": rec.id, "line": rec.line, "finish_reason": "error", "error": req.error}
-    out = {"id": rec.id, "line": rec.line,
-           "text": tokenizer.decode(req.tokens) if tokenizer is not None else None,
-           "ids": req.tokens, "finish_reason": req.finish_reason,
-           "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.tokens)}
+    text, tokens, stop = apply_stop(list(req.tokens), tokenizer, rec.stop)
+    out = {"id": rec.id, "line": rec.line, "text": text, "token_ids": tokens,
+           "finish_reason": "stop" if stop is not None else req.finish_reason,
+           "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(tokens)}
+    if stop is not None:
+        out["stop_reason"] = stop
     if rec.capped_from is not None or req.capped:
         out["max_new_tokens_capped_to"] = req.max_new_tokens
     return out

@@ -197,13 +197,14 @@ def format_report(rep: dict) -> str:
 
 
 def write_json(rep: dict, path: str | os.PathLike) -> None:
-    with open(path, "w") as f:
-        json.dump(rep, f, indent=1, default=str)
-        f.write("\n")
+    """Written to a temp file beside `path` and renamed over it: a crash leaves the old report or the new one."""
+    from .jsonl_io import atomic_write_bytes
+    atomic_write_bytes(path, (json.dumps(rep, indent=1, default=str) + "\n").encode())
 
 
 def plot_timeline(rep: dict, path: str | os.PathLike) -> None:
-    """PNG: HBM hit rate per step and throughput (per step and cumulative) against time."""
+    """PNG: HBM hit rate per step and throughput (per step and cumulative) against time (written to a temp file
+    and renamed, like the report)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -231,5 +232,8 @@ def plot_timeline(rep: dict, path: str | os.PathLike) -> None:
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    from .jsonl_io import atomic_write
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    finally:
+        plt.close(fig)
