@@ -20,8 +20,8 @@ Kernel design:
 - Offsets: the Triton lowering switches to 64-bit offsets when an operand exceeds 2**32 bytes (jax 0.11.2 and
   0.12), and the page index is a scalar on the leading axis, so pools over 2**31 elements are addressed correctly
   (probed on the H200: a 5 GiB pinned pool and a 5 GiB HBM pool round-trip exactly past element 2**31).
-- Pages per program (1..8), masked loads issued before the stores, and 8 warps all measured the same (PCIe bound),
-  so the default is one page per program. K and V go in one launch by passing lists.
+- Pages per program (1..8) and the warp count do not change the rate (PCIe bound: docs/BENCHMARKS.md), so the
+  default is one page per program. K and V go in one launch by passing lists.
 - A leading rank axis ([R, pages, ...], the cache state's layout) is indexed inside the kernel (`rank=`), so no XLA
   slice of a pinned_host operand is needed; under `jax.shard_map` the output type carries the input's manual axes.
 
@@ -38,6 +38,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
 
 from . import on_gpu, pick_impl
 
@@ -76,7 +77,7 @@ def page_tiles(page_shape: tuple[int, ...], itemsize: int, max_tile_bytes: int =
     return tiles
 
 
-def _copy_kernel(*refs, num_arrays, pages_per_program, tiles, src_sizes, dst_sizes, masked, src_rank, dst_rank):
+def _copy_kernel(*refs, num_arrays, pages_per_program, tiles, src_sizes, dst_sizes, src_rank, dst_rank):
     # refs: src_idx [Np] int32, dst_idx [Np] int32, then one [1] int32 ref per traced rank (source, destination),
     #       src_0..src_{A-1} [(R,) M, rows, heads, dim] (HBM or pinned host),
     #       dst_in_0..dst_in_{A-1} (aliased to the outputs, never read), dst_0..dst_{A-1} [(R,) F, rows, heads, dim].
@@ -103,33 +104,13 @@ def _copy_kernel(*refs, num_arrays, pages_per_program, tiles, src_sizes, dst_siz
         d = dst_idx_ref[base + j]
         ok = (s >= 0) & (d >= 0) & (s < src_sizes) & (d < dst_sizes)
         entries.append((s, d, ok))
-    if not masked:
-        for s, d, ok in entries:
-            @pl.when(ok)
-            def _copy(s=s, d=d):
-                for a in range(num_arrays):
-                    for (r0, rs), (h0, hs), (c0, cs) in tiles[a]:
-                        sl = (pl.ds(r0, rs), pl.ds(h0, hs), pl.ds(c0, cs))
-                        dsts[a][d_pre + (d,) + sl] = srcs[a][s_pre + (s,) + sl]
-        return
-    # masked: issue every load of the program before the first store (more bytes in flight per program);
-    # invalid entries are predicated off (no memory traffic) and point at page 0.
-    from jax.experimental.pallas import triton as pltr
-    vals = []
     for s, d, ok in entries:
-        s0 = jnp.where(ok, s, 0)
-        for a in range(num_arrays):
-            for (r0, rs), (h0, hs), (c0, cs) in tiles[a]:
-                sl = (pl.ds(r0, rs), pl.ds(h0, hs), pl.ds(c0, cs))
-                vals.append(pltr.load(srcs[a].at[s_pre + (s0,) + sl], mask=jnp.full((rs, hs, cs), ok)))
-    k = 0
-    for s, d, ok in entries:
-        d0 = jnp.where(ok, d, 0)
-        for a in range(num_arrays):
-            for (r0, rs), (h0, hs), (c0, cs) in tiles[a]:
-                sl = (pl.ds(r0, rs), pl.ds(h0, hs), pl.ds(c0, cs))
-                pltr.store(dsts[a].at[d_pre + (d0,) + sl], vals[k], mask=jnp.full((rs, hs, cs), ok))
-                k += 1
+        @pl.when(ok)
+        def _copy(s=s, d=d):
+            for a in range(num_arrays):
+                for (r0, rs), (h0, hs), (c0, cs) in tiles[a]:
+                    sl = (pl.ds(r0, rs), pl.ds(h0, hs), pl.ds(c0, cs))
+                    dsts[a][d_pre + (d,) + sl] = srcs[a][s_pre + (s,) + sl]
 
 
 def _as_list(x) -> tuple[list[jax.Array], bool]:
@@ -180,7 +161,7 @@ def _out_struct(x):
 
 
 def copy_pages_pallas(dst, src, src_idx, dst_idx, *, src_rank=None, dst_rank=None,
-                      pages_per_program: int = PAGES_PER_PROGRAM, num_warps: int = NUM_WARPS, masked: bool = False,
+                      pages_per_program: int = PAGES_PER_PROGRAM, num_warps: int = NUM_WARPS,
                       interpret: bool | None = None, name: str = "page_copy"):
     """dst[dst_idx[i]] = src[src_idx[i]] for every valid i, by one Pallas kernel; dst is aliased (donate it).
 
@@ -205,12 +186,11 @@ def copy_pages_pallas(dst, src, src_idx, dst_idx, *, src_rank=None, dst_rank=Non
     num = len(dsts)
     tiles = tuple(tuple(page_tiles(d.shape[-3:], d.dtype.itemsize)) for d in dsts)
     body = functools.partial(_copy_kernel, num_arrays=num, pages_per_program=ppp, tiles=tiles,
-                             src_sizes=srcs[0].shape[-4], dst_sizes=dsts[0].shape[-4], masked=masked,
+                             src_sizes=srcs[0].shape[-4], dst_sizes=dsts[0].shape[-4],
                              src_rank=s_spec, dst_rank=d_spec)
     body.__name__ = name  # the Triton kernel's name: profiles tell variants apart by it
     kwargs = {}
     if not interpret:
-        from jax.experimental.pallas import triton as pltr
         kwargs["compiler_params"] = pltr.CompilerParams(num_warps=num_warps, num_stages=1)
     out = pl.pallas_call(
         body, grid=(n_pad // ppp,), interpret=interpret, name=name,

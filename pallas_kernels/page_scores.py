@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
 
 from . import on_gpu, pick_impl
 
@@ -62,7 +63,6 @@ def page_scores_pallas(kmin, kmax, qpos, qneg, *, layer: int, interpret: bool = 
         raise ValueError(f"block_pages = {bp} must divide the page count {P}")
     kwargs = {}
     if not interpret:
-        from jax.experimental.pallas import triton as pltr
         kwargs["compiler_params"] = pltr.CompilerParams(num_warps=num_warps)
     summ = pl.BlockSpec((None, None, None, bp, g, D), lambda s, j, b: (s, layer, j, b, 0, 0))
     qspec = pl.BlockSpec((None, None, g, D), lambda s, j, b: (s, j, 0, 0))

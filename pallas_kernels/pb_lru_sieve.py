@@ -1,7 +1,10 @@
 """The PB-LRU recency sieve as Pallas (Triton lowering) kernels: one program owns one bucket.
 
-`access(state, hi, lo, valid, now)` equals `ref_access` (= `ulacache_jax.pb_lru.ref_access`) bit for bit: same
-frames, hit flags, evictions and new state (DESIGN.md section 5). The per-bucket work needs no locks or atomics:
+`access(slots, hi, lo, valid, now)` equals `ref_access` (sort based, below) bit for bit: same frames, hit flags,
+evictions and new slots (DESIGN.md section 5). Arrays in, arrays out: `slots` is one rank's (tag_hi, tag_lo,
+stamp), each [B, S] (uint32, uint32, int32; stamp -1 = empty), and an access returns (new slots, (frame, hit,
+evicted, evicted_hi, evicted_lo)), each [N]; `ulacache_jax.pb_lru` wraps them in its state types and checks
+arguments. The per-bucket work needs no locks or atomics:
 requests are grouped by bucket first, so every slot and every request is written by exactly one program.
 
 1. Grouping: requests are placed bucket by bucket (invalid ones last) into `sorder` (original index), `shi`,
@@ -44,9 +47,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import next_pow2, on_gpu
+from .lid_hash import bucket_bits
 
-from ulacache_jax import lid as lid_mod
-from ulacache_jax.pb_lru import AccessOut, PBLRUState, EMPTY_TAG, ref_access  # noqa: F401  (ref beside the kernel)
+Slots = tuple[jax.Array, jax.Array, jax.Array]                           # tag_hi, tag_lo, stamp: [B, S] each
+Access = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]  # frame, hit, evicted, evicted_hi/lo: [N]
+
+EMPTY_STAMP = -1
+EMPTY_TAG = np.uint32(0xFFFFFFFF)  # an empty slot never matches: lookups also require stamp >= 0
 
 MARK = -2                 # stamp of a slot hit or filled in this batch (general path with S > T, until the end)
 NONE = 2**31 - 1          # "no stamp": larger than any stamp (now <= 2**31 - 2)
@@ -136,6 +143,10 @@ def _scatter(ref, idx, val, mask, size):
 # ----------------------------------------------------------------------------------------------------------------
 # Sort grouping (jnp), for large N x B
 # ----------------------------------------------------------------------------------------------------------------
+def _log2(num_buckets: int) -> int:
+    return num_buckets.bit_length() - 1  # a power of two (checked at the library boundary)
+
+
 def _key_bits(n: int) -> int:
     return max(1, (n - 1).bit_length())
 
@@ -145,7 +156,7 @@ def group_requests(hi, lo, valid, num_buckets: int):
     grouped by bucket (invalid ones last), in original order inside each bucket; bucket b owns grouped positions
     [bstart[b], bstart[b + 1])."""
     n, nb = hi.shape[0], num_buckets
-    bkt = jnp.where(valid, lid_mod.bucket_bits(hi, lo, lid_mod.log2_buckets(nb)), nb)
+    bkt = jnp.where(valid, bucket_bits(hi, lo, _log2(nb)), nb)
     idx = jnp.arange(n, dtype=jnp.int32)
     bits = _key_bits(n)
     if (nb + 1) << bits <= 2**31:  # one int32 key: bucket << bits | index
@@ -164,7 +175,7 @@ def _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, *, n
     """Program b's share of the "scan" grouping: [start, end) of bucket b in the grouped order, and its requests
     written there in original order. start = valid requests of buckets < b (B: the invalid tail after every
     valid one), so each program finds its region alone and only ever writes inside it."""
-    bits = lid_mod.log2_buckets(nb)
+    bits = _log2(nb)
     iq = jnp.arange(q, dtype=jnp.int32)
     u0 = np.uint32(0)
 
@@ -174,7 +185,7 @@ def _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, *, n
         h = plgpu.load(hi_ref.at[pl.ds(i * q, q)], mask=m, other=u0)
         l = plgpu.load(lo_ref.at[pl.ds(i * q, q)], mask=m, other=u0)
         v = plgpu.load(valid_ref.at[pl.ds(i * q, q)], mask=m, other=False)
-        return idx, m, jnp.where(v, lid_mod.bucket_bits(h, l, bits), nb), h, l
+        return idx, m, jnp.where(v, bucket_bits(h, l, bits), nb), h, l
 
     def count(i, c):
         _, m, bk, _, _ = bucket(i)
@@ -462,10 +473,11 @@ def _sieve_kernel(*refs, n, nb, ns, cfg: SieveConfig, interpret):
             general()
 
 
-def sieve_call(state: PBLRUState, requests, now, cfg: SieveConfig, interpret: bool):
-    """The sieve kernel: (new_state, AccessOut). `requests` is (hi, lo, valid) in the caller's order when
+def sieve_call(slots: Slots, requests, now, cfg: SieveConfig, interpret: bool) -> tuple[Slots, Access]:
+    """The sieve kernel: (new slots, access outputs). `requests` is (hi, lo, valid) in the caller's order when
     cfg.grouping == "scan" (the kernel groups them itself), else grouped requests from `group_requests`."""
-    nb, ns = state.stamp.shape
+    tag_hi, tag_lo, stamp = slots
+    nb, ns = stamp.shape
     nf, n = nb * ns, requests[0].shape[0]
     scan = cfg.grouping == "scan"
     if len(requests) != (3 if scan else 4):
@@ -485,28 +497,94 @@ def sieve_call(state: PBLRUState, requests, now, cfg: SieveConfig, interpret: bo
         input_output_aliases={k: 0, k + 1: 1, k + 2: 2},
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
     )(*requests, jnp.reshape(now, (1,)).astype(jnp.int32),
-      state.tag_hi.reshape(nf), state.tag_lo.reshape(nf), state.stamp.reshape(nf))
-    th, tl, ts, frame, hit, ev, evh, evl = outs[:8]
-    new = PBLRUState(tag_hi=th.reshape(nb, ns), tag_lo=tl.reshape(nb, ns), stamp=ts.reshape(nb, ns))
-    return new, AccessOut(frame=frame, hit=hit, evicted=ev, evicted_hi=evh, evicted_lo=evl)
+      tag_hi.reshape(nf), tag_lo.reshape(nf), stamp.reshape(nf))
+    th, tl, ts = (a.reshape(nb, ns) for a in outs[:3])
+    return (th, tl, ts), tuple(outs[3:8])
 
 
 @partial(jax.jit, static_argnames=("config", "interpret"))
-def access(state: PBLRUState, hi, lo, valid, now, *, config: SieveConfig | None = None,
-           interpret: bool | None = None) -> tuple[PBLRUState, AccessOut]:
-    """Batched PB-LRU access (no argument checks; see `pb_lru.access`). hi, lo [N] uint32, valid [N] bool,
-    now int32 scalar. Compiled on GPU, interpret mode elsewhere (or as `interpret` says). The state is
-    updated in place when the caller donates it (otherwise XLA copies it once for the aliased kernel)."""
-    nb, ns = state.stamp.shape
+def access(slots: Slots, hi, lo, valid, now, *, config: SieveConfig | None = None,
+           interpret: bool | None = None) -> tuple[Slots, Access]:
+    """Batched PB-LRU access by the kernel (no argument checks; `ulacache_jax.pb_lru.access` checks).
+    slots: (tag_hi, tag_lo, stamp) [B, S]; hi, lo [N] uint32, valid [N] bool, now int32 scalar. Returns (new
+    slots, (frame [N] int32, hit [N] bool, evicted [N] bool, evicted_hi, evicted_lo [N] uint32)). Compiled on GPU,
+    interpret mode elsewhere (or as `interpret` says). The slots are updated in place when the caller donates
+    them (otherwise XLA copies them once for the aliased kernel)."""
+    nb, ns = slots[2].shape
     n = hi.shape[0]
     if interpret is None:
         interpret = not on_gpu()
     if n == 0:
         e = jnp.zeros((0,), jnp.uint32)
-        return state, AccessOut(frame=jnp.zeros((0,), jnp.int32), hit=jnp.zeros((0,), bool),
-                                evicted=jnp.zeros((0,), bool), evicted_hi=e, evicted_lo=e)
+        return tuple(slots), (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), bool), jnp.zeros((0,), bool), e, e)
     cfg = config or choose_config(n, nb, ns)
     now = jnp.asarray(now, jnp.int32)
     if cfg.grouping == "scan":
-        return sieve_call(state, (hi, lo, valid), now, cfg, interpret)
-    return sieve_call(state, group_requests(hi, lo, valid, nb), now, cfg, interpret)
+        return sieve_call(slots, (hi, lo, valid), now, cfg, interpret)
+    return sieve_call(slots, group_requests(hi, lo, valid, nb), now, cfg, interpret)
+
+
+@jax.jit
+def ref_access(slots: Slots, hi, lo, valid, now) -> tuple[Slots, Access]:
+    """The reference of `access`, in jnp (same arguments and results). Sort based (no [N, S] compare matrix),
+    so it also serves pools of a million frames with B = 1 (a global LRU)."""
+    tag_hi, tag_lo, stamp = slots
+    nb, ns = stamp.shape
+    nf, n = nb * ns, hi.shape[0]
+    req_bucket = bucket_bits(hi, lo, _log2(nb))                                  # [N] int32
+
+    # 1. Hits and duplicates in one sort of slots and requests by (dead, hi, lo, id): ids [0, F) are slots,
+    #    [F, F + N) requests, so a resident LID's slot heads its run and the first request of a missing LID does.
+    occupied = stamp.reshape(nf) >= 0
+    dead = jnp.concatenate([~occupied, ~valid]).astype(jnp.int32)               # [F+N]
+    key_hi = jnp.concatenate([tag_hi.reshape(nf), hi])
+    key_lo = jnp.concatenate([tag_lo.reshape(nf), lo])
+    ids = jnp.arange(nf + n, dtype=jnp.int32)
+    s_dead, s_hi, s_lo, s_id = lax.sort((dead, key_hi, key_lo, ids), num_keys=4)
+    pos = jnp.arange(nf + n, dtype=jnp.int32)
+    run_start = jnp.concatenate([jnp.ones((1,), bool),
+                                 (s_dead[1:] != s_dead[:-1]) | (s_hi[1:] != s_hi[:-1]) | (s_lo[1:] != s_lo[:-1])])
+    head = lax.cummax(jnp.where(run_start, pos, 0))                               # [F+N] run head position
+    head_id = s_id[head]
+    is_req = s_id >= nf
+    req_of = jnp.where(is_req, s_id - nf, n)                                      # n = dropped
+    hit = jnp.zeros(n, bool).at[req_of].set(head_id < nf, mode="drop") & valid   # [N]
+    first = jnp.zeros(n, jnp.int32).at[req_of].set(head_id - nf, mode="drop")     # [N] first occurrence (misses)
+    hit_frame = jnp.zeros(n, jnp.int32).at[req_of].set(head_id, mode="drop")      # [N] slot id when hit
+
+    # 2. Rank each distinct missing LID within its bucket by first appearance.
+    idx = jnp.arange(n, dtype=jnp.int32)
+    is_first_miss = valid & ~hit & (first == idx)
+    mkey = jnp.where(is_first_miss, req_bucket, nb)
+    s_mkey, s_midx = lax.sort((mkey, idx), num_keys=2)
+    bucket_start = jnp.searchsorted(s_mkey, jnp.arange(nb + 1, dtype=jnp.int32), side="left")
+    s_rank = jnp.arange(n, dtype=jnp.int32) - bucket_start[jnp.minimum(s_mkey, nb)]
+    rank = jnp.zeros(n, jnp.int32).at[s_midx].set(s_rank)                        # [N] (meaningful on first misses)
+
+    # 3. Candidates of each bucket: slots not hit in this batch, by (stamp, slot); empty slots (stamp -1) first.
+    hit_slot = jnp.zeros(nf, jnp.int32).at[jnp.where(hit, hit_frame, nf)].set(1, mode="drop").reshape(nb, ns)
+    slot_idx = jnp.broadcast_to(jnp.arange(ns, dtype=jnp.int32), (nb, ns))
+    _, _, cand = lax.sort((hit_slot, stamp, slot_idx), dimension=1, num_keys=3)  # [B, S]
+    num_cand = ns - hit_slot.sum(axis=1)                                         # [B]
+
+    # 4. Fill: the r-th distinct miss of bucket b takes cand[b, r] when r < num_cand[b].
+    fits = is_first_miss & (rank < num_cand[req_bucket])
+    fill_frame = req_bucket * ns + cand[req_bucket, jnp.minimum(rank, ns - 1)]
+    fill_frame = jnp.where(fits, fill_frame, -1)                                  # [N], on first misses only
+    frame = jnp.where(hit, hit_frame, fill_frame[first])
+    frame = jnp.where(valid, frame, -1)
+
+    safe = jnp.maximum(fill_frame, 0)
+    flat_hi, flat_lo, flat_stamp = tag_hi.reshape(nf), tag_lo.reshape(nf), stamp.reshape(nf)
+    evicted = fits & (flat_stamp[safe] >= 0)
+    evicted_hi = jnp.where(evicted, flat_hi[safe], EMPTY_TAG)
+    evicted_lo = jnp.where(evicted, flat_lo[safe], EMPTY_TAG)
+
+    # 5. New slots: hit slots and filled slots get stamp `now`; filled slots take their new tags.
+    touched = jnp.where(hit, hit_frame, jnp.where(fits, fill_frame, nf))
+    new_stamp = flat_stamp.at[touched].set(now, mode="drop")
+    put = jnp.where(fits, fill_frame, nf)
+    new_hi = flat_hi.at[put].set(hi, mode="drop")
+    new_lo = flat_lo.at[put].set(lo, mode="drop")
+    new = (new_hi.reshape(nb, ns), new_lo.reshape(nb, ns), new_stamp.reshape(nb, ns))
+    return new, (frame, hit, evicted, evicted_hi, evicted_lo)

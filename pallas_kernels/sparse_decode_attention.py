@@ -38,19 +38,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as pltriton
 
 from . import next_pow2, on_gpu, on_hopper
 
-try:  # Triton-lowering primitives (masked load/store, compiler params); present in jax 0.11.2 and 0.12
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover - a jax without the Triton backend
-    pltriton = None
 
 ANY = pl.BlockSpec(memory_space=None)  # the whole array, left where it is (HBM or pinned_host)
 NEG_INIT = -1e30  # finite start of the running max: an all-masked row keeps m = NEG_INIT, l = 0 and never NaNs
 NUM_SMS_H200 = 132
 IMPLS = ("auto", "pallas", "mosaic", "ref")  # pallas = the Triton-lowering kernel (every feature)
-AUTO_GPU_BACKEND = "mosaic"  # impl="auto" on GPU where both apply: measured faster (docs/benchmarks/attention.md)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -377,7 +374,6 @@ def _mosaic_partials(q4, pk, pv, frame, start, seq_len, *, nq, r, scale, softcap
     (emit_pipeline over the frame table, `max_concurrent_steps` deep); per page S = q @ K^T and O += P @ V on the
     tensor cores (wgmma), online softmax in registers. V rows past the length (and of skipped slots) are zeroed in
     shared memory first, since garbage there may be NaN and 0 * NaN would poison P @ V."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
     b, kv, mrows, d = q4.shape
     page = pk.shape[1]
     steps = frame.shape[2] // num_splits
@@ -529,7 +525,7 @@ def resolve_impl(impl: str, q, pool_k, num_kv: int, host_k=None, store_misses=Fa
         return impl
     if not on_gpu():
         return "ref"
-    if AUTO_GPU_BACKEND == "mosaic" and on_hopper() and _mosaic_applies(q, pool_k, num_kv, host_k, store_misses):
+    if on_hopper() and _mosaic_applies(q, pool_k, num_kv, host_k, store_misses):
         return "mosaic"
     return "pallas"
 
@@ -582,8 +578,6 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
         out = _mosaic_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, scale=scale, softcap=softcap,
                                 **tune)
         return (out, pool_k, pool_v) if store_misses else out
-    if pltriton is None:
-        raise NotImplementedError("this jax has no Pallas Triton backend")
     tune = default_tuning(b, kv, page_frame.shape[2], page, has_host=host_k is not None,
                           itemsize=jnp.dtype(pool_k.dtype).itemsize)
     tune.update(tuning or {})

@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ulacache_jax import lid as lid_mod
 from ulacache_jax.bench_meta import git_commit
 from ulacache_jax import pb_lru
 from ulacache_jax.pallas_kernels import pb_lru_sieve as sv
+from ulacache_jax.pallas_kernels.lid_hash import GOLDEN
 
 STEPS = 16
 CHURN = 0.1
@@ -50,7 +50,7 @@ def np_bucket(x: np.ndarray, nb: int) -> np.ndarray:
     if bits == 0:
         return np.zeros(x.shape, np.int64)
     with np.errstate(over="ignore"):
-        return ((x * np.uint64(lid_mod.GOLDEN)) >> np.uint64(64 - bits)).astype(np.int64)
+        return ((x * np.uint64(GOLDEN)) >> np.uint64(64 - bits)).astype(np.int64)
 
 
 def random_lids(rng, n: int) -> np.ndarray:
@@ -109,7 +109,8 @@ def block(x):
 def make_step(impl: str, cfg=None):
     if impl == "pallas":
         def step(state, hi, lo, valid, now):
-            return sv.access(state, hi, lo, valid, now, config=cfg)
+            slots, out = sv.access((state.tag_hi, state.tag_lo, state.stamp), hi, lo, valid, now, config=cfg)
+            return pb_lru.PBLRUState(*slots), pb_lru.AccessOut(*out)
     else:
         def step(state, hi, lo, valid, now):
             return pb_lru.ref_access(state, hi, lo, valid, now)

@@ -6,7 +6,7 @@ copy, for 8..8192 pages of 64 x 1 x 128 bf16 (16 KiB) at random indices of a 655
 Every kernel result is checked against the truth before it is timed. Times: device time per call from the JAX
 profiler (sum of the call's device events: kernels and memcpys, CUPTI), and the wall-clock latency of one blocking
 call (dispatch + device + sync, median). GB/s counts the page bytes moved once. A variant table compares pages per
-program, masked loads and K+V in one launch at a few sizes. Writes tiers.json and tiers.png to --out (default
+program, warps and K+V in one launch at a few sizes. Writes tiers.json and tiers.png to --out (default
 $OUT or out/) and prints a short table last.
 
 Usage: python scripts/bench_tiers.py [--out DIR] [--pool-pages 65536] [--reps 20]
@@ -39,8 +39,7 @@ SIZES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 VARIANT_SIZES = (64, 1024, 8192)
 VARIANTS = {  # name -> kernel kwargs
     "p1": dict(pages_per_program=1), "p2": dict(pages_per_program=2), "p4": dict(pages_per_program=4),
-    "p8": dict(pages_per_program=8), "p4m": dict(pages_per_program=4, masked=True),
-    "p8m": dict(pages_per_program=8, masked=True), "p1w8": dict(pages_per_program=1, num_warps=8),
+    "p8": dict(pages_per_program=8), "p1w8": dict(pages_per_program=1, num_warps=8),
 }
 
 

@@ -1,13 +1,7 @@
 """UlaCache-JAX: a two-tier (HBM + pinned host) paged KV cache with query-aware sparse attention for
 long-context decoding. See README.md for the architecture and DESIGN.md (shared) for the contract."""
-import os as _os
-
-# Installed, setuptools maps pallas_kernels/ and models/ into this package. Run from a source tree without an
-# install (the GPU machine gets a bare copy of the repo), they sit beside it: let submodule lookup see them.
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_root, "pallas_kernels", "__init__.py")) and _root not in __path__:
-    __path__.append(_root)
-
+# ulacache_jax.pallas_kernels and ulacache_jax.models: in a checkout, ulacache_jax/pallas_kernels and
+# ulacache_jax/models are links to the top-level folders; installed, setuptools' package-dir mapping (pyproject).
 from . import lid, pb_lru, vtlb  # noqa: E402
 # Binding the function after the submodule loads makes `ulacache_jax.generate` the function (the issue's API);
 # `from ulacache_jax.generation import Generator` still finds the module through sys.modules.

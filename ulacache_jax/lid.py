@@ -4,8 +4,9 @@ LID = seq << 44 | layer << 36 | group << 32 | tok   (DESIGN.md section 4)
 hi  = seq << 12 | layer << 4 | group,   lo = tok
 
 Everything here is arrays in, arrays out and jit-able. Range checks run at the Python boundary on concrete inputs
-(a traced value cannot be checked without a host sync, so jitted callers are trusted). `bucket` uses only uint32
-multiplies and shifts with numpy-scalar constants, so it also runs inside Pallas kernels.
+(a traced value cannot be checked without a host sync, so jitted callers are trusted). The hash itself lives with
+the kernels (`pallas_kernels/lid_hash.py`: uint32 multiplies and shifts that also run inside the sieve kernel);
+`bucket` is its checked entry point.
 """
 from __future__ import annotations
 
@@ -13,13 +14,11 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from .pallas_kernels.lid_hash import GOLDEN, bucket_bits, mulhi_u32  # noqa: F401  (re-exported)
+
 # field: (bits, shift inside hi); tok is the whole lo word.
 SEQ_BITS, LAYER_BITS, GROUP_BITS, TOK_BITS = 20, 8, 4, 32
 FIELD_LIMITS = {"seq": 1 << SEQ_BITS, "layer": 1 << LAYER_BITS, "group": 1 << GROUP_BITS, "tok": 1 << TOK_BITS}
-
-GOLDEN = 11400714819323198485  # 2**64 / phi, Fibonacci hashing
-_C_HI, _C_LO = np.uint32(GOLDEN >> 32), np.uint32(GOLDEN & 0xFFFFFFFF)
-_M16 = np.uint32(0xFFFF)
 
 
 def _is_concrete(x) -> bool:
@@ -88,24 +87,6 @@ def log2_buckets(num_buckets: int) -> int:
     if nb < 1 or nb > (1 << 31) or nb & (nb - 1):
         raise ValueError(f"num_buckets = {nb} must be a power of two in [1, 2**31]")
     return nb.bit_length() - 1
-
-
-def mulhi_u32(a, b):
-    """High 32 bits of the 64-bit product of two uint32 arrays from 16-bit halves (lax.mulhi has no Pallas GPU
-    lowering). Works on jnp arrays and inside kernels."""
-    a0, a1, b0, b1 = a & _M16, a >> np.uint32(16), b & _M16, b >> np.uint32(16)
-    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
-    t = (p00 >> np.uint32(16)) + (p01 & _M16) + (p10 & _M16)
-    return p11 + (p01 >> np.uint32(16)) + (p10 >> np.uint32(16)) + (t >> np.uint32(16))
-
-
-def bucket_bits(hi, lo, bits: int):
-    """Kernel-safe core of `bucket`: no checks; `bits` a static int in [0, 31]."""
-    if bits == 0:
-        return jnp.zeros(jnp.shape(lo), jnp.int32)
-    # high word of (hi:lo * GOLDEN) mod 2**64 = mulhi(lo, C_LO) + lo*C_HI + hi*C_LO (mod 2**32)
-    top = mulhi_u32(lo, _C_LO) + lo * _C_HI + hi * _C_LO
-    return (top >> np.uint32(32 - bits)).astype(jnp.int32)
 
 
 def bucket(hi, lo, num_buckets: int) -> jax.Array:

@@ -9,7 +9,8 @@ Exact batch semantics (DESIGN.md section 5), which the Pallas sieve (`impl="pall
   (served from the host tier this step, not cached);
 - frame id = bucket * slots_per_bucket + slot; num_buckets = 1 is exactly a global LRU.
 
-The reference is sort based (no [N, S] compare matrix), so it serves pools of a million frames with B = 1.
+Both implementations live in `pallas_kernels/pb_lru_sieve.py` (the kernel and its sort-based jnp reference, arrays
+in and arrays out); this module holds the state types, checks arguments, and wraps their arrays.
 """
 from __future__ import annotations
 
@@ -19,12 +20,10 @@ from functools import partial
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from . import lid as lid_mod
-
-EMPTY_STAMP = -1
-EMPTY_TAG = np.uint32(0xFFFFFFFF)  # an empty slot never matches: lookups also require stamp >= 0
+from .pallas_kernels import pb_lru_sieve
+from .pallas_kernels.pb_lru_sieve import EMPTY_STAMP, EMPTY_TAG  # noqa: F401  (part of this module's API)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["tag_hi", "tag_lo", "stamp"], meta_fields=[])
@@ -95,77 +94,27 @@ def access(state: PBLRUState, hi, lo, valid, now, impl: str = "ref") -> tuple[PB
 
     impl: "ref" (vectorised jnp, any backend) or "pallas" (one program per bucket; interpret mode on CPU)."""
     _check_access_args(state, hi, lo, valid, now)
-    now = jnp.asarray(now, jnp.int32)
-    if impl == "ref":
-        return ref_access(state, jnp.asarray(hi), jnp.asarray(lo), jnp.asarray(valid), now)
-    if impl == "pallas":
-        from .pallas_kernels import pb_lru_sieve
-        return pb_lru_sieve.access(state, jnp.asarray(hi), jnp.asarray(lo), jnp.asarray(valid), now)
-    raise ValueError(f"impl = {impl!r} must be 'ref' or 'pallas'")
+    if impl not in ("ref", "pallas"):
+        raise ValueError(f"impl = {impl!r} must be 'ref' or 'pallas'")
+    fn = ref_access if impl == "ref" else _kernel_access
+    return fn(state, jnp.asarray(hi), jnp.asarray(lo), jnp.asarray(valid), jnp.asarray(now, jnp.int32))
 
 
-@jax.jit
+def _wrap(slots, out) -> tuple[PBLRUState, AccessOut]:
+    return PBLRUState(*slots), AccessOut(*out)
+
+
+def _slots(state: PBLRUState):
+    return state.tag_hi, state.tag_lo, state.stamp
+
+
 def ref_access(state: PBLRUState, hi, lo, valid, now) -> tuple[PBLRUState, AccessOut]:
-    """Sort-based reference of `access` (no argument checks; see `access`)."""
-    nb, ns = state.stamp.shape
-    nf, n = nb * ns, hi.shape[0]
-    req_bucket = lid_mod.bucket_bits(hi, lo, lid_mod.log2_buckets(nb))  # [N] int32
+    """Sort-based reference of `access` (jitted; no argument checks; see `access`)."""
+    return _wrap(*pb_lru_sieve.ref_access(_slots(state), hi, lo, valid, now))
 
-    # 1. Hits and duplicates in one sort of slots and requests by (dead, hi, lo, id): ids [0, F) are slots,
-    #    [F, F + N) requests, so a resident LID's slot heads its run and the first request of a missing LID does.
-    occupied = state.stamp.reshape(nf) >= 0
-    dead = jnp.concatenate([~occupied, ~valid]).astype(jnp.int32)               # [F+N]
-    key_hi = jnp.concatenate([state.tag_hi.reshape(nf), hi])
-    key_lo = jnp.concatenate([state.tag_lo.reshape(nf), lo])
-    ids = jnp.arange(nf + n, dtype=jnp.int32)
-    s_dead, s_hi, s_lo, s_id = lax.sort((dead, key_hi, key_lo, ids), num_keys=4)
-    pos = jnp.arange(nf + n, dtype=jnp.int32)
-    run_start = jnp.concatenate([jnp.ones((1,), bool),
-                                 (s_dead[1:] != s_dead[:-1]) | (s_hi[1:] != s_hi[:-1]) | (s_lo[1:] != s_lo[:-1])])
-    head = lax.cummax(jnp.where(run_start, pos, 0))                               # [F+N] run head position
-    head_id = s_id[head]
-    is_req = s_id >= nf
-    req_of = jnp.where(is_req, s_id - nf, n)                                      # n = dropped
-    hit = jnp.zeros(n, bool).at[req_of].set(head_id < nf, mode="drop") & valid   # [N]
-    first = jnp.zeros(n, jnp.int32).at[req_of].set(head_id - nf, mode="drop")     # [N] first occurrence (misses)
-    hit_frame = jnp.zeros(n, jnp.int32).at[req_of].set(head_id, mode="drop")      # [N] slot id when hit
 
-    # 2. Rank each distinct missing LID within its bucket by first appearance.
-    idx = jnp.arange(n, dtype=jnp.int32)
-    is_first_miss = valid & ~hit & (first == idx)
-    mkey = jnp.where(is_first_miss, req_bucket, nb)
-    s_mkey, s_midx = lax.sort((mkey, idx), num_keys=2)
-    bucket_start = jnp.searchsorted(s_mkey, jnp.arange(nb + 1, dtype=jnp.int32), side="left")
-    s_rank = jnp.arange(n, dtype=jnp.int32) - bucket_start[jnp.minimum(s_mkey, nb)]
-    rank = jnp.zeros(n, jnp.int32).at[s_midx].set(s_rank)                        # [N] (meaningful on first misses)
-
-    # 3. Candidates of each bucket: slots not hit in this batch, by (stamp, slot); empty slots (stamp -1) first.
-    hit_slot = jnp.zeros(nf, jnp.int32).at[jnp.where(hit, hit_frame, nf)].set(1, mode="drop").reshape(nb, ns)
-    slot_idx = jnp.broadcast_to(jnp.arange(ns, dtype=jnp.int32), (nb, ns))
-    _, _, cand = lax.sort((hit_slot, state.stamp, slot_idx), dimension=1, num_keys=3)  # [B, S]
-    num_cand = ns - hit_slot.sum(axis=1)                                                 # [B]
-
-    # 4. Fill: the r-th distinct miss of bucket b takes cand[b, r] when r < num_cand[b].
-    fits = is_first_miss & (rank < num_cand[req_bucket])
-    fill_frame = req_bucket * ns + cand[req_bucket, jnp.minimum(rank, ns - 1)]
-    fill_frame = jnp.where(fits, fill_frame, -1)                                  # [N], on first misses only
-    frame = jnp.where(hit, hit_frame, fill_frame[first])
-    frame = jnp.where(valid, frame, -1)
-
-    safe = jnp.maximum(fill_frame, 0)
-    flat = lambda a: a.reshape(nf)
-    evicted = fits & (flat(state.stamp)[safe] >= 0)
-    evicted_hi = jnp.where(evicted, flat(state.tag_hi)[safe], EMPTY_TAG)
-    evicted_lo = jnp.where(evicted, flat(state.tag_lo)[safe], EMPTY_TAG)
-
-    # 5. New state: hit slots and filled slots get stamp `now`; filled slots take their new tags.
-    touched = jnp.where(hit, hit_frame, jnp.where(fits, fill_frame, nf))
-    stamp = flat(state.stamp).at[touched].set(now, mode="drop")
-    put = jnp.where(fits, fill_frame, nf)
-    tag_hi = flat(state.tag_hi).at[put].set(hi, mode="drop")
-    tag_lo = flat(state.tag_lo).at[put].set(lo, mode="drop")
-    new = PBLRUState(tag_hi=tag_hi.reshape(nb, ns), tag_lo=tag_lo.reshape(nb, ns), stamp=stamp.reshape(nb, ns))
-    return new, AccessOut(frame=frame, hit=hit, evicted=evicted, evicted_hi=evicted_hi, evicted_lo=evicted_lo)
+def _kernel_access(state: PBLRUState, hi, lo, valid, now) -> tuple[PBLRUState, AccessOut]:
+    return _wrap(*pb_lru_sieve.access(_slots(state), hi, lo, valid, now))
 
 
 def rebase(state: PBLRUState, offset) -> PBLRUState:
