@@ -363,3 +363,27 @@ def test_sigterm_mid_run_and_ctrl_c_at_start_up(tmp_path):
     assert len(err.strip().splitlines()) <= 2     # the RANDOM-weights note may come first
     assert not int_out.exists() or int_out.read_text() == ""
     assert not (d / "int.jsonl.lock").exists() and not (d / "term.jsonl.lock").exists()
+
+
+def test_compile_cache_default_dir_is_reused_across_restarts(tmp_path):
+    """On by default in $XDG_CACHE_HOME/ulacache_jax/jax_cache: the first run fills it, a restart compiles no
+    prefill or decode program again (no new entries for them; small eager ops that happened to take over 0.1 s on
+    a busy machine may add entries); `--compile-cache off` leaves it alone."""
+    d = tmp_path
+    inp = d / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt_ids": [1, 2, 3, 4, 5]}\n')
+    env = {k: v for k, v in os.environ.items() if k != cli.COMPILE_CACHE_ENV}
+    env["XDG_CACHE_HOME"] = str(d / "xdg")
+    args = [a for a in ARGS if a not in ("--compile-cache", "off")]
+    cache = d / "xdg" / "ulacache_jax" / "jax_cache"
+    entries = []
+    for n in range(2):
+        r = subprocess.run(_cmd("--input", str(inp), "--output", str(d / f"o{n}.jsonl"), *args),
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        entries.append({f for f in os.listdir(cache) if "prefill" in f or "decode" in f})
+    assert entries[0] and entries[1] == entries[0], entries
+    assert _records(d / "o0.jsonl")[0]["token_ids"] == _records(d / "o1.jsonl")[0]["token_ids"]
+    assert cli.setup_compile_cache("off") is None
+    assert cli.default_compile_cache_dir() == pathlib.Path(os.environ.get("XDG_CACHE_HOME") or
+                                                           pathlib.Path.home() / ".cache") / "ulacache_jax/jax_cache"
