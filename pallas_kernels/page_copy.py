@@ -3,9 +3,7 @@ host pool), zero-copy Pallas kernels (Triton lowering) that touch only the addre
 
 Why a kernel (DESIGN.md section 1): XLA gather on a `pinned_host` operand fails inside jit and XLA scatter into one
 becomes slow host compute, while a Pallas kernel given the host array with `memory_space=ANY` reads and writes it
-directly over PCIe (UVA). Measured on the H200 (docs/benchmarks/tiers.md, device time): fetch 51 GB/s and flush
-52.5 GB/s from 1024 pages of 16 KiB up (0.92 and 0.95 of a bulk device_put of the same bytes), 26-45 GB/s at 8-64
-pages (5 us for 8 pages, like the bulk copy); a call whose entries are all -1 costs ~1.2 us inside a jitted step.
+directly over PCIe (UVA), near the rate of a bulk device_put of the same bytes (docs/BENCHMARKS.md, page copies).
 Both functions copy whole pages by index; an entry whose source or destination index is negative (or out of
 range) is skipped, so callers pass fixed-size index vectors padded with -1 (no recompilation per miss count).
 
@@ -42,7 +40,7 @@ from jax.experimental.pallas import triton as pltr
 
 from . import on_gpu, pick_impl
 
-PAGES_PER_PROGRAM = 1      # entries per program: 1, 2, 4, 8 measured equal on the H200 (PCIe bound)
+PAGES_PER_PROGRAM = 1      # entries per program: 1, 2, 4, 8 copy at one rate (PCIe bound)
 NUM_WARPS = 4              # 128 threads move a 16 KiB tile as 8 x 16-byte loads each
 MAX_TILE_BYTES = 16384     # a larger page is split into several power-of-two tiles of at most this size
 _ANY = pl.BlockSpec(memory_space=pl.ANY)

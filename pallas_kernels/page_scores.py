@@ -19,7 +19,7 @@ from jax.experimental.pallas import triton as pltr
 from . import on_gpu, pick_impl
 
 
-DEFAULT_WARPS = 8  # with 16-page blocks: the fastest launch shape measured on the H200 (see _block_pages)
+DEFAULT_WARPS = 8  # with 16-page blocks: the fastest launch shape (docs/BENCHMARKS.md, score launch sweep)
 
 
 def _scores_kernel(kmin_ref, kmax_ref, qpos_ref, qneg_ref, out_ref):
@@ -33,17 +33,15 @@ def _scores_kernel(kmin_ref, kmax_ref, qpos_ref, qneg_ref, out_ref):
 
 
 def pad_page_count(num_pages: int, multiple: int = 128) -> int:
-    """num_pages rounded up to a multiple of `multiple`, so the default score block (_block_pages) stays at its
-    measured 16 pages (4098 pages once made 2-page blocks: 2049 programs per sequence and group); 128 keeps the
-    shapes of the published benchmarks (4224 pages at 256K)."""
+    """num_pages rounded up to a multiple of `multiple`, so the default score block (_block_pages) stays at 16
+    pages: an odd-ish count such as 4098 would make 2-page blocks, 2049 programs per sequence and group."""
     return -(-num_pages // multiple) * multiple
 
 
 def _block_pages(num_pages: int, cap: int = 16) -> int:
     """Largest power of two dividing num_pages, at most cap (Triton blocks are powers of two). cap 16 with 8
-    warps: measured on the H200 (scripts/bench_select.py, B=32 x 8 groups x 4224 pages): 191.6 us, 2.89 TB/s over
-    the summaries, against 418 us for 128-page blocks at Triton's default 4 warps (2 x 128 x 128 fp32 values
-    per program spill registers)."""
+    warps is the fastest launch of scripts/bench_select.py's sweep; 128-page blocks spill registers (2 x 128 x 128
+    fp32 values per program)."""
     b = 1
     while b * 2 <= cap and num_pages % (b * 2) == 0:
         b *= 2

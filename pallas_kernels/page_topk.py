@@ -1,7 +1,7 @@
 """Top-k page selection as a Pallas kernel: a radix select per row instead of XLA's sort-based top-k.
 
-On the H200 `lax.top_k` over the page scores of one layer (256 rows of 4224 pages, k = 32) costs ~115 us, as much
-as the sieve and the vTLB update together (docs/BENCHMARKS.md, layer stages). Here one program owns one row:
+XLA's top-k over one layer's page scores costs as much as the sieve and the vTLB update together (docs/
+BENCHMARKS.md, layer stages). Here one program owns one row:
 1. each score becomes an order-preserving uint32 key (sign flip; -0.0 is folded into +0.0 first, so equal floats
    get equal keys);
 2. the k-th largest key T is found bit by bit from the top (32 passes of a count over the row, in registers);
@@ -11,13 +11,8 @@ The k winners are then sorted by (score descending, index ascending) in XLA (k v
 exactly `ref_top_k`'s (`lax.top_k` over scores with -0.0 folded into +0.0): same values, indices and order.
 Axis alphabet: R rows, P pages (Pp: padded to a power of two with -inf, never chosen before a real page), k
 winners (kp: padded to a power of two).
-Status: matches `ref_top_k` in interpret mode and compiled on the H200 (random, ties, +-inf, -0.0: tests/
-test_page_topk.py, `-m gpu` passed at commit 6ad707e) and lowers for the H200
-(tests/test_gpu_lowering.py); on the H200 it ran compiled inside the decode layer and every sparse decode row of
-commit f2e71bc, its selections equal to the reference's, and made the B=32, 256K layer 548.6 us against 674.3 with
-`lax.top_k` (docs/BENCHMARKS.md). So `impl="auto"` (the decode's default) uses it on GPU for rows up to
-AUTO_MAX_PAGES padded pages (a row lives in one program's registers; longer rows were never compiled) and
-`lax.top_k` beyond and off GPU.
+`impl="auto"` (the decode's default) uses the kernel on GPU for rows up to AUTO_MAX_PAGES padded pages (a row
+lives in one program's registers; longer rows have not been compiled on a GPU) and `lax.top_k` beyond and off GPU.
 """
 from __future__ import annotations
 
@@ -33,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from . import next_pow2, on_gpu, pick_impl
 
 
-AUTO_MAX_PAGES = 8192  # the longest padded row compiled and timed on the H200 (4224 pages: 256K tokens, page 64)
+AUTO_MAX_PAGES = 8192  # the longest padded row compiled and timed on a GPU (4224 pages: 256K tokens, page 64)
 
 
 def _sort_keys(x):
@@ -92,9 +87,7 @@ def top_k_pallas(s, k: int, *, interpret: bool = False, num_warps: int | None = 
 
 def ref_top_k(s, k: int):
     """The reference: `lax.top_k` (XLA's) with -0.0 folded into +0.0 first, so equal scores tie, lowest index
-    first. Why: XLA's top-k ranks +0.0 above -0.0 (a total order). The H200 run of tests/test_page_topk.py's
-    adversarial case found the compiled kernel (which folds) disagreeing with the unfolded reference; in interpret
-    mode they had agreed only because XLA simplified the kernel's `x + 0.0` fold away."""
+    first. Why: XLA's top-k ranks +0.0 above -0.0 (a total order), which the kernel's keys do not."""
     s = s.astype(jnp.float32)
     v, i = lax.top_k(jnp.where(s == 0, jnp.float32(0), s), k)  # a select, not `+ 0.0`, which XLA may simplify away
     return v, i.astype(jnp.int32)

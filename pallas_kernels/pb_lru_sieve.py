@@ -98,10 +98,10 @@ def choose_config(num_requests: int, num_buckets: int, slots_per_bucket: int, *,
     c = max(8, min(want, cap, next_pow2(num_requests)))
     if num_warps is None:
         # 8 warps for big [C, T] tiles, except square-ish ones with C >= 64: at (C, T) = (64, 256), 8K requests,
-        # 4 warps took 52 us against 73 us with 8 (two H200 runs, docs/benchmarks/sieve*.json); (32, 512) was only
-        # measured with 8 warps (33 us) and keeps them
+        # 4 warps took 52 us against 73 us with 8 (docs/BENCHMARKS.md, PB-LRU sieve); (32, 512) was only
+        # measured with 8 warps and keeps them
         num_warps = 4 if c * max(c, t) <= 4096 or (c >= 64 and c * t <= 16384) else 8
-    if grouping is None:  # the scan costs O(N * B) hash evaluations in all; the XLA sort ~40 us at 8K on the H200
+    if grouping is None:  # the scan costs O(N * B) hash evaluations in all, the sort a fixed XLA sort
         grouping = "scan" if num_requests * num_buckets <= SCAN_MAX_WORK else "sort"
     return SieveConfig(req_chunk=c, slot_chunk=t, num_warps=num_warps, grouping=grouping)
 

@@ -10,17 +10,16 @@ G groups, g kv heads per group (KV = G * g), r query heads per kv head (H = KV *
 (b, group), F pool frames, P host pages, t tokens of a page, D head dim, S page splits, M = Q * r query rows of one
 kv head.
 
-Two kernels, chosen by measurement on the H200 (docs/benchmarks/attention.md; bf16, H=64, KV=8, D=128, page 64):
+Two kernels (their times and bandwidth against the copy ceiling: docs/BENCHMARKS.md, sparse decode attention):
 - Mosaic GPU (`impl="mosaic"`, what `impl="auto"` runs on GPU where it applies): one CTA per (b, kv head, split);
   the split's K and V pages stream into shared memory by TMA (`emit_pipeline` over the frame table, 2 deep), and
   per page S = q @ K^T and O += P @ V run on the tensor cores (wgmma, the kv head's Q * r query rows padded to 64),
-  online softmax in registers. B=32, budget 4096: 177-195 us = 2.8-3.1 TB/s of attended K/V (the D2D copy
-  ceiling measured in the same run: 4.18 TB/s). Resident pages only, bf16/f16, g = 1, Q * r <= 64.
+  online softmax in registers. The faster of the two on Hopper; resident pages only, bf16/f16, g = 1, Q * r <= 64.
 - Triton lowering (`impl="pallas"`, every feature): one program per (b, kv head, split) walks its slice of the
   slots `pages_per_block` pages at a time: one masked gather load of those pages' K and V rows by frame id
   (skipped slots and tokens past the length make no memory traffic), one `dot` for the M query rows, online
-  softmax. Same row: 259-266 us = 2.1 TB/s. It is the one that reads a `pinned_host` operand in place, so it
-  serves misses (page_src 2/3, the fused fill), fp32, g > 1 and long drafts.
+  softmax. It is the one that reads a `pinned_host` operand in place, so it serves misses (page_src 2/3, the
+  fused fill), fp32, g > 1 and long drafts.
 Both write per-split partials, merged by log-sum-exp in XLA (about 1-3% of the bytes).
 
 `ref_sparse_decode_attention` is the same function in plain jnp (gather the pages, mask, softmax), obvious
@@ -252,7 +251,7 @@ def _attn_kernel(*refs, nq, r, g, d, page, npb, nblk, scale, softcap, has_host, 
 
 def default_tuning(batch: int, num_kv: int, num_slots: int, page: int, has_host: bool = False,
                    itemsize: int = 2) -> dict:
-    """Splits and pages per step for the shapes at hand (measured on the H200: docs/benchmarks/attention.md).
+    """Splits and pages per step for the shapes at hand (the launch sweep: docs/BENCHMARKS.md).
 
     Enough programs to cover the 132 SMs a few times over, and splits no shorter than a couple of steps. A step
     holds its K and V tiles in registers (npb * page * D * 2 bytes each, 64 registers per thread for one 64-token

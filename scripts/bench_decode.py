@@ -135,8 +135,8 @@ def score_launch(args):
 
 
 def attention_kernel(impl: str, mc, cfg) -> str:
-    """The kernel the sparse decode's attention resolves to ('mosaic', 'triton' or 'ref'): 'auto' changed meaning
-    (Triton until commit 4f19811, Mosaic on Hopper since), so each row records what actually ran."""
+    """The kernel the sparse decode's attention resolves to ('mosaic', 'triton' or 'ref'), recorded in each row:
+    what 'auto' means depends on the GPU and on the commit."""
     from ulacache_jax.pallas_kernels.sparse_decode_attention import resolve_impl
     q = jax.ShapeDtypeStruct((cfg.max_seqs, 1, mc.num_heads, mc.head_dim), cfg.jnp_dtype)         # [B, Q, H, D]
     pool = jax.ShapeDtypeStruct((1, cfg.page_size, cfg.kv_heads_per_group, mc.head_dim), cfg.jnp_dtype)

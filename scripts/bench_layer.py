@@ -20,7 +20,7 @@ Rows, same run:
 Before timing, one call of each variant is checked against the same call with every jnp reference (sieve, scores,
 top-k, attention) and the separate fetch on a copy of the state (vTLB frames equal, outputs within 2e-2).
 Also rows with lax.top_k instead of the radix top-k kernel and with the Triton attention kernel instead of the
-Mosaic one (the default on Hopper since commit 6ad707e's decode rows; the Triton kernel was the default before), and a
+Mosaic one (the default on Hopper), and a
 split of the resident layer's time into stages.
 
 Run (H200): python3 scripts/bench_layer.py --out DIR [--commit SHA]   -> DIR/layer.json, DIR/layer.png

@@ -1,12 +1,12 @@
 """Where does a decode program allocate a second cache? Compile-only probe (nothing cache-sized is allocated).
 
-On the H200 (2026-11-29, jax 0.11.2) the dense decode program at 128K x 7 sequences asked for 56.1 GiB more
+On the H200 the dense decode program at 128K x 7 sequences asked for 56.1 GiB more
 (= one whole K cache) and the sparse decode program at 128K x 4 for 64 GiB more host memory (= the host pool),
 while on CPU `memory_analysis` shows both caches aliased input -> output with small temps. This script lowers and
 compiles `Generator`'s decode programs from abstract arguments (ShapeDtypeStruct with the real shardings and
 memory kinds) at any size, prints argument / output / alias / temp bytes against the cache bytes, and lists the
 largest `copy`, `transpose` and custom-call buffers of the optimized HLO, so the culprit shows in one call.
-Found with it (H200, 2026-11-29): the dense cache as one [L, S, T, KV, D] array made every layer's token write a
+Found with it (docs/BENCHMARKS.md): the dense cache as one [L, S, T, KV, D] array made every layer's token write a
 new whole-cache value (560 GiB before rematerialisation at 128K x 7); one array per layer: temp 0.01 GiB
 (docs/benchmarks/decode_memory.json). The sparse host pool was twice the KV (pages rounded to a power of two).
 
