@@ -77,9 +77,38 @@ def test_prompt_lengths_are_bucketed_no_recompilation(model, attention):
     gen = Generator(model, cfg, attention=attention)
     for n in (65, 80, 100, 128):          # one bucket (128)
         gen.run([[1] * n], 20)
-    assert gen._prefill._cache_size() == 1 and gen._decode._cache_size() == 1
+    prog = gen.program
+    assert prog.prefill_layer._cache_size() == 1 and gen._decode._cache_size() == 1
     gen.run([[1] * 20], 2)                # a second bucket (32)
-    assert gen._prefill._cache_size() == 2 and gen._decode._cache_size() == 1
+    assert prog.prefill_layer._cache_size() == 2 and gen._decode._cache_size() == 1
+    assert prog.embed._cache_size() == 2 and prog.logits._cache_size() == 2
+
+
+def _prefill_layer_ops(attention: str, num_layers: int) -> tuple[int, list[int]]:
+    """-> (lines of the lowered per-layer prefill program, compiled-program counts after one prefill)."""
+    mc = get_preset("tiny").replace(num_layers=num_layers)
+    m = LlamaModel(mc, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    cfg = default_cache_config(mc, num_seqs=1, max_tokens=128, page_size=16)
+    gen = Generator(m, cfg, attention=attention)
+    slot = gen.admit(70) if attention == "sparse" else 0
+    gen.prefill(slot, [1] * 60)
+    prog = gen.program
+    x = jnp.zeros((1, 64, mc.hidden_size), jnp.float32)
+    if attention == "sparse":
+        low = prog.prefill_layer.lower(gen.layer_params[0], gen.cache.state, gen.cache.host, x, 0, 0, 60)
+    else:
+        low = prog.prefill_layer.lower(gen.layer_params[0], gen.dense.k[0], gen.dense.v[0], x, 0, 60)
+    counts = [f._cache_size() for f in (prog.embed, prog.prefill_layer, prog.logits)]
+    return len(low.as_text().splitlines()), counts
+
+
+@pytest.mark.parametrize("attention", ["sparse", "dense"])
+def test_prefill_program_does_not_grow_with_the_layer_count(attention):
+    # the prefill compiles one layer, run once per layer: an unrolled whole-model program compiled in time growing
+    # faster than the layer count (30 layers: over 4 minutes on the H200)
+    ops = {L: _prefill_layer_ops(attention, L) for L in (1, 2, 4)}
+    assert all(counts == [1, 1, 1] for _, counts in ops.values()), ops
+    assert len({n for n, _ in ops.values()}) == 1, ops
 
 
 def test_decode_step_memory_has_no_cache_copies(model):

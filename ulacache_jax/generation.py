@@ -133,58 +133,75 @@ def _token_chunks(fn, chunk: int, *xs):
     return jax.tree.map(lambda y: y.reshape((1, T) + y.shape[3:]), out)
 
 
+def layer_graphdef(graphdef, params) -> nnx.GraphDef:
+    """The graphdef of one decoder layer: every layer of the model must share it, so one compiled per-layer
+    program (the layer's params passed as arguments) serves them all."""
+    layers = nnx.merge(graphdef, params).layers
+    first = nnx.split(layers[0])[0]
+    for l, layer in enumerate(layers):
+        if nnx.split(layer)[0] != first:
+            raise ValueError(f"layer {l} differs in structure from layer 0; the runtime runs one program per layer "
+                             "kind and needs every decoder layer alike")
+    return first
+
+
 class _Program:
     """The jitted prefill and decode-chunk functions of one (model graph, cache shape, options): shared by every
-    Generator with the same key (see `_program`), so a new Generator for the same model does not recompile."""
+    Generator with the same key (see `_program`), so a new Generator for the same model does not recompile.
 
-    def __init__(self, graphdef, config: CacheConfig, attention: str, options: DecodeOptions, host_sh):
-        self.graphdef, self.config, self.options = graphdef, config, options
+    Prefill is three small programs driven by a Python loop over layers (`Generator.prefill`): embed, one layer
+    (its params, the cache and the residual stream donated in, written in place, aliased out: every layer runs
+    the same compiled program with its own params and a traced layer index) and the last-token logits. Its
+    compile time is therefore that of one layer whatever the depth (an unrolled whole-model program compiled
+    in time growing faster than the layer count)."""
+
+    def __init__(self, graphdef, layer_gd, config: CacheConfig, attention: str, options: DecodeOptions, host_sh):
+        self.graphdef, self.layer_gd, self.config, self.options = graphdef, layer_gd, config, options
+        self.embed = jax.jit(self._embed)
+        self.logits = jax.jit(self._logits)
         if attention == "sparse":
-            self.prefill = jax.jit(self._prefill_sparse, donate_argnums=(1, 2), out_shardings=(None, host_sh, None))
+            self.prefill_layer = jax.jit(self._prefill_layer_sparse, donate_argnums=(1, 2, 3),
+                                         out_shardings=(None, host_sh, None))
             self.decode = jax.jit(self._decode_sparse, donate_argnums=(1, 2),
                                   out_shardings=(None, host_sh, None, None, None, None))
         else:
-            self.prefill = jax.jit(self._prefill_dense, donate_argnums=(1,))
+            self.prefill_layer = jax.jit(self._prefill_layer_dense, donate_argnums=(1, 2, 3))
             self.decode = jax.jit(self._decode_dense, donate_argnums=(1,))
 
     # ---- prefill -------------------------------------------------------------------------------------------
-    def _prefill_layers(self, params, ids, length, store):
-        """ids [T] (bucketed), length [] -> (last-token logits [V], per-layer K/V handed to `store`)."""
-        model = nnx.merge(self.graphdef, params)
-        T = ids.shape[0]
+    def _embed(self, params, ids):
+        """ids [T] (bucketed) -> residual stream x [1, T, E]."""
+        return nnx.merge(self.graphdef, params).embed(ids[None])
+
+    def _logits(self, params, x, length):
+        """x [1, T, E] after the last layer, length [] -> logits [V] of the last prompt token."""
+        h = jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)
+        return nnx.merge(self.graphdef, params).logits(h)[0, 0]
+
+    def _layer_kv(self, layer_params, x, length):
+        """One layer over the prompt: x [1, T, E] -> (k, v [T, KV, D] for the cache, layer output [1, T, E])."""
+        layer = nnx.merge(self.layer_gd, layer_params)
+        T = x.shape[1]
         C = min(T, PREFILL_CHUNK)      # both powers of two: C divides T
         pos = jnp.arange(T, dtype=jnp.int32)[None]
-        x = model.embed(ids[None])
-        for l, layer in enumerate(model.layers):
-            # per-token work in chunks of C tokens, so a 256K prompt never holds a [T, intermediate] MLP activation
-            # (7 GB at Llama-3.1-8B shape); attention itself is flash (cuDNN) on GPU, O(T) memory
-            q, k, v = _token_chunks(layer.qkv, C, x, pos)
-            store(l, k[0], v[0])
-            x = _token_chunks(layer.finish, C, x, _prefill_attention(q, k, v, length))
-        h = jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)
-        return model.logits(h)[0, 0]
+        # per-token work in chunks of C tokens, so a 256K prompt never holds a [T, intermediate] MLP activation
+        # (7 GB at Llama-3.1-8B shape); attention itself is flash (cuDNN) on GPU, O(T) memory
+        q, k, v = _token_chunks(layer.qkv, C, x, pos)
+        x = _token_chunks(layer.finish, C, x, _prefill_attention(q, k, v, length))
+        return k[0], v[0], x
 
-    def _prefill_sparse(self, params, state, host, slot, ids, length):
-        box = {"state": state, "host": host}
+    def _prefill_layer_sparse(self, layer_params, state, host, x, slot, layer, length):
+        """Layer `layer` (traced) of a prompt in slot `slot`: its K/V streamed into the host pool and summaries."""
+        k, v, x = self._layer_kv(layer_params, x, length)
+        state, host = ingest_chunk(state, host, slot, k[None], v[None], 0, length, layer0=layer,
+                                   impl=self.options.copy)
+        return state, host, x
 
-        def store(l, k, v):
-            box["state"], box["host"] = ingest_chunk(box["state"], box["host"], slot, k[None], v[None], 0, length,
-                                                     layer0=l, impl=self.options.copy)
-
-        logits = self._prefill_layers(params, ids, length, store)
-        return box["state"], box["host"], logits
-
-    def _prefill_dense(self, params, dense, slot, ids, length):
-        box = {"dense": dense}
-        T = ids.shape[0]
-
-        def store(l, k, v):
-            d = box["dense"]
-            box["dense"] = d.set_layer(l, d.k[l].at[slot, :T].set(k.astype(d.k[l].dtype)),
-                                       d.v[l].at[slot, :T].set(v.astype(d.v[l].dtype)))
-
-        logits = self._prefill_layers(params, ids, length, store)
-        return box["dense"], logits
+    def _prefill_layer_dense(self, layer_params, ck, cv, x, slot, length):
+        """ck, cv [S, T_max, KV, D]: this layer's dense cache, the prompt's K/V written at slot `slot`."""
+        k, v, x = self._layer_kv(layer_params, x, length)
+        T = x.shape[1]
+        return ck.at[slot, :T].set(k.astype(ck.dtype)), cv.at[slot, :T].set(v.astype(cv.dtype)), x
 
     # ---- decode --------------------------------------------------------------------------------------------
     def _decode_loop(self, params, cache, attend, tok, done, remaining, length, keys, sampling, stop_ids):
@@ -265,8 +282,8 @@ class _Program:
 
 
 @functools.lru_cache(maxsize=8)
-def _program(graphdef, config: CacheConfig, attention: str, options: DecodeOptions, host_sh) -> _Program:
-    return _Program(graphdef, config, attention, options, host_sh)
+def _program(graphdef, layer_gd, config: CacheConfig, attention: str, options: DecodeOptions, host_sh) -> _Program:
+    return _Program(graphdef, layer_gd, config, attention, options, host_sh)
 
 
 class Generator:
@@ -300,22 +317,33 @@ class Generator:
             self.dense = DenseCache.zeros(c.num_layers, (c.max_seqs, c.max_context, c.num_kv_heads, c.head_dim),
                                           c.jnp_dtype, device=dev)
             self.dense_len = jnp.zeros(c.max_seqs, jnp.int32, device=dev)
-        self.program = _program(graphdef, c, attention, options, host_sh)
-        self._prefill, self._decode = self.program.prefill, self.program.decode
+        self.layer_params = [self.params["layers"][l] for l in range(c.num_layers)]
+        self.program = _program(graphdef, layer_graphdef(graphdef, self.params), c, attention, options, host_sh)
+        self._decode = self.program.decode
 
     # ---- host-side driver -----------------------------------------------------------------------------------
     def prefill(self, slot: int, prompt: list[int]):
         """Prefill one admitted slot; returns last-position logits [V]."""
         c = self.config
         T = bucket_length(len(prompt), c.page_size)
-        ids = jnp.asarray(np.pad(np.asarray(prompt, np.int32), (0, T - len(prompt))))
-        if self.attention == "sparse":
-            m = self.cache
-            m.state, m.host, logits = self._prefill(self.params, m.state, m.host, slot, ids, len(prompt))
-        else:
-            self.dense, logits = self._prefill(self.params, self.dense, slot, ids, len(prompt))
-            self.dense_len = self.dense_len.at[slot].set(len(prompt))
-        return logits
+        # committed like the layers' outputs, so every layer call hits the one compiled program
+        ids = jax.device_put(np.pad(np.asarray(prompt, np.int32), (0, T - len(prompt))), self._replicated())
+        prog, n = self.program, len(prompt)
+        x = prog.embed(self.params, ids)
+        for l, lp in enumerate(self.layer_params):
+            if self.attention == "sparse":
+                m = self.cache
+                m.state, m.host, x = prog.prefill_layer(lp, m.state, m.host, x, slot, l, n)
+            else:
+                k, v, x = prog.prefill_layer(lp, self.dense.k[l], self.dense.v[l], x, slot, n)
+                self.dense = self.dense.set_layer(l, k, v)
+        if self.attention != "sparse":
+            self.dense_len = self.dense_len.at[slot].set(n)
+        return prog.logits(self.params, x, n)
+
+    def _replicated(self):
+        """Where host-made inputs go: committed beside the cache (TPGenerator: replicated over the mesh)."""
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     def decode_chunk(self, tok, done, remaining, keys, sampling, stop_ids):
         """One jitted chunk of page_size steps for every slot. keys [S]: one PRNG key per slot (see

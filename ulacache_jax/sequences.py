@@ -108,8 +108,9 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
                  impl: str = "auto"):
     """Write prefill K/V of tokens [start, start + C) of sequence `slot` into the cache.
 
-    k, v [Lc, C, KV, D] for layers [layer0, layer0 + Lc) (C a multiple of page_size; start page-aligned; tokens at or past `length`, the sequence's
-    total prompt length, are padding). Complete pages go to the host pool (write-through), the page holding the
+    k, v [Lc, C, KV, D] for layers [layer0, layer0 + Lc) (C a multiple of page_size; start page-aligned; tokens at
+    or past `length`, the sequence's total prompt length, are padding). `layer0` may be traced, so one compiled
+    per-layer prefill serves every layer. Complete pages go to the host pool (write-through), the page holding the
     last token, if partial, goes to the tail ring; summaries are filled for every page touched. The sequence's
     length becomes min(length, start + C) and its flushed count the complete pages. Returns (state, host)."""
     c = state.config
@@ -129,19 +130,21 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
     kmax = jnp.where(live, kp, -big).max(axis=4)
     page_ids = p0 + jnp.arange(n)
     has_tok = page_ids * page < end                                                  # [n]
-    lsl = slice(layer0, layer0 + L)
-    old_min = jax.lax.dynamic_slice_in_dim(state.kmin[:, slot, lsl], p0, n, axis=3)
-    old_max = jax.lax.dynamic_slice_in_dim(state.kmax[:, slot, lsl], p0, n, axis=3)
+    # summaries of pages [p0, p0 + n) of layers [layer0, layer0 + L): one dynamic slice in, one update out
+    zero = jnp.zeros((), jnp.int32)
+    at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer0, jnp.int32), zero, jnp.asarray(p0, jnp.int32))
+    summ_at = at + (zero, zero)
+    summ_size = (R, 1, L, G, n, c.kv_heads_per_group, c.head_dim)
+    old_min = jax.lax.dynamic_slice(state.kmin, summ_at, summ_size)[:, 0]             # [R, L, G, n, g, D]
+    old_max = jax.lax.dynamic_slice(state.kmax, summ_at, summ_size)[:, 0]
     sel = has_tok[None, None, None, :, None, None]
-    new_kmin = jax.lax.dynamic_update_slice_in_dim(state.kmin[:, slot, lsl], jnp.where(sel, kmin, old_min), p0,
-                                                   axis=3)
-    new_kmax = jax.lax.dynamic_update_slice_in_dim(state.kmax[:, slot, lsl], jnp.where(sel, kmax, old_max), p0,
-                                                   axis=3)
+    new_kmin = jnp.where(sel, kmin, old_min)[:, None]
+    new_kmax = jnp.where(sel, kmax, old_max)[:, None]
 
     complete = (page_ids + 1) * page <= end                                          # [n]
     partial = has_tok & ~complete
     # host write-through of complete pages: src rows [R][L*G*n], host ids from the vTLB
-    host_ids = jax.lax.dynamic_slice_in_dim(state.vtlb.host_page[:, slot, lsl], p0, n, axis=3)   # [R, L, G, n]
+    host_ids = jax.lax.dynamic_slice(state.vtlb.host_page, at, (R, 1, L, G, n))[:, 0]           # [R, L, G, n]
     host_ids = jnp.where(complete[None, None, None, :], host_ids, -1).reshape(R, L * G * n)
     src_idx = jnp.arange(L * G * n, dtype=jnp.int32)
     hk, hv = host.k, host.v
@@ -162,8 +165,8 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
     seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(end),
                                flushed=state.seqs.flushed.at[slot].set(end // page))
     state = dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, seqs=seqs,
-                                kmin=state.kmin.at[:, slot, lsl].set(new_kmin),
-                                kmax=state.kmax.at[:, slot, lsl].set(new_kmax))
+                                kmin=jax.lax.dynamic_update_slice(state.kmin, new_kmin, summ_at),
+                                kmax=jax.lax.dynamic_update_slice(state.kmax, new_kmax, summ_at))
     return state, host
 
 

@@ -58,7 +58,8 @@ from . import cache_state as cache_state_mod
 from .cache_state import CacheState, HostPool, host_memory_kind
 from .config import CacheConfig
 from .decode_layer import DecodeOptions, LayerStats, attend_layer
-from .generation import Generator, _Program, _check_prompts, bucket_length, default_cache_config, run_in_waves
+from .generation import (Generator, _Program, _check_prompts, bucket_length, default_cache_config, layer_graphdef,
+                         run_in_waves)
 from .models.llama import MLP, Attention
 from .sampling import check_sampling
 from .sequences import CacheManager, HostAllocator, admit_device, ingest_chunk, release_device
@@ -292,13 +293,17 @@ class TPCacheManager(CacheManager):
 class _TPProgram(_Program):
     """`generate._Program` (prefill, decode loop) with each jitted entry point wrapped in shard_map over "tp"."""
 
-    def __init__(self, graphdef, config: CacheConfig, options: DecodeOptions, host_sh, mesh: Mesh, param_spec,
-                 state_spec):
-        super().__init__(graphdef, config, "sparse", options, host_sh)   # its jits are replaced below, unused
+    def __init__(self, graphdef, layer_gd, config: CacheConfig, options: DecodeOptions, host_sh, mesh: Mesh,
+                 param_spec, state_spec):
+        super().__init__(graphdef, layer_gd, config, "sparse", options, host_sh)   # its jits are replaced below
         ps, st, hs, r, rk = param_spec, state_spec, HOST_SPECS, P(), P(TP_AXIS)
+        lps = param_spec["layers"][0]
         stats_spec = jax.tree.map(lambda _: rk, LayerStats.zeros())
-        self.prefill = jax.jit(per_rank(self._prefill_sparse, mesh, config, (ps, st, hs, r, r, r), (st, hs, r)),
-                               donate_argnums=(1, 2), out_shardings=(None, host_sh, None))
+        self.embed = jax.jit(per_rank(self._embed, mesh, config, (ps, r), r))
+        self.logits = jax.jit(per_rank(self._logits, mesh, config, (ps, r, r), r))
+        self.prefill_layer = jax.jit(per_rank(self._prefill_layer_sparse, mesh, config, (lps, st, hs, r, r, r, r),
+                                              (st, hs, r)),
+                                     donate_argnums=(1, 2, 3), out_shardings=(None, host_sh, None))
         self.decode = jax.jit(per_rank(self._decode_sparse, mesh, config, (ps, st, hs) + (r,) * 6,
                                        (st, hs, r, r, r, stats_spec)),
                               donate_argnums=(1, 2), out_shardings=(None, host_sh, None, None, None, None))
@@ -324,9 +329,9 @@ class _TPProgram(_Program):
 
 
 @functools.lru_cache(maxsize=8)
-def _tp_program(graphdef, config, options, host_sh, mesh, param_treedef, param_leaf_specs, state_spec):
+def _tp_program(graphdef, layer_gd, config, options, host_sh, mesh, param_treedef, param_leaf_specs, state_spec):
     ps = jax.tree_util.tree_unflatten(param_treedef, param_leaf_specs)
-    return _TPProgram(graphdef, config, options, host_sh, mesh, ps, state_spec)
+    return _TPProgram(graphdef, layer_gd, config, options, host_sh, mesh, ps, state_spec)
 
 
 class TPGenerator(Generator):
@@ -359,10 +364,15 @@ class TPGenerator(Generator):
         self.stats = LayerStats.zeros()
         self.rank_stats = jax.tree.map(lambda z: np.zeros(c.tp, np.int64), LayerStats.zeros())
         self.cache = TPCacheManager(c, mesh, impl=options.copy)
+        self.layer_params = [self.params["layers"][l] for l in range(c.num_layers)]
         leaves, treedef = jax.tree_util.tree_flatten(param_specs(self.params))
-        self.program = _tp_program(tp_graphdef(model), c, options, self.cache.host_shardings(), mesh, treedef,
-                                   tuple(leaves), self.cache.specs)
-        self._prefill, self._decode = self.program.prefill, self.program.decode
+        gd = tp_graphdef(model)
+        self.program = _tp_program(gd, layer_graphdef(gd, self.params), c, options, self.cache.host_shardings(), mesh,
+                                   treedef, tuple(leaves), self.cache.specs)
+        self._decode = self.program.decode
+
+    def _replicated(self):
+        return NamedSharding(self.mesh, P())
 
     def next_logits(self, tok) -> jax.Array:
         """Logits [S, V] of the token after `tok` [S] (each slot's last token) for every active slot, through the
