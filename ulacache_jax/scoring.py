@@ -19,6 +19,7 @@ Scored positions are therefore prefix .. T-2 (T - 1 - prefix of them); every one
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -58,6 +59,40 @@ def _causal(q, k, v):
     return dense_attention(q, k, v, pos, pos)
 
 
+class _DensePrograms:
+    """The jitted dense reference (embed, one layer, per-chunk metrics) of one model graph: shared by every scorer
+    of that model (see `_dense_programs`), so scoring several cache configs compiles them once."""
+
+    def __init__(self, graphdef, layer_gd):
+        self.graphdef, self.layer_gd = graphdef, layer_gd
+        self.embed = jax.jit(lambda p, ids: nnx.merge(graphdef, p).embed(ids))
+        self.layer = jax.jit(self._layer)
+        self.metrics = jax.jit(self._metrics)
+
+    def _layer(self, layer_params, x):
+        """One layer over a whole window: x [1, T, E] -> (x out, k, v [T, KV, D])."""
+        layer = nnx.merge(self.layer_gd, layer_params)
+        pos = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+        q, k, v = layer.qkv(x, pos)
+        return layer.finish(x, _causal(q, k, v)), k[0], v[0]
+
+    def _metrics(self, params, logits, h_all, start, targets):
+        """logits [W, C, V] sparse; h_all [W, T', E] dense hidden states, of which positions [start, start + C)
+        are this chunk's; targets [W, C] -> per position (logp, dense_logp, argmax, dense_argmax, kl) each [W, C]."""
+        model = nnx.merge(self.graphdef, params)
+        h = jax.lax.dynamic_slice_in_dim(h_all, start, logits.shape[1], axis=1)
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        dlp = jax.nn.log_softmax(model.logits(h), axis=-1)
+        pick = lambda a: jnp.take_along_axis(a, targets[..., None], axis=-1)[..., 0]
+        kl = jnp.sum(jnp.exp(dlp) * (dlp - lp), axis=-1)
+        return pick(lp), pick(dlp), jnp.argmax(lp, -1).astype(jnp.int32), jnp.argmax(dlp, -1).astype(jnp.int32), kl
+
+
+@functools.lru_cache(maxsize=4)
+def _dense_programs(graphdef, layer_gd) -> _DensePrograms:
+    return _DensePrograms(graphdef, layer_gd)
+
+
 class TeacherForcedScorer:
     """Scores windows of text through the sparse decode path of one (model, cache config).
 
@@ -75,27 +110,16 @@ class TeacherForcedScorer:
                 raise ValueError(f"cache_config.{name} = {a} does not match the model's {b}")
         self.model, self.config, self.options, self.record = model, c, options, record
         self.graphdef, self.params = nnx.split(model)
-        self.layer_gd = nnx.split(model.layers[0])[0]
         self.layer_params = [nnx.split(layer)[1] for layer in model.layers]
-        self._embed = jax.jit(lambda p, ids: nnx.merge(self.graphdef, p).embed(ids))
-        self._layer = jax.jit(self._dense_layer)
+        self.dense = _dense_programs(self.graphdef, nnx.split(model.layers[0])[0])
         self._chunk = jax.jit(self._decode_chunk, donate_argnums=(1, 2))
-        self._metrics = jax.jit(self._chunk_metrics)
-
-    # ---- dense reference ---------------------------------------------------------------------------------------
-    def _dense_layer(self, layer_params, x):
-        """One layer over a whole window: x [1, T, E] -> (x out, k, v [T, KV, D])."""
-        layer = nnx.merge(self.layer_gd, layer_params)
-        pos = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-        q, k, v = layer.qkv(x, pos)
-        return layer.finish(x, _causal(q, k, v)), k[0], v[0]
 
     def dense_forward(self, ids):
         """ids [T] -> (h [T, E] last layer's output, k, v [L, T, KV, D]): the dense reference of a window."""
-        x = self._embed(self.params, jnp.asarray(ids, jnp.int32)[None])
+        x = self.dense.embed(self.params, jnp.asarray(ids, jnp.int32)[None])
         ks, vs = [], []
         for lp in self.layer_params:
-            x, k, v = self._layer(lp, x)
+            x, k, v = self.dense.layer(lp, x)
             ks.append(k)
             vs.append(v)
         return x[0], jnp.stack(ks), jnp.stack(vs)
@@ -139,16 +163,6 @@ class TeacherForcedScorer:
         state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=length))
         state, host = flush_tail(state, host, impl=opts.copy)
         return state, host, logits, sels, stats
-
-    def _chunk_metrics(self, params, logits, h, targets):
-        """logits [S, C, V] sparse, h [S, C, E] dense hidden states, targets [S, C] -> per-position
-        (logp, dense_logp, argmax, dense_argmax, kl) each [S, C]."""
-        model = nnx.merge(self.graphdef, params)
-        lp = jax.nn.log_softmax(logits, axis=-1)
-        dlp = jax.nn.log_softmax(model.logits(h), axis=-1)
-        pick = lambda a: jnp.take_along_axis(a, targets[..., None], axis=-1)[..., 0]
-        kl = jnp.sum(jnp.exp(dlp) * (dlp - lp), axis=-1)
-        return pick(lp), pick(dlp), jnp.argmax(lp, -1).astype(jnp.int32), jnp.argmax(dlp, -1).astype(jnp.int32), kl
 
     def score(self, windows, prefix: int) -> WindowScores:
         """windows: up to max_seqs token-id lists of one length T; prefix: tokens prefilled (the rest are decoded,
@@ -200,7 +214,7 @@ class TeacherForcedScorer:
                                                            jnp.asarray(toks[:, ch * P:(ch + 1) * P]), n)
                 stats = stats + st
                 tgt = jnp.asarray(toks[idx, ch * P + 1:(ch + 1) * P + 1])
-                res = self._metrics(self.params, logits[idx], H[:, prefix + ch * P:prefix + (ch + 1) * P], tgt)
+                res = self.dense.metrics(self.params, logits[idx], H, prefix + ch * P, tgt)
                 for key, a in zip(out, res):
                     out[key].append(np.asarray(a))
                 if sel is not None:
