@@ -267,7 +267,8 @@ def run_ppl(model, tok, grid, args, meta, common, variants):
     meta["ppl"] = dict(windows=len(wins), window_tokens=T, prefix=prefix, scored_positions=f"{prefix}..{T - 2}",
                        seconds={})
     rows, trace = [], None
-    configs = [(b, p, {}) for p in grid.pages for b in grid.budgets] + variants
+    # --variants scores the selection options only (a separate run, merged into the same JSON)
+    configs = variants or [(b, p, {}) for p in grid.pages for b in grid.budgets]
     # the traced cell: the grid's, else its smallest budget at its first page size
     traced = ((grid.trace_budget, grid.trace_page) if grid.trace_budget in grid.budgets
               and grid.trace_page in grid.pages else (min(grid.budgets), grid.pages[0]))
@@ -289,7 +290,7 @@ def run_ppl(model, tok, grid, args, meta, common, variants):
         log(f"ppl {name}: ppl {s['ppl']:.4f} (dense {s['dense_ppl']:.4f}) top1 {s['top1_agreement']:.4f} "
             f"kl {s['kl']:.5f} hit rate {res.hits / max(1, res.hits + res.misses):.3f} ({time.time() - t0:.1f} s)")
         base = dict(task="ppl", context=T, depth=None, page_size=page, n=s["n"], **common["stamp"])
-        if not dense_done:
+        if not dense_done and not variants:
             rows.append(dict(base, budget=None, page_size=None, attention="dense", ppl=s["dense_ppl"],
                              top1_agreement=1.0, kl=0.0, dense_by_construction=True))
             dense_done = True
@@ -466,17 +467,18 @@ def plot(rows, meta, path):
 
 
 # ---- main -----------------------------------------------------------------------------------------------------
-def variants_of(grid) -> list:
-    """Part 3 of issue 19: selection options at two budgets (the first-layers-dense option does not exist in the
-    library: CacheConfig has one budget for every layer)."""
+def variants_of(grid, model_config) -> list:
+    """Issue 19 part 3: selection options, at budgets 256 and 1024 where the grid has them (else its largest), at
+    each page size: no sink or recent pages, more of both (2 + 4), and one selection shared by every KV head
+    (kv_heads_per_group = num_kv_heads) against the default one per KV head. Keeping the first layers dense is
+    not an option of the library (CacheConfig has one budget for every layer), so it is not measured."""
+    budgets = [b for b in (256, 1024) if b in grid.budgets] or [max(grid.budgets)]
     out = []
-    for budget in (256, 1024):
-        for page in (16, 64):
-            if budget not in grid.budgets:
-                continue
+    for page in grid.pages:
+        for budget in budgets:
             out += [(budget, page, dict(sink_pages=0, recent_pages=0)),
                     (budget, page, dict(sink_pages=2, recent_pages=4)),
-                    (budget, page, dict(kv_heads_per_group=3))]
+                    (budget, page, dict(kv_heads_per_group=model_config.num_kv_heads))]
     return out
 
 
@@ -490,7 +492,9 @@ def main(argv=None):
                                                 "with --small / --tiny)")
     ap.add_argument("--name", default="quality", help="stem of NAME.json / NAME.png")
     ap.add_argument("--tasks", default="passkey,ppl,trace", help="comma list of passkey, ppl, trace (trace needs ppl)")
-    ap.add_argument("--variants", action="store_true", help="also score selection options (issue 19 part 3)")
+    ap.add_argument("--variants", action="store_true",
+                    help="ppl: score the selection options of issue 19 part 3 (sink/recent pages, shared selection) "
+                         "instead of the budget grid; with --merge their rows join the grid's")
     ap.add_argument("--merge", action="store_true", help="keep the rows of other tasks already in the output JSON")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
@@ -504,6 +508,8 @@ def main(argv=None):
     bad = [t for t in args.tasks if t not in ("passkey", "ppl", "trace")]
     if bad:
         ap.error(f"unknown task(s) {bad}; choose from passkey, ppl, trace")
+    if args.variants and args.tasks != ["ppl"]:
+        ap.error("--variants runs the ppl task alone: pass --tasks ppl")
     if "trace" in args.tasks and "ppl" not in args.tasks:
         ap.error("--tasks trace records its selections in the ppl run: add ppl")
     kind = "tiny" if args.tiny else "small" if args.small else "full"
@@ -538,7 +544,8 @@ def main(argv=None):
     if "passkey" in args.tasks:
         rows += run_passkey(model, tok, grid, args, meta, common)
     if "ppl" in args.tasks:
-        prow, trace = run_ppl(model, tok, grid, args, meta, common, variants_of(grid) if args.variants else [])
+        variants = variants_of(grid, model.config) if args.variants else []
+        prow, trace = run_ppl(model, tok, grid, args, meta, common, variants)
         rows += prow
         if "trace" in args.tasks and trace is not None:
             rows += run_trace(trace, grid, args, meta, common)
@@ -549,8 +556,8 @@ def main(argv=None):
     if args.merge and os.path.exists(path):
         with open(path) as fh:
             old = json.load(fh)
-        done = {r["task"] for r in rows}
-        rows = [r for r in old["rows"] if r["task"] not in done] + rows
+        done = {(r["task"], bool(r.get("variant"))) for r in rows}
+        rows = [r for r in old["rows"] if (r["task"], bool(r.get("variant"))) not in done] + rows
         meta = dict(old.get("meta", {}), **{k: v for k, v in meta.items() if k not in ("passkey", "ppl", "trace")},
                     **{k: meta[k] for k in ("passkey", "ppl", "trace") if k in meta})
     with open(path, "w") as fh:
