@@ -466,6 +466,67 @@ def plot(rows, meta, path):
     plt.close(fig)
 
 
+# ---- markdown summary ------------------------------------------------------------------------------------------
+def markdown(rows, meta) -> str:
+    """The tables BENCHMARKS.md quotes: passkey accuracy (mean over depths; identical-to-dense in brackets) per
+    context and cell, dense accuracy per depth, ppl / agreement / KL per cell, hit rates per pool."""
+    out = []
+    pk = [r for r in rows if r["task"] == "passkey"]
+    if pk:
+        ctxs = sorted({r["context"] for r in pk})
+        cells = sorted({(r["budget"] or 0, r["page_size"] or 0) for r in pk})
+        out.append("| cell | " + " | ".join(f"{c} tok: accuracy (same as dense)" for c in ctxs) + " |")
+        out.append("|---" * (len(ctxs) + 1) + "|")
+        for b, p in cells:
+            sel = [r for r in pk if (r["budget"] or 0, r["page_size"] or 0) == (b, p)]
+            name = "dense" if not b else f"budget {b}, page {p}"
+            vals = []
+            for c in ctxs:
+                rr = [r for r in sel if r["context"] == c]
+                acc = np.mean([r["accuracy"] for r in rr])
+                same = np.mean([r["same_as_dense"] for r in rr])
+                mark = " (dense by construction)" if b and all(r["dense_by_construction"] for r in rr) else ""
+                vals.append(f"{100 * acc:.0f}% ({100 * same:.0f}%){mark}" + ("" if not b else
+                                                                             f", ratio {100 * b / c:.1f}%"))
+            out.append(f"| {name} | " + " | ".join(vals) + " |")
+        depths = sorted({r["depth"] for r in pk})
+        out.append("\nDense accuracy by depth:\n\n| context | " + " | ".join(f"{d}%" for d in depths) + " |")
+        out.append("|---" * (len(depths) + 1) + "|")
+        for c in ctxs:
+            acc = {r["depth"]: r for r in pk if r["context"] == c and r["attention"] == "dense"}
+            out.append(f"| {c} | " + " | ".join(f"{100 * acc[d]['accuracy']:.0f}% of {acc[d]['n']}" for d in depths)
+                       + " |")
+        out.append("")
+    pp = [r for r in rows if r["task"] == "ppl"]
+    if pp:
+        out.append("| cell | options | budget / context | ppl | ppl vs dense | top-1 agreement | KL to dense (nats) |")
+        out.append("|---|---|---|---|---|---|---|")
+        for r in sorted(pp, key=lambda r: (r["attention"] != "dense", bool(r.get("variant")), r["page_size"] or 0,
+                                            r["budget"] or 0)):
+            if r["attention"] == "dense":
+                out.append(f"| dense | | | {r['ppl']:.4f} | | | |")
+                continue
+            opts = f"sink {r['sink_pages']}, recent {r['recent_pages']}, kv heads/group {r['kv_heads_per_group']}"
+            out.append(f"| budget {r['budget']}, page {r['page_size']} | {opts} | {100 * r['budget_ratio']:.1f}% | "
+                       f"{r['ppl']:.4f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {100 * r['top1_agreement']:.2f}% | "
+                       f"{r['kl']:.5f} |")
+        out.append("")
+    hr = [r for r in rows if r["task"] == "hit_rate"]
+    if hr:
+        out.append("| HBM pool | frames (of KV pages) | PB-LRU (B x S) | global LRU | Belady |")
+        out.append("|---|---|---|---|---|")
+        for pool in dict.fromkeys(r["pool"] for r in hr):
+            rr = {r["policy"]: r for r in hr if r["pool"] == pool}
+            g = rr["pb_lru"]["geometry"]
+            out.append(f"| {pool} | {rr['pb_lru']['pool_frames']} ({100 * rr['pb_lru']['pool_fraction']:.1f}%) | "
+                       f"{100 * rr['pb_lru']['hit_rate']:.1f}% ({g[0]} x {g[1]}) | "
+                       f"{100 * rr['global_lru']['hit_rate']:.1f}% | {100 * rr['belady']['hit_rate']:.1f}% |")
+    if meta.get("refused"):
+        out.append("\nRefused cells: " + "; ".join(
+            f"{r['task']} budget {r['budget']} page {r['page_size']}: {r['reason']}" for r in meta["refused"]))
+    return "\n".join(out)
+
+
 # ---- main -----------------------------------------------------------------------------------------------------
 def variants_of(grid, model_config) -> list:
     """Issue 19 part 3: selection options, at budgets 256 and 1024 where the grid has them (else its largest), at
@@ -496,6 +557,7 @@ def main(argv=None):
                     help="ppl: score the selection options of issue 19 part 3 (sink/recent pages, shared selection) "
                          "instead of the budget grid; with --merge their rows join the grid's")
     ap.add_argument("--merge", action="store_true", help="keep the rows of other tasks already in the output JSON")
+    ap.add_argument("--report", default=None, help="print the markdown tables of an existing JSON and exit")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keys", type=int, default=None, help="override keys per passkey cell")
@@ -504,6 +566,11 @@ def main(argv=None):
         ap.add_argument(f"--{name}", default=None, help=f"override the grid's {name} (comma list of ints)")
     ap.add_argument("--pools", default="2,4,8,16,32", help="HBM pools of the trace study: 1/N of the KV pages")
     args = ap.parse_args(argv)
+    if args.report:
+        with open(args.report) as fh:
+            data = json.load(fh)
+        print(markdown(data["rows"], data["meta"]))
+        return data["rows"], data["meta"]
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in args.tasks if t not in ("passkey", "ppl", "trace")]
     if bad:
@@ -564,6 +631,7 @@ def main(argv=None):
         json.dump(dict(meta=meta, rows=rows), fh, indent=1)
     plot(rows, meta, os.path.join(args.out, f"{args.name}.png"))
     log(f"wrote {path} ({len(rows)} rows, {meta['seconds']} s)")
+    print(markdown(rows, meta))
     return rows, meta
 
 
