@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 -q
 
-.PHONY: demo test test-gpu clean fixtures
+.PHONY: demo test test-gpu bench-gpu clean fixtures
 
 $(PY):
 	"$$(sh scripts/find_python.sh)" -m venv $(VENV)
@@ -20,9 +20,18 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# On a GPU machine: the same suite, GPU-marked tests included (they skip themselves without a GPU).
-test-gpu: $(VENV)/.installed
-	$(PY) -m pytest -q -m gpu
+# On a GPU machine, which has no package registry: the GPU-marked tests as ONE process, straight from the checkout
+# with the machine's own Python (nothing is installed; ulacache_jax/pallas_kernels and ulacache_jax/models are links
+# into the checkout, so PYTHONPATH is all it needs). Without a GPU every test here skips itself.
+GPU_PY ?= python3
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -m gpu -p no:cacheprovider
+
+# The benchmarks on a GPU machine, one device call (<= 600 s) per name (scripts/bench_gpu.sh lists them):
+#   make bench-gpu [BENCH="select decode"] [OUT=out/gpu] [COMMIT=sha]
+BENCH ?=
+bench-gpu:
+	OUT=$(or $(OUT),out/gpu) PY=$(GPU_PY) bash scripts/bench_gpu.sh $(BENCH)
 
 # Regenerates the transformers parity fixtures in a Python 3.11 side venv (torch never enters .venv).
 fixtures:

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import math
 import os
 import statistics
-import sys
 import time
 import warnings
 
@@ -31,7 +29,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax.bench_meta import git_commit
+from ulacache_jax.bench_meta import median_seconds, pyplot, run_meta, save_figure, time_chain
 from ulacache_jax.pallas_kernels import page_copy
 from ulacache_jax.pallas_kernels import sparse_decode_attention as sda
 
@@ -44,41 +42,6 @@ SECTIONS = ("ceiling", "kernel", "sweep", "msweep", "paged", "cudnn", "miss", "m
 # ----------------------------------------------------------------------------------------------------------------
 # timing
 # ----------------------------------------------------------------------------------------------------------------
-def _block(x):
-    jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
-
-
-def time_chain(step, carry, *args, donate=False, target_s=0.004, reps=7, max_n=32):
-    """Median seconds per call of `step(carry, *args) -> carry`, run as a chain of n calls inside one jit (the
-    output feeds the next call, so nothing is hoisted or overlapped and dispatch is paid once per chain).
-    Returns (seconds, carry)."""
-    def chain(n):
-        def run(c, *a):
-            for _ in range(n):
-                c = step(c, *a)
-            return c
-        return jax.jit(run, donate_argnums=(0,) if donate else ())
-
-    one = chain(1)
-    carry = one(carry, *args)
-    _block(carry)
-    t0 = time.perf_counter()
-    carry = one(carry, *args)
-    _block(carry)
-    est = time.perf_counter() - t0
-    n = int(min(max_n, max(1, math.ceil(target_s / max(est, 1e-6)))))
-    run = chain(n) if n > 1 else one
-    carry = run(carry, *args)
-    _block(carry)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        carry = run(carry, *args)
-        _block(carry)
-        times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times), carry
-
-
 def rel_err(a, b):
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
@@ -195,16 +158,14 @@ def section_ceiling(ctx: BenchContext):
     n = 2 ** 31  # 4 GiB of bf16
     x = jnp.zeros((n,), DT) + 1
     add = jax.jit(lambda a: a + 1, donate_argnums=0)
-    x = add(x)
-    _block(x)
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x = add(x)
-        _block(x)
-        ts.append(time.perf_counter() - t0)
-    t = statistics.median(ts)
+    box = [x]
+
+    def step():  # the array is donated: each call consumes the previous result
+        box[0] = add(box[0])
+        return box[0]
+    t = median_seconds(step, 5).median_s
     out = {"xla_elementwise_4GiB_s": t, "xla_elementwise_tbs": 2 * n * 2 / t / 1e12}
+    box.clear()
     del x
     try:
         import torch
@@ -562,9 +523,7 @@ def section_mosaic(ctx: BenchContext):
 
 
 def plot(results, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     ax = axes[0]
     rows = [r for r in results.get("kernel", []) if "tbs" in r and r.get("impl") == "pallas"]
@@ -606,8 +565,7 @@ def plot(results, path):
     ax.set_ylabel("us per call (B=32)")
     ax.set_title("misses: zero-copy / fused fill / separate fetch")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def summary(results):
@@ -681,12 +639,7 @@ def parse(argv=None):
 def main(argv=None, extra_sections=()):
     """Run the benchmark; returns the results dict (also written to OUT/attention.json and attention.png)."""
     a = parse(argv)
-    commit = a.commit or git_commit()
-    dev = jax.devices()[0]
-    results = {"device": f"{dev.platform} {dev.device_kind}", "jax": jax.__version__, "git_commit": commit,
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "command": " ".join(sys.argv), "shapes": dict(H=H, KV=KV, D=D, page=PAGE, tail_pages=TAIL,
-                                                              dtype="bfloat16")}
+    results = run_meta(a.commit, shapes=dict(H=H, KV=KV, D=D, page=PAGE, tail_pages=TAIL, dtype="bfloat16"))
     if a.resume:
         with open(a.resume) as f:
             old = json.load(f)
@@ -695,7 +648,7 @@ def main(argv=None, extra_sections=()):
                 results[key] = [r for r in val if not (isinstance(r, dict) and "skipped" in r)]
             elif key not in results or key in ("ceiling", "section_seconds"):
                 results[key] = val
-        results["resumed_from"] = {k: old.get(k) for k in ("date", "git_commit", "command", "device", "jax")}
+        results["resumed_from"] = {k: old.get(k) for k in ("date", "commit", "command", "device", "jax")}
     ctx = BenchContext(args=a, results=results, t_start=time.perf_counter())
     todo = [s for s in (a.only or SECTIONS) if s not in a.skip]
     fns = dict(ceiling=section_ceiling, kernel=section_kernel, sweep=section_sweep, msweep=section_msweep,

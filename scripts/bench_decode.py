@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import os
@@ -29,30 +28,18 @@ import jax.numpy as jnp
 from jax import lax
 from flax import nnx
 
-
-def _median_seconds(f, nbytes: int, reps: int = 10) -> float:
-    """Median seconds of jit(f) over a bf16 array of nbytes (compiled and warmed first)."""
-    x = jnp.ones(nbytes // 2, jnp.bfloat16)
-    f = jax.jit(f)
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+from ulacache_jax.bench_meta import copy_ceiling, git_commit, read_ceiling, utc_now
 
 
 def copy_bandwidth(nbytes=4 << 30) -> float:
-    """HBM copy ceiling in bytes/s (read + write counted), median of 10."""
-    return 2 * nbytes / _median_seconds(lambda a: a * 1, nbytes)
+    """HBM copy ceiling in bytes/s (read + write counted)."""
+    return copy_ceiling(nbytes)
 
 
 def read_bandwidth(nbytes=4 << 30) -> float:
-    """HBM read ceiling in bytes/s: a sum over nbytes of bf16 (read once, nothing written), median of 10. A decode
-    step mostly reads (weights, K/V), and on the H200 it ran faster than the read + write copy rate above, so the
-    copy floor (the issue's) is reported beside this one."""
-    return nbytes / _median_seconds(lambda a: jnp.sum(a, dtype=jnp.float32), nbytes)
+    """HBM read ceiling in bytes/s. A decode step mostly reads (weights, K/V) and can run faster than the read +
+    write copy rate, so the copy floor (the issue's) is reported beside this one."""
+    return read_ceiling(nbytes)
 
 
 def synthetic_fill_sparse(m, slots, ctx, seed, chunk=8192):
@@ -295,7 +282,6 @@ def main(argv=None):
                    help="run every row in this process (default: one child process per row)")
     p.add_argument("--row-timeout", type=float, default=900, help="seconds one isolated row may take")
     args = p.parse_args(argv)
-    from ulacache_jax.bench_meta import git_commit
     from ulacache_jax.models import LlamaModel, get_preset
     mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
     rows = []
@@ -338,7 +324,7 @@ def main(argv=None):
         write_json(args.out, dict(commit=commit, rows=rows, partial=True))
     devices = sorted({r["device"] for r in rows if "device" in r})
     res = dict(device=", ".join(devices), jax=jax.__version__, commit=commit,
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               date=utc_now(),
                copy_tb_s="per row (measured in the row's process)",
                model=f"llama-3.1-8b shape, {args.layers} layers, random bf16 weights",
                kv="synthetic fill on device (random, distinct per sequence), not a prefill", rows=rows)

@@ -1,10 +1,8 @@
 """Prefill ingestion throughput: one chunk of K/V (all layers) written into the tiered cache by
 `CacheManager._ingest` (summaries, host write-through of complete pages by the page flush kernel, tail page).
 
-Why: the decode benchmark's synthetic fill goes through this path and took 2.5-3.7 s per 32K-token chunk of a
-Llama-3.1-8B-shaped cache on the H200 (4.3 GB of K/V: ~1.5 GB/s, `setup_s` in docs/benchmarks/decode.json), while
-the flush kernel alone moves 52 GB/s (tiers section). A 128K prompt would spend seconds there. This script times
-the ingest call per chunk size, splits its device time by event (JAX profiler, as in bench_tiers), and measures a
+Why: the prefill and the decode benchmark's synthetic fill go through this path, whose rate should be that of the
+page flush kernel (docs/BENCHMARKS.md, tiers). This script times the ingest call per chunk size, splits its device time by event (JAX profiler, as in bench_tiers), and measures a
 bulk HBM -> pinned-host copy of the same bytes as the ceiling, in the same run. The first chunk is checked: host
 pages read back equal the K/V given.
 
@@ -13,16 +11,14 @@ Run (H200): python3 scripts/bench_ingest.py --out DIR [--commit SHA]   -> DIR/in
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import sys
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax.bench_meta import git_commit
+from ulacache_jax.bench_meta import Results, pyplot, run_meta, save_figure
 from ulacache_jax.config import CacheConfig
 from ulacache_jax.sequences import CacheManager
 
@@ -65,10 +61,8 @@ def main(argv=None):
     KV, D, PAGE = 8, 128, 64
     m = make_manager(a.layers, KV, D, PAGE, a.context)
     slot = m.admit(a.context)
-    res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, commit=a.commit or git_commit(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command=" ".join(sys.argv), shapes=dict(layers=a.layers, KV=KV, D=D, page=PAGE, context=a.context),
-               rows=[])
+    res = Results(os.path.join(a.out, "ingest.json"), run_meta(a.commit),
+                  shapes=dict(layers=a.layers, KV=KV, D=D, page=PAGE, context=a.context))
     host_sh = m.host_shardings().k
     for chunk in a.chunks:
         mk = jax.jit(lambda key: jax.random.normal(key, (a.layers, chunk, KV, D), jnp.bfloat16))
@@ -93,39 +87,35 @@ def main(argv=None):
             del flat
         except Exception as e:  # a chunk size failing must not lose the others
             row["error"] = repr(e)[:400]
-        res["rows"].append(row)
+        res.add(row)
         print(json.dumps(row), flush=True)
-        with open(os.path.join(a.out, "ingest.json"), "w") as f:
-            json.dump(res, f, indent=1)
     plot(res, os.path.join(a.out, "ingest.png"))
     print("| chunk | ingest wall ms | ingest GB/s (wall) | device GB/s | bulk D2H GB/s | top device events (us) |")
     print("|---|---|---|---|---|---|")
-    for r in res["rows"]:
+    for r in res.rows:
         if "error" in r:
             print(f"| {r['chunk']} | ERROR {r['error'][:80]} |")
             continue
         i, b = r["ingest"], r["bulk_d2h"]
         print(f"| {r['chunk']} | {i['wall_us'] / 1e3:.1f} | {i['gbps_wall']:.1f} | {i.get('gbps') or float('nan'):.1f} | "
               f"{b['gbps_wall']:.1f} | {i.get('events', {})} |")
-    return res
+    return dict(meta=res.meta, rows=res.rows, **res.extra)
 
 
-def plot(res, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = [r for r in res["rows"] if "ingest" in r]
+def plot(res: Results, path):
+    plt = pyplot()
+    rows = [r for r in res.rows if "ingest" in r]
     fig, ax = plt.subplots(figsize=(6, 4))
     x = np.arange(len(rows))
     ax.bar(x - 0.2, [r["ingest"]["gbps_wall"] for r in rows], 0.4, label="ingest (wall)")
     ax.bar(x + 0.2, [r["bulk_d2h"]["gbps_wall"] for r in rows], 0.4, label="bulk HBM -> pinned host")
     ax.set_xticks(x, [f"{r['chunk'] // 1024}K tokens" for r in rows])
     ax.set_ylabel("GB/s of K/V")
-    s = res["shapes"]
-    ax.set_title(f"prefill ingestion, {s['layers']} layers x {s['KV']} KV x {s['D']}, {res['device']}", fontsize=9)
+    s = res.extra["shapes"]
+    ax.set_title(f"prefill ingestion, {s['layers']} layers x {s['KV']} KV x {s['D']}, {res.meta['device']}",
+                 fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import sys
 import time
 
 import numpy as np
@@ -41,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ulacache_jax.bench_meta import git_commit
+from ulacache_jax.bench_meta import median_seconds, pyplot, run_meta, save_figure
 from ulacache_jax.cache_state import CacheState
 from ulacache_jax.config import CacheConfig
 from ulacache_jax import selection
@@ -213,17 +211,15 @@ def check_variant(m: CacheManager, options: DecodeOptions, q, batch, ctx) -> dic
 def time_loop(fn, m: CacheManager, q0, extra, reps: int, calls: int):
     """Median seconds per call (wall of the whole loop / calls) and the stats of one loop; fn is a layer_loop
     (extra = the cold mask) or a stage_loop (extra = the PagePlan)."""
-    st, chk, tot, m.host = fn(m.state, m.host, q0, extra)        # compile + warm (first call brings pages in)
-    jax.block_until_ready(chk)
-    m.state = st
-    times = []
-    for r in range(reps):
-        t = time.perf_counter()
-        st, chk, tot, m.host = fn(m.state, m.host, q0, extra)
-        jax.block_until_ready((st, chk))
-        times.append(time.perf_counter() - t)
-        m.state = st
-    return float(np.median(times)) / calls, jax.tree.map(int, tot)
+    last = {}
+
+    def run():  # the state and the host pool are donated: each loop continues from the previous one
+        m.state, chk, last["tot"], m.host = fn(m.state, m.host, q0, extra)
+        return m.state, chk
+
+    # the warm-up call compiles and brings the pages in
+    t = median_seconds(run, reps, per_call=calls)
+    return t.median_s, jax.tree.map(int, last["tot"])
 
 
 def cudnn_time(batch: int, ctx: int, reps: int) -> dict:
@@ -248,13 +244,7 @@ def cudnn_time(batch: int, ctx: int, reps: int) -> dict:
             return c + o[0, 0, 0, 0].astype(jnp.float32) * 1e-30
         return lax.fori_loop(0, n, body, jnp.float32(0))
 
-    jax.block_until_ready(loop(q, k, v))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(loop(q, k, v))
-        ts.append(time.perf_counter() - t)
-    sec = float(np.median(ts)) / n
+    sec = median_seconds(lambda: loop(q, k, v), reps, per_call=n).median_s
     nbytes = 2 * batch * ctx * KV * D * 2
     del k, v
     return dict(us=sec * 1e6, kv_gb=nbytes / 1e9, tb_s=nbytes / sec / 1e12, rel_err_vs_xla_8k=err, impl=impl)
@@ -286,11 +276,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     launch = tuple(a.score_launch) if a.score_launch else None
     os.makedirs(a.out, exist_ok=True)
-    dev = jax.devices()[0]
-    res = dict(device=dev.device_kind, jax=jax.__version__, commit=a.commit or git_commit(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command=" ".join(sys.argv), shapes=dict(B=a.batch, H=H, KV=KV, D=D, page=PAGE, context=a.context),
-               score_launch=launch, topk=a.topk, rows=[])
+    res = run_meta(a.commit, shapes=dict(B=a.batch, H=H, KV=KV, D=D, page=PAGE, context=a.context),
+                   score_launch=launch, topk=a.topk, rows=[])
     path = os.path.join(a.out, f"{a.name}.json")
 
     def add(row):
@@ -406,9 +393,7 @@ def main(argv=None):
 
 
 def plot(res, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     rows = [r for r in res["rows"] if r["kind"] in ("resident", "misses") and "us" in r]  # the plot's lines
     cd = res["rows"][0]
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -426,8 +411,7 @@ def plot(res, path):
     s = res["shapes"]
     ax.set_title(f"select+sieve+attend, B={s['B']} ctx={s['context'] // 1024}K, {res['device']}", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

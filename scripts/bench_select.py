@@ -14,23 +14,18 @@ Run (H200): python3 scripts/bench_select.py --out DIR [--commit SHA]   -> DIR/se
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import sys
-import time
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ulacache_jax.bench_meta import git_commit
+from ulacache_jax.bench_meta import Results, copy_ceiling, median_seconds, pyplot, run_meta, save_figure
 from ulacache_jax.pallas_kernels import on_gpu, page_scores as ps
 from ulacache_jax.pallas_kernels.page_topk import top_k_pallas
 from ulacache_jax.selection import fold_queries
-
-from bench_decode import copy_bandwidth  # scripts/ is on sys.path when a script runs
 
 KV, H, D = 8, 64, 128
 
@@ -43,13 +38,7 @@ def loop_time(f, x0, calls: int, reps: int) -> float:
             return c + f(x + (c * 1e-30).astype(x.dtype))
         return lax.fori_loop(0, calls, body, jnp.float32(0))
 
-    jax.block_until_ready(run(x0))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(run(x0))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) / calls
+    return median_seconds(lambda: run(x0), reps, per_call=calls).median_s
 
 
 def two_stage_top_k(s, k: int, block: int = 128):
@@ -82,15 +71,9 @@ def main(argv=None):
     kmax = kmin + jnp.abs(jax.random.normal(keys[1], kmin.shape, jnp.bfloat16))
     q = jax.random.normal(keys[2], (B, 1, H, D), jnp.bfloat16)
     summ_bytes = 2 * kmin.size * 2
-    bw = copy_bandwidth(1 << 30 if gpu else 1 << 24)
-    res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, commit=a.commit or git_commit(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command=" ".join(sys.argv), shapes=dict(B=B, KV=KV, P=P, D=D, budget=a.budget),
-               copy_tb_s=bw / 1e12, rows=[])
-
-    def save():  # after every row: a run cut by its time limit keeps what it measured
-        with open(os.path.join(a.out, "select.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    bw = copy_ceiling(1 << 30 if gpu else 1 << 24)
+    res = Results(os.path.join(a.out, "select.json"), run_meta(a.commit),
+                  shapes=dict(B=B, KV=KV, P=P, D=D, budget=a.budget), copy_tb_s=bw / 1e12)
 
     def scores_fn(impl, bp=None, nw=None):
         def f(qq):
@@ -118,9 +101,8 @@ def main(argv=None):
             row.update(us=sec * 1e6, tb_s=summ_bytes / sec / 1e12, fraction_of_copy=summ_bytes / sec / bw)
         except Exception as e:  # one launch shape failing must not lose the others
             row["error"] = repr(e)[:300]
-        res["rows"].append(row)
+        res.add(row)
         print(json.dumps(row), flush=True)
-        save()
 
     k = a.budget // 64
     sc = jnp.asarray(ref)
@@ -136,13 +118,12 @@ def main(argv=None):
             row["us"] = sec * 1e6
         except Exception as e:  # the radix kernel's first GPU compile must not lose the other rows
             row["error"] = repr(e)[:300]
-        res["rows"].append(row)
+        res.add(row)
         print(json.dumps(row), flush=True)
-        save()
     plot(res, os.path.join(a.out, "select.png"))
     print(f"\nB={B} KV={KV} P={P} D={D}: summaries {summ_bytes / 1e9:.3f} GB, copy {bw / 1e12:.2f} TB/s")
     print("| kind | variant | us | TB/s | of copy | check |\n|---|---|---|---|---|---|")
-    for r in res["rows"]:
+    for r in res.rows:
         v = r["impl"] + (f" bp={r['block_pages']} w={r['num_warps']}" if r.get("block_pages") else "")
         if "error" in r:
             print(f"| {r['kind']} | {v} | ERROR {r['error'][:80]} |")
@@ -152,11 +133,9 @@ def main(argv=None):
     return res
 
 
-def plot(res, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = [r for r in res["rows"] if "us" in r]
+def plot(res: Results, path):
+    plt = pyplot()
+    rows = [r for r in res.rows if "us" in r]
     labels = [r["impl"] + (f"\nbp{r['block_pages']} w{r['num_warps']}" if r.get("block_pages") else "")
               for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(rows)), 4))
@@ -164,10 +143,9 @@ def plot(res, path):
            color=["tab:blue" if r["kind"] == "scores" else "tab:orange" for r in rows])
     ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=90)
     ax.set_ylabel("us per call")
-    s = res["shapes"]
-    ax.set_title(f"page scores (blue) and top-k (orange), B={s['B']} P={s['P']}, {res['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    s = res.extra["shapes"]
+    ax.set_title(f"page scores (blue) and top-k (orange), B={s['B']} P={s['P']}, {res.meta['device']}", fontsize=9)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

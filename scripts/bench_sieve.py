@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
 import os
-import sys
 import time
 
 import numpy as np
@@ -35,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ulacache_jax.bench_meta import git_commit
+from ulacache_jax.bench_meta import Results, block, device_events, median_seconds, pyplot, run_meta, save_figure
 from ulacache_jax import pb_lru
 from ulacache_jax.pallas_kernels import pb_lru_sieve as sv
 from ulacache_jax.pallas_kernels.lid_hash import GOLDEN
@@ -102,10 +99,6 @@ def copy_state(s):
     return jax.tree.map(lambda a: jnp.array(a, copy=True), s)
 
 
-def block(x):
-    jax.tree.map(lambda a: a.block_until_ready(), x)
-
-
 def make_step(impl: str, cfg=None):
     if impl == "pallas":
         def step(state, hi, lo, valid, now):
@@ -115,42 +108,6 @@ def make_step(impl: str, cfg=None):
         def step(state, hi, lo, valid, now):
             return pb_lru.ref_access(state, hi, lo, valid, now)
     return step
-
-
-def median_time(run, prepare, budget_s: float, min_reps: int = 3, max_reps: int = 30):
-    """run(prepared) -> result; timed wall seconds per repetition (prepare not timed)."""
-    times = []
-    t_start = time.perf_counter()
-    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - t_start < budget_s):
-        arg = prepare()
-        block(arg)
-        t0 = time.perf_counter()
-        block(run(arg))
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def gpu_kernel_times(run, tmpdir: str):
-    """Run `run()` under the profiler; per-name device durations (us, summed) of the GPU events, and the gaps
-    between consecutive GPU events that are shorter than 20 us (launch gaps inside one call)."""
-    import glob
-    import gzip
-    import shutil
-    shutil.rmtree(tmpdir, ignore_errors=True)
-    with jax.profiler.trace(tmpdir, create_perfetto_trace=True):
-        block(run())
-    path = glob.glob(os.path.join(tmpdir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-    data = json.load(gzip.open(path))
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
-    kern = sorted((e["ts"], e["dur"], e["name"]) for e in events
-                  if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e)
-    by_name = {}
-    for _, dur, name in kern:
-        by_name[name] = by_name.get(name, 0.0) + dur
-    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(kern, kern[1:]) if 0 <= b[0] - (a[0] + a[1]) < 20]
-    return by_name, len(kern), gaps
 
 
 def bench_config(impl, n, nb, ns, work, budget_s, steps, methods=(), cfg=None, check=False, profile=False):
@@ -197,13 +154,14 @@ def bench_config(impl, n, nb, ns, work, budget_s, steps, methods=(), cfg=None, c
         try:
             s = copy_state(state0)
             block(s)
-            by_name, count, gaps = gpu_kernel_times(lambda: run_chain(s), "/tmp/sieve_prof")
-            if count == 0:
+            dt = device_events(lambda: run_chain(s), reps=1)
+            if dt is None:
                 raise RuntimeError("no GPU events in the trace")
-            rec["device_us"] = sum(by_name.values()) / steps
-            rec["device_kernels"] = {k: round(v / steps, 2) for k, v in sorted(by_name.items(), key=lambda x: -x[1])}
-            rec["device_events_per_call"] = count / steps
-            rec["launch_gap_us_median"] = float(np.median(gaps)) if gaps else None
+            rec["device_us"] = dt.busy_ns / 1e3 / steps
+            rec["device_kernels"] = {k: round(v / 1e3 / steps, 2)
+                                     for k, v in sorted(dt.by_name.items(), key=lambda x: -x[1])}
+            rec["device_events_per_call"] = dt.events / steps
+            rec["launch_gap_us_median"] = None if dt.gap_ns_median is None else dt.gap_ns_median / 1e3
         except Exception as e:  # no CUPTI, no trace: the scan timing still stands
             rec["profile_error"] = repr(e)[:300]
     if "scan" in methods:
@@ -215,10 +173,9 @@ def bench_config(impl, n, nb, ns, work, budget_s, steps, methods=(), cfg=None, c
                 return inner(s, hi, lo, valid, now)
             return lax.scan(body, s, (his[3:], los[3:], nows))
         scan_steps = jax.jit(scan_steps, donate_argnums=0)
-        block(scan_steps(copy_state(state0)))
-        ts = median_time(scan_steps, lambda: copy_state(state0), budget_s)
-        rec["scan_us"] = 1e6 * float(np.median(ts)) / steps
-        rec["scan_reps"] = len(ts)
+        t = median_seconds(scan_steps, 30, prepare=lambda: copy_state(state0), budget_s=budget_s)
+        rec["scan_us"] = 1e6 * t.median_s / steps
+        rec["scan_reps"] = t.reps
     return rec
 
 
@@ -242,8 +199,8 @@ def scan_floor(n, nb, ns, budget_s):
             return pb_lru.PBLRUState(s.tag_hi, s.tag_lo, s.stamp.at[0, 0].set(x)), x
         return lax.scan(body, s, nows)
     floor_scan = jax.jit(floor_scan, donate_argnums=0)
-    floor_scan(copy_state(state0))
-    return 1e6 * float(np.median(median_time(floor_scan, lambda: copy_state(state0), budget_s))) / STEPS
+    t = median_seconds(floor_scan, 30, prepare=lambda: copy_state(state0), budget_s=budget_s)
+    return 1e6 * t.median_s / STEPS
 
 
 def metric(r):
@@ -252,9 +209,7 @@ def metric(r):
 
 
 def plot(records, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     pools = sorted({r["F"] for r in records if "F" in r})
     fig, axes = plt.subplots(1, len(pools), figsize=(6.5 * len(pools), 4.8), squeeze=False)
     colors = {8192: "tab:blue", 65536: "tab:orange", 262144: "tab:green"}
@@ -278,8 +233,7 @@ def plot(records, path):
         ax.set_title(f"PB-LRU access, pool {f // 1024}K frames")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main():
@@ -296,22 +250,13 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t_begin = time.perf_counter()
-    dev = jax.devices()[0]
-    meta = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__,
-                commit=args.commit or git_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                steps_per_measurement=STEPS, churn=CHURN, target_us=TARGET_US,
-                workload="synthetic decode-like: hot set of N distinct LIDs, 10% churn per step, full pool",
-                metrics={"device_us": "profiled GPU time per access call (sum of its kernels and copies)",
-                         "scan_us": "wall time per step of one jitted lax.scan over 16 steps (includes the "
-                                    "scan's per-step overhead, scan_floor_us)",
-                         "chain_us": "wall time per call of 16 jitted calls dispatched back to back"},
-                command=" ".join(sys.argv))
-    records, extra = [], {}
-    json_path = os.path.join(args.out, f"{args.name}.json")
-
-    def save():
-        with open(json_path, "w") as fh:
-            json.dump(dict(meta=meta, results=records, **extra), fh, indent=1)
+    meta = run_meta(args.commit, steps_per_measurement=STEPS, churn=CHURN, target_us=TARGET_US,
+                    workload="synthetic decode-like: hot set of N distinct LIDs, 10% churn per step, full pool",
+                    metrics={"device_us": "profiled GPU time per access call (sum of its kernels and copies)",
+                             "scan_us": "wall time per step of one jitted lax.scan over 16 steps (includes the "
+                                        "scan's per-step overhead, scan_floor_us)"})
+    res = Results(os.path.join(args.out, f"{args.name}.json"), meta)
+    records, extra, save = res.rows, res.extra, res.save
 
     extra["scan_floor_us"] = scan_floor(8192, 256, 256, args.budget_s)
     print(f"scan floor: {extra['scan_floor_us']:.1f} us per step", flush=True)

@@ -14,10 +14,8 @@ Usage: python scripts/bench_tiers.py [--out DIR] [--pool-pages 65536] [--reps 20
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -25,13 +23,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-try:
-    from ulacache_jax.pallas_kernels import page_copy as pc
-    from ulacache_jax.bench_meta import git_commit
-except ModuleNotFoundError:  # run from a source tree without an install (the GPU machine's bare copy)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ulacache_jax.pallas_kernels import page_copy as pc
-    from ulacache_jax.bench_meta import git_commit
+from ulacache_jax.bench_meta import device_events, median_seconds, pyplot, run_meta, save_figure
+from ulacache_jax.pallas_kernels import page_copy as pc
 
 PAGE_SHAPE = (64, 1, 128)
 DTYPE = jnp.bfloat16
@@ -43,80 +36,26 @@ VARIANTS = {  # name -> kernel kwargs
 }
 
 
-# ---------------------------------------------------------------- timing helpers (shared with probe_tiers.py)
-
-_SKIP_LINES = ("XLA Modules", "XLA Ops", "XLA TraceMe", "Launch Stats", "Steps", "Source code", "TensorFlow Ops",
-               "Framework Name Scope", "Framework Ops")
-
-
-def device_events(run, reps: int):
-    """Runs `run()` reps times (no sync in between) under the profiler. Returns (per-call device busy ns,
-    per-call device span ns, {event name: total ns / reps}, line names) or None if the profiler is unavailable."""
-    try:
-        from jax._src.lib import _profiler
-        sess = _profiler.ProfilerSession(jax.profiler.ProfileOptions())
-    except Exception as e:  # noqa: BLE001
-        print("profiler unavailable:", repr(e)[:200])
-        return None
-    out = None
-    for _ in range(reps):
-        out = run()
-    jax.block_until_ready(out)
-    xs = sess.stop()
-    pd = jax.profiler.ProfileData.from_serialized_xspace(xs)
-    by_name, lines_seen, busy, t_min, t_max = {}, set(), 0.0, None, None
-    for plane in pd.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        lines = list(plane.lines)
-        streams = [ln for ln in lines if ln.name.startswith("Stream")]
-        if not streams:
-            streams = [ln for ln in lines if ln.name not in _SKIP_LINES]
-        for ln in streams:
-            lines_seen.add(ln.name)
-            for ev in ln.events:
-                d = float(ev.duration_ns)
-                busy += d
-                by_name[ev.name] = by_name.get(ev.name, 0.0) + d / reps
-                s = float(ev.start_ns)
-                t_min = s if t_min is None else min(t_min, s)
-                t_max = s + d if t_max is None else max(t_max, s + d)
-    if t_min is None:
-        return None
-    return busy / reps, (t_max - t_min) / reps, by_name, sorted(lines_seen)
-
-
-def wall_latency(run, reps: int) -> float:
-    """Median seconds of one blocking call."""
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run())
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
+# ---------------------------------------------------------------- measurement (also used by bench_ingest.py)
 
 def measure(run, reps: int, nbytes: int, warmup: int = 2) -> dict:
-    for _ in range(warmup):
-        jax.block_until_ready(run())
-    wall = wall_latency(run, reps)
+    """Bytes moved by `run()`, its median blocking latency and, where the profiler sees the GPU, its device time
+    (GB/s from the device time, else from the latency)."""
+    wall = median_seconds(run, reps, warmup=warmup).median_s
     ev = device_events(run, reps)
     res = {"bytes": nbytes, "wall_us": wall * 1e6, "gbps_wall": nbytes / wall / 1e9}
     if ev is not None:
-        busy, span, by_name, lines = ev
-        res.update(device_us=busy / 1e3, span_us=span / 1e3, gbps=nbytes / busy if busy else None,
-                   events={k: round(v / 1e3, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:4]},
-                   lines=lines[:6])
+        busy = ev.busy_ns
+        res.update(device_us=busy / 1e3, span_us=ev.span_ns / 1e3, gbps=nbytes / busy if busy else None,
+                   events={k: round(v / 1e3, 2) for k, v in sorted(ev.by_name.items(), key=lambda kv: -kv[1])[:4]},
+                   lines=ev.lines[:6])
     else:
         res.update(device_us=None, gbps=res["gbps_wall"])
     return res
 
 
 def device_info() -> dict:
-    dev = jax.devices()[0]
-    return {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax": jax.__version__,
-            "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "memory_kinds": sorted(m.kind for m in dev.addressable_memories())}
+    return run_meta(memory_kinds=sorted(m.kind for m in jax.devices()[0].addressable_memories()))
 
 
 def shardings():
@@ -319,9 +258,7 @@ def main():
 
 
 def plot(rows, path, info):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     n = [r["pages"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for key, lab, st in (("fetch", "fetch (kernel, pinned->HBM)", "o-"), ("bulk_h2d", "bulk H2D device_put", "s--"),
@@ -334,8 +271,7 @@ def plot(rows, path, info):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"UlaCache tier copies on {info['device']} (jax {info['jax']}, {info['commit'][:8]})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

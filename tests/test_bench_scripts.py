@@ -86,3 +86,44 @@ def test_rows_record_the_attention_kernel_that_ran(monkeypatch):
     assert attention_kernel("auto", tiny, tiny_cfg) == "triton"                         # head_dim 16: not Mosaic's
     monkeypatch.setattr(sda, "on_hopper", lambda: False)
     assert attention_kernel("auto", mc, cfg) == "triton"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the shared harness (ulacache_jax/bench_meta.py) and the scripts built on it, in small shapes
+# ----------------------------------------------------------------------------------------------------------------
+def test_harness_timing_and_results(tmp_path):
+    import json
+    import jax
+    from ulacache_jax import bench_meta as bm
+    calls = []
+    t = bm.median_seconds(lambda x: calls.append(x) or jnp.ones(3) * x, 5, warmup=2, prepare=lambda: len(calls),
+                          per_call=4)
+    assert t.reps == 5 and len(calls) == 7 and 0 < t.min_s <= t.median_s <= t.max_s
+    assert set(t.row()) == {"us", "min_us", "max_us", "reps"}
+    sec, carry = bm.time_chain(lambda c, a: c + a, jnp.zeros(4), jnp.ones(4), reps=3, max_n=4)
+    assert sec > 0 and float(carry[0]) >= 3                                          # warm-ups and chains all ran
+    assert bm.copy_ceiling(1 << 20, reps=2) > 0 and bm.read_ceiling(1 << 20, reps=2) > 0
+    if jax.default_backend() == "cpu":
+        assert bm.device_events(lambda: jnp.ones(8) + 1, 2) is None                  # no GPU planes to read
+    meta = bm.run_meta("abc123", note="x")
+    assert meta["commit"] == "abc123" and meta["note"] == "x"
+    assert {"device", "platform", "num_devices", "jax", "date", "command"} <= set(meta)
+    res = bm.Results(str(tmp_path / "sub" / "r.json"), meta, shapes=dict(B=1))
+    res.add(dict(a=np.float32(1.5)))
+    first = json.loads((tmp_path / "sub" / "r.json").read_text())                    # written after the first row
+    assert first["rows"] == [{"a": 1.5}] and first["shapes"] == {"B": 1} and first["meta"]["commit"] == "abc123"
+
+
+def test_bench_sieve_small_run_checks_and_writes(tmp_path):
+    import json
+    import subprocess
+    import sys as _sys
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_sieve.py")
+    out = subprocess.run([_sys.executable, script, "--requests", "64", "--pools", "256", "--buckets", "4",
+                          "--budget-s", "0.01", "--out", str(tmp_path), "--commit", "test"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    d = json.loads((tmp_path / "sieve.json").read_text())
+    assert d["meta"]["commit"] == "test" and (tmp_path / "sieve.png").exists()
+    kern = [r for r in d["rows"] if r["impl"] == "pallas"]
+    assert kern and all(r["check_ok"] for r in kern) and all("scan_us" in r for r in d["rows"])

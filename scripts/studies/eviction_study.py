@@ -1,7 +1,7 @@
 """What bucketing costs in hit rate: PB-LRU (B buckets of S slots) against a global LRU (B = 1, the same code)
 and Belady's optimal policy (fully associative, capacity = pool, clairvoyant), on page-selection traces.
 
-    python scripts/eviction_study.py [--out docs/benchmarks] [--trace TRACE.npz] [--name eviction] [--clock row]
+    python scripts/studies/eviction_study.py [--out docs/benchmarks] [--trace TRACE.npz] [--name eviction] [--clock row]
 
 Pools hold 1/4, 1/8 and 1/16 of the trace's distinct pages; slots per bucket sweep from 8 upward to the whole
 pool (B = 1). Hit rates are over all requests after a warm-up (--warmup steps). Runs on CPU with the jnp
@@ -153,7 +153,7 @@ def main():
         trace, total_pages = synthetic_trace()
         valid = np.ones(trace.shape, bool)
         distinct = len(np.unique(trace[valid]))
-        source = "SYNTHETIC (scripts/eviction_study.py synthetic_trace, default parameters)"
+        source = "SYNTHETIC (scripts/studies/eviction_study.py synthetic_trace, default parameters)"
     if args.clock == "row":
         clock = np.arange(trace.shape[0])
     # pools hold 1/4, 1/8, 1/16 of the KV cache's pages (rounded down to a power of two so B = pool / S is one)

@@ -3,7 +3,7 @@
 Why: a sparse cache's setup time grows ~0.6-0.75 s per GB of host pool (bench_decode's `setup_s`; 86.7 s for the
 117 GB pool of 32K x 27) while ingestion moves ~47 GB/s. This isolates the allocation: each run is its own
 process, so the allocator starts cold, as a server's does.
-    python3 scripts/probe_host_alloc.py {seq|par} GB PIECES      (GPU only; prints one line)
+    python3 scripts/probes/host_alloc.py {seq|par} GB PIECES      (GPU only; prints one line)
 """
 import os
 import sys

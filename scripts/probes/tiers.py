@@ -14,7 +14,7 @@
    step; then freed (a child process, so an OOM kill loses only this probe).
 Each probe runs in a child process that writes results as it goes; a crash is recorded and the rest still run.
 
-Usage: python scripts/probe_tiers.py [--out DIR] [--only a,b]
+Usage: python scripts/probes/tiers.py [--out DIR] [--only a,b]
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 import traceback
+
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench_tiers.py is there
 
 PROBES = ("mosaic_read", "mosaic_write", "big_pools", "zero_miss_floor", "shard_map", "pin_capacity")
 GiB = 2**30
@@ -44,7 +46,7 @@ def meminfo() -> dict:
 def _setup():
     import jax
     import jax.numpy as jnp
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, SCRIPTS)
     import bench_tiers as bt
     from ulacache_jax.pallas_kernels import page_copy as pc
     s_host, s_dev = bt.shardings()
@@ -410,7 +412,7 @@ RUNNERS = {
 def child(names: list[str], path: str):
     """Runs the probes in order, rewriting the JSON after each (a crash keeps what came before)."""
     import jax
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, SCRIPTS)
     import bench_tiers as bt
     data = json.load(open(path)) if os.path.exists(path) else {}
     data.setdefault("info", bt.device_info())

@@ -1,7 +1,7 @@
 """HBM pages each tensor-parallel rank needs: head-sharded sparse slicing vs every rank replicating the union of all
 heads' selections (DESIGN.md section 6, issue 9; the write-up claims a 57.1% smaller per-GPU footprint).
 
-Run (CPU is enough, ~1 min):  python scripts/tp_footprint.py --out docs/benchmarks
+Run (CPU is enough, ~1 min):  python scripts/studies/tp_footprint.py --out docs/benchmarks
 Writes tp_footprint.json and tp_footprint.png to --out and prints a table.
 
 Selection traces: for every decode step t and layer, the pages each KV-head group selects, computed by the
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     for s in (float(x) for x in args.shared.split(",")):
         traces[f"synthetic shared={s:g}"] = synthetic_trace(args, rng, s)
     results = {
-        "script": "scripts/tp_footprint.py", "commit": git_commit(),
+        "script": "scripts/studies/tp_footprint.py", "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": f"{jax.default_backend()} (footprints are counts, not timings)",
         "params": {k: v for k, v in vars(args).items() if k != "out"},

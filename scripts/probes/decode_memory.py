@@ -10,7 +10,7 @@ Found with it (docs/BENCHMARKS.md): the dense cache as one [L, S, T, KV, D] arra
 new whole-cache value (560 GiB before rematerialisation at 128K x 7); one array per layer: temp 0.01 GiB
 (docs/benchmarks/decode_memory.json). The sparse host pool was twice the KV (pages rounded to a power of two).
 
-Run (GPU):  python3 scripts/probe_decode_memory.py --context 131072 --batch 7 [--out DIR]
+Run (GPU):  python3 scripts/probes/decode_memory.py --context 131072 --batch 7 [--out DIR]
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import re
 
 import numpy as np
@@ -57,7 +58,8 @@ def main(argv=None):
     from ulacache_jax.cache_state import init as init_state, host_sharding
     from ulacache_jax.decode_layer import DecodeOptions
     from ulacache_jax.generation import DenseCache, _Program
-    from bench_decode import bench_config  # scripts/ is on sys.path when a script runs
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/: bench_decode
+    from bench_decode import bench_config
     from ulacache_jax.models import LlamaModel, get_preset
     from ulacache_jax.sampling import SamplingArrays, row_keys
 
