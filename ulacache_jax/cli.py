@@ -441,7 +441,10 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
             fail("empty prompt" + (" (only whitespace)" if text else ""))
         if tokenizer is None:
             fail("this model has no tokenizer (no tokenizer.json): give 'prompt_ids'")
-        ids = tokenizer.encode(text)
+        try:
+            ids = tokenizer.encode(text)
+        except Exception as e:   # noqa: BLE001 - a tokenizer failure fails this line only
+            fail(f"tokenizer failed on 'prompt': {type(e).__name__}: {e}")
     else:
         ids = obj["prompt_ids"]
         if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
