@@ -136,6 +136,7 @@ def build_report(engine, requests=None, *, wall_s: float | None = None, model_la
         },
         "footprint": {**footprint(c, attention), "param_bytes": param_bytes},
         "timeline": timeline,
+        "request_timeline": request_timeline(reqs, engine.t0),
     }
     if extra:
         rep.update(extra)
@@ -202,38 +203,210 @@ def write_json(rep: dict, path: str | os.PathLike) -> None:
     atomic_write_bytes(path, (json.dumps(rep, indent=1, default=str) + "\n").encode())
 
 
-def plot_timeline(rep: dict, path: str | os.PathLike) -> None:
-    """PNG: HBM hit rate per step and throughput (per step and cumulative) against time (written to a temp file
-    and renamed, like the report)."""
+def plot_timeline(rep: dict, path: str | os.PathLike, *, max_gantt_rows: int = 64) -> None:
+    """PNG of a run at a glance, three panels on one time axis (seconds since the engine started):
+    - requests: one row each (queued, prefill, decode, finished), the first `max_gantt_rows` of them (the panel
+      title says when more ran), so hundreds of requests stay fast and readable;
+    - generated tokens/s per step;
+    - HBM hit rate per decode chunk (sparse only; dense says so).
+    Steps that compiled are hatched in every panel and their points drawn unjoined (their rates include the
+    compile). Lines break where the engine was idle between steps for more than twice the median step
+    (`break_gaps`), so no line is drawn across an idle period. Written to a temp file and renamed, like the
+    report."""
+    if isinstance(max_gantt_rows, bool) or not isinstance(max_gantt_rows, int) or max_gantt_rows < 1:
+        raise ValueError(f"max_gantt_rows = {max_gantt_rows!r} must be an int >= 1")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tl = rep["timeline"]
-    t = [r["t_end_s"] for r in tl]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    title = f"{rep['model']} - {rep['attention']} attention"
-    if rep.get("random_weights") and "random" not in title.lower():
-        title += " (random weights)"
-    fig.suptitle(title, fontsize=10)
-    hr = [(x, r["hit_rate"]) for x, r in zip(t, tl) if r["hit_rate"] is not None]
-    if hr:
-        ax1.plot(*zip(*hr), marker=".", lw=1)
-    ax1.set_ylim(-0.02, 1.02)
-    ax1.set_ylabel("HBM hit rate\n(per decode chunk)")
-    ax1.grid(alpha=0.3)
-    ax2.plot(t, [r["tokens_per_s"] for r in tl], marker=".", lw=1, label="per step (prefill + chunk)")
-    ax2.plot(t, [r["cum_tokens_per_s"] for r in tl], lw=1.5, label="cumulative")
-    for x, r in zip(t, tl):
-        if r["compiled"]:
-            ax2.axvline(x, color="0.8", lw=0.8, zorder=0)
-    ax2.set_ylabel("generated tokens/s")
-    ax2.set_xlabel("time since engine start (s); grey lines: steps that compiled")
-    ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=8)
+    tl = rep.get("timeline") or []
+    reqs = sorted(rep.get("request_timeline") or [], key=lambda r: r["id"])
+    shown = reqs[:max_gantt_rows]
+    t_end = np.array([r["t_end_s"] for r in tl], np.float64)             # [steps]
+    t_start = t_end - np.array([r["step_s"] for r in tl], np.float64)    # [steps]
+    compiled = np.array([bool(r["compiled"]) for r in tl], bool)         # [steps]
+    t_max = max([float(t_end.max()) if tl else 0.0, float(rep.get("engine_s") or 0.0)]
+                + [r[k] for r in shown for k in ("t_added_s", "t_finished_s") if r.get(k) is not None]) or 1.0
+
+    gantt_h = min(max(0.11 * len(shown) + 0.8, 1.6), 6.5)
+    fig, (ax_r, ax_t, ax_h) = plt.subplots(3, 1, figsize=(11, gantt_h + 4.6), sharex=True,
+                                           gridspec_kw={"height_ratios": [gantt_h, 2.1, 1.8]})
+    fig.suptitle(_plot_title(rep), fontsize=10)
+
+    for ax in (ax_r, ax_t, ax_h):
+        for a, b in zip(t_start[compiled], t_end[compiled]):
+            ax.axvspan(a, b, zorder=0, **_compile_span())
+        ax.grid(alpha=0.3, axis="x" if ax is ax_r else "both")
+    for a, b in zip(t_start[compiled], t_end[compiled]):
+        if b - a > 0.04 * t_max:   # wide enough to name; its own rate point sits near 0, the top is free
+            ax_t.text((a + b) / 2, 0.96, f"compile\n{b - a:.1f} s", ha="center", va="top", fontsize=7,
+                      color="darkred", transform=ax_t.get_xaxis_transform(), zorder=4,
+                      bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.8))
+    _plot_requests(ax_r, shown, len(reqs), t_start[compiled], t_end[compiled])
+
+    # throughput: steady steps joined (broken at idle gaps), steps that compiled as separate hollow points
+    steady = ~compiled
+    tps = np.array([r["tokens_per_s"] for r in tl], np.float64)           # [steps]
+    x, y = break_gaps(t_end[steady], tps[steady], starts=t_start[steady])
+    ax_t.plot(x, y, ".-" if steady.sum() <= 200 else "-", color="tab:blue", lw=1, ms=4,
+              label="per step (prefill + decode chunk)")
+    if compiled.any():
+        ax_t.plot(t_end[compiled], tps[compiled], "o", mfc="none", color="tab:red", ms=5,
+                  label="step that compiled")
+    rate = (rep.get("throughput") or {}).get("decode_tokens_per_s_steady")
+    if rate:
+        ax_t.axhline(rate, color="0.35", ls="--", lw=1, label=f"steady decode {rate:.1f} tok/s")
+    ax_t.set_ylim(bottom=0)
+    ax_t.set_ylabel("generated tokens/s")
+    _legend_above(ax_t)
+
+    # HBM hit rate per decode chunk
+    if rep.get("attention") == "dense":
+        ax_h.text(0.5, 0.5, "dense: no hit rate (every K/V in HBM)", transform=ax_h.transAxes, ha="center",
+                  va="center", fontsize=10, color="0.35")
+        ax_h.set_yticks([])
+    else:
+        has = np.array([r["hit_rate"] is not None for r in tl], bool)     # [steps]
+        hr = np.array([np.nan if r["hit_rate"] is None else r["hit_rate"] for r in tl], np.float64)
+        m = has & steady
+        x, y = break_gaps(t_end[m], hr[m], starts=t_start[m])
+        ax_h.plot(x, y, ".-" if m.sum() <= 200 else "-", color="tab:green", lw=1, ms=4, label="per decode chunk")
+        if (has & compiled).any():
+            ax_h.plot(t_end[has & compiled], hr[has & compiled], "o", mfc="none", color="tab:red", ms=5,
+                      label="chunk that compiled")
+        overall = (rep.get("cache") or {}).get("hbm_hit_rate")
+        if overall is not None:
+            ax_h.axhline(overall, color="0.35", ls="--", lw=1, label=f"whole run {overall:.3f}")
+        if not has.any():
+            ax_h.text(0.5, 0.5, "no flushed pages were selected: nothing to hit or miss", transform=ax_h.transAxes,
+                      ha="center", va="center", fontsize=9, color="0.35")
+        else:
+            _legend_above(ax_h)
+        ax_h.set_ylim(-0.03, 1.03)
+        ax_h.set_ylabel("HBM hit rate")
+    ax_h.set_xlim(0, 1.02 * t_max)
+    ax_h.set_xlabel("seconds since engine start")
     fig.tight_layout()
     from .jsonl_io import atomic_write
     try:
         atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     finally:
         plt.close(fig)
+
+
+def break_gaps(x, y, *, starts=None, factor: float = 2.0) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) with a NaN point inserted wherever consecutive points are separated by a gap, so matplotlib draws
+    separate segments and no line spans the gap. With `starts` (each point's step start; x is its end) a gap is
+    idle time, starts[i + 1] - x[i], longer than `factor` x the median step (x - starts); without, a spacing
+    x[i + 1] - x[i] longer than `factor` x the median positive spacing. x non-decreasing; y may hold NaN."""
+    x = np.asarray(x, np.float64)                                    # [n]
+    y = np.asarray(y, np.float64)                                    # [n]
+    if x.ndim != 1 or x.shape != y.shape:
+        raise ValueError(f"x and y must be 1-D of one length (got shapes {x.shape} and {y.shape})")
+    if not factor > 0:
+        raise ValueError(f"factor = {factor!r} must be > 0")
+    if x.size < 2:
+        return x.copy(), y.copy()
+    if np.any(np.diff(x) < 0):
+        raise ValueError("x must be non-decreasing (step end times in order)")
+    if starts is None:
+        gap = np.diff(x)                                             # [n - 1]
+        ref = gap[gap > 0]
+    else:
+        s = np.asarray(starts, np.float64)
+        if s.shape != x.shape:
+            raise ValueError(f"starts must have the shape of x {x.shape} (got {s.shape})")
+        gap = s[1:] - x[:-1]                                         # [n - 1] idle time between steps
+        ref = (x - s)[(x - s) > 0]
+    if not ref.size:
+        return x.copy(), y.copy()
+    cut = np.flatnonzero(gap > factor * float(np.median(ref))) + 1   # first index of each new segment
+    return np.insert(x, cut, np.nan), np.insert(y, cut, np.nan)
+
+
+def request_timeline(requests, t0: float) -> list[dict]:
+    """Per request, in id order, the plot's Gantt rows: when it was queued (added), admitted (its prefill
+    started), got its first token (prefill done) and finished, in seconds since the engine started (None where
+    it never got there), the step of its prefill (its first delivery) and its token counts."""
+    def rel(t):
+        return None if t is None else round(t - t0, 6)
+    return [{"id": r.request_id, "t_added_s": rel(r.t_added), "t_admitted_s": rel(r.t_admitted),
+             "t_first_token_s": rel(r.t_first_token), "t_finished_s": rel(r.t_finished),
+             "prefill_step": r.deliveries[0][2] if r.deliveries else None, "prompt_tokens": len(r.prompt_ids),
+             "generated_tokens": len(r.tokens), "finish_reason": r.finish_reason}
+            for r in sorted(requests, key=lambda r: r.request_id)]
+
+
+def _plot_title(rep: dict) -> str:
+    c = rep.get("cache_config") or {}
+    head = f"{rep.get('model') or 'model'}  |  {rep.get('attention', '?')} attention  |  batch {c.get('max_seqs', '?')}"
+    if rep.get("attention") != "dense" and "token_budget" in c:
+        head += f"  |  token budget {c['token_budget']}, page {c.get('page_size', '?')}"
+    if rep.get("random_weights") and "random" not in head.lower():
+        head += "  |  RANDOM WEIGHTS"
+    q, tok = rep.get("requests") or {}, rep.get("tokens") or {}
+    sub = []
+    if q:
+        sub.append(f"{q.get('total', 0)} requests ({q.get('failed', 0)} failed)")
+    if tok:
+        sub.append(f"{tok.get('generated', 0)} tokens generated")
+    if rep.get("wall_s") is not None:
+        sub.append(f"{rep['wall_s']:.2f} s wall, {rep.get('compile_steps_s', 0.0):.2f} s in "
+                   f"{rep.get('compile_steps', 0)} steps that compiled")
+    return head + ("\n" + ", ".join(sub) if sub else "")
+
+
+def _plot_requests(ax, rows: list[dict], total: int, compile_a, compile_b) -> None:
+    """The Gantt panel: one row per request, y = row (first request on top)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    colours = {"queued": "0.82", "prefill": "tab:orange", "decode": "tab:blue"}
+    if not rows:
+        ax.text(0.5, 0.5, "no per-request timings in this report", transform=ax.transAxes, ha="center",
+                va="center", fontsize=9, color="0.35")
+        ax.set_yticks([])
+    bars = {k: ([], [], []) for k in colours}                       # kind -> (row, left, width)
+    done, failed = ([], []), ([], [])                                # (t, row)
+    for i, r in enumerate(rows):
+        a, adm, first, fin = r["t_added_s"], r["t_admitted_s"], r["t_first_token_s"], r["t_finished_s"]
+        for kind, lo, hi in (("queued", a, adm if adm is not None else fin), ("prefill", adm, first),
+                             ("decode", first, fin)):
+            if lo is not None and hi is not None and hi >= lo:
+                bars[kind][0].append(i), bars[kind][1].append(lo), bars[kind][2].append(hi - lo)
+        if fin is not None:
+            m = failed if r.get("finish_reason") == "error" else done
+            m[0].append(fin), m[1].append(i)
+    for kind, (yy, left, width) in bars.items():
+        if yy:   # an edge of the bar's own colour keeps millisecond prefills visible (one pixel at least)
+            ax.barh(yy, width, left=left, height=0.7, color=colours[kind], edgecolor=colours[kind], lw=0.6,
+                    zorder=2)
+    ax.plot(*done, "|", color="black", ms=7, mew=1.5, zorder=3)
+    ax.plot(*failed, "x", color="tab:red", ms=6, mew=1.5, zorder=3)
+    if rows:
+        ax.set_ylim(len(rows) - 0.5, -0.5)                           # first request on top
+        if len(rows) <= 24:
+            ax.set_yticks(range(len(rows)), [str(r["id"]) for r in rows], fontsize=7)
+        else:
+            step = -(-len(rows) // 16)
+            ax.set_yticks(range(0, len(rows), step), [str(r["id"]) for r in rows[::step]], fontsize=7)
+    ax.set_ylabel("request id")
+    what = f"requests: first {len(rows)} of {total} shown" if total > len(rows) else f"requests ({total})"
+    ax.set_title(what, fontsize=9, loc="left")
+    handles = [Patch(color=colours[k], label=k) for k in colours]  # queued = added, not yet admitted
+    handles += [Line2D([], [], ls="none", marker="|", color="black", ms=7, mew=1.5, label="finished"),
+                Line2D([], [], ls="none", marker="x", color="tab:red", ms=6, mew=1.5, label="failed")]
+    if len(compile_a):
+        handles.append(Patch(label="step that compiled", **_compile_span()))
+    _legend_above(ax, handles)
+
+
+def _compile_span() -> dict:
+    return dict(facecolor=(0.85, 0.1, 0.1, 0.06), edgecolor=(0.8, 0.1, 0.1, 0.3), hatch="///", lw=0)
+
+
+def _legend_above(ax, handles=None) -> None:
+    """One row of legend above the panel's top right corner: it never hides a point."""
+    kw = {} if handles is None else {"handles": handles}
+    n = len(handles) if handles is not None else len(ax.get_legend_handles_labels()[0])
+    ax.legend(**kw, fontsize=8, ncol=max(n, 1), loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False,
+              handlelength=1.5, columnspacing=1.0, borderaxespad=0.2)
