@@ -112,7 +112,7 @@ class TeacherForcedScorer:
         self.graphdef, self.params = nnx.split(model)
         self.layer_params = [nnx.split(layer)[1] for layer in model.layers]
         self.dense = _dense_programs(self.graphdef, nnx.split(model.layers[0])[0])
-        self._chunk = jax.jit(self._decode_chunk, donate_argnums=(1, 2))
+        self._chunk = None   # jitted on first use: its output host pool keeps the pool's sharding (pinned_host)
 
     def dense_forward(self, ids):
         """ids [T] -> (h [T, E] last layer's output, k, v [L, T, KV, D]): the dense reference of a window."""
@@ -205,6 +205,10 @@ class TeacherForcedScorer:
             H = jnp.pad(H, ((0, 0), (0, nchunks * P + prefix - T), (0, 0)))
             out = {k: [] for k in ("logp", "dense_logp", "argmax", "dense_argmax", "kl")}
             sels, stats = [], LayerStats.zeros()
+            if self._chunk is None:
+                # as generation's decode program: the host pool comes back where it lives (pinned_host on GPU)
+                self._chunk = jax.jit(self._decode_chunk, donate_argnums=(1, 2),
+                                      out_shardings=(None, cm.host_shardings(), None, None, None))
             state, host = cm.state, cm.host
             cm.state = cm.host = None
             idx = np.asarray(slots)
