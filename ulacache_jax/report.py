@@ -380,7 +380,7 @@ def _plot_requests(ax, rows: list[dict], total: int, compile_a, compile_b) -> No
         if yy:   # an edge of the bar's own colour keeps millisecond prefills visible (one pixel at least)
             ax.barh(yy, width, left=left, height=0.7, color=colours[kind], edgecolor=colours[kind], lw=0.6,
                     zorder=2)
-    ax.plot(*done, "|", color="black", ms=7, mew=1.5, zorder=3)
+    ax.plot(*done, "|", color="black", ms=6, mew=1.0, zorder=3)
     ax.plot(*failed, "x", color="tab:red", ms=6, mew=1.5, zorder=3)
     if rows:
         ax.set_ylim(len(rows) - 0.5, -0.5)                           # first request on top
@@ -393,7 +393,7 @@ def _plot_requests(ax, rows: list[dict], total: int, compile_a, compile_b) -> No
     what = f"requests: first {len(rows)} of {total} shown" if total > len(rows) else f"requests ({total})"
     ax.set_title(what, fontsize=9, loc="left")
     handles = [Patch(color=colours[k], label=k) for k in colours]  # queued = added, not yet admitted
-    handles += [Line2D([], [], ls="none", marker="|", color="black", ms=7, mew=1.5, label="finished"),
+    handles += [Line2D([], [], ls="none", marker="|", color="black", ms=6, mew=1.0, label="finished"),
                 Line2D([], [], ls="none", marker="x", color="tab:red", ms=6, mew=1.5, label="failed")]
     if len(compile_a):
         handles.append(Patch(label="step that compiled", **_compile_span()))
