@@ -214,25 +214,9 @@ def run_passkey(model, tok, grid, args, meta, common):
         acc = np.mean([str(p["key"]) in tok.decode(a) for p, a in zip(prompts, res)])
         log(f"passkey {name}: accuracy {acc:.3f} ({time.time() - t0:.1f} s)")
 
-    dense_cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=1024, page=64,
-                           dtype=args.dtype)
-    run("dense", "dense", dense_cc)
-    meta["passkey"]["example_answer"] = tok.decode(answers["dense"][0])
     rows = []
-    cells = [("dense", None, None)]
-    for page in grid.pages:
-        for budget in grid.budgets:
-            name = f"sparse b{budget} p{page}"
-            try:
-                cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=budget, page=page,
-                                 dtype=args.dtype)
-            except ValueError as e:
-                common["refused"].append(dict(task="passkey", budget=budget, page_size=page, reason=str(e)))
-                log(f"passkey {name}: refused ({e})")
-                continue
-            run(name, "sparse", cc)
-            cells.append((name, budget, page))
-    for name, budget, page in cells:
+
+    def add_rows(name, budget, page):
         for ctx in grid.contexts:
             for depth in grid.depths:
                 idx = [i for i, p in enumerate(prompts) if p["context"] == ctx and p["depth"] == depth]
@@ -245,6 +229,25 @@ def run_passkey(model, tok, grid, args, meta, common):
                                  accuracy=float(np.mean(correct)), same_as_dense=float(np.mean(same)),
                                  dense_by_construction=budget is None or budget >= longest,
                                  budget_ratio=None if budget is None else budget / ctx, **common["stamp"]))
+        common["save"](rows)
+
+    dense_cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=1024, page=64,
+                           dtype=args.dtype)
+    run("dense", "dense", dense_cc)
+    meta["passkey"]["example_answer"] = tok.decode(answers["dense"][0])
+    add_rows("dense", None, None)
+    for page in grid.pages:
+        for budget in grid.budgets:
+            name = f"sparse b{budget} p{page}"
+            try:
+                cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=budget, page=page,
+                                 dtype=args.dtype)
+            except ValueError as e:
+                common["refused"].append(dict(task="passkey", budget=budget, page_size=page, reason=str(e)))
+                log(f"passkey {name}: refused ({e})")
+                continue
+            run(name, "sparse", cc)
+            add_rows(name, budget, page)
     return rows
 
 
@@ -264,8 +267,9 @@ def run_ppl(model, tok, grid, args, meta, common, variants):
     from ulacache_jax.scoring import TeacherForcedScorer
     wins = ppl_windows(tok, common["text_ids"], grid)
     T, prefix = grid.ppl_window, grid.ppl_prefix
-    meta["ppl"] = dict(windows=len(wins), window_tokens=T, prefix=prefix, scored_positions=f"{prefix}..{T - 2}",
-                       seconds={})
+    mkey = "ppl_variants" if variants else "ppl"
+    meta[mkey] = dict(windows=len(wins), window_tokens=T, prefix=prefix, scored_positions=f"{prefix}..{T - 2}",
+                      seconds={})
     rows, trace = [], None
     # --variants scores the selection options only (a separate run, merged into the same JSON)
     configs = variants or [(b, p, {}) for p in grid.pages for b in grid.budgets]
@@ -286,7 +290,7 @@ def run_ppl(model, tok, grid, args, meta, common, variants):
         t0 = time.time()
         res = TeacherForcedScorer(model, cc, record=record).score(wins, prefix)
         s = res.summary()
-        meta["ppl"]["seconds"][name] = round(time.time() - t0, 1)
+        meta[mkey]["seconds"][name] = round(time.time() - t0, 1)
         log(f"ppl {name}: ppl {s['ppl']:.4f} (dense {s['dense_ppl']:.4f}) top1 {s['top1_agreement']:.4f} "
             f"kl {s['kl']:.5f} hit rate {res.hits / max(1, res.hits + res.misses):.3f} ({time.time() - t0:.1f} s)")
         base = dict(task="ppl", context=T, depth=None, page_size=page, n=s["n"], **common["stamp"])
@@ -300,6 +304,7 @@ def run_ppl(model, tok, grid, args, meta, common, variants):
                          sink_pages=cc.sink_pages, recent_pages=cc.recent_pages,
                          kv_heads_per_group=cc.kv_heads_per_group, variant=bool(over),
                          library_hit_rate=res.hits / max(1, res.hits + res.misses)))
+        common["save"](rows)
         if record:
             trace = (res.selections[:grid.trace_steps], cc)
     return rows, trace
@@ -381,8 +386,18 @@ def run_trace(trace, grid, args, meta, common):
     total_pages = W * L * G * -(-end_tokens // cc.page_size)
     warm = min(steps // 4, 16) * L
     lib_frames = W * L * G * cc.select_pages
+    # the library's default pool holds exactly one step's selections of every layer (no headroom); with headroom
+    # x1.25 .. x2; then fractions of the whole KV cache
     fracs = [("library default (budget's share)", lib_frames)] + \
+        [(f"library default x{m}", int(lib_frames * m)) for m in (1.25, 1.5, 2)] + \
         [(f"1/{d}", total_pages // d) for d in args.pools if total_pages // d >= 8]
+    if args.save_trace:
+        # the format scripts/eviction_study.py --trace reads (one row per sieve call; clock = row index)
+        np.savez_compressed(os.path.join(args.out, f"{args.name}_trace.npz"), lids=lids, valid=valid,
+                            total_pages=np.int64(total_pages), clock=np.arange(len(lids)), sel=sel,
+                            label=np.str_(f"{meta['model']} selection trace (bench_quality ppl windows)"),
+                            meta=np.str_(json.dumps(dict(cache_config=dataclasses.asdict(cc),
+                                                         prefix=grid.ppl_prefix, steps=steps))))
     rows = []
     meta["trace"] = dict(budget=cc.token_budget, page_size=cc.page_size, steps=steps, rows=len(lids),
                          requests_per_row=lids.shape[1], total_pages=total_pages, warmup_rows=warm,
@@ -453,6 +468,9 @@ def plot(rows, meta, path):
     for policy, st in (("pb_lru", "-o"), ("global_lru", "--s"), ("belady", ":^")):
         rr = sorted((r for r in hr if r["policy"] == policy), key=lambda r: r["pool_fraction"])
         ax.plot([r["pool_fraction"] for r in rr], [100 * r["hit_rate"] for r in rr], st, label=policy)
+    lib = [r["pool_fraction"] for r in hr if r["pool"].startswith("library default (")]
+    if lib:
+        ax.axvline(lib[0], color="gray", ls="--", lw=1, label="library default pool")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("HBM pool / KV pages")
     ax.set_ylabel("hit rate (%)")
@@ -558,18 +576,23 @@ def main(argv=None):
                          "instead of the budget grid; with --merge their rows join the grid's")
     ap.add_argument("--merge", action="store_true", help="keep the rows of other tasks already in the output JSON")
     ap.add_argument("--report", default=None, help="print the markdown tables of an existing JSON and exit")
+    ap.add_argument("--png", action="store_true", help="with --report: also (re)draw the JSON's PNG beside it")
+    ap.add_argument("--commit", default=None, help="the measured commit, where the tree has no usable .git")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keys", type=int, default=None, help="override keys per passkey cell")
     ap.add_argument("--batch", type=int, default=None, help="override cache slots (prompts per decode wave)")
     for name in ("contexts", "depths", "budgets", "pages"):
         ap.add_argument(f"--{name}", default=None, help=f"override the grid's {name} (comma list of ints)")
+    ap.add_argument("--save-trace", action="store_true", help="also write NAME_trace.npz (eviction_study.py format)")
     ap.add_argument("--pools", default="2,4,8,16,32", help="HBM pools of the trace study: 1/N of the KV pages")
     args = ap.parse_args(argv)
     if args.report:
         with open(args.report) as fh:
             data = json.load(fh)
         print(markdown(data["rows"], data["meta"]))
+        if args.png:
+            plot(data["rows"], data["meta"], os.path.splitext(args.report)[0] + ".png")
         return data["rows"], data["meta"]
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in args.tasks if t not in ("passkey", "ppl", "trace")]
@@ -601,35 +624,45 @@ def main(argv=None):
     text, provenance = stdlib_text()
     text_ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
     log(f"model {label} ({time.time() - t0:.1f} s); text {provenance['chars']} chars = {len(text_ids)} tokens")
-    stamp = dict(device=jax.devices()[0].device_kind, commit=git_commit(), jax=jax.__version__,
+    stamp = dict(device=jax.devices()[0].device_kind, commit=args.commit or git_commit(), jax=jax.__version__,
                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     meta = dict(model=label, mode=kind, dtype=args.dtype, grid=dataclasses.asdict(grid), text=provenance,
                 tasks=args.tasks, command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
                 **stamp)
-    common = dict(text_ids=text_ids, refused=[], stamp=stamp)
-    rows = []
-    if "passkey" in args.tasks:
-        rows += run_passkey(model, tok, grid, args, meta, common)
-    if "ppl" in args.tasks:
-        variants = variants_of(grid, model.config) if args.variants else []
-        prow, trace = run_ppl(model, tok, grid, args, meta, common, variants)
-        rows += prow
-        if "trace" in args.tasks and trace is not None:
-            rows += run_trace(trace, grid, args, meta, common)
-    meta["refused"] = common["refused"]
-    meta["seconds"] = round(time.time() - t0, 1)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.name}.json")
+    old = None
     if args.merge and os.path.exists(path):
         with open(path) as fh:
             old = json.load(fh)
-        done = {(r["task"], bool(r.get("variant"))) for r in rows}
-        rows = [r for r in old["rows"] if (r["task"], bool(r.get("variant"))) not in done] + rows
-        meta = dict(old.get("meta", {}), **{k: v for k, v in meta.items() if k not in ("passkey", "ppl", "trace")},
-                    **{k: meta[k] for k in ("passkey", "ppl", "trace") if k in meta})
-    with open(path, "w") as fh:
-        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
-    plot(rows, meta, os.path.join(args.out, f"{args.name}.png"))
+    done_rows: list = []
+
+    def save(new_rows):
+        """Write the JSON with every row so far (a run cut by a timeout keeps what it measured)."""
+        out_rows, out_meta = done_rows + list(new_rows), dict(meta, refused=common["refused"])
+        if old is not None:
+            keys = {(r["task"], bool(r.get("variant"))) for r in out_rows}
+            out_rows = [r for r in old["rows"] if (r["task"], bool(r.get("variant"))) not in keys] + out_rows
+            out_meta = dict(old.get("meta", {}), **out_meta)
+        with open(path, "w") as fh:
+            json.dump(dict(meta=out_meta, rows=out_rows), fh, indent=1)
+        return out_rows, out_meta
+
+    common = dict(text_ids=text_ids, refused=[], stamp=stamp, save=save)
+    if "passkey" in args.tasks:
+        done_rows += run_passkey(model, tok, grid, args, meta, common)
+    if "ppl" in args.tasks:
+        variants = variants_of(grid, model.config) if args.variants else []
+        prow, trace = run_ppl(model, tok, grid, args, meta, common, variants)
+        done_rows += prow
+        if "trace" in args.tasks and trace is not None:
+            done_rows += run_trace(trace, grid, args, meta, common)
+    meta["seconds"] = round(time.time() - t0, 1)
+    rows, meta = save([])
+    try:
+        plot(rows, meta, os.path.join(args.out, f"{args.name}.png"))
+    except ImportError as e:   # a GPU image without matplotlib: `--report JSON --png` draws it elsewhere
+        log(f"no plot ({e}); draw it with: python scripts/bench_quality.py --report {path} --png")
     log(f"wrote {path} ({len(rows)} rows, {meta['seconds']} s)")
     print(markdown(rows, meta))
     return rows, meta

@@ -182,7 +182,7 @@ class TeacherForcedScorer:
         bad = [t for w in windows for t in w if not 0 <= t < V]
         if bad:
             raise ValueError(f"token id {bad[0]} outside [0, vocab_size = {V})")
-        W, S, P = len(windows), c.max_seqs, c.page_size
+        S, P = c.max_seqs, c.page_size
         cm = CacheManager(c, impl=self.options.copy)
         slots, hs = [], []
         try:
