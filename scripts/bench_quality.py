@@ -576,6 +576,8 @@ def main(argv=None):
                          "instead of the budget grid; with --merge their rows join the grid's")
     ap.add_argument("--merge", action="store_true", help="keep the rows of other tasks already in the output JSON")
     ap.add_argument("--report", default=None, help="print the markdown tables of an existing JSON and exit")
+    ap.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                    help="merge the JSONs of separate runs into --out/NAME.json (+ PNG) and exit")
     ap.add_argument("--png", action="store_true", help="with --report: also (re)draw the JSON's PNG beside it")
     ap.add_argument("--commit", default=None, help="the measured commit, where the tree has no usable .git")
     ap.add_argument("--dtype", default="float32")
@@ -587,6 +589,26 @@ def main(argv=None):
     ap.add_argument("--save-trace", action="store_true", help="also write NAME_trace.npz (eviction_study.py format)")
     ap.add_argument("--pools", default="2,4,8,16,32", help="HBM pools of the trace study: 1/N of the KV pages")
     args = ap.parse_args(argv)
+    if args.combine:
+        # JSONs of separate runs (e.g. one device call per task) -> one NAME.json + PNG; later files win per
+        # (task, variant) and per meta key
+        rows, meta = [], {}
+        for f in args.combine:
+            with open(f) as fh:
+                d = json.load(fh)
+            keys = {(r["task"], bool(r.get("variant"))) for r in d["rows"]}
+            rows = [r for r in rows if (r["task"], bool(r.get("variant"))) not in keys] + d["rows"]
+            meta.update(d["meta"])
+            meta["refused"] = meta.get("refused", []) + [x for x in d["meta"].get("refused", [])
+                                                         if x not in meta.get("refused", [])]
+        meta["combined_from"] = [os.path.basename(f) for f in args.combine]
+        out = args.out or os.path.dirname(os.path.abspath(args.combine[0]))
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{args.name}.json"), "w") as fh:
+            json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+        plot(rows, meta, os.path.join(out, f"{args.name}.png"))
+        print(markdown(rows, meta))
+        return rows, meta
     if args.report:
         with open(args.report) as fh:
             data = json.load(fh)
