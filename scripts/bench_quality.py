@@ -545,6 +545,13 @@ def markdown(rows, meta) -> str:
     return "\n".join(out)
 
 
+def row_id(r) -> tuple:
+    """What a row measures (its cell), so rows of separate runs combine: a later run's row replaces an earlier
+    run's row of the same cell."""
+    return tuple(r.get(k) for k in ("task", "context", "depth", "budget", "page_size", "attention", "variant",
+                                    "sink_pages", "recent_pages", "kv_heads_per_group", "pool", "policy"))
+
+
 # ---- main -----------------------------------------------------------------------------------------------------
 def variants_of(grid, model_config) -> list:
     """Issue 19 part 3: selection options, at budgets 256 and 1024 where the grid has them (else its largest), at
@@ -574,7 +581,7 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true",
                     help="ppl: score the selection options of issue 19 part 3 (sink/recent pages, shared selection) "
                          "instead of the budget grid; with --merge their rows join the grid's")
-    ap.add_argument("--merge", action="store_true", help="keep the rows of other tasks already in the output JSON")
+    ap.add_argument("--merge", action="store_true", help="keep the rows of other cells already in the output JSON")
     ap.add_argument("--report", default=None, help="print the markdown tables of an existing JSON and exit")
     ap.add_argument("--combine", nargs="+", default=None, metavar="JSON",
                     help="merge the JSONs of separate runs into --out/NAME.json (+ PNG) and exit")
@@ -590,14 +597,14 @@ def main(argv=None):
     ap.add_argument("--pools", default="2,4,8,16,32", help="HBM pools of the trace study: 1/N of the KV pages")
     args = ap.parse_args(argv)
     if args.combine:
-        # JSONs of separate runs (e.g. one device call per task) -> one NAME.json + PNG; later files win per
-        # (task, variant) and per meta key
+        # JSONs of separate runs (e.g. one device call per task or page size) -> one NAME.json + PNG; later
+        # files win per cell (row_id) and per meta key
         rows, meta = [], {}
         for f in args.combine:
             with open(f) as fh:
                 d = json.load(fh)
-            keys = {(r["task"], bool(r.get("variant"))) for r in d["rows"]}
-            rows = [r for r in rows if (r["task"], bool(r.get("variant"))) not in keys] + d["rows"]
+            keys = {row_id(r) for r in d["rows"]}
+            rows = [r for r in rows if row_id(r) not in keys] + d["rows"]
             meta.update(d["meta"])
             meta["refused"] = meta.get("refused", []) + [x for x in d["meta"].get("refused", [])
                                                          if x not in meta.get("refused", [])]
@@ -663,8 +670,8 @@ def main(argv=None):
         """Write the JSON with every row so far (a run cut by a timeout keeps what it measured)."""
         out_rows, out_meta = done_rows + list(new_rows), dict(meta, refused=common["refused"])
         if old is not None:
-            keys = {(r["task"], bool(r.get("variant"))) for r in out_rows}
-            out_rows = [r for r in old["rows"] if (r["task"], bool(r.get("variant"))) not in keys] + out_rows
+            keys = {row_id(r) for r in out_rows}
+            out_rows = [r for r in old["rows"] if row_id(r) not in keys] + out_rows
             out_meta = dict(old.get("meta", {}), **out_meta)
         with open(path, "w") as fh:
             json.dump(dict(meta=out_meta, rows=out_rows), fh, indent=1)
