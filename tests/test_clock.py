@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from ulacache_jax.cache_state import CLOCK_REBASE_AT, rebase_clock
+from ulacache_jax.engine import Engine, SamplingParams
 from ulacache_jax.generation import Generator, default_cache_config
 from ulacache_jax.models import LlamaModel, get_preset
 
@@ -32,15 +33,15 @@ def _run_recording(model, cfg, prompts, start_clock: int):
     seen = []
     chunk = gen.decode_chunk
 
-    def recording(*args):
-        out = chunk(*args)
+    def recording(*args, **kw):
+        out = chunk(*args, **kw)
         st = gen.cache.state
         seen.append((np.asarray(st.vtlb.frame), np.asarray(st.pb.tag_hi), np.asarray(st.pb.tag_lo),
                      np.asarray(st.pb.stamp), int(st.clock)))
         return out
 
     gen.decode_chunk = recording
-    tokens = gen.run(prompts, 40)
+    tokens = [r.tokens for r in Engine(generator=gen).run(prompts, SamplingParams(max_new_tokens=40))]
     return tokens, seen, gen
 
 

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ulacache_jax.engine import Engine, SamplingParams
 from ulacache_jax.generation import Generator, generate, default_cache_config
 from ulacache_jax.models import LlamaModel, get_preset
 
@@ -18,6 +19,11 @@ def model():
 def prompts():
     rng = np.random.default_rng(0)
     return [list(map(int, rng.integers(0, 256, n))) for n in (37, 70, 5)]
+
+
+def run(gen, prompts, max_new_tokens):
+    """Greedy tokens of every prompt through an Engine over this (compiled) generator."""
+    return [r.tokens for r in Engine(generator=gen).run(prompts, SamplingParams(max_new_tokens=max_new_tokens))]
 
 
 def greedy_full_forward(model, prompt, n):
@@ -51,7 +57,7 @@ def test_sparse_small_budget_runs_and_uses_the_host_tier(model):
     cfg = default_cache_config(model.config, num_seqs=1, max_tokens=400, page_size=16, token_budget=64,
                                num_buckets=2, slots_per_bucket=4)
     gen = Generator(model, cfg)
-    out = gen.run(long, 40)
+    out = run(gen, long, 40)
     assert len(out[0]) == 40 and all(0 <= t < 258 for t in out[0])
     assert int(gen.stats.misses) > 0 and int(gen.stats.hits) > 0   # pages came from host, some stayed in HBM
 
@@ -76,10 +82,10 @@ def test_prompt_lengths_are_bucketed_no_recompilation(model, attention):
     cfg = default_cache_config(model.config, num_seqs=1, max_tokens=256, page_size=16)
     gen = Generator(model, cfg, attention=attention)
     for n in (65, 80, 100, 128):          # one bucket (128)
-        gen.run([[1] * n], 20)
+        run(gen, [[1] * n], 20)
     prog = gen.program
     assert prog.prefill_layer._cache_size() == 1 and gen._decode._cache_size() == 1
-    gen.run([[1] * 20], 2)                # a second bucket (32)
+    run(gen, [[1] * 20], 2)               # a second bucket (32)
     assert prog.prefill_layer._cache_size() == 2 and gen._decode._cache_size() == 1
     assert prog.embed._cache_size() == 2 and prog.logits._cache_size() == 2
 
@@ -90,14 +96,11 @@ def _prefill_layer_ops(attention: str, num_layers: int) -> tuple[int, list[int]]
     m = LlamaModel(mc, dtype=jnp.float32, rngs=nnx.Rngs(0))
     cfg = default_cache_config(mc, num_seqs=1, max_tokens=128, page_size=16)
     gen = Generator(m, cfg, attention=attention)
-    slot = gen.admit(70) if attention == "sparse" else 0
+    slot = gen.admit(70)
     gen.prefill(slot, [1] * 60)
     prog = gen.program
     x = jnp.zeros((1, 64, mc.hidden_size), jnp.float32)
-    if attention == "sparse":
-        low = prog.prefill_layer.lower(gen.layer_params[0], gen.cache.state, gen.cache.host, x, 0, 0, 60)
-    else:
-        low = prog.prefill_layer.lower(gen.layer_params[0], gen.dense.k[0], gen.dense.v[0], x, 0, 60)
+    low = prog.prefill_layer.lower(gen.layer_params[0], gen.backend.layer_view(0), x, 0, 0, 60)
     counts = [f._cache_size() for f in (prog.embed, prog.prefill_layer, prog.logits)]
     return len(low.as_text().splitlines()), counts
 
@@ -146,8 +149,8 @@ def test_decode_near_int32_clock_overflow_rebases_and_matches(model, prompts):
                                num_buckets=4, slots_per_bucket=6)
     a, b = Generator(model, cfg), Generator(model, cfg)
     b.cache.state = b.cache.state.__class__(**{**b.cache.state.__dict__, "clock": jnp.int32(2**31 - 50)})
-    ta = a.run(prompts, 40)
-    tb = b.run(prompts, 40)
+    ta = run(a, prompts, 40)
+    tb = run(b, prompts, 40)
     assert ta == tb
     assert int(a.stats.misses) > 0 and int(a.stats.hits) == int(b.stats.hits)
     assert 0 < int(b.cache.state.clock) < 2**30

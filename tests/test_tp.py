@@ -128,7 +128,6 @@ def _ownership(gen) -> dict:
 
 def run_checks(tps: list[int]) -> dict:
     import jax
-    from ulacache_jax import tp as tp_mod
     from ulacache_jax.generation import Generator, generate
 
     model, cfg, prompts = _setup()
@@ -141,13 +140,13 @@ def run_checks(tps: list[int]) -> dict:
     for tp in tps:
         t0 = time.perf_counter()
         c = dataclasses.replace(cfg, tp=tp)
-        tokens = tp_mod.generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=cfg)
-        gen = tp_mod.TPGenerator(model, c)
+        tokens = generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=cfg)
+        gen = Generator(model, c)
         slots, pre, out, nxt, args = _drive(gen, prompts, c)
         m = gen.cache
         lowered = {"decode": gen.program.decode.lower(gen.params, m.state, m.host, *args),
                    # one prefill layer: every layer runs this one program
-                   "prefill_layer": gen.program.prefill_layer.lower(gen.layer_params[0], m.state, m.host,
+                   "prefill_layer": gen.program.prefill_layer.lower(gen.layer_params[0], gen.backend.layer_view(0),
                                                                     np.zeros((1, 64, model.config.hidden_size),
                                                                              np.float32), 0, 1, 50)}
         # the compiled program is checked at TP = 2 only (a second compile costs seconds on CPU)
@@ -161,10 +160,42 @@ def run_checks(tps: list[int]) -> dict:
     return res
 
 
+class _OneDevice:
+    """All R ranks of a cache on one device, the device functions jitted directly (no mesh): the reference the
+    mesh's per-rank CacheManager must equal."""
+
+    def __init__(self, cfg):
+        import jax
+        from ulacache_jax import cache_state, sequences
+
+        self.state, self.host = cache_state.init(cfg)
+        self.alloc = sequences.HostAllocator(cfg)
+        self._admit = jax.jit(sequences.admit_device, donate_argnums=0)
+        self._release = jax.jit(sequences.release_device, donate_argnums=0)
+        self._ingest = jax.jit(sequences.ingest_chunk, donate_argnums=(0, 1))
+
+    def admit(self, n):
+        slot, table = self.alloc.reserve(n)
+        self.state = self._admit(self.state, slot, table)
+        return slot
+
+    def release(self, slot):
+        self.alloc.free(slot)
+        self.state = self._release(self.state, slot)
+
+    def ingest(self, slot, k, v, length, chunk):
+        def part(x, start):   # [L, chunk, KV, D], zero-padded past the prompt
+            x = np.asarray(x[:, start:start + chunk])
+            return np.pad(x, ((0, 0), (0, chunk - x.shape[1]), (0, 0), (0, 0)))
+        for start in range(0, length, chunk):
+            self.state, self.host = self._ingest(self.state, self.host, slot, part(k, start), part(v, start), start,
+                                                 length)
+
+
 def run_cache_manager(tp: int) -> dict:
-    """TPCacheManager (sharded, per-rank shard_map) against the single-device CacheManager of the same R-rank
-    config: admission, chunked ingestion and release leave identical arrays; `shard_cache` of a single-device
-    cache equals `init_sharded`."""
+    """CacheManager over a mesh of tp devices (per-rank shard_map) against all R ranks on one device: admission,
+    chunked ingestion and release leave identical arrays; `shard_cache` of a single-device cache equals
+    `init_sharded`."""
     import jax
     import jax.numpy as jnp
     from ulacache_jax import cache_state, tp as tp_mod
@@ -173,7 +204,7 @@ def run_cache_manager(tp: int) -> dict:
     _, cfg, _ = _setup()
     cfg = dataclasses.replace(cfg, tp=tp)
     mesh = tp_mod.make_mesh(tp)
-    a, b = tp_mod.TPCacheManager(cfg, mesh), CacheManager(cfg)
+    a, b = CacheManager(cfg, mesh=mesh), _OneDevice(cfg)
     # pinned_host arrays are read through a device copy: np.asarray caches a numpy view on the jax.Array itself,
     # and on a GPU a cached view of a pinned_host array is an external reference that makes the next donating
     # ingest fail (seen on the H200; a jnp.copy of it does not compile: XLA wants its output in host memory too)
@@ -207,6 +238,7 @@ def run_replicated(tps: list[int]) -> dict:
     from flax import nnx
     from ulacache_jax import tp as tp_mod
     from ulacache_jax.config import CacheConfig
+    from ulacache_jax.generation import generate
     from ulacache_jax.models import LlamaModel, ModelConfig
 
     mc = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -221,7 +253,7 @@ def run_replicated(tps: list[int]) -> dict:
     res = {"reference": [_greedy_full_forward(model, p, 12) for p in prompts], "tp": {}}
     for tp in tps:
         rep = tp_mod.prepare_model(model, tp)
-        res["tp"][tp] = {"tokens": tp_mod.generate(model, prompts, max_new_tokens=12, tp=tp, cache_config=cfg),
+        res["tp"][tp] = {"tokens": generate(model, prompts, max_new_tokens=12, tp=tp, cache_config=cfg),
                          "kv_heads": rep.config.num_kv_heads}
     return res
 

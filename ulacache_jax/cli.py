@@ -532,9 +532,7 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
                   dtype=dtype)
-        if tp_mod is not None:
-            return tp_mod.default_tp_cache_config(mc, args.tp, **kw)
-        return default_cache_config(mc, **kw)
+        return default_cache_config(mc, tp=args.tp, **kw)
 
     try:
         if args.token_budget % args.page_size:
@@ -610,7 +608,7 @@ def _tp_module(args):
     if tp is None:
         raise UsageError(f"--tp {args.tp} needs the TP module (ulacache_jax.tp, head-sharded tensor parallelism), "
                          "which this install does not have; run with --tp 1")
-    missing = [n for n in ("TPGenerator", "prepare_model", "default_tp_cache_config") if not hasattr(tp, n)]
+    missing = [n for n in ("prepare_model",) if not hasattr(tp, n)]
     if missing:
         raise UsageError(f"--tp {args.tp}: ulacache_jax.tp lacks {', '.join(missing)}, which the CLI drives")
     return tp
@@ -798,7 +796,7 @@ def _generate_locked(args, t_start: float) -> int:
         check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes())
         try:
             if tp_mod is not None:
-                engine = Engine(generator=tp_mod.TPGenerator(loaded.model, cfg), seed=args.seed,
+                engine = Engine(loaded.model, cfg, seed=args.seed,
                                 max_prefill_tokens_per_step=args.max_prefill_tokens)
             else:
                 engine = Engine(loaded.model, cfg, attention=args.attention, seed=args.seed,

@@ -1,6 +1,6 @@
-"""Data-parallel replicas across hosts (DESIGN.md section 6): one process per host, each a full replica (TP over its
-own devices, `tp.TPGenerator`), each decoding its own block of the prompts; `jax.distributed` connects the
-processes only to share the results. TP never crosses a host (its psums want NVLink), and no collective runs
+"""Data-parallel replicas across hosts (DESIGN.md section 6): one process per host, each a full replica (TP over
+its own devices: `generation.generate(..., tp=N)`), each decoding its own block of the prompts; `jax.distributed`
+connects the processes only to share the results. TP never crosses a host (its psums want NVLink), and no collective runs
 during decoding: a replica's step touches only its own devices, so replicas never wait for each other.
 
 Launch on a cluster, one process per host (host 0 runs the coordinator; any free port):
@@ -27,7 +27,7 @@ import sys
 import numpy as np
 import jax
 
-from . import tp as tp_mod
+from . import generation
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -74,13 +74,13 @@ def gather_results(local: list[list[int]], shard: range, num_items: int, width: 
 
 def generate(model, prompt_ids, *, max_new_tokens: int, tp: int = 1, gather: bool = True, seed: int = 0,
              **kwargs) -> list[list[int]]:
-    """Data-parallel `tp.generate`: this process generates for its block of `prompt_ids` (every process passes the
-    same list) on its own `tp` local devices. With gather=True (a collective: every process must call it) returns
+    """Data-parallel `generation.generate(..., tp=tp)`: this process generates for its block of `prompt_ids`
+    (every process passes the same list) on its own `tp` local devices. With gather=True (a collective: every process must call it) returns
     every prompt's tokens in order on every process; else only this process's block (`shard_range`)."""
     pid, n = jax.process_index(), jax.process_count()
     shard = shard_range(len(prompt_ids), pid, n)
     mine = [prompt_ids[i] for i in shard]
-    local = tp_mod.generate(model, mine, max_new_tokens=max_new_tokens, tp=tp, seed=seed + shard.start,
+    local = generation.generate(model, mine, max_new_tokens=max_new_tokens, tp=tp, seed=seed + shard.start,
                             **kwargs) if mine else []
     if not gather:
         return local

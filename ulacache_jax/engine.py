@@ -37,9 +37,10 @@ import jax.numpy as jnp
 
 from .config import CacheConfig
 from .decode_layer import DecodeOptions
-from .generation import Generator, bucket_length, default_cache_config
+from .generator import Generator, bucket_length, default_cache_config
 from .sampling import SamplingArrays, check_sampling, row_keys, sample
 from .sequences import CapacityError
+from .tp import prepare_model
 
 STOP = "stop"
 LENGTH = "length"
@@ -164,21 +165,25 @@ class Engine:
     """Continuous-batching inference over one Generator (sparse UlaCache or the dense baseline).
 
     Engine(model, cache_config) builds the Generator; Engine(generator=gen) reuses a compiled one (its slots
-    must all be free). Without a cache_config, one is made for `max_seqs` sequences of up to `max_context`
-    tokens (default: the model's max_position_embeddings, at most 4096) with `page_size` and `token_budget`."""
+    must all be free). Without a cache_config, one is made by `default_cache_config` for `max_seqs` sequences of
+    up to `max_context` tokens (default: the model's max_position_embeddings, at most 4096) with `page_size` and
+    `token_budget`, over `tp` local devices (the model's KV heads replicated where tp exceeds them)."""
 
     def __init__(self, model=None, cache_config: CacheConfig | None = None, *, generator: Generator | None = None,
                  attention: str = "sparse", options: DecodeOptions = DecodeOptions(), max_seqs: int = 4,
-                 max_context: int | None = None, page_size: int = 64, token_budget: int = 2048, seed: int = 0,
-                 max_prefill_tokens_per_step: int | None = None, clock=time.perf_counter):
+                 max_context: int | None = None, page_size: int = 64, token_budget: int = 2048, tp: int = 1,
+                 seed: int = 0, max_prefill_tokens_per_step: int | None = None, clock=time.perf_counter):
         if (model is None) == (generator is None):
             raise ValueError("give exactly one of model or generator")
         if generator is None:
-            mc = model.config
             if cache_config is None:
+                model = prepare_model(model, tp)
+                mc = model.config
                 ctx = max_context or min(mc.max_position_embeddings, 4096)
                 cache_config = default_cache_config(mc, num_seqs=max_seqs, max_tokens=ctx, page_size=page_size,
-                                                    token_budget=token_budget, dtype=model.dtype)
+                                                    token_budget=token_budget, dtype=model.dtype, tp=tp)
+            else:
+                model = prepare_model(model, cache_config.tp)
             generator = Generator(model, cache_config, attention=attention, options=options)
         self.gen = generator
         self.config: CacheConfig = generator.config
@@ -194,7 +199,6 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._queue: collections.deque[int] = collections.deque()
         self._slot_req: dict[int, int] = {}           # slot -> request id
-        self._free_dense = list(range(S))[::-1]       # dense slots are assigned here (the Generator has none)
         self._pending: list[StepOutput] = []          # requests that failed at add_request, reported next step
         self._next_id = 0
         # per-slot decode inputs, host side
@@ -267,11 +271,9 @@ class Engine:
                                f"(max_pages_per_seq {c.max_pages_per_seq} x page_size {c.page_size}) with room for "
                                f"one generated token")
         eff = min(max_new, limit - n_prompt)
-        if self.gen.attention == "sparse":
-            need = self.gen.cache.alloc.pages_needed(n_prompt + eff)
-            if need > c.host_pages:
-                raise RequestError(f"prompt of {n_prompt} + {eff} new tokens needs {need} host pages, more than the "
-                                   f"whole host pool (host_pages = {c.host_pages})")
+        err = self.gen.request_error(n_prompt + eff)
+        if err is not None:
+            raise RequestError(f"prompt of {n_prompt} + {eff} new tokens: {err}")
         return eff, eff < max_new
 
     def get(self, request_id: int) -> Request:
@@ -321,23 +323,12 @@ class Engine:
                                    req.error if fin else None))
         return outs
 
-    def _admit(self, n_tokens: int) -> int:
-        if self.gen.attention == "sparse":
-            return self.gen.admit(n_tokens)
-        if not self._free_dense:
-            raise CapacityError(f"all max_seqs = {self.config.max_seqs} sequence slots are in use")
-        return self._free_dense.pop()
-
     def _release(self, slot: int) -> None:
         self._slot_req.pop(slot, None)
         self._done[slot] = True
         self._remaining[slot] = 0
         self._temp[slot], self._top_p[slot], self._top_k[slot] = 0.0, 1.0, 0
-        if self.gen.attention == "sparse":
-            self.gen.release(slot)
-        else:
-            self._free_dense.append(slot)
-            self._free_dense.sort(reverse=True)
+        self.gen.release(slot)
 
     def _admit_and_prefill(self, rec: StepRecord, new, ended) -> None:
         decoding = any(not self._done[s] for s in self._slot_req)
@@ -347,7 +338,7 @@ class Engine:
             if decoding and used and used + len(req.prompt_ids) > self.max_prefill_tokens_per_step:
                 break
             try:
-                slot = self._admit(len(req.prompt_ids) + req.max_new_tokens)
+                slot = self.gen.admit(len(req.prompt_ids) + req.max_new_tokens)
             except CapacityError as e:
                 if not self._slot_req:   # nothing will free anything: add_request's checks should prevent this
                     raise RuntimeError(f"request {req.request_id} cannot be admitted into an empty cache: {e}") from e

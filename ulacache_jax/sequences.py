@@ -2,8 +2,8 @@
 
 Host-side bookkeeping (which slots and host pages are free) is plain Python (`HostAllocator`); the device-side
 updates are pure functions of (state, host) that callers jit with the state and host pool donated
-(`CacheManager` does that for you). Host memory is allocated by page, so sequences of any length share the
-host pool without fragmentation; every rank gets the same page indices in its own host pool.
+(`CacheManager` does that for you, per rank over a mesh). Host memory is allocated by page, so sequences of any
+length share the host pool without fragmentation; every rank gets the same page indices in its own host pool.
 """
 from __future__ import annotations
 
@@ -14,10 +14,13 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
 from . import pb_lru, vtlb as vtlb_mod
-from .cache_state import CacheState, HostPool, init as init_state, tail_frame
+from .cache_state import CacheState, HostPool, tail_frame
 from .config import CacheConfig
 from .pallas_kernels import page_copy
+from .tp import HOST_SPECS, TP_AXIS, init_sharded, make_mesh, per_rank, state_specs
 
 
 class CapacityError(ValueError):
@@ -171,17 +174,31 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
 
 
 class CacheManager:
-    """Owns one cache (device state, host pool, allocator) and the jitted, donating entry points around it."""
+    """Owns one cache (device state, host pool, allocator) over a mesh and the jitted, donating entry points
+    around it. Every entry point runs per rank under `jax.shard_map` over the mesh's "tp" axis (a single device
+    is a mesh of one): the state and host pool are sharded by rank, no collective runs. Host bookkeeping
+    (`HostAllocator`) is shared: every rank uses the same host page indices in its own pool."""
 
-    def __init__(self, config: CacheConfig, *, device=None, impl: str = "auto"):
+    def __init__(self, config: CacheConfig, *, mesh: Mesh | None = None, impl: str = "auto"):
         self.config, self.impl = config, impl
-        self.state, self.host = init_state(config, device=device)
+        self.mesh = make_mesh(config.tp) if mesh is None else mesh
+        self.state, self.host = init_sharded(config, self.mesh)
         self.alloc = HostAllocator(config)
-        self._admit = jax.jit(admit_device, donate_argnums=0)
-        self._release = jax.jit(release_device, donate_argnums=0)
-        self._ingest = jax.jit(lambda s, h, slot, k, v, start, length: ingest_chunk(s, h, slot, k, v, start, length,
-                                                                                     impl=impl),
-                               donate_argnums=(0, 1), out_shardings=(None, self.host_shardings()))
+        self.specs = st = state_specs(self.state)
+        hs, r, mesh = HOST_SPECS, P(), self.mesh
+        # outputs placed by their specs explicitly: on a mesh of one an inferred sharding comes back as an
+        # equivalent but different one, and the next program to see the state would compile again
+        sh = jax.tree.map(lambda s: NamedSharding(mesh, s), st, is_leaf=lambda x: isinstance(x, P))
+        self._admit = jax.jit(per_rank(admit_device, mesh, config, (st, r, r), st), donate_argnums=0,
+                              out_shardings=sh)
+        self._release = jax.jit(per_rank(release_device, mesh, config, (st, r), st), donate_argnums=0,
+                                out_shardings=sh)
+
+        def ingest(s, h, slot, k, v, start, length):
+            return ingest_chunk(s, h, slot, k, v, start, length, impl=impl)
+        kv = P(None, None, TP_AXIS)      # prefill K/V [L, C, KV, D] split on KV heads, like the k/v projections
+        self._ingest = jax.jit(per_rank(ingest, mesh, config, (st, hs, r, kv, kv, r, r), (st, hs)),
+                               donate_argnums=(0, 1), out_shardings=(sh, self.host_shardings()))
 
     def host_shardings(self) -> HostPool:
         return HostPool(k=self.host.k.sharding, v=self.host.v.sharding)

@@ -17,17 +17,15 @@ What is sharded, and how
 - Collectives. Exactly two `psum`s per layer (after the attention output projection and after the MLP), in
   prefill and decode alike; nothing touches the cache (tests/test_tp.py checks the compiled HLO).
 
-How the step is wrapped. `TPGenerator` subclasses `generate.Generator` (the host-side driver: run, prefill,
-admit, release) and its compiled functions come from `_TPProgram`, a subclass of `generate._Program` that keeps
-its prefill and decode-loop code: each jitted entry point is `jax.jit(jax.shard_map(f, mesh, in_specs,
-out_specs))` (`per_rank`), where `f` sees one rank's view (leading axis 1) with the cache's static config
-swapped for the one-rank config (`local_config`: tp=1, num_kv_heads/R), which is exactly the single-device code
-path of `decode_layer`/`sequences`. Only two hooks of the decode are overridden: `_rank` (`axis_index("tp")`,
-passed to `attend_layer`) and `_out_stats` (per-rank stats). The model's row-parallel layers are `RowParallelAttention` /
+How the step is wrapped. There is no TP driver: the one program (program.py) is TP over a mesh of
+`cache_config.tp` devices, a single device being a mesh of one. Each jitted entry point is
+`jax.jit(jax.shard_map(f, mesh, in_specs, out_specs))` (`per_rank`), where `f` sees one rank's view (leading axis
+1) with the cache's static config swapped for the one-rank config (`local_config`: tp=1, num_kv_heads/R), which
+is exactly the single-device code path of `decode_layer`/`sequences`; the rank (`axis_index("tp")`) is the global
+group offset `attend_layer` gives its LIDs. The model's row-parallel layers are `RowParallelAttention` /
 `RowParallelMLP` (subclasses that end in a `psum`), swapped into the graphdef that `nnx.merge` rebuilds inside
-the map. Admission, release and chunked ingestion (`TPCacheManager`) run per rank the same way. `check_vma=False`:
-outputs declared replicated (tokens, logits, lengths) are computed identically on every rank from psummed
-activations.
+the map (`tp_graphdef`). `check_vma=False`: outputs declared replicated (tokens, logits, lengths) are computed
+identically on every rank from psummed activations. This module holds only these sharding rules.
 
 More ranks than KV heads. When tp > num_kv_heads and tp % num_kv_heads == 0, `replicate_kv_heads` repeats each KV
 head's k/v projections tp/K times (k_proj [K, D, E] -> [K*rep, D, E], copies adjacent): query head h then uses
@@ -37,16 +35,12 @@ rank: selection scores a copy over only that rank's query heads, which is finer 
 same as TP=1 while every page is selected, i.e. context within the token budget; it may pick different pages
 beyond it). tp must divide num_heads and intermediate_size.
 
-Known limits: the LM head is replicated (vocab-parallel LM head + all-gather is not done). On GPUs: checked on 2
-H200s (tests/test_tp.py::test_tp_on_real_gpus: TP = 2 gives TP = 1's tokens and logits with the compiled kernels
-and the pinned_host pool under shard_map) and timed at the 8B shape, 128K (docs/BENCHMARKS.md, "TP decode on 2
-GPUs": 1.07x TP = 1 at batch 1); 4 or 8 GPUs and the 70B shape not run.
+Known limits: the LM head is replicated (vocab-parallel LM head + all-gather is not done). Where TP has run on
+GPUs and how fast: docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
 import numpy as np
 import jax
@@ -57,12 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from . import cache_state as cache_state_mod
 from .cache_state import CacheState, HostPool, host_memory_kind
 from .config import CacheConfig
-from .decode_layer import DecodeOptions, LayerStats, attend_layer
-from .generation import (Generator, _Program, _check_prompts, bucket_length, default_cache_config, layer_graphdef,
-                         run_in_waves)
 from .models.llama import MLP, Attention
-from .sampling import check_sampling
-from .sequences import CacheManager, HostAllocator, admit_device, ingest_chunk, release_device
 
 TP_AXIS = "tp"
 
@@ -250,189 +239,17 @@ def prepare_model(model, tp: int):
                      "replicated)")
 
 
-# ---- cache manager and generator --------------------------------------------------------------------------------
+# ---- the shard_map wrapper ----------------------------------------------------------------------------------------
 def per_rank(fn, mesh: Mesh, config: CacheConfig, in_specs, out_specs):
     """`jax.shard_map(fn)` over "tp" where every CacheState argument and result carries the one-rank config
     (`local_config`) inside the map and the global one outside, so `fn` is single-device cache code."""
     local = local_config(config)
 
-    def swap(x, c):
-        return dataclasses.replace(x, config=c) if isinstance(x, CacheState) else x
+    def swap(tree, c):
+        return jax.tree.map(lambda x: dataclasses.replace(x, config=c) if isinstance(x, CacheState) else x, tree,
+                            is_leaf=lambda x: isinstance(x, CacheState))
 
     def body(*args):
-        out = fn(*(swap(a, local) for a in args))
-        return tuple(swap(o, config) for o in out) if isinstance(out, tuple) else swap(out, config)
+        return swap(fn(*swap(args, local)), config)
     body.__name__ = f"tp_{getattr(fn, '__name__', 'fn')}"
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-
-
-class TPCacheManager(CacheManager):
-    """`CacheManager` over a TP mesh: the state and host pool sharded by rank, admission/release/ingestion run per
-    rank under shard_map (no collective). Host bookkeeping (`HostAllocator`) is shared: every rank uses the same
-    host page indices in its own pool."""
-
-    def __init__(self, config: CacheConfig, mesh: Mesh, *, impl: str = "auto"):
-        self.config, self.impl, self.mesh = config, impl, mesh
-        self.state, self.host = init_sharded(config, mesh)
-        self.alloc = HostAllocator(config)
-        self.specs = st = state_specs(self.state)
-        hs, r = HOST_SPECS, P()
-        self._admit = jax.jit(per_rank(admit_device, mesh, config, (st, r, r), st), donate_argnums=0)
-        self._release = jax.jit(per_rank(release_device, mesh, config, (st, r), st), donate_argnums=0)
-
-        def ingest(s, h, slot, k, v, start, length):
-            return ingest_chunk(s, h, slot, k, v, start, length, impl=impl)
-        kv = P(None, None, TP_AXIS)      # prefill K/V [L, C, KV, D] split on KV heads, like the k/v projections
-        self._ingest = jax.jit(per_rank(ingest, mesh, config, (st, hs, r, kv, kv, r, r), (st, hs)),
-                               donate_argnums=(0, 1), out_shardings=(None, self.host_shardings()))
-
-    def host_shardings(self) -> HostPool:
-        return HostPool(k=self.host.k.sharding, v=self.host.v.sharding)
-
-
-class _TPProgram(_Program):
-    """`generate._Program` (prefill, decode loop) with each jitted entry point wrapped in shard_map over "tp"."""
-
-    def __init__(self, graphdef, layer_gd, config: CacheConfig, options: DecodeOptions, host_sh, mesh: Mesh,
-                 param_spec, state_spec):
-        super().__init__(graphdef, layer_gd, config, "sparse", options, host_sh)   # its jits are replaced below
-        ps, st, hs, r, rk = param_spec, state_spec, HOST_SPECS, P(), P(TP_AXIS)
-        lps = param_spec["layers"][0]
-        stats_spec = jax.tree.map(lambda _: rk, LayerStats.zeros())
-        self.embed = jax.jit(per_rank(self._embed, mesh, config, (ps, r), r))
-        self.logits = jax.jit(per_rank(self._logits, mesh, config, (ps, r, r), r))
-        self.prefill_layer = jax.jit(per_rank(self._prefill_layer_sparse, mesh, config, (lps, st, hs, r, r, r, r),
-                                              (st, hs, r)),
-                                     donate_argnums=(1, 2, 3), out_shardings=(None, host_sh, None))
-        self.decode = jax.jit(per_rank(self._decode_sparse, mesh, config, (ps, st, hs) + (r,) * 6,
-                                       (st, hs, r, r, r, stats_spec)),
-                              donate_argnums=(1, 2), out_shardings=(None, host_sh, None, None, None, None))
-        self.next_logits = jax.jit(per_rank(self._next_logits, mesh, config, (ps, st, hs, r), r))
-
-    def _rank(self):
-        return jax.lax.axis_index(TP_AXIS)     # the rank's global group offset for attend_layer
-
-    def _out_stats(self, stats):
-        return jax.tree.map(lambda a: a[None], stats)   # per rank: [R] after shard_map
-
-    def _next_logits(self, params, state, host, tok):
-        """One decode step's logits [S, V] for every active slot given its last token; nothing is committed."""
-        model = nnx.merge(self.graphdef, params)
-        rank, length, live = self._rank(), state.seqs.length, state.seqs.active
-        x = model.embed(tok[:, None])
-        for l, layer in enumerate(model.layers):
-            q, k, v = layer.qkv(x, length[:, None])
-            state, o, _ = attend_layer(state, host, l, q, k[:, 0], v[:, 0], length, live, options=self.options,
-                                       rank=rank)
-            x = layer.finish(x, o)
-        return model.logits(x)[:, 0]
-
-
-@functools.lru_cache(maxsize=8)
-def _tp_program(graphdef, layer_gd, config, options, host_sh, mesh, param_treedef, param_leaf_specs, state_spec):
-    ps = jax.tree_util.tree_unflatten(param_treedef, param_leaf_specs)
-    return _TPProgram(graphdef, layer_gd, config, options, host_sh, mesh, ps, state_spec)
-
-
-class TPGenerator(Generator):
-    """`Generator` over a head-sharded TP mesh: the same host-side driver (`run`, `prefill`, `admit`, ...) and the
-    same traced prefill/decode code (`generate._Program`), each jitted entry point under shard_map. `stats` are
-    summed over ranks; `rank_stats` keeps them per rank (numpy [R] arrays)."""
-
-    def __init__(self, model, cache_config: CacheConfig, *, mesh: Mesh | None = None,
-                 options: DecodeOptions = DecodeOptions()):
-        mc = model.config
-        c = cache_config
-        check_tp(c)
-        mesh = make_mesh(c.tp) if mesh is None else mesh
-        if mesh.shape.get(TP_AXIS) != c.tp:
-            raise ValueError(f"mesh axis {TP_AXIS!r} has {mesh.shape.get(TP_AXIS)} devices, cache_config.tp = {c.tp}")
-        for name, a, b in (("num_layers", c.num_layers, mc.num_layers), ("num_kv_heads", c.num_kv_heads, mc.num_kv_heads),
-                           ("head_dim", c.head_dim, mc.head_dim)):
-            if a != b:
-                raise ValueError(f"cache_config.{name} = {a} does not match the model's {b}"
-                                 + (" (more ranks than KV heads? see tp.prepare_model)" if name == "num_kv_heads" else ""))
-        for name, n in (("num_heads", mc.num_heads), ("intermediate_size", mc.intermediate_size)):
-            if n % c.tp:
-                raise ValueError(f"tp = {c.tp} must divide the model's {name} = {n}")
-        if getattr(mc, "sliding_window", None) is not None and c.max_context > mc.sliding_window:
-            raise ValueError(f"model uses a sliding window of {mc.sliding_window} tokens; the cache's max context "
-                             f"{c.max_context} exceeds it and sliding-window attention is not implemented in the cache")
-        self.model_config, self.config, self.attention, self.options = mc, c, "sparse", options
-        self.mesh = mesh
-        self.params = shard_params(nnx.split(model)[1], mesh)
-        self.stats = LayerStats.zeros()
-        self.rank_stats = jax.tree.map(lambda z: np.zeros(c.tp, np.int64), LayerStats.zeros())
-        self.cache = TPCacheManager(c, mesh, impl=options.copy)
-        self.layer_params = [self.params["layers"][l] for l in range(c.num_layers)]
-        leaves, treedef = jax.tree_util.tree_flatten(param_specs(self.params))
-        gd = tp_graphdef(model)
-        self.program = _tp_program(gd, layer_graphdef(gd, self.params), c, options, self.cache.host_shardings(), mesh,
-                                   treedef, tuple(leaves), self.cache.specs)
-        self._decode = self.program.decode
-
-    def _replicated(self):
-        return NamedSharding(self.mesh, P())
-
-    def next_logits(self, tok) -> jax.Array:
-        """Logits [S, V] of the token after `tok` [S] (each slot's last token) for every active slot, through the
-        sparse cache exactly as a decode step computes them; the cache is not advanced (checks, scoring)."""
-        m = self.cache
-        return self.program.next_logits(self.params, m.state, m.host, jnp.asarray(tok, jnp.int32))
-
-    def decode_chunk(self, tok, done, remaining, keys, sampling, stop_ids):
-        # host-made inputs replicated on the mesh like the previous chunk's outputs: one compile, not two
-        tok, done, remaining, sampling, stop_ids = jax.device_put((tok, done, remaining, sampling, stop_ids),
-                                                                  NamedSharding(self.mesh, P()))
-        m = self.cache
-        m.state, m.host, out, done, remaining, stats = self._decode(self.params, m.state, m.host, tok, done,
-                                                                     remaining, keys, sampling, stop_ids)
-        per = jax.tree.map(lambda a: np.asarray(a).astype(np.int64), stats)
-        self.rank_stats = jax.tree.map(lambda a, b: a + b, self.rank_stats, per)
-        self.stats = self.stats + jax.tree.map(lambda a: jnp.asarray(a.sum(), jnp.int32), per)
-        return out, done, remaining
-
-
-def default_tp_cache_config(model_config, tp: int, *, num_seqs: int, max_tokens: int, page_size: int = 64,
-                            token_budget: int = 2048, dtype=None, **overrides) -> CacheConfig:
-    """`generate.default_cache_config` for `tp` ranks: the same policy, with the HBM frames and host pages sized
-    for one rank's groups (a rank caches only its own groups' pages)."""
-    c = default_cache_config(model_config, num_seqs=num_seqs, max_tokens=max_tokens, page_size=page_size,
-                             token_budget=token_budget, dtype=dtype, tp=tp)
-    check_tp(c)
-    frames_needed = num_seqs * c.num_layers * c.groups_per_rank * c.select_pages
-    slots = 64 if frames_needed >= 64 * 64 else max(4, frames_needed // 16)
-    buckets = bucket_length(math.ceil(frames_needed / slots), 1)
-    kw = dict(num_buckets=buckets, slots_per_bucket=slots,
-              host_pages=num_seqs * c.num_layers * c.groups_per_rank * c.max_pages_per_seq)
-    kw.update(overrides)
-    return dataclasses.replace(c, **kw)
-
-
-def generate(model, prompt_ids, *, max_new_tokens: int, tp: int, cache_config: CacheConfig | None = None,
-             mesh: Mesh | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-             stop_ids=(), options: DecodeOptions = DecodeOptions()) -> list[list[int]]:
-    """`generation.generate` (sparse attention) with the model and cache head-sharded over `tp` devices; the same
-    tokens as tp = 1 up to fp32 reduction order. `cache_config` may be given with tp = 1 or tp = `tp` (its
-    num_kv_heads is the model's; with more ranks than KV heads it is scaled to the replicated count)."""
-    k0 = model.config.num_kv_heads
-    model = prepare_model(model, tp)
-    mc = model.config
-    prompts = _check_prompts(prompt_ids, mc.vocab_size, max_new_tokens)
-    check_sampling(temperature, top_p, top_k, mc.vocab_size)
-    if cache_config is None:
-        longest = max(len(p) for p in prompts) + max_new_tokens
-        cache_config = default_tp_cache_config(mc, tp, num_seqs=bucket_length(len(prompts), 1) if len(prompts) <= 8
-                                               else 8, max_tokens=longest, page_size=64 if longest > 512 else 16,
-                                               dtype=model.dtype)
-    else:
-        if cache_config.tp not in (1, tp):
-            raise ValueError(f"cache_config.tp = {cache_config.tp} but tp = {tp}")
-        one = dataclasses.replace(cache_config, tp=1)
-        if mc.num_kv_heads != k0 and one.num_kv_heads == k0:            # KV heads were replicated
-            one = dataclasses.replace(one, num_kv_heads=mc.num_kv_heads)
-        check_tp(one, tp)
-        cache_config = dataclasses.replace(one, tp=tp)
-    gen = TPGenerator(model, cache_config, mesh=mesh, options=options)
-    return run_in_waves(gen, prompts, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                        stop_ids=stop_ids)

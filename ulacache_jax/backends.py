@@ -1,0 +1,259 @@
+"""Cache backends: UlaCache (sparse, two-tier) and the dense HBM baseline behind one protocol.
+
+A backend has two halves:
+- the traced half (`SparseOps`, `DenseOps`: frozen and hashable, so programs built from them are shared) is what
+  the one program (program.py) calls inside `jax.shard_map`, on one rank's view of the cache:
+  `prefill_store` (one layer's prompt K/V into the cache), `begin_chunk`, `lengths`, `attend` (one layer of one
+  decode step) and `end_chunk` (commit lengths, flush). The decode carries `cache` through its loop and reads
+  `host` (the pinned host pool; `()` for dense) without carrying it.
+- the host half (`SparseBackend`, `DenseBackend`) owns the arrays, sharded over the mesh's "tp" axis (one device
+  is a mesh of one), and the slot bookkeeping in plain Python: `admit`, `release`, `request_error`, and the
+  per-layer prefill views (`layer_view` / `set_layer_view`: what one layer's prefill program donates and gets
+  back).
+The attention kind is resolved once, by `make_backend`; nothing else compares it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .cache_state import CacheState, HostPool, rebase_clock
+from .config import CacheConfig
+from .decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
+from .models.attention import dense_attention
+from .pallas_kernels import on_gpu
+from .sequences import CacheManager, CapacityError, ingest_chunk
+from .tp import HOST_SPECS, TP_AXIS
+
+ATTENTION_KINDS = ("sparse", "dense")
+
+
+def use_cudnn(q) -> bool:
+    """cuDNN attention (prefill, dense decode) on GPU for half-precision inputs, the one backend test the kernels
+    use too; the jnp reference elsewhere (cuDNN takes no fp32)."""
+    return on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16)
+
+
+# ---- traced halves --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SparseOps:
+    """UlaCache inside the program: cache = CacheState (one rank's view), host = HostPool."""
+    kind: ClassVar[str] = "sparse"
+    options: DecodeOptions = DecodeOptions()
+
+    def prefill_store(self, view, layer, slot, k, v, length):
+        """view (state, host); k, v [T, KVr, D] of layer `layer` (traced) -> view."""
+        state, host = view
+        return ingest_chunk(state, host, slot, k[None], v[None], 0, length, layer0=layer, impl=self.options.copy)
+
+    def begin_chunk(self, cache: CacheState) -> CacheState:
+        return rebase_clock(cache)    # the int32 PB-LRU clock never wraps (a no-op until 2**30 ticks)
+
+    def lengths(self, cache: CacheState):
+        return cache.seqs.length
+
+    def attend(self, cache: CacheState, host: HostPool, layer: int, q, k, v, pos, live, rank):
+        """q [S, 1, Hr, D], k/v [S, KVr, D], pos [S], live [S] -> (cache, out [S, 1, Hr, D], LayerStats). The host
+        pool is read here, never carried through the decode loop (DESIGN.md section 1)."""
+        return attend_layer(cache, host, layer, q, k, v, pos, live & cache.seqs.active, options=self.options,
+                            rank=rank)
+
+    def end_chunk(self, cache: CacheState, host: HostPool, length):
+        cache = dataclasses.replace(cache, seqs=dataclasses.replace(cache.seqs, length=length))
+        return flush_tail(cache, host, impl=self.options.copy)
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DenseCache:
+    """The baseline: every K/V in HBM. k, v: one [S, T_max, KV, D] array per layer (a tuple of L). One array per
+    layer, not one [L, ...] array: with a single array each layer's token write produced a new whole-cache value
+    that cuDNN read a slice of, and XLA kept a second full cache (the dense decode at 128K x 7 sequences asked for
+    56 GiB more than the cache on the H200, scripts/probe_decode_memory.py)."""
+    k: tuple
+    v: tuple
+
+    @staticmethod
+    def zeros(num_layers: int, shape, dtype, device=None) -> "DenseCache":
+        """device: where the arrays live, committed (an uncommitted first cache compiles the programs a second
+        time once their committed outputs come back)."""
+        return DenseCache(tuple(jnp.zeros(shape, dtype, device=device) for _ in range(num_layers)),
+                          tuple(jnp.zeros(shape, dtype, device=device) for _ in range(num_layers)))
+
+    def set_layer(self, l: int, k, v) -> "DenseCache":
+        return DenseCache(self.k[:l] + (k,) + self.k[l + 1:], self.v[:l] + (v,) + self.v[l + 1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseOps:
+    """The dense baseline inside the program: cache = (DenseCache, length [S]), host = ()."""
+    kind: ClassVar[str] = "dense"
+    options: DecodeOptions = DecodeOptions()
+
+    def prefill_store(self, view, layer, slot, k, v, length):
+        """view (k, v) [S, T_max, KVr, D] of this layer; k, v [T, KVr, D] -> view."""
+        ck, cv = view
+        T = k.shape[0]
+        return ck.at[slot, :T].set(k.astype(ck.dtype)), cv.at[slot, :T].set(v.astype(cv.dtype))
+
+    def begin_chunk(self, cache):
+        return cache
+
+    def lengths(self, cache):
+        return cache[1]
+
+    def attend(self, cache, host, layer: int, q, k, v, pos, live, rank):
+        dense, length = cache
+        T = dense.k[layer].shape[1]
+        S = q.shape[0]
+        w = jnp.where(live, pos, T)                                   # write index, T = dropped
+        ck = dense.k[layer].at[jnp.arange(S), w].set(k.astype(dense.k[layer].dtype), mode="drop")  # [S, T, KV, D]
+        cv = dense.v[layer].at[jnp.arange(S), w].set(v.astype(dense.v[layer].dtype), mode="drop")
+        seen = jnp.where(live, pos + 1, 0)
+        if use_cudnn(q):
+            o = jax.nn.dot_product_attention(q, ck, cv, key_value_seq_lengths=jnp.maximum(seen, 1),
+                                             implementation="cudnn")
+        else:
+            kpos = jnp.broadcast_to(jnp.arange(T)[None], (S, T))
+            o = dense_attention(q, ck, cv, pos[:, None], kpos, k_valid=kpos < seen[:, None])
+        return (dense.set_layer(layer, ck, cv), length), o, LayerStats.zeros()
+
+    def end_chunk(self, cache, host, length):
+        return (cache[0], length), host
+
+
+# ---- host halves ----------------------------------------------------------------------------------------------
+class SparseBackend:
+    """UlaCache's arrays and bookkeeping: a `CacheManager` over the mesh (state + pinned host pool per rank)."""
+    kind = "sparse"
+
+    def __init__(self, config: CacheConfig, mesh: Mesh, options: DecodeOptions = DecodeOptions()):
+        self.config, self.ops = config, SparseOps(options)
+        self.manager = CacheManager(config, mesh=mesh, impl=options.copy)
+
+    # the carried decode cache and the host pool
+    @property
+    def cache(self):
+        return self.manager.state
+
+    @cache.setter
+    def cache(self, value):
+        self.manager.state = value
+
+    @property
+    def host(self):
+        return self.manager.host
+
+    @host.setter
+    def host(self, value):
+        self.manager.host = value
+
+    def specs(self):
+        """-> (cache specs, host specs, host out-shardings): PartitionSpecs over "tp" and the pool's memory kind."""
+        return self.manager.specs, HOST_SPECS, self.manager.host_shardings()
+
+    # prefill: every layer donates the whole state and host pool (the layer index is traced)
+    def layer_view(self, layer: int):
+        return self.manager.state, self.manager.host
+
+    def set_layer_view(self, layer: int, view) -> None:
+        self.manager.state, self.manager.host = view
+
+    def view_specs(self):
+        """-> (view specs, view out-shardings)."""
+        return (self.manager.specs, HOST_SPECS), (None, self.manager.host_shardings())
+
+    def prefill_done(self, slot: int, length: int) -> None:
+        """Nothing: ingestion already set the sequence's length."""
+
+    # slots
+    def request_error(self, num_tokens: int) -> str | None:
+        """Why a sequence of num_tokens tokens can never be admitted (even into an empty cache), else None."""
+        need = self.manager.alloc.pages_needed(num_tokens)
+        if need > self.config.host_pages:
+            return (f"{num_tokens} tokens need {need} host pages, more than the whole host pool "
+                    f"(host_pages = {self.config.host_pages})")
+        return None
+
+    def admit(self, num_tokens: int) -> int:
+        return self.manager.admit(num_tokens)
+
+    def release(self, slot: int) -> None:
+        self.manager.release(slot)
+
+
+class DenseBackend:
+    """The dense baseline's arrays: per-layer K/V [S, T_max, KV, D] in HBM, KV heads sharded over "tp"."""
+    kind = "dense"
+
+    def __init__(self, config: CacheConfig, mesh: Mesh, options: DecodeOptions = DecodeOptions()):
+        c = config
+        self.config, self.ops, self.mesh = config, DenseOps(options), mesh
+        self._kv_sh = NamedSharding(mesh, P(None, None, TP_AXIS))
+        self._rep = NamedSharding(mesh, P())
+        # committed from the start: the programs' outputs come back committed, and an uncommitted first cache made
+        # prefill and decode compile twice (the H200's dense rows paid a second compile in their first timed chunk)
+        self.dense = DenseCache.zeros(c.num_layers, (c.max_seqs, c.max_context, c.num_kv_heads, c.head_dim),
+                                      c.jnp_dtype, device=self._kv_sh)
+        self.length = jnp.zeros(c.max_seqs, jnp.int32, device=self._rep)
+        self._free = list(range(c.max_seqs))[::-1]
+        self._set_length = jax.jit(lambda a, slot, n: a.at[slot].set(n), donate_argnums=0, out_shardings=self._rep)
+
+    @property
+    def cache(self):
+        return self.dense, self.length
+
+    @cache.setter
+    def cache(self, value):
+        self.dense, self.length = value
+
+    host = ()
+
+    def specs(self):
+        kv = P(None, None, TP_AXIS)
+        L = self.config.num_layers
+        return (DenseCache((kv,) * L, (kv,) * L), P()), (), ()
+
+    def layer_view(self, layer: int):
+        return self.dense.k[layer], self.dense.v[layer]
+
+    def set_layer_view(self, layer: int, view) -> None:
+        self.dense = self.dense.set_layer(layer, *view)
+
+    def view_specs(self):
+        kv = P(None, None, TP_AXIS)
+        return (kv, kv), None
+
+    def prefill_done(self, slot: int, length: int) -> None:
+        self.length = self._set_length(self.length, slot, length)
+
+    def request_error(self, num_tokens: int) -> str | None:
+        return None
+
+    def admit(self, num_tokens: int) -> int:
+        c = self.config
+        if math.ceil(num_tokens / c.page_size) > c.max_pages_per_seq:
+            raise CapacityError(f"sequence of {num_tokens} tokens exceeds the max context {c.max_context}")
+        if not self._free:
+            raise CapacityError(f"all max_seqs = {c.max_seqs} sequence slots are in use (over by 1)")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+
+def make_backend(attention: str, config: CacheConfig, mesh: Mesh, options: DecodeOptions = DecodeOptions()):
+    """The backend for `attention` ('sparse' = UlaCache, 'dense' = every K/V in HBM): the one place that reads the
+    attention kind."""
+    if attention == "sparse":
+        return SparseBackend(config, mesh, options)
+    if attention == "dense":
+        return DenseBackend(config, mesh, options)
+    raise ValueError(f"attention = {attention!r} must be one of {ATTENTION_KINDS}")

@@ -1,0 +1,201 @@
+"""The one program: prefill and decode of one (model, cache backend, mesh), every entry point
+`jax.jit(jax.shard_map(f))` over the mesh's "tp" axis. A single device is a mesh of one, so generate, the
+Engine and tensor parallelism run the same compiled code; `f` sees one rank's view of the cache (tp.per_rank)
+and the model's graphdef with row-parallel layers (tp.tp_graphdef: a psum after the attention output projection
+and after the MLP, a no-op on one device).
+
+The layer loop is `decode_layers`: the model's own `run_layers` ((cache, x, meta) -> (cache, y) per layer) with
+the backend's `attend` as its attention. Prefill is three small programs driven by a Python loop over layers
+(`Generator.prefill`): embed, one layer (its params passed as arguments and its cache view donated, so every
+layer runs the same compiled program with a traced layer index) and the last-token logits: its compile time is
+that of one layer whatever the depth.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .backends import use_cudnn
+from .config import CacheConfig
+from .decode_layer import LayerStats
+from .models.attention import dense_attention
+from .sampling import sample
+from .tp import TP_AXIS, per_rank
+
+PREFILL_CHUNK = 4096  # tokens of per-token prefill work (projections, MLP) at a time
+
+
+class DecodeMeta(NamedTuple):
+    """What every layer of one decode step shares: pos [S] int32 (the new token's position = committed length),
+    live [S] bool, the rank (global group offset under TP) and the host pool (read, never carried)."""
+    pos: jax.Array
+    live: jax.Array
+    rank: jax.Array | int
+    host: object
+
+
+def decode_layers(model, ops, cache, x, meta: DecodeMeta):
+    """One decode step through every layer: x [S, 1, E] embedded tokens -> (cache, y [S, 1, E] before the final
+    norm, LayerStats summed over layers). `ops` is a backend's traced half (backends.SparseOps / DenseOps);
+    works on one rank's view (inside shard_map) or directly on a single-device cache (rank 0)."""
+    def attn_fn(carry, q, k, v, meta, layer):
+        cache, stats = carry
+        cache, o, s = ops.attend(cache, meta.host, layer, q, k[:, 0], v[:, 0], meta.pos, meta.live, meta.rank)
+        return (cache, stats + s), o
+
+    (cache, stats), y = model.run_layers((cache, LayerStats.zeros()), x, meta.pos[:, None], meta, attn_fn)
+    return cache, y, stats
+
+
+def prefill_attention(q, k, v, length):
+    """Causal attention over one prompt; q [1, T, H, D], k/v [1, T, KV, D]. cuDNN flash attention on GPU (O(T)
+    memory), the jnp reference elsewhere. Padding past `length` only sees earlier tokens, so it cannot leak."""
+    if use_cudnn(q):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    pos = jnp.arange(q.shape[1])[None]
+    return dense_attention(q, k, v, pos, pos)
+
+
+def _token_chunks(fn, chunk: int, *xs):
+    """Apply a per-token fn to arrays [1, T, ...] in chunks of `chunk` tokens (lax.map: one compiled chunk)."""
+    T = xs[0].shape[1]
+    if chunk >= T:
+        return fn(*xs)
+    n = T // chunk
+    split = [x.reshape((n, 1, chunk) + x.shape[2:]) for x in xs]
+    out = jax.lax.map(lambda a: fn(*a), tuple(split))
+    return jax.tree.map(lambda y: y.reshape((1, T) + y.shape[3:]), out)
+
+
+def layer_graphdef(graphdef, params) -> nnx.GraphDef:
+    """The graphdef of one decoder layer: every layer of the model must share it, so one compiled per-layer
+    program (the layer's params passed as arguments) serves them all."""
+    layers = nnx.merge(graphdef, params).layers
+    first = nnx.split(layers[0])[0]
+    for l, layer in enumerate(layers):
+        if nnx.split(layer)[0] != first:
+            raise ValueError(f"layer {l} differs in structure from layer 0; the runtime runs one program per layer "
+                             "kind and needs every decoder layer alike")
+    return first
+
+
+class Program:
+    """The jitted entry points (see the module docstring). Built through `program(...)`, which shares one
+    Program between generators of the same key, so a new Generator for the same model does not recompile.
+
+    embed(params, ids [T]) -> x [1, T, E]
+    prefill_layer(layer_params, view, x, slot, layer, length) -> (view, x)      view and x donated
+    logits(params, x, length) -> [V] of the last prompt token
+    decode(params, cache, host, tok, done, remaining, keys, sampling, stop_ids)
+        -> (cache, host, tokens [S, page_size], done, remaining, LayerStats of [R] per rank)   cache, host donated
+    next_logits(params, cache, host, tok) -> [S, V]: one step's logits, nothing committed."""
+
+    def __init__(self, graphdef, layer_gd, ops, config: CacheConfig, mesh: Mesh, params_spec, layer_spec,
+                 cache_spec, host_spec, host_sh, view_spec, view_sh):
+        """*_spec: PartitionSpec trees over "tp"; host_sh, view_sh: the out-shardings of the host pool and of a
+        prefill view (memory kinds: the pinned host pool stays in host memory)."""
+        self.graphdef, self.layer_gd, self.ops, self.config, self.mesh = graphdef, layer_gd, ops, config, mesh
+        ps, lps, cs, hs, vs, r = params_spec, layer_spec, cache_spec, host_spec, view_spec, P()
+        stats_spec = jax.tree.map(lambda _: P(TP_AXIS), LayerStats.zeros())
+
+        def jit(fn, in_specs, out_specs, out_shardings=None, **kw):
+            # outputs placed by their specs (explicitly: on a mesh of one, an inferred sharding comes back as an
+            # equivalent but different one, and the next call would compile again), host memory where given
+            sh = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs, is_leaf=lambda x: isinstance(x, P))
+            if out_shardings is not None:
+                sh = jax.tree.map(lambda given, by_spec: by_spec if given is None else given, out_shardings, sh,
+                                  is_leaf=lambda x: x is None)
+            return jax.jit(per_rank(fn, mesh, config, in_specs, out_specs), out_shardings=sh, **kw)
+
+        self.embed = jit(self._embed, (ps, r), r)
+        self.logits = jit(self._logits, (ps, r, r), r)
+        self.prefill_layer = jit(self._prefill_layer, (lps, vs, r, r, r, r), (vs, r), (view_sh, None),
+                                 donate_argnums=(1, 2))
+        self.decode = jit(self._decode, (ps, cs, hs) + (r,) * 6, (cs, hs, r, r, r, stats_spec),
+                          (None, host_sh, None, None, None, None), donate_argnums=(1, 2))
+        self.next_logits = jit(self._next_logits, (ps, cs, hs, r), r)
+
+    # ---- prefill -------------------------------------------------------------------------------------------
+    def _embed(self, params, ids):
+        return nnx.merge(self.graphdef, params).embed(ids[None])
+
+    def _logits(self, params, x, length):
+        h = jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)
+        return nnx.merge(self.graphdef, params).logits(h)[0, 0]
+
+    def _prefill_layer(self, layer_params, view, x, slot, layer, length):
+        """Layer `layer` (traced) over the prompt x [1, T, E] (T bucketed, `length` real tokens): its K/V handed
+        to the backend's prefill_store, the layer output returned."""
+        block = nnx.merge(self.layer_gd, layer_params)
+        T = x.shape[1]
+        C = min(T, PREFILL_CHUNK)      # both powers of two: C divides T
+        pos = jnp.arange(T, dtype=jnp.int32)[None]
+        # per-token work in chunks of C tokens, so a 256K prompt never holds a [T, intermediate] MLP activation
+        # (7 GB at Llama-3.1-8B shape); attention itself is flash (cuDNN) on GPU, O(T) memory
+        q, k, v = _token_chunks(block.qkv, C, x, pos)
+        view = self.ops.prefill_store(view, layer, slot, k[0], v[0], length)
+        return view, _token_chunks(block.finish, C, x, prefill_attention(q, k, v, length))
+
+    # ---- decode --------------------------------------------------------------------------------------------
+    def _decode(self, params, cache, host, tok, done, remaining, keys, sampling, stop_ids):
+        """page_size decode steps for every slot. tok [S] last token, done [S], remaining [S] tokens still
+        allowed, keys [S] one PRNG key per slot for this chunk. Tokens [S, steps] are -1 where nothing was
+        produced."""
+        ops, model = self.ops, nnx.merge(self.graphdef, params)
+        rank = jax.lax.axis_index(TP_AXIS)
+        steps = self.config.page_size
+        S = tok.shape[0]
+        cache = ops.begin_chunk(cache)
+
+        def body(i, carry):
+            cache, tok, done, remaining, length, out, stats = carry
+            live = ~done
+            cache, y, st = decode_layers(model, ops, cache, model.embed(tok[:, None]),
+                                         DecodeMeta(length, live, rank, host))
+            nxt = sample(model.logits(y)[:, 0], jax.vmap(jax.random.fold_in, (0, None))(keys, i), sampling)
+            nxt = jnp.where(live, nxt, -1)
+            length = length + live
+            remaining = remaining - live
+            done = done | (live & ((remaining <= 0) | jnp.isin(nxt, stop_ids)))
+            return cache, jnp.where(live, nxt, tok), done, remaining, length, out.at[i].set(nxt), stats + st
+
+        # [steps, S], written by row: XLA:CPU copied the whole page pool every step when this buffer was [S, steps]
+        # written by column (measured with memory_analysis; tests/test_generate.py guards it)
+        out = jnp.full((steps, S), -1, jnp.int32)
+        carry = (cache, tok, done, remaining, ops.lengths(cache), out, LayerStats.zeros())
+        cache, tok, done, remaining, length, out, stats = jax.lax.fori_loop(0, steps, body, carry)
+        cache, host = ops.end_chunk(cache, host, length)
+        return cache, host, out.T, done, remaining, jax.tree.map(lambda a: a[None], stats)
+
+    def _next_logits(self, params, cache, host, tok):
+        model = nnx.merge(self.graphdef, params)
+        length = self.ops.lengths(cache)
+        meta = DecodeMeta(length, jnp.ones(tok.shape, bool), jax.lax.axis_index(TP_AXIS), host)
+        _, y, _ = decode_layers(model, self.ops, cache, model.embed(tok[:, None]), meta)
+        return model.logits(y)[:, 0]
+
+
+def _flat(tree):
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is None or isinstance(x, P))
+    return treedef, tuple(leaves)
+
+
+def _unflat(key):
+    return jax.tree_util.tree_unflatten(*key)
+
+
+@functools.lru_cache(maxsize=8)
+def _program(graphdef, layer_gd, ops, config, mesh, *spec_keys) -> Program:
+    return Program(graphdef, layer_gd, ops, config, mesh, *(_unflat(k) for k in spec_keys))
+
+
+def program(graphdef, layer_gd, ops, config: CacheConfig, mesh: Mesh, params_spec, layer_spec, cache_spec,
+            host_spec, host_sh, view_spec, view_sh) -> Program:
+    """The Program of this key, built once (spec trees are flattened to make the key hashable)."""
+    keys = tuple(_flat(t) for t in (params_spec, layer_spec, cache_spec, host_spec, host_sh, view_spec, view_sh))
+    return _program(graphdef, layer_gd, ops, config, mesh, *keys)
