@@ -21,8 +21,8 @@ APACHE_LICENSE = pathlib.Path("/usr/share/common-licenses/Apache-2.0")
 
 CHAT_QUESTIONS = (
     ("What is the capital of France?", "Paris"),
-    ("What is the largest planet in the solar system?", "Jupiter"),
     ("Who wrote the play Romeo and Juliet?", "Shakespeare"),
+    ("What is the boiling point of water in degrees Celsius?", "100"),
 )
 
 
