@@ -139,7 +139,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     sieve = sieve or args.sieve
     tp = args.tp
     if tp > 1 and attention != "sparse":
-        raise ValueError(f"--tp {tp}: only the sparse side runs head-sharded (TPGenerator); got {attention}")
+        raise ValueError(f"--tp {tp}: only the sparse side runs head-sharded; got {attention}")
     cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction, tp=tp)
     from ulacache_jax.decode_layer import DecodeOptions
     if attention == "dense":
@@ -148,11 +148,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     log = lambda what: print(f"[{attention} {ctx}x{batch}] {what} at {time.perf_counter() - t_setup:.1f} s",
                              file=sys.stderr, flush=True)  # phase times survive a row timeout (run_isolated)
     opts = DecodeOptions(sieve=sieve, topk=args.topk, attention=args.attention_impl, score_launch=score_launch(args))
-    if tp > 1:
-        from ulacache_jax.tp import TPGenerator
-        gen = TPGenerator(model, cfg, options=opts)
-    else:
-        gen = Generator(model, cfg, attention=attention, options=opts)
+    gen = Generator(model, cfg, attention=attention, options=opts)      # cfg.tp ranks: a mesh of that many GPUs
     S = cfg.max_seqs
     log(f"cache made (host pool {cfg.host_pages * cfg.page_bytes * 2 / 1e9:.1f} GB)")
     if attention == "sparse":
@@ -274,7 +270,7 @@ def main(argv=None):
                    help="score kernel launch shape of the sparse side (default: the kernel's own)")
     p.add_argument("--attention-impl", default="auto", help="sparse attention kernel: auto (Mosaic on Hopper where it applies, else Triton), pallas (Triton) or mosaic")
     p.add_argument("--tp", type=int, default=1, help="head-sharded tensor parallelism over this many GPUs (sparse "
-                   "rows only; ulacache_jax.tp.TPGenerator)")
+                   "rows only; the Generator over a mesh of N devices)")
     p.add_argument("--append", action="store_true", help="keep the rows of an existing decode.json in --out")
     p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")
     p.add_argument("--out", default="docs/benchmarks")
