@@ -4,7 +4,9 @@ One `step()`:
 1. admit queued requests into free slots (FIFO) and prefill them; while other requests are decoding, at most
    `max_prefill_tokens_per_step` prompt tokens are prefilled per step (at least one prompt), so running requests
    keep producing tokens between prefills; when nothing is decoding, every free slot is filled at once;
-2. one decode chunk (`page_size` steps, one host sync) for every running request;
+2. one decode chunk (`page_size` steps, one host sync) for every running request; when every running request
+   needs fewer tokens, the chunk runs only the next power of two >= the most any of them needs (short answers
+   pay for what they use; one compiled program per power of two);
 3. finished requests (a stop id, max_new_tokens, or an error) release their slot and host pages at once, so the
    next step admits queued requests into them.
 When the slots or the host pool are full (`CapacityError`), requests wait in the queue. A request that can never
@@ -40,6 +42,7 @@ from .decode_layer import DecodeOptions
 from .generator import Generator, bucket_length, default_cache_config
 from .sampling import SamplingArrays, check_sampling, row_keys, sample
 from .sequences import CapacityError
+from .text import apply_stop, check_stop_strings, encode_prompt
 from .tp import prepare_model
 
 STOP = "stop"
@@ -57,13 +60,16 @@ class RequestError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation parameters. temperature 0 = greedy; top_k 0 = off; seed None = derived from the
-    engine seed and the request id; stop_ids end the request (the stop token is kept in its tokens)."""
+    engine seed and the request id; stop_ids end the request (the stop token is kept in its tokens; None = the
+    engine's default: its tokenizer's end-of-text and end-of-turn ids, else none); stop strings end it once its
+    decoded text holds one (needs the engine's tokenizer; the tokens kept are the fewest that complete it)."""
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop_ids: tuple[int, ...] = ()
+    stop_ids: tuple[int, ...] | None = None
+    stop: tuple[str, ...] = ()
 
     def check(self, vocab_size: int) -> None:
         m = self.max_new_tokens
@@ -81,9 +87,13 @@ class SamplingParams:
             raise RequestError(str(e)) from None
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
             raise RequestError(f"seed = {self.seed!r} must be an int or None")
-        for t in self.stop_ids:
+        for t in self.stop_ids or ():
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
                 raise RequestError(f"stop id {t!r} must be an int in [0, vocab_size = {vocab_size})")
+        try:
+            check_stop_strings(self.stop)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
 
 @dataclasses.dataclass
@@ -98,6 +108,8 @@ class Request:
     finish_reason: str | None = None         # stop | length | error
     error: str | None = None
     capped: bool = False                     # max_new_tokens was lowered to fit the context limit
+    text: str | None = None                  # the generated text (engines with a tokenizer), cut before a stop string
+    stop_reason: str | None = None           # the stop string that ended it
     slot: int | None = None
     t_added: float = 0.0
     t_admitted: float | None = None
@@ -130,8 +142,9 @@ class StepOutput:
 
 @dataclasses.dataclass
 class StepRecord:
-    """Timeline entry of one step (seconds since the engine started). A decode chunk always runs page_size
-    steps for the whole slot batch (finished slots are masked), so decode_s / decode_steps is the step time."""
+    """Timeline entry of one step (seconds since the engine started). A decode chunk runs decode_steps steps
+    (page_size, or fewer for a last chunk) for the whole slot batch (finished slots are masked), so
+    decode_s / decode_steps is the step time."""
     index: int
     t_start: float
     t_end: float = 0.0
@@ -142,7 +155,7 @@ class StepRecord:
     decode_s: float = 0.0
     decode_steps: int = 0
     decode_tokens: int = 0                   # tokens produced by the chunk (first tokens come from prefill)
-    decode_compiled: bool = False            # first chunk of this engine (includes compile)
+    decode_compiled: bool = False            # first chunk of this length in this engine (includes compile)
     live_slots: int = 0
     hits: int = 0
     misses: int = 0
@@ -172,7 +185,8 @@ class Engine:
     def __init__(self, model=None, cache_config: CacheConfig | None = None, *, generator: Generator | None = None,
                  attention: str = "sparse", options: DecodeOptions = DecodeOptions(), max_seqs: int = 4,
                  max_context: int | None = None, page_size: int = 64, token_budget: int = 2048, tp: int = 1,
-                 seed: int = 0, max_prefill_tokens_per_step: int | None = None, clock=time.perf_counter):
+                 seed: int = 0, max_prefill_tokens_per_step: int | None = None, tokenizer=None,
+                 clock=time.perf_counter):
         if (model is None) == (generator is None):
             raise ValueError("give exactly one of model or generator")
         if generator is None:
@@ -186,6 +200,8 @@ class Engine:
                 model = prepare_model(model, cache_config.tp)
             generator = Generator(model, cache_config, attention=attention, options=options)
         self.gen = generator
+        self.tokenizer = tokenizer
+        self.default_stop_ids: tuple[int, ...] = tuple(getattr(tokenizer, "eos_ids", ()) or ())
         self.config: CacheConfig = generator.config
         self.vocab_size = generator.model_config.vocab_size
         c = self.config
@@ -212,19 +228,27 @@ class Engine:
         self._chunk_of = np.zeros(S, np.uint32)
         self._chunks = 0
         self._seen_buckets: set[int] = set()
+        self._seen_steps: set[int] = set()
         self._no_stops = jnp.full(_NO_STOPS, -1, jnp.int32)
         self.timeline: list[StepRecord] = []
         self._stats0 = self._stats_now()
 
     # ---- requests ------------------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> int:
-        """Queue a request -> its id. A request that can never run finishes at once with finish_reason "error"
+    def add_request(self, prompt_ids, sampling: SamplingParams | None = None) -> int:
+        """Queue a request -> its id. prompt_ids: token ids, or (with the engine's tokenizer) text or chat
+        messages (text.encode_prompt). A request that can never run finishes at once with finish_reason "error"
         (reported by the next step); it does not raise."""
         sampling = sampling or SamplingParams()
+        if sampling.stop_ids is None:
+            sampling = dataclasses.replace(sampling, stop_ids=self.default_stop_ids)
         rid = self._next_id
         self._next_id += 1
         now = self._clock()
         try:
+            try:
+                prompt_ids = encode_prompt(prompt_ids, self.tokenizer)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
             prompt = self._check_prompt(prompt_ids)
         except RequestError as e:
             prompt = []
@@ -248,7 +272,8 @@ class Engine:
 
     def _check_prompt(self, prompt_ids) -> list[int]:
         if isinstance(prompt_ids, (str, bytes)):
-            raise RequestError("prompt_ids must be a sequence of token ids, not a string (tokenize it first)")
+            raise RequestError("prompt_ids must be a sequence of token ids, not a string (tokenize it first, or give "
+                               "the engine a tokenizer)")
         try:
             arr = np.asarray(prompt_ids)
         except Exception as e:  # ragged or odd objects
@@ -376,7 +401,7 @@ class Engine:
             req.t_first_token = now
             req.deliveries.append((now, 1, rec.index))
             new.setdefault(req.request_id, []).append(first)
-            if first in req.sampling.stop_ids:
+            if first in req.sampling.stop_ids or self._stop_string(req, [])[1]:
                 self._finish(req, STOP)
             elif req.max_new_tokens <= 1:
                 self._finish(req, LENGTH)
@@ -393,15 +418,19 @@ class Engine:
 
     def _decode(self, rec: StepRecord, new, ended) -> None:
         c = self.config
-        rec.decode_compiled = self._chunks == 0
         rec.live_slots = int((~self._done).sum())
         sampling = SamplingArrays(jnp.asarray(self._temp), jnp.asarray(self._top_p), jnp.asarray(self._top_k))
         keys = row_keys(jnp.asarray(self._seed), jnp.asarray(self._chunk_of))
+        # a last chunk runs only the steps its requests can use: the longest remaining, up to a power of two
+        steps = min(c.page_size, bucket_length(int(self._remaining[~self._done].max()), 1))
+        rec.decode_compiled = steps not in self._seen_steps
+        self._seen_steps.add(steps)
         before = self._stats0
         t0 = self._clock()
         try:
             out, done, remaining = self.gen.decode_chunk(jnp.asarray(self._tok), jnp.asarray(self._done),
-                                                         jnp.asarray(self._remaining), keys, sampling, self._no_stops)
+                                                         jnp.asarray(self._remaining), keys, sampling, self._no_stops,
+                                                         steps=steps)
             out = np.asarray(out)
             done, remaining = np.asarray(done).copy(), np.asarray(remaining).copy()
         except Exception as e:
@@ -416,7 +445,7 @@ class Engine:
         self._stats0 = self._stats_now()
         rec.hits, rec.misses, rec.overflow, rec.fetched = (a - b for a, b in zip(self._stats0, before))
         rec.decode_s = now - t0
-        rec.decode_steps = c.page_size
+        rec.decode_steps = steps
         self._chunks += 1
         self._chunk_of += 1
         for slot, rid in list(self._slot_req.items()):
@@ -428,6 +457,9 @@ class Engine:
             stop = next((i for i, t in enumerate(got) if t in req.sampling.stop_ids), None)
             if stop is not None:
                 got = got[:stop + 1]              # the chunk ran on past the stop: those tokens are dropped
+            got, hit = self._stop_string(req, got)
+            if hit:
+                stop = len(got)
             if got:
                 rec.decode_tokens += len(got)
                 req.tokens.extend(got)
@@ -445,10 +477,37 @@ class Engine:
             self._release(slot)
             ended[rid] = None
 
+    def _stop_string(self, req: Request, got: list[int]) -> tuple[list[int], bool]:
+        """New tokens `got` of a request with stop strings -> (those kept, whether a stop string ended it): the
+        fewest tokens whose text holds the first stop string; its text and stop string go on the request."""
+        if not req.sampling.stop or self.tokenizer is None:
+            return got, False
+        text, kept, hit = apply_stop(req.tokens + got, self.tokenizer, req.sampling.stop)
+        if hit is None:
+            return got, False
+        req.text, req.stop_reason = text, hit
+        if len(kept) < len(req.tokens):      # the first token (already delivered) completed it
+            del req.tokens[len(kept):]
+        return kept[len(req.tokens):], True
+
     def _finish(self, req: Request, reason: str, *, error: str | None = None) -> None:
         req.status, req.finish_reason, req.error = "finished", reason, error
         req.t_finished = self._clock()
         req.slot = None
+        if self.tokenizer is not None and req.text is None and reason != ERROR:
+            req.text = self.tokenizer.decode(req.tokens)
+
+    def abort(self, request_id: int) -> None:
+        """End a queued or running request now (finish_reason "stop"); its slot and host pages are freed at once."""
+        req = self.requests[request_id]
+        if req.finished:
+            return
+        if req.status == "queued":
+            self._queue.remove(request_id)
+        else:
+            self._release(req.slot)
+        self._finish(req, STOP)
+        self._pending.append(StepOutput(request_id, (), True, STOP, None))
 
     # ---- driving loops ------------------------------------------------------------------------------------
     def stream(self) -> Iterator[tuple[int, int]]:

@@ -15,6 +15,7 @@ from .decode_layer import DecodeOptions
 from .engine import Engine, SamplingParams
 from .generator import DenseCache, Generator, bucket_length, bucket_pages, default_cache_config  # noqa: F401
 from .sampling import check_sampling
+from .text import check_stop_strings, encode_prompt, is_text
 from .tp import check_tp, prepare_model
 
 MAX_BATCH = 8   # default cache slots of generate(): prompts beyond it queue (continuous batching)
@@ -52,12 +53,17 @@ def _tp_cache_config(cache_config: CacheConfig, tp: int, num_kv_heads: int, orig
     return dataclasses.replace(one, tp=tp)
 
 
-def generate(model, prompt_ids, *, max_new_tokens: int, cache_config: CacheConfig | None = None,
-             attention: str = "sparse", tp: int = 1, token_budget: int = 2048, page_size: int | None = None,
-             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_ids=(),
-             options: DecodeOptions = DecodeOptions(), mesh=None) -> list[list[int]]:
-    """Generate up to max_new_tokens tokens for each prompt (a ragged list of id lists) -> list of id lists.
+def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), stop_ids=None,
+             cache_config: CacheConfig | None = None, attention: str = "sparse", tp: int = 1,
+             token_budget: int = 2048, page_size: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int = 0, options: DecodeOptions = DecodeOptions(), mesh=None) -> list:
+    """Generate up to max_new_tokens tokens for each prompt.
 
+    prompts: a list of token-id lists -> a list of token-id lists; or, with a tokenizer, a list of texts (str)
+    or chats (lists of {"role", "content"} messages, rendered by the tokenizer's chat template) -> a list of
+    generated texts. stop_ids end a sequence (the stop token is kept); None = the tokenizer's end-of-text and
+    end-of-turn ids (e.g. SmolLM2's <|im_end|>), or none without a tokenizer. stop: strings that end a sequence
+    once its text holds one (needs the tokenizer; the text is cut before it).
     attention="sparse" decodes with UlaCache (query-aware page selection over a two-tier cache);
     attention="dense" is the baseline with the same model and every K/V in HBM. tp: tensor-parallel ranks (local
     devices). Without a cache_config, one is sized for these prompts (`default_cache_config`: up to 8 slots,
@@ -67,7 +73,13 @@ def generate(model, prompt_ids, *, max_new_tokens: int, cache_config: CacheConfi
     k0 = model.config.num_kv_heads
     model = prepare_model(model, tp)
     mc = model.config
-    prompts = check_prompts(prompt_ids, mc.vocab_size, max_new_tokens)
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise TypeError("prompts must be a list of prompts (token-id lists, or texts / chats with a tokenizer)")
+    as_text = len(prompts) > 0 and all(is_text(p) for p in prompts)
+    stop = check_stop_strings(stop)
+    if stop and tokenizer is None:
+        raise ValueError(f"stop strings {stop!r} need a tokenizer to decode the text (pass tokenizer=...)")
+    prompts = check_prompts([encode_prompt(p, tokenizer) for p in prompts], mc.vocab_size, max_new_tokens)
     check_sampling(temperature, top_p, top_k, mc.vocab_size)
     longest = max(len(p) for p in prompts) + max_new_tokens
     if cache_config is None:
@@ -81,12 +93,12 @@ def generate(model, prompt_ids, *, max_new_tokens: int, cache_config: CacheConfi
         raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the cache's max context "
                          f"{cache_config.max_context} (max_pages_per_seq x page_size)")
     engine = Engine(generator=Generator(model, cache_config, attention=attention, options=options, mesh=mesh),
-                    seed=seed)
+                    seed=seed, tokenizer=tokenizer)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            stop_ids=tuple(int(t) for t in stop_ids))
+                            stop_ids=None if stop_ids is None else tuple(int(t) for t in stop_ids), stop=stop)
     out = []
     for req in engine.run(prompts, params):
         if req.finish_reason == "error":
             raise ValueError(f"prompt {req.request_id}: {req.error}")
-        out.append(req.tokens)
+        out.append(req.text if as_text else req.tokens)
     return out

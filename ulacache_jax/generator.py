@@ -176,13 +176,15 @@ class Generator:
         b.prefill_done(slot, n)
         return prog.logits(self.params, x, n)
 
-    def decode_chunk(self, tok, done, remaining, keys, sampling, stop_ids):
-        """One jitted chunk of page_size steps for every slot. keys [S]: one PRNG key per slot (see
-        sampling.row_keys). Returns (tokens [S, page_size] with -1 where a slot produced nothing, done, remaining)."""
+    def decode_chunk(self, tok, done, remaining, keys, sampling, stop_ids, *, steps: int | None = None):
+        """One jitted chunk of `steps` steps (None: page_size; else a power of two up to it) for every slot. keys
+        [S]: one PRNG key per slot (see sampling.row_keys). Returns (tokens [S, steps] with -1 where a slot produced
+        nothing, done, remaining)."""
+        decode = self.program.decode if steps is None else self.program.decode_steps(steps)
         # host-made inputs replicated on the mesh like the previous chunk's outputs: one compile, not two
         args = jax.device_put((tok, done, remaining, keys, sampling, stop_ids), self._replicated)
         b = self.backend
-        b.cache, b.host, out, done, remaining, stats = self.program.decode(self.params, b.cache, b.host, *args)
+        b.cache, b.host, out, done, remaining, stats = decode(self.params, b.cache, b.host, *args)
         self.stats, self.rank_stats = _accumulate(self.stats, self.rank_stats, stats)
         return out, done, remaining
 

@@ -93,6 +93,7 @@ class Program:
     logits(params, x, length) -> [V] of the last prompt token
     decode(params, cache, host, tok, done, remaining, keys, sampling, stop_ids)
         -> (cache, host, tokens [S, page_size], done, remaining, LayerStats of [R] per rank)   cache, host donated
+    decode_steps(n): the same for a chunk of n steps (n a power of two <= page_size)
     next_logits(params, cache, host, tok) -> [S, V]: one step's logits, nothing committed."""
 
     def __init__(self, graphdef, layer_gd, ops, config: CacheConfig, mesh: Mesh, params_spec, layer_spec,
@@ -116,9 +117,20 @@ class Program:
         self.logits = jit(self._logits, (ps, r, r), r)
         self.prefill_layer = jit(self._prefill_layer, (lps, vs, r, r, r, r), (vs, r), (view_sh, None),
                                  donate_argnums=(1, 2))
-        self.decode = jit(self._decode, (ps, cs, hs) + (r,) * 6, (cs, hs, r, r, r, stats_spec),
-                          (None, host_sh, None, None, None, None), donate_argnums=(1, 2))
+        def decode(steps):
+            return jit(functools.partial(self._decode, steps=steps), (ps, cs, hs) + (r,) * 6,
+                       (cs, hs, r, r, r, stats_spec), (None, host_sh, None, None, None, None), donate_argnums=(1, 2))
+        self._decode_for = functools.lru_cache(maxsize=None)(decode)
+        self.decode = self._decode_for(config.page_size)
         self.next_logits = jit(self._next_logits, (ps, cs, hs, r), r)
+
+    def decode_steps(self, steps: int):
+        """The decode program of a chunk of `steps` steps (a power of two up to page_size: a request's last chunk
+        runs only the steps it needs, and only log2(page_size) + 1 programs exist)."""
+        page = self.config.page_size
+        if steps < 1 or steps > page or steps & (steps - 1):
+            raise ValueError(f"steps = {steps} must be a power of two in [1, page_size = {page}]")
+        return self._decode_for(steps)
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def _embed(self, params, ids):
@@ -142,13 +154,12 @@ class Program:
         return view, _token_chunks(block.finish, C, x, prefill_attention(q, k, v, length))
 
     # ---- decode --------------------------------------------------------------------------------------------
-    def _decode(self, params, cache, host, tok, done, remaining, keys, sampling, stop_ids):
-        """page_size decode steps for every slot. tok [S] last token, done [S], remaining [S] tokens still
+    def _decode(self, params, cache, host, tok, done, remaining, keys, sampling, stop_ids, *, steps: int):
+        """`steps` decode steps for every slot. tok [S] last token, done [S], remaining [S] tokens still
         allowed, keys [S] one PRNG key per slot for this chunk. Tokens [S, steps] are -1 where nothing was
         produced."""
         ops, model = self.ops, nnx.merge(self.graphdef, params)
         rank = jax.lax.axis_index(TP_AXIS)
-        steps = self.config.page_size
         S = tok.shape[0]
         cache = ops.begin_chunk(cache)
 
