@@ -134,6 +134,7 @@ def run_checks(tps: list[int]) -> dict:
     res: dict = {"devices": len(jax.devices()), "tp": {}}
     t0 = time.perf_counter()
     res["reference"] = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg)
+    res["dense_reference"] = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention="dense")
     base = Generator(model, cfg)
     res["reference_prefill"] = [np.asarray(base.prefill(base.admit(len(p) + MAX_NEW), p)).tolist() for p in prompts]
     res["reference_s"] = time.perf_counter() - t0
@@ -141,6 +142,9 @@ def run_checks(tps: list[int]) -> dict:
         t0 = time.perf_counter()
         c = dataclasses.replace(cfg, tp=tp)
         tokens = generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=cfg)
+        # the dense baseline runs on the same program, its KV heads sharded the same way (TP = 2 only: compiles)
+        dense = generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=cfg,
+                         attention="dense") if tp == 2 else None
         gen = Generator(model, c)
         slots, pre, out, nxt, args = _drive(gen, prompts, c)
         m = gen.cache
@@ -153,7 +157,8 @@ def run_checks(tps: list[int]) -> dict:
         coll = {k: {"lowered": _collectives(v.as_text()),
                     "compiled": _collectives(v.compile().as_text()) if tp == 2 else None}
                 for k, v in lowered.items()}
-        res["tp"][tp] = {"tokens": tokens, "prefill": pre.tolist(), "chunk": out.tolist(), "next": nxt.tolist(),
+        res["tp"][tp] = {"tokens": tokens, "dense_tokens": dense, "prefill": pre.tolist(), "chunk": out.tolist(),
+                         "next": nxt.tolist(),
                          "slots": slots, "owner": _ownership(gen), "collectives": coll,
                          "hits_per_rank": gen.rank_stats.hits.tolist(), "misses_per_rank": gen.rank_stats.misses.tolist(),
                          "seconds": time.perf_counter() - t0}
@@ -232,6 +237,25 @@ def run_cache_manager(tp: int) -> dict:
     return res
 
 
+def run_init_model(tp: int) -> dict:
+    """tp.init_model: random weights made in their TP sharding equal an unsharded init of the same seed, and each
+    device holds only its shards of the split params."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from ulacache_jax import tp as tp_mod
+    from ulacache_jax.models import LlamaModel
+
+    model, _, _ = _setup()
+    mc = model.config
+    sharded = tp_mod.init_model(mc, tp_mod.make_mesh(tp), dtype=jnp.float32, seed=3)
+    ref = LlamaModel(mc, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    pairs = list(zip(jax.tree.leaves(nnx.state(sharded)), jax.tree.leaves(nnx.state(ref))))
+    q = sharded.layers[0].self_attn.q_proj[...]
+    return {"equal": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs),
+            "q_shards": sorted({sh.data.shape[0] for sh in q.addressable_shards}), "q_heads": q.shape[0]}
+
+
 def run_replicated(tps: list[int]) -> dict:
     """More ranks than KV heads: 2 KV heads at TP = 4 and 8 (heads replicated 2x and 4x), context within budget."""
     import jax.numpy as jnp
@@ -308,6 +332,7 @@ def test_tp1_equals_single_device_generate(checks):
 def _assert_same_as_tp1(checks, tp):
     one, r = checks["tp"]["1"], checks["tp"][str(tp)]
     assert r["tokens"] == one["tokens"] == checks["reference"], tp
+    assert r["dense_tokens"] in (None, checks["dense_reference"]), tp
     assert r["slots"] == one["slots"]
     np.testing.assert_allclose(r["prefill"], one["prefill"], rtol=1e-4, atol=1e-4)
     assert r["chunk"] == one["chunk"], tp
@@ -354,6 +379,27 @@ def test_every_rank_hits_and_misses(checks, tp):
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_only_two_psums_per_layer_and_no_cache_collective(checks, tp):
     _assert_two_psums_per_layer(checks, tp)
+
+
+def test_init_model_in_its_sharding(checks):
+    r = checks["init_model"]
+    assert r["equal"] and r["q_shards"] == [r["q_heads"] // 2]
+
+
+def test_70b_shape_per_device_bytes_at_tp8():
+    """The Llama-3.1-70B shape, abstractly (nothing allocated): what init_model / TP = 8 puts on each device."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from ulacache_jax import tp as tp_mod
+    from ulacache_jax.models import LlamaModel, get_preset
+
+    mc = get_preset("llama-3.1-70b")
+    params = nnx.split(nnx.eval_shape(lambda: LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))[1]
+    total, per = tp_mod.shard_bytes(params, 1), tp_mod.shard_bytes(params, 8)
+    assert 139e9 < total < 143e9
+    # one eighth of the split weights plus the replicated embeddings, LM head and norms: fits an H200 with room
+    # for the cache
+    assert total / 8 < per < 24e9
 
 
 def test_more_ranks_than_kv_heads_replicates_heads():
@@ -447,6 +493,7 @@ if __name__ == "__main__":
     if mode in ("checks", "gpu"):
         out = run_checks(tps)
         out["cache_manager"] = run_cache_manager(4 if mode == "checks" else max(tps))
+        out["init_model"] = run_init_model(2)
         import jax
         out["platform"] = jax.default_backend()
     else:

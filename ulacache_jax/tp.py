@@ -41,6 +41,7 @@ GPUs and how fast: docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import jax
@@ -51,7 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from . import cache_state as cache_state_mod
 from .cache_state import CacheState, HostPool, host_memory_kind
 from .config import CacheConfig
-from .models.llama import MLP, Attention
+from .models.llama import MLP, Attention, LlamaModel
 
 TP_AXIS = "tp"
 
@@ -198,6 +199,36 @@ def shard_params(params, mesh: Mesh):
                                  f"({x.shape[ax]}) does not divide by tp = {tp}")
     jax.tree_util.tree_map_with_path(check, params, specs)
     return jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+
+
+def shard_bytes(params, tp: int) -> int:
+    """Bytes one rank holds of `params` (arrays or ShapeDtypeStructs, e.g. from nnx.eval_shape) placed per
+    `param_specs` over tp ranks: what a model costs each device before anything is allocated."""
+    specs = param_specs(params)
+
+    def one(x, s):
+        n = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        return n // tp if TP_AXIS in tuple(s) else n
+    return int(sum(jax.tree.leaves(jax.tree.map(one, params, specs))))
+
+
+def init_model(config, mesh: Mesh, *, dtype=jnp.bfloat16, seed: int = 0):
+    """A LlamaModel with random weights made directly in its TP sharding over `mesh`: one jitted init whose
+    outputs carry the params' shardings, so each device computes and holds only its own shards and a model
+    larger than one device never lands on one. The values equal an unsharded `LlamaModel(config, dtype=dtype,
+    rngs=nnx.Rngs(seed))` (JAX's partitionable threefry draws the same bits however the output is split).
+    config.num_kv_heads, num_heads and intermediate_size must divide by the mesh's tp."""
+    tp = mesh.shape[TP_AXIS]
+    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+        n = getattr(config, name)
+        if n % tp:
+            raise ValueError(f"init_model: tp = {tp} must divide {name} = {n}")
+
+    def make():
+        return nnx.split(LlamaModel(config, dtype=dtype, rngs=nnx.Rngs(seed)))[1]
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: LlamaModel(config, dtype=dtype, rngs=nnx.Rngs(seed))))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(abstract))
+    return nnx.merge(graphdef, jax.jit(make, out_shardings=shardings)())
 
 
 def replicate_kv_heads(model, factor: int):
