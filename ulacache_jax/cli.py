@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--scripts-dir", default=None,
                    help="where the bench_*.py scripts are (default: the repo's scripts/)")
 
-    d = sub.add_parser("demo", help="batch inference on the tiny preset (random weights) with built-in long prompts")
+    d = sub.add_parser("demo", help="SmolLM2 answers chat, long-document and passkey prompts, sparse beside dense")
     d.add_argument("--out-dir", default=None, help="where to write results, report and plot (default: a temp dir)")
     return p
 
