@@ -33,7 +33,7 @@ test: $(VENV)/.installed $(VENV)/.smollm2
 # into the checkout, so PYTHONPATH is all it needs). Without a GPU every test here skips itself.
 GPU_PY ?= python3
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -m gpu -p no:cacheprovider
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m pytest -q -m gpu -p no:cacheprovider
 
 # The benchmarks on a GPU machine, one device call (<= 600 s) per name (scripts/bench_gpu.sh lists them):
 #   make bench-gpu [BENCH="select decode"] [OUT=out/gpu] [COMMIT=sha]
