@@ -130,10 +130,21 @@ def test_decode_step_memory_has_no_cache_copies(model):
 
 
 def test_bad_inputs(model):
-    with pytest.raises(ValueError, match="prompt 1 is empty"):
+    with pytest.raises(ValueError, match=r"prompt_ids\[1\] is empty"):
         generate(model, [[1], []], max_new_tokens=2)
-    with pytest.raises(ValueError, match="token id 999 outside"):
+    with pytest.raises(ValueError, match=r"prompt_ids\[0\]\[1\] = 999 is outside"):
         generate(model, [[1, 999]], max_new_tokens=2)
+    # what issue 23 found accepted silently or failing inside jax: each a clear error naming the value
+    with pytest.raises(TypeError, match="1.7"):
+        generate(model, [[1.7, 2.2]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="flat list of 3 ints"):
+        generate(model, [256, 72, 101], max_new_tokens=2)
+    with pytest.raises(ValueError, match="99999"):
+        generate(model, [[1]], max_new_tokens=2, stop_ids=[99999])
+    with pytest.raises(TypeError, match="stop_ids"):
+        generate(model, [[1]], max_new_tokens=2, stop_ids="\n")
+    with pytest.raises(TypeError, match="seed = None"):
+        generate(model, [[1]], max_new_tokens=2, seed=None)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, [[1]], max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p"):

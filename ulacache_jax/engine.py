@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from .config import CacheConfig
 from .decode_layer import DecodeOptions
 from .generator import Generator, bucket_length, default_cache_config
+from .validate import check_seed
 from .sampling import SamplingArrays, check_sampling, row_keys, sample
 from .sequences import CapacityError
 from .text import apply_stop, check_stop_strings, encode_prompt
@@ -209,7 +210,7 @@ class Engine:
         if max_prefill_tokens_per_step is not None and max_prefill_tokens_per_step < 1:
             raise ValueError(f"max_prefill_tokens_per_step = {max_prefill_tokens_per_step} must be >= 1")
         self.max_prefill_tokens_per_step = max_prefill_tokens_per_step or c.max_context
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self._clock = clock
         self.t0 = clock()
         self.requests: dict[int, Request] = {}

@@ -8,37 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 
 from .config import CacheConfig
 from .decode_layer import DecodeOptions
 from .engine import Engine, SamplingParams
 from .generator import DenseCache, Generator, bucket_length, bucket_pages, default_cache_config  # noqa: F401
-from .sampling import check_sampling
+from . import validate
 from .text import check_stop_strings, encode_prompt, is_text
 from .tp import check_tp, prepare_model
 
 MAX_BATCH = 8   # default cache slots of generate(): prompts beyond it queue (continuous batching)
-
-
-def check_prompts(prompt_ids, vocab_size: int, max_new_tokens: int) -> list[list[int]]:
-    """A ragged list of token-id lists -> list[list[int]]; a clear error for anything else."""
-    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__"):
-        raise TypeError("prompt_ids must be a list of token-id lists")
-    out = []
-    for i, p in enumerate(prompt_ids):
-        p = [int(t) for t in np.asarray(p).reshape(-1)]
-        if not p:
-            raise ValueError(f"prompt {i} is empty")
-        bad = [t for t in p if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, vocab_size = {vocab_size})")
-        out.append(p)
-    if not out:
-        raise ValueError("prompt_ids is empty")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens = {max_new_tokens!r} must be an int >= 1")
-    return out
 
 
 def _tp_cache_config(cache_config: CacheConfig, tp: int, num_kv_heads: int, orig_kv_heads: int) -> CacheConfig:
@@ -79,8 +58,15 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
     stop = check_stop_strings(stop)
     if stop and tokenizer is None:
         raise ValueError(f"stop strings {stop!r} need a tokenizer to decode the text (pass tokenizer=...)")
-    prompts = check_prompts([encode_prompt(p, tokenizer) for p in prompts], mc.vocab_size, max_new_tokens)
-    check_sampling(temperature, top_p, top_k, mc.vocab_size)
+    # token ids are checked as given (a flat id list or float ids are refused, not reinterpreted); texts and chats
+    # once encoded
+    prompts = validate.check_prompt_batch([encode_prompt(p, tokenizer) for p in prompts] if as_text else prompts,
+                                          mc.vocab_size)
+    max_new_tokens = validate.check_max_new_tokens(max_new_tokens)
+    temperature, top_p, top_k = validate.check_sampling_args(temperature, top_p, top_k, mc.vocab_size)
+    seed = validate.check_seed(seed)
+    if stop_ids is not None:
+        stop_ids = validate.check_stop_ids(stop_ids, mc.vocab_size)
     longest = max(len(p) for p in prompts) + max_new_tokens
     if cache_config is None:
         n = len(prompts)
