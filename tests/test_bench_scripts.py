@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 from bench_decode import synthetic_fill_dense  # noqa: E402
 from pick_launch import pick  # noqa: E402
-from ulacache_jax.generation import Generator, default_cache_config  # noqa: E402
+from ulacache_jax.generator import Generator, default_cache_config  # noqa: E402
 from ulacache_jax.models import LlamaModel, get_preset  # noqa: E402
 
 
@@ -127,3 +127,41 @@ def test_bench_sieve_small_run_checks_and_writes(tmp_path):
     assert d["meta"]["commit"] == "test" and (tmp_path / "sieve.png").exists()
     kern = [r for r in d["rows"] if r["impl"] == "pallas"]
     assert kern and all(r["check_ok"] for r in kern) and all("scan_us" in r for r in d["rows"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scripts that drive the runtime's internals: run in the smallest shapes, so a refactor cannot silently break them
+# ----------------------------------------------------------------------------------------------------------------
+def test_selection_trace_records_what_the_sieve_sees(tmp_path):
+    """selection_trace.py decodes through program.decode_layers with a recording backend: its replay check (the
+    recorded pages reproduce the backend's hits) and its Engine check (same tokens) must both hold, and the trace
+    carries what scripts/studies/eviction_study.py --trace reads."""
+    from selection_trace import main
+    out = tmp_path / "trace.npz"
+    meta = main(["--out", str(out), "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+                 "--hidden", "32", "--num-seqs", "2", "--prompt-len", "48", "--steps", "16", "--page-size", "16",
+                 "--token-budget", "32"])
+    assert meta["replay_matches_library"] is True and meta["generate_tokens_match"] is True
+    d = np.load(out)
+    assert d["lids"].shape == d["valid"].shape == (16, 2 * 1 * 2)          # rows = steps x layers; seqs x groups x K
+    assert d["clock"].shape == (16,) and (np.diff(d["clock"]) == 1).all()  # one tick per sieve call
+    assert int(d["total_pages"]) > 0 and str(d["label"]) == "random-weight model trace"
+
+
+def test_decode_memory_probe_compiles_the_generators_program():
+    """probes/decode_memory.py builds, without allocating, the very Program a Generator of that shape gets, and
+    the tiny decode aliases the whole cache input -> output."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "probes"))
+    from decode_memory import abstract_program, main
+    from ulacache_jax.decode_layer import DecodeOptions
+    mc = get_preset("tiny")
+    model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    shape_only = nnx.eval_shape(lambda: LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    cfg = default_cache_config(mc, num_seqs=2, max_tokens=256, page_size=16, dtype="bfloat16")
+    for side in ("sparse", "dense"):
+        gen = Generator(model, cfg, attention=side)
+        assert abstract_program(shape_only, cfg, side, DecodeOptions(), gen.mesh)[0] is gen.program
+    report = main(["--preset", "tiny", "--context", "256", "--batch", "2", "--layers", "2", "--budget", "64",
+                   "--chunks", "1"])
+    for side, rec in report.items():
+        assert rec["alias"] >= sum(rec["cache_bytes"].values()), side

@@ -3,14 +3,17 @@
 On the H200 the dense decode program at 128K x 7 sequences asked for 56.1 GiB more
 (= one whole K cache) and the sparse decode program at 128K x 4 for 64 GiB more host memory (= the host pool),
 while on CPU `memory_analysis` shows both caches aliased input -> output with small temps. This script lowers and
-compiles `Generator`'s decode programs from abstract arguments (ShapeDtypeStruct with the real shardings and
-memory kinds) at any size, prints argument / output / alias / temp bytes against the cache bytes, and lists the
+compiles the Generator's decode program (`program.program`, built from the backend's own ops and specs exactly as
+`Generator.__init__` builds it, so it is the same Program object a Generator of that shape gets) from abstract
+arguments (ShapeDtypeStruct with the real shardings and memory kinds) at any size, prints argument / output / alias / temp bytes against the cache bytes, and lists the
 largest `copy`, `transpose` and custom-call buffers of the optimized HLO, so the culprit shows in one call.
 Found with it (docs/BENCHMARKS.md): the dense cache as one [L, S, T, KV, D] array made every layer's token write a
 new whole-cache value (560 GiB before rematerialisation at 128K x 7); one array per layer: temp 0.01 GiB
 (docs/benchmarks/decode_memory.json). The sparse host pool was twice the KV (pages rounded to a power of two).
 
 Run (GPU):  python3 scripts/probes/decode_memory.py --context 131072 --batch 7 [--out DIR]
+Smallest (CPU, a check that it runs): python3 scripts/probes/decode_memory.py --preset tiny --context 256 --batch 2
+  --layers 2 --budget 64 --chunks 1
 """
 from __future__ import annotations
 
@@ -44,53 +47,90 @@ def big_buffers(hlo: str, min_bytes: int, top: int = 12):
     return sorted(out, reverse=True)[:top]
 
 
+def abstract_program(model, cfg, attention: str, options, mesh):
+    """-> (Program, abstract params, abstract cache, abstract host): the decode program a
+    `Generator(model, cfg, attention=attention, options=options, mesh=mesh)` would get, built without allocating
+    the cache or the weights (`model` may be an `nnx.eval_shape` model). The backend's own `specs`/`view_specs`
+    are called on stand-ins holding only the abstract cache's specs, so their logic is not copied here."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from ulacache_jax import backends, cache_state, tp
+    from ulacache_jax.program import layer_graphdef, program
+
+    graphdef = tp.tp_graphdef(model)
+    params = nnx.split(model)[1]
+    specs = tp.param_specs(params)
+    shard = lambda x, spec, kind=None: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                            sharding=NamedSharding(mesh, spec, memory_kind=kind))
+    params = jax.tree.map(shard, params, specs)
+    if attention == "sparse":
+        state, host = jax.eval_shape(lambda: cache_state.init(tp.local_config(cfg), check=False))
+        R = cfg.tp            # cache_state.init of one rank: the rank axis made global, as tp.init_sharded does
+        state = dataclasses.replace(jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct((R,) + x.shape[1:] if s != P() else x.shape, x.dtype), state,
+            tp.state_specs(state)), config=cfg)
+        host = jax.tree.map(lambda x: jax.ShapeDtypeStruct((R,) + x.shape[1:], x.dtype), host)
+        kind = cache_state.host_memory_kind(mesh.devices.flat[0])
+        host_sh = jax.tree.map(lambda s: NamedSharding(mesh, s, memory_kind=kind), tp.HOST_SPECS,
+                               is_leaf=lambda x: isinstance(x, P))
+        stand_in = object.__new__(backends.SparseBackend)
+        stand_in.config, stand_in.ops = cfg, backends.SparseOps(options)
+        stand_in.manager = type("Manager", (), dict(specs=tp.state_specs(state), host_shardings=lambda self: host_sh))()
+        cache = jax.tree.map(shard, state, stand_in.manager.specs)
+        host = jax.tree.map(lambda x, s: shard(x, s, kind), host, tp.HOST_SPECS)
+    elif attention == "dense":
+        stand_in = object.__new__(backends.DenseBackend)
+        stand_in.config, stand_in.ops = cfg, backends.DenseOps(options)
+        shape = (cfg.max_seqs, cfg.max_context, cfg.num_kv_heads, cfg.head_dim)
+        kv = tuple(jax.ShapeDtypeStruct(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
+        cache = jax.tree.map(shard, (backends.DenseCache(kv, kv), jax.ShapeDtypeStruct((cfg.max_seqs,), jnp.int32)),
+                             stand_in.specs()[0])
+        host = ()
+    else:
+        raise ValueError(f"attention = {attention!r} must be 'sparse' or 'dense'")
+    cache_spec, host_spec, host_sh = stand_in.specs()
+    view_spec, view_sh = stand_in.view_specs()
+    prog = program(graphdef, layer_graphdef(graphdef, params), stand_in.ops, cfg, mesh, specs, specs["layers"][0],
+                   cache_spec, host_spec, host_sh, view_spec, view_sh)
+    return prog, params, cache, host
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--batch", type=int, default=7)
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--preset", default="llama-3.1-8b", help="model shape (ulacache_jax.models presets; 'tiny' on CPU)")
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--sides", nargs="+", default=["dense", "sparse"])
     p.add_argument("--kv-fraction", type=float, default=0.25, help="sparse HBM frame pool, as in bench_decode")
     p.add_argument("--chunks", type=int, default=3, help="decode chunks the cache has room for, as in bench_decode")
     p.add_argument("--out", default=os.environ.get("OUT"))
     a = p.parse_args(argv)
-    from ulacache_jax.cache_state import init as init_state, host_sharding
     from ulacache_jax.decode_layer import DecodeOptions
-    from ulacache_jax.generation import DenseCache, _Program
+    from ulacache_jax.tp import make_mesh
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/: bench_decode
     from bench_decode import bench_config
     from ulacache_jax.models import LlamaModel, get_preset
     from ulacache_jax.sampling import SamplingArrays, row_keys
 
-    mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=a.layers)
+    mc = dataclasses.replace(get_preset(a.preset), num_layers=a.layers)
     model = nnx.eval_shape(lambda: LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(model)
-    dev = jax.devices()[0]
-    dsh = jax.sharding.SingleDeviceSharding(dev)
+    mesh = make_mesh(1)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     S = a.batch
-    small = (jnp.zeros(S, jnp.int32), jnp.ones(S, bool), jnp.zeros(S, jnp.int32),
-             row_keys(jnp.zeros(S, jnp.uint32), jnp.zeros(S, jnp.uint32)), SamplingArrays.fill(S),
-             jnp.asarray([-1], jnp.int32))
-    spec = lambda x, sh=dsh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    # the per-slot inputs, replicated on the mesh as Generator.decode_chunk places them
+    small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
+                         (jnp.zeros(S, jnp.int32), jnp.ones(S, bool), jnp.zeros(S, jnp.int32),
+                          row_keys(jnp.zeros(S, jnp.uint32), jnp.zeros(S, jnp.uint32)), SamplingArrays.fill(S),
+                          jnp.asarray([-1], jnp.int32)))
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     report = {}
     for side in a.sides:
         # the cache bench_decode.py builds for this row (sparse pool: --kv-fraction of the KV)
         cfg = bench_config(mc, side, S, a.context, a, a.kv_fraction)
-        if side == "sparse":
-            state, host = jax.eval_shape(lambda: init_state(cfg, check=False))
-            hs = host_sharding(dev)
-            host_sh = jax.tree.map(lambda _: hs, host)
-            prog = _Program(graphdef, cfg, "sparse", DecodeOptions(), host_sh)
-            args = (jax.tree.map(spec, params), jax.tree.map(spec, state), jax.tree.map(lambda x: spec(x, hs), host))
-            cache_bytes = {"state": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)),
-                           "host": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(host))}
-        else:
-            prog = _Program(graphdef, cfg, "dense", DecodeOptions(), None)
-            shape = (S, cfg.max_context, cfg.num_kv_heads, cfg.head_dim)
-            d = tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=dsh) for _ in range(cfg.num_layers))
-            args = (jax.tree.map(spec, params), DenseCache(d, d), jax.ShapeDtypeStruct((S,), jnp.int32, sharding=dsh))
-            cache_bytes = {"k+v": 2 * cfg.num_layers * int(np.prod(shape)) * 2}
+        prog, params, cache, host = abstract_program(model, cfg, side, DecodeOptions(), mesh)
+        args = (params, cache, host)
+        cache_bytes = {"state": nbytes(cache), "host": nbytes(host)} if side == "sparse" else {"k+v": nbytes(cache[0])}
         comp = prog.decode.lower(*args, *small).compile()
         mem = comp.memory_analysis()
         rec = dict(cache_bytes=cache_bytes, argument=mem.argument_size_in_bytes, output=mem.output_size_in_bytes,
