@@ -75,7 +75,7 @@ class DenseCache:
     """The baseline: every K/V in HBM. k, v: one [S, T_max, KV, D] array per layer (a tuple of L). One array per
     layer, not one [L, ...] array: with a single array each layer's token write produced a new whole-cache value
     that cuDNN read a slice of, and XLA kept a second full cache (the dense decode at 128K x 7 sequences asked for
-    56 GiB more than the cache on the H200, scripts/probe_decode_memory.py)."""
+    56 GiB more than the cache on the H200, scripts/probes/decode_memory.py)."""
     k: tuple
     v: tuple
 

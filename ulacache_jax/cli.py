@@ -524,7 +524,7 @@ def apply_stop(tokens: list[int], tokenizer, stops) -> tuple[str | None, list[in
 
 # ---- generate ---------------------------------------------------------------------------------------------------
 def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
-    """The cache for this run: generate.default_cache_config (tp.default_tp_cache_config under --tp: frames and
+    """The cache for this run: generator.default_cache_config (with tp = --tp: frames and
     host pages per rank), then --hbm-pages / --host-gb."""
     from .config import CacheConfig
     from .generation import default_cache_config
