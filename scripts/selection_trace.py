@@ -28,8 +28,9 @@ K), or one row per decode step with every layer's requests concatenated (`--rows
 convention). Within a row: sequence-major, then group, then the selection's K pages (by score). LIDs are
 `seq << 44 | layer << 36 | group << 32 | page * page_size` (ulacache_jax/lid.py). Also stored: `total_pages`
 (the KV cache's complete pages at the end of decoding, over every (sequence, layer, group): the denominator of
-the study's pool fractions), `clock` [rows] (the cache clock the library stamped each sieve call with: it ticks once per call;
-with `--rows step`, the stamp of the step's first layer), `lib_hits`/`lib_requests` [steps, L], `tokens`, `label`, and a JSON `meta`.
+the study's pool fractions), `clock` [rows] (the cache clock the library stamped each sieve call with: it ticks
+once per call; with `--rows step`, the stamp of the step's first layer), `lib_hits`/`lib_requests` [steps, L],
+`tokens`, `label`, and a JSON `meta`.
 
 Caveat of the default (random weights, greedy): generation collapses to a repeated token within a few steps, so
 the queries move only with position and the trace's step-to-step locality is high; `--temperature 1.0` (random
@@ -132,7 +133,8 @@ class RecordingOps:
                                      recent_pages=c.recent_pages, impl=o.topk)
         clock = state.clock
         state, out, s = self.inner.attend(state, host, layer, q, k, v, pos, live, rank)
-        rec = dict(pages=rec["pages"].at[layer].set(sel), valid=rec["valid"].at[layer].set((sel >= 0) & lv[:, None, None]),
+        rec = dict(pages=rec["pages"].at[layer].set(sel),
+                   valid=rec["valid"].at[layer].set((sel >= 0) & lv[:, None, None]),
                    clock=rec["clock"].at[layer].set(clock), hits=rec["hits"].at[layer].set(s.hits),
                    misses=rec["misses"].at[layer].set(s.misses))
         return (state, rec), out, s
