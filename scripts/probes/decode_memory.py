@@ -6,7 +6,8 @@ while on CPU `memory_analysis` shows both caches aliased input -> output with sm
 compiles the Generator's decode program (`program.program`, built from the backend's own ops and specs exactly as
 `Generator.__init__` builds it, so it is the same Program object a Generator of that shape gets) from abstract
 arguments (ShapeDtypeStruct with the real shardings and memory kinds) at any size, prints argument / output /
-alias / temp bytes against the cache bytes, and lists the largest `copy`, `transpose` and custom-call buffers of the optimized HLO, so the culprit shows in one call.
+alias / temp bytes against the cache bytes, and lists the largest `copy`, `transpose` and custom-call buffers
+of the optimized HLO, so the culprit shows in one call.
 Found with it (docs/BENCHMARKS.md): the dense cache as one [L, S, T, KV, D] array made every layer's token write a
 new whole-cache value (560 GiB before rematerialisation at 128K x 7); one array per layer: temp 0.01 GiB
 (docs/benchmarks/decode_memory.json). The sparse host pool was twice the KV (pages rounded to a power of two).
