@@ -41,12 +41,12 @@ import time
 
 from . import jsonl_io
 from .jsonl_io import OutputError
+from .text import apply_stop, find_stop
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 SAMPLING_FIELDS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_ids")
 KNOWN_FIELDS = ("id", "messages", "prompt", "prompt_ids") + SAMPLING_FIELDS
 COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
-
 
 DEFAULT_MODEL = "smollm2-135m"   # trained, answers in words; the random presets are for tests and speed runs
 
@@ -493,35 +493,6 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
 
 
 # ---- stop strings -----------------------------------------------------------------------------------------------
-def find_stop(text: str, stops) -> tuple[int, str] | None:
-    """The earliest stop string in `text` -> (its index, the string), or None."""
-    best = None
-    for s in stops:
-        i = text.find(s)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
-
-
-def apply_stop(tokens: list[int], tokenizer, stops) -> tuple[str | None, list[int], str | None]:
-    """-> (text cut before the first stop string, the tokens up to the one that completed it, the stop string);
-    with no stop string in the text: (the whole text, all tokens, None)."""
-    if tokenizer is None:
-        return None, tokens, None
-    text = tokenizer.decode(tokens)
-    hit = find_stop(text, stops) if stops else None
-    if hit is None:
-        return text, tokens, None
-    lo, hi = 1, len(tokens)          # the fewest tokens whose text holds a stop string
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if find_stop(tokenizer.decode(tokens[:mid]), stops) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    return text[:hit[0]], tokens[:lo], hit[1]
-
-
 # ---- generate ---------------------------------------------------------------------------------------------------
 def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     """The cache for this run: generator.default_cache_config (with tp = --tp: frames and
