@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -86,7 +85,7 @@ def main(argv=None):
         (k, t, a), = specs
         print("ROW " + json.dumps(run_row(k, t, a, args)), flush=True)
         return
-    from ulacache_jax.bench_meta import git_commit
+    from ulacache_jax.bench_meta import git_commit, row_in_child
     from ulacache_jax.cache_state import raise_host_limit
     raise_host_limit()
     commit = args.commit or git_commit()
@@ -95,13 +94,7 @@ def main(argv=None):
     for k, t, a in specs:
         cmd = [sys.executable, os.path.abspath(__file__), "--one", "--rows", f"{k}:{t}", "--attention", a,
                "--model", args.model, "--page", str(args.page)]
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
-            line = [x for x in res.stdout.splitlines() if x.startswith("ROW ")]
-            row = json.loads(line[-1][4:]) if line else dict(model=k, prompt_tokens=t, attention=a,
-                                                             error=res.stderr[-600:])
-        except subprocess.TimeoutExpired:
-            row = dict(model=k, prompt_tokens=t, attention=a, error=f"timeout after {args.row_timeout:.0f} s")
+        row = row_in_child(cmd, args.row_timeout, model=k, prompt_tokens=t, attention=a)
         row["commit"] = commit
         rows.append(row)
         print(json.dumps(row), flush=True)

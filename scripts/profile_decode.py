@@ -18,7 +18,6 @@ import gzip
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
@@ -153,18 +152,12 @@ def main(argv=None):
     from ulacache_jax.cache_state import raise_host_limit
     raise_host_limit()          # the row processes inherit it: XLA's pinned-host pool is 64 GiB by default
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    from ulacache_jax.bench_meta import git_commit
+    from ulacache_jax.bench_meta import git_commit, row_in_child
     commit = args.commit or git_commit()
     for a, c, b in specs:           # each row in its own process: one row's HBM cannot starve the next
         cmd = [sys.executable, os.path.abspath(__file__), "--one", "--rows", f"{a}:{c}:{b}", "--layers",
                str(args.layers), "--budget", str(args.budget), "--kv-fraction", str(args.kv_fraction)]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
-            line = [x for x in out.stdout.splitlines() if x.startswith("ROW ")]
-            row = json.loads(line[-1][4:]) if line else dict(attention=a, context=c, batch=b,
-                                                             error=out.stderr[-400:])
-        except subprocess.TimeoutExpired:
-            row = dict(attention=a, context=c, batch=b, error=f"timeout after {args.row_timeout:.0f} s")
+        row = row_in_child(cmd, args.row_timeout, attention=a, context=c, batch=b)
         row["commit"] = commit
         rows.append(row)
         with open(os.path.join(args.out, "decode_profile.json"), "w") as f:

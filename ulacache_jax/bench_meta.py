@@ -257,3 +257,16 @@ def save_figure(fig, path: str) -> str:
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
     return path
+
+
+def row_in_child(cmd: list[str], timeout: float, **labels) -> dict:
+    """Run one benchmark row in a fresh process (its compiles, HBM and pinned host memory are its own) and return
+    the JSON it printed on a line starting "ROW "; on a crash or a timeout, `labels` plus the error."""
+    import json
+    import subprocess
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(labels, error=f"timeout after {timeout:.0f} s")
+    line = [x for x in res.stdout.splitlines() if x.startswith("ROW ")]
+    return json.loads(line[-1][4:]) if line else dict(labels, error=res.stderr[-600:])
