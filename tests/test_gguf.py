@@ -17,7 +17,6 @@ gguf = pytest.importorskip("gguf")   # a declared dependency; the GPU machine (n
 import jax  # noqa: E402
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from ulacache_jax import models
