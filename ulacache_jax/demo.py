@@ -140,7 +140,10 @@ def format_tasks(tasks: list[Task], prompts: list[list[int]], sparse: ModeResult
     for i, (t, p) in enumerate(zip(tasks, prompts)):
         pages = -(-len(p) // page)
         if pages <= sel:
-            how = f"{len(p):,} tokens = {pages} pages: inside the budget, sparse attends every page (= dense)"
+            # every page attended = dense attention computed page by page: token-exact in float32; bfloat16
+            # rounds the two differently, so a long greedy answer can drift apart after a few tokens
+            how = (f"{len(p):,} tokens = {pages} pages: inside the budget, sparse attends every page "
+                   "(= dense up to rounding)")
         else:
             how = (f"{len(p):,} tokens = {pages} pages of {page}: sparse attends {sel} of them "
                    f"({sel / pages:.0%}) per layer and KV head each step")
