@@ -342,42 +342,11 @@ def pblru_hits(lids, valid, num_buckets, slots, warmup_rows):
     return float(hits.sum() / max(1, valid[warmup_rows:].sum()))
 
 
-def belady_hits(lids, valid, capacity, warmup_rows):
-    """Belady's MIN (fully associative, clairvoyant) over the requests in order; duplicates in a row are hits."""
-    import heapq
-    seq = lids[valid]
-    row = np.repeat(np.arange(len(lids)), valid.sum(axis=1))
-    n = len(seq)
-    big = np.iinfo(np.int64).max
-    nxt = np.full(n, big, np.int64)
-    last: dict = {}
-    for i in range(n - 1, -1, -1):
-        x = int(seq[i])
-        nxt[i] = last.get(x, big)
-        last[x] = i
-    cached: dict = {}
-    heap: list = []
-    hits = total = 0
-    for i in range(n):
-        x, counted = int(seq[i]), row[i] >= warmup_rows
-        total += counted
-        if x in cached:
-            hits += counted
-        elif len(cached) >= capacity:
-            while True:
-                nu, y = heapq.heappop(heap)
-                if cached.get(y) == -nu:
-                    del cached[y]
-                    break
-        cached[x] = int(nxt[i])
-        heapq.heappush(heap, (-int(nxt[i]), x))
-    return hits / max(total, 1)
-
-
 def run_trace(trace, grid, args, meta, common):
     """HBM hit rate vs pool fraction on the model's selections: PB-LRU at the library's geometry
     (pallas_kernels.pb_lru_sieve.sieve_geometry, as default_cache_config picks it), global LRU (one bucket),
     Belady. Pool fractions are of the KV cache's pages at the end of the traced steps."""
+    from ulacache_jax import pb_lru
     from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
     sel, cc = trace
     steps, L, W, G, K = sel.shape
@@ -408,7 +377,7 @@ def run_trace(trace, grid, args, meta, common):
         nb, ns = sieve_geometry(frames, W * G * K)
         pb = pblru_hits(lids, valid, nb, ns, warm)
         glob = pblru_hits(lids, valid, 1, nb * ns, warm)
-        opt = belady_hits(lids, valid, nb * ns, warm)
+        opt = pb_lru.belady_hit_rate(lids, valid, nb * ns, warm)
         log(f"trace pool {name} ({nb * ns} frames = {nb} x {ns}): PB-LRU {pb:.4f} global LRU {glob:.4f} "
             f"Belady {opt:.4f} ({time.time() - t0:.1f} s)")
         for policy, hr, geo in (("pb_lru", pb, [nb, ns]), ("global_lru", glob, [1, nb * ns]),

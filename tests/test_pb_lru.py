@@ -187,3 +187,13 @@ def test_trace_from_a_rebased_clock_equals_trace_from_zero():
     np.testing.assert_array_equal(np.asarray(a.tag_lo), np.asarray(b.tag_lo))
     with pytest.raises(ValueError, match="keep"):
         cache_state.rebase_clock(None, at=10, keep=20)
+
+
+def test_belady_hit_rate_by_hand():
+    """Requests 1,2 | 3,1 | 1,2 with room for 2 pages: 3 evicts 2 (next used last), so 1 hits twice."""
+    trace = np.array([[1, 2], [3, 1], [1, 2]])
+    valid = np.ones_like(trace, bool)
+    assert pb_lru.belady_hit_rate(trace, valid, 2, warmup=0) == pytest.approx(2 / 6)
+    assert pb_lru.belady_hit_rate(trace, valid, 2, warmup=1) == pytest.approx(2 / 4)   # rows >= 1 counted
+    valid[1, 1] = False                                    # the second request for 1 not made: one hit left
+    assert pb_lru.belady_hit_rate(trace, valid, 2, warmup=0) == pytest.approx(1 / 5)

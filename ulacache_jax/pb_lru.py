@@ -15,6 +15,7 @@ in and arrays out); this module holds the state types, checks arguments, and wra
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from functools import partial
 
 import numpy as np
@@ -139,3 +140,36 @@ def _release(state: PBLRUState, seq) -> PBLRUState:
     return PBLRUState(tag_hi=jnp.where(mine, EMPTY_TAG, state.tag_hi),
                       tag_lo=jnp.where(mine, EMPTY_TAG, state.tag_lo),
                       stamp=jnp.where(mine, EMPTY_STAMP, state.stamp))
+
+
+def belady_hit_rate(trace, valid, capacity: int, warmup: int) -> float:
+    """Belady's MIN, the clairvoyant bound an LRU is measured against: trace [steps, N] page ids (any ints), valid
+    [steps, N] bool; over the flattened request sequence (step by step, in request order), on a miss with a full
+    cache evict the page whose next use is farthest. Duplicates inside a step count as hits, as in PB-LRU. Hit
+    rate over the requests of steps >= warmup. Plain Python (a study tool, not a kernel)."""
+    seq = trace[valid]
+    step_of = np.repeat(np.arange(trace.shape[0]), valid.sum(axis=1))
+    n = len(seq)
+    nxt = np.full(n, np.iinfo(np.int64).max, np.int64)
+    last = {}
+    for i in range(n - 1, -1, -1):
+        x = int(seq[i])
+        nxt[i] = last.get(x, np.iinfo(np.int64).max)
+        last[x] = i
+    cached, heap = {}, []  # page -> its next use; max-heap of (-next use, page) with lazy deletion
+    hits = total = 0
+    for i in range(n):
+        x = int(seq[i])
+        counted = step_of[i] >= warmup
+        total += counted
+        if x in cached:
+            hits += counted
+        elif len(cached) >= capacity:
+            while True:
+                nu, y = heapq.heappop(heap)
+                if cached.get(y) == -nu:
+                    del cached[y]
+                    break
+        cached[x] = int(nxt[i])
+        heapq.heappush(heap, (-int(nxt[i]), x))
+    return hits / max(total, 1)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import heapq
 import json
 import os
 import subprocess
@@ -91,37 +90,6 @@ def pblru_hit_rate(trace, valid, nb, ns, warmup, clock=None):
     return hits / max(total, 1)
 
 
-def belady_hit_rate(trace, valid, capacity, warmup):
-    """Belady's MIN over the flattened request sequence (step by step, in request order): on a miss with a full
-    cache, evict the page whose next use is farthest. Duplicates inside a step count as hits, as in PB-LRU."""
-    seq = trace[valid]
-    step_of = np.repeat(np.arange(trace.shape[0]), valid.sum(axis=1))
-    n = len(seq)
-    nxt = np.full(n, np.iinfo(np.int64).max, np.int64)
-    last = {}
-    for i in range(n - 1, -1, -1):
-        x = int(seq[i])
-        nxt[i] = last.get(x, np.iinfo(np.int64).max)
-        last[x] = i
-    cached, heap = {}, []  # page -> its next use; max-heap of (-next use, page) with lazy deletion
-    hits = total = 0
-    for i in range(n):
-        x = int(seq[i])
-        counted = step_of[i] >= warmup
-        total += counted
-        if x in cached:
-            hits += counted
-        elif len(cached) >= capacity:
-            while True:
-                nu, y = heapq.heappop(heap)
-                if cached.get(y) == -nu:
-                    del cached[y]
-                    break
-        cached[x] = int(nxt[i])
-        heapq.heappush(heap, (-int(nxt[i]), x))
-    return hits / max(total, 1)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="docs/benchmarks")
@@ -161,7 +129,7 @@ def main():
     results = []
     for frac, pool in pools.items():
         glob = pblru_hit_rate(trace, valid, 1, pool, args.warmup, clock)
-        opt = belady_hit_rate(trace, valid, pool, args.warmup)
+        opt = pb_lru.belady_hit_rate(trace, valid, pool, args.warmup)
         rows = []
         s = args.min_slots
         while s <= pool:
