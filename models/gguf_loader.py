@@ -24,10 +24,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from .config import ModelConfig, RopeScaling, rope_inv_freq
-from .hf_loader import CheckpointError, _nest
+from .hf_loader import CheckpointError, assemble
 from .llama import LlamaModel
 
 GGUF_SUFFIX = ".gguf"
@@ -292,22 +291,6 @@ def from_gguf(
         del w
         params[state_path] = jax.device_put(host, device)
         del host
-    if unexpected:
-        raise CheckpointError(
-            f"unexpected tensors in {file} for {config.architecture}: {', '.join(sorted(unexpected)[:8])}"
-            + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
-        )
     loaded = {expected_name for expected_name, target in expected.items() if target[0] in params}
-    missing = sorted(set(expected) - loaded)
-    if missing:
-        raise CheckpointError(
-            f"missing tensors in {file}: {', '.join(missing[:8])}"
-            + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
-        )
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: LlamaModel(config, dtype=dtype, rngs=nnx.Rngs(0))))
-    model_shapes = {p: tuple(var.shape) for p, var in nnx.to_flat_state(state)}
-    loaded_shapes = {p: tuple(x.shape) for p, x in params.items()}
-    if model_shapes != loaded_shapes:  # gguf_tensor_map disagrees with LlamaModel: a bug here, not bad input
-        raise AssertionError(f"gguf_tensor_map does not match LlamaModel params: {model_shapes} vs {loaded_shapes}")
-    nnx.replace_by_pure_dict(state, _nest(params))
-    return nnx.merge(graphdef, state)
+    return assemble(config, dtype, params, where=file, unexpected=unexpected, missing=sorted(set(expected) - loaded),
+                    source="gguf_tensor_map")

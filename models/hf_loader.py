@@ -136,23 +136,26 @@ def from_pretrained(
     for file, names in files.items():
         _load_file(folder / file, names, expected, np_dtype, device, params, loaded, unexpected)
 
+    return assemble(config, dtype, params, where=folder, unexpected=unexpected, missing=sorted(set(expected) - loaded),
+                    source="hf_tensor_map")
+
+
+def assemble(config: ModelConfig, dtype, params: dict, *, where, unexpected, missing, source: str) -> LlamaModel:
+    """The loaded params (flat state path -> array) as a LlamaModel: unexpected or missing checkpoint tensors are
+    a CheckpointError naming them (up to 8) and `where`; an abstract model (shapes only, nothing allocated) then
+    gets its params replaced by the loaded ones. Shared by the Hugging Face and GGUF loaders."""
+    def named(xs):
+        return ", ".join(sorted(xs)[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
+
     if unexpected:
-        raise CheckpointError(
-            f"unexpected tensors in {folder} for {config.architecture}: {', '.join(sorted(unexpected)[:8])}"
-            + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
-        )
-    missing = sorted(set(expected) - loaded)
+        raise CheckpointError(f"unexpected tensors in {where} for {config.architecture}: {named(unexpected)}")
     if missing:
-        raise CheckpointError(
-            f"missing tensors in {folder}: {', '.join(missing[:8])}"
-            + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
-        )
-    # Abstract model (shapes only, no arrays), then its params replaced by the loaded ones.
+        raise CheckpointError(f"missing tensors in {where}: {named(missing)}")
     graphdef, state = nnx.split(nnx.eval_shape(lambda: LlamaModel(config, dtype=dtype, rngs=nnx.Rngs(0))))
     model_shapes = {path: tuple(var.shape) for path, var in nnx.to_flat_state(state)}
     loaded_shapes = {path: tuple(x.shape) for path, x in params.items()}
-    if model_shapes != loaded_shapes:  # hf_tensor_map disagrees with LlamaModel: a bug here, not bad input
-        raise AssertionError(f"hf_tensor_map does not match LlamaModel params: {model_shapes} vs {loaded_shapes}")
+    if model_shapes != loaded_shapes:  # the tensor map disagrees with LlamaModel: a bug here, not bad input
+        raise AssertionError(f"{source} does not match LlamaModel params: {model_shapes} vs {loaded_shapes}")
     nnx.replace_by_pure_dict(state, _nest(params))
     return nnx.merge(graphdef, state)
 
