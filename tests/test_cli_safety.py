@@ -17,6 +17,7 @@ import time
 import pytest
 
 from ulacache_jax import cli, jsonl_io
+from ulacache_jax.text import apply_stop
 from ulacache_jax.engine import SamplingParams
 from ulacache_jax.models import ByteTokenizer
 
@@ -148,9 +149,9 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
 def test_apply_stop_cuts_text_before_the_stop_string():
     tok = ByteTokenizer()
     ids = list(b"Answer: 42\nQuestion: next")
-    text, toks, stop = cli.apply_stop(ids, tok, ("\nQuestion",))
+    text, toks, stop = apply_stop(ids, tok, ("\nQuestion",))
     assert text == "Answer: 42" and stop == "\nQuestion" and bytes(toks) == b"Answer: 42\nQuestion"
-    assert cli.apply_stop(ids, tok, ("zzz",)) == ("Answer: 42\nQuestion: next", ids, None)
+    assert apply_stop(ids, tok, ("zzz",)) == ("Answer: 42\nQuestion: next", ids, None)
 
 
 class _ChatTok(ByteTokenizer):
@@ -184,7 +185,7 @@ def test_parse_input_text_fields():
     assert "role" in msgs[5] and "empty string" in msgs[6] and "list of ints" in msgs[7]
     r1, r3 = recs
     assert r1.prompt_ids == _ChatTok().encode("<user>hi<assistant>") and r1.sampling.max_new_tokens == 7
-    assert r1.stop == ("\n",) and r3.stop == ("x", "yy")
+    assert r1.sampling.stop == ("\n",) and r3.sampling.stop == ("x", "yy")
     assert (r3.sampling.temperature, r3.sampling.top_p, r3.sampling.top_k, r3.sampling.seed) == (0.5, 0.9, 5, 11)
     _, errs, _, _ = cli.parse_input(lines[:1], tokenizer=_NoChatTok(), **kw)
     assert "has no chat template" in errs[0].error

@@ -41,7 +41,6 @@ import time
 
 from . import jsonl_io
 from .jsonl_io import OutputError
-from .text import apply_stop, find_stop
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 SAMPLING_FIELDS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_ids")
@@ -280,7 +279,6 @@ class Record:
     prompt_ids: list[int]
     sampling: object           # engine.SamplingParams
     capped_from: int | None = None
-    stop: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -477,7 +475,7 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
             fail("'stop_ids' must be a list of ints")
         over["stop_ids"] = tuple(obj["stop_ids"])
     stop = _stop_strings(obj["stop"], fail) if "stop" in obj else default_stop
-    sp = dataclasses.replace(defaults, **over)
+    sp = dataclasses.replace(defaults, stop=stop, **over)   # the Engine ends a request at its stop strings
     try:
         sp.check(vocab_size)
     except ValueError as e:
@@ -485,7 +483,7 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
     if len(ids) + 1 > limit:
         fail(f"prompt of {len(ids)} tokens is longer than the context limit of {limit} tokens (with room for one "
              "generated token; --max-context)")
-    rec = Record(n, rid, [int(t) for t in ids], sp, stop=stop)
+    rec = Record(n, rid, [int(t) for t in ids], sp)
     if len(ids) + sp.max_new_tokens > limit:
         rec.capped_from = sp.max_new_tokens
         rec.sampling = dataclasses.replace(sp, max_new_tokens=limit - len(ids))
@@ -767,11 +765,11 @@ def _generate_locked(args, t_start: float) -> int:
         check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes())
         try:
             if tp_mod is not None:
-                engine = Engine(loaded.model, cfg, seed=args.seed,
+                engine = Engine(loaded.model, cfg, seed=args.seed, tokenizer=loaded.tokenizer,
                                 max_prefill_tokens_per_step=args.max_prefill_tokens)
             else:
                 engine = Engine(loaded.model, cfg, attention=args.attention, seed=args.seed,
-                                max_prefill_tokens_per_step=args.max_prefill_tokens)
+                                tokenizer=loaded.tokenizer, max_prefill_tokens_per_step=args.max_prefill_tokens)
         except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
             raise UsageError(f"cache: {e}") from None
 
@@ -801,12 +799,10 @@ def _generate_locked(args, t_start: float) -> int:
                         n_tokens += len(ev.new_tokens)
                         rec = by_rid[ev.request_id]
                         if not ev.finished:
-                            if rec.stop and hasattr(engine, "abort"):
-                                _abort_on_stop(engine, ev.request_id, rec, loaded.tokenizer)
                             continue
                         req = engine.pop(ev.request_id)
                         finished.append(req)
-                        batch.append(stamp(_result_line(rec, req, loaded.tokenizer)))
+                        batch.append(stamp(_result_line(rec, req)))
                         if req.finish_reason == "error":
                             engine_failed += 1
                             print(f"{args.input}:{rec.line}: id {json.dumps(rec.id)}: {req.error}", file=sys.stderr)
@@ -866,23 +862,15 @@ def _generate_locked(args, t_start: float) -> int:
     return EXIT_FAILED if errors or skipped_errors or engine_failed or write_error else EXIT_OK
 
 
-def _abort_on_stop(engine, request_id: int, rec: Record, tokenizer) -> None:
-    """End a running request early once its text holds a stop string (an Engine with `abort(request_id)`;
-    without it the request runs to its limit and the text is cut afterwards, same output)."""
-    req = engine.get(request_id)
-    if tokenizer is not None and find_stop(tokenizer.decode(req.tokens), rec.stop) is not None:
-        engine.abort(request_id)
-
-
-def _result_line(rec: Record, req, tokenizer) -> dict:
+def _result_line(rec: Record, req) -> dict:
+    """A finished request's output line: the Engine has cut its tokens and text at a stop string (stop_reason)."""
     if req.finish_reason == "error":
         return {"id": rec.id, "line": rec.line, "finish_reason": "error", "error": req.error}
-    text, tokens, stop = apply_stop(list(req.tokens), tokenizer, rec.stop)
-    out = {"id": rec.id, "line": rec.line, "text": text, "token_ids": tokens,
-           "finish_reason": "stop" if stop is not None else req.finish_reason,
-           "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(tokens)}
-    if stop is not None:
-        out["stop_reason"] = stop
+    out = {"id": rec.id, "line": rec.line, "text": req.text, "token_ids": list(req.tokens),
+           "finish_reason": req.finish_reason, "prompt_tokens": len(req.prompt_ids),
+           "completion_tokens": len(req.tokens)}
+    if req.stop_reason is not None:
+        out["stop_reason"] = req.stop_reason
     if rec.capped_from is not None or req.capped:
         out["max_new_tokens_capped_to"] = req.max_new_tokens
     return out
