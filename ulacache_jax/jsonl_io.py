@@ -84,6 +84,17 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
         return False
 
 
+def _probe_writable(folder: pathlib.Path, name: str) -> None:
+    """Create and remove a temp file in `folder` (permission bits say nothing about read-only mounts or ACLs);
+    OutputError '<name> is not writable' otherwise."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".ulacache-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OutputError(f"{name} is not writable ({e.strerror})") from None
+
+
 def check_writable_file(path: str | os.PathLike, what: str) -> pathlib.Path:
     """Refuse, before any work, a file path that cannot be written: its folder missing or not a folder, the folder
     or an existing file not writable, the path a folder. Probes by creating a temp file (permission bits say
@@ -96,12 +107,7 @@ def check_writable_file(path: str | os.PathLike, what: str) -> pathlib.Path:
         raise OutputError(f"{what} {path}: {parent} is not a folder")
     if p.is_dir():
         raise OutputError(f"{what} {path} is a folder, not a file")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".ulacache-probe-", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise OutputError(f"{what} {path}: folder {parent} is not writable ({e.strerror})") from None
+    _probe_writable(parent, f"{what} {path}: folder {parent}")
     if p.exists() and not os.access(p, os.W_OK):
         raise OutputError(f"{what} {path} exists and is not writable")
     return p
@@ -119,12 +125,7 @@ def check_writable_dir(path: str | os.PathLike, what: str) -> pathlib.Path:
             p.mkdir()
         except OSError as e:
             raise OutputError(f"{what} {path}: cannot create it ({e.strerror})") from None
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".ulacache-probe-", dir=p)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise OutputError(f"{what} {path} is not writable ({e.strerror})") from None
+    _probe_writable(p, f"{what} {path}")
     return p
 
 
