@@ -27,10 +27,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .cache_state import rebase_clock
+from .backends import SparseOps
 from .config import CacheConfig
-from .decode_layer import DecodeOptions, LayerStats, attend_pages, flush_tail, plan_layer
+from .decode_layer import DecodeOptions, LayerStats, attend_pages, plan_layer
 from .models.attention import dense_attention
+from .program import DecodeMeta, decode_layers
 from .sequences import CacheManager
 
 
@@ -51,6 +52,22 @@ class WindowScores:
         return dict(n=int(self.logp.size), ppl=float(np.exp(-self.logp.mean())),
                     dense_ppl=float(np.exp(-self.dense_logp.mean())),
                     top1_agreement=float((self.argmax == self.dense_argmax).mean()), kl=float(self.kl.mean()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _RecordingOps:
+    """The sparse backend's attend (`attend_layer` = `plan_layer` + `attend_pages`) on a cache of (state,
+    selections [L, S, G, K]) that also keeps the page indices each layer's plan selected (-1 unused)."""
+    options: DecodeOptions
+
+    def attend(self, cache, host, layer: int, q, k, v, pos, live, rank):
+        state, sels = cache
+        c = state.config
+        state, plan, s = plan_layer(state, host, layer, q, k, v, pos, live & state.seqs.active,
+                                    options=self.options, rank=rank)
+        state, o = attend_pages(state, host, q, plan, options=self.options)
+        start = plan.start[..., :sels.shape[-1]]
+        return (state, sels.at[layer].set(jnp.where(start >= 0, start // c.page_size, -1))), o, s
 
 
 def _causal(q, k, v):
@@ -126,42 +143,37 @@ class TeacherForcedScorer:
 
     # ---- sparse decode, teacher forced ---------------------------------------------------------------------------
     def _decode_chunk(self, params, state, host, toks, nsteps):
-        """page_size decode steps of every slot fed toks [S, C] (C = page_size); steps >= nsteps are idle.
-        Returns (state, host, logits [S, C, V] float32, selections [C, L, S, G, K] or None, LayerStats)."""
-        c, opts = self.config, self.options
+        """page_size decode steps of every slot fed toks [S, C] (C = page_size); steps >= nsteps are idle. The
+        step is generate's: `program.decode_layers` over the sparse backend's ops (with `record`, ops that also
+        keep each layer's selected pages). Returns (state, host, logits [S, C, V] float32, selections
+        [C, L, S, G, K] or None, LayerStats)."""
+        c = self.config
         model = nnx.merge(self.graphdef, params)
         S, C = toks.shape
-        L = c.num_layers
-        state = rebase_clock(state)
+        K = min(c.select_pages, c.max_pages_per_seq)
+        ops = SparseOps(self.options)
+        rec_ops = _RecordingOps(self.options)
+        state = ops.begin_chunk(state)
         active = state.seqs.active
 
         def body(i, carry):
             state, length, logits_out, sel_out, stats = carry
-            live = active & (i < nsteps)
+            meta = DecodeMeta(length, active & (i < nsteps), 0, host)
             x = model.embed(toks[:, i][:, None])
-            st = LayerStats.zeros()
-            sels = []
-            for l, layer in enumerate(model.layers):
-                q, k, v = layer.qkv(x, length[:, None])
-                state, plan, s = plan_layer(state, host, l, q, k[:, 0], v[:, 0], length, live, options=opts)
-                state, o = attend_pages(state, host, q, plan, options=opts)
-                sels.append(jnp.where(plan.start[..., :c.select_pages] >= 0,
-                                      plan.start[..., :c.select_pages] // c.page_size, -1))
-                st = st + s
-                x = layer.finish(x, o)
-            logits = model.logits(x)[:, 0]                                               # [S, V]
-            logits_out = logits_out.at[:, i].set(logits)
-            if sel_out is not None:
-                sel_out = sel_out.at[i].set(jnp.stack(sels))
-            return state, length + live, logits_out, sel_out, stats + st
+            if sel_out is None:
+                state, y, st = decode_layers(model, ops, state, x, meta)
+            else:
+                sels = jnp.full((c.num_layers, S, c.groups_per_rank, K), -1, jnp.int32)     # [L, S, G, K]
+                (state, sels), y, st = decode_layers(model, rec_ops, (state, sels), x, meta)
+                sel_out = sel_out.at[i].set(sels)
+            logits_out = logits_out.at[:, i].set(model.logits(y)[:, 0])                  # [S, V]
+            return state, length + meta.live, logits_out, sel_out, stats + st
 
-        K = min(c.select_pages, c.max_pages_per_seq)
         logits0 = jnp.zeros((S, C, self.model.config.vocab_size), jnp.float32)
-        sel0 = jnp.full((C, L, S, c.groups_per_rank, K), -1, jnp.int32) if self.record else None
+        sel0 = jnp.full((C, c.num_layers, S, c.groups_per_rank, K), -1, jnp.int32) if self.record else None
         carry = (state, state.seqs.length, logits0, sel0, LayerStats.zeros())
         state, length, logits, sels, stats = jax.lax.fori_loop(0, C, body, carry)
-        state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=length))
-        state, host = flush_tail(state, host, impl=opts.copy)
+        state, host = ops.end_chunk(state, host, length)
         return state, host, logits, sels, stats
 
     def score(self, windows, prefix: int) -> WindowScores:
