@@ -52,16 +52,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ulacache_jax import pb_lru, selection  # noqa: E402
+from ulacache_jax import pb_lru  # noqa: E402
 from ulacache_jax.backends import SparseOps  # noqa: E402
 from ulacache_jax.bench_meta import git_commit  # noqa: E402
-from ulacache_jax.decode_layer import DecodeOptions, append_token  # noqa: E402
+from ulacache_jax.decode_layer import DecodeOptions, attend_pages, plan_layer  # noqa: E402
 from ulacache_jax.demo_prompts import demo_prompts  # noqa: E402
 from ulacache_jax.engine import Engine, SamplingParams  # noqa: E402
 from ulacache_jax.generator import Generator, default_cache_config  # noqa: E402
 from ulacache_jax.models import (BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer, LlamaModel,  # noqa: E402
                                  ModelConfig)
-from ulacache_jax.pallas_kernels.page_scores import page_scores  # noqa: E402
 from ulacache_jax.program import DecodeMeta, decode_layers  # noqa: E402
 from ulacache_jax.sampling import SamplingArrays, row_keys, sample  # noqa: E402
 
@@ -123,16 +122,12 @@ class RecordingOps:
         state, rec = cache
         c, o = state.config, self.inner.options
         lv = live & state.seqs.active                           # as SparseOps.attend
-        # the selection plan_layer is about to make: same functions, same inputs
-        appended = append_token(state, layer, k, v, pos, lv)
-        flushed = jnp.where(lv, appended.seqs.flushed, 0)
-        qpos, qneg = selection.fold_queries(q, c.groups_per_rank, c.kv_heads_per_group)
-        scores = page_scores(appended.kmin[0], appended.kmax[0], qpos, qneg, layer=layer, impl=o.scores,
-                             launch=o.score_launch)
-        sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
-                                     recent_pages=c.recent_pages, impl=o.topk)
         clock = state.clock
-        state, out, s = self.inner.attend(state, host, layer, q, k, v, pos, live, rank)
+        # SparseOps.attend is attend_layer = plan_layer + attend_pages: its plan holds the pages the sieve received
+        state, plan, s = plan_layer(state, host, layer, q, k, v, pos, lv, options=o, rank=rank)
+        state, out = attend_pages(state, host, q, plan, options=o)
+        start = plan.start[..., :c.select_pages]
+        sel = jnp.where(start >= 0, start // c.page_size, -1)
         rec = dict(pages=rec["pages"].at[layer].set(sel),
                    valid=rec["valid"].at[layer].set((sel >= 0) & lv[:, None, None]),
                    clock=rec["clock"].at[layer].set(clock), hits=rec["hits"].at[layer].set(s.hits),
