@@ -140,6 +140,16 @@ GRIDS = {
 }
 
 
+def decode_options(args):
+    """--kernels ref runs the jnp references of the decode kernels (attention, scores, top-k, sieve; not the page
+    copy) where 'auto' would pick a Pallas kernel: on the GPU, a sparse cell that differs between the two points at
+    a kernel."""
+    from ulacache_jax.decode_layer import DecodeOptions
+    if args.kernels == "ref":
+        return DecodeOptions(attention="ref", sieve="ref", scores="ref", topk="ref")
+    return DecodeOptions()
+
+
 def make_config(mc, *, grid, max_tokens, budget, page, dtype, **overrides):
     from ulacache_jax.generation import default_cache_config
     return default_cache_config(mc, num_seqs=grid.batch, max_tokens=max_tokens, page_size=page,
@@ -205,7 +215,7 @@ def run_passkey(model, tok, grid, args, meta, common):
     def run(name, attention, cc):
         t0 = time.time()
         out = ulacache_jax.generate(model, ids, max_new_tokens=grid.max_new, cache_config=cc, attention=attention,
-                                    stop_ids=eos)
+                                    stop_ids=eos, options=decode_options(args))
         res = [None] * len(prompts)
         for j, i in enumerate(order):
             res[i] = out[j]
@@ -288,7 +298,7 @@ def run_ppl(model, tok, grid, args, meta, common, variants):
             continue
         record = (budget, page) == traced and not over and "trace" in args.tasks
         t0 = time.time()
-        res = TeacherForcedScorer(model, cc, record=record).score(wins, prefix)
+        res = TeacherForcedScorer(model, cc, options=decode_options(args), record=record).score(wins, prefix)
         s = res.summary()
         meta[mkey]["seconds"][name] = round(time.time() - t0, 1)
         log(f"ppl {name}: ppl {s['ppl']:.4f} (dense {s['dense_ppl']:.4f}) top1 {s['top1_agreement']:.4f} "
@@ -557,6 +567,8 @@ def main(argv=None):
     ap.add_argument("--png", action="store_true", help="with --report: also (re)draw the JSON's PNG beside it")
     ap.add_argument("--commit", default=None, help="the measured commit, where the tree has no usable .git")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kernels", choices=("auto", "ref"), default="auto",
+                    help="decode kernels: auto (Pallas on GPU) or ref (the jnp references everywhere)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keys", type=int, default=None, help="override keys per passkey cell")
     ap.add_argument("--batch", type=int, default=None, help="override cache slots (prompts per decode wave)")
