@@ -6,19 +6,26 @@ plain-Python model (slots, host pages, tests/pb_lru_model.PyPBLRU). After every 
 - host pages are conserved (free + owned = all, disjoint) and the vTLB's host page table is the allocator's;
 - a released sequence leaves nothing (no frame, tag, host page, length or summary);
 - the device PB-LRU equals the Python model's, and each sieve's frames and hits equal the model's.
+A save-restore rule does what Engine.restore does to the cache (the cache is not saved: every live sequence is
+released and admitted + ingested again from its saved tokens), and the invariants must hold after it.
 
-CI runs a short search; ULACACHE_STATEFUL_EXAMPLES=N (e.g. 2000, with ULACACHE_STATEFUL_STEPS=50: 100,000
-steps) runs a long one: `ULACACHE_STATEFUL_EXAMPLES=2000 pytest tests/test_cache_stateful.py`.
+CI runs a short search (test_cache_manager_state_machine). The long run counts the rules it executed and keeps
+running non-derandomized searches until it reaches a number of steps:
+`ULACACHE_STATEFUL_TOTAL_STEPS=100000 pytest -s tests/test_cache_stateful.py -k long_run` (it prints the counts;
+the last ones are in docs/BENCHMARKS.md). ULACACHE_STATEFUL_EXAMPLES / ULACACHE_STATEFUL_STEPS size the short run.
 """
+import collections
 import math
 import os
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 
 from pb_lru_model import PyPBLRU
 from ulacache_jax import lid as lid_mod, pb_lru, vtlb as vtlb_mod
@@ -31,6 +38,7 @@ MAX_TOKENS = CFG.max_pages_per_seq * CFG.page_size      # 24
 G = CFG.groups_per_rank
 EXAMPLES = int(os.environ.get("ULACACHE_STATEFUL_EXAMPLES", "12"))
 STEPS = int(os.environ.get("ULACACHE_STATEFUL_STEPS", "25"))
+TOTAL_STEPS = int(os.environ.get("ULACACHE_STATEFUL_TOTAL_STEPS", "0"))   # > 0: run the long search
 N_ACCESS = 8                                            # LIDs per sieve batch (fixed: one compiled program)
 
 
@@ -49,7 +57,7 @@ def _lid(seq, layer, group, tok) -> int:
     return seq << 44 | layer << 36 | group << 32 | tok
 
 
-_SHARED = {}
+_SHARED = {"counts": collections.Counter()}    # the manager, and how many times each rule ran
 
 
 def _manager() -> CacheManager:
@@ -81,6 +89,10 @@ class CacheMachine(RuleBasedStateMachine):
     # ---- rules ------------------------------------------------------------------------------------------------
     @rule(tokens=st.integers(1, MAX_TOKENS + 8))
     def admit(self, tokens):
+        _SHARED["counts"]["admit"] += 1
+        self._admit(tokens)
+
+    def _admit(self, tokens):
         n_pages = math.ceil(tokens / CFG.page_size)
         need = CFG.num_layers * G * n_pages
         refuse = n_pages > CFG.max_pages_per_seq or len(self.seqs) == CFG.max_seqs or need > self.free_pages
@@ -93,34 +105,37 @@ class CacheMachine(RuleBasedStateMachine):
         expect = min(set(range(CFG.max_seqs)) - set(self.seqs))
         slot = self.m.admit(tokens)
         assert slot == expect
-        self.seqs[slot] = {"tokens": tokens, "length": 0}
+        self.seqs[slot] = {"tokens": tokens, "length": 0, "k": None}
         self.free_pages -= need
 
     @initialize(a=st.integers(CFG.page_size, MAX_TOKENS), b=st.integers(CFG.page_size, MAX_TOKENS))
     def two_prefilled_sequences(self, a, b):
         """Start with two sequences admitted and prefilled, so the sieve has pages to request from step one."""
+        _SHARED["counts"]["two_prefilled_sequences"] += 1
         for tokens in (a, b):
-            self.admit(tokens)
+            self._admit(tokens)
             slot = max(self.seqs)
             self._ingest(slot, tokens)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def ingest(self, data):
+        _SHARED["counts"]["ingest"] += 1
         slot = data.draw(st.sampled_from(sorted(self.seqs)))
         reserved = math.ceil(self.seqs[slot]["tokens"] / CFG.page_size) * CFG.page_size
         self._ingest(slot, data.draw(st.integers(1, reserved + CFG.page_size)))
 
-    def _ingest(self, slot, length):
+    def _ingest(self, slot, length, k=None):
         reserved = math.ceil(self.seqs[slot]["tokens"] / CFG.page_size) * CFG.page_size
-        k = jnp.asarray(self.rng.standard_normal((CFG.num_layers, MAX_TOKENS + CFG.page_size, CFG.num_kv_heads,
-                                                  CFG.head_dim)), jnp.float32)
+        if k is None:
+            k = jnp.asarray(self.rng.standard_normal((CFG.num_layers, MAX_TOKENS + CFG.page_size, CFG.num_kv_heads,
+                                                      CFG.head_dim)), jnp.float32)
         if length > reserved:
             with pytest.raises(CapacityError):
                 self.m.ingest(slot, k, k, length, chunk=MAX_TOKENS)
             return
         self.m.ingest(slot, k, -k, length, chunk=MAX_TOKENS)
-        self.seqs[slot]["length"] = length
+        self.seqs[slot]["length"], self.seqs[slot]["k"] = length, k
         s = self.m.state.seqs
         assert int(s.length[slot]) == length and int(s.flushed[slot]) == length // CFG.page_size
         # the complete pages went to their host pages
@@ -138,6 +153,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def sieve(self, data):
         """One decode layer's page requests: flushed pages of the ingested sequences, duplicates allowed."""
+        _SHARED["counts"]["sieve"] += 1
         cands = [(slot, layer, g, p) for slot, s in self.seqs.items() for layer in range(CFG.num_layers)
                  for g in range(G) for p in range(s["length"] // CFG.page_size)]
         picks = data.draw(st.lists(st.sampled_from(cands), min_size=1, max_size=N_ACCESS))
@@ -156,6 +172,7 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def release(self, data):
+        _SHARED["counts"]["release"] += 1
         slot = data.draw(st.sampled_from(sorted(self.seqs)))
         tokens = self.seqs.pop(slot)["tokens"]
         self.m.release(slot)
@@ -166,8 +183,26 @@ class CacheMachine(RuleBasedStateMachine):
         assert int(s.seqs.length[slot]) == 0 and not bool(s.seqs.active[slot])
         assert not np.asarray(s.kmin[0, slot]).any() and not np.asarray(s.kmax[0, slot]).any()
 
+    @precondition(lambda self: self.seqs)
+    @rule()
+    def save_restore(self):
+        """Engine.restore's cache side: every live sequence released, then admitted again (in slot order, so into
+        the lowest free slots) and ingested from its saved K/V to its saved length."""
+        _SHARED["counts"]["save_restore"] += 1
+        saved = [(slot, dict(self.seqs[slot])) for slot in sorted(self.seqs)]
+        for slot, _ in saved:
+            self.m.release(slot)
+            self.pb_model.release(slot)
+            self.free_pages += CFG.num_layers * G * math.ceil(self.seqs.pop(slot)["tokens"] / CFG.page_size)
+        for slot, s in saved:
+            self._admit(s["tokens"])
+            new = max(self.seqs)
+            if s["length"]:
+                self._ingest(new, s["length"], k=s["k"])
+
     @rule(slot=st.integers(0, CFG.max_seqs - 1))
     def release_unknown(self, slot):
+        _SHARED["counts"]["release_unknown"] += 1
         if slot in self.seqs:
             return
         with pytest.raises(ValueError, match="not admitted"):
@@ -223,3 +258,19 @@ class CacheMachine(RuleBasedStateMachine):
 CacheMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
                                           suppress_health_check=list(HealthCheck), derandomize=EXAMPLES <= 12)
 test_cache_manager_state_machine = CacheMachine.TestCase
+
+
+@pytest.mark.skipif(TOTAL_STEPS <= 0, reason="the long run: set ULACACHE_STATEFUL_TOTAL_STEPS (e.g. 100000)")
+def test_cache_manager_long_run():
+    """Random (not derandomized) searches of 200 examples of up to 50 steps until TOTAL_STEPS rules have run."""
+    counts = _SHARED["counts"]
+    counts.clear()
+    t0, searches = time.perf_counter(), 0
+    while sum(counts.values()) < TOTAL_STEPS:
+        run_state_machine_as_test(CacheMachine, settings=settings(
+            max_examples=200, stateful_step_count=50, deadline=None, database=None,
+            suppress_health_check=list(HealthCheck), derandomize=False))
+        searches += 1
+        print(f"search {searches}: {sum(counts.values())} steps, {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"long run: {sum(counts.values())} steps in {searches} searches, {time.perf_counter() - t0:.0f} s; "
+          f"per rule: {dict(sorted(counts.items()))}")
