@@ -36,12 +36,19 @@ class HostAllocator:
         self.free_pages = np.arange(config.host_pages, dtype=np.int32)[::-1].copy()
         self.num_free = config.host_pages                                  # free_pages[:num_free] are free
         self.pages_of: dict[int, np.ndarray] = {}                          # slot -> [L, G, n] host page ids
+        # holders per host page (sequences using it + prefix-index nodes keeping it); a page is on the free list
+        # iff its count is 0. `reclaim(pages)`, when set, asks the prefix index to give pages back before an
+        # admission is refused for lack of host pages. peak_used: the most host pages in use at once.
+        self.refs = np.zeros(config.host_pages, np.int32)
+        self.reclaim = None
+        self.peak_used = 0
 
     def pages_needed(self, num_tokens: int) -> int:
         c = self.config
         return c.num_layers * c.groups_per_rank * math.ceil(num_tokens / c.page_size)
 
-    def check(self, num_tokens: int) -> None:
+    def check(self, num_tokens: int, shared_pages: int = 0) -> None:
+        """Refuse (CapacityError) a sequence of num_tokens tokens whose first `shared_pages` pages are attached."""
         c = self.config
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
             raise ValueError(f"num_tokens = {num_tokens!r} must be an int >= 1")
@@ -52,31 +59,64 @@ class HostAllocator:
                                 f"(max context {c.max_context} tokens)")
         if not self.free_slots:
             raise CapacityError(f"all max_seqs = {c.max_seqs} sequence slots are in use (over by 1)")
-        need = self.pages_needed(num_tokens)
+        need = self.pages_needed(num_tokens) - c.num_layers * c.groups_per_rank * shared_pages
         if need > self.num_free:
             raise CapacityError(f"sequence of {num_tokens} tokens needs {need} host pages but only {self.num_free} "
                                 f"of host_pages = {c.host_pages} are free (short by {need - self.num_free})")
 
-    def reserve(self, num_tokens: int) -> tuple[int, np.ndarray]:
-        """-> (slot, table [L, G, max_pages_per_seq] int32 of host page ids, -1 past the sequence)."""
-        self.check(num_tokens)
+    def reserve(self, num_tokens: int, shared: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+        """-> (slot, table [L, G, max_pages_per_seq] int32 of host page ids, -1 past the sequence). shared [L, G, m]:
+        host pages of the sequence's first m pages, attached (one more holder each), not allocated."""
         c = self.config
+        m = 0 if shared is None else shared.shape[-1]
+        if shared is not None:
+            if shared.shape != (c.num_layers, c.groups_per_rank, m) or np.any(self.refs[shared.reshape(-1)] < 1):
+                raise ValueError(f"shared pages {shared.shape} must be [L, G, m] = [{c.num_layers}, "
+                                 f"{c.groups_per_rank}, m] pages that are held")
+            self.retain(shared)              # held first: a reclaim below cannot free them
+        try:
+            need = self.pages_needed(num_tokens) - c.num_layers * c.groups_per_rank * m
+            if self.reclaim is not None and need > self.num_free and self.free_slots:
+                self.reclaim(need - self.num_free)
+            self.check(num_tokens, m)
+        except Exception:
+            if shared is not None:
+                self.drop(shared)
+            raise
         n_pages = math.ceil(num_tokens / c.page_size)
-        need = self.pages_needed(num_tokens)
         slot = self.free_slots.pop()
         taken = self.free_pages[self.num_free - need:self.num_free][::-1].copy()
         self.num_free -= need
-        self.pages_of[slot] = taken.reshape(c.num_layers, c.groups_per_rank, n_pages)
+        self.refs[taken] = 1
+        self.peak_used = max(self.peak_used, c.host_pages - self.num_free)
+        own = taken.reshape(c.num_layers, c.groups_per_rank, n_pages - m)
+        self.pages_of[slot] = own if shared is None else np.concatenate([shared.astype(np.int32), own], axis=-1)
         table = np.full((c.num_layers, c.groups_per_rank, c.max_pages_per_seq), -1, np.int32)
         table[:, :, :n_pages] = self.pages_of[slot]
         return slot, table
 
+    def retain(self, pages: np.ndarray) -> None:
+        """One more holder of each page (a sharer or a prefix-index node); the pages must be allocated."""
+        flat = np.asarray(pages, np.int32).reshape(-1)
+        if np.any(self.refs[flat] < 1):
+            raise ValueError("retain: a page that is not allocated (free pages cannot be shared)")
+        np.add.at(self.refs, flat, 1)
+
+    def drop(self, pages: np.ndarray) -> None:
+        """One holder fewer of each page; pages nobody holds any more return to the free list."""
+        flat = np.asarray(pages, np.int32).reshape(-1)
+        np.subtract.at(self.refs, flat, 1)
+        if np.any(self.refs[flat] < 0):
+            raise ValueError("drop: a page dropped more often than it was held")
+        gone = flat[self.refs[flat] == 0]
+        freed = gone[np.sort(np.unique(gone, return_index=True)[1])]      # each once, in the order given
+        self.free_pages[self.num_free:self.num_free + len(freed)] = freed
+        self.num_free += len(freed)
+
     def free(self, slot: int) -> None:
         if slot not in self.pages_of:
             raise ValueError(f"slot {slot} is not admitted (admitted: {sorted(self.pages_of)})")
-        pages = self.pages_of.pop(slot).reshape(-1)[::-1]
-        self.free_pages[self.num_free:self.num_free + len(pages)] = pages
-        self.num_free += len(pages)
+        self.drop(self.pages_of.pop(slot).reshape(-1)[::-1])
         self.free_slots.append(slot)
         self.free_slots.sort(reverse=True)
 
@@ -203,9 +243,10 @@ class CacheManager:
     def host_shardings(self) -> HostPool:
         return HostPool(k=self.host.k.sharding, v=self.host.v.sharding)
 
-    def admit(self, num_tokens: int) -> int:
-        """Reserve a slot and host pages for a sequence of up to num_tokens tokens (prompt + new tokens)."""
-        slot, table = self.alloc.reserve(num_tokens)
+    def admit(self, num_tokens: int, shared: np.ndarray | None = None) -> int:
+        """Reserve a slot and host pages for a sequence of up to num_tokens tokens (prompt + new tokens); shared
+        [L, G, m]: host pages of its first m pages, attached instead of allocated (HostAllocator.reserve)."""
+        slot, table = self.alloc.reserve(num_tokens, shared)
         self.state = self._admit(self.state, slot, jnp.asarray(table))
         return slot
 
