@@ -543,6 +543,20 @@ class Engine:
             self.step()
         return [self.requests[i] for i in ids]
 
+    # ---- checkpoint ------------------------------------------------------------------------------------------
+    def save(self, directory, *, meta: dict | None = None):
+        """Checkpoint every request this engine holds (prompts, tokens, sampling, RNG state; not the cache) as a
+        new step under `directory`, atomically (checkpoint.py) -> the step's folder. Call between steps."""
+        from . import checkpoint
+        return checkpoint.save(self, directory, meta=meta)
+
+    def restore(self, directory, *, skip=()):
+        """Resume the newest checkpoint under `directory` into this engine (no requests yet; same model, weights
+        and cache config, else checkpoint.CheckpointMismatch naming the difference): running requests are
+        re-prefilled and continue where they were. skip: request ids to leave out. -> the checkpoint.Checkpoint."""
+        from . import checkpoint
+        return checkpoint.restore(self, directory, skip=skip)
+
     # ---- accounting ------------------------------------------------------------------------------------------
     def elapsed(self) -> float:
         return self._clock() - self.t0
