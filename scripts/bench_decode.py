@@ -9,6 +9,12 @@ Per context, same run: decode tokens/s and per-token latency (p50/p99 over chunk
 produced on the device in chunks, one host sync per chunk, so the per-token figure is chunk time / steps), for
 each batch, sparse vs dense; each side also as a fraction of its own bytes floor (weights + bytes read per step,
 at the HBM copy bandwidth measured in this run). Writes JSON + PNG to docs/benchmarks/ (or --out).
+
+Row kinds (--rows side:context:batch[:kv_fraction[:sieve]]): sparse, dense, and auto, the library's default
+(cost_model.resolve_attention on the cache this shape's sparse row gets, so a sparse/dense/auto triple of one
+shape is a same-run comparison): an auto row records "attention": "auto", the path it took ("attention_path"),
+why, and the model's predicted tokens/s per path; every row records the model's prediction for its own path
+("predicted_tokens_per_s", with the row's measured hit rate) beside the measurement.
 """
 from __future__ import annotations
 
@@ -131,6 +137,43 @@ def attention_kernel(impl: str, mc, cfg) -> str:
     return {"pallas": "triton"}.get(got, got)
 
 
+SIDES = ("sparse", "dense", "auto")
+
+
+def parse_rows(spec: str) -> list[tuple]:
+    """'side:context:batch[:kv_fraction[:sieve]],...' -> [(side, context, batch, kv_fraction or None, sieve or
+    None)]; side one of SIDES."""
+    plan = []
+    for r in spec.split(","):
+        f = r.strip().split(":")
+        if len(f) < 3 or f[0] not in SIDES:
+            raise ValueError(f"row {r!r}: expected side:context:batch[:kv_fraction[:sieve]] with side one of {SIDES}")
+        try:
+            plan.append((f[0], int(f[1]), int(f[2]), float(f[3]) if len(f) > 3 and f[3] else None,
+                         f[4] if len(f) > 4 and f[4] else None))
+        except ValueError:
+            raise ValueError(f"row {r!r}: context and batch must be ints, kv_fraction a number") from None
+    return plan
+
+
+def auto_decision(mc, batch, ctx, args, kv_fraction, tp=1):
+    """attention='auto' for one row, resolved as a Generator resolves it (cost_model.resolve_attention, against
+    this device's memory), on the cache this shape's sparse row gets (its pool of kv_fraction of the KV)."""
+    from ulacache_jax.cost_model import resolve_attention
+    return resolve_attention("auto", mc, bench_config(mc, "sparse", batch, ctx, args, kv_fraction, tp=tp))
+
+
+def predicted_tokens_per_s(mc, kind, batch, ctx, cfg, hit_rate=None) -> float:
+    """The cost model's tokens/s for a row of `kind` on cache `cfg` at `ctx` tokens (sparse: its pool and
+    `hit_rate`, None = the model's expected one)."""
+    from ulacache_jax.cost_model import CostModel
+    sparse = kind == "sparse"
+    return CostModel().tokens_per_s(kind, mc, batch=batch, context=ctx, token_budget=cfg.token_budget,
+                                    page_size=cfg.page_size, itemsize=cfg.jnp_dtype.itemsize, tp=cfg.tp,
+                                    pool_frames=cfg.num_frames if sparse else None,
+                                    hit_rate=hit_rate if sparse else None)
+
+
 def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None, read_bw=None):
     from ulacache_jax.generation import Generator
     from ulacache_jax.sampling import SamplingArrays, row_keys
@@ -138,6 +181,10 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     kv_fraction = args.kv_fraction if kv_fraction is None else kv_fraction
     sieve = sieve or args.sieve
     tp = args.tp
+    requested, decision = attention, None
+    if attention == "auto":
+        decision = auto_decision(mc, batch, ctx, args, kv_fraction, tp=tp)
+        attention = decision.kind        # from here on the row is that path's; it is recorded as "auto"
     if tp > 1 and attention != "sparse":
         raise ValueError(f"--tp {tp}: only the sparse side runs head-sharded; got {attention}")
     cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction, tp=tp)
@@ -148,7 +195,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     log = lambda what: print(f"[{attention} {ctx}x{batch}] {what} at {time.perf_counter() - t_setup:.1f} s",
                              file=sys.stderr, flush=True)  # phase times survive a row timeout (run_isolated)
     opts = DecodeOptions(sieve=sieve, topk=args.topk, attention=args.attention_impl, score_launch=score_launch(args))
-    gen = Generator(model, cfg, attention=attention, options=opts)      # cfg.tp ranks: a mesh of that many GPUs
+    gen = Generator(model, cfg, attention=decision or attention, options=opts)   # a mesh of cfg.tp GPUs
     S = cfg.max_seqs
     log(f"cache made (host pool {cfg.host_pages * cfg.page_bytes * 2 / 1e9:.1f} GB)")
     if attention == "sparse":
@@ -192,7 +239,8 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
         step_bytes = wbytes + batch * attended * kv_tok + summ
     floor_s = step_bytes / (tp * copy_bw)  # TP: every rank reads its share at once (the replicated embedding and
     # LM head, ~2 GB at 8B, are read by every rank: the floor is a little optimistic for tp > 1)
-    row = dict(attention=attention, batch=batch, context=ctx, budget=args.budget, page=page, tp=tp,
+    row = dict(attention=requested, attention_path=attention, batch=batch, context=ctx, budget=args.budget,
+               page=page, tp=tp,
                kv_fraction=kv_fraction if attention == "sparse" else 1.0,
                pool_frames=cfg.num_frames if attention == "sparse" else None,
                buckets=cfg.num_buckets if attention == "sparse" else None,
@@ -209,6 +257,10 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                read_floor_token_ms=1e3 * step_bytes / (tp * read_bw) if read_bw else None,
                fraction_of_read_floor=step_bytes / (tp * read_bw) / float(np.median(per_tok)) if read_bw else None,
                hit_rate=hits / max(1, hits + misses) if attention == "sparse" else None, chunks=args.chunks)
+    row["predicted_tokens_per_s"] = predicted_tokens_per_s(mc, attention, batch, ctx, cfg, row["hit_rate"])
+    if decision is not None:
+        row.update(auto_reason=decision.reason, auto_predicted_tokens_per_s=decision.tokens_per_s,
+                   auto_hbm_bytes=decision.hbm_bytes)
     del gen
     gc.collect()  # the generator's buffers go now, not at some later collection
     return row
@@ -260,9 +312,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--kv-fraction", type=float, default=0.25,
                    help="HBM frame pool / KV pages (at least one step's selection)")
-    p.add_argument("--sides", default="sparse,dense")
-    p.add_argument("--rows", default=None, help="explicit side:context:batch[:kv_fraction[:sieve]] list, e.g. "
-                                                "sparse:32768:1,dense:32768:1,sparse:131072:1:0.0625:ref")
+    p.add_argument("--sides", default="sparse,dense", help=f"sides of every context x batch, of {SIDES}")
+    p.add_argument("--rows", default=None, help="explicit side:context:batch[:kv_fraction[:sieve]] list, side one "
+                   f"of {SIDES}, e.g. sparse:32768:1,dense:32768:1,auto:32768:1,sparse:131072:1:0.0625:ref")
     p.add_argument("--sieve", default="auto", help="PB-LRU impl for the sparse side: auto, ref or pallas")
     p.add_argument("--topk", default="auto", help="page top-k of the sparse side: auto (the radix kernel on GPU), "
                    "ref (lax.top_k) or pallas")
@@ -281,15 +333,8 @@ def main(argv=None):
     from ulacache_jax.models import LlamaModel, get_preset
     mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
     rows = []
-    if args.rows:
-        plan = []
-        for r in args.rows.split(","):
-            f = r.split(":")
-            plan.append((f[0], int(f[1]), int(f[2]), float(f[3]) if len(f) > 3 and f[3] else None,
-                         f[4] if len(f) > 4 else None))
-    else:
-        plan = [(side, ctx, b, None, None) for ctx in map(int, args.contexts.split(","))
-                for b in map(int, args.batches.split(",")) for side in args.sides.split(",")]
+    plan = parse_rows(args.rows or ",".join(f"{side}:{ctx}:{b}" for ctx in args.contexts.split(",")
+                                            for b in args.batches.split(",") for side in args.sides.split(",")))
     commit = args.commit or git_commit()
     os.makedirs(args.out, exist_ok=True)
     # a run may be split across sessions and machines: --append keeps the rows already in the JSON
@@ -326,15 +371,16 @@ def main(argv=None):
                kv="synthetic fill on device (random, distinct per sequence), not a prefill", rows=rows)
     write_json(args.out, res)
     plot(res, os.path.join(args.out, "decode.png"), args.kv_fraction)
-    print(f"{'side':7s} {'ctx':>7s} {'B':>3s} {'pool':>7s} {'sieve':>6s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} "
+    label = lambda r: r["attention"] if r["attention"] != "auto" else f"auto>{r.get('attention_path', '?')}"
+    print(f"{'side':11s} {'ctx':>7s} {'B':>3s} {'pool':>7s} {'sieve':>6s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} "
           f"{'floor%':>7s} {'hit':>6s}")
     for r in rows:
         if "error" in r:
-            print(f"{r['attention']:7s} {r['context']:7d} {r['batch']:3d}  ERROR {r['error'][:80]}")
+            print(f"{label(r):11s} {r['context']:7d} {r['batch']:3d}  ERROR {r['error'][:80]}")
             continue
         hr = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         rd = "" if r.get("fraction_of_read_floor") is None else f"{100 * r['fraction_of_read_floor']:5.1f}%"
-        print(f"{r['attention']:7s} {r['context']:7d} {r['batch']:3d} {r.get('kv_fraction', 1.0):7.4f} "
+        print(f"{label(r):11s} {r['context']:7d} {r['batch']:3d} {r.get('kv_fraction', 1.0):7.4f} "
               f"{str(r.get('sieve') or '-'):>6s} {r['tokens_per_s']:9.1f} {r['p50_token_ms']:8.2f} "
               f"{r['p99_token_ms']:8.2f} {100 * r['fraction_of_floor']:6.1f}% {rd:>6s} {hr:>6s}")
     return res
@@ -349,10 +395,12 @@ def plot(res, path, kv_fraction):
         import matplotlib.pyplot as plt
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
         main_rows = [r for r in rows if "tokens_per_s" in r and
-                     (r["attention"] == "dense" or (r["kv_fraction"] == kv_fraction and r.get("sieve") == "pallas"))]
+                     (r.get("attention_path", r["attention"]) == "dense"
+                      or (r["kv_fraction"] == kv_fraction and r.get("sieve") == "pallas"))]
         labels = sorted({(r["context"], r["batch"]) for r in main_rows})
-        side = lambda r: (f"sparse, {r['attention_kernel']} attention" if r.get("attention_kernel")
-                          else r["attention"])
+        side = lambda r: ((f"auto -> {r.get('attention_path')}" if r["attention"] == "auto" else "")
+                          or (f"sparse, {r['attention_kernel']} attention" if r.get("attention_kernel")
+                              else r["attention"]))
         sides = sorted({side(r) for r in main_rows}, key=lambda x: (x == "dense", x))
         w = 0.8 / len(sides)
         for k, name in enumerate(sides):

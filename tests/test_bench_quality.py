@@ -38,7 +38,7 @@ def test_scorer_matches_dense_and_generate(model, budget):
     prompts = [list(map(int, rng.integers(0, 256, 150))) for _ in range(2)]
     cc = default_cache_config(model.config, num_seqs=2, max_tokens=200, page_size=16, token_budget=budget,
                               dtype="float32")
-    gen = ulacache_jax.generate(model, prompts, max_new_tokens=40, cache_config=cc)
+    gen = ulacache_jax.generate(model, prompts, max_new_tokens=40, cache_config=cc, attention="sparse")
     res = TeacherForcedScorer(model, cc, record=True).score([p + g for p, g in zip(prompts, gen)], 150)
     for w, g in enumerate(gen):
         np.testing.assert_array_equal(res.argmax[w], np.asarray(g[1:]))

@@ -15,7 +15,8 @@ from ulacache_jax.models import ByteTokenizer
 
 # page 16, budget 64 (4 pages), context 256: the 90-150 byte prompts go through sparse selection
 ARGS = ["--model", "tiny", "--page-size", "16", "--token-budget", "64", "--max-seqs", "2", "--max-context", "256",
-        "--max-new-tokens", "20", "--no-progress", "--stop-ids", "none", "--compile-cache", "off"]
+        "--max-new-tokens", "20", "--no-progress", "--stop-ids", "none", "--compile-cache", "off",
+        "--attention", "sparse"]
 GOOD = [
     {"id": "a", "prompt": "The keeper of the north light kept two logbooks, one for ships and one for weather. " * 2},
     {"id": 7, "prompt_ids": list(range(60, 160))},

@@ -30,7 +30,7 @@ def setup():
 @pytest.fixture(scope="module")
 def reference(setup):
     model, cfg, _, prompts = setup
-    return generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg)
+    return generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention="sparse")
 
 
 def test_continuous_batching_matches_generate(setup, reference):

@@ -38,7 +38,7 @@ def greedy_full_forward(model, prompt, n):
 
 def test_sparse_covering_budget_equals_dense_and_full_forward(model, prompts):
     dense = generate(model, prompts, max_new_tokens=20, attention="dense")
-    sparse = generate(model, prompts, max_new_tokens=20)
+    sparse = generate(model, prompts, max_new_tokens=20, attention="sparse")
     assert sparse == dense
     assert dense[0] == greedy_full_forward(model, prompts[0], 20)
     assert all(len(t) == 20 for t in sparse)
@@ -46,8 +46,8 @@ def test_sparse_covering_budget_equals_dense_and_full_forward(model, prompts):
 
 def test_ragged_batch_equals_each_prompt_alone(model, prompts):
     cfg = default_cache_config(model.config, num_seqs=4, max_tokens=128, page_size=16)
-    together = generate(model, prompts, max_new_tokens=12, cache_config=cfg)
-    alone = [generate(model, [p], max_new_tokens=12, cache_config=cfg)[0] for p in prompts]
+    together = generate(model, prompts, max_new_tokens=12, cache_config=cfg, attention="sparse")
+    alone = [generate(model, [p], max_new_tokens=12, cache_config=cfg, attention="sparse")[0] for p in prompts]
     assert together == alone
 
 

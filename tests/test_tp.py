@@ -133,7 +133,7 @@ def run_checks(tps: list[int]) -> dict:
     model, cfg, prompts = _setup()
     res: dict = {"devices": len(jax.devices()), "tp": {}}
     t0 = time.perf_counter()
-    res["reference"] = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg)
+    res["reference"] = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention="sparse")
     res["dense_reference"] = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention="dense")
     base = Generator(model, cfg)
     res["reference_prefill"] = [np.asarray(base.prefill(base.admit(len(p) + MAX_NEW), p)).tolist() for p in prompts]
@@ -141,7 +141,7 @@ def run_checks(tps: list[int]) -> dict:
     for tp in tps:
         t0 = time.perf_counter()
         c = dataclasses.replace(cfg, tp=tp)
-        tokens = generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=cfg)
+        tokens = generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=cfg, attention="sparse")
         # the dense baseline runs on the same program, its KV heads sharded the same way (TP = 2 only: compiles)
         dense = generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=cfg,
                          attention="dense") if tp == 2 else None
@@ -277,7 +277,8 @@ def run_replicated(tps: list[int]) -> dict:
     res = {"reference": [_greedy_full_forward(model, p, 12) for p in prompts], "tp": {}}
     for tp in tps:
         rep = tp_mod.prepare_model(model, tp)
-        res["tp"][tp] = {"tokens": generate(model, prompts, max_new_tokens=12, tp=tp, cache_config=cfg),
+        res["tp"][tp] = {"tokens": generate(model, prompts, max_new_tokens=12, tp=tp, cache_config=cfg,
+                                              attention="sparse"),
                          "kv_heads": rep.config.num_kv_heads}
     return res
 

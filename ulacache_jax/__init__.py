@@ -8,12 +8,12 @@ ulacache_jax/models are links to the top-level folders; installed, setuptools' p
 """
 import importlib
 
-__all__ = ["lid", "pb_lru", "vtlb", "generate", "Engine", "SamplingParams"]
+__all__ = ["lid", "pb_lru", "vtlb", "generate", "Engine", "SamplingParams", "SpecConfig"]
 
 # public name -> (module, attribute or None for the module itself)
 _LAZY = {"lid": ("lid", None), "pb_lru": ("pb_lru", None), "vtlb": ("vtlb", None),
          "generate": ("generation", "generate"), "Engine": ("engine", "Engine"),
-         "SamplingParams": ("engine", "SamplingParams")}
+         "SamplingParams": ("engine", "SamplingParams"), "SpecConfig": ("speculative", "SpecConfig")}
 
 
 def __getattr__(name):

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .cache_state import CacheState, HostPool, rebase_clock
 from .config import CacheConfig
-from .decode_layer import DecodeOptions, LayerStats, attend_layer, flush_tail
+from .decode_layer import DecodeOptions, LayerStats, attend_layer, commit_rows, flush_tail, verify_layer
 from .models.attention import dense_attention
 from .pallas_kernels import on_gpu
 from .sequences import CacheManager, CapacityError, ingest_chunk
@@ -67,6 +67,16 @@ class SparseOps:
     def end_chunk(self, cache: CacheState, host: HostPool, length):
         cache = dataclasses.replace(cache, seqs=dataclasses.replace(cache.seqs, length=length))
         return flush_tail(cache, host, impl=self.options.copy)
+
+    def verify(self, cache: CacheState, host: HostPool, layer: int, q, k, v, pos, nrows, live, rank):
+        """Speculative verification, one layer: q [S, Q, Hr, D], k/v [S, Q, KVr, D], rows j < nrows [S] at
+        pos + j, each as a plain decode step at its position -> (cache, out [S, Q, Hr, D], LayerStats)."""
+        return verify_layer(cache, host, layer, q, k, v, pos, nrows, live & cache.seqs.active,
+                            options=self.options, rank=rank)
+
+    def commit(self, cache: CacheState, host: HostPool, length, flush):
+        """Accepted rows committed: length [S], flush [S] bool (the sequences at a flush point) -> (cache, host)."""
+        return commit_rows(cache, host, length, flush, impl=self.options.copy)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
@@ -125,6 +135,26 @@ class DenseOps:
         return (dense.set_layer(layer, ck, cv), length), o, LayerStats.zeros()
 
     def end_chunk(self, cache, host, length):
+        return (cache[0], length), host
+
+    def verify(self, cache, host, layer: int, q, k, v, pos, nrows, live, rank):
+        """q [S, Q, H, D], k/v [S, Q, KV, D]: rows j < nrows written at pos + j, each attending causally up to its
+        own position (jnp attention: cuDNN's causal mask is not per-row) -> (cache, out [S, Q, H, D], stats)."""
+        dense, length = cache
+        T = dense.k[layer].shape[1]
+        S, Q = q.shape[:2]
+        qpos = pos[:, None] + jnp.arange(Q)[None, :]                   # [S, Q]
+        ok = live[:, None] & (jnp.arange(Q)[None, :] < nrows[:, None])
+        w = jnp.where(ok, qpos, T)                                      # T = dropped
+        s = jnp.arange(S)[:, None]
+        ck = dense.k[layer].at[s, w].set(k.astype(dense.k[layer].dtype), mode="drop")
+        cv = dense.v[layer].at[s, w].set(v.astype(dense.v[layer].dtype), mode="drop")
+        kpos = jnp.broadcast_to(jnp.arange(T)[None], (S, T))
+        seen = jnp.where(live, pos + jnp.maximum(nrows, 1), 0)
+        o = dense_attention(q, ck, cv, qpos, kpos, k_valid=kpos < seen[:, None])
+        return (dense.set_layer(layer, ck, cv), length), o, LayerStats.zeros()
+
+    def commit(self, cache, host, length, flush):
         return (cache[0], length), host
 
 

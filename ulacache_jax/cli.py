@@ -133,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "max_position_embeddings. The cache is sized for the longest request that fits")
     g.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
                    help="prompt tokens prefilled per step while other requests decode (default: the max context)")
-    g.add_argument("--attention", choices=("sparse", "dense"), default="sparse",
-                   help="sparse = UlaCache; dense = every K/V in HBM (the baseline)")
+    g.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto",
+                   help="auto = chosen when the engine is built, from the batch, context, model and device memory "
+                        "(dense where it is predicted faster and fits, else sparse; printed, and in the report); "
+                        "sparse = UlaCache; dense = every K/V in HBM (the baseline)")
     g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks (needs ulacache_jax.tp)")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="param and cache dtype (auto: float32 on CPU, bfloat16 on accelerators)")
@@ -496,12 +498,13 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     """The cache for this run: generator.default_cache_config (with tp = --tp: frames and
     host pages per rank), then --hbm-pages / --host-gb."""
     from .config import CacheConfig
+    from .cost_model import pool_headroom
     from .generation import default_cache_config
 
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
                   dtype=dtype)
-        return default_cache_config(mc, tp=args.tp, **kw)
+        return default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
 
     try:
         if args.token_budget % args.page_size:
@@ -538,20 +541,23 @@ def device_memory_bytes(device=None) -> tuple[int | None, str]:
     return avail, "available host memory (MemAvailable; the CPU backend's device memory)"
 
 
-def check_device_memory(args, cfg, param_bytes: int, limit: int | None, what: str) -> None:
+def check_device_memory(args, cfg, param_bytes: int, limit: int | None, what: str,
+                        attention: str | None = None) -> None:
     """Refuse, before allocating, a cache (frame pool, tail ring, summaries, or the dense KV) that with the weights
-    exceeds the device's memory; with --hbm-pages, name it and the largest value that fits."""
+    exceeds the device's memory; with --hbm-pages, name it and the largest value that fits. attention: the kind
+    that will run (default --attention)."""
+    attention = attention or args.attention
     from . import report as report_mod
     if limit is None:
         return
-    fp = report_mod.footprint(cfg, args.attention)
+    fp = report_mod.footprint(cfg, attention)
     need = fp["hbm_bytes"] // max(1, cfg.tp) + param_bytes
     if need <= limit:
         return
     gib = 2**30
     msg = (f"the cache needs {fp['hbm_bytes'] // max(1, cfg.tp) / gib:.2f} GiB of device memory and the weights "
            f"{param_bytes / gib:.2f} GiB, but the device has {limit / gib:.2f} GiB ({what})")
-    if args.hbm_pages is not None and args.attention == "sparse":
+    if args.hbm_pages is not None and attention == "sparse":
         per_frame = 2 * cfg.page_bytes + 12                   # K + V page, PB-LRU tag/stamp
         frames = fp["hbm_detail"]["frames"] + fp["hbm_detail"]["pb_lru"]
         room = limit - (need - frames)
@@ -571,7 +577,7 @@ def find_tp_module():
 def _tp_module(args):
     if args.tp <= 1:
         return None
-    if args.attention != "sparse":
+    if args.attention == "dense":
         raise UsageError(f"--tp {args.tp} shards the sparse cache; --attention dense is single-device")
     tp = find_tp_module()
     if tp is None:
@@ -756,19 +762,23 @@ def _generate_locked(args, t_start: float) -> int:
         print(f"ulacache: --resume: {skipped} ids already done in {args.output}, skipped; {skipped_errors} input "
               "errors already reported there, not repeated", file=sys.stderr)
 
-    engine = None
+    engine = decision = None
     param_bytes = _param_bytes(loaded.model)
     if records:   # built before the output is touched: a bad cache setting leaves it as it was
         longest = min(limit, max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in records))
         num_seqs = min(args.max_seqs, len(records))
         cfg = _cache_config(args, mc, loaded.model.dtype, num_seqs, longest, tp_mod)
-        check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes())
+        # --attention resolved once, here: the memory check, the Engine (given the Decision) and the report agree
+        from .cost_model import resolve_attention
+        decision = resolve_attention(args.attention, mc, cfg)
+        print(f"ulacache: attention {decision.summary()}", file=sys.stderr)
+        check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes(), attention=decision.kind)
         try:
             if tp_mod is not None:
-                engine = Engine(loaded.model, cfg, seed=args.seed, tokenizer=loaded.tokenizer,
+                engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
                                 max_prefill_tokens_per_step=args.max_prefill_tokens)
             else:
-                engine = Engine(loaded.model, cfg, attention=args.attention, seed=args.seed,
+                engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed,
                                 tokenizer=loaded.tokenizer, max_prefill_tokens_per_step=args.max_prefill_tokens)
         except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
             raise UsageError(f"cache: {e}") from None
@@ -829,7 +839,8 @@ def _generate_locked(args, t_start: float) -> int:
             engine, finished, wall_s=time.perf_counter() - t_start, model_label=loaded.label,
             random_weights=loaded.random_weights, param_bytes=param_bytes,
             extra={"input": args.input, "output": args.output, "settings": settings,
-                   "settings_fingerprint": fingerprint,
+                   "settings_fingerprint": fingerprint, "attention_requested": args.attention,
+                   "attention_decision": None if decision is None else decision.as_dict(),
                    "lines": {"requests": len(records), "input_errors": len(errors), "skipped_resume": skipped,
                              "input_errors_reported_before": skipped_errors},
                    "input_errors": [dataclasses.asdict(e) for e in errors],

@@ -109,12 +109,14 @@ class PagePlan:
 
 
 def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, live, *,
-               options: DecodeOptions = DecodeOptions(), rank=0):
+               options: DecodeOptions = DecodeOptions(), rank=0, append: bool = True):
     """Append -> select -> sieve -> (separate) fetch for one layer: everything before the attention kernel.
-    Returns (state, PagePlan, LayerStats); arguments as in `attend_layer`."""
+    Returns (state, PagePlan, LayerStats); arguments as in `attend_layer`. append=False: the token's K/V is
+    already in the tail ring (`verify_layer`); k_new, v_new are unused."""
     c = state.config
     S, G, P = c.max_seqs, c.groups_per_rank, c.page_size
-    state = append_token(state, layer, k_new, v_new, pos, live)
+    if append:
+        state = append_token(state, layer, k_new, v_new, pos, live)
     seq_len = jnp.where(live, pos + 1, 0)                                             # [S] visible tokens
 
     # 1. Selection among flushed pages (Quest bound), static count K per (sequence, group).
@@ -231,3 +233,81 @@ def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto") -> tupl
                              impl=impl)   # K and V in one launch
     seqs = dataclasses.replace(state.seqs, flushed=jnp.where(state.seqs.active, length // P, flushed))
     return dataclasses.replace(state, seqs=seqs), HostPool(k=hk[None], v=hv[None])
+
+
+# ---- speculative verification (speculative.py; DESIGN.md section 7) --------------------------------------------
+def append_leases(state: CacheState, layer: int, k_new, v_new, pos, nrows) -> CacheState:
+    """Speculative rows into the tail ring as leases: row j < nrows[s] of k_new, v_new [S, Q, KVr, D] goes to
+    position pos[s] + j. K/V only: the key summaries change at commit (`commit_summaries`), so a rejected row
+    leaves nothing but ring bytes past the committed length, which no later step reads (a row sees positions up
+    to its own, and every position is written again before a row at or past it reads it)."""
+    c = state.config
+    S, G, g, P = c.max_seqs, c.groups_per_rank, c.kv_heads_per_group, c.page_size
+    Q = k_new.shape[1]
+    dt = c.jnp_dtype
+    kg = k_new.astype(dt).reshape(S, Q, G, g, c.head_dim)
+    vg = v_new.astype(dt).reshape(S, Q, G, g, c.head_dim)
+    p = pos[:, None] + jnp.arange(Q)[None, :]                                         # [S, Q]
+    ok = jnp.arange(Q)[None, :] < nrows[:, None]                                      # [S, Q]
+    frame = tail_frame(c, jnp.arange(S)[:, None, None], layer, jnp.arange(G)[None, None, :], (p // P)[..., None])
+    frame = jnp.where(ok[..., None], frame, state.pool_k.shape[1])                   # [S, Q, G], F = dropped
+    offs = jnp.broadcast_to((p % P)[..., None], (S, Q, G))
+    pool_k = state.pool_k.at[0, frame, offs].set(kg, mode="drop")
+    pool_v = state.pool_v.at[0, frame, offs].set(vg, mode="drop")
+    return dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v)
+
+
+def verify_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, nrows, live, *,
+                 options: DecodeOptions = DecodeOptions(), rank=0):
+    """Decode attention of one layer for Q rows per sequence (speculative verification): row j of sequence s sits
+    at position pos[s] + j; rows j >= nrows[s] are off. Each row computes what a plain decode step at its position
+    computes: its own Quest selection among the flushed pages, its own sieve access and fetch, the tail ring up to
+    its own position. The rows run one after another (`plan_layer` + `attend_pages` each), so the pages a row
+    selected are resident when its kernel reads them. q [S, Q, Hr, D], k_new/v_new [S, Q, KVr, D], pos/nrows [S]
+    int32, live [S] bool -> (state, out [S, Q, Hr, D], LayerStats summed over rows)."""
+    state = append_leases(state, layer, k_new, v_new, pos, jnp.where(live, nrows, 0))
+    outs, stats = [], LayerStats.zeros()
+    for j in range(q.shape[1]):
+        row_live = live & (j < nrows)
+        state, plan, st = plan_layer(state, host, layer, q[:, j:j + 1], None, None, pos + j, row_live,
+                                     options=options, rank=rank, append=False)
+        state, o = attend_pages(state, host, q[:, j:j + 1], plan, options=options)
+        outs.append(o)
+        stats = stats + st
+    return state, jnp.concatenate(outs, axis=1), stats
+
+
+def commit_summaries(state: CacheState, length) -> CacheState:
+    """The key summaries of the tail pages recomputed from their committed tokens (length [S]: the new committed
+    length): min/max over the ring's first min(P, length - page start) tokens of each unflushed page holding
+    committed tokens; other pages untouched. Min and max are exact, so this equals `append_token`'s token-by-token
+    updates for the same tokens, whatever rejected leases the ring holds past the length."""
+    c = state.config
+    S, L, G, P = c.max_seqs, c.num_layers, c.groups_per_rank, c.page_size
+    tp = state.seqs.flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                # [S, T]
+    n = jnp.clip(length[:, None] - tp * P, 0, P)                                      # [S, T] committed tokens
+    has = state.seqs.active[:, None] & (n > 0)
+    s = jnp.arange(S)[:, None, None, None]
+    l = jnp.arange(L)[None, :, None, None]
+    g = jnp.arange(G)[None, None, :, None]
+    tpp = tp[:, None, None, :]                                                        # [S, 1, 1, T]
+    kp = state.pool_k[0, tail_frame(c, s, l, g, tpp)]                                 # [S, L, G, T, page, g, D]
+    ok = (jnp.arange(P)[None, None, :] < n[:, :, None])[:, None, None, :, :, None, None]
+    kmin = jnp.where(ok, kp, jnp.inf).min(axis=4).astype(kp.dtype)                   # [S, L, G, T, g, D]
+    kmax = jnp.where(ok, kp, -jnp.inf).max(axis=4).astype(kp.dtype)
+    page = jnp.broadcast_to(jnp.where(has[:, None, None, :], tpp, c.max_pages_per_seq), (S, L, G, TAIL_PAGES))
+    return dataclasses.replace(state, kmin=state.kmin.at[0, s, l, g, page].set(kmin, mode="drop"),
+                               kmax=state.kmax.at[0, s, l, g, page].set(kmax, mode="drop"))
+
+
+def commit_rows(state: CacheState, host: HostPool, length, flush, *, impl: str = "auto"):
+    """Commit a verification: length [S] the new committed lengths (accepted rows), flush [S] bool the sequences
+    that reached a flush point (their chunk boundary: where plain decode flushes). The tail summaries are
+    recomputed from committed tokens, then the flushing sequences' complete pages go to the host pool; a rejected
+    row writes nothing here (no vTLB, frame, PB-LRU or host write). -> (state, host)."""
+    state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=length))
+    state = commit_summaries(state, length)
+    active = state.seqs.active
+    state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, active=active & flush))
+    state, host = flush_tail(state, host, impl=impl)
+    return dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, active=active)), host

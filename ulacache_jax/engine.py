@@ -187,7 +187,7 @@ class Engine:
                  attention: str = "sparse", options: DecodeOptions = DecodeOptions(), max_seqs: int = 4,
                  max_context: int | None = None, page_size: int = 64, token_budget: int = 2048, tp: int = 1,
                  seed: int = 0, max_prefill_tokens_per_step: int | None = None, tokenizer=None,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, speculative=None):
         if (model is None) == (generator is None):
             raise ValueError("give exactly one of model or generator")
         if generator is None:
@@ -201,6 +201,11 @@ class Engine:
                 model = prepare_model(model, cache_config.tp)
             generator = Generator(model, cache_config, attention=attention, options=options)
         self.gen = generator
+        # speculative decoding (speculative.SpecConfig, None = off): one verification per step instead of a chunk
+        self.spec = None
+        if speculative is not None:
+            from .speculative import SpecDecoder
+            self.spec = SpecDecoder(generator, speculative)
         self.tokenizer = tokenizer
         self.default_stop_ids: tuple[int, ...] = tuple(getattr(tokenizer, "eos_ids", ()) or ())
         self.config: CacheConfig = generator.config
@@ -335,7 +340,10 @@ class Engine:
         self._pending = []
         self._admit_and_prefill(rec, new, ended)
         if any(not self._done[s] for s in self._slot_req):
-            self._decode(rec, new, ended)
+            if self.spec is not None:
+                self.spec.decode(self, rec, new, ended)
+            else:
+                self._decode(rec, new, ended)
         rec.t_end = self._clock() - self.t0
         rec.queued, rec.running = len(self._queue), len(self._slot_req)
         rec.finished = len(ended)
@@ -354,6 +362,8 @@ class Engine:
         self._done[slot] = True
         self._remaining[slot] = 0
         self._temp[slot], self._top_p[slot], self._top_k[slot] = 0.0, 1.0, 0
+        if self.spec is not None:
+            self.spec.release(slot)
         self.gen.release(slot)
 
     def _admit_and_prefill(self, rec: StepRecord, new, ended) -> None:
@@ -379,6 +389,8 @@ class Engine:
             t0 = self._clock()
             try:
                 logits = self.gen.prefill(slot, req.prompt_ids)
+                if self.spec is not None:
+                    self.spec.prefill(slot, req.prompt_ids, len(req.prompt_ids) + req.max_new_tokens)
                 sp = req.sampling
                 # a request's draws depend only on its own seed: the first from counter 2**31 - 1, decode chunk n
                 # from counter n (sampling.row_keys), whatever else shares the batch

@@ -35,7 +35,8 @@ def _tp_cache_config(cache_config: CacheConfig, tp: int, num_kv_heads: int, orig
 def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), stop_ids=None,
              cache_config: CacheConfig | None = None, attention: str = "sparse", tp: int = 1,
              token_budget: int = 2048, page_size: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int = 0, options: DecodeOptions = DecodeOptions(), mesh=None) -> list:
+             top_k: int = 0, seed: int = 0, options: DecodeOptions = DecodeOptions(), mesh=None,
+             speculative=None) -> list:
     """Generate up to max_new_tokens tokens for each prompt.
 
     prompts: a list of token-id lists -> a list of token-id lists; or, with a tokenizer, a list of texts (str)
@@ -48,7 +49,8 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
     devices). Without a cache_config, one is sized for these prompts (`default_cache_config`: up to 8 slots,
     `token_budget` tokens attended per step, `page_size` None = 64, or 16 for contexts up to 512 tokens); more
     prompts than slots queue and are admitted as slots free up. A request's tokens do not depend on what shares
-    its batch; sampled tokens are seeded by `seed` and the prompt's index."""
+    its batch; sampled tokens are seeded by `seed` and the prompt's index. speculative: a
+    speculative.SpecConfig (drafts verified K + 1 rows at a time; greedy tokens unchanged), None = off."""
     k0 = model.config.num_kv_heads
     model = prepare_model(model, tp)
     mc = model.config
@@ -79,7 +81,7 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
         raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the cache's max context "
                          f"{cache_config.max_context} (max_pages_per_seq x page_size)")
     engine = Engine(generator=Generator(model, cache_config, attention=attention, options=options, mesh=mesh),
-                    seed=seed, tokenizer=tokenizer)
+                    seed=seed, tokenizer=tokenizer, speculative=speculative)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             stop_ids=None if stop_ids is None else tuple(int(t) for t in stop_ids), stop=stop)
     out = []

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .backends import DenseCache, make_backend
 from .config import CacheConfig
+from .cost_model import resolve_attention
 from .decode_layer import DecodeOptions, LayerStats
 from .pallas_kernels.pb_lru_sieve import sieve_geometry
 from .program import layer_graphdef, program
@@ -44,11 +45,13 @@ def bucket_pages(n: int) -> int:
 
 
 def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_size: int | None = None,
-                         token_budget: int = 2048, dtype=None, tp: int = 1, **overrides) -> CacheConfig:
+                         token_budget: int = 2048, dtype=None, tp: int = 1, pool_headroom: float = 1.0,
+                         **overrides) -> CacheConfig:
     """The cache sizing policy: `num_seqs` sequences of up to `max_tokens` tokens each over `tp` ranks, HBM frames
     for every sequence's whole token budget and host pages for every token (per rank: a rank caches only its own
     KV-head groups). page_size None: 64, or 16 when max_tokens <= 512 (short contexts keep more pages to choose
-    from). `overrides` replace any CacheConfig field."""
+    from). pool_headroom: HBM frames per frame of one step's selections, at most one per page
+    (cost_model.pool_headroom: PB-LRU's buckets hit only with headroom). `overrides` replace any CacheConfig field."""
     mc = model_config
     if page_size is None:
         page_size = 64 if max_tokens > 512 else 16
@@ -60,7 +63,8 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
                          f"{mc.num_kv_heads}); with more ranks than KV heads replicate them first "
                          "(tp.prepare_model)")
     groups = num_groups // tp
-    frames_needed = num_seqs * mc.num_layers * groups * (budget // page_size)
+    frames_needed = min(math.ceil(pool_headroom * num_seqs * mc.num_layers * groups * (budget // page_size)),
+                        num_seqs * mc.num_layers * groups * pages)
     # one sieve call = one layer of a decode step: the largest buckets that keep the Pallas sieve on its fast path
     buckets, slots = sieve_geometry(frames_needed, num_seqs * groups * (budget // page_size))
     kw = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
@@ -96,9 +100,10 @@ def _accumulate(total: LayerStats, per_rank: LayerStats, chunk: LayerStats):
 
 
 class Generator:
-    """Prefill and decode for one model, one cache (attention 'sparse' = UlaCache, 'dense' = every K/V in HBM) and
-    one mesh of `cache_config.tp` devices; reusable across requests. `stats` sums the decode's LayerStats over
-    ranks, `rank_stats` keeps them per rank ([R] arrays)."""
+    """Prefill and decode for one model, one cache (attention 'sparse' = UlaCache, 'dense' = every K/V in HBM,
+    'auto' = the one cost_model.resolve_attention picks for this cache and device, or a cost_model.Decision made
+    for it) and one mesh of `cache_config.tp` devices; reusable across requests. `decision` says which kind runs
+    and why. `stats` sums the decode's LayerStats over ranks, `rank_stats` keeps them per rank ([R] arrays)."""
 
     def __init__(self, model, cache_config: CacheConfig, *, attention: str = "sparse",
                  options: DecodeOptions = DecodeOptions(), mesh: Mesh | None = None):
@@ -108,6 +113,9 @@ class Generator:
         if mesh.shape.get(TP_AXIS) != c.tp:
             raise ValueError(f"mesh axis {TP_AXIS!r} has {mesh.shape.get(TP_AXIS)} devices, cache_config.tp = {c.tp}")
         self.model_config, self.config, self.options, self.mesh = model.config, c, options, mesh
+        # 'auto' is resolved here, once: the backend, the program and the reports see only the kind it became
+        self.decision = resolve_attention(attention, model.config, c, mesh.devices.flat[0])
+        attention = self.decision.kind
         self.backend = make_backend(attention, c, mesh, options)
         graphdef = tp_graphdef(model)
         self.params = shard_params(nnx.split(model)[1], mesh)
@@ -124,7 +132,7 @@ class Generator:
 
     @property
     def attention(self) -> str:
-        """'sparse' or 'dense': the backend's kind (for reports)."""
+        """'sparse' or 'dense': the backend's kind (for reports; `decision` says why)."""
         return self.backend.kind
 
     @property

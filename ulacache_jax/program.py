@@ -52,6 +52,30 @@ def decode_layers(model, ops, cache, x, meta: DecodeMeta):
     return cache, y, stats
 
 
+class VerifyMeta(NamedTuple):
+    """What every layer of one verification shares: pos [S] int32 (row 0's position = committed length), nrows
+    [S] int32 rows in use (row j at pos + j), live [S] bool, the rank and the host pool (read, never carried)."""
+    pos: jax.Array
+    nrows: jax.Array
+    live: jax.Array
+    rank: jax.Array | int
+    host: object
+
+
+def verify_layers(model, ops, cache, x, meta: VerifyMeta):
+    """Speculative verification through every layer: x [S, Q, E] embedded tokens (the last committed token and
+    Q - 1 drafts) -> (cache, y [S, Q, E] before the final norm, LayerStats). Row j computes what a plain decode
+    step at position pos + j computes (`ops.verify`); nothing is committed (`ops.commit` does)."""
+    def attn_fn(carry, q, k, v, meta, layer):
+        cache, stats = carry
+        cache, o, s = ops.verify(cache, meta.host, layer, q, k, v, meta.pos, meta.nrows, meta.live, meta.rank)
+        return (cache, stats + s), o
+
+    positions = meta.pos[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
+    (cache, stats), y = model.run_layers((cache, LayerStats.zeros()), x, positions, meta, attn_fn)
+    return cache, y, stats
+
+
 def prefill_attention(q, k, v, length):
     """Causal attention over one prompt; q [1, T, H, D], k/v [1, T, KV, D]. cuDNN flash attention on GPU (O(T)
     memory), the jnp reference elsewhere. Padding past `length` only sees earlier tokens, so it cannot leak."""
@@ -123,6 +147,14 @@ class Program:
         self._decode_for = functools.lru_cache(maxsize=None)(decode)
         self.decode = self._decode_for(config.page_size)
         self.next_logits = jit(self._next_logits, (ps, cs, hs, r), r)
+        # speculative decoding (speculative.py): one program per row count (and per draft kind), built on first use
+        self._verify_for = functools.lru_cache(maxsize=None)(lambda rows, probs: jit(
+            functools.partial(self._verify, rows=rows, with_probs=probs), (ps, cs, hs) + (r,) * 6,
+            (cs, hs, r, r, r, r, stats_spec), (None, host_sh) + (None,) * 5, donate_argnums=(1, 2)))
+        self._propose_for = functools.lru_cache(maxsize=None)(lambda rows: jit(
+            functools.partial(self._propose, rows=rows), (ps, cs, hs) + (r,) * 4, (cs, r, r), (None, None, None),
+            donate_argnums=(1,)))
+        self.commit = jit(self._commit, (cs, hs, r, r, r), (cs, hs), (None, host_sh), donate_argnums=(0, 1))
 
     def decode_steps(self, steps: int):
         """The decode program of a chunk of `steps` steps (a power of two up to page_size: a request's last chunk
@@ -182,6 +214,68 @@ class Program:
         cache, tok, done, remaining, length, out, stats = jax.lax.fori_loop(0, steps, body, carry)
         cache, host = ops.end_chunk(cache, host, length)
         return cache, host, out.T, done, remaining, jax.tree.map(lambda a: a[None], stats)
+
+    # ---- speculative decoding (speculative.py) ----------------------------------------------------------------
+    def verify(self, rows: int, with_probs: bool = False):
+        """verify(params, cache, host, tokens [S, rows], nrows, bound, keys, sampling, draft_probs)
+            -> (cache, host, out [S, rows], n_new [S], length [S], flush [S], LayerStats of [R])   cache, host donated
+        Row 0 of `tokens` is each slot's last token, rows 1.. its drafts (nrows [S] rows in use, 0 = not running);
+        every row is verified as a plain decode step, the drafts accepted by speculative.accept (draft_probs
+        [S, rows - 1, V] the draft model's distributions if with_probs, else ignored: the drafts are point masses),
+        the accepted rows committed (length), the sequences whose length reaches bound [S] (their next flush
+        point) flushed. out: the new tokens (accepted drafts then the target's own), -1 past n_new."""
+        return self._verify_for(rows, with_probs)
+
+    def propose(self, rows: int):
+        """propose(params, cache, tok [S], nrows [S], keys, sampling) -> (cache, drafts [S, rows - 1],
+        probs [S, rows - 1, V]): a draft model's proposals, nrows - 1 per slot, each decoded by one plain step
+        (its K/V left in the tail ring as a lease; committed or not by `commit`)."""
+        return self._propose_for(rows)
+
+    def _verify(self, params, cache, host, tokens, nrows, bound, keys, sampling, draft_probs, *, rows: int,
+                with_probs: bool):
+        from .speculative import accept
+        ops, model = self.ops, nnx.merge(self.graphdef, params)
+        rank = jax.lax.axis_index(TP_AXIS)
+        cache = ops.begin_chunk(cache)
+        pos = ops.lengths(cache)
+        live = nrows > 0
+        cache, y, stats = verify_layers(model, ops, cache, model.embed(tokens), VerifyMeta(pos, nrows, live, rank, host))
+        out, n_new = accept(model.logits(y), tokens[:, 1:], nrows, keys, sampling,
+                            draft_probs if with_probs else None)
+        length = jnp.where(live, pos + n_new, pos)
+        flush = live & (length >= bound)
+        cache, host = ops.commit(cache, host, length, flush)
+        return cache, host, out, n_new, length, flush, jax.tree.map(lambda a: a[None], stats)
+
+    def _propose(self, params, cache, host, tok, nrows, keys, sampling, *, rows: int):
+        from .speculative import draw, token_probs
+        ops, model = self.ops, nnx.merge(self.graphdef, params)
+        rank = jax.lax.axis_index(TP_AXIS)
+        cache = ops.begin_chunk(cache)
+        pos = ops.lengths(cache)
+        S, V = tok.shape[0], model.config.vocab_size
+
+        def body(i, carry):
+            cache, tok, drafts, probs = carry
+            on = (i < nrows).astype(jnp.int32)
+            cache, y, _ = verify_layers(model, ops, cache, model.embed(tok[:, None]),
+                                        VerifyMeta(pos + i, on, on > 0, rank, host))
+            logits = model.logits(y)[:, 0]                                                  # [S, V]
+            p = token_probs(logits, sampling)
+            d = draw(p, logits, jax.vmap(jax.random.fold_in, (0, None))(keys, i), sampling)
+            d = jnp.where(i + 1 < nrows, d, tok)
+            return cache, d, drafts.at[:, i].set(d), probs.at[:, i].set(p)
+
+        drafts = jnp.zeros((S, rows), jnp.int32)
+        probs = jnp.zeros((S, rows, V), jnp.float32)
+        cache, _, drafts, probs = jax.lax.fori_loop(0, rows, body, (cache, tok, drafts, probs))
+        return cache, drafts[:, :rows - 1], probs[:, :rows - 1]
+
+    def _commit(self, cache, host, length, flush, keep):
+        """A draft cache follows the target's commit: length [S] and flush [S] where keep [S], else unchanged."""
+        length = jnp.where(keep, length, self.ops.lengths(cache))
+        return self.ops.commit(cache, host, length, keep & flush)
 
     def _next_logits(self, params, cache, host, tok):
         model = nnx.merge(self.graphdef, params)

@@ -1,0 +1,351 @@
+"""Speculative decoding over the cache (DESIGN.md section 7): drafts proposed cheaply, verified by the target in
+one forward of K + 1 rows per sequence, accepted by the speculative sampling rule.
+
+- `SpecConfig`: method "ngram" (prompt lookup: the continuation of the latest earlier match of the last n tokens
+  in the prompt and the generated text, no second model) or "draft" (a smaller model of the same tokenizer
+  decoding on its own cache), `num_tokens` = K drafts a step at most.
+- Verification (program.Program.verify): row j of a sequence is its token at position length + j, and computes
+  what a plain decode step at that position computes (its own page selection, sieve access and causal view of
+  the tail ring: backends' `verify`). The drafts' K/V go into the tail ring as leases; accepted rows commit by
+  advancing the length (the tail pages' key summaries recomputed from committed tokens); a rejected row writes no
+  vTLB entry, frame, PB-LRU slot or host page (its verification's page reads and recency updates are reads).
+- Flush points are those of plain decode: a sequence flushes its complete pages when its length reaches
+  prompt + c * page_size (where a plain decode chunk ends), and a verification never runs rows past the next
+  flush point (the rows are cut there). So every row sees the flushed pages a plain decode step sees, greedy
+  speculative output equals plain greedy output token for token (float32), and the tail ring keeps its two pages.
+- `accept`: the standard rule (Leviathan et al. 2023, Chen et al. 2023): draft d with target probability p(d) and
+  draft probability q(d) is accepted with probability min(1, p(d) / q(d)); at the first rejection the next token
+  is drawn from norm(max(0, p - q)); when all are accepted, from the last row's p. Greedy rows make p a point mass
+  on the argmax (accept = longest matching prefix + the target's next token); ngram drafts are point masses.
+- `SpecDecoder`: the Engine's speculative step (one verification per Engine step, one host sync), with a per-slot
+  draft length that backs off when drafts are rejected and grows when they are accepted.
+The row count of a verification is a power of two up to K + 1 (the longest proposal of the step): a step with no
+drafts runs one row; at most log2(K + 1) + 1 programs compile, none per acceptance pattern.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from .sampling import SamplingArrays, row_keys
+
+METHODS = ("ngram", "draft")
+_DRAFT_KEY = 0x5bd1e995   # folded into a step's keys for the draft model's own draws
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: method "ngram" (prompt lookup) or "draft" (draft_model: a LlamaModel, or a path or
+    pretrained name for models.from_pretrained, of the target's tokenizer), num_tokens = K drafts a step at most,
+    ngram_max = the longest suffix matched by the ngram drafter (it tries ngram_max down to 1).
+    draft_attention: the draft model's cache kind (None: the target's)."""
+    method: str = "ngram"
+    num_tokens: int = 4
+    draft_model: Any = None
+    ngram_max: int = 3
+    draft_attention: str | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method = {self.method!r} must be one of {METHODS}")
+        for name, lo in (("num_tokens", 1), ("ngram_max", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise ValueError(f"speculative {name} = {v!r} must be an int >= {lo}")
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("speculative method 'draft' needs draft_model (a model, a path or a pretrained name)")
+        if self.method == "ngram" and self.draft_model is not None:
+            raise ValueError("speculative method 'ngram' takes no draft_model (use method='draft')")
+        if self.draft_attention not in (None, "sparse", "dense"):
+            raise ValueError(f"draft_attention = {self.draft_attention!r} must be None, 'sparse' or 'dense'")
+
+
+# ---- the acceptance rule (traced) -------------------------------------------------------------------------------
+def token_probs(logits, params: SamplingArrays):
+    """logits [N, V] -> the distribution `sampling.sample` draws from, [N, V] float32: temperature, top-k, then
+    top-p over the sorted scaled logits; a point mass on the argmax where temperature == 0."""
+    N, V = logits.shape
+    logits = logits.astype(jnp.float32)
+    t = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    scaled = logits / t
+    order = jnp.argsort(-scaled, axis=-1)                                      # [N, V] descending
+    srt = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(V)[None, :]
+    keep = (params.top_k[:, None] == 0) | (rank < params.top_k[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= before < params.top_p[:, None]
+    ps = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
+    p = jnp.zeros((N, V), jnp.float32).at[jnp.arange(N)[:, None], order].set(ps)
+    point = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    return jnp.where((params.temperature > 0)[:, None], p, point)
+
+
+def draw(probs, logits, keys, params: SamplingArrays):
+    """One token per row from probs [N, V] (token_probs' output), keys [N]; the argmax of logits where greedy."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(probs)).astype(jnp.int32)
+    return jnp.where(params.temperature > 0, drawn, greedy)
+
+
+def _rows(params: SamplingArrays, q: int) -> SamplingArrays:
+    return jax.tree.map(lambda a: jnp.repeat(a, q, axis=0), params)
+
+
+def accept(logits, drafts, nrows, keys, params: SamplingArrays, draft_probs=None):
+    """The speculative sampling rule, per sequence. logits [S, Q, V] the target's rows (row j scores the token
+    after row j's), drafts [S, Q - 1] (draft j is row j + 1's token), nrows [S] rows in use (nrows - 1 drafts;
+    0 = not running), keys [S], params [S], draft_probs [S, Q - 1, V] the draft's distributions (None: point
+    masses). -> (out [S, Q] int32: the accepted drafts then one token of the target, -1 after; n_new [S] = accepted
+    drafts + 1, 0 where nrows == 0)."""
+    S, Q, V = logits.shape
+    K = Q - 1
+    p = token_probs(logits.reshape(S * Q, V), _rows(params, Q)).reshape(S, Q, V)
+    ku = jax.vmap(jax.random.fold_in, (0, None))(keys, 0)
+    kf = jax.vmap(jax.random.fold_in, (0, None))(keys, 1)
+    if K:
+        pd = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=-1)[..., 0]      # [S, K] p_j(d_j)
+        if draft_probs is None:
+            qd = jnp.ones_like(pd)
+            q = jax.nn.one_hot(drafts, V, dtype=jnp.float32)                          # [S, K, V]
+        else:
+            q = draft_probs.astype(jnp.float32)
+            qd = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+        u = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(ku)                       # [S, K] in [0, 1)
+        ok = (u * qd < pd) & (jnp.arange(K)[None, :] + 1 < nrows[:, None])          # u < min(1, p / q)
+        a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)                # [S] accepted drafts
+        q = jnp.concatenate([q, jnp.zeros((S, 1, V), jnp.float32)], axis=1)           # row K: nothing to reject
+    else:
+        a = jnp.zeros((S,), jnp.int32)
+        q = jnp.zeros((S, 1, V), jnp.float32)
+    s = jnp.arange(S)
+    pa, qa = p[s, a], q[s, a]                                                         # [S, V]
+    rejected = a + 1 < nrows
+    resid = jnp.where(rejected[:, None], jnp.maximum(pa - qa, 0.0), pa)
+    resid = jnp.where(resid.sum(-1, keepdims=True) > 0, resid, pa)
+    final = draw(resid, logits[s, a], kf, params)                                     # [S]
+    j = jnp.arange(Q)[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros((S, 1), drafts.dtype)], axis=1) if K else jnp.zeros((S, 1), jnp.int32)
+    out = jnp.where(j < a[:, None], padded, jnp.where(j == a[:, None], final[:, None], -1))
+    on = nrows > 0
+    return jnp.where(on[:, None], out, -1).astype(jnp.int32), jnp.where(on, a + 1, 0).astype(jnp.int32)
+
+
+# ---- the ngram drafter (host) -------------------------------------------------------------------------------------
+def ngram_propose(history, k: int, ngram_max: int) -> list[int]:
+    """Prompt lookup: for n = ngram_max down to 1, the latest earlier occurrence of the last n tokens of `history`
+    (prompt + generated) -> the up to k tokens that followed it; [] when no suffix recurs (or k < 1)."""
+    if k < 1:
+        return []
+    h = np.asarray(history, dtype=np.int64)
+    T = len(h)
+    for n in range(min(ngram_max, T - 1), 0, -1):
+        pat = h[T - n:]
+        # windows starting at 0 .. T - n - 1 (excluding the suffix itself)
+        win = np.lib.stride_tricks.sliding_window_view(h[:T - 1], n)                 # [T - n, n]
+        hits = np.nonzero((win == pat).all(axis=1))[0]
+        if hits.size:
+            start = int(hits[-1]) + n
+            return [int(t) for t in h[start:start + k]]
+    return []
+
+
+def next_flush(prompt_len: int, length: int, page_size: int) -> int:
+    """The next flush point of a sequence with `length` committed tokens: where plain decode's chunk ends (chunks
+    of page_size steps from the prompt's end)."""
+    return prompt_len + page_size * ((length - prompt_len) // page_size + 1)
+
+
+# ---- the Engine's speculative step ----------------------------------------------------------------------------------
+def _bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class SpecDecoder:
+    """The speculative step of an Engine over its Generator (and, for method "draft", a draft Generator with the
+    same slots, page size and flush points). Counters: steps, proposed (drafts verified), accepted."""
+
+    def __init__(self, gen, spec: SpecConfig, *, draft_gen=None):
+        c = gen.config
+        if spec.num_tokens >= c.page_size:
+            raise ValueError(f"speculative num_tokens = {spec.num_tokens} must be < page_size = {c.page_size}")
+        self.gen, self.spec, self.K = gen, spec, spec.num_tokens
+        S = c.max_seqs
+        self.prompt_len = np.zeros(S, np.int64)        # where each slot's flush points start (its prefill)
+        self.length = np.zeros(S, np.int64)            # committed tokens per slot, host mirror
+        self.k_now = np.full(S, spec.num_tokens, np.int64)
+        self.steps = self.proposed = self.accepted = 0
+        self._seen_rows: set[int] = set()
+        self.draft = None
+        if spec.method == "draft":
+            self.draft = draft_gen if draft_gen is not None else make_draft_generator(gen, spec)
+            dc = self.draft.config
+            if dc.page_size != c.page_size or dc.max_seqs != c.max_seqs:
+                raise ValueError(f"draft cache page_size/max_seqs = {dc.page_size}/{dc.max_seqs} must equal the "
+                                 f"target's {c.page_size}/{c.max_seqs}")
+            if self.draft.model_config.vocab_size != gen.model_config.vocab_size:
+                raise ValueError(f"draft model vocab_size = {self.draft.model_config.vocab_size} differs from the "
+                                 f"target's {gen.model_config.vocab_size}: it needs the same tokenizer")
+            self.d_of = np.full(S, -1, np.int64)       # target slot -> draft slot
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    # slots
+    def prefill(self, slot: int, prompt: list[int], num_tokens: int) -> None:
+        self.prompt_len[slot] = self.length[slot] = len(prompt)
+        self.k_now[slot] = self.K
+        if self.draft is not None:
+            d = self.draft.admit(num_tokens)
+            self.d_of[slot] = d
+            try:
+                self.draft.prefill(d, prompt)
+            except Exception:
+                self.release(slot)
+                raise
+
+    def release(self, slot: int) -> None:
+        if self.draft is not None and self.d_of[slot] >= 0:
+            self.draft.release(int(self.d_of[slot]))
+            self.d_of[slot] = -1
+
+    # the step
+    def decode(self, eng, rec, new, ended) -> None:
+        """One verification for every running request of Engine `eng` (the Engine's `_decode`, speculative)."""
+        from .engine import LENGTH, STOP
+        from .generator import _accumulate
+        gen, c, K = self.gen, self.gen.config, self.K
+        S, P = c.max_seqs, c.page_size
+        tokens = np.zeros((S, K + 1), np.int32)
+        nrows = np.zeros(S, np.int32)
+        bound = np.zeros(S, np.int32)
+        running = [(s, r) for s, r in eng._slot_req.items() if not eng._done[s]]
+        for slot, rid in running:
+            req = eng.requests[rid]
+            L = int(self.length[slot])
+            b = next_flush(int(self.prompt_len[slot]), L, P)
+            k = int(min(self.k_now[slot], b - L - 1, eng._remaining[slot] - 1))
+            tokens[slot, 0] = eng._tok[slot]
+            if self.draft is None:
+                d = ngram_propose(req.prompt_ids + req.tokens, k, self.spec.ngram_max)
+                tokens[slot, 1:1 + len(d)] = d
+                k = len(d)
+            nrows[slot], bound[slot] = 1 + max(k, 0), b
+        rows = min(K + 1, _bucket(int(nrows.max())))
+        nrows = np.minimum(nrows, rows)
+        rec.live_slots = len(running)
+        rec.decode_compiled = rows not in self._seen_rows
+        self._seen_rows.add(rows)
+        rep = gen._replicated
+        keys = row_keys(jnp.asarray(eng._seed), jnp.asarray(eng._chunk_of))
+        sampling = SamplingArrays(jnp.asarray(eng._temp), jnp.asarray(eng._top_p), jnp.asarray(eng._top_k))
+        before = eng._stats0
+        t0 = eng._clock()
+        probs = jnp.zeros((), jnp.float32)
+        if self.draft is not None and rows > 1:
+            tokens[:, 1:rows], probs = self._propose(tokens[:, 0], nrows, rows, keys, sampling)
+        args = jax.device_put((tokens[:, :rows], nrows, bound, keys, sampling, probs), rep)
+        b = gen.backend
+        verify = gen.program.verify(rows, self.draft is not None and rows > 1)
+        b.cache, b.host, out, n_new, length, flush, stats = verify(gen.params, b.cache, b.host, *args)
+        gen.stats, gen.rank_stats = _accumulate(gen.stats, gen.rank_stats, stats)
+        if self.draft is not None:
+            self._commit_draft(length, flush)
+        out, n_new = np.asarray(out), np.asarray(n_new)
+        now = eng._clock()
+        eng._stats0 = eng._stats_now()
+        rec.hits, rec.misses, rec.overflow, rec.fetched = (a - b_ for a, b_ in zip(eng._stats0, before))
+        rec.decode_s = now - t0
+        rec.decode_steps = 1
+        eng._chunks += 1
+        eng._chunk_of += 1
+        self.steps += 1
+        for slot, rid in running:
+            req = eng.requests[rid]
+            got = [int(t) for t in out[slot, :n_new[slot]]]
+            drafted, acc = int(nrows[slot]) - 1, int(n_new[slot]) - 1
+            self.length[slot] += n_new[slot]
+            self.proposed += drafted
+            self.accepted += acc
+            if drafted:   # back off on a rejection, grow on a full acceptance
+                self.k_now[slot] = min(K, self.k_now[slot] + 2) if acc == drafted else max(1, self.k_now[slot] - 1)
+            eng._remaining[slot] -= len(got)
+            stop = next((i for i, t in enumerate(got) if t in req.sampling.stop_ids), None)
+            if stop is not None:
+                got = got[:stop + 1]
+            got, hit = eng._stop_string(req, got)
+            if hit:
+                stop = len(got)
+            if got:
+                rec.decode_tokens += len(got)
+                req.tokens.extend(got)
+                req.deliveries.append((now, len(got), rec.index))
+                new.setdefault(rid, []).extend(got)
+                eng._tok[slot] = got[-1]
+            if stop is not None:
+                reason = STOP
+            elif eng._remaining[slot] <= 0:
+                reason = LENGTH
+            else:
+                continue
+            eng._finish(req, reason)
+            eng._release(slot)
+            ended[rid] = None
+
+    def _propose(self, tok, nrows, rows, keys, sampling):
+        """The draft model's proposals for the target's slots -> (drafts [S, rows - 1] host, probs [S, rows - 1,
+        V] device), in target slot order."""
+        dg = self.draft
+        S = tok.shape[0]
+        d_of = self.d_of
+        on = d_of >= 0
+        tok_d = np.zeros(S, np.int32)
+        nrows_d = np.zeros(S, np.int32)
+        idx = np.zeros(S, np.int32)          # draft slot of each target slot (0 where none)
+        tok_d[d_of[on]] = tok[on]
+        nrows_d[d_of[on]] = nrows[on]
+        idx[on] = d_of[on]
+        perm = np.zeros(S, np.int32)          # target slot of each draft slot
+        perm[d_of[on]] = np.nonzero(on)[0]
+        kd = jax.vmap(jax.random.fold_in, (0, None))(keys, _DRAFT_KEY)
+        kd, sd = jax.tree.map(lambda a: a[perm], (kd, sampling))
+        args = jax.device_put((tok_d, nrows_d, kd, sd), dg._replicated)
+        b = dg.backend
+        b.cache, drafts, probs = dg.program.propose(rows)(dg.params, b.cache, b.host, *args)
+        drafts = np.asarray(drafts)[idx]
+        probs = jax.device_put(probs[jnp.asarray(idx)], self.gen._replicated)
+        return drafts, probs
+
+    def _commit_draft(self, length, flush) -> None:
+        """The draft cache follows the target's commit (its K/V for the accepted rows is already in its ring)."""
+        dg = self.draft
+        S = length.shape[0]
+        on = self.d_of >= 0
+        src = np.zeros(S, np.int32)
+        keep = np.zeros(S, bool)
+        src[self.d_of[on]] = np.nonzero(on)[0]
+        keep[self.d_of[on]] = True
+        length_d, flush_d = jax.device_put((length[jnp.asarray(src)], flush[jnp.asarray(src)]), dg._replicated)
+        b = dg.backend
+        b.cache, b.host = dg.program.commit(b.cache, b.host, length_d, flush_d,
+                                            jax.device_put(keep, dg._replicated))
+
+
+def make_draft_generator(gen, spec: SpecConfig):
+    """A Generator for spec.draft_model with the target's slots, context, page size and token budget."""
+    from .generator import Generator, default_cache_config
+    from .tp import prepare_model
+    model = spec.draft_model
+    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        from .models import from_pretrained
+        model = from_pretrained(model, dtype=gen.config.jnp_dtype)
+    c = gen.config
+    model = prepare_model(model, c.tp)
+    cfg = default_cache_config(model.config, num_seqs=c.max_seqs, max_tokens=c.max_context, page_size=c.page_size,
+                               token_budget=c.token_budget, dtype=model.dtype, tp=c.tp)
+    return Generator(model, cfg, attention=spec.draft_attention or gen.attention, mesh=gen.mesh)
