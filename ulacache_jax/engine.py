@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import CacheConfig
+from .cost_model import pool_headroom
 from .decode_layer import DecodeOptions
 from .generator import Generator, bucket_length, default_cache_config
 from .validate import check_seed
@@ -181,10 +182,12 @@ class Engine:
     Engine(model, cache_config) builds the Generator; Engine(generator=gen) reuses a compiled one (its slots
     must all be free). Without a cache_config, one is made by `default_cache_config` for `max_seqs` sequences of
     up to `max_context` tokens (default: the model's max_position_embeddings, at most 4096) with `page_size` and
-    `token_budget`, over `tp` local devices (the model's KV heads replicated where tp exceeds them)."""
+    `token_budget`, over `tp` local devices (the model's KV heads replicated where tp exceeds them). attention:
+    'auto' (the default: chosen once, when the Generator is built, cost_model.resolve_attention), 'sparse' or
+    'dense'; `attention` is the kind that runs, `gen.decision` why."""
 
     def __init__(self, model=None, cache_config: CacheConfig | None = None, *, generator: Generator | None = None,
-                 attention: str = "sparse", options: DecodeOptions = DecodeOptions(), max_seqs: int = 4,
+                 attention: str = "auto", options: DecodeOptions = DecodeOptions(), max_seqs: int = 4,
                  max_context: int | None = None, page_size: int = 64, token_budget: int = 2048, tp: int = 1,
                  seed: int = 0, max_prefill_tokens_per_step: int | None = None, tokenizer=None,
                  clock=time.perf_counter, speculative=None):
@@ -196,7 +199,8 @@ class Engine:
                 mc = model.config
                 ctx = max_context or min(mc.max_position_embeddings, 4096)
                 cache_config = default_cache_config(mc, num_seqs=max_seqs, max_tokens=ctx, page_size=page_size,
-                                                    token_budget=token_budget, dtype=model.dtype, tp=tp)
+                                                    token_budget=token_budget, dtype=model.dtype, tp=tp,
+                                                    pool_headroom=pool_headroom(attention))
             else:
                 model = prepare_model(model, cache_config.tp)
             generator = Generator(model, cache_config, attention=attention, options=options)
@@ -238,6 +242,11 @@ class Engine:
         self._no_stops = jnp.full(_NO_STOPS, -1, jnp.int32)
         self.timeline: list[StepRecord] = []
         self._stats0 = self._stats_now()
+
+    @property
+    def attention(self) -> str:
+        """'sparse' or 'dense': the attention this engine decodes with ('auto' resolved by its Generator)."""
+        return self.gen.attention
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids, sampling: SamplingParams | None = None) -> int:

@@ -10,6 +10,7 @@ import dataclasses
 
 
 from .config import CacheConfig
+from .cost_model import pool_headroom
 from .decode_layer import DecodeOptions
 from .engine import Engine, SamplingParams
 from .generator import DenseCache, Generator, bucket_length, bucket_pages, default_cache_config  # noqa: F401
@@ -33,7 +34,7 @@ def _tp_cache_config(cache_config: CacheConfig, tp: int, num_kv_heads: int, orig
 
 
 def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), stop_ids=None,
-             cache_config: CacheConfig | None = None, attention: str = "sparse", tp: int = 1,
+             cache_config: CacheConfig | None = None, attention: str = "auto", tp: int = 1,
              token_budget: int = 2048, page_size: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int = 0, options: DecodeOptions = DecodeOptions(), mesh=None,
              speculative=None) -> list:
@@ -44,6 +45,8 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
     generated texts. stop_ids end a sequence (the stop token is kept); None = the tokenizer's end-of-text and
     end-of-turn ids (e.g. SmolLM2's <|im_end|>), or none without a tokenizer. stop: strings that end a sequence
     once its text holds one (needs the tokenizer; the text is cut before it).
+    attention="auto" (the default) picks one of the two below when the engine is built, from its batch, max
+    context, model and device memory (cost_model.resolve_attention; the HBM pool sized for it), never mid-sequence;
     attention="sparse" decodes with UlaCache (query-aware page selection over a two-tier cache);
     attention="dense" is the baseline with the same model and every K/V in HBM. tp: tensor-parallel ranks (local
     devices). Without a cache_config, one is sized for these prompts (`default_cache_config`: up to 8 slots,
@@ -74,7 +77,7 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
         n = len(prompts)
         cache_config = default_cache_config(mc, num_seqs=bucket_length(n, 1) if n <= MAX_BATCH else MAX_BATCH,
                                             max_tokens=longest, page_size=page_size, token_budget=token_budget,
-                                            dtype=model.dtype, tp=tp)
+                                            dtype=model.dtype, tp=tp, pool_headroom=pool_headroom(attention))
     else:
         cache_config = _tp_cache_config(cache_config, tp, mc.num_kv_heads, k0)
     if longest > cache_config.max_context:
