@@ -28,6 +28,10 @@ import hashlib
 from typing import Callable
 
 import numpy as np
+import jax
+import jax.numpy as jnp
+
+from .models.attention import dense_attention
 
 _ROOT = b""
 
@@ -207,3 +211,208 @@ class PrefixIndex:
         for k, n in self.nodes.items():
             if n.parent != _ROOT:
                 assert order[n.parent] > order[k], f"node {n.index} is more recent than its parent"
+
+
+# ---- sizing ----------------------------------------------------------------------------------------------------
+def max_shared_pages(num_tokens: int, page_size: int, max_context: int) -> int:
+    """The most whole pages of a prompt of num_tokens tokens that may be shared: at least its last token is
+    prefilled, and the rest, bucketed to a power of two (bucket_length), must fit the context after them (the
+    prefill writes its whole bucket: past max_context a slice would clamp onto earlier pages)."""
+    m = max(0, (num_tokens - 1) // page_size)
+    while m > 0:
+        rest = num_tokens - m * page_size
+        if m * page_size + max(page_size, 1 << max(0, (rest - 1).bit_length())) <= max_context:
+            return m
+        m -= 1
+    return 0
+
+
+def prefix_bucket(pages: int, max_pages: int) -> int:
+    """Pages of the shared-prefix operand of a prefill: a power of two >= pages, at most max_pages (few shapes)."""
+    return min(max(1, 1 << max(0, (pages - 1).bit_length())), max_pages)
+
+
+# ---- host halves: what a backend keeps about its shared prefixes --------------------------------------------------
+class SparsePrefixes:
+    """UlaCache's stored prefixes: an index node holds the host pages [L, G] of one page of a prompt (one reference
+    each, in the allocator). A new sequence's first pages are attached at admission (its vTLB rows point at the
+    stored host pages; nothing is allocated or written for them) and its prefill computes only the rest. Each
+    sharer names the pages by its own LIDs, so HBM frames are per sequence, as without sharing; what is shared is
+    the host copy and the prefill."""
+
+    def __init__(self, manager, budget_pages: int | None = None):
+        c = manager.config
+        self.manager, self.config = manager, c
+        alloc = manager.alloc
+        self.index = PrefixIndex(c.page_size, budget_pages=budget_pages, retain=alloc.retain, release=alloc.drop)
+        alloc.reclaim = self.index.evict
+        self._attached: dict[int, tuple[int, bytes]] = {}     # slot -> (pages attached, key of the last one)
+
+    def admit(self, num_tokens: int, prompt) -> int:
+        """Admit a sequence, its prompt's stored prefix attached. -> slot."""
+        c = self.config
+        nodes = []
+        if prompt is not None:
+            self.index.stats.lookups += 1
+            nodes = self.index.match(prompt, max_pages=max_shared_pages(len(prompt), c.page_size, c.max_context))
+        shared = np.stack([n.payload for n in nodes], axis=-1) if nodes else None     # [L, G, m]
+        slot = self.manager.admit(num_tokens, shared)
+        if nodes:
+            self._attached[slot] = (len(nodes), nodes[-1].key)
+        return slot
+
+    def sources(self, slot: int, prompt) -> tuple[int, np.ndarray | None]:
+        """-> (pages attached to `slot` at admission, None): its prefill starts after them."""
+        m, key = self._attached.pop(slot, (0, b""))
+        if m and page_keys(prompt, self.config.page_size, m)[-1:] != [key]:
+            raise ValueError(f"slot {slot} was admitted with a {m}-page prefix that this prompt does not start with")
+        return m, None
+
+    def stored(self, slot: int, prompt, m: int, src) -> None:
+        """After the prefill of `slot`: its prompt's complete pages become stored prefixes."""
+        c = self.config
+        pages = self.manager.alloc.pages_of[slot]                                          # [L, G, n]
+        self.index.insert(prompt, len(prompt) // c.page_size, lambda i: pages[:, :, i].copy(),
+                          size=c.num_layers * c.groups_per_rank)
+
+    def released(self, slot: int) -> None:
+        self._attached.pop(slot, None)
+
+    def saved_host_pages(self, m: int) -> int:
+        return m * self.config.num_layers * self.config.groups_per_rank
+
+    def close(self) -> None:
+        self.index.clear()
+        self.manager.alloc.reclaim = None
+
+
+class DensePrefixes:
+    """The dense baseline's stored prefixes: an index node lists the slots whose HBM rows hold one page of a
+    prompt. A sharer copies those rows into its own (sharing = copying the stored K/V instead of recomputing it:
+    every sequence keeps its whole K/V in HBM) and prefills the rest. A slot's rows stay valid after its release
+    until a prefill writes them again (`stored` forgets them first)."""
+
+    def __init__(self, config, budget_pages: int | None = None):
+        self.config = config
+        self.index = PrefixIndex(config.page_size)
+
+    def admit(self, num_tokens: int, prompt) -> None:
+        return None                                            # nothing to attach: rows are copied at prefill
+
+    def sources(self, slot: int, prompt) -> tuple[int, np.ndarray | None]:
+        """-> (pages to copy, source slot per page [m]): the slot itself where it already holds the page."""
+        c = self.config
+        self.index.stats.lookups += 1
+        nodes = self.index.match(prompt, max_pages=max_shared_pages(len(prompt), c.page_size, c.max_context))
+        return len(nodes), np.asarray([slot if slot in n.payload else min(n.payload) for n in nodes], np.int32)
+
+    def stored(self, slot: int, prompt, m: int, src) -> None:
+        """After the prefill of `slot` (rows [0, m) pages copied from src, the rest written): forget what its rows
+        held before, then store its prompt's complete pages."""
+        kept = m if src is None else next((i for i, s in enumerate(src) if s != slot), m)
+        for node in list(self.index.nodes.values()):
+            if node.index >= kept:
+                node.payload.discard(slot)
+        self.index.prune(lambda n: bool(n.payload))
+        self.index.insert(prompt, len(prompt) // self.config.page_size, lambda i: {slot},
+                          merge=lambda node, i: node.payload.add(slot))
+
+    def released(self, slot: int) -> None:
+        """Nothing: the rows stay valid until the slot is prefilled again."""
+
+    def saved_host_pages(self, m: int) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.index.clear()
+
+
+# ---- traced halves: the shared prefix inside one layer's prefill -------------------------------------------------
+def _gather_host(host, ids, impl: str):
+    """Host pages -> device: host [R, H, page, g, D] (K, V), ids [R, N] (-1: zeros) -> two [R, N, page, g, D]."""
+    from .pallas_kernels import pick_impl
+    from .pallas_kernels.page_copy import copy_pages_pallas, ref_copy_pages
+    R, N = ids.shape
+    outs = []
+    for r in range(R):
+        dst = [jnp.zeros((N,) + host.k.shape[2:], host.k.dtype) for _ in range(2)]
+        idx = jnp.arange(N, dtype=jnp.int32)
+        if pick_impl(impl) == "ref":
+            outs.append(ref_copy_pages(dst, [host.k, host.v], ids[r], idx, src_rank=r))
+        else:    # the host pool is read in place over PCIe (page_copy's contract: no XLA gather of pinned_host)
+            outs.append(copy_pages_pallas(dst, [host.k, host.v], ids[r], idx, src_rank=r, name="prefix_pages"))
+    return jnp.stack([o[0] for o in outs]), jnp.stack([o[1] for o in outs])
+
+
+def sparse_attach(state, host, layer, slot, start, num_tokens: int, *, impl: str = "auto"):
+    """One layer of a sequence's attached prefix (its first `start` tokens, whole pages): its K/V read from the host
+    pool through the sequence's vTLB rows, and its page summaries (min/max of K, as ingestion computes them) filled
+    in. num_tokens: static length of the prefix operand (a multiple of page_size >= start).
+    -> (state, k, v [num_tokens, KVr, D]; rows at or past `start` are zeros)."""
+    c = state.config
+    R, G, P = c.tp, c.groups_per_rank, c.page_size
+    n = num_tokens // P
+    zero = jnp.zeros((), jnp.int32)
+    at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer, jnp.int32), zero, zero)
+    ids = jax.lax.dynamic_slice(state.vtlb.host_page, at, (R, 1, 1, G, n))[:, 0, 0]            # [R, G, n]
+    live = jnp.arange(n) * P < start                                                           # [n]
+    ids = jnp.where(live[None, None], ids, -1).reshape(R, G * n)
+    kp, vp = _gather_host(host, ids, impl)                                                     # [R, G*n, P, g, D]
+    kp = kp.reshape(R, G, n, P, c.kv_heads_per_group, c.head_dim)
+    vp = vp.reshape(R, G, n, P, c.kv_heads_per_group, c.head_dim)
+    sel = live[None, None, :, None, None]
+    summ_at = at + (zero, zero)
+    size = (R, 1, 1, G, n, c.kv_heads_per_group, c.head_dim)
+    old_min = jax.lax.dynamic_slice(state.kmin, summ_at, size)[:, 0, 0]                      # [R, G, n, g, D]
+    old_max = jax.lax.dynamic_slice(state.kmax, summ_at, size)[:, 0, 0]
+    kmin = jnp.where(sel, kp.min(axis=3), old_min)[:, None, None]
+    kmax = jnp.where(sel, kp.max(axis=3), old_max)[:, None, None]
+    state = dataclasses.replace(state, kmin=jax.lax.dynamic_update_slice(state.kmin, kmin, summ_at),
+                                kmax=jax.lax.dynamic_update_slice(state.kmax, kmax, summ_at))
+
+    def tokens(x):    # [R, G, n, P, g, D] -> [n * P, R * G * g, D] (KV heads in split_groups order)
+        return x.transpose(2, 3, 0, 1, 4, 5).reshape(n * P, R * G * c.kv_heads_per_group, c.head_dim)
+    return state, tokens(kp), tokens(vp)
+
+
+def dense_attach(ck, cv, slot, src, start):
+    """One layer of the dense cache: rows [0, start) of `slot` copied from the slots that hold them. ck, cv
+    [S, T_max, KVr, D]; src [Tp] int32 source slot per token (Tp static). -> (ck, cv, k, v [Tp, KVr, D])."""
+    Tp, T_max = src.shape[0], ck.shape[1]
+    tok = jnp.arange(Tp)
+    live = tok < start
+    s = jnp.where(live, src, slot)
+    kp, vp = ck[s, tok], cv[s, tok]
+    rows = jnp.where(live, tok, T_max)
+    return ck.at[slot, rows].set(kp, mode="drop"), cv.at[slot, rows].set(vp, mode="drop"), kp, vp
+
+
+PREFIX_Q_CHUNK = 1024   # query rows per cuDNN call over [prefix | rest]: its mask is [rows, Tp + Ts]
+
+
+def prefix_attention(q, k, v, kp, vp, start, impl: str):
+    """Attention of the rest of a prompt over its shared prefix and itself. q [1, Ts, H, D] (positions start + i),
+    k, v [1, Ts, KV, D] (its own K/V, causal), kp, vp [1, Tp, KV, D] (the prefix's, rows < start valid).
+    impl: 'cudnn' (flash attention over [prefix | rest] with a mask, query rows in chunks), 'masked' (the same
+    masked calls through XLA: how CPU tests check the cuDNN path's mask) or 'xla' (the jnp reference with
+    positions)."""
+    Ts, Tp = q.shape[1], kp.shape[1]
+    keys = jnp.concatenate([kp.astype(k.dtype), k], axis=1)                  # [1, Tp + Ts, KV, D]
+    vals = jnp.concatenate([vp.astype(v.dtype), v], axis=1)
+    j = jnp.arange(Tp + Ts)
+    if impl not in ("cudnn", "masked"):
+        qpos = (start + jnp.arange(Ts))[None]
+        kpos = jnp.where(j < Tp, j, start + j - Tp)[None]
+        return dense_attention(q, keys, vals, qpos, kpos, k_valid=((j < start) | (j >= Tp))[None])
+    C = min(Ts, PREFIX_Q_CHUNK)
+
+    def rows(qc, i0):
+        i = i0 + jnp.arange(C)
+        ok = (j[None] < start) | ((j[None] >= Tp) & (j[None] - Tp <= i[:, None]))          # [C, Tp + Ts]
+        return jax.nn.dot_product_attention(qc, keys, vals, mask=ok[None, None],
+                                            implementation="cudnn" if impl == "cudnn" else None)
+    if C == Ts:
+        return rows(q, 0)
+    n = Ts // C
+    out = jax.lax.map(lambda a: rows(a[0][None], a[1]), (q.reshape(n, C, *q.shape[2:]), jnp.arange(n) * C))
+    return out.reshape(q.shape)
