@@ -82,6 +82,9 @@ def build_report(engine, requests=None, *, wall_s: float | None = None, model_la
     groups = c.num_layers * c.num_groups
     written = sum(groups * ((len(r.prompt_ids) + max(len(r.tokens) - 1, 0)) // c.page_size) for r in ok)
     sparse = attention == "sparse"
+    prefix = engine.prefix_stats() if hasattr(engine, "prefix_stats") else None
+    if prefix is not None:
+        written -= groups * (prefix.hit_tokens // c.page_size)      # attached pages are not written again
     t_total = max(tl[-1].t_end if tl else 0.0, 1e-9)
     cum, timeline = 0, []
     for r in tl:
@@ -135,6 +138,16 @@ def build_report(engine, requests=None, *, wall_s: float | None = None, model_la
                     "page_bytes x 2 (K and V); d2h = completed pages written through to the host pool",
         },
         "footprint": {**footprint(c, attention), "param_bytes": param_bytes},
+        "prefix_cache": None if prefix is None else {
+            "enabled": engine.gen.prefixes is not None,
+            "prefix_cache_hit_tokens": prefix.hit_tokens, "prefill_tokens": prefix.prefill_tokens,
+            "hits": prefix.hits, "lookups": prefix.lookups, "evicted": prefix.evicted,
+            "host_pages_saved": prefix.saved_host_pages * c.tp,
+            "host_bytes_saved": prefix.saved_host_pages * c.tp * c.page_bytes * 2,
+            "note": "prefix_cache_hit_tokens: prompt tokens attached from stored prefixes instead of prefilled; "
+                    "host_bytes_saved: host pages (K and V, all ranks) those prompts did not allocate (sparse; "
+                    "dense copies the rows: 0)",
+        },
         "timeline": timeline,
         "request_timeline": request_timeline(reqs, engine.t0),
     }
@@ -191,6 +204,11 @@ def format_report(rep: dict) -> str:
         + (f" + {_fmt_bytes(fp['param_bytes'])} params" if fp.get("param_bytes") else "")
         + f", host {_fmt_bytes(fp['host_bytes'])}",
     ]
+    pc = rep.get("prefix_cache")
+    if pc and pc["enabled"]:
+        lines.append(f"  shared prefixes: prefix_cache_hit_tokens {pc['prefix_cache_hit_tokens']} (prompt tokens "
+                     f"attached, not prefilled; {pc['prefill_tokens']} prefilled), host memory saved "
+                     f"{_fmt_bytes(pc['host_bytes_saved'])}")
     if rep.get("input_errors"):
         lines.append(f"  input errors: {len(rep['input_errors'])} lines (see stderr / the output file)")
     lines.append("=" * 78)
