@@ -180,6 +180,9 @@ class SpecDecoder:
         self.k_now = np.full(S, spec.num_tokens, np.int64)
         self.steps = self.proposed = self.accepted = 0
         self._seen_rows: set[int] = set()
+        # the ngram drafter: (slot, history, k) -> up to k tokens; replaceable (tests use oracle drafters)
+        self.drafter = lambda slot, history, k: ngram_propose(history, k, spec.ngram_max)
+        self.fixed_rows = False      # True: every verification runs K + 1 rows (one program; tests)
         self.draft = None
         if spec.method == "draft":
             self.draft = draft_gen if draft_gen is not None else make_draft_generator(gen, spec)
@@ -232,11 +235,11 @@ class SpecDecoder:
             k = int(min(self.k_now[slot], b - L - 1, eng._remaining[slot] - 1))
             tokens[slot, 0] = eng._tok[slot]
             if self.draft is None:
-                d = ngram_propose(req.prompt_ids + req.tokens, k, self.spec.ngram_max)
+                d = list(self.drafter(slot, req.prompt_ids + req.tokens, k))[:max(k, 0)]
                 tokens[slot, 1:1 + len(d)] = d
                 k = len(d)
             nrows[slot], bound[slot] = 1 + max(k, 0), b
-        rows = min(K + 1, _bucket(int(nrows.max())))
+        rows = K + 1 if self.fixed_rows else min(K + 1, _bucket(int(nrows.max())))
         nrows = np.minimum(nrows, rows)
         rec.live_slots = len(running)
         rec.decode_compiled = rows not in self._seen_rows

@@ -1,0 +1,346 @@
+"""Speculative decoding (speculative.py, issue 22): greedy speculative tokens equal plain greedy tokens (sparse and
+dense, ragged batches, queued requests, stop ids and max length inside a draft), a rejected draft leaves the cache
+as a run that never drafted (lengths, tail pages as later steps read them, key summaries, flushed pages, vTLB host
+entries, host pool) and no later step reads a rejected token's K/V, and sampled tokens follow the target
+distribution (the acceptance rule on its own, and through a tiny model's verification).
+
+Shapes: the tiny model, 2 slots, page 16, token budget 64 (4 pages: prompts of 70-110 tokens select pages), K = 3.
+Oracle drafters (the plain run's own continuation, corrupted on a schedule) give both acceptances and rejections;
+`fixed_rows` keeps one verification program per backend (row-count buckets are exercised by the ngram test)."""
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ulacache_jax.engine import Engine, SamplingParams
+from ulacache_jax.generation import Generator, default_cache_config, generate
+from ulacache_jax.models import LlamaModel, get_preset
+from ulacache_jax.sampling import SamplingArrays, row_keys, sample
+from ulacache_jax.speculative import SpecConfig, accept, next_flush, ngram_propose, token_probs
+
+K = 3
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def setup():
+    mc = get_preset("tiny")
+    model = LlamaModel(mc, rngs=nnx.Rngs(0))
+    cfg = default_cache_config(mc, num_seqs=2, max_tokens=256, page_size=16, token_budget=64)
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (70, 110, 93)]
+    return model, cfg, prompts
+
+
+@pytest.fixture(scope="module")
+def plain(setup):
+    model, cfg, prompts = setup
+    return {att: generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention=att)
+            for att in ("sparse", "dense")}
+
+
+def oracle(prompts, refs, wrong_every=3):
+    """A drafter that proposes the plain run's continuation, with its second draft wrong every `wrong_every`-th
+    call (so verification sees full acceptances, partial ones and rejections)."""
+    calls = [0]
+    by_prompt = {tuple(p): r for p, r in zip(prompts, refs)}
+
+    def drafter(slot, history, k):
+        calls[0] += 1
+        for p, r in by_prompt.items():
+            if tuple(history[:len(p)]) == p:
+                done = len(history) - len(p)
+                d = list(r[done:done + k])
+                if calls[0] % wrong_every == 0 and len(d) > 1:
+                    d[1] = (d[1] + 1) % 256
+                return d
+        raise AssertionError("unknown prompt")
+    return drafter
+
+
+def spec_engine(model, cfg, attention, spec=SpecConfig("ngram", K), **kw):
+    eng = Engine(generator=Generator(model, cfg, attention=attention), speculative=spec, **kw)
+    eng.spec.fixed_rows = True
+    return eng
+
+
+@pytest.mark.parametrize("attention", ["sparse", "dense"])
+def test_greedy_speculative_equals_plain_ragged_batch(setup, plain, attention):
+    model, cfg, prompts = setup
+    refs = plain[attention]
+    eng = spec_engine(model, cfg, attention)
+    eng.spec.drafter = oracle(prompts, refs)
+    reqs = eng.run(prompts, SamplingParams(max_new_tokens=MAX_NEW))   # 3 prompts, 2 slots: one queues
+    for r, ref in zip(reqs, refs):
+        assert r.finish_reason == "length", r.error
+        assert r.tokens == ref
+    sp = eng.spec
+    assert 0.3 < sp.acceptance_rate < 1.0, (sp.accepted, sp.proposed)
+    assert sp.steps < sum(len(r) for r in refs)           # fewer verifications than tokens
+    assert sorted(eng.gen.backend.manager.alloc.free_slots if attention == "sparse" else eng.gen.backend._free) \
+        == list(range(cfg.max_seqs))
+
+
+def test_stop_id_and_max_length_inside_a_draft(setup, plain):
+    model, cfg, prompts = setup
+    refs = plain["sparse"]
+    eng = spec_engine(model, cfg, "sparse")
+    eng.spec.drafter = oracle(prompts, refs, wrong_every=1000)   # full drafts: stops and limits land inside them
+    stop = refs[0][9]
+    n_stop = refs[0].index(stop) + 1
+    params = [SamplingParams(max_new_tokens=MAX_NEW, stop_ids=(stop,)), SamplingParams(max_new_tokens=7),
+              SamplingParams(max_new_tokens=2)]
+    r0, r1, r2 = eng.run(prompts, params)
+    assert r0.finish_reason == "stop" and r0.tokens == refs[0][:n_stop]
+    assert r1.finish_reason == "length" and r1.tokens == refs[1][:7]
+    assert r2.finish_reason == "length" and r2.tokens == refs[2][:2]
+
+
+def test_ngram_drafter_greedy_equals_plain(setup):
+    """Repetitive prompts (ngram matches, partly right): the real drafter, row-count buckets (1, 2, 4 rows)."""
+    model, cfg, _ = setup
+    rng = np.random.default_rng(3)
+    unit = [int(t) for t in rng.integers(0, 256, 12)]
+    prompts = [unit * 6 + unit[:5], (unit[::-1] * 8)[:90]]
+    ref = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention="sparse")
+    eng = Engine(generator=Generator(model, cfg, attention="sparse"), speculative=SpecConfig("ngram", K, ngram_max=3))
+    reqs = eng.run(prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [r.tokens for r in reqs] == ref
+    assert eng.spec.proposed > 0
+
+
+def test_draft_model_greedy_equals_plain(setup, plain):
+    """A draft model (another tiny model: few acceptances; the target itself: all accepted), on a dense cache."""
+    model, cfg, prompts = setup
+    other = LlamaModel(get_preset("tiny"), rngs=nnx.Rngs(7))
+    for draft, att, lo, hi in ((other, "dense", 0.0, 0.6), (model, None, 0.95, 1.0)):
+        eng = spec_engine(model, cfg, "sparse", SpecConfig("draft", K, draft_model=draft, draft_attention=att))
+        reqs = eng.run(prompts[:2], SamplingParams(max_new_tokens=24))
+        assert [r.tokens for r in reqs] == [r[:24] for r in plain["sparse"][:2]]
+        assert lo <= eng.spec.acceptance_rate <= hi, eng.spec.acceptance_rate
+        d = eng.spec.draft.backend
+        free = d._free if att == "dense" else sorted(d.manager.alloc.free_slots, reverse=True)
+        assert free == [1, 0]                              # the draft's slots released with the target's
+
+
+# ---- the cache after a rejected draft ----------------------------------------------------------------------------
+def _verify(gen, tokens, nrows, bound, step):
+    S = gen.config.max_seqs
+    keys = row_keys(jnp.zeros(S, jnp.uint32), jnp.full(S, step, jnp.uint32))
+    args = jax.device_put((jnp.asarray(tokens, jnp.int32), jnp.asarray(nrows, jnp.int32),
+                           jnp.asarray(bound, jnp.int32), keys, SamplingArrays.fill(S), jnp.zeros((), jnp.float32)),
+                          gen._replicated)
+    b = gen.backend
+    b.cache, b.host, out, n_new, length, flush, _ = gen.program.verify(K + 1)(gen.params, b.cache, b.host, *args)
+    return np.asarray(out), np.asarray(n_new)
+
+
+def _committed_view(gen, slot=0):
+    """What later steps can read: lengths, flushed, key summaries of pages holding committed tokens, vTLB host
+    entries, the host pool, and the tail ring's committed tokens."""
+    st, host, c = gen.backend.cache, gen.backend.host, gen.config
+    L, f = int(st.seqs.length[slot]), int(st.seqs.flushed[slot])
+    from ulacache_jax.cache_state import tail_frame
+    npages = -(-L // c.page_size)
+    ring = []
+    for p in range(f, npages):
+        n = min(c.page_size, L - p * c.page_size)
+        fr = [tail_frame(c, slot, l, g, p) for l in range(c.num_layers) for g in range(c.groups_per_rank)]
+        ring.append(np.asarray(st.pool_k[0, np.array(fr), :n]))
+        ring.append(np.asarray(st.pool_v[0, np.array(fr), :n]))
+    return dict(length=np.asarray(st.seqs.length), flushed=np.asarray(st.seqs.flushed),
+                kmin=np.asarray(st.kmin[0, slot, :, :, :npages]), kmax=np.asarray(st.kmax[0, slot, :, :, :npages]),
+                host_page=np.asarray(st.vtlb.host_page), host_k=np.asarray(host.k), host_v=np.asarray(host.v),
+                ring=ring)
+
+
+def test_rejected_draft_leaves_the_cache_of_a_run_that_never_drafted(setup):
+    """Two caches decode one prompt: A verifies K drafts every step (wrong ones, or right ones on a schedule), B
+    never drafts. Whenever they have committed the same tokens, everything a later step can read is equal; the
+    rejected leases in A's ring are then poisoned (NaN) and A still decodes B's tokens with B's cache state."""
+    model, cfg, prompts = setup
+    c = cfg
+    prompt = prompts[1]                                        # 110 tokens: 6 flushed pages of 16, budget 4 pages
+    gens = [Generator(model, cfg, attention="sparse"), Generator(model, cfg, attention="sparse")]   # one program
+    firsts = []
+    for g in gens:
+        slot = g.admit(len(prompt) + 80)
+        assert slot == 0
+        firsts.append(int(jnp.argmax(g.prefill(slot, prompt))))
+    tok = [firsts[0], firsts[1]]
+    L = len(prompt)
+    S = c.max_seqs
+    step = 0
+    while L < len(prompt) + 60:                                # crosses several flush points
+        b = next_flush(len(prompt), L, c.page_size)
+        # B: one plain step (one row, no drafts) gives the next token t1
+        tb = np.zeros((S, K + 1), np.int32)
+        tb[0, 0] = tok[1]
+        out_b, n_b = _verify(gens[1], tb, [1, 0], [b, 0], step)
+        assert n_b[0] == 1
+        t1 = int(out_b[0, 0])
+        # A: up to K drafts (cut at the flush point): all wrong on even steps, the right first one on odd steps
+        nd = min(K, b - L - 1)
+        ta = np.zeros((S, K + 1), np.int32)
+        ta[0, 0] = tok[0]
+        d = [(t1 + 1) % 256] * K if step % 2 == 0 else [t1] + [(t1 + 1 + j) % 256 for j in range(K - 1)]
+        ta[0, 1:1 + nd] = d[:nd]
+        out_a, n_a = _verify(gens[0], ta, [1 + nd, 0], [b, 0], step)
+        got = [int(t) for t in out_a[0, :n_a[0]]]
+        assert got[0] == t1 and (n_a[0] == 1 if step % 2 == 0 or nd == 0 else n_a[0] >= 2)
+        # B catches up with plain steps: the same tokens
+        Lb = L + 1
+        for t_prev, t_next in zip(got[:-1], got[1:]):
+            tb[0, 0] = t_prev
+            out_b, _ = _verify(gens[1], tb, [1, 0], [next_flush(len(prompt), Lb, c.page_size), 0], step + 1000)
+            assert int(out_b[0, 0]) == t_next
+            Lb += 1
+        L += int(n_a[0])
+        assert Lb == L
+        tok = [got[-1], got[-1]]
+        va, vb = _committed_view(gens[0]), _committed_view(gens[1])
+        for k in va:
+            if k == "ring":
+                assert len(va[k]) == len(vb[k]) and all(np.array_equal(x, y) for x, y in zip(va[k], vb[k])), k
+            else:
+                assert np.array_equal(va[k], vb[k]), (k, step)
+        step += 1
+    assert int(gens[0].backend.cache.seqs.flushed[0]) > len(prompt) // c.page_size   # flushes happened
+
+    # poison A's ring past the committed length (the rejected leases): later steps never read it
+    st = gens[0].backend.cache
+    from ulacache_jax.cache_state import tail_frame
+    Lc = int(st.seqs.length[0])
+    pk, pv = st.pool_k, st.pool_v
+    for pos in range(Lc, Lc + K + 1):
+        for l in range(c.num_layers):
+            for g in range(c.groups_per_rank):
+                fr = tail_frame(c, 0, l, g, pos // c.page_size)
+                pk = pk.at[0, fr, pos % c.page_size].set(jnp.nan)
+                pv = pv.at[0, fr, pos % c.page_size].set(jnp.nan)
+    import dataclasses
+    gens[0].backend.cache = dataclasses.replace(st, pool_k=pk, pool_v=pv)
+    for i in range(6):
+        b = next_flush(len(prompt), L, c.page_size)
+        outs = []
+        for g in gens:
+            t = np.zeros((S, K + 1), np.int32)
+            t[0, 0] = tok[0]
+            o, n = _verify(g, t, [1, 0], [b, 0], 5000 + i)
+            outs.append(o[0, 0])
+        assert outs[0] == outs[1]
+        L += 1
+        tok = [int(outs[0])] * 2
+    assert np.isfinite(np.asarray(gens[0].next_logits(jnp.asarray(tok, jnp.int32)))).all()
+
+
+# ---- sampling follows the target ---------------------------------------------------------------------------------
+def test_token_probs_is_what_sample_draws_from():
+    V, N = 6, 20000
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, V)) * 2, jnp.float32)
+    for t, p, k in ((1.0, 1.0, 0), (0.7, 0.8, 0), (1.3, 1.0, 3), (0.0, 1.0, 0)):
+        params = SamplingArrays.fill(1, t, p, k)
+        probs = np.asarray(token_probs(logits, params))[0]
+        keys = jax.random.split(jax.random.key(1), N)
+        draws = jax.vmap(lambda kk: sample(logits, kk[None], params)[0])(keys)
+        freq = np.bincount(np.asarray(draws), minlength=V) / N
+        assert np.abs(freq - probs).max() < 0.015, (t, p, k, freq, probs)
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_accept_rule_keeps_the_target_distribution(with_probs):
+    """Many draws of one 3-row verification (V = 3): the first token follows row 0's distribution, and the second,
+    given the first is the first draft, follows row 1's; with point-mass drafts and with a draft distribution."""
+    V, Q, N = 3, 3, 40000
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(size=(1, Q, V)) * 1.5, jnp.float32)
+    params = SamplingArrays.fill(1, 1.0)
+    p = np.asarray(token_probs(logits[0], SamplingArrays.fill(Q, 1.0)))          # [Q, V]
+    keys = jax.random.split(jax.random.key(3), N)
+    if with_probs:
+        q = jnp.asarray(rng.dirichlet(np.ones(V), size=Q - 1), jnp.float32)     # [Q - 1, V]
+        dk = jax.random.split(jax.random.key(4), N)
+        drafts = jax.vmap(lambda kk: jax.random.categorical(kk, jnp.log(q), axis=-1))(dk).astype(jnp.int32)
+        one = jax.vmap(lambda d, kk: accept(logits, d[None], jnp.asarray([Q]), kk[None], params, q[None]))
+        out, n = one(drafts, keys)
+    else:
+        drafts = jnp.broadcast_to(jnp.asarray([1, 2], jnp.int32), (N, Q - 1))
+        one = jax.vmap(lambda d, kk: accept(logits, d[None], jnp.asarray([Q]), kk[None], params))
+        out, n = one(drafts, keys)
+    out, n, drafts = np.asarray(out)[:, 0], np.asarray(n)[:, 0], np.asarray(drafts)
+    f0 = np.bincount(out[:, 0], minlength=V) / N
+    assert np.abs(f0 - p[0]).max() < 0.012, (f0, p[0])
+    sel = out[:, 0] == drafts[:, 0]
+    assert (n[sel] >= 2).all() and (n[~sel] == 1).all()
+    f1 = np.bincount(out[sel, 1], minlength=V) / sel.sum()
+    assert np.abs(f1 - p[1]).max() < 0.02, (f1, p[1])
+
+
+def test_greedy_accept_is_longest_matching_prefix():
+    V = 5
+    logits = jnp.asarray(np.eye(V)[[2, 4, 1, 3]][None] * 5, jnp.float32)        # argmax rows: 2, 4, 1, 3
+    params = SamplingArrays.fill(1, 0.0)
+    for drafts, nrows, want in (([2, 4, 1], 4, [2, 4, 1, 3]), ([2, 0, 1], 4, [2, 4, -1, -1]),
+                                ([0, 4, 1], 4, [2, -1, -1, -1]), ([2, 4, 1], 2, [2, 4, -1, -1]),
+                                ([2, 4, 1], 1, [2, -1, -1, -1])):
+        out, n = accept(logits, jnp.asarray([drafts], jnp.int32), jnp.asarray([nrows]), jax.random.key(0)[None],
+                        params)
+        assert np.asarray(out)[0].tolist() == want and int(n[0]) == sum(t >= 0 for t in want), (drafts, nrows)
+
+
+def test_sampled_verification_follows_the_model(setup):
+    """Through the tiny model's verification (dense, 2 slots, top-k 3 at temperature 2): the first verified token
+    follows the model's next-token distribution whatever the drafts (point masses on the likeliest and on an
+    unlikely token)."""
+    model, cfg, prompts = setup
+    gen = Generator(model, cfg, attention="dense")
+    S = cfg.max_seqs
+    prompt = prompts[0]
+    for s in range(S):
+        assert gen.admit(len(prompt) + 8) == s
+        gen.prefill(s, prompt)
+    tok = jnp.full(S, 5, jnp.int32)
+    params = SamplingArrays.fill(S, 2.0, 1.0, 3)
+    p = np.asarray(token_probs(gen.next_logits(tok), params))[0]
+    top = np.argsort(-p)[:3]
+    L0 = np.asarray(gen.backend.length)
+    counts = np.zeros(p.shape[0])
+    tokens = np.zeros((S, K + 1), np.int32)
+    tokens[:, 0] = 5
+    tokens[0, 1:] = top[0]
+    tokens[1, 1:] = top[2]
+    b = gen.backend
+    rounds = 300
+    for i in range(rounds):
+        keys = row_keys(jnp.asarray([11, 12], jnp.uint32), jnp.full(S, i, jnp.uint32))
+        args = jax.device_put((jnp.asarray(tokens), jnp.asarray([K + 1] * S, jnp.int32),
+                               jnp.asarray([10**6] * S, jnp.int32), keys, params, jnp.zeros(())), gen._replicated)
+        b.cache, b.host, out, n, _, _, _ = gen.program.verify(K + 1)(gen.params, b.cache, b.host, *args)
+        for t in np.asarray(out)[:, 0]:
+            counts[t] += 1
+        b.length = jax.device_put(L0, b._rep)                  # roll back: the same step again
+    freq = counts / counts.sum()
+    assert set(np.nonzero(counts)[0]) <= set(top.tolist())
+    assert np.abs(freq - p).max() < 0.06, (freq[top], p[top])
+
+
+# ---- small parts ---------------------------------------------------------------------------------------------------
+def test_ngram_propose_and_flush_points():
+    h = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert ngram_propose(h, 2, 3) == [7, 8]                    # the latest earlier match of [1, 2, 3]
+    assert ngram_propose(h + [5], 3, 3) == []
+    assert ngram_propose([4, 5, 4], 3, 3) == [5, 4]            # falls back to a 1-gram
+    assert ngram_propose(h, 0, 3) == []
+    assert next_flush(100, 100, 16) == 116 and next_flush(100, 115, 16) == 116 and next_flush(100, 116, 16) == 132
+
+
+def test_spec_config_errors():
+    with pytest.raises(ValueError, match="method"):
+        SpecConfig("medusa")
+    with pytest.raises(ValueError, match="num_tokens"):
+        SpecConfig("ngram", 0)
+    with pytest.raises(ValueError, match="draft_model"):
+        SpecConfig("draft", 4)
+    with pytest.raises(ValueError, match="ngram"):
+        SpecConfig("ngram", 4, draft_model="x")
