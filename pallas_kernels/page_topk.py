@@ -11,8 +11,8 @@ The k winners are then sorted by (score descending, index ascending) in XLA (k v
 exactly `ref_top_k`'s (`lax.top_k` over scores with -0.0 folded into +0.0): same values, indices and order.
 Axis alphabet: R rows, P pages (Pp: padded to a power of two with -inf, never chosen before a real page), k
 winners (kp: padded to a power of two).
-`impl="auto"` (the decode's default) uses the kernel on GPU for rows up to AUTO_MAX_PAGES padded pages (a row
-lives in one program's registers; longer rows have not been compiled on a GPU) and `lax.top_k` beyond and off GPU.
+A row lives in one program's registers: which row lengths the decode sends here (and which to `lax.top_k`) is
+decided by ulacache_jax/kernel_choice.py.
 """
 from __future__ import annotations
 
@@ -26,9 +26,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import next_pow2, on_gpu, pick_impl
-
-
-AUTO_MAX_PAGES = 8192  # the longest padded row compiled and timed on a GPU (4224 pages: 256K tokens, page 64)
 
 
 def _sort_keys(x):
@@ -94,8 +91,8 @@ def ref_top_k(s, k: int):
 
 
 def top_k(s, k: int, *, impl: str = "ref"):
-    """impl: 'ref' (lax.top_k), 'pallas' (the kernel; interpret mode off GPU) or 'auto' (the kernel on GPU for
-    rows of at most AUTO_MAX_PAGES padded pages, lax.top_k otherwise: DecodeOptions' default)."""
-    if pick_impl(impl) == "ref" or (impl == "auto" and next_pow2(s.shape[-1]) > AUTO_MAX_PAGES):
+    """impl: 'ref' (lax.top_k), 'pallas' (the kernel; interpret mode off GPU) or 'auto' (the kernel on GPU,
+    lax.top_k elsewhere)."""
+    if pick_impl(impl) == "ref":
         return ref_top_k(s, k)
     return top_k_pallas(s, k, interpret=not on_gpu())

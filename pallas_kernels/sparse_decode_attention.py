@@ -11,7 +11,8 @@ G groups, g kv heads per group (KV = G * g), r query heads per kv head (H = KV *
 kv head.
 
 Two kernels (their times and bandwidth against the copy ceiling: docs/BENCHMARKS.md, sparse decode attention):
-- Mosaic GPU (`impl="mosaic"`, what `impl="auto"` runs on GPU where it applies): one CTA per (b, kv head, split);
+- Mosaic GPU (`impl="mosaic"`, the library's choice on Hopper where it applies: ulacache_jax/kernel_choice.py):
+  one CTA per (b, kv head, split);
   the split's K and V pages stream into shared memory by TMA (`emit_pipeline` over the frame table, 2 deep), and
   per page S = q @ K^T and O += P @ V run on the tensor cores (wgmma, the kv head's Q * r query rows padded to 64),
   online softmax in registers. The faster of the two on Hopper; resident pages only, bf16/f16, g = 1, Q * r <= 64.
@@ -23,8 +24,9 @@ Two kernels (their times and bandwidth against the copy ceiling: docs/BENCHMARKS
 Both write per-split partials, merged by log-sum-exp in XLA (about 1-3% of the bytes).
 
 `ref_sparse_decode_attention` is the same function in plain jnp (gather the pages, mask, softmax), obvious
-rather than fast. `impl="auto"` runs a kernel on GPU and the reference elsewhere; `impl="pallas"` forces the
-Triton kernel (interpret mode on CPU). The Mosaic kernel has no CPU interpreter (jax's Mosaic GPU interpreter has
+rather than fast. `impl="auto"` runs the Triton kernel on GPU and the reference elsewhere (the plain default of
+direct calls; which kernel the decode runs is decided by ulacache_jax/kernel_choice.py); `impl="pallas"` forces
+the Triton kernel (interpret mode on CPU). The Mosaic kernel has no CPU interpreter (jax's Mosaic GPU interpreter has
 no wgmma); its jnp stand-in `_ref_mosaic_partials` tests its packing and merge on CPU, and it is checked against
 the reference on the GPU (tests marked gpu, and the benchmark before timing).
 """
@@ -345,13 +347,14 @@ def _pallas_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k
 MOSAIC_ROWS = 64  # wgmma wants 64 rows: the kv head's Q * r query rows, zero-padded
 
 
-def mosaic_supported(q, pool_k, host_k=None, store_misses=False) -> bool:
-    """The Mosaic variant covers bf16/f16, one kv head per group, at most 64 query rows per kv head, D % 64 == 0,
-    page % 64 == 0, and no host reads (TMA from pinned_host is not probed); the Triton kernel covers the rest."""
-    _, nq, h, d = q.shape
-    _, page, g, _ = pool_k.shape
-    return (q.dtype in (jnp.bfloat16, jnp.float16) and pool_k.dtype == q.dtype and g == 1 and host_k is None
-            and not store_misses and d % 64 == 0 and d <= 256 and page % 64 == 0)
+def mosaic_applies(query_dtype, cache_dtype, *, head_dim: int, page_size: int, kv_heads_per_group: int,
+                   query_rows: int, reads_host: bool) -> bool:
+    """What the Mosaic variant serves, from static facts: bf16/f16 queries and pages of the same dtype, one kv head
+    per group, head_dim % 64 == 0 (at most 256), page % 64 == 0, at most MOSAIC_ROWS query rows (Q * r) per kv
+    head, and no host reads (TMA from pinned_host is not probed). The Triton kernel covers the rest."""
+    q, c = jnp.dtype(query_dtype), jnp.dtype(cache_dtype)
+    return (q in (jnp.bfloat16, jnp.float16) and c == q and kv_heads_per_group == 1 and not reads_host
+            and head_dim % 64 == 0 and head_dim <= 256 and page_size % 64 == 0 and query_rows <= MOSAIC_ROWS)
 
 
 def default_mosaic_tuning(batch: int, num_kv: int, num_slots: int) -> dict:
@@ -511,22 +514,11 @@ def _mosaic_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, *, sca
 
 
 def _mosaic_applies(q, pool_k, num_kv: int, host_k, store_misses) -> bool:
-    """mosaic_supported, and the kv head's query rows (Q * H / KV) fit one wgmma tile of MOSAIC_ROWS."""
-    _, nq, h, _ = q.shape
-    return mosaic_supported(q, pool_k, host_k, store_misses) and nq * (h // num_kv) <= MOSAIC_ROWS
-
-
-def resolve_impl(impl: str, q, pool_k, num_kv: int, host_k=None, store_misses=False) -> str:
-    """What impl="auto" runs: the Mosaic kernel on a Hopper GPU where it applies (resident pages, bf16/f16, g = 1,
-    at most MOSAIC_ROWS query rows per kv head), the Triton kernel on other GPUs and shapes, the reference off GPU.
-    Other impls are returned as given. q [B, Q, H, D]; pool_k [F, t, g, D]; num_kv = KV."""
-    if impl != "auto":
-        return impl
-    if not on_gpu():
-        return "ref"
-    if on_hopper() and _mosaic_applies(q, pool_k, num_kv, host_k, store_misses):
-        return "mosaic"
-    return "pallas"
+    """mosaic_applies for these arrays: q [B, Q, H, D]; pool_k [F, t, g, D]; num_kv = KV."""
+    _, nq, h, d = q.shape
+    _, page, g, _ = pool_k.shape
+    return mosaic_applies(q.dtype, pool_k.dtype, head_dim=d, page_size=page, kv_heads_per_group=g,
+                          query_rows=nq * (h // num_kv), reads_host=host_k is not None or bool(store_misses))
 
 
 def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, *, host_k=None, host_v=None,
@@ -545,8 +537,8 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
                Default: 1 where page_start >= 0 else 0.
     Returns out [B, Q, H, D] in q.dtype (f32 accumulation); with store_misses=True also (pool_k, pool_v), aliased:
     call it under jit with the pools donated or XLA copies the whole pool first.
-    impl: "auto" (kernel on GPU, reference elsewhere), "pallas" (the Triton-lowering kernel; interpret mode on
-    CPU), "mosaic" (the Mosaic GPU kernel: GPU only, resident pages, see `mosaic_supported`), "ref".
+    impl: "auto" (the Triton kernel on GPU, the reference elsewhere), "pallas" (the Triton-lowering kernel;
+    interpret mode on CPU), "mosaic" (the Mosaic GPU kernel: Hopper only, see `mosaic_applies`), "ref".
     `tuning` (optional dict) overrides `default_tuning` (pallas: num_splits, pages_per_block, num_warps,
     num_stages) or `default_mosaic_tuning` (mosaic: num_splits, max_concurrent_steps).
     """
@@ -554,7 +546,8 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     b, nq, h, d, page, g, ng, kv = _check(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k, host_v,
                                           page_host, page_src)
-    impl = resolve_impl(impl, q, pool_k, kv, host_k, store_misses)
+    if impl == "auto":
+        impl = "pallas" if on_gpu() else "ref"
     if impl == "ref":
         return ref_sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k=host_k,
                                            host_v=host_v, page_host=page_host, page_src=page_src, scale=scale,

@@ -127,13 +127,13 @@ def score_launch(args):
     return tuple(args.score_launch) if args.score_launch else None
 
 
-def attention_kernel(impl: str, mc, cfg) -> str:
+def attention_kernel(impl: str, mc, cfg, platform=None) -> str:
     """The kernel the sparse decode's attention resolves to ('mosaic', 'triton' or 'ref'), recorded in each row:
-    what 'auto' means depends on the GPU and on the commit."""
-    from ulacache_jax.pallas_kernels.sparse_decode_attention import resolve_impl
-    q = jax.ShapeDtypeStruct((cfg.max_seqs, 1, mc.num_heads, mc.head_dim), cfg.jnp_dtype)         # [B, Q, H, D]
-    pool = jax.ShapeDtypeStruct((1, cfg.page_size, cfg.kv_heads_per_group, mc.head_dim), cfg.jnp_dtype)
-    got = resolve_impl(impl, q, pool, mc.num_kv_heads)       # the separate-fetch path: resident pages only
+    what 'auto' means depends on the GPU and on the commit (kernel_choice.resolve; platform: the current one)."""
+    from ulacache_jax.decode_layer import DecodeOptions
+    from ulacache_jax.kernel_choice import Platform, resolve
+    got = resolve(DecodeOptions(attention=impl), cfg, platform or Platform.current(), query_dtype=cfg.dtype,
+                  query_heads_per_kv=mc.num_queries_per_kv).attention
     return {"pallas": "triton"}.get(got, got)
 
 
@@ -245,7 +245,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                pool_frames=cfg.num_frames if attention == "sparse" else None,
                buckets=cfg.num_buckets if attention == "sparse" else None,
                slots_per_bucket=cfg.slots_per_bucket if attention == "sparse" else None,
-               sieve=DecodeOptions(sieve=sieve).sieve_impl() if attention == "sparse" else None,
+               sieve=gen.backend.ops.kernels.sieve if attention == "sparse" else None,
                topk=args.topk if attention == "sparse" else None,
                attention_impl=args.attention_impl if attention == "sparse" else None,
                attention_kernel=attention_kernel(args.attention_impl, mc, cfg) if attention == "sparse" else None,

@@ -73,19 +73,16 @@ def test_bench_ingest_checks_and_reports(tmp_path):
 def test_rows_record_the_attention_kernel_that_ran(monkeypatch):
     """'auto' changed meaning (Triton, then Mosaic on Hopper): each decode row records the resolved kernel."""
     from bench_decode import attention_kernel
-    from ulacache_jax.pallas_kernels import sparse_decode_attention as sda
+    from ulacache_jax.kernel_choice import Platform
     mc = get_preset("llama-3.1-8b")
     cfg = default_cache_config(mc, num_seqs=2, max_tokens=4096, dtype="bfloat16")
     tiny = get_preset("tiny")
     tiny_cfg = default_cache_config(tiny, num_seqs=2, max_tokens=256, page_size=16)
-    assert attention_kernel("auto", mc, cfg) == "ref"                                   # CPU
-    monkeypatch.setattr(sda, "on_gpu", lambda: True)
-    assert attention_kernel("pallas", mc, cfg) == "triton"
-    monkeypatch.setattr(sda, "on_hopper", lambda: True)
-    assert attention_kernel("auto", mc, cfg) == "mosaic"
-    assert attention_kernel("auto", tiny, tiny_cfg) == "triton"                         # head_dim 16: not Mosaic's
-    monkeypatch.setattr(sda, "on_hopper", lambda: False)
-    assert attention_kernel("auto", mc, cfg) == "triton"
+    assert attention_kernel("auto", mc, cfg, Platform("cpu")) == "ref"
+    assert attention_kernel("pallas", mc, cfg, Platform("gpu")) == "triton"
+    assert attention_kernel("auto", mc, cfg, Platform("gpu", hopper=True)) == "mosaic"
+    assert attention_kernel("auto", tiny, tiny_cfg, Platform("gpu", hopper=True)) == "triton"  # head_dim 16
+    assert attention_kernel("auto", mc, cfg, Platform("gpu")) == "triton"
 
 
 # ----------------------------------------------------------------------------------------------------------------

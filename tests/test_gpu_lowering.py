@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import mesh as mesh_lib
 
-from ulacache_jax import pb_lru
+from ulacache_jax import kernel_choice, pb_lru
 from ulacache_jax.pallas_kernels import page_copy, pb_lru_sieve
 from ulacache_jax.pallas_kernels import sparse_decode_attention as sda
 from ulacache_jax.pallas_kernels.page_scores import page_scores_pallas
@@ -105,6 +105,7 @@ def test_decode_layer_lowers_with_gpu_dispatch(monkeypatch, options, triton, mos
     S = cfg.max_seqs
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(sda, "on_hopper", lambda: True)       # lowered for the H200 (sm_90) from a CPU machine
+    monkeypatch.setattr(kernel_choice.Platform, "current", staticmethod(lambda: kernel_choice.Platform("gpu", True)))
 
     def layer(st, hp, q, kn, pos, live):
         st, out, stats = attend_layer(st, hp, 1, q, kn, kn, pos, live, options=DecodeOptions(**options))
@@ -116,14 +117,14 @@ def test_decode_layer_lowers_with_gpu_dispatch(monkeypatch, options, triton, mos
 
 
 def test_sparse_attention_mosaic_lowers(monkeypatch):
-    """The Mosaic GPU attention kernel (what impl="auto" runs on resident pages) lowers too."""
+    """The Mosaic GPU attention kernel (what the decode runs on Hopper for resident pages) lowers too."""
     from ulacache_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
     B, H, KV, D, page, nslot, nf = 4, 64, 8, 128, 64, 34, 2048
     q, pool = spec((B, 1, H, D), jnp.bfloat16), spec((nf, page, 1, D), jnp.bfloat16)
     tab = spec((B, KV, nslot), jnp.int32)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(sda, "on_hopper", lambda: True)
-    txt = lower_for_h200(lambda q, pk, pv, fr, st, sl: sparse_decode_attention(q, pk, pv, fr, st, sl, impl="auto"),
+    txt = lower_for_h200(lambda q, pk, pv, fr, st, sl: sparse_decode_attention(q, pk, pv, fr, st, sl, impl="mosaic"),
                          q, pool, pool, tab, tab, spec((B,), jnp.int32))
     assert "custom_call @mosaic_gpu" in txt and TRITON_CALL not in txt
 
@@ -138,7 +139,8 @@ def test_sparse_attention_mosaic_lowers_under_shard_map(monkeypatch):
     mesh = mesh_lib.AbstractMesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
                                  abstract_device=mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
                                                                          platform="cuda"))
-    rank = jax.shard_map(lambda q, pk, pv, fr, st, sl: sda.sparse_decode_attention(q, pk[0], pv[0], fr, st, sl),
+    rank = jax.shard_map(lambda q, pk, pv, fr, st, sl: sda.sparse_decode_attention(q, pk[0], pv[0], fr, st, sl,
+                                                                                    impl="mosaic"),
                          mesh=mesh, in_specs=(P(None, None, "tp"), P("tp"), P("tp"), P(None, "tp"), P(None, "tp"), P()),
                          out_specs=P(None, None, "tp"))
     pool, tab = spec((2, nf, page, 1, D), jnp.bfloat16), spec((B, KV, nslot), jnp.int32)   # [R, F, t, g, D]

@@ -47,18 +47,6 @@ def test_compiled_matches_lax_top_k(case):
         check(adversarial_scores(), 32, interpret=False)
 
 
-def test_auto_keeps_lax_top_k_for_rows_longer_than_measured(monkeypatch):
-    import jax
-    from ulacache_jax.pallas_kernels import page_topk
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    calls = []
-    monkeypatch.setattr(page_topk, "top_k_pallas", lambda s, k, **kw: calls.append(s.shape) or ref_top_k(s, k))
-    s = jnp.zeros((2, page_topk.AUTO_MAX_PAGES + 1))
-    top_k(s, 4, impl="auto")                                     # pads to 2 x AUTO_MAX_PAGES: lax.top_k
-    top_k(s[:, :page_topk.AUTO_MAX_PAGES], 4, impl="auto")       # within the measured rows: the kernel
-    assert calls == [(2, page_topk.AUTO_MAX_PAGES)]
-
-
 def test_leading_axes_and_dispatch():
     s = np.random.default_rng(1).standard_normal((2, 3, 50)).astype(np.float32)
     v, i = top_k(jnp.asarray(s), 7, impl="pallas")

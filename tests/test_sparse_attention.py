@@ -166,27 +166,14 @@ def test_auto_is_ref_on_cpu():
                                   np.asarray(sda.ref_sparse_decode_attention(*args_of(case))))
 
 
-def test_auto_picks_mosaic_only_on_hopper_for_resident_pages(monkeypatch):
-    # the decode's default: Mosaic where it was measured faster (Hopper, resident pages), Triton elsewhere
+def test_mosaic_applies_to_resident_half_precision_pages():
+    # what the Mosaic kernel serves (which kernel runs is kernel_choice's: tests/test_kernel_choice.py)
     q = jnp.zeros((4, 1, 64, 128), jnp.bfloat16)                  # [B, Q, H, D]: 8 query rows per kv head
     pool = jnp.zeros((16, 64, 1, 128), jnp.bfloat16)               # [F, t, g, D]
-    monkeypatch.setattr(sda, "on_gpu", lambda: True)
-    monkeypatch.setattr(sda, "on_hopper", lambda: True)
-    assert sda.resolve_impl("auto", q, pool, 8) == "mosaic"
-    assert sda.resolve_impl("auto", q, pool, 8, store_misses=True) == "pallas"      # fused fetch reads the host
-    assert sda.resolve_impl("auto", q.astype(jnp.float32), pool.astype(jnp.float32), 8) == "pallas"
-    assert sda.resolve_impl("auto", jnp.zeros((4, 2, 512, 128), jnp.bfloat16), pool, 8) == "pallas"  # 128 rows
-    assert sda.resolve_impl("pallas", q, pool, 8) == "pallas"
-    monkeypatch.setattr(sda, "on_hopper", lambda: False)
-    assert sda.resolve_impl("auto", q, pool, 8) == "pallas"
-    monkeypatch.setattr(sda, "on_gpu", lambda: False)
-    assert sda.resolve_impl("auto", q, pool, 8) == "ref"
-
-
-def test_decode_options_auto_defers_to_the_kernel_choice():
-    from ulacache_jax.decode_layer import DecodeOptions
-    assert DecodeOptions().attention_impl() == "auto"
-    assert DecodeOptions(attention="pallas").attention_impl() == "pallas"
+    assert sda._mosaic_applies(q, pool, 8, None, False)
+    assert not sda._mosaic_applies(q, pool, 8, None, True)                          # fused fetch reads the host
+    assert not sda._mosaic_applies(q.astype(jnp.float32), pool.astype(jnp.float32), 8, None, False)
+    assert not sda._mosaic_applies(jnp.zeros((4, 2, 512, 128), jnp.bfloat16), pool, 8, None, False)  # 128 rows
 
 
 def test_bad_shapes_raise():

@@ -10,7 +10,8 @@ A backend has two halves:
   is a mesh of one), and the slot bookkeeping in plain Python: `admit`, `release`, `request_error`, and the
   per-layer prefill views (`layer_view` / `set_layer_view`: what one layer's prefill program donates and gets
   back).
-The attention kind is resolved once, by `make_backend`; nothing else compares it.
+The attention kind is resolved once, by `backend_class` (make_backend); nothing else compares it. The kernel
+choices are resolved once too, when make_backend builds the ops (kernel_choice.resolve).
 """
 from __future__ import annotations
 
@@ -26,26 +27,33 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .cache_state import CacheState, HostPool, rebase_clock
 from .config import CacheConfig
 from .decode_layer import DecodeOptions, LayerStats, attend_layer, commit_rows, flush_tail, verify_layer
+from .kernel_choice import Platform, ResolvedKernels, resolve
 from .models.attention import dense_attention
-from .pallas_kernels import on_gpu
 from .sequences import CacheManager, CapacityError, ingest_chunk
 from .tp import HOST_SPECS, TP_AXIS
 
 ATTENTION_KINDS = ("sparse", "dense")
 
 
-def use_cudnn(q) -> bool:
-    """cuDNN attention (prefill, dense decode) on GPU for half-precision inputs, the one backend test the kernels
-    use too; the jnp reference elsewhere (cuDNN takes no fp32)."""
-    return on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16)
-
-
 # ---- traced halves --------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class SparseOps:
+class _Kernels:
+    """What both traced halves carry: the kernel choices resolved once (kernel_choice.resolve), and the decode
+    options with those choices in place of their 'auto's. Build with `build`."""
+    options: DecodeOptions
+    kernels: ResolvedKernels
+
+    @classmethod
+    def build(cls, options: DecodeOptions, config: CacheConfig, platform: Platform, **query):
+        """The ops for `options` on `platform` (query: resolve's query_dtype and query_heads_per_kv)."""
+        kernels = resolve(options, config, platform, **query)
+        return cls(kernels.decode_options(options), kernels)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseOps(_Kernels):
     """UlaCache inside the program: cache = CacheState (one rank's view), host = HostPool."""
     kind: ClassVar[str] = "sparse"
-    options: DecodeOptions = DecodeOptions()
 
     def prefill_store(self, view, layer, slot, k, v, length):
         """view (state, host); k, v [T, KVr, D] of layer `layer` (traced) -> view."""
@@ -101,10 +109,10 @@ class DenseCache:
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseOps:
-    """The dense baseline inside the program: cache = (DenseCache, length [S]), host = ()."""
+class DenseOps(_Kernels):
+    """The dense baseline inside the program: cache = (DenseCache, length [S]), host = (). Decode attention by
+    `kernels.dense_attention` (cuDNN or the jnp reference)."""
     kind: ClassVar[str] = "dense"
-    options: DecodeOptions = DecodeOptions()
 
     def prefill_store(self, view, layer, slot, k, v, length):
         """view (k, v) [S, T_max, KVr, D] of this layer; k, v [T, KVr, D] -> view."""
@@ -126,7 +134,7 @@ class DenseOps:
         ck = dense.k[layer].at[jnp.arange(S), w].set(k.astype(dense.k[layer].dtype), mode="drop")  # [S, T, KV, D]
         cv = dense.v[layer].at[jnp.arange(S), w].set(v.astype(dense.v[layer].dtype), mode="drop")
         seen = jnp.where(live, pos + 1, 0)
-        if use_cudnn(q):
+        if self.kernels.dense_attention == "cudnn":
             o = jax.nn.dot_product_attention(q, ck, cv, key_value_seq_lengths=jnp.maximum(seen, 1),
                                              implementation="cudnn")
         else:
@@ -162,10 +170,19 @@ class DenseOps:
 class SparseBackend:
     """UlaCache's arrays and bookkeeping: a `CacheManager` over the mesh (state + pinned host pool per rank)."""
     kind = "sparse"
+    ops_class = SparseOps
+    host_tier = True      # pages live in a host pool and cross PCIe: hit rates and PCIe bytes mean something
 
-    def __init__(self, config: CacheConfig, mesh: Mesh, options: DecodeOptions = DecodeOptions()):
-        self.config, self.ops = config, SparseOps(options)
-        self.manager = CacheManager(config, mesh=mesh, impl=options.copy)
+    @staticmethod
+    def footprint(config: CacheConfig) -> dict:
+        """Bytes of the cache: HBM (all ranks) and host, by part."""
+        fp = config.footprint()
+        hbm = {k: v * config.tp for k, v in fp.items() if k != "host"}
+        return {"hbm_bytes": sum(hbm.values()), "host_bytes": fp["host"] * config.tp, "hbm_detail": hbm}
+
+    def __init__(self, config: CacheConfig, mesh: Mesh, ops: SparseOps):
+        self.config, self.ops = config, ops
+        self.manager = CacheManager(config, mesh=mesh, impl=ops.kernels.copy)
 
     # the carried decode cache and the host pool
     @property
@@ -221,10 +238,19 @@ class SparseBackend:
 class DenseBackend:
     """The dense baseline's arrays: per-layer K/V [S, T_max, KV, D] in HBM, KV heads sharded over "tp"."""
     kind = "dense"
+    ops_class = DenseOps
+    host_tier = False
 
-    def __init__(self, config: CacheConfig, mesh: Mesh, options: DecodeOptions = DecodeOptions()):
+    @staticmethod
+    def footprint(config: CacheConfig) -> dict:
+        """Bytes of the cache: every K/V in HBM (all ranks), no host tier."""
         c = config
-        self.config, self.ops, self.mesh = config, DenseOps(options), mesh
+        kv = 2 * c.num_layers * c.max_seqs * c.max_context * c.num_kv_heads * c.head_dim * c.jnp_dtype.itemsize
+        return {"hbm_bytes": kv, "host_bytes": 0, "hbm_detail": {"dense_kv": kv}}
+
+    def __init__(self, config: CacheConfig, mesh: Mesh, ops: DenseOps):
+        c = config
+        self.config, self.ops, self.mesh = config, ops, mesh
         self._kv_sh = NamedSharding(mesh, P(None, None, TP_AXIS))
         self._rep = NamedSharding(mesh, P())
         # committed from the start: the programs' outputs come back committed, and an uncommitted first cache made
@@ -279,11 +305,21 @@ class DenseBackend:
         self._free.sort(reverse=True)
 
 
-def make_backend(attention: str, config: CacheConfig, mesh: Mesh, options: DecodeOptions = DecodeOptions()):
-    """The backend for `attention` ('sparse' = UlaCache, 'dense' = every K/V in HBM): the one place that reads the
-    attention kind."""
+def backend_class(attention: str):
+    """The backend class for `attention` ('sparse' = UlaCache, 'dense' = every K/V in HBM): the one place that
+    reads the attention kind (make_backend builds from it; sizing before a backend exists asks its class)."""
     if attention == "sparse":
-        return SparseBackend(config, mesh, options)
+        return SparseBackend
     if attention == "dense":
-        return DenseBackend(config, mesh, options)
+        return DenseBackend
     raise ValueError(f"attention = {attention!r} must be one of {ATTENTION_KINDS}")
+
+
+def make_backend(attention: str, config: CacheConfig, mesh: Mesh, options: DecodeOptions = DecodeOptions(), *,
+                 query_dtype=None, query_heads_per_kv: int = 1):
+    """The backend for `attention` over `mesh`, its kernel choices resolved here, once, for the mesh's platform
+    (kernel_choice.resolve; query_dtype and query_heads_per_kv: the model's, see there)."""
+    cls = backend_class(attention)
+    ops = cls.ops_class.build(options, config, Platform.of(mesh.devices.flat[0]), query_dtype=query_dtype,
+                              query_heads_per_kv=query_heads_per_kv)
+    return cls(config, mesh, ops)

@@ -125,11 +125,12 @@ def _manager(directory, *, create: bool):
 
 
 def _ragged(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Lists of ints -> (flat [sum n] int64, offsets [len + 1] int64)."""
+    """Lists of ints -> (flat [sum n + 1] int64, offsets [len + 1] int64). The flat array ends with one unused -1:
+    orbax refuses arrays of size zero (no requests, or none with tokens yet)."""
     offsets = np.zeros(len(lists) + 1, np.int64)
     offsets[1:] = np.cumsum([len(x) for x in lists])
     flat = np.fromiter((t for x in lists for t in x), np.int64, count=int(offsets[-1]))
-    return flat, offsets
+    return np.append(flat, -1), offsets
 
 
 def _unragged(flat: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
@@ -164,8 +165,9 @@ def save(engine, directory, *, meta: dict | None = None) -> pathlib.Path:
             raise RuntimeError(f"request {r.request_id} is running without a slot: save between engine steps")
     prompts, p_off = _ragged([r.prompt_ids for r in reqs])
     tokens, t_off = _ragged([r.tokens for r in reqs])
+    # one row per request, and one unused row at the end (orbax refuses arrays of size zero)
     cols = np.asarray([[r.request_id, r.max_new_tokens, r.capped, r.seed, r.chunk, r.remaining, r.pending]
-                       for r in reqs], np.int64).reshape(len(reqs), 7)
+                       for r in reqs] + [[-1] * 7], np.int64)
     arrays = {"prompts": prompts, "prompt_offsets": p_off, "tokens": tokens, "token_offsets": t_off,
               "columns": cols}
     info = {"format": FORMAT, "identity": engine_identity(engine), "next_id": engine._next_id,

@@ -17,6 +17,13 @@ it: a torn last line is dropped, ids already done with the same settings are ski
 refused unless --force), error records a new success supersedes are removed (the file is rewritten atomically).
 The report and plot are written to a temp file and renamed. Every path is checked before the model loads.
 
+Checkpoints: `--checkpoint-dir D` saves the running batch (Engine.save: every in-flight request's prompt, tokens,
+sampling and RNG state; not the cache) every `--checkpoint-every N` engine steps (one step = one decode chunk of
+--page-size tokens for every running request; default 8) and once more, empty, when the run completes. A killed
+run rerun with `--resume` and the same D continues its in-flight requests from their last checkpoint (re-prefilled
+and decoding on) instead of starting them over; a checkpoint made with other settings is refused (--force:
+ignored, those requests start over).
+
 Exit code: 0 if every request succeeded, 1 if any line failed (bad input or a failed request) or the output
 could not be written, 2 for bad options or unusable paths, 130 when interrupted by SIGINT (Ctrl-C), 143 by
 SIGTERM (128 + the signal number).
@@ -47,6 +54,7 @@ SAMPLING_FIELDS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_
 KNOWN_FIELDS = ("id", "messages", "prompt", "prompt_ids") + SAMPLING_FIELDS
 COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
+CHECKPOINT_EVERY = 8             # engine steps between checkpoints (docs/BENCHMARKS.md: the measured overhead)
 DEFAULT_MODEL = "smollm2-135m"   # trained, answers in words; the random presets are for tests and speed runs
 
 
@@ -151,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --resume: accept results made with other settings (they count as done) and drop "
                         "lines of --output that are not result records")
     g.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty --output")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="checkpoint the running batch here (orbax; not the cache): with --resume, requests that were "
+                        "in flight continue from their last checkpoint instead of starting over")
+    g.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
+                   help=f"engine steps between checkpoints (a step decodes one chunk of --page-size tokens for every "
+                        f"running request; default {CHECKPOINT_EVERY})")
     g.add_argument("--compile-cache", default=None, metavar="DIR|off",
                    help="JAX persistent compilation cache, so restarts do not recompile (default: "
                         "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/ulacache_jax/jax_cache; 'off' = none)")
@@ -642,6 +656,10 @@ def check_paths(args) -> None:
         raise UsageError("--resume and --overwrite contradict each other")
     if args.force and not args.resume:
         raise UsageError("--force only applies to --resume")
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        raise UsageError("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_dir is not None:
+        jsonl_io.check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
     if args.input != "-":
         inp = pathlib.Path(args.input)
         if not inp.exists():
@@ -702,6 +720,68 @@ def _finish_resume(args) -> None:
         jsonl_io.rewrite_output(args.output, kept)
 
 
+def _read_checkpoint(args, fingerprint: str):
+    """--resume with --checkpoint-dir, before the model loads: the checkpoint to continue, or None (none there, or
+    --force over one made with other settings)."""
+    from . import checkpoint
+    try:
+        ck = checkpoint.read(args.checkpoint_dir)
+    except checkpoint.CheckpointError as e:
+        if "no complete checkpoint" in str(e):
+            return None
+        raise UsageError(f"--checkpoint-dir: {e}") from None
+    theirs = ck.meta.get("settings")
+    if theirs != fingerprint:
+        if not args.force:
+            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: checkpoint {ck.path} was made with other "
+                             f"settings (fingerprint {theirs}; this run's is {fingerprint}): rerun with the same "
+                             "options, or --force to ignore it (its requests start over)")
+        print(f"ulacache: --resume --force: checkpoint {ck.path} (other settings) ignored", file=sys.stderr)
+        return None
+    return ck
+
+
+def _checkpoint_fits(args, ck, longest: int) -> bool:
+    """Whether the checkpoint's cache holds this run (--tp, the longest remaining request); else it is ignored."""
+    cfg = ck.cache_config
+    if cfg.tp != args.tp or cfg.max_context < longest:
+        print(f"ulacache: --resume: checkpoint {ck.path} ignored: its cache (tp {cfg.tp}, context {cfg.max_context}) "
+              f"does not hold this run (tp {args.tp}, longest request {longest} tokens)", file=sys.stderr)
+        return False
+    return True
+
+
+def _restore_checkpoint(engine, ck, records) -> dict:
+    """Restore the checkpoint's queued and running requests whose input line is unchanged and not yet done ->
+    {engine request id: Record}; the other records are added afresh by the caller."""
+    from . import checkpoint
+    by_key = {_id_key(r.id): r for r in records}
+    ids = ck.meta.get("ids") or {}
+    restored, skip = {}, []
+    for sr in ck.requests:
+        rec = by_key.get(ids.get(str(sr.request_id)))
+        ok = rec is not None and sr.status != "finished" and rec.prompt_ids == sr.prompt_ids
+        if ok:
+            want = rec.sampling
+            if want.stop_ids is None:
+                want = dataclasses.replace(want, stop_ids=engine.default_stop_ids)
+            ok = checkpoint.sampling_params(sr.sampling) == want
+        if ok:
+            restored[sr.request_id] = rec
+            del by_key[_id_key(rec.id)]
+        else:
+            skip.append(sr.request_id)
+    try:
+        engine.restore(ck.path.parent, skip=skip)
+    except checkpoint.CheckpointError as e:
+        raise UsageError(f"--checkpoint-dir: {e}") from None
+    running = [engine.get(i) for i in restored if engine.get(i).status == "running"]
+    print(f"ulacache: --resume: {len(running)} in-flight requests ({sum(len(r.tokens) for r in running)} tokens "
+          f"generated) and {len(restored) - len(running)} queued ones restored from checkpoint {ck.path}",
+          file=sys.stderr)
+    return restored
+
+
 def cmd_generate(args) -> int:
     t_start = time.perf_counter()
     check_paths(args)
@@ -716,6 +796,7 @@ def _generate_locked(args, t_start: float) -> int:
     settings = run_settings(args)
     fingerprint = jsonl_io.settings_fingerprint(settings)
     resume = _prepare_resume(args, fingerprint) if args.resume else ResumeState()
+    ckpt = _read_checkpoint(args, fingerprint) if args.resume and args.checkpoint_dir else None
     lines = read_input(args.input)
     setup_compile_cache(args.compile_cache)
 
@@ -767,7 +848,11 @@ def _generate_locked(args, t_start: float) -> int:
     if records:   # built before the output is touched: a bad cache setting leaves it as it was
         longest = min(limit, max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in records))
         num_seqs = min(args.max_seqs, len(records))
-        cfg = _cache_config(args, mc, loaded.model.dtype, num_seqs, longest, tp_mod)
+        if ckpt is not None and not _checkpoint_fits(args, ckpt, longest):
+            ckpt = None
+        # a checkpoint restores into the cache it was made with (the remaining requests fit it)
+        cfg = (ckpt.cache_config if ckpt is not None
+               else _cache_config(args, mc, loaded.model.dtype, num_seqs, longest, tp_mod))
         # --attention resolved once, here: the memory check, the Engine (given the Decision) and the report agree
         from .cost_model import resolve_attention
         decision = resolve_attention(args.attention, mc, cfg)
@@ -792,11 +877,28 @@ def _generate_locked(args, t_start: float) -> int:
     write_error: OutputError | None = None
     rep = None
     finished = []
+    n_steps = 0
+    ck_stats = {"saves": 0, "seconds": 0.0}
     writer = jsonl_io.ResultWriter(args.output, append=args.resume)
     try:
         writer.write_batch([stamp(e.as_output()) for e in errors])
         if engine is not None:
-            by_rid = {engine.add_request(r.prompt_ids, r.sampling): r for r in records}
+            by_rid = _restore_checkpoint(engine, ckpt, records) if ckpt is not None else {}
+            again = set(map(id, by_rid.values()))
+            by_rid.update({engine.add_request(r.prompt_ids, r.sampling): r for r in records if id(r) not in again})
+            every = args.checkpoint_every or CHECKPOINT_EVERY
+
+            def save_checkpoint():
+                t0 = time.perf_counter()
+                meta = {"settings": fingerprint,
+                        "ids": {str(i): _id_key(r.id) for i, r in by_rid.items() if i in engine.requests}}
+                try:
+                    engine.save(args.checkpoint_dir, meta=meta)
+                except Exception as e:  # noqa: BLE001 - a failed checkpoint must not stop the batch
+                    print(f"ulacache: checkpoint to {args.checkpoint_dir} failed ({type(e).__name__}: {e}); "
+                          "continuing", file=sys.stderr)
+                ck_stats["saves"] += 1
+                ck_stats["seconds"] += time.perf_counter() - t0
             bar = None
             if _is_tty(sys.stderr) and not args.no_progress:
                 from tqdm import tqdm
@@ -819,6 +921,9 @@ def _generate_locked(args, t_start: float) -> int:
                         if bar is not None:
                             bar.update(1)
                     writer.write_batch(batch)      # whole lines, fsynced, once per step
+                    n_steps += 1
+                    if args.checkpoint_dir and (n_steps % every == 0 or not engine.has_unfinished()):
+                        save_checkpoint()          # after the results are written: the last one holds nothing
                     if bar is not None:
                         el = engine.elapsed()
                         bar.set_postfix_str(f"{n_tokens / el:.1f} tok/s, {engine.num_running} running, "
@@ -844,6 +949,8 @@ def _generate_locked(args, t_start: float) -> int:
                    "lines": {"requests": len(records), "input_errors": len(errors), "skipped_resume": skipped,
                              "input_errors_reported_before": skipped_errors},
                    "input_errors": [dataclasses.asdict(e) for e in errors],
+                   "checkpoints": dict(ck_stats, every=args.checkpoint_every or CHECKPOINT_EVERY,
+                                       dir=args.checkpoint_dir) if args.checkpoint_dir else None,
                    "interrupted": None if interrupted is None else _signal_name(interrupted)})
     if write_error is not None:
         print(f"ulacache generate: error: {write_error}", file=sys.stderr)

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from . import lid as lid_mod, pb_lru, selection, vtlb as vtlb_mod
 from .cache_state import CacheState, HostPool, overflow_frame, tail_frame
 from .config import TAIL_PAGES
-from .pallas_kernels import on_gpu, page_copy
+from .kernel_choice import resolved_options
+from .pallas_kernels import page_copy
 from .pallas_kernels.page_scores import page_scores
 from .pallas_kernels.sparse_decode_attention import sparse_decode_attention
 
@@ -40,33 +41,17 @@ class LayerStats:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
-    """Kernel choices: 'auto' is the Pallas kernel on GPU and the jnp reference elsewhere."""
-    attention: str = "auto"       # sparse_decode_attention impl (see attention_impl)
-    sieve: str = "auto"           # pb_lru access impl ('ref' or 'pallas')
-    scores: str = "auto"          # Quest page-score impl
+    """What the decode asks for per step: 'auto' (the resolver's choice: kernel_choice.resolve, tabled in
+    docs/KERNELS.md) or a forced implementation ('pallas' = the Pallas kernel, 'ref' = the jnp reference; the
+    attention also takes 'mosaic', the Mosaic GPU kernel on Hopper). A backend resolves them once when it is built."""
+    attention: str = "auto"       # sparse decode attention: 'mosaic', 'pallas' (Triton) or 'ref'
+    sieve: str = "auto"           # PB-LRU access
+    scores: str = "auto"          # Quest page scores
     score_launch: tuple[int, int] | None = None  # (block_pages, num_warps) of the score kernel; None: its default
-    topk: str = "auto"            # page top-k: 'auto' = the radix-select kernel on GPU (exactly lax.top_k's result;
-    #                               in the layer on the H200 548.6 vs 674.3 us: XLA sorts every score row for
-    #                               lax.top_k) for rows up to page_topk.AUTO_MAX_PAGES, lax.top_k otherwise;
-    #                               'ref' or 'pallas' to force one
-    copy: str = "auto"            # page_copy impl
+    topk: str = "auto"            # page top-k: 'pallas' (radix select) or 'ref' (lax.top_k)
+    copy: str = "auto"            # page copies between tiers
     fused_fetch: bool = False     # misses read by the attention kernel and stored into their frames in one pass
     softcap: float | None = None
-
-    def attention_impl(self) -> str:
-        # 'auto': the kernel module's own choice (sparse_decode_attention.resolve_impl): the Mosaic GPU kernel on
-        # a Hopper GPU where it applies (resident pages: the separate-fetch path), the Triton kernel for the rest
-        # (the fused-fetch path, other GPUs), the jnp reference off GPU. Why Mosaic: inside the 32-layer decode on
-        # the H200 it gave 675.2 tok/s against 643.5 with the Triton kernel (128K x 7) and 148.3 / 140.7 against
-        # 146.0 / 138.1 at 128K / 256K x 1 (docs/BENCHMARKS.md); 'pallas' or 'mosaic' force one
-        return self.attention
-
-    def sieve_impl(self) -> str:
-        # 'auto': the Pallas sieve on GPU (bit-exact with the reference, compiled on the H200, several times
-        # faster: docs/BENCHMARKS.md); the jnp reference elsewhere (interpret mode is for tests, not speed)
-        if self.sieve == "auto":
-            return "pallas" if on_gpu() else "ref"
-        return self.sieve
 
 
 def append_token(state: CacheState, layer: int, k_new, v_new, pos, live) -> CacheState:
@@ -115,6 +100,7 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     already in the tail ring (`verify_layer`); k_new, v_new are unused."""
     c = state.config
     S, G, P = c.max_seqs, c.groups_per_rank, c.page_size
+    options = resolved_options(options, c, q)                                         # a backend's: as given
     if append:
         state = append_token(state, layer, k_new, v_new, pos, live)
     seq_len = jnp.where(live, pos + 1, 0)                                             # [S] visible tokens
@@ -136,7 +122,7 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     # 2. Sieve: hits refresh, misses take frames; the vTLB follows.
     pb = jax.tree.map(lambda a: a[0], state.pb)
     pb, out = pb_lru.access(pb, hi.reshape(-1), lo.reshape(-1), valid.reshape(-1), state.clock,
-                            impl=options.sieve_impl())
+                            impl=options.sieve)
     table = jax.tree.map(lambda a: a[0], state.vtlb)
     table = vtlb_mod.apply_access(table, hi.reshape(-1), lo.reshape(-1), out, rank * G)
     frame = out.frame.reshape(S, G, K)
@@ -192,13 +178,14 @@ def attend_pages(state: CacheState, host: HostPool, q, plan: PagePlan, *,
     kernel also reads the misses from the host pool and stores them into their frames (the state's pool changes);
     otherwise every page is in HBM (misses fetched, overflow staged by `plan_layer`) and the host pool is not an
     operand."""
+    options = resolved_options(options, state.config, q)
     if not options.fused_fetch:
         return state, sparse_decode_attention(q, state.pool_k[0], state.pool_v[0], plan.frame, plan.start,
                                               plan.seq_len, page_src=plan.src, softcap=options.softcap,
-                                              impl=options.attention_impl())
+                                              impl=options.attention)
     res = sparse_decode_attention(q, state.pool_k[0], state.pool_v[0], plan.frame, plan.start, plan.seq_len,
                                   host_k=host.k[0], host_v=host.v[0], page_host=plan.host_page, page_src=plan.src,
-                                  softcap=options.softcap, impl=options.attention_impl(), store_misses=True)
+                                  softcap=options.softcap, impl=options.attention, store_misses=True)
     attn, pool_k, pool_v = res
     return dataclasses.replace(state, pool_k=pool_k[None], pool_v=pool_v[None]), attn
 

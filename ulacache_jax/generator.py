@@ -116,7 +116,8 @@ class Generator:
         # 'auto' is resolved here, once: the backend, the program and the reports see only the kind it became
         self.decision = resolve_attention(attention, model.config, c, mesh.devices.flat[0])
         attention = self.decision.kind
-        self.backend = make_backend(attention, c, mesh, options)
+        self.backend = make_backend(attention, c, mesh, options, query_dtype=model.dtype,
+                                    query_heads_per_kv=model.config.num_queries_per_kv)
         graphdef = tp_graphdef(model)
         self.params = shard_params(nnx.split(model)[1], mesh)
         self.layer_params = [self.params["layers"][l] for l in range(c.num_layers)]

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .backends import use_cudnn
 from .config import CacheConfig
 from .decode_layer import LayerStats
 from .models.attention import dense_attention
@@ -76,10 +75,11 @@ def verify_layers(model, ops, cache, x, meta: VerifyMeta):
     return cache, y, stats
 
 
-def prefill_attention(q, k, v, length):
-    """Causal attention over one prompt; q [1, T, H, D], k/v [1, T, KV, D]. cuDNN flash attention on GPU (O(T)
-    memory), the jnp reference elsewhere. Padding past `length` only sees earlier tokens, so it cannot leak."""
-    if use_cudnn(q):
+def prefill_attention(q, k, v, length, impl: str):
+    """Causal attention over one prompt; q [1, T, H, D], k/v [1, T, KV, D]. impl (the backend's resolved
+    prefill_attention): 'cudnn' (flash attention, O(T) memory) or 'xla' (the jnp reference). Padding past `length`
+    only sees earlier tokens, so it cannot leak."""
+    if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     pos = jnp.arange(q.shape[1])[None]
     return dense_attention(q, k, v, pos, pos)
@@ -183,7 +183,8 @@ class Program:
         # (7 GB at Llama-3.1-8B shape); attention itself is flash (cuDNN) on GPU, O(T) memory
         q, k, v = _token_chunks(block.qkv, C, x, pos)
         view = self.ops.prefill_store(view, layer, slot, k[0], v[0], length)
-        return view, _token_chunks(block.finish, C, x, prefill_attention(q, k, v, length))
+        attn = prefill_attention(q, k, v, length, self.ops.kernels.prefill_attention)
+        return view, _token_chunks(block.finish, C, x, attn)
 
     # ---- decode --------------------------------------------------------------------------------------------
     def _decode(self, params, cache, host, tok, done, remaining, keys, sampling, stop_ids, *, steps: int):

@@ -30,6 +30,7 @@ from flax import nnx
 from .backends import SparseOps
 from .config import CacheConfig
 from .decode_layer import DecodeOptions, LayerStats, attend_pages, plan_layer
+from .kernel_choice import Platform
 from .models.attention import dense_attention
 from .program import DecodeMeta, decode_layers
 from .sequences import CacheManager
@@ -126,6 +127,8 @@ class TeacherForcedScorer:
             if a != b:
                 raise ValueError(f"cache_config.{name} = {a} does not match the model's {b}")
         self.model, self.config, self.options, self.record = model, c, options, record
+        self.ops = SparseOps.build(options, c, Platform.current(), query_dtype=model.dtype,
+                                   query_heads_per_kv=mc.num_queries_per_kv)     # the kernels, resolved once
         self.graphdef, self.params = nnx.split(model)
         self.layer_params = [nnx.split(layer)[1] for layer in model.layers]
         self.dense = _dense_programs(self.graphdef, nnx.split(model.layers[0])[0])
@@ -151,8 +154,8 @@ class TeacherForcedScorer:
         model = nnx.merge(self.graphdef, params)
         S, C = toks.shape
         K = min(c.select_pages, c.max_pages_per_seq)
-        ops = SparseOps(self.options)
-        rec_ops = _RecordingOps(self.options)
+        ops = self.ops
+        rec_ops = _RecordingOps(ops.options)
         state = ops.begin_chunk(state)
         active = state.seqs.active
 
@@ -195,7 +198,7 @@ class TeacherForcedScorer:
         if bad:
             raise ValueError(f"token id {bad[0]} outside [0, vocab_size = {V})")
         S, P = c.max_seqs, c.page_size
-        cm = CacheManager(c, impl=self.options.copy)
+        cm = CacheManager(c, impl=self.ops.kernels.copy)
         slots, hs = [], []
         try:
             for w in windows:

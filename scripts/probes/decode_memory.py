@@ -55,6 +55,7 @@ def abstract_program(model, cfg, attention: str, options, mesh):
     are called on stand-ins holding only the abstract cache's specs, so their logic is not copied here."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from ulacache_jax import backends, cache_state, tp
+    from ulacache_jax.kernel_choice import Platform
     from ulacache_jax.program import layer_graphdef, program
 
     graphdef = tp.tp_graphdef(model)
@@ -63,6 +64,9 @@ def abstract_program(model, cfg, attention: str, options, mesh):
     shard = lambda x, spec, kind=None: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                             sharding=NamedSharding(mesh, spec, memory_kind=kind))
     params = jax.tree.map(shard, params, specs)
+    ops = backends.backend_class(attention).ops_class.build(   # the kernels make_backend would resolve
+        options, cfg, Platform.of(mesh.devices.flat[0]), query_dtype=model.dtype,
+        query_heads_per_kv=model.config.num_queries_per_kv)
     if attention == "sparse":
         state, host = jax.eval_shape(lambda: cache_state.init(tp.local_config(cfg), check=False))
         R = cfg.tp            # cache_state.init of one rank: the rank axis made global, as tp.init_sharded does
@@ -74,13 +78,13 @@ def abstract_program(model, cfg, attention: str, options, mesh):
         host_sh = jax.tree.map(lambda s: NamedSharding(mesh, s, memory_kind=kind), tp.HOST_SPECS,
                                is_leaf=lambda x: isinstance(x, P))
         stand_in = object.__new__(backends.SparseBackend)
-        stand_in.config, stand_in.ops = cfg, backends.SparseOps(options)
+        stand_in.config, stand_in.ops = cfg, ops
         stand_in.manager = type("Manager", (), dict(specs=tp.state_specs(state), host_shardings=lambda self: host_sh))()
         cache = jax.tree.map(shard, state, stand_in.manager.specs)
         host = jax.tree.map(lambda x, s: shard(x, s, kind), host, tp.HOST_SPECS)
     elif attention == "dense":
         stand_in = object.__new__(backends.DenseBackend)
-        stand_in.config, stand_in.ops = cfg, backends.DenseOps(options)
+        stand_in.config, stand_in.ops = cfg, ops
         shape = (cfg.max_seqs, cfg.max_context, cfg.num_kv_heads, cfg.head_dim)
         kv = tuple(jax.ShapeDtypeStruct(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
         cache = jax.tree.map(shard, (backends.DenseCache(kv, kv), jax.ShapeDtypeStruct((cfg.max_seqs,), jnp.int32)),
