@@ -29,6 +29,7 @@ from .config import CacheConfig
 from .decode_layer import DecodeOptions, LayerStats, attend_layer, commit_rows, flush_tail, verify_layer
 from .kernel_choice import Platform, ResolvedKernels, resolve
 from .models.attention import dense_attention
+from .prefix_cache import DensePrefixes, SparsePrefixes, dense_attach, sparse_attach
 from .sequences import CacheManager, CapacityError, ingest_chunk
 from .tp import HOST_SPECS, TP_AXIS
 
@@ -55,10 +56,18 @@ class SparseOps(_Kernels):
     """UlaCache inside the program: cache = CacheState (one rank's view), host = HostPool."""
     kind: ClassVar[str] = "sparse"
 
-    def prefill_store(self, view, layer, slot, k, v, length):
-        """view (state, host); k, v [T, KVr, D] of layer `layer` (traced) -> view."""
+    def prefill_store(self, view, layer, slot, k, v, length, start=0):
+        """view (state, host); k, v [T, KVr, D] of layer `layer` (traced), tokens [start, start + T) -> view."""
         state, host = view
-        return ingest_chunk(state, host, slot, k[None], v[None], 0, length, layer0=layer, impl=self.options.copy)
+        return ingest_chunk(state, host, slot, k[None], v[None], start, length, layer0=layer, impl=self.options.copy)
+
+    def prefill_attach(self, view, layer, slot, src, start):
+        """The attached shared prefix (tokens [0, start), whole pages) of one layer: its K/V from the host pool and
+        its page summaries (prefix_cache.sparse_attach). src [Tp]: only its length is used. -> (view, k, v [Tp,
+        KVr, D])."""
+        state, host = view
+        state, k, v = sparse_attach(state, host, layer, slot, start, src.shape[0], impl=self.options.copy)
+        return (state, host), k, v
 
     def begin_chunk(self, cache: CacheState) -> CacheState:
         return rebase_clock(cache)    # the int32 PB-LRU clock never wraps (a no-op until 2**30 ticks)
@@ -114,11 +123,21 @@ class DenseOps(_Kernels):
     `kernels.dense_attention` (cuDNN or the jnp reference)."""
     kind: ClassVar[str] = "dense"
 
-    def prefill_store(self, view, layer, slot, k, v, length):
-        """view (k, v) [S, T_max, KVr, D] of this layer; k, v [T, KVr, D] -> view."""
+    def prefill_store(self, view, layer, slot, k, v, length, start=0):
+        """view (k, v) [S, T_max, KVr, D] of this layer; k, v [T, KVr, D] of tokens [start, start + T) -> view."""
         ck, cv = view
         T = k.shape[0]
-        return ck.at[slot, :T].set(k.astype(ck.dtype)), cv.at[slot, :T].set(v.astype(cv.dtype))
+        if isinstance(start, int) and start == 0:
+            return ck.at[slot, :T].set(k.astype(ck.dtype)), cv.at[slot, :T].set(v.astype(cv.dtype))
+        rows = start + jnp.arange(T)
+        return (ck.at[slot, rows].set(k.astype(ck.dtype), mode="drop"),
+                cv.at[slot, rows].set(v.astype(cv.dtype), mode="drop"))
+
+    def prefill_attach(self, view, layer, slot, src, start):
+        """The shared prefix (tokens [0, start)) of one layer copied into `slot`'s rows from the slots that hold
+        it, src [Tp] per token (prefix_cache.dense_attach). -> (view, k, v [Tp, KVr, D])."""
+        ck, cv, k, v = dense_attach(*view, slot, src, start)
+        return (ck, cv), k, v
 
     def begin_chunk(self, cache):
         return cache
@@ -219,6 +238,10 @@ class SparseBackend:
     def prefill_done(self, slot: int, length: int) -> None:
         """Nothing: ingestion already set the sequence's length."""
 
+    def prefixes(self, budget_pages: int | None = None) -> SparsePrefixes:
+        """The stored shared prefixes of this cache (host pages attached to new sequences)."""
+        return SparsePrefixes(self.manager, budget_pages)
+
     # slots
     def request_error(self, num_tokens: int) -> str | None:
         """Why a sequence of num_tokens tokens can never be admitted (even into an empty cache), else None."""
@@ -288,6 +311,10 @@ class DenseBackend:
 
     def prefill_done(self, slot: int, length: int) -> None:
         self.length = self._set_length(self.length, slot, length)
+
+    def prefixes(self, budget_pages: int | None = None) -> DensePrefixes:
+        """The stored shared prefixes of this cache (rows copied between slots)."""
+        return DensePrefixes(self.config, budget_pages)
 
     def request_error(self, num_tokens: int) -> str | None:
         return None

@@ -189,7 +189,7 @@ class Engine:
     def __init__(self, model=None, cache_config: CacheConfig | None = None, *, generator: Generator | None = None,
                  attention: str = "auto", options: DecodeOptions = DecodeOptions(), max_seqs: int = 4,
                  max_context: int | None = None, page_size: int = 64, token_budget: int = 2048, tp: int = 1,
-                 seed: int = 0, max_prefill_tokens_per_step: int | None = None, tokenizer=None,
+                 seed: int = 0, max_prefill_tokens_per_step: int | None = None, tokenizer=None, prefix_cache=True,
                  clock=time.perf_counter, speculative=None):
         if (model is None) == (generator is None):
             raise ValueError("give exactly one of model or generator")
@@ -205,6 +205,11 @@ class Engine:
                 model = prepare_model(model, cache_config.tp)
             generator = Generator(model, cache_config, attention=attention, options=options)
         self.gen = generator
+        # shared prefixes (prefix_cache.py), on by default: prompts that start with the complete pages of a stored
+        # prompt attach them instead of prefilling them; prefix_cache=False prefills every prompt whole
+        if bool(prefix_cache) != (generator.prefixes is not None):
+            generator.set_prefix_cache(bool(prefix_cache))
+        self._prefix0 = generator.prefix_stats()
         # speculative decoding (speculative.SpecConfig, None = off): one verification per step instead of a chunk
         self.spec = None
         if speculative is not None:
@@ -383,7 +388,7 @@ class Engine:
             if decoding and used and used + len(req.prompt_ids) > self.max_prefill_tokens_per_step:
                 break
             try:
-                slot = self.gen.admit(len(req.prompt_ids) + req.max_new_tokens)
+                slot = self.gen.admit(len(req.prompt_ids) + req.max_new_tokens, req.prompt_ids)
             except CapacityError as e:
                 if not self._slot_req:   # nothing will free anything: add_request's checks should prevent this
                     raise RuntimeError(f"request {req.request_id} cannot be admitted into an empty cache: {e}") from e
@@ -581,6 +586,11 @@ class Engine:
     # ---- accounting ------------------------------------------------------------------------------------------
     def elapsed(self) -> float:
         return self._clock() - self.t0
+
+    def prefix_stats(self):
+        """prefix_cache.PrefixStats of this engine's run: prompt tokens attached instead of prefilled, prompt tokens
+        prefilled, host pages not allocated (zeros with prefix_cache=False)."""
+        return self.gen.prefix_stats().minus(self._prefix0)
 
     def stats_totals(self) -> dict[str, int]:
         h, m, o, f = (sum(getattr(r, k) for r in self.timeline) for k in ("hits", "misses", "overflow", "fetched"))

@@ -9,6 +9,7 @@ devices (a single device is a mesh of one): the params are placed by `tp.param_s
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -22,6 +23,7 @@ from .config import CacheConfig
 from .cost_model import resolve_attention
 from .decode_layer import DecodeOptions, LayerStats
 from .pallas_kernels.pb_lru_sieve import sieve_geometry
+from .prefix_cache import prefix_bucket
 from .program import layer_graphdef, program
 from .tp import TP_AXIS, make_mesh, param_specs, shard_params, tp_graphdef
 
@@ -130,6 +132,20 @@ class Generator:
         self._replicated = NamedSharding(mesh, P())
         self.stats = LayerStats.zeros()
         self.rank_stats = jax.tree.map(lambda z: jnp.zeros(c.tp, jnp.int32), LayerStats.zeros())
+        self.prefixes = None     # shared prefixes (prefix_cache.py): off here, on by default in the Engine
+
+    def set_prefix_cache(self, on: bool, budget_pages: int | None = None) -> None:
+        """Turn shared prefixes on (prompts sharing complete pages with a stored prompt attach them instead of
+        prefilling them; stored prompts keep at most `budget_pages` host pages, None = as long as the pool has
+        room) or off (the stored prefixes are dropped). Call it with no sequence admitted."""
+        if self.prefixes is not None:
+            self.prefixes.close()
+        self.prefixes = self.backend.prefixes(budget_pages) if on else None
+
+    def prefix_stats(self):
+        """prefix_cache.PrefixStats of this generator's shared prefixes (zeros when off)."""
+        from .prefix_cache import PrefixStats
+        return dataclasses.replace(self.prefixes.index.stats) if self.prefixes is not None else PrefixStats()
 
     @property
     def attention(self) -> str:
@@ -163,17 +179,58 @@ class Generator:
         """Why a sequence of num_tokens tokens (prompt + new) can never be admitted, else None."""
         return self.backend.request_error(num_tokens)
 
-    def admit(self, num_tokens: int) -> int:
-        """A slot (and host pages) for a sequence of up to num_tokens tokens; sequences.CapacityError if full."""
-        return self.backend.admit(num_tokens)
+    def admit(self, num_tokens: int, prompt=None) -> int:
+        """A slot (and host pages) for a sequence of up to num_tokens tokens; sequences.CapacityError if full. With
+        shared prefixes on, `prompt` (the ids `prefill` will get) attaches its stored prefix."""
+        slot = self.prefixes.admit(num_tokens, prompt) if self.prefixes is not None else None
+        return self.backend.admit(num_tokens) if slot is None else slot
 
     def release(self, slot: int) -> None:
         self.backend.release(slot)
+        if self.prefixes is not None:
+            self.prefixes.released(slot)
 
     # ---- prefill and decode -------------------------------------------------------------------------------------
     def prefill(self, slot: int, prompt: list[int]):
         """Prefill one admitted slot, layer by layer through one compiled layer program; -> last-position logits
-        [V]."""
+        [V]. With shared prefixes on, the prompt's stored prefix is attached (or, dense, copied) and only the rest
+        is computed; its complete pages are stored for later prompts."""
+        if self.prefixes is not None:
+            return self._prefill_shared(slot, prompt)
+        return self._prefill_from(slot, prompt, 0, None)
+
+    def _prefill_shared(self, slot: int, prompt: list[int]):
+        m, src = self.prefixes.sources(slot, prompt)
+        logits = self._prefill_from(slot, prompt, m, src)
+        st = self.prefixes.index.stats
+        P = self.config.page_size
+        st.hit_tokens += m * P
+        st.prefill_tokens += len(prompt) - m * P
+        st.hits += m > 0
+        st.saved_host_pages += self.prefixes.saved_host_pages(m)
+        self.prefixes.stored(slot, prompt, m, src)
+        return logits
+
+    def _prefill_from(self, slot: int, prompt: list[int], m: int, src):
+        """Prefill tokens [m * page_size, len(prompt)) of a slot whose first m pages are shared (src: dense source
+        slot per page, None for sparse)."""
+        c = self.config
+        if m:
+            start, n = m * c.page_size, len(prompt)
+            T = bucket_length(n - start, c.page_size)
+            Tp = prefix_bucket(m, c.max_pages_per_seq) * c.page_size
+            per_tok = np.zeros(Tp, np.int32)
+            if src is not None:
+                per_tok[:start] = np.repeat(src, c.page_size)
+            ids = jax.device_put(np.pad(np.asarray(prompt[start:], np.int32), (0, T - (n - start))), self._replicated)
+            args = jax.device_put((np.int32(start), per_tok), self._replicated)
+            prog, b = self.program, self.backend
+            x = prog.embed(self.params, ids)
+            for l, lp in enumerate(self.layer_params):
+                view, x = prog.prefill_layer_from(lp, b.layer_view(l), x, slot, l, n, *args)
+                b.set_layer_view(l, view)
+            b.prefill_done(slot, n)
+            return prog.logits(self.params, x, n - start)
         T = bucket_length(len(prompt), self.config.page_size)
         # committed like the layers' outputs, so every layer call hits the one compiled program
         ids = jax.device_put(np.pad(np.asarray(prompt, np.int32), (0, T - len(prompt))), self._replicated)

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .config import CacheConfig
 from .decode_layer import LayerStats
 from .models.attention import dense_attention
+from .prefix_cache import prefix_attention
 from .sampling import sample
 from .tp import TP_AXIS, per_rank
 
@@ -114,6 +115,8 @@ class Program:
 
     embed(params, ids [T]) -> x [1, T, E]
     prefill_layer(layer_params, view, x, slot, layer, length) -> (view, x)      view and x donated
+    prefill_layer_from(layer_params, view, x, slot, layer, length, start, src) -> (view, x): the same for the
+        rest of a prompt after a shared prefix of `start` tokens
     logits(params, x, length) -> [V] of the last prompt token
     decode(params, cache, host, tok, done, remaining, keys, sampling, stop_ids)
         -> (cache, host, tokens [S, page_size], done, remaining, LayerStats of [R] per rank)   cache, host donated
@@ -141,6 +144,8 @@ class Program:
         self.logits = jit(self._logits, (ps, r, r), r)
         self.prefill_layer = jit(self._prefill_layer, (lps, vs, r, r, r, r), (vs, r), (view_sh, None),
                                  donate_argnums=(1, 2))
+        self.prefill_layer_from = jit(self._prefill_layer_from, (lps, vs) + (r,) * 6, (vs, r), (view_sh, None),
+                                      donate_argnums=(1, 2))
         def decode(steps):
             return jit(functools.partial(self._decode, steps=steps), (ps, cs, hs) + (r,) * 6,
                        (cs, hs, r, r, r, stats_spec), (None, host_sh, None, None, None, None), donate_argnums=(1, 2))
@@ -184,6 +189,22 @@ class Program:
         q, k, v = _token_chunks(block.qkv, C, x, pos)
         view = self.ops.prefill_store(view, layer, slot, k[0], v[0], length)
         attn = prefill_attention(q, k, v, length, self.ops.kernels.prefill_attention)
+        return view, _token_chunks(block.finish, C, x, attn)
+
+    def _prefill_layer_from(self, layer_params, view, x, slot, layer, length, start, src):
+        """Layer `layer` over the rest of a prompt whose first `start` tokens (whole pages) are a shared prefix:
+        x [1, Ts, E] holds tokens [start, start + Ts) (Ts bucketed; `length` is the whole prompt's). The prefix's
+        K/V come from the backend's prefill_attach (sparse: the attached host pages; dense: rows copied from the
+        slots in src [Tp], the prefix operand's static length), the rest attends over them and itself
+        (prefix_cache.prefix_attention), its K/V stored from `start` on; the shared pages are only read."""
+        block = nnx.merge(self.layer_gd, layer_params)
+        Ts = x.shape[1]
+        C = min(Ts, PREFILL_CHUNK)
+        pos = start + jnp.arange(Ts, dtype=jnp.int32)[None]
+        q, k, v = _token_chunks(block.qkv, C, x, pos)
+        view, kp, vp = self.ops.prefill_attach(view, layer, slot, src, start)
+        view = self.ops.prefill_store(view, layer, slot, k[0], v[0], length, start=start)
+        attn = prefix_attention(q, k, v, kp[None], vp[None], start, self.ops.kernels.prefill_attention)
         return view, _token_chunks(block.finish, C, x, attn)
 
     # ---- decode --------------------------------------------------------------------------------------------
