@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "max_position_embeddings. The cache is sized for the longest request that fits")
     g.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
                    help="prompt tokens prefilled per step while other requests decode (default: the max context)")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (default: prompts that start with the complete pages of an "
+                        "earlier prompt of the run, e.g. many questions over one document, attach those pages "
+                        "instead of prefilling them again; the report says how many tokens and host bytes it saved)")
     g.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto",
                    help="auto = chosen when the engine is built, from the batch, context, model and device memory "
                         "(dense where it is predicted faster and fits, else sparse; printed, and in the report); "
@@ -861,10 +865,12 @@ def _generate_locked(args, t_start: float) -> int:
         try:
             if tp_mod is not None:
                 engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
-                                max_prefill_tokens_per_step=args.max_prefill_tokens)
+                                max_prefill_tokens_per_step=args.max_prefill_tokens,
+                                prefix_cache=not args.no_prefix_cache)
             else:
                 engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed,
-                                tokenizer=loaded.tokenizer, max_prefill_tokens_per_step=args.max_prefill_tokens)
+                                tokenizer=loaded.tokenizer, max_prefill_tokens_per_step=args.max_prefill_tokens,
+                                prefix_cache=not args.no_prefix_cache)
         except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
             raise UsageError(f"cache: {e}") from None
 
