@@ -52,6 +52,10 @@ class RopeScaling:
                 raise ValueError("llama3 rope scaling needs original_max_position_embeddings > 0")
 
 
+# keys a Hugging Face config.json must hold (positive ints); the others have defaults
+_HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes and numerics of a Llama-family decoder. Param dtype is not part of it (a model argument)."""
@@ -104,6 +108,8 @@ class ModelConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise TypeError(f"rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}")
         for tok in (self.bos_token_id, *self.eos_token_ids):
+            if tok is not None and (not isinstance(tok, int) or isinstance(tok, bool)):
+                raise ValueError(f"special token id {tok!r} must be an int")
             if tok is not None and not 0 <= tok < self.vocab_size:
                 raise ValueError(f"special token id {tok} outside vocab of {self.vocab_size}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
@@ -140,21 +146,47 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """Inverse of `to_dict`; unknown keys are an error so a typo cannot silently change a model."""
+        """Inverse of `to_dict`; unknown keys are an error so a typo cannot silently change a model. Every bad
+        input is a ValueError naming the key."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a ModelConfig dict must be a mapping of its fields, got {type(d).__name__}")
         d = dict(d)
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(d) - set(fields)
         if unknown:
             raise ValueError(f"unknown ModelConfig keys: {sorted(unknown)}")
+        missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in d]
+        if missing:
+            raise ValueError(f"missing ModelConfig keys: {missing}")
         if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+            rs = d["rope_scaling"]
+            if not isinstance(rs, Mapping):
+                raise ValueError(f"rope_scaling must be a mapping or null, got {rs!r}")
+            try:
+                d["rope_scaling"] = RopeScaling(**rs)
+            except TypeError as e:
+                raise ValueError(f"rope_scaling {dict(rs)!r}: {e}") from None
         if "eos_token_ids" in d:
+            if not isinstance(d["eos_token_ids"], (list, tuple)):
+                raise ValueError(f"eos_token_ids must be a list of ints, got {d['eos_token_ids']!r}")
             d["eos_token_ids"] = tuple(d["eos_token_ids"])
         return cls(**d)
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> ModelConfig:
-        """Builds a config from a Hugging Face `config.json` dict (Llama, Qwen2 or Mistral)."""
+        """Builds a config from a Hugging Face `config.json` dict (Llama, Qwen2 or Mistral). Every bad input is a
+        ValueError naming the key (hf_loader.read_hf_config adds the file)."""
+        if not isinstance(hf, Mapping):
+            raise ValueError(f"a Hugging Face config must be a JSON object, got {type(hf).__name__}")
+        missing = [k for k in _HF_REQUIRED if hf.get(k) is None]
+        if missing:
+            raise ValueError(f"missing required key(s) {', '.join(map(repr, missing))}")
+        for k in _HF_REQUIRED:
+            if not isinstance(hf[k], int) or isinstance(hf[k], bool) or hf[k] <= 0:
+                raise ValueError(f"{k!r} must be a positive int, got {hf[k]!r}")
         archs = hf.get("architectures") or []
+        if not isinstance(archs, list):
+            raise ValueError(f"'architectures' must be a list of names, got {archs!r}")
         known = [a for a in archs if a in HF_ARCHITECTURES]
         if known:
             arch = HF_ARCHITECTURES[known[0]]
@@ -186,6 +218,9 @@ class ModelConfig:
             attention_bias = attention_out_bias = False
         eos = hf.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        for key, value in (("rope_theta", rope_theta), ("rms_norm_eps", hf.get("rms_norm_eps", 1e-6))):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{key!r} must be a number, got {value!r}")
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -222,20 +257,33 @@ def _hf_rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         scaling = hf.get("rope_scaling")
     if not scaling:
         return theta, None
+    if not isinstance(scaling, Mapping):
+        raise ValueError(f"'rope_scaling' must be an object or null, got {scaling!r}")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default" and rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, {', '.join(ROPE_TYPES)})")
+    try:
+        return theta, _hf_rope_scaling(rope_type, scaling)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"rope scaling {rope_type!r}: missing or bad value ({type(e).__name__}: {e}) in "
+                         f"{dict(scaling)!r}") from None
+
+
+def _hf_rope_scaling(rope_type: str, scaling: Mapping[str, Any]) -> RopeScaling | None:
+    """A supported rope_type's RopeScaling from its HF dict (KeyError / TypeError / ValueError on bad values)."""
     if rope_type == "default":
-        return theta, None
+        return None
     if rope_type == "linear":
-        return theta, RopeScaling("linear", float(scaling["factor"]))
+        return RopeScaling("linear", float(scaling["factor"]))
     if rope_type == "llama3":
-        return theta, RopeScaling(
+        return RopeScaling(
             "llama3",
             factor=float(scaling["factor"]),
             low_freq_factor=float(scaling["low_freq_factor"]),
             high_freq_factor=float(scaling["high_freq_factor"]),
             original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
         )
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, {', '.join(ROPE_TYPES)})")
+    raise AssertionError(rope_type)   # _hf_rope checked the type
 
 
 # --- presets -----------------------------------------------------------------------------------------------

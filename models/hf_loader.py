@@ -81,7 +81,10 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
         hf = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"cannot parse {config_file}: {err}") from err
-    return ModelConfig.from_hf_dict(hf)
+    try:
+        return ModelConfig.from_hf_dict(hf)
+    except (ValueError, TypeError) as err:   # from_hf_dict names the key; the file is named here
+        raise CheckpointError(f"{config_file}: {err}") from None
 
 
 def _tensor_files(folder: pathlib.Path) -> dict[str, list[str] | None]:

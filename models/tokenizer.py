@@ -16,6 +16,10 @@ from .config import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 from .gguf_tokenizer import END_OF_TURN_TOKENS
 
 
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be used (corrupt, unparsable, wrong shape); the message names the file."""
+
+
 class Tokenizer(Protocol):
     """vocab_size; bos_id (None: the model has none); eos_ids: every id that ends generation (end of text and
     end of turn, e.g. SmolLM2's `<|im_end|>`), the primary eos first."""
@@ -141,7 +145,10 @@ def load_tokenizer(path: str | os.PathLike) -> HFTokenizer:
     file = path if path.is_file() else path / "tokenizer.json"
     if not file.is_file():
         raise FileNotFoundError(f"no tokenizer.json or .gguf at {path}")
-    tok = tokenizers.Tokenizer.from_file(str(file))
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception on a corrupt file
+        raise TokenizerError(f"cannot read the tokenizer {file}: {e}") from None
     folder = file.parent
     cfg = _read_json(folder / "tokenizer_config.json")
     gen = _read_json(folder / "generation_config.json")
@@ -187,9 +194,12 @@ def _read_json(file: pathlib.Path) -> dict:
     if not file.is_file():
         return {}
     try:
-        return json.loads(file.read_text())
+        out = json.loads(file.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"cannot parse {file}: {err}") from err
+        raise TokenizerError(f"cannot parse {file}: {err}") from err
+    if not isinstance(out, dict):
+        raise TokenizerError(f"{file} must hold a JSON object, not {type(out).__name__}")
+    return out
 
 
 def _hf_chat_template(folder: pathlib.Path, cfg: Mapping[str, Any]) -> str | None:
