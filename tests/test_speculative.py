@@ -344,3 +344,17 @@ def test_spec_config_errors():
         SpecConfig("draft", 4)
     with pytest.raises(ValueError, match="ngram"):
         SpecConfig("ngram", 4, draft_model="x")
+
+
+def test_greedy_speculative_equals_plain_when_selected_pages_overflow(setup):
+    """A PB-LRU of 2 frames (far less than one step's 16 selected pages): misses overflow every step, and the rows'
+    distinct overflow pages exceed the overflow frames, so verification stages them row by row."""
+    model, cfg, prompts = setup
+    small = default_cache_config(model.config, num_seqs=2, max_tokens=256, page_size=16, token_budget=64,
+                                 num_buckets=1, slots_per_bucket=2)
+    ref = generate(model, prompts[:2], max_new_tokens=24, cache_config=small, attention="sparse")
+    eng = spec_engine(model, small, "sparse")
+    eng.spec.drafter = oracle(prompts[:2], ref)
+    reqs = eng.run(prompts[:2], SamplingParams(max_new_tokens=24))
+    assert [r.tokens for r in reqs] == ref
+    assert eng.stats_totals()["overflow"] > 0

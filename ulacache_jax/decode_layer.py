@@ -245,14 +245,18 @@ def append_leases(state: CacheState, layer: int, k_new, v_new, pos, nrows) -> Ca
 
 
 def verify_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, nrows, live, *,
-                 options: DecodeOptions = DecodeOptions(), rank=0):
+                 options: DecodeOptions = DecodeOptions(), rank=0, batched: bool = True):
     """Decode attention of one layer for Q rows per sequence (speculative verification): row j of sequence s sits
     at position pos[s] + j; rows j >= nrows[s] are off. Each row computes what a plain decode step at its position
-    computes: its own Quest selection among the flushed pages, its own sieve access and fetch, the tail ring up to
-    its own position. The rows run one after another (`plan_layer` + `attend_pages` each), so the pages a row
-    selected are resident when its kernel reads them. q [S, Q, Hr, D], k_new/v_new [S, Q, KVr, D], pos/nrows [S]
-    int32, live [S] bool -> (state, out [S, Q, Hr, D], LayerStats summed over rows)."""
+    computes: its own Quest selection among the flushed pages, the tail ring up to its own position.
+    batched (the default; not with fused fetch): the S * Q rows are one virtual decode batch: one top-k, one sieve
+    access (a page several rows selected is one LID: one frame, one fetch), one attention launch (`verify_batched`).
+    Otherwise the rows run one after another, each a `plan_layer` + `attend_pages` (its own sieve access).
+    q [S, Q, Hr, D], k_new/v_new [S, Q, KVr, D], pos/nrows [S] int32, live [S] bool -> (state, out [S, Q, Hr, D],
+    LayerStats summed over rows)."""
     state = append_leases(state, layer, k_new, v_new, pos, jnp.where(live, nrows, 0))
+    if batched and not options.fused_fetch:
+        return verify_batched(state, host, layer, q, pos, nrows, live, options=options, rank=rank)
     outs, stats = [], LayerStats.zeros()
     for j in range(q.shape[1]):
         row_live = live & (j < nrows)
@@ -262,6 +266,117 @@ def verify_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new,
         outs.append(o)
         stats = stats + st
     return state, jnp.concatenate(outs, axis=1), stats
+
+
+def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows, live, *,
+                   options: DecodeOptions = DecodeOptions(), rank=0):
+    """`verify_layer`'s rows as one virtual decode batch of V = S * Q rows (row s * Q + j), their K/V already in
+    the tail ring. Scores per row (the summaries read in place, one call per row), one top-k over V rows, one sieve
+    access for every row's pages (duplicate LIDs share a frame: DESIGN.md section 5), misses fetched once, overflow
+    pages staged once each, one attention launch. When the distinct overflow pages exceed the overflow frames (a
+    plain step's worth), they are staged row by row instead, each row's attention then reading its own."""
+    c = state.config
+    S, G, P, g = c.max_seqs, c.groups_per_rank, c.page_size, c.kv_heads_per_group
+    Q = q.shape[1]
+    Hr, D = q.shape[2], q.shape[3]
+    options = resolved_options(options, c, q[:, :1])                                  # each row is a Q = 1 decode
+    V = S * Q
+    vseq = jnp.repeat(jnp.arange(S), Q)                                               # [V]
+    vj = jnp.tile(jnp.arange(Q), S)
+    vpos = jnp.repeat(pos, Q) + vj
+    vlive = jnp.repeat(live, Q) & (vj < jnp.repeat(nrows, Q))
+    seq_len = jnp.where(vlive, vpos + 1, 0)
+    flushed = jnp.where(vlive, state.seqs.flushed[vseq], 0)
+
+    # 1. Selection: row j's scores as a plain step's (its own query), one top-k for all rows.
+    sc = []
+    for j in range(Q):
+        qpos, qneg = selection.fold_queries(q[:, j:j + 1], G, g)                      # [S, G, g, D]
+        sc.append(page_scores(state.kmin[0], state.kmax[0], qpos, qneg, layer=layer, impl=options.scores,
+                              launch=options.score_launch))                           # [S, G, Pm]
+    scores = jnp.stack(sc, axis=1).reshape((V,) + sc[0].shape[1:])                   # [V, G, Pm]
+    sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
+                                 recent_pages=c.recent_pages, impl=options.topk)      # [V, G, K]
+    K = sel.shape[-1]
+    valid = (sel >= 0) & vlive[:, None, None]
+    page = jnp.where(valid, sel, 0)
+    seq_ids = jnp.broadcast_to(vseq[:, None, None], (V, G, K))
+    grp = jnp.broadcast_to(rank * G + jnp.arange(G)[None, :, None], (V, G, K))
+    hi, lo = lid_mod.pack(seq_ids, jnp.full_like(seq_ids, layer), grp, (page * P).astype(jnp.uint32))
+
+    # 2. One sieve access; the vTLB follows.
+    pb = jax.tree.map(lambda a: a[0], state.pb)
+    pb, out = pb_lru.access(pb, hi.reshape(-1), lo.reshape(-1), valid.reshape(-1), state.clock, impl=options.sieve)
+    table = jax.tree.map(lambda a: a[0], state.vtlb)
+    table = vtlb_mod.apply_access(table, hi.reshape(-1), lo.reshape(-1), out, rank * G)
+    frame = out.frame.reshape(V, G, K)
+    hit = out.hit.reshape(V, G, K)
+    host_idx = table.host_page[seq_ids, layer, jnp.arange(G)[None, :, None], page]    # [V, G, K]
+    miss = valid & ~hit
+    filled = miss & (frame >= 0)
+    overflow = miss & (frame < 0)
+
+    # 3. Overflow pages staged once each: a duplicate (same sequence, group and page in another row) takes the
+    #    stage of its first occurrence.
+    def by_seq(x):                                                                    # [V, G, K] -> [S, G, Q*K]
+        return x.reshape(S, Q, G, K).transpose(0, 2, 1, 3).reshape(S, G, Q * K)
+
+    def by_row(x):                                                                    # [S, G, Q*K] -> [V, G, K]
+        return x.reshape(S, G, Q, K).transpose(0, 2, 1, 3).reshape(V, G, K)
+
+    opg = by_seq(jnp.where(overflow, page, -1))
+    same = (opg[..., :, None] == opg[..., None, :]) & (opg[..., :, None] >= 0)        # [S, G, QK, QK]
+    first = jnp.argmax(same, axis=-1)                                                 # first equal entry
+    is_first = (first == jnp.arange(Q * K)) & (opg >= 0)
+    ov = is_first.reshape(-1).astype(jnp.int32)
+    stage = (jnp.cumsum(ov) - ov).reshape(S, G, Q * K)
+    stage = by_row(jnp.take_along_axis(stage, first, axis=-1))
+    fits = ov.sum() <= c.overflow_frames
+
+    # 4. Tail pages of each row, up to its own position.
+    tp = flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                           # [V, T]
+    t_ok = vlive[:, None] & (tp * P < seq_len[:, None])
+    t_frame = tail_frame(c, vseq[:, None, None], layer, jnp.arange(G)[None, :, None], tp[:, None, :])
+    t_frame = jnp.broadcast_to(t_frame, (V, G, TAIL_PAGES))
+    t_ok = jnp.broadcast_to(t_ok[:, None, :], (V, G, TAIL_PAGES))
+    start = jnp.concatenate([jnp.where(valid, page * P, -1),
+                             jnp.where(t_ok, jnp.broadcast_to(tp[:, None, :], (V, G, TAIL_PAGES)) * P, -1)],
+                            axis=-1).astype(jnp.int32)
+    src = jnp.concatenate([jnp.where(valid, 1, 0), jnp.where(t_ok, 1, 0)], axis=-1).astype(jnp.int32)
+    qv = q.reshape(V, 1, Hr, D)
+
+    def attend(pool_k, pool_v, fr):
+        fr = jnp.concatenate([jnp.where(valid, fr, 0), t_frame], axis=-1).astype(jnp.int32)
+        return sparse_decode_attention(qv, pool_k, pool_v, fr, start, seq_len.astype(jnp.int32), page_src=src,
+                                       softcap=options.softcap, impl=options.attention)   # [V, 1, Hr, D]
+
+    def fetch(pools, dst):
+        return tuple(page_copy.fetch(list(pools), [host.k[0], host.v[0]], host_idx.reshape(-1),
+                                     dst.reshape(-1).astype(jnp.int32), impl=options.copy))
+
+    def once(pools):
+        fr = jnp.where(overflow, overflow_frame(c, stage), frame)
+        pools = fetch(pools, jnp.where(miss, fr, -1))
+        return pools, attend(*pools, fr)
+
+    def row_by_row(pools):
+        pools = fetch(pools, jnp.where(filled, frame, -1))
+        o = jnp.zeros((V, 1, Hr, D), q.dtype)
+        for j in range(Q):
+            ovj = overflow & (vj == j)[:, None, None]
+            n = ovj.reshape(-1).astype(jnp.int32)
+            fr = jnp.where(ovj, overflow_frame(c, (jnp.cumsum(n) - n).reshape(V, G, K)), frame)
+            pools = fetch(pools, jnp.where(ovj, fr, -1))
+            o = jnp.where((vj == j)[:, None, None, None], attend(*pools, fr), o)
+        return pools, o
+
+    (pool_k, pool_v), o = jax.lax.cond(fits, once, row_by_row, (state.pool_k[0], state.pool_v[0]))
+    stats = LayerStats(hits=(valid & hit).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
+                       overflow=overflow.sum().astype(jnp.int32), fetched=miss.sum().astype(jnp.int32))
+    state = dataclasses.replace(state, pb=jax.tree.map(lambda a: a[None], pb),
+                                vtlb=jax.tree.map(lambda a: a[None], table),
+                                pool_k=pool_k[None], pool_v=pool_v[None], clock=state.clock + 1)
+    return state, o.reshape(S, Q, Hr, D), stats
 
 
 def commit_summaries(state: CacheState, length) -> CacheState:
