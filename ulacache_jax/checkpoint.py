@@ -265,11 +265,12 @@ def restore(engine, directory, *, skip=()) -> Checkpoint:
             continue
         if r.status != "running":
             continue
-        slot = engine.gen.admit(len(r.prompt_ids) + r.max_new_tokens)
+        ids = r.prompt_ids + r.tokens[:-1]          # the cache held these; the last token is the next input
+        slot = engine.gen.admit(len(r.prompt_ids) + r.max_new_tokens, ids)   # (shared prefixes attach by ids)
         req.slot, req.t_admitted, req.t_first_token = slot, now, now
         engine._slot_req[slot] = rid
         try:
-            engine.gen.prefill(slot, r.prompt_ids + r.tokens[:-1])
+            engine.gen.prefill(slot, ids)
         except Exception as e:  # noqa: BLE001 - as a failed prefill in Engine.step: this request alone fails
             engine._release(slot)
             engine._finish(req, ERROR, error=f"restore prefill failed: {type(e).__name__}: {e}")
