@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from .config import ModelConfig
+from .hf_loader import CheckpointError
 from .llama import LlamaModel
 
 META_FILE = "model.json"
@@ -54,16 +55,46 @@ def load(path: str | os.PathLike, *, dtype=None) -> LlamaModel:
     meta_file = folder / META_FILE
     if not meta_file.is_file():
         raise FileNotFoundError(f"no {META_FILE} in {folder}: not a checkpoint written by models.save")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{meta_file}: unsupported checkpoint format {meta.get('format')!r}")
-    config = ModelConfig.from_dict(meta["config"])
-    dtype = jnp.dtype(meta["dtype"]) if dtype is None else jnp.dtype(dtype)
+    config, saved_dtype = _parse_meta(meta_file)
+    dtype = saved_dtype if dtype is None else jnp.dtype(dtype)
     model = nnx.eval_shape(lambda: LlamaModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
     abstract = nnx.to_pure_dict(nnx.state(model, nnx.Param))  # ShapeDtypeStruct leaves
-    with ocp.StandardCheckpointer() as ckptr:
-        restored = ckptr.restore(folder / PARAMS_DIR, _stringify(abstract))
+    restored = _restore_params(folder, abstract)
     graphdef, state = nnx.split(model)
     nnx.replace_by_pure_dict(state, restored)  # maps the str layer keys back to ints
     return nnx.merge(graphdef, state)
 
+
+def _parse_meta(meta_file: pathlib.Path) -> tuple[ModelConfig, np.dtype]:
+    """model.json -> (config, saved param dtype); a CheckpointError naming the file and the key otherwise."""
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"cannot parse {meta_file}: {err}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file} must hold a JSON object, not {type(meta).__name__}")
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{meta_file}: unsupported checkpoint format {meta.get('format')!r} (this version "
+                              f"reads format {FORMAT_VERSION})")
+    for key in ("config", "dtype"):
+        if key not in meta:
+            raise CheckpointError(f"{meta_file}: missing key {key!r}")
+    try:
+        config = ModelConfig.from_dict(meta["config"])
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(f"{meta_file}: 'config': {err}") from None
+    try:
+        dtype = np.dtype(jnp.dtype(meta["dtype"]))
+    except TypeError:
+        raise CheckpointError(f"{meta_file}: 'dtype' {meta['dtype']!r} is not a dtype") from None
+    return config, dtype
+
+
+def _restore_params(folder: pathlib.Path, abstract) -> dict:
+    """params/ restored into `abstract` (the config's param tree); a CheckpointError when they do not match."""
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            return ckptr.restore(folder / PARAMS_DIR, _stringify(abstract))
+        except ValueError as err:
+            raise CheckpointError(f"{folder / PARAMS_DIR}: the params do not match the config in "
+                                  f"{folder / META_FILE} ({str(err)[:300]})") from None
