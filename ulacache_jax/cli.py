@@ -150,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(dense where it is predicted faster and fits, else sparse; printed, and in the report); "
                         "sparse = UlaCache; dense = every K/V in HBM (the baseline)")
     g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks (needs ulacache_jax.tp)")
+    g.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding: ngram = prompt lookup (drafts copied from the prompt and the text so "
+                        "far), draft = a smaller model of the same tokenizer (--draft-model); greedy output is "
+                        "unchanged, sampled output keeps its distribution (default: off)")
+    g.add_argument("--num-speculative-tokens", type=_positive_int, default=4, metavar="K",
+                   help="drafts verified per step at most (with --speculative; < --page-size)")
+    g.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="the draft model of --speculative draft: a preset name, GGUF file or model folder")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="param and cache dtype (auto: float32 on CPU, bfloat16 on accelerators)")
     g.add_argument("--report", default=None, help="write the report as JSON here (and a PNG beside it)")
@@ -512,6 +520,21 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
 
 # ---- stop strings -----------------------------------------------------------------------------------------------
 # ---- generate ---------------------------------------------------------------------------------------------------
+def _spec_config(args):
+    """--speculative / --num-speculative-tokens / --draft-model -> a speculative.SpecConfig, or None (off)."""
+    if args.speculative is None:
+        if args.draft_model is not None:
+            raise UsageError("--draft-model needs --speculative draft")
+        return None
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        raise UsageError("--speculative draft needs --draft-model PATH (and --draft-model only goes with it)")
+    if args.num_speculative_tokens >= args.page_size:
+        raise UsageError(f"--num-speculative-tokens {args.num_speculative_tokens} must be < --page-size "
+                         f"{args.page_size}")
+    from .speculative import SpecConfig
+    return SpecConfig(args.speculative, args.num_speculative_tokens, draft_model=args.draft_model)
+
+
 def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     """The cache for this run: generator.default_cache_config (with tp = --tp: frames and
     host pages per rank), then --hbm-pages / --host-gb."""
@@ -862,15 +885,16 @@ def _generate_locked(args, t_start: float) -> int:
         decision = resolve_attention(args.attention, mc, cfg)
         print(f"ulacache: attention {decision.summary()}", file=sys.stderr)
         check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes(), attention=decision.kind)
+        spec = _spec_config(args)
         try:
             if tp_mod is not None:
                 engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
                                 max_prefill_tokens_per_step=args.max_prefill_tokens,
-                                prefix_cache=not args.no_prefix_cache)
+                                prefix_cache=not args.no_prefix_cache, speculative=spec)
             else:
                 engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed,
                                 tokenizer=loaded.tokenizer, max_prefill_tokens_per_step=args.max_prefill_tokens,
-                                prefix_cache=not args.no_prefix_cache)
+                                prefix_cache=not args.no_prefix_cache, speculative=spec)
         except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
             raise UsageError(f"cache: {e}") from None
 
