@@ -4,7 +4,9 @@ Layout of `path/`:
     model.json   {"format": 1, "dtype": "bfloat16", "config": ModelConfig.to_dict()}
     params/      orbax StandardCheckpointer tree of the model's params as a pure dict
 A pure dict (nested str keys, array leaves) rather than an nnx.State keeps the on-disk tree independent of
-flax's Variable classes, so checkpoints move between flax versions.
+flax's Variable classes, so checkpoints move between flax versions. `load(..., shardings=)` restores each param
+straight into its Sharding (orbax reads every device's slice from the files), so a model larger than one device is
+never held by one (tp.load_model).
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import json
 import os
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from .config import ModelConfig
-from .hf_loader import CheckpointError
+from .hf_loader import CheckpointError, Shardings
 from .llama import LlamaModel
 
 META_FILE = "model.json"
@@ -49,16 +52,37 @@ def save(model: LlamaModel, path: str | os.PathLike) -> None:
     (folder / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
 
 
-def load(path: str | os.PathLike, *, dtype=None) -> LlamaModel:
-    """Restores a model written by `save`. `dtype=None` keeps the saved param dtype; otherwise orbax casts."""
-    folder = pathlib.Path(path).absolute()
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` is a folder written by `save` (its model.json is written last)."""
+    return (pathlib.Path(path) / META_FILE).is_file()
+
+
+def _meta(folder: pathlib.Path) -> tuple[ModelConfig, np.dtype]:
+    """(config, saved param dtype) of the checkpoint in `folder` (_parse_meta's errors)."""
     meta_file = folder / META_FILE
     if not meta_file.is_file():
         raise FileNotFoundError(f"no {META_FILE} in {folder}: not a checkpoint written by models.save")
-    config, saved_dtype = _parse_meta(meta_file)
+    return _parse_meta(meta_file)
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a checkpoint written by `save`, without reading its params."""
+    return _meta(pathlib.Path(path).absolute())[0]
+
+
+def load(path: str | os.PathLike, *, dtype=None, shardings: Shardings | None = None) -> LlamaModel:
+    """Restores a model written by `save`. `dtype=None` keeps the saved param dtype; otherwise orbax casts.
+    `shardings`: a function from each param's state path (e.g. ("layers", 0, "mlp", "up_proj")) to the Sharding
+    it is restored into; None restores onto the default device."""
+    folder = pathlib.Path(path).absolute()
+    config, saved_dtype = _meta(folder)
     dtype = saved_dtype if dtype is None else jnp.dtype(dtype)
     model = nnx.eval_shape(lambda: LlamaModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
     abstract = nnx.to_pure_dict(nnx.state(model, nnx.Param))  # ShapeDtypeStruct leaves
+    if shardings is not None:
+        abstract = jax.tree_util.tree_map_with_path(
+            lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings(tuple(k.key for k in p))),
+            abstract)
     restored = _restore_params(folder, abstract)
     graphdef, state = nnx.split(model)
     nnx.replace_by_pure_dict(state, restored)  # maps the str layer keys back to ints

@@ -12,7 +12,8 @@ Two things differ from a Hugging Face checkpoint:
 - The output head is absent when the embeddings are tied.
 
 Memory: tensors are dequantized one at a time from the memory-mapped file: dequantize, cast, `device_put`,
-drop the host copy, so peak host memory stays near the params plus one float32 tensor.
+drop the host copy, so peak host memory stays near one float32 tensor; with `shardings` each tensor goes straight
+into its shards (as in hf_loader).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig, RopeScaling, rope_inv_freq
-from .hf_loader import CheckpointError, assemble
+from .hf_loader import CheckpointError, Shardings, assemble, placement
 from .llama import LlamaModel
 
 GGUF_SUFFIX = ".gguf"
@@ -261,8 +262,11 @@ def from_gguf(
     dtype=jnp.bfloat16,
     *,
     device: jax.Device | jax.sharding.Sharding | None = None,
+    shardings: Shardings | None = None,
 ) -> LlamaModel:
     """Loads a GGUF (a `.gguf` file, or a folder holding exactly one) into a LlamaModel with params in `dtype`.
+    `device` or `shardings` (a function from each param's state path to its Sharding): where params go, as in
+    hf_loader.from_pretrained.
 
     Raises ValueError naming an unsupported architecture or feature, CheckpointError naming the file or tensor
     for an unsupported tensor type, missing, unexpected or misshapen tensors."""
@@ -289,7 +293,7 @@ def from_gguf(
             w = unpermute_rotary(w, heads)
         host = w.reshape(param_shape).astype(np_dtype)  # a fresh array: the memmap / float32 copy can go
         del w
-        params[state_path] = jax.device_put(host, device)
+        params[state_path] = jax.device_put(host, placement(device, shardings, state_path))
         del host
     loaded = {expected_name for expected_name, target in expected.items() if target[0] in params}
     return assemble(config, dtype, params, where=file, unexpected=unexpected, missing=sorted(set(expected) - loaded),

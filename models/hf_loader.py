@@ -3,7 +3,9 @@
 Memory: tensors are read one at a time from the memory-mapped safetensors files: read, reshape (a view), cast,
 `device_put`, drop the host copy. The device arrays then become the params of an abstractly built model
 (`nnx.eval_shape`: shapes only, no arrays), so no initialized weights are ever materialized. Peak host memory
-is the params plus about one tensor, never two copies of the weights.
+is about one tensor. With `shardings` (a function from a param's state path to its Sharding, e.g. the tensor-
+parallel rules of ulacache_jax/tp.py) each tensor goes from the host straight into its shards, one slice per
+device, so a model larger than one device is never held by one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +37,17 @@ class CheckpointError(ValueError):
 # One HF tensor: where it goes in the model state (a path of attribute names / layer indices), the shape the
 # file must hold, and how to reshape it into the param's shape.
 _Target = tuple[tuple[str | int, ...], tuple[int, ...], tuple[int, ...]]
+StatePath = tuple[str | int, ...]  # a param's place in the model state, e.g. ("layers", 0, "mlp", "up_proj")
+Shardings = Callable[[StatePath], jax.sharding.Sharding]
+
+
+def placement(device, shardings: Shardings | None, path: StatePath):
+    """Where the param at `path` goes: `shardings(path)` when given (then `device` must be None), else `device`."""
+    if shardings is None:
+        return device
+    if device is not None:
+        raise ValueError("pass device or shardings, not both")
+    return shardings(path)
 
 
 def hf_tensor_map(config: ModelConfig) -> dict[str, _Target]:
@@ -112,14 +127,16 @@ def from_pretrained(
     dtype=jnp.bfloat16,
     *,
     device: jax.Device | jax.sharding.Sharding | None = None,
+    shardings: Shardings | None = None,
 ) -> LlamaModel:
     """Loads a Llama / Qwen2 / Mistral model into a LlamaModel with params in `dtype`: a Hugging Face folder,
     a GGUF file or a folder holding one (gguf_loader.from_gguf), or a pretrained preset name
     (pretrained.PRETRAINED, e.g. "smollm2-135m").
 
-    `device`: where params go (default: jax's default device). Raises CheckpointError naming the file or
-    tensor for missing/corrupt shards, missing or unexpected tensors and shape mismatches, and ValueError
-    naming an unsupported architecture.
+    `device`: where params go (default: jax's default device); or `shardings`: a function from each param's state
+    path to its Sharding, each tensor placed into its shards as it is read (tp.load_model). Raises
+    CheckpointError naming the file or tensor for missing/corrupt shards, missing or unexpected tensors and shape
+    mismatches, and ValueError naming an unsupported architecture.
     """
     from .gguf_loader import find_gguf, from_gguf  # gguf_loader imports this module
     from .pretrained import resolve_model_path
@@ -127,7 +144,7 @@ def from_pretrained(
     folder = resolve_model_path(path)
     gguf_file = find_gguf(folder)
     if gguf_file is not None:
-        return from_gguf(gguf_file, dtype, device=device)
+        return from_gguf(gguf_file, dtype, device=device, shardings=shardings)
     config = read_hf_config(folder)
     files = _tensor_files(folder)
     expected = hf_tensor_map(config)
@@ -137,7 +154,7 @@ def from_pretrained(
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file, names in files.items():
-        _load_file(folder / file, names, expected, np_dtype, device, params, loaded, unexpected)
+        _load_file(folder / file, names, expected, np_dtype, device, shardings, params, loaded, unexpected)
 
     return assemble(config, dtype, params, where=folder, unexpected=unexpected, missing=sorted(set(expected) - loaded),
                     source="hf_tensor_map")
@@ -169,6 +186,7 @@ def _load_file(
     expected: dict[str, _Target],
     np_dtype: np.dtype,
     device,
+    shardings: Shardings | None,
     params: dict[tuple[str | int, ...], jax.Array],
     loaded: set[str],
     unexpected: list[str],
@@ -190,7 +208,7 @@ def _load_file(
                 if shape != hf_shape:
                     raise CheckpointError(f"tensor {name} in {file} has shape {shape}, config implies {hf_shape}")
                 host = f.get_tensor(name).reshape(param_shape).astype(np_dtype, copy=False)
-                params[path] = jax.device_put(host, device)
+                params[path] = jax.device_put(host, placement(device, shardings, path))
                 del host  # the host copy dies here, before the next tensor is read
                 loaded.add(name)
     except SafetensorError as err:

@@ -25,7 +25,9 @@ is exactly the single-device code path of `decode_layer`/`sequences`; the rank (
 group offset `attend_layer` gives its LIDs. The model's row-parallel layers are `RowParallelAttention` /
 `RowParallelMLP` (subclasses that end in a `psum`), swapped into the graphdef that `nnx.merge` rebuilds inside
 the map (`tp_graphdef`). `check_vma=False`: outputs declared replicated (tokens, logits, lengths) are computed
-identically on every rank from psummed activations. This module holds only these sharding rules.
+identically on every rank from psummed activations. This module holds only these sharding rules and puts models
+into them without ever holding one whole on a device: `init_model` (random weights made in their shards) and
+`load_model` (a checkpoint read tensor by tensor into its shards: `param_shardings` is the loaders' placement).
 
 More ranks than KV heads. When tp > num_kv_heads and tp % num_kv_heads == 0, `replicate_kv_heads` repeats each KV
 head's k/v projections tp/K times (k_proj [K, D, E] -> [K*rep, D, E], copies adjacent): query head h then uses
@@ -52,7 +54,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from . import cache_state as cache_state_mod
 from .cache_state import CacheState, HostPool, host_memory_kind
 from .config import CacheConfig
+from .models import checkpoint as model_checkpoint, gguf_loader, hf_loader
 from .models.llama import MLP, Attention, LlamaModel
+from .models.pretrained import resolve_model_path
 
 TP_AXIS = "tp"
 
@@ -176,15 +180,16 @@ def _param_name(path) -> str:
     return str(names[-1]) if names else ""
 
 
+def param_spec(name: str) -> P:
+    """The PartitionSpec of a param by its name (the last step of its state path): column-parallel
+    q/k/v/gate/up and their biases, row-parallel o/down, everything else replicated."""
+    axis = {**_COLUMN, **_ROW}.get(name)
+    return P() if axis is None else P(*([None] * axis + [TP_AXIS]))
+
+
 def param_specs(params):
-    """PartitionSpecs for the model's params (an nnx.State): column-parallel q/k/v/gate/up, row-parallel o/down,
-    everything else replicated."""
-    def spec(path, x):
-        axis = {**_COLUMN, **_ROW}.get(_param_name(path))
-        if axis is None:
-            return P()
-        return P(*([None] * axis + [TP_AXIS]))
-    return jax.tree_util.tree_map_with_path(spec, params)
+    """PartitionSpecs for the model's params (an nnx.State or a pure dict), per `param_spec`."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: param_spec(_param_name(path)), params)
 
 
 def shard_params(params, mesh: Mesh):
@@ -229,6 +234,54 @@ def init_model(config, mesh: Mesh, *, dtype=jnp.bfloat16, seed: int = 0):
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: LlamaModel(config, dtype=dtype, rngs=nnx.Rngs(seed))))
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(abstract))
     return nnx.merge(graphdef, jax.jit(make, out_shardings=shardings)())
+
+
+def param_shardings(mesh: Mesh):
+    """The loaders' placement for TP over `mesh`: a function from a param's state path (("layers", 0,
+    "self_attn", "q_proj")) to its NamedSharding, per `param_spec`."""
+    return lambda path: NamedSharding(mesh, param_spec(str(path[-1])))
+
+
+def load_model(path, mesh: Mesh, *, dtype=jnp.bfloat16):
+    """A trained model loaded directly into its TP sharding over `mesh`: an orbax checkpoint written by
+    models.save (models.load), or a Hugging Face folder, a GGUF or a pretrained preset name
+    (models.from_pretrained). Each tensor is placed into its shards as it is read (`param_shardings`: one slice
+    per device), so no device ever holds the whole model. tp must divide num_heads, num_kv_heads and
+    intermediate_size, checked from the config before any tensor is read."""
+    tp, shardings = mesh.shape[TP_AXIS], param_shardings(mesh)
+    if model_checkpoint.is_checkpoint(path):
+        check_model_tp(model_checkpoint.read_config(path), tp)
+        return model_checkpoint.load(path, dtype=dtype, shardings=shardings)
+    folder = resolve_model_path(path)
+    gguf_file = gguf_loader.find_gguf(folder)
+    check_model_tp(gguf_loader.gguf_config(gguf_loader.open_gguf(gguf_file)) if gguf_file is not None
+                   else hf_loader.read_hf_config(folder), tp)
+    return hf_loader.from_pretrained(folder, dtype, shardings=shardings)
+
+
+def check_model_tp(config, tp: int) -> None:
+    """The clear error for a model that does not split `tp` ways by heads, KV heads and MLP width."""
+    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+        n = getattr(config, name)
+        if n % tp:
+            raise ValueError(f"tp = {tp} must divide the model's {name} = {n}"
+                             + (" (more ranks than KV heads: load at tp = num_kv_heads, then prepare_model)"
+                                if name == "num_kv_heads" and tp % n == 0 else ""))
+
+
+def device_bytes(params, mesh: Mesh) -> dict:
+    """Bytes each device of `mesh` holds of `params` (arrays or ShapeDtypeStructs, e.g. from nnx.eval_shape) placed
+    by `param_shardings`: device id -> bytes, from each sharding's own per-device index map."""
+    sharding = param_shardings(mesh)
+    out = {d.id: 0 for d in mesh.devices.flat}
+
+    def add(path, x):
+        sh = sharding((_param_name(path),))
+        item = jnp.dtype(x.dtype).itemsize
+        for d, idx in sh.devices_indices_map(tuple(x.shape)).items():
+            out[d.id] += math.prod(len(range(*i.indices(n))) for i, n in zip(idx, x.shape)) * item
+    jax.tree_util.tree_map_with_path(add, params)
+    return out
 
 
 def replicate_kv_heads(model, factor: int):
