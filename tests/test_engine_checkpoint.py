@@ -193,3 +193,27 @@ def test_cli_killed_run_resumes_from_its_checkpoint(tmp_path):
                  "--max-new-tokens", "100", "--resume")
     r = subprocess.run(other, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--checkpoint-dir" in r.stderr and "other settings" in r.stderr, r.stderr
+
+
+def test_speculative_engine_restores(setup, tmp_path):
+    """A speculative engine's checkpoint restores into a speculative engine (draft state and flush points from the
+    prompt's end); greedy tokens equal the uninterrupted run's where the sequence stays within the token budget
+    (checkpoint.py says why past it they may differ)."""
+    from ulacache_jax.speculative import SpecConfig
+    _, _, gen, prompts, _ = setup
+    short = [prompts[0][:30], prompts[2][:20]]                      # 30 + 33, 20 + 33 tokens <= budget 64
+    params = [SamplingParams(max_new_tokens=33)] * 2
+    ref = [r.tokens for r in Engine(generator=gen, speculative=SpecConfig(num_tokens=3)).run(short, params)]
+    a = Engine(generator=gen, speculative=SpecConfig(num_tokens=3))
+    ids = [a.add_request(p, s) for p, s in zip(short, params)]
+    for _ in range(3):
+        a.step()
+    assert all(a.get(i).status == "running" for i in ids)
+    a.save(tmp_path / "spec")
+    for i in ids:
+        a.abort(i)
+    b = Engine(generator=gen, speculative=SpecConfig(num_tokens=3))
+    b.restore(tmp_path / "spec")
+    while b.has_unfinished():
+        b.step()
+    assert [b.get(i).tokens for i in ids] == ref

@@ -7,7 +7,9 @@ request id. The cache itself is not saved: a running request is restored by admi
 its prompt plus every generated token but the last, which is the next decode input. Its decode chunks then start
 where they started before (a request's chunks are full page_size chunks from its prefill, except its last), so a
 greedy continuation is the uninterrupted one (up to the rounding difference between a prefill and decode steps
-writing the same K/V). Re-prefill is the cheaper restore: at 256K tokens x 3 sequences the host pages are
+writing the same K/V). A speculative engine's requests stop between flush points: restored, the pages completed
+since the last flush point are flushed by the prefill instead of read from the tail ring, so past the token
+budget a sparse continuation may differ from the uninterrupted one (dense, or within the budget, it does not). Re-prefill is the cheaper restore: at 256K tokens x 3 sequences the host pages are
 ~100 GB, the requests' tokens a few MB.
 
 A checkpoint records what decides its tokens: the model config, a digest of the weights (shapes, dtypes and the
@@ -271,6 +273,9 @@ def restore(engine, directory, *, skip=()) -> Checkpoint:
         engine._slot_req[slot] = rid
         try:
             engine.gen.prefill(slot, ids)
+            if engine.spec is not None:   # speculative: its draft cache, and flush points from the prompt's end
+                engine.spec.prefill(slot, ids, len(r.prompt_ids) + r.max_new_tokens)
+                engine.spec.prompt_len[slot] = len(r.prompt_ids)
         except Exception as e:  # noqa: BLE001 - as a failed prefill in Engine.step: this request alone fails
             engine._release(slot)
             engine._finish(req, ERROR, error=f"restore prefill failed: {type(e).__name__}: {e}")
