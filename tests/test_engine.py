@@ -49,6 +49,7 @@ def test_continuous_batching_matches_generate(setup, reference):
     assert max(r.running for r in tl) <= cfg.max_seqs
     assert not eng.has_unfinished() and eng.num_running == 0
     assert sorted(gen.cache.alloc.free_slots) == list(range(cfg.max_seqs))   # every slot released
+    gen.prefixes.index.evict(10**9)        # stored prefixes (on by default) keep host pages until evicted
     assert gen.cache.alloc.num_free == cfg.host_pages
     tot = eng.stats_totals()
     assert tot["hits"] + tot["misses"] > 0 and tot["fetched"] == tot["misses"]
@@ -74,7 +75,7 @@ def test_stream_yields_every_token_in_order(setup, reference):
 
 def test_queue_waits_for_host_pages_and_bad_requests_fail_alone(setup, reference):
     _, cfg, gen, prompts = setup
-    eng = Engine(generator=gen)
+    eng = Engine(generator=gen, prefix_cache=False)   # b would attach a's pages: no wait for host pages
     big = SamplingParams(max_new_tokens=80)       # 120 + 80 = 200 tokens = 13 pages x 4 (layer, group) = 52 pages
     a = eng.add_request(prompts[3], big)
     b = eng.add_request(prompts[3], big)          # 104 > 96 host pages: must wait although a slot is free
