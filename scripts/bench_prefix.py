@@ -1,0 +1,183 @@
+"""Shared prefixes (issue 24): many questions over one long document, with and without sharing, in one run.
+
+Rows (each mode of each document in its own process: its compiles, HBM and pinned host pool are its own):
+- `8b:<tokens>`: the Llama-3.1-8B shape with random bf16 weights, a random document of <tokens> ids and random
+  questions of 16-200 ids (sparse: 16 copies of a 128K document's K/V do not fit a 128 GiB host, nor HBM dense);
+- `smollm2:<tokens>`: SmolLM2-135M-Instruct, a real document (this Python's standard-library sources, as
+  bench_e2e) and real questions about it, sparse and dense;
+- `tiny:<tokens>`: the tiny random preset (CPU checks of the script; --small).
+Every mode runs the same requests through one Engine: `--questions` prompts (document + question), `--max-new`
+greedy tokens each, over `--slots` sequence slots. The cache of both modes is the same: HBM for every slot, a host
+pool of `--host-docs` documents plus every slot's own pages, so without sharing fewer documents' K/V fit at once
+and requests queue for host pages (that is the point of sharing); `--host-docs 0` sizes it for every slot's whole
+sequence (what the cache would need without sharing).
+Per row: time to the last answer (wall, compilation included, and the part spent in steps that compiled),
+prompt tokens prefilled (computed) and attached, host bytes (the pool's peak in use, and its size), and whether
+the answers equal those without sharing. JSON row by row to <out>/prefix.json (bench_meta.Results).
+
+H200: python scripts/bench_prefix.py --out docs/benchmarks      CPU check: python scripts/bench_prefix.py --small
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+SMALL_ROWS = "tiny:480,smollm2:256"
+FULL_ROWS = "8b:130816,smollm2:8192"
+QUESTIONS = ("What does the function defined above return?", "Which arguments are optional?",
+             "Where is the error raised, and why?", "Summarise the module's purpose in one sentence.",
+             "Which class is the base of the others?", "How is the default value chosen?",
+             "What happens when the input is empty?", "Name two functions that call each other.",
+             "Is any of this thread-safe?", "What would break if the cache were removed?",
+             "Which names are private?", "Give the signature of the longest function.",
+             "What does the first comment say?", "Which exceptions are caught?",
+             "How many public functions are there?", "What is the last line about?")
+
+
+def _document(kind: str, tokens: int, args):
+    """-> (model, document ids, question id lists, label)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    rng = np.random.default_rng(0)
+    if kind == "smollm2":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_e2e import real_text_ids
+        from ulacache_jax.models import from_pretrained, load_tokenizer
+        dtype = jnp.float32 if args.small else jnp.bfloat16
+        model = from_pretrained(args.model, dtype=dtype)
+        tok = load_tokenizer(args.model)
+        doc = real_text_ids(tok, tokens)
+        qs = [tok.encode("\n\nQuestion: " + QUESTIONS[i % len(QUESTIONS)] + "\nAnswer:") for i in range(args.questions)]
+        return model, doc, qs
+    from ulacache_jax.models import LlamaModel, get_preset
+    preset = {"8b": "llama-3.1-8b", "tiny": "tiny"}[kind]
+    dtype = jnp.float32 if kind == "tiny" else jnp.bfloat16
+    model = LlamaModel(get_preset(preset), dtype=dtype, rngs=nnx.Rngs(0))
+    V = model.config.vocab_size
+    doc = rng.integers(0, V, tokens).tolist()
+    qs = [rng.integers(0, V, int(n)).tolist() for n in rng.integers(16, 201 if kind == "8b" else 41, args.questions)]
+    return model, doc, qs
+
+
+def run_mode(kind: str, tokens: int, attention: str, share: bool, args) -> dict:
+    import jax
+    import numpy as np
+    from ulacache_jax.engine import Engine, SamplingParams
+    from ulacache_jax.generation import Generator, default_cache_config
+    model, doc, qs = _document(kind, tokens, args)
+    prompts = [doc + q for q in qs]
+    longest = max(len(p) for p in prompts) + args.max_new
+    page = args.page
+    pages_of = lambda n: -(-n // page)
+    mc = model.config
+    base = default_cache_config(mc, num_seqs=args.slots, max_tokens=longest, page_size=page, dtype=model.dtype,
+                                token_budget=args.token_budget)
+    per_page = base.num_layers * base.groups_per_rank
+    if args.host_docs:
+        own = max(pages_of(len(q) + args.max_new) + 1 for q in qs)
+        host_pages = per_page * (args.host_docs * pages_of(len(doc)) + args.slots * own)
+        cfg = default_cache_config(mc, num_seqs=args.slots, max_tokens=longest, page_size=page, dtype=model.dtype,
+                                   token_budget=args.token_budget, host_pages=min(host_pages, base.host_pages))
+    else:
+        cfg = base
+    gen = Generator(model, cfg, attention=attention)
+    eng = Engine(generator=gen, prefix_cache=share)
+    t0 = time.perf_counter()
+    reqs = eng.run(prompts, SamplingParams(max_new_tokens=args.max_new, stop_ids=()))
+    wall = time.perf_counter() - t0
+    errors = [r.error for r in reqs if r.finish_reason == "error"]
+    st = eng.prefix_stats()
+    prompt_tokens = sum(len(p) for p in prompts)
+    alloc = gen.cache.alloc if gen.cache is not None else None
+    host_bytes = lambda pages: pages * 2 * cfg.page_bytes * cfg.tp
+    return dict(
+        model=kind, doc_tokens=len(doc), questions=len(qs), attention=attention, sharing=share,
+        slots=args.slots, max_new=args.max_new, page_size=page,
+        time_to_last_answer_s=wall,
+        compile_steps_s=sum(r.t_end - r.t_start for r in eng.timeline if r.compiled),
+        prefill_s=sum(r.prefill_s for r in eng.timeline), decode_s=sum(r.decode_s for r in eng.timeline),
+        prompt_tokens=prompt_tokens, prefill_tokens_computed=prompt_tokens - st.hit_tokens,
+        prefix_cache_hit_tokens=st.hit_tokens, prefix_hits=st.hits,
+        host_bytes_peak=None if alloc is None else host_bytes(alloc.peak_used),
+        host_pool_bytes=None if alloc is None else host_bytes(cfg.host_pages),
+        host_bytes_saved=host_bytes(st.saved_host_pages),
+        doc_host_bytes=host_bytes(per_page * pages_of(len(doc))) if alloc is not None else None,
+        answers=[r.tokens for r in reqs], errors=errors,
+        device=str(jax.devices()[0].device_kind), jax=jax.__version__)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default=None, help=f"kind:tokens list (default {FULL_ROWS}; --small: {SMALL_ROWS})")
+    p.add_argument("--attention", default=None,
+                   help="sparse,dense (default: sparse for 8b rows, both for the others)")
+    p.add_argument("--questions", type=int, default=16)
+    p.add_argument("--max-new", type=int, default=32)
+    p.add_argument("--slots", type=int, default=None, help="sequence slots (default: --questions)")
+    p.add_argument("--host-docs", type=float, default=2, help="documents' worth of host pool beyond the slots' own "
+                   "pages (0: every slot's whole sequence)")
+    p.add_argument("--page", type=int, default=None, help="page size (default 64; 16 with --small)")
+    p.add_argument("--token-budget", type=int, default=None, help="default 2048; 64 with --small")
+    p.add_argument("--model", default="smollm2-135m", help="the SmolLM2 model: a preset, GGUF file or folder")
+    p.add_argument("--small", action="store_true", help=f"CPU check: rows {SMALL_ROWS}, 4 questions, 8 new tokens")
+    p.add_argument("--out", default="docs/benchmarks")
+    p.add_argument("--commit", default=None)
+    p.add_argument("--row-timeout", type=float, default=1800)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.small:
+        args.questions = min(args.questions, 4)
+        args.max_new = min(args.max_new, 8)
+    args.rows = args.rows or (SMALL_ROWS if args.small else FULL_ROWS)
+    args.page = args.page or (16 if args.small else 64)
+    args.token_budget = args.token_budget or (64 if args.small else 2048)
+    args.slots = args.slots or args.questions
+    if args.one:
+        kind, tokens, attention, share = args.one.split(":")
+        print("ROW " + json.dumps(run_mode(kind, int(tokens), attention, share == "on", args)), flush=True)
+        return
+    from ulacache_jax.bench_meta import Results, git_commit, row_in_child, run_meta
+    from ulacache_jax.cache_state import raise_host_limit
+    raise_host_limit()
+    commit = args.commit or git_commit()
+    res = Results(os.path.join(args.out, "prefix.json"), run_meta(commit), settings=vars(args))
+    for spec in args.rows.split(","):
+        kind, tokens = spec.split(":")
+        kinds = args.attention or ("sparse" if kind == "8b" else "sparse,dense")
+        for attention in kinds.split(","):
+            pair = {}
+            for share in ("on", "off"):
+                cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{kind}:{tokens}:{attention}:{share}"]
+                cmd += [a for a in (argv if argv is not None else sys.argv[1:])]
+                row = row_in_child(cmd, args.row_timeout, model=kind, doc_tokens=int(tokens), attention=attention,
+                                   sharing=share == "on")
+                pair[share] = row
+                if "error" not in row and share == "off" and "error" not in pair["on"]:
+                    on = pair["on"]
+                    row["same_answers"] = sum(a == b for a, b in zip(on["answers"], row["answers"]))
+                    on["speedup_vs_off"] = row["time_to_last_answer_s"] / on["time_to_last_answer_s"]
+                    if on.get("host_bytes_peak") and row.get("host_bytes_peak"):
+                        on["host_bytes_vs_off"] = on["host_bytes_peak"] / row["host_bytes_peak"]
+                    res.save()
+                row["commit"] = commit
+                res.add(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "answers"}), flush=True)
+    print(f"\n{'model':8s} {'doc':>7s} {'attn':6s} {'share':5s} {'last answer s':>13s} {'computed':>9s} "
+          f"{'host peak':>10s} {'same':>5s}")
+    for r in res.rows:
+        if "error" in r:
+            print(f"{r['model']:8s} {r['doc_tokens']:7d} {r['attention']:6s} {str(r['sharing']):5s} "
+                  f"ERROR {r['error'][-200:]}")
+            continue
+        hb = r.get("host_bytes_peak")
+        print(f"{r['model']:8s} {r['doc_tokens']:7d} {r['attention']:6s} {str(r['sharing']):5s} "
+              f"{r['time_to_last_answer_s']:13.2f} {r['prefill_tokens_computed']:9d} "
+              f"{'-' if hb is None else f'{hb / 2**30:.2f} GiB':>10s} {r.get('same_answers', ''):>5}")
+
+
+if __name__ == "__main__":
+    main()
