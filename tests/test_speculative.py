@@ -237,7 +237,7 @@ def test_rejected_draft_leaves_the_cache_of_a_run_that_never_drafted(setup):
 
 # ---- sampling follows the target ---------------------------------------------------------------------------------
 def test_token_probs_is_what_sample_draws_from():
-    V, N = 6, 20000
+    V, N = 6, 8000
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, V)) * 2, jnp.float32)
     for t, p, k in ((1.0, 1.0, 0), (0.7, 0.8, 0), (1.3, 1.0, 3), (0.0, 1.0, 0)):
         params = SamplingArrays.fill(1, t, p, k)
@@ -245,7 +245,7 @@ def test_token_probs_is_what_sample_draws_from():
         keys = jax.random.split(jax.random.key(1), N)
         draws = jax.vmap(lambda kk: sample(logits, kk[None], params)[0])(keys)
         freq = np.bincount(np.asarray(draws), minlength=V) / N
-        assert np.abs(freq - probs).max() < 0.015, (t, p, k, freq, probs)
+        assert np.abs(freq - probs).max() < 0.025, (t, p, k, freq, probs)
 
 
 @pytest.mark.parametrize("with_probs", [False, True])
@@ -358,3 +358,32 @@ def test_greedy_speculative_equals_plain_when_selected_pages_overflow(setup):
     reqs = eng.run(prompts[:2], SamplingParams(max_new_tokens=24))
     assert [r.tokens for r in reqs] == ref
     assert eng.stats_totals()["overflow"] > 0
+
+
+def test_cli_flags():
+    from ulacache_jax import cli
+    p = cli.build_parser()
+    base = ["generate", "--input", "in.jsonl", "--output", "out.jsonl"]
+    assert cli._spec_config(p.parse_args(base)) is None
+    spec = cli._spec_config(p.parse_args(base + ["--speculative", "ngram", "--num-speculative-tokens", "6"]))
+    assert spec == SpecConfig("ngram", 6)
+    spec = cli._spec_config(p.parse_args(base + ["--speculative", "draft", "--draft-model", "smollm2-135m"]))
+    assert spec.method == "draft" and spec.draft_model == "smollm2-135m" and spec.num_tokens == 4
+    for bad in (["--speculative", "draft"], ["--draft-model", "m"], ["--speculative", "ngram", "--draft-model", "m"],
+                ["--speculative", "ngram", "--num-speculative-tokens", "64"]):
+        with pytest.raises(cli.UsageError):
+            cli._spec_config(p.parse_args(base + bad))
+
+
+def test_bench_speculative_small(tmp_path):
+    """scripts/bench_speculative.py --small: plain and speculative rows, greedy outputs equal (float32)."""
+    import json
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import bench_speculative
+    out = tmp_path / "spec.json"
+    bench_speculative.main(["--small", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["plain", "ngram"]
+    assert rows[1]["match"] and rows[1]["match_tokens"] == 1.0 and rows[1]["decode_tok_s"] > 0
