@@ -19,7 +19,7 @@ from ulacache_jax.prefix_cache import PrefixIndex, max_shared_pages, page_keys, 
 from ulacache_jax.sequences import CapacityError, HostAllocator
 
 P = 16
-MAX_NEW = 24
+MAX_NEW = 16
 
 
 # ---- the index ---------------------------------------------------------------------------------------------------
@@ -118,7 +118,12 @@ def test_allocator_reclaims_stored_prefixes_before_refusing():
 
 # ---- attention over a prefix ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", ["xla", "masked"])
-def test_prefix_attention_equals_causal_attention_over_the_whole_prompt(impl):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prefix_attention_equals_causal_attention_over_the_whole_prompt(impl, chunked, monkeypatch):
+    from ulacache_jax import prefix_cache
+    if chunked:                                    # query rows in chunks of 4 (lax.map), both paths
+        monkeypatch.setattr(prefix_cache, "PREFIX_Q_CHUNK", 4)
+        monkeypatch.setattr(prefix_cache, "PREFIX_SCORE_BYTES", 4 * 4 * 4 * (64 + 16))
     rng = np.random.default_rng(0)
     T, start, Tp, H, KV, D = 48, 32, 64, 4, 2, 8
     q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, D)), jnp.float32) for h in (H, KV, KV))
@@ -160,6 +165,9 @@ def runs(request, model, prompts):
         news = [MAX_NEW, 7, MAX_NEW, 13, MAX_NEW, MAX_NEW, 9]
         reqs = eng.run(prompts, [SamplingParams(max_new_tokens=n) for n in news])
         assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
+        if not on:                                   # off: nothing stored, every host page back
+            assert gen.prefixes is None and eng.prefix_stats().hit_tokens == 0
+            assert gen.cache is None or gen.cache.alloc.num_free == gen.config.host_pages
         out[on] = ([r.tokens for r in reqs], eng.prefix_stats(), gen)
     return request.param, out[False][0], out[True][0], out[True][1], out[True][2]
 
@@ -179,18 +187,10 @@ def test_sharing_skips_the_shared_prefill(runs, prompts):
     assert stats.saved_host_pages == (expect // P * c.num_layers * c.groups_per_rank if kind == "sparse" else 0)
 
 
-def test_off_means_no_sharing(model, prompts):
-    gen = Generator(model, _cfg(model, 2))
-    eng = Engine(generator=gen, prefix_cache=False)
-    eng.run(prompts[:2], SamplingParams(max_new_tokens=2))
-    assert gen.prefixes is None and eng.prefix_stats().hit_tokens == 0
-    assert gen.cache.alloc.num_free == gen.config.host_pages
-
-
 def test_shared_pages_never_written_and_never_freed_while_held(model, prompts):
     """Sparse: the owner is released while a sharer decodes; the document's stored host pages keep their bytes
     through the sharers' prefill and decode, and the reference counts match the holders at every step."""
-    gen = Generator(model, _cfg(model, 3))
+    gen = Generator(model, _cfg(model, 2))
     eng = Engine(generator=gen)
     alloc = gen.cache.alloc
     eng.run([prompts[0]], SamplingParams(max_new_tokens=3))             # stores the document

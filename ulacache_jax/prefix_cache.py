@@ -387,30 +387,39 @@ def dense_attach(ck, cv, slot, src, start):
     return ck.at[slot, rows].set(kp, mode="drop"), cv.at[slot, rows].set(vp, mode="drop"), kp, vp
 
 
-PREFIX_Q_CHUNK = 1024   # query rows per cuDNN call over [prefix | rest]: its mask is [rows, Tp + Ts]
+PREFIX_Q_CHUNK = 1024        # query rows per cuDNN call over [prefix | rest]: its mask is [rows, Tp + Ts]
+PREFIX_SCORE_BYTES = 1 << 30  # the jnp reference's float32 scores per query chunk [H, rows, Tp + Ts]
 
 
 def prefix_attention(q, k, v, kp, vp, start, impl: str):
     """Attention of the rest of a prompt over its shared prefix and itself. q [1, Ts, H, D] (positions start + i),
     k, v [1, Ts, KV, D] (its own K/V, causal), kp, vp [1, Tp, KV, D] (the prefix's, rows < start valid).
-    impl: 'cudnn' (flash attention over [prefix | rest] with a mask, query rows in chunks), 'masked' (the same
-    masked calls through XLA: how CPU tests check the cuDNN path's mask) or 'xla' (the jnp reference with
-    positions)."""
-    Ts, Tp = q.shape[1], kp.shape[1]
-    keys = jnp.concatenate([kp.astype(k.dtype), k], axis=1)                  # [1, Tp + Ts, KV, D]
+    impl: 'cudnn' (flash attention over [prefix | rest] with a mask), 'masked' (the same masked calls through XLA:
+    how CPU tests check the cuDNN path's mask) or 'xla' (the jnp reference with positions). Query rows go in
+    chunks (lax.map), so the mask or the reference's scores stay bounded for a long rest over a long prefix."""
+    Ts, Tp, H = q.shape[1], kp.shape[1], q.shape[2]
+    S = Tp + Ts
+    keys = jnp.concatenate([kp.astype(k.dtype), k], axis=1)                  # [1, S, KV, D]
     vals = jnp.concatenate([vp.astype(v.dtype), v], axis=1)
-    j = jnp.arange(Tp + Ts)
-    if impl not in ("cudnn", "masked"):
-        qpos = (start + jnp.arange(Ts))[None]
-        kpos = jnp.where(j < Tp, j, start + j - Tp)[None]
-        return dense_attention(q, keys, vals, qpos, kpos, k_valid=((j < start) | (j >= Tp))[None])
-    C = min(Ts, PREFIX_Q_CHUNK)
+    j = jnp.arange(S)
+    if impl in ("cudnn", "masked"):
+        C = min(Ts, PREFIX_Q_CHUNK)
 
-    def rows(qc, i0):
-        i = i0 + jnp.arange(C)
-        ok = (j[None] < start) | ((j[None] >= Tp) & (j[None] - Tp <= i[:, None]))          # [C, Tp + Ts]
-        return jax.nn.dot_product_attention(qc, keys, vals, mask=ok[None, None],
-                                            implementation="cudnn" if impl == "cudnn" else None)
+        def rows(qc, i0):
+            i = i0 + jnp.arange(qc.shape[1])
+            ok = (j[None] < start) | ((j[None] >= Tp) & (j[None] - Tp <= i[:, None]))          # [C, S]
+            return jax.nn.dot_product_attention(qc, keys, vals, mask=ok[None, None],
+                                                implementation="cudnn" if impl == "cudnn" else None)
+    else:
+        C = Ts
+        while C > 1 and H * C * S * 4 > PREFIX_SCORE_BYTES:
+            C //= 2
+        kpos = jnp.where(j < Tp, j, start + j - Tp)[None]
+        valid = ((j < start) | (j >= Tp))[None]
+
+        def rows(qc, i0):
+            qpos = (start + i0 + jnp.arange(qc.shape[1]))[None]
+            return dense_attention(qc, keys, vals, qpos, kpos, k_valid=valid)
     if C == Ts:
         return rows(q, 0)
     n = Ts // C
