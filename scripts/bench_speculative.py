@@ -20,7 +20,7 @@ all rejected: the worst case), K from --step-ks, B from --step-batches: plain_st
 verify_ms (one verification, host sync included, as the Engine runs it), ratio = the tokens a verification must
 yield to break even.
 
---small: the tiny random model, short prompts, float32, on CPU (a check of the script; with --step-cost, the tiny
+--small: the tiny random model, short prompts, float32, dense, on CPU (a check of the script; with --step-cost, the tiny
 shape at 1K).
 On the H200: python scripts/bench_speculative.py --out docs/benchmarks/speculative.json
          and: python scripts/bench_speculative.py --step-cost --out docs/benchmarks/speculative_step.json
@@ -195,7 +195,7 @@ def main(argv=None):
     elif args.small:
         args.doc_tokens, args.echo, args.max_new, args.dtype = 96, 32, 24, "float32"
         args.batches, args.tasks, args.reps, args.page_size, args.token_budget = "1", "continue", 1, 16, 64
-        args.num_tokens = "3"
+        args.num_tokens, args.attention = "3", "dense"    # dense: the cheapest compile (tests cover sparse)
 
     from ulacache_jax.cache_state import raise_host_limit
     raise_host_limit()
