@@ -87,7 +87,9 @@ def weights_digest(params) -> str:
     architecture differs in the first values of (nearly) every array, and reading them costs a few KB."""
     h = hashlib.sha256()
     leaves = jax.tree_util.tree_leaves_with_path(params)
-    heads = jax.device_get([leaf.reshape(-1)[:_DIGEST_VALUES] for _, leaf in leaves])
+    # the first row's leading values: a slice, not a reshape (which would copy every array)
+    heads = jax.device_get([leaf[(0,) * (leaf.ndim - 1)][:_DIGEST_VALUES] if leaf.ndim else leaf
+                            for _, leaf in leaves])
     for (path, leaf), head in zip(leaves, heads):
         h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:{leaf.dtype}|".encode())
         h.update(np.asarray(head, np.float32).tobytes())
@@ -95,7 +97,15 @@ def weights_digest(params) -> str:
 
 
 def engine_identity(engine) -> dict:
-    """What decides an engine's tokens, JSON-able: model config, weight digest, cache config, attention kind."""
+    """What decides an engine's tokens, JSON-able: model config, weight digest, cache config, attention kind.
+    Computed once per engine (none of it changes over an engine's life) and kept on it."""
+    cached = getattr(engine, "_checkpoint_identity", None)
+    if cached is None:
+        cached = engine._checkpoint_identity = _identity(engine)
+    return cached
+
+
+def _identity(engine) -> dict:
     gen = engine.gen
     mc = gen.model_config
     model = mc.to_dict() if hasattr(mc, "to_dict") else dataclasses.asdict(mc)
