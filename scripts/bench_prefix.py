@@ -15,7 +15,11 @@ Per row: time to the last answer (wall, compilation included, and the part spent
 prompt tokens prefilled (computed) and attached, host bytes (the pool's peak in use, and its size), and whether
 the answers equal those without sharing. JSON row by row to <out>/prefix.json (bench_meta.Results).
 
-H200: python scripts/bench_prefix.py --out docs/benchmarks      CPU check: python scripts/bench_prefix.py --small
+H200 (one call per mode keeps each under 10 minutes):
+  python scripts/bench_prefix.py --rows 8b:130816 --modes on --out docs/benchmarks
+  python scripts/bench_prefix.py --rows 8b:130816 --modes off --append --out docs/benchmarks
+  python scripts/bench_prefix.py --rows smollm2:8192 --append --out docs/benchmarks
+CPU check: python scripts/bench_prefix.py --small --out /tmp/prefix
 """
 from __future__ import annotations
 
@@ -110,6 +114,28 @@ def run_mode(kind: str, tokens: int, attention: str, share: bool, args) -> dict:
         device=str(jax.devices()[0].device_kind), jax=jax.__version__)
 
 
+def pairs(rows: list[dict]) -> list[dict]:
+    """The with/without comparison of each (model, document, attention) that has both rows (the latest of each):
+    speedup to the last answer, prefill tokens computed, host bytes at peak, answers equal."""
+    latest = {}
+    for r in rows:
+        if "error" not in r:
+            latest[(r["model"], r["doc_tokens"], r["attention"], r["sharing"])] = r
+    out = []
+    for (model, doc, attention, share), on in latest.items():
+        off = latest.get((model, doc, attention, False))
+        if not share or off is None:
+            continue
+        hb_on, hb_off = on.get("host_bytes_peak"), off.get("host_bytes_peak")
+        out.append(dict(model=model, doc_tokens=doc, attention=attention, questions=on["questions"],
+                        speedup_to_last_answer=off["time_to_last_answer_s"] / on["time_to_last_answer_s"],
+                        prefill_tokens_computed=(on["prefill_tokens_computed"], off["prefill_tokens_computed"]),
+                        host_bytes_peak=(hb_on, hb_off), host_bytes_peak_in_docs=None if not hb_on else
+                        hb_on / on["doc_host_bytes"],
+                        same_answers=sum(a == b for a, b in zip(on["answers"], off["answers"]))))
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default=None, help=f"kind:tokens list (default {FULL_ROWS}; --small: {SMALL_ROWS})")
@@ -127,6 +153,9 @@ def main(argv=None):
     p.add_argument("--out", default="docs/benchmarks")
     p.add_argument("--commit", default=None)
     p.add_argument("--row-timeout", type=float, default=1800)
+    p.add_argument("--modes", default="on,off", help="on (sharing), off (no sharing) or both; one device call "
+                   "per mode keeps each under a call limit (--append adds the rows to <out>/prefix.json)")
+    p.add_argument("--append", action="store_true", help="keep the rows already in <out>/prefix.json")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.small:
@@ -144,30 +173,29 @@ def main(argv=None):
     from ulacache_jax.cache_state import raise_host_limit
     raise_host_limit()
     commit = args.commit or git_commit()
-    res = Results(os.path.join(args.out, "prefix.json"), run_meta(commit), settings=vars(args))
+    path = os.path.join(args.out, "prefix.json")
+    res = Results(path, run_meta(commit), settings=vars(args))
+    if args.append and os.path.exists(path):
+        with open(path) as f:
+            res.rows = json.load(f).get("rows", [])
     for spec in args.rows.split(","):
         kind, tokens = spec.split(":")
         kinds = args.attention or ("sparse" if kind == "8b" else "sparse,dense")
         for attention in kinds.split(","):
-            pair = {}
-            for share in ("on", "off"):
+            for share in args.modes.split(","):
                 cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{kind}:{tokens}:{attention}:{share}"]
                 cmd += [a for a in (argv if argv is not None else sys.argv[1:])]
                 row = row_in_child(cmd, args.row_timeout, model=kind, doc_tokens=int(tokens), attention=attention,
                                    sharing=share == "on")
-                pair[share] = row
-                if "error" not in row and share == "off" and "error" not in pair["on"]:
-                    on = pair["on"]
-                    row["same_answers"] = sum(a == b for a, b in zip(on["answers"], row["answers"]))
-                    on["speedup_vs_off"] = row["time_to_last_answer_s"] / on["time_to_last_answer_s"]
-                    if on.get("host_bytes_peak") and row.get("host_bytes_peak"):
-                        on["host_bytes_vs_off"] = on["host_bytes_peak"] / row["host_bytes_peak"]
-                    res.save()
                 row["commit"] = commit
                 res.add(row)
+                res.extra["pairs"] = pairs(res.rows)
+                res.save()
                 print(json.dumps({k: v for k, v in row.items() if k != "answers"}), flush=True)
+    for pr in res.extra.get("pairs", []):
+        print(json.dumps(pr))
     print(f"\n{'model':8s} {'doc':>7s} {'attn':6s} {'share':5s} {'last answer s':>13s} {'computed':>9s} "
-          f"{'host peak':>10s} {'same':>5s}")
+          f"{'host peak':>10s}")
     for r in res.rows:
         if "error" in r:
             print(f"{r['model']:8s} {r['doc_tokens']:7d} {r['attention']:6s} {str(r['sharing']):5s} "
@@ -176,7 +204,7 @@ def main(argv=None):
         hb = r.get("host_bytes_peak")
         print(f"{r['model']:8s} {r['doc_tokens']:7d} {r['attention']:6s} {str(r['sharing']):5s} "
               f"{r['time_to_last_answer_s']:13.2f} {r['prefill_tokens_computed']:9d} "
-              f"{'-' if hb is None else f'{hb / 2**30:.2f} GiB':>10s} {r.get('same_answers', ''):>5}")
+              f"{'-' if hb is None else f'{hb / 2**20:.1f} MiB':>12s}")
 
 
 if __name__ == "__main__":
