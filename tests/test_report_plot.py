@@ -90,7 +90,7 @@ def synthetic_report(num_requests=6, num_steps=40, gap_after=20, gap_s=3.0, atte
                    "t_finished_s": fin, "prefill_step": 0, "prompt_tokens": 100, "generated_tokens": 40,
                    "finish_reason": "length"})
     rt[-1].update(t_admitted_s=None, t_first_token_s=None, finish_reason="error", t_finished_s=0.2)
-    return {"model": "synthetic", "random_weights": True, "attention": attention,
+    return {"model": "synthetic", "random_weights": True, "attention": attention, "host_tier": attention != "dense",
             "cache_config": {"max_seqs": 4, "page_size": 16, "token_budget": 64},
             "requests": {"total": num_requests, "failed": 1}, "tokens": {"generated": 64 * num_steps},
             "wall_s": end, "engine_s": end, "compile_steps_s": 1.5, "compile_steps": 2,

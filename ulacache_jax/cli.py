@@ -587,18 +587,18 @@ def check_device_memory(args, cfg, param_bytes: int, limit: int | None, what: st
     """Refuse, before allocating, a cache (frame pool, tail ring, summaries, or the dense KV) that with the weights
     exceeds the device's memory; with --hbm-pages, name it and the largest value that fits. attention: the kind
     that will run (default --attention)."""
-    attention = attention or args.attention
-    from . import report as report_mod
+    from . import backends
+    backend = backends.backend_class(attention or args.attention)   # the one place that reads the kind
     if limit is None:
         return
-    fp = report_mod.footprint(cfg, attention)
+    fp = backend.footprint(cfg)
     need = fp["hbm_bytes"] // max(1, cfg.tp) + param_bytes
     if need <= limit:
         return
     gib = 2**30
     msg = (f"the cache needs {fp['hbm_bytes'] // max(1, cfg.tp) / gib:.2f} GiB of device memory and the weights "
            f"{param_bytes / gib:.2f} GiB, but the device has {limit / gib:.2f} GiB ({what})")
-    if args.hbm_pages is not None and attention == "sparse":
+    if args.hbm_pages is not None and backend.host_tier:
         per_frame = 2 * cfg.page_bytes + 12                   # K + V page, PB-LRU tag/stamp
         frames = fp["hbm_detail"]["frames"] + fp["hbm_detail"]["pb_lru"]
         room = limit - (need - frames)

@@ -35,22 +35,11 @@ def _ms(x):
     return None if x is None else 1e3 * x
 
 
-def footprint(config: CacheConfig, attention: str) -> dict:
-    """Bytes of the KV cache: HBM (all ranks) and host. Dense: every K/V in HBM, no host tier."""
-    c = config
-    if attention == "dense":
-        kv = 2 * c.num_layers * c.max_seqs * c.max_context * c.num_kv_heads * c.head_dim * c.jnp_dtype.itemsize
-        return {"hbm_bytes": kv, "host_bytes": 0, "hbm_detail": {"dense_kv": kv}}
-    fp = c.footprint()
-    hbm = {k: v * c.tp for k, v in fp.items() if k != "host"}
-    return {"hbm_bytes": sum(hbm.values()), "host_bytes": fp["host"] * c.tp, "hbm_detail": hbm}
-
-
 def build_report(engine, requests=None, *, wall_s: float | None = None, model_label: str = "",
                  random_weights: bool = False, param_bytes: int | None = None, extra: dict | None = None) -> dict:
     """A JSON-able dict. `requests`: the finished Requests to summarise (default: those the engine still holds)."""
     c: CacheConfig = engine.config
-    attention = engine.gen.attention
+    backend = engine.gen.backend        # the kind that ran, resolved once by backends.make_backend
     reqs = list(engine.requests.values()) if requests is None else list(requests)
     wall = engine.elapsed() if wall_s is None else wall_s
     tl = engine.timeline
@@ -81,7 +70,7 @@ def build_report(engine, requests=None, *, wall_s: float | None = None, model_la
                                                                                    "fetched"))
     groups = c.num_layers * c.num_groups
     written = sum(groups * ((len(r.prompt_ids) + max(len(r.tokens) - 1, 0)) // c.page_size) for r in ok)
-    sparse = attention == "sparse"
+    sparse = backend.host_tier          # pages cross PCIe: hit rates and PCIe bytes mean something
     prefix = engine.prefix_stats() if hasattr(engine, "prefix_stats") else None
     if prefix is not None:
         written -= groups * (prefix.hit_tokens // c.page_size)      # attached pages are not written again
@@ -101,7 +90,8 @@ def build_report(engine, requests=None, *, wall_s: float | None = None, model_la
     rep = {
         "model": model_label,
         "random_weights": random_weights,
-        "attention": attention,
+        "attention": backend.kind,
+        "host_tier": backend.host_tier,
         "cache_config": dataclasses.asdict(c),
         "requests": {"total": len(reqs), "ok": len(ok), "failed": reasons["error"], "finish_reasons": reasons},
         "tokens": {"prompt": prompt_tokens, "generated": gen_tokens},
@@ -137,7 +127,7 @@ def build_report(engine, requests=None, *, wall_s: float | None = None, model_la
             "note": "hit rate over selected flushed pages (tail-ring pages not counted); h2d = fetched pages x "
                     "page_bytes x 2 (K and V); d2h = completed pages written through to the host pool",
         },
-        "footprint": {**footprint(c, attention), "param_bytes": param_bytes},
+        "footprint": {**backend.footprint(c), "param_bytes": param_bytes},
         "prefix_cache": None if prefix is None else {
             "enabled": engine.gen.prefixes is not None,
             "prefix_cache_hit_tokens": prefix.hit_tokens, "prefill_tokens": prefix.prefill_tokens,
@@ -279,7 +269,7 @@ def plot_timeline(rep: dict, path: str | os.PathLike, *, max_gantt_rows: int = 6
     _legend_above(ax_t)
 
     # HBM hit rate per decode chunk
-    if rep.get("attention") == "dense":
+    if not rep.get("host_tier", True):
         ax_h.text(0.5, 0.5, "dense: no hit rate (every K/V in HBM)", transform=ax_h.transAxes, ha="center",
                   va="center", fontsize=10, color="0.35")
         ax_h.set_yticks([])
@@ -358,7 +348,7 @@ def request_timeline(requests, t0: float) -> list[dict]:
 def _plot_title(rep: dict) -> str:
     c = rep.get("cache_config") or {}
     head = f"{rep.get('model') or 'model'}  |  {rep.get('attention', '?')} attention  |  batch {c.get('max_seqs', '?')}"
-    if rep.get("attention") != "dense" and "token_budget" in c:
+    if rep.get("host_tier", True) and "token_budget" in c:
         head += f"  |  token budget {c['token_budget']}, page {c.get('page_size', '?')}"
     if rep.get("random_weights") and "random" not in head.lower():
         head += "  |  RANDOM WEIGHTS"
