@@ -98,7 +98,8 @@ def test_stop_id_and_max_length_inside_a_draft(setup, plain):
 
 
 def test_ngram_drafter_greedy_equals_plain(setup):
-    """Repetitive prompts (ngram matches, partly right): the real drafter, row-count buckets (1, 2, 4 rows)."""
+    """Repetitive prompts (ngram matches, partly right): the real drafter, row-count buckets (1, 2, 4 rows), the
+    back-off to plain chunks between flush points."""
     model, cfg, _ = setup
     rng = np.random.default_rng(3)
     unit = [int(t) for t in rng.integers(0, 256, 12)]
@@ -108,6 +109,9 @@ def test_ngram_drafter_greedy_equals_plain(setup):
     reqs = eng.run(prompts, SamplingParams(max_new_tokens=MAX_NEW))
     assert [r.tokens for r in reqs] == ref
     assert eng.spec.proposed > 0
+    # drafts rejected step after step: the slots stop drafting for a while and plain chunks run instead
+    assert any(r.decode_steps > 1 for r in eng.timeline)
+    assert eng.spec.steps < sum(r.decode_steps for r in eng.timeline)
 
 
 def test_draft_model_greedy_equals_plain(setup, plain):

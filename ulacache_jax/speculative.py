@@ -177,7 +177,9 @@ class SpecDecoder:
         S = c.max_seqs
         self.prompt_len = np.zeros(S, np.int64)        # where each slot's flush points start (its prefill)
         self.length = np.zeros(S, np.int64)            # committed tokens per slot, host mirror
-        self.k_now = np.full(S, spec.num_tokens, np.int64)
+        self.k_now = np.full(S, spec.num_tokens, np.int64)   # drafts a step per slot (back-off)
+        self.fails = np.zeros(S, np.int64)                     # consecutive steps with no draft accepted
+        self.skip = np.zeros(S, np.int64)                      # tokens to go before the slot drafts again
         self.steps = self.proposed = self.accepted = 0
         self._seen_rows: set[int] = set()
         # the ngram drafter: (slot, history, k) -> up to k tokens; replaceable (tests use oracle drafters)
@@ -202,7 +204,7 @@ class SpecDecoder:
     # slots
     def prefill(self, slot: int, prompt: list[int], num_tokens: int) -> None:
         self.prompt_len[slot] = self.length[slot] = len(prompt)
-        self.k_now[slot] = self.K
+        self.k_now[slot], self.fails[slot], self.skip[slot] = self.K, 0, 0
         if self.draft is not None:
             d = self.draft.admit(num_tokens)
             self.d_of[slot] = d
@@ -219,7 +221,9 @@ class SpecDecoder:
 
     # the step
     def decode(self, eng, rec, new, ended) -> None:
-        """One verification for every running request of Engine `eng` (the Engine's `_decode`, speculative)."""
+        """One step for every running request of Engine `eng` (the Engine's `_decode`, speculative): a verification
+        of each slot's drafts; or, when no slot drafts (ngram: no match, or every slot backing off), a plain decode
+        chunk that ends where no flush point differs from plain decoding's (`_plain_steps`), else one row."""
         from .engine import LENGTH, STOP
         from .generator import _accumulate
         gen, c, K = self.gen, self.gen.config, self.K
@@ -233,50 +237,71 @@ class SpecDecoder:
             L = int(self.length[slot])
             b = next_flush(int(self.prompt_len[slot]), L, P)
             k = int(min(self.k_now[slot], b - L - 1, eng._remaining[slot] - 1))
+            if self.skip[slot] > 0:
+                k = 0
             tokens[slot, 0] = eng._tok[slot]
             if self.draft is None:
                 d = list(self.drafter(slot, req.prompt_ids + req.tokens, k))[:max(k, 0)]
                 tokens[slot, 1:1 + len(d)] = d
                 k = len(d)
             nrows[slot], bound[slot] = 1 + max(k, 0), b
-        rows = K + 1 if self.fixed_rows else min(K + 1, _bucket(int(nrows.max())))
-        nrows = np.minimum(nrows, rows)
         rec.live_slots = len(running)
-        rec.decode_compiled = rows not in self._seen_rows
-        self._seen_rows.add(rows)
-        rep = gen._replicated
         keys = row_keys(jnp.asarray(eng._seed), jnp.asarray(eng._chunk_of))
         sampling = SamplingArrays(jnp.asarray(eng._temp), jnp.asarray(eng._top_p), jnp.asarray(eng._top_k))
         before = eng._stats0
         t0 = eng._clock()
-        probs = jnp.zeros((), jnp.float32)
-        if self.draft is not None and rows > 1:
-            tokens[:, 1:rows], probs = self._propose(tokens[:, 0], nrows, rows, keys, sampling)
-        args = jax.device_put((tokens[:, :rows], nrows, bound, keys, sampling, probs), rep)
-        b = gen.backend
-        verify = gen.program.verify(rows, self.draft is not None and rows > 1)
-        b.cache, b.host, out, n_new, length, flush, stats = verify(gen.params, b.cache, b.host, *args)
-        gen.stats, gen.rank_stats = _accumulate(gen.stats, gen.rank_stats, stats)
-        if self.draft is not None:
-            self._commit_draft(length, flush)
-        out, n_new = np.asarray(out), np.asarray(n_new)
+        steps = 1
+        if self.draft is None and not self.fixed_rows and nrows.max() <= 1:
+            steps = self._plain_steps(running, P)
+        if steps > 1:                      # nobody drafts: a plain chunk (one host sync for `steps` tokens)
+            rec.decode_compiled = ("plain", steps) not in self._seen_rows
+            self._seen_rows.add(("plain", steps))
+            out, _, _ = gen.decode_chunk(jnp.asarray(eng._tok), jnp.asarray(eng._done), jnp.asarray(eng._remaining),
+                                         keys, sampling, eng._no_stops, steps=steps)
+            out = np.asarray(out)
+            n_new = (out >= 0).sum(axis=1)
+            nrows[:] = 1
+        else:
+            rows = K + 1 if self.fixed_rows else min(K + 1, _bucket(int(nrows.max())))
+            nrows = np.minimum(nrows, rows)
+            rec.decode_compiled = rows not in self._seen_rows
+            self._seen_rows.add(rows)
+            probs = jnp.zeros((), jnp.float32)
+            if self.draft is not None:     # always: the draft cache needs the row-0 token's K/V too
+                drafts, dprobs = self._propose(tokens[:, 0], nrows, rows, keys, sampling)
+                if rows > 1:
+                    tokens[:, 1:rows], probs = drafts, dprobs
+            args = jax.device_put((tokens[:, :rows], nrows, bound, keys, sampling, probs), gen._replicated)
+            b = gen.backend
+            verify = gen.program.verify(rows, self.draft is not None and rows > 1)
+            b.cache, b.host, out, n_new, length, flush, stats = verify(gen.params, b.cache, b.host, *args)
+            gen.stats, gen.rank_stats = _accumulate(gen.stats, gen.rank_stats, stats)
+            if self.draft is not None:
+                self._commit_draft(length, flush)
+            out, n_new = np.asarray(out), np.asarray(n_new)
+            self.steps += 1
         now = eng._clock()
         eng._stats0 = eng._stats_now()
         rec.hits, rec.misses, rec.overflow, rec.fetched = (a - b_ for a, b_ in zip(eng._stats0, before))
         rec.decode_s = now - t0
-        rec.decode_steps = 1
+        rec.decode_steps = steps
         eng._chunks += 1
         eng._chunk_of += 1
-        self.steps += 1
         for slot, rid in running:
             req = eng.requests[rid]
             got = [int(t) for t in out[slot, :n_new[slot]]]
             drafted, acc = int(nrows[slot]) - 1, int(n_new[slot]) - 1
             self.length[slot] += n_new[slot]
-            self.proposed += drafted
-            self.accepted += acc
-            if drafted:   # back off on a rejection, grow on a full acceptance
+            self.skip[slot] = max(0, self.skip[slot] - int(n_new[slot]))
+            if drafted:
+                self.proposed += drafted
+                self.accepted += acc
+                # draft length: grows on a full acceptance, shrinks on a rejection; drafting pauses for 2, 4, ...
+                # up to page_size tokens after consecutive steps with nothing accepted (speculation backs off)
                 self.k_now[slot] = min(K, self.k_now[slot] + 2) if acc == drafted else max(1, self.k_now[slot] - 1)
+                self.fails[slot] = 0 if acc else self.fails[slot] + 1
+                if self.fails[slot] >= 2:
+                    self.skip[slot] = min(P, 2 ** (int(self.fails[slot]) - 1))
             eng._remaining[slot] -= len(got)
             stop = next((i for i, t in enumerate(got) if t in req.sampling.stop_ids), None)
             if stop is not None:
@@ -299,6 +324,25 @@ class SpecDecoder:
             eng._finish(req, reason)
             eng._release(slot)
             ended[rid] = None
+
+    def _plain_steps(self, running, P: int) -> int:
+        """The longest plain decode chunk (a power of two) that every running slot can take without a flush plain
+        decoding would not do: it ends exactly at the slot's next flush point, or before its next page completes
+        (the chunk's end flushes every complete page). 1 when none of 2 .. page_size fits."""
+        n = P
+        while n >= 2:
+            ok = True
+            for slot, _ in running:
+                L = int(self.length[slot])
+                b = next_flush(int(self.prompt_len[slot]), L, P)
+                complete = ((b - P) // P + 1) * P          # where the first unflushed page completes
+                if not (n == b - L or L + n < complete):
+                    ok = False
+                    break
+            if ok:
+                return n
+            n //= 2
+        return 1
 
     def _propose(self, tok, nrows, rows, keys, sampling):
         """The draft model's proposals for the target's slots -> (drafts [S, rows - 1] host, probs [S, rows - 1,
