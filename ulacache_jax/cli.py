@@ -986,7 +986,9 @@ def _generate_locked(args, t_start: float) -> int:
         print(f"ulacache generate: error: {write_error}", file=sys.stderr)
     if interrupted is not None:
         print(f"ulacache: interrupted by {_signal_name(interrupted)}; the {len(finished)} requests finished in this "
-              f"run are in {args.output}: rerun with --resume to continue", file=sys.stderr)
+              f"run are in {args.output}: rerun with --resume to continue"
+              + (f" (requests in flight continue from their last checkpoint in {args.checkpoint_dir})"
+                 if args.checkpoint_dir and ck_stats["saves"] else ""), file=sys.stderr)
     if rep is not None:
         plot = args.plot or (str(pathlib.Path(args.report).with_suffix(".png")) if args.report else None)
         try:
