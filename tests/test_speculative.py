@@ -336,6 +336,16 @@ def test_ngram_propose_and_flush_points():
     assert ngram_propose(h + [5], 3, 3) == []
     assert ngram_propose([4, 5, 4], 3, 3) == [5, 4]            # falls back to a 1-gram
     assert ngram_propose(h, 0, 3) == []
+    rng = np.random.default_rng(5)
+    from ulacache_jax.speculative import NgramIndex
+    for _ in range(30):
+        seq = [int(t) for t in rng.integers(0, 4, 60)]
+        idx = NgramIndex(3)
+        for T in range(1, 60, 7):                               # incremental == the scan, as the history grows
+            assert idx.propose(seq[:T], 3) == ngram_propose(seq[:T], 3, 3)
+        idx = NgramIndex(3)
+        for T in range(20, 60, 5):                              # given as prompt + generated tokens
+            assert idx.propose(seq[:20], 2, seq[20:T]) == ngram_propose(seq[:T], 2, 3)
     assert next_flush(100, 100, 16) == 116 and next_flush(100, 115, 16) == 116 and next_flush(100, 116, 16) == 132
 
 

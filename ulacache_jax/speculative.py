@@ -154,6 +154,47 @@ def ngram_propose(history, k: int, ngram_max: int) -> list[int]:
     return []
 
 
+class NgramIndex:
+    """`ngram_propose` incrementally, for one sequence: the latest start of every n-gram (n <= ngram_max) seen so
+    far, updated with each new token, so a proposal costs O(ngram_max) instead of a scan of the history."""
+
+    def __init__(self, ngram_max: int):
+        self.ngram_max = ngram_max
+        self.h: list[int] = []
+        self.after = [dict() for _ in range(ngram_max + 1)]     # n -> {n-gram: index after its latest occurrence}
+
+    def extend(self, tokens) -> None:
+        h = self.h
+        for t in tokens:
+            h.append(int(t))
+            i = len(h) - 2                 # n-grams ending at i (all but the newest token) become matchable
+            if i < 0:
+                continue
+            for n in range(1, min(self.ngram_max, i + 1) + 1):
+                self.after[n][tuple(h[i - n + 1:i + 1])] = i + 1
+
+    def propose(self, history, k: int, more=()) -> list[int]:
+        """ngram_propose(history + more, k, ngram_max), given that history + more extends what this index has seen
+        (two lists, e.g. a prompt and its generated tokens, so the caller need not join them)."""
+        seen = len(self.h)
+        if seen > len(history) + len(more) or (seen and (history[:1] or more[:1]) != self.h[:1]):
+            self.__init__(self.ngram_max)
+            seen = 0
+        if seen < len(history):
+            self.extend(history[seen:])
+            self.extend(more)
+        else:
+            self.extend(more[seen - len(history):])
+        if k < 1:
+            return []
+        h = self.h
+        for n in range(min(self.ngram_max, len(h) - 1), 0, -1):
+            start = self.after[n].get(tuple(h[len(h) - n:]))
+            if start is not None:
+                return h[start:start + k]
+        return []
+
+
 def next_flush(prompt_len: int, length: int, page_size: int) -> int:
     """The next flush point of a sequence with `length` committed tokens: where plain decode's chunk ends (chunks
     of page_size steps from the prompt's end)."""
@@ -182,8 +223,9 @@ class SpecDecoder:
         self.skip = np.zeros(S, np.int64)                      # tokens to go before the slot drafts again
         self.steps = self.proposed = self.accepted = 0
         self._seen_rows: set[int] = set()
-        # the ngram drafter: (slot, history, k) -> up to k tokens; replaceable (tests use oracle drafters)
-        self.drafter = lambda slot, history, k: ngram_propose(history, k, spec.ngram_max)
+        # a drafter (slot, history, k) -> up to k tokens in place of the ngram index (tests: oracle drafters)
+        self._ngram = [NgramIndex(spec.ngram_max) for _ in range(S)]
+        self.drafter = None
         self.fixed_rows = False      # True: every verification runs K + 1 rows (one program; tests)
         self.draft = None
         if spec.method == "draft":
@@ -205,6 +247,7 @@ class SpecDecoder:
     def prefill(self, slot: int, prompt: list[int], num_tokens: int) -> None:
         self.prompt_len[slot] = self.length[slot] = len(prompt)
         self.k_now[slot], self.fails[slot], self.skip[slot] = self.K, 0, 0
+        self._ngram[slot] = NgramIndex(self.spec.ngram_max)
         if self.draft is not None:
             d = self.draft.admit(num_tokens)
             self.d_of[slot] = d
@@ -241,7 +284,10 @@ class SpecDecoder:
                 k = 0
             tokens[slot, 0] = eng._tok[slot]
             if self.draft is None:
-                d = list(self.drafter(slot, req.prompt_ids + req.tokens, k))[:max(k, 0)]
+                if self.drafter is None:
+                    d = self._ngram[slot].propose(req.prompt_ids, max(k, 0), req.tokens)
+                else:
+                    d = list(self.drafter(slot, req.prompt_ids + req.tokens, k))[:max(k, 0)]
                 tokens[slot, 1:1 + len(d)] = d
                 k = len(d)
             nrows[slot], bound[slot] = 1 + max(k, 0), b
