@@ -123,7 +123,7 @@ def step_cost(args, res) -> None:
     reps = max(args.reps, 3) * 4
     ns = argparse.Namespace(chunks=4 + (max(ks) + 1) * (reps + 1) * len(ks) // page + 2, budget=args.token_budget)
     for B in [int(b) for b in args.step_batches.split(",")]:
-        cfg = bench_config(mc, "sparse", B, ctx, ns, kv_fraction=1.0, page=page)
+        cfg = bench_config(mc, "sparse", B, ctx, ns, kv_fraction=0.5, page=page)
         gen = Generator(model, cfg, attention="sparse")
         S = cfg.max_seqs
         slots = [gen.admit(ctx + (ns.chunks + 1) * page) for _ in range(B)]

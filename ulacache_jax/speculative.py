@@ -5,10 +5,11 @@ one forward of K + 1 rows per sequence, accepted by the speculative sampling rul
   in the prompt and the generated text, no second model) or "draft" (a smaller model of the same tokenizer
   decoding on its own cache), `num_tokens` = K drafts a step at most.
 - Verification (program.Program.verify): row j of a sequence is its token at position length + j, and computes
-  what a plain decode step at that position computes (its own page selection, sieve access and causal view of
-  the tail ring: backends' `verify`). The drafts' K/V go into the tail ring as leases; accepted rows commit by
-  advancing the length (the tail pages' key summaries recomputed from committed tokens); a rejected row writes no
-  vTLB entry, frame, PB-LRU slot or host page (its verification's page reads and recency updates are reads).
+  what a plain decode step at that position computes (its own page selection and causal view of the tail ring;
+  the S x (K + 1) rows are one virtual decode batch: one sieve access, one attention launch: decode_layer.
+  verify_layer). The drafts' K/V go into the tail ring as leases; accepted rows commit by advancing the length
+  (the tail pages' key summaries recomputed from committed tokens); a rejected row writes no vTLB entry, frame,
+  PB-LRU slot or host page (its verification's page reads and recency updates are reads).
 - Flush points are those of plain decode: a sequence flushes its complete pages when its length reaches
   prompt + c * page_size (where a plain decode chunk ends), and a verification never runs rows past the next
   flush point (the rows are cut there). So every row sees the flushed pages a plain decode step sees, greedy
@@ -17,10 +18,11 @@ one forward of K + 1 rows per sequence, accepted by the speculative sampling rul
   draft probability q(d) is accepted with probability min(1, p(d) / q(d)); at the first rejection the next token
   is drawn from norm(max(0, p - q)); when all are accepted, from the last row's p. Greedy rows make p a point mass
   on the argmax (accept = longest matching prefix + the target's next token); ngram drafts are point masses.
-- `SpecDecoder`: the Engine's speculative step (one verification per Engine step, one host sync), with a per-slot
-  draft length that backs off when drafts are rejected and grows when they are accepted.
-The row count of a verification is a power of two up to K + 1 (the longest proposal of the step): a step with no
-drafts runs one row; at most log2(K + 1) + 1 programs compile, none per acceptance pattern.
+- `SpecDecoder`: the Engine's speculative step (one verification per Engine step, one host sync). It backs off
+  by itself: a slot's draft length grows on full acceptance and shrinks on rejection, a slot rejected step after
+  step stops drafting for a while, and a step where no slot drafts (ngram) runs a plain decode chunk instead.
+The row count of a verification is a power of two up to K + 1 (the longest proposal of the step): at most
+log2(K + 1) + 1 verification programs compile, none per acceptance pattern.
 """
 from __future__ import annotations
 
