@@ -79,11 +79,19 @@ def run_checks() -> dict:
             "puts": len(puts), "puts_to_mesh": all(puts),
             "dtype": str(q.dtype),
         }
-    try:        # 2 KV heads over 4 ranks: a clear error before any tensor is read
-        tp_mod.load_model(FIXTURES / "tiny_llama", tp_mod.make_mesh(4), dtype=jnp.float32)
-        out["tp4_error"] = None
+    # 2 KV heads over 4 ranks: k/v load replicated and come back repeated (prepare_model), the same function
+    ref = from_pretrained(FIXTURES / "tiny_llama", jnp.float32)
+    rep = tp_mod.load_model(FIXTURES / "tiny_llama", tp_mod.make_mesh(4), dtype=jnp.float32)
+    q = rep.layers[0].self_attn.q_proj[...]
+    out["tp4"] = {"kv_heads": rep.config.num_kv_heads,
+                  "q_shards": sorted({s.data.shape[0] for s in q.addressable_shards}),
+                  "logits_close": bool(np.allclose(np.asarray(jax.jit(lambda m, x: m(x))(rep, ids)),
+                                                   np.asarray(jax.jit(lambda m, x: m(x))(ref, ids)), atol=1e-5))}
+    try:        # 3 ranks do not split 4 heads: a clear error before any tensor is read
+        tp_mod.load_model(FIXTURES / "tiny_llama", tp_mod.make_mesh(3), dtype=jnp.float32)
+        out["tp3_error"] = None
     except ValueError as e:
-        out["tp4_error"] = str(e)
+        out["tp3_error"] = str(e)
 
     # the Llama-3.1-70B shape, abstractly: what each device of TP = 8 holds under the loaders' shardings
     mc = get_preset("llama-3.1-70b")
@@ -119,8 +127,13 @@ def test_file_loaders_place_every_tensor_into_its_shards(checks, source):
     assert r["puts"] > 0 and r["puts_to_mesh"]
 
 
-def test_ranks_beyond_kv_heads_is_a_clear_error(checks):
-    assert "num_kv_heads = 2" in checks["tp4_error"] and "prepare_model" in checks["tp4_error"]
+def test_more_ranks_than_kv_heads_load_replicated_and_repeat(checks):
+    r = checks["tp4"]
+    assert r["kv_heads"] == 4 and r["q_shards"] == [1] and r["logits_close"]
+
+
+def test_a_model_that_does_not_split_is_a_clear_error(checks):
+    assert "tp = 3 must divide the model's num_heads = 4" in checks["tp3_error"]
 
 
 def test_70b_shape_per_device_bytes_under_the_loaders_shardings(checks):

@@ -251,17 +251,21 @@ def _model_error(spec: str, e: BaseException) -> UsageError:
     return UsageError(f"--model {spec!r}: cannot load it ({type(e).__name__}: {e})")
 
 
-def load_model(spec: str | None, dtype: str, seed: int) -> LoadedModel:
+def load_model(spec: str | None, dtype: str, seed: int, tp_mod=None, tp: int = 1) -> LoadedModel:
+    """The model `spec` names; with tp > 1 (tp_mod: ulacache_jax.tp) made or loaded directly into its TP sharding
+    over tp devices (tp.init_model, tp.load_model), so no device ever holds the whole model."""
     import jax.numpy as jnp
     from flax import nnx
     from . import models
 
     jdt = jnp.dtype(resolve_dtype(dtype))
+    mesh = tp_mod.make_mesh(tp) if tp_mod is not None and tp > 1 else None
     name = spec or DEFAULT_MODEL
     path = pathlib.Path(name)
     if name in models.PRETRAINED and not path.exists():     # a trained model shipped in a package (SmolLM2)
         try:
-            model = models.from_pretrained(name, dtype=jdt)
+            model = (models.from_pretrained(name, dtype=jdt) if mesh is None
+                     else tp_mod.load_model(name, mesh, dtype=jdt))
             tok = models.load_tokenizer(name)
         except FileNotFoundError as e:
             hint = "" if spec else " (the default model; --model tiny runs the tiny preset with RANDOM weights)"
@@ -269,13 +273,18 @@ def load_model(spec: str | None, dtype: str, seed: int) -> LoadedModel:
         return LoadedModel(model, tok, f"{name} ({models.resolve_pretrained(name).name})", False)
     if name in models.PRESETS and not path.exists():
         mc = models.get_preset(name)
-        model = models.LlamaModel(mc, dtype=jdt, rngs=nnx.Rngs(seed))
+        if mesh is not None and not any(n % tp for n in (mc.num_heads, mc.num_kv_heads, mc.intermediate_size)):
+            model = tp_mod.init_model(mc, mesh, dtype=jdt, seed=seed)     # the same weights, made in their shards
+        else:
+            model = models.LlamaModel(mc, dtype=jdt, rngs=nnx.Rngs(seed))
         tok = models.ByteTokenizer() if mc.vocab_size == models.BYTE_VOCAB_SIZE else None
         return LoadedModel(model, tok, f"{name} preset, RANDOM weights (seed {seed})", True)
     if not path.exists():
         raise UsageError(f"--model {spec!r}: no such folder, and not a preset (presets: {', '.join(models.PRESETS)})")
     try:
-        if path.is_dir() and (path / "model.json").is_file():
+        if mesh is not None:
+            model = tp_mod.load_model(path, mesh, dtype=jdt)
+        elif path.is_dir() and (path / "model.json").is_file():
             model = models.load(path, dtype=jdt)
         else:
             model = models.from_pretrained(path, dtype=jdt)
@@ -831,7 +840,7 @@ def _generate_locked(args, t_start: float) -> int:
     from . import report as report_mod
 
     tp_mod = _tp_module(args)
-    loaded = load_model(args.model, args.dtype, args.seed)
+    loaded = load_model(args.model, args.dtype, args.seed, tp_mod, args.tp)
     if tp_mod is not None:
         try:   # replicates KV heads when --tp exceeds them
             loaded.model = tp_mod.prepare_model(loaded.model, args.tp)

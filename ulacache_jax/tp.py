@@ -173,6 +173,7 @@ def tp_graphdef(model) -> nnx.GraphDef:
 _COLUMN = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "q_bias": 0, "k_bias": 0, "v_bias": 0, "gate_proj": 0,
            "up_proj": 0}
 _ROW = {"o_proj": 1, "down_proj": 1}
+_KV = ("k_proj", "v_proj", "k_bias", "v_bias")
 
 
 def _param_name(path) -> str:
@@ -236,37 +237,54 @@ def init_model(config, mesh: Mesh, *, dtype=jnp.bfloat16, seed: int = 0):
     return nnx.merge(graphdef, jax.jit(make, out_shardings=shardings)())
 
 
-def param_shardings(mesh: Mesh):
+def param_shardings(mesh: Mesh, num_kv_heads: int | None = None):
     """The loaders' placement for TP over `mesh`: a function from a param's state path (("layers", 0,
-    "self_attn", "q_proj")) to its NamedSharding, per `param_spec`."""
-    return lambda path: NamedSharding(mesh, param_spec(str(path[-1])))
+    "self_attn", "q_proj")) to its NamedSharding, per `param_spec`. With `num_kv_heads` that tp does not divide
+    (more ranks than KV heads) the k/v projections stay replicated, for `prepare_model` to repeat them."""
+    tp = mesh.shape[TP_AXIS]
+    kv_whole = num_kv_heads is not None and num_kv_heads % tp != 0
+
+    def sharding(path) -> NamedSharding:
+        name = str(path[-1])
+        return NamedSharding(mesh, P() if kv_whole and name in _KV else param_spec(name))
+    return sharding
 
 
 def load_model(path, mesh: Mesh, *, dtype=jnp.bfloat16):
     """A trained model loaded directly into its TP sharding over `mesh`: an orbax checkpoint written by
     models.save (models.load), or a Hugging Face folder, a GGUF or a pretrained preset name
     (models.from_pretrained). Each tensor is placed into its shards as it is read (`param_shardings`: one slice
-    per device), so no device ever holds the whole model. tp must divide num_heads, num_kv_heads and
-    intermediate_size, checked from the config before any tensor is read."""
-    tp, shardings = mesh.shape[TP_AXIS], param_shardings(mesh)
+    per device), so no device ever holds the whole model. The model is checked to split (`check_model_tp`) from
+    its config before any tensor is read; with more ranks than KV heads the k/v projections load replicated and
+    come back repeated (`prepare_model`)."""
+    tp = mesh.shape[TP_AXIS]
     if model_checkpoint.is_checkpoint(path):
-        check_model_tp(model_checkpoint.read_config(path), tp)
-        return model_checkpoint.load(path, dtype=dtype, shardings=shardings)
-    folder = resolve_model_path(path)
-    gguf_file = gguf_loader.find_gguf(folder)
-    check_model_tp(gguf_loader.gguf_config(gguf_loader.open_gguf(gguf_file)) if gguf_file is not None
-                   else hf_loader.read_hf_config(folder), tp)
-    return hf_loader.from_pretrained(folder, dtype, shardings=shardings)
+        config = model_checkpoint.read_config(path)
+    else:
+        path = resolve_model_path(path)
+        gguf_file = gguf_loader.find_gguf(path)
+        config = (gguf_loader.gguf_config(gguf_loader.open_gguf(gguf_file)) if gguf_file is not None
+                  else hf_loader.read_hf_config(path))
+    check_model_tp(config, tp)
+    shardings = param_shardings(mesh, config.num_kv_heads)
+    if model_checkpoint.is_checkpoint(path):
+        model = model_checkpoint.load(path, dtype=dtype, shardings=shardings)
+    else:
+        model = hf_loader.from_pretrained(path, dtype, shardings=shardings)
+    return prepare_model(model, tp)
 
 
 def check_model_tp(config, tp: int) -> None:
-    """The clear error for a model that does not split `tp` ways by heads, KV heads and MLP width."""
-    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+    """The clear error for a model that does not split `tp` ways: tp must divide num_heads and intermediate_size,
+    and divide num_kv_heads or be a multiple of it (then KV heads are replicated)."""
+    for name in ("num_heads", "intermediate_size"):
         n = getattr(config, name)
         if n % tp:
-            raise ValueError(f"tp = {tp} must divide the model's {name} = {n}"
-                             + (" (more ranks than KV heads: load at tp = num_kv_heads, then prepare_model)"
-                                if name == "num_kv_heads" and tp % n == 0 else ""))
+            raise ValueError(f"tp = {tp} must divide the model's {name} = {n}")
+    k = config.num_kv_heads
+    if k % tp and tp % k:
+        raise ValueError(f"tp = {tp} must divide num_kv_heads = {k} or be a multiple of it (then KV heads are "
+                         "replicated)")
 
 
 def device_bytes(params, mesh: Mesh) -> dict:
@@ -310,17 +328,9 @@ def replicate_kv_heads(model, factor: int):
 def prepare_model(model, tp: int):
     """Check that the model splits `tp` ways (heads, KV heads, MLP width) and replicate KV heads when tp exceeds
     them. Returns the model to shard (the same object when nothing needs replicating)."""
-    mc = model.config
-    for name, n in (("num_heads", mc.num_heads), ("intermediate_size", mc.intermediate_size)):
-        if n % tp:
-            raise ValueError(f"tp = {tp} must divide the model's {name} = {n}")
-    k = mc.num_kv_heads
-    if k % tp == 0:
-        return model
-    if tp % k == 0:
-        return replicate_kv_heads(model, tp // k)
-    raise ValueError(f"tp = {tp} must divide num_kv_heads = {k} or be a multiple of it (then KV heads are "
-                     "replicated)")
+    check_model_tp(model.config, tp)
+    k = model.config.num_kv_heads
+    return model if k % tp == 0 else replicate_kv_heads(model, tp // k)
 
 
 # ---- the shard_map wrapper ----------------------------------------------------------------------------------------
