@@ -81,11 +81,11 @@ def test_prompt_lengths_are_bucketed_no_recompilation(model, attention):
     # dense: its first cache once was uncommitted, so the second request compiled prefill and decode again
     cfg = default_cache_config(model.config, num_seqs=1, max_tokens=256, page_size=16)
     gen = Generator(model, cfg, attention=attention)
-    for n in (65, 80, 100, 128):          # one bucket (128)
-        run(gen, [[1] * n], 20)
+    for n in (65, 80, 100, 128):          # one bucket (128); prompts differ from their first page on, so no
+        run(gen, [[n] + [1] * (n - 1)], 20)  # stored prefix is shared (that prefill is another program)
     prog = gen.program
     assert prog.prefill_layer._cache_size() == 1 and gen._decode._cache_size() == 1
-    run(gen, [[1] * 20], 2)               # a second bucket (32)
+    run(gen, [[20] + [1] * 19], 2)        # a second bucket (32)
     assert prog.prefill_layer._cache_size() == 2 and gen._decode._cache_size() == 1
     assert prog.embed._cache_size() == 2 and prog.logits._cache_size() == 2
 

@@ -255,3 +255,24 @@ def test_cli_reports_and_turns_off_sharing(tmp_path):
     assert "prefix_cache_hit_tokens" in printed_on and "host memory saved" in printed_on
     assert not rep_off["enabled"] and rep_off["prefix_cache_hit_tokens"] == 0
     assert "prefix_cache_hit_tokens" not in printed_off
+
+
+# ---- the benchmark script ------------------------------------------------------------------------------------------
+def test_bench_prefix_small_rows_and_pairs():
+    import argparse, importlib.util, os
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_prefix.py")
+    spec = importlib.util.spec_from_file_location("bench_prefix", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(small=True, questions=2, max_new=2, slots=2, host_docs=1, page=16, token_budget=64,
+                              model="smollm2-135m")
+    rows = [bench.run_mode("tiny", 64, "sparse", share, args) for share in (True, False)]
+    on, off = rows
+    assert not on["errors"] and not off["errors"] and on["answers"] == off["answers"]
+    # the 64-token document is 4 complete pages; every question (16-40 ids) starts on a page of its own
+    assert on["prefix_cache_hit_tokens"] == 64 and on["prefill_tokens_computed"] == off["prompt_tokens"] - 64
+    # (peaks: a 4-page document is no bigger than the stored questions' pages, so they are not compared here)
+    assert on["host_bytes_saved"] == on["doc_host_bytes"] and off["host_bytes_saved"] == 0   # one sharer
+    pr, = bench.pairs(rows)
+    assert pr["same_answers"] == 2 and pr["prefill_tokens_computed"] == (on["prefill_tokens_computed"],
+                                                                         off["prefill_tokens_computed"])
