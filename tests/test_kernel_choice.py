@@ -62,8 +62,9 @@ def test_resolver_matches_the_table(column):
         assert getattr(got, field) == cells[column], (field, column)
 
 
+@pytest.mark.gpu
 def test_the_current_platform_matches_its_column():
-    """On the machine running the tests (CPU in CI; on the H200 its Hopper column)."""
+    """On the machine running the tests (CPU in CI; on the H200, in `make test-gpu`, its Hopper column)."""
     p = Platform.current()
     assert p == Platform.of(jax.devices()[0])
     column = "CPU" if not p.gpu else ("GPU Hopper bf16" if p.hopper else "GPU other bf16")
@@ -133,6 +134,7 @@ def test_platform_of_a_device():
     assert Platform.of(H200()) == Platform("gpu", hopper=True) and Platform.of(A100()) == Platform("gpu")
 
 
+@pytest.mark.gpu
 def test_a_backend_resolves_once_at_construction(monkeypatch):
     """Generator -> make_backend resolves the kernels for the mesh's platform, once; the program's ops carry them
     (prefill and dense attention included), and decoding does not resolve again."""
