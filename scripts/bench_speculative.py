@@ -189,6 +189,7 @@ def main(argv=None):
     p.add_argument("--small", action="store_true", help="tiny random model, short prompts, float32 (CPU check)")
     p.add_argument("--out", default="docs/benchmarks/speculative.json")
     p.add_argument("--commit", default=None)
+    p.add_argument("--append", action="store_true", help="keep the rows already in --out (one call per batch size)")
     args = p.parse_args(argv)
     if args.small and args.step_cost:
         args.step_context, args.step_ks, args.step_batches, args.reps = 1024, "2", "1", 1
@@ -207,6 +208,9 @@ def main(argv=None):
 
     if args.step_cost:
         res = Results(args.out, run_meta(args.commit, kind="step_cost", token_budget=args.token_budget))
+        if args.append and os.path.exists(args.out):
+            with open(args.out) as f:
+                res.rows = json.load(f).get("rows", [])
         step_cost(args, res)
         return
     dtype = jnp.dtype(args.dtype)
@@ -227,6 +231,9 @@ def main(argv=None):
     res = Results(args.out, run_meta(args.commit, model="tiny" if args.small else args.model, dtype=args.dtype,
                                      attention=args.attention, doc_tokens=args.doc_tokens, max_new=args.max_new,
                                      page_size=args.page_size, token_budget=args.token_budget, reps=args.reps))
+    if args.append and os.path.exists(args.out):
+        with open(args.out) as f:
+            res.rows = json.load(f).get("rows", [])
     for B in batches:
         longest = args.doc_tokens + args.echo + 256 + args.max_new
         cfg = default_cache_config(model.config, num_seqs=B, max_tokens=longest, page_size=args.page_size,
