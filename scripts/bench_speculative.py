@@ -81,8 +81,11 @@ def make_prompts(task: str, tokenizer, batch: int, doc_tokens: int, echo: int, v
 
 def run_engine(gen, prompts, max_new: int, tokenizer, spec):
     """One Engine run over `gen` -> (token lists, decode tokens, decode s, wall s, spec counters or None)."""
+    import inspect
     from ulacache_jax.engine import Engine, SamplingParams
-    eng = Engine(generator=gen, tokenizer=tokenizer, speculative=spec)
+    # every run prefills its prompts whole: attached shared prefixes round differently from a prefill in bf16
+    kw = {"prefix_cache": False} if "prefix_cache" in inspect.signature(Engine).parameters else {}
+    eng = Engine(generator=gen, tokenizer=tokenizer, speculative=spec, **kw)
     t0 = time.perf_counter()
     reqs = eng.run(prompts, SamplingParams(max_new_tokens=max_new, stop_ids=()))
     wall = time.perf_counter() - t0
