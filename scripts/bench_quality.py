@@ -480,6 +480,9 @@ def markdown(rows, meta) -> str:
             vals = []
             for c in ctxs:
                 rr = [r for r in sel if r["context"] == c]
+                if not rr:
+                    vals.append("not run")
+                    continue
                 acc = np.mean([r["accuracy"] for r in rr])
                 same = np.mean([r["same_as_dense"] for r in rr])
                 mark = " (dense by construction)" if b and all(r["dense_by_construction"] for r in rr) else ""
