@@ -18,8 +18,10 @@ refused unless --force), error records a new success supersedes are removed (the
 The report and plot are written to a temp file and renamed. Every path is checked before the model loads.
 
 Checkpoints: `--checkpoint-dir D` saves the running batch (Engine.save: every in-flight request's prompt, tokens,
-sampling and RNG state; not the cache) every `--checkpoint-every N` engine steps (one step = one decode chunk of
---page-size tokens for every running request; default 8) and once more, empty, when the run completes. A killed
+sampling and RNG state; not the cache) after every `--checkpoint-every N` engine steps (one step = one decode
+chunk of --page-size tokens for every running request), by default after the first step that ends at least 20x
+the last save's duration after it (so saving takes at most ~5% of the run whatever a step costs), and once more,
+empty, when the run completes. A killed
 run rerun with `--resume` and the same D continues its in-flight requests from their last checkpoint (re-prefilled
 and decoding on) instead of starting them over; a checkpoint made with other settings is refused (--force:
 ignored, those requests start over).
@@ -54,7 +56,7 @@ SAMPLING_FIELDS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_
 KNOWN_FIELDS = ("id", "messages", "prompt", "prompt_ids") + SAMPLING_FIELDS
 COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
-CHECKPOINT_EVERY = 8             # engine steps between checkpoints (docs/BENCHMARKS.md: the measured overhead)
+CHECKPOINT_SHARE = 0.05         # default checkpoint interval: saving takes at most this share of the run's time
 DEFAULT_MODEL = "smollm2-135m"   # trained, answers in words; the random presets are for tests and speed runs
 
 
@@ -175,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint the running batch here (orbax; not the cache): with --resume, requests that were "
                         "in flight continue from their last checkpoint instead of starting over")
     g.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
-                   help=f"engine steps between checkpoints (a step decodes one chunk of --page-size tokens for every "
-                        f"running request; default {CHECKPOINT_EVERY})")
+                   help="engine steps between checkpoints (a step decodes one chunk of --page-size tokens for every "
+                        f"running request); default: as often as keeps saving under {CHECKPOINT_SHARE:.0%} of the "
+                        "run's time (a save after a step once 20x the last save's duration has passed)")
     g.add_argument("--compile-cache", default=None, metavar="DIR|off",
                    help="JAX persistent compilation cache, so restarts do not recompile (default: "
                         "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/ulacache_jax/jax_cache; 'off' = none)")
@@ -917,7 +920,8 @@ def _generate_locked(args, t_start: float) -> int:
     rep = None
     finished = []
     n_steps = 0
-    ck_stats = {"saves": 0, "seconds": 0.0}
+    # last_s starts at a small save's cost, so the default interval does not save after a run's first step
+    ck_stats = {"saves": 0, "seconds": 0.0, "last_s": 0.1, "last_end": time.perf_counter()}
     writer = jsonl_io.ResultWriter(args.output, append=args.resume)
     try:
         writer.write_batch([stamp(e.as_output()) for e in errors])
@@ -925,7 +929,7 @@ def _generate_locked(args, t_start: float) -> int:
             by_rid = _restore_checkpoint(engine, ckpt, records) if ckpt is not None else {}
             again = set(map(id, by_rid.values()))
             by_rid.update({engine.add_request(r.prompt_ids, r.sampling): r for r in records if id(r) not in again})
-            every = args.checkpoint_every or CHECKPOINT_EVERY
+            every = args.checkpoint_every
 
             def save_checkpoint():
                 t0 = time.perf_counter()
@@ -938,6 +942,7 @@ def _generate_locked(args, t_start: float) -> int:
                           "continuing", file=sys.stderr)
                 ck_stats["saves"] += 1
                 ck_stats["seconds"] += time.perf_counter() - t0
+                ck_stats["last_s"], ck_stats["last_end"] = time.perf_counter() - t0, time.perf_counter()
             bar = None
             if _is_tty(sys.stderr) and not args.no_progress:
                 from tqdm import tqdm
@@ -961,7 +966,9 @@ def _generate_locked(args, t_start: float) -> int:
                             bar.update(1)
                     writer.write_batch(batch)      # whole lines, fsynced, once per step
                     n_steps += 1
-                    if args.checkpoint_dir and (n_steps % every == 0 or not engine.has_unfinished()):
+                    due = (n_steps % every == 0 if every else   # default: saving stays under CHECKPOINT_SHARE
+                           time.perf_counter() - ck_stats["last_end"] >= ck_stats["last_s"] / CHECKPOINT_SHARE)
+                    if args.checkpoint_dir and (due or not engine.has_unfinished()):
                         save_checkpoint()          # after the results are written: the last one holds nothing
                     if bar is not None:
                         el = engine.elapsed()
@@ -988,7 +995,8 @@ def _generate_locked(args, t_start: float) -> int:
                    "lines": {"requests": len(records), "input_errors": len(errors), "skipped_resume": skipped,
                              "input_errors_reported_before": skipped_errors},
                    "input_errors": [dataclasses.asdict(e) for e in errors],
-                   "checkpoints": dict(ck_stats, every=args.checkpoint_every or CHECKPOINT_EVERY,
+                   "checkpoints": dict(saves=ck_stats["saves"], seconds=ck_stats["seconds"],
+                                       every=args.checkpoint_every or f"auto ({CHECKPOINT_SHARE:.0%})",
                                        dir=args.checkpoint_dir) if args.checkpoint_dir else None,
                    "interrupted": None if interrupted is None else _signal_name(interrupted)})
     if write_error is not None:
