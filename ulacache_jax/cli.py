@@ -20,8 +20,8 @@ The report and plot are written to a temp file and renamed. Every path is checke
 Checkpoints: `--checkpoint-dir D` saves the running batch (Engine.save: every in-flight request's prompt, tokens,
 sampling and RNG state; not the cache) after every `--checkpoint-every N` engine steps (one step = one decode
 chunk of --page-size tokens for every running request), by default after the first step that ends at least 20x
-the last save's duration after it (so saving takes at most ~5% of the run whatever a step costs), and once more,
-empty, when the run completes. A killed
+the last save's duration after it (so saving takes at most ~5% of the run whatever a step costs; the first save
+comes after ~20 s), and once more, empty, when the run completes (if it saved, or D held a checkpoint). A killed
 run rerun with `--resume` and the same D continues its in-flight requests from their last checkpoint (re-prefilled
 and decoding on) instead of starting them over; a checkpoint made with other settings is refused (--force:
 ignored, those requests start over).
@@ -920,8 +920,11 @@ def _generate_locked(args, t_start: float) -> int:
     rep = None
     finished = []
     n_steps = 0
-    # last_s starts at a small save's cost, so the default interval does not save after a run's first step
-    ck_stats = {"saves": 0, "seconds": 0.0, "last_s": 0.1, "last_end": time.perf_counter()}
+    # last_s starts at the first save's cost (it also computes the engine's weight digest and starts orbax, ~1 s),
+    # so by default the first checkpoint comes after ~20 s and a shorter run writes none
+    ck_stats = {"saves": 0, "seconds": 0.0, "last_s": 1.0, "last_end": time.perf_counter()}
+    # a completed run leaves an empty checkpoint only where one is there to supersede (or it saved one itself)
+    ck_old = bool(args.checkpoint_dir) and any(p.name.isdigit() for p in pathlib.Path(args.checkpoint_dir).iterdir())
     writer = jsonl_io.ResultWriter(args.output, append=args.resume)
     try:
         writer.write_batch([stamp(e.as_output()) for e in errors])
@@ -968,7 +971,8 @@ def _generate_locked(args, t_start: float) -> int:
                     n_steps += 1
                     due = (n_steps % every == 0 if every else   # default: saving stays under CHECKPOINT_SHARE
                            time.perf_counter() - ck_stats["last_end"] >= ck_stats["last_s"] / CHECKPOINT_SHARE)
-                    if args.checkpoint_dir and (due or not engine.has_unfinished()):
+                    last = not engine.has_unfinished() and (ck_old or ck_stats["saves"])
+                    if args.checkpoint_dir and (due or last):
                         save_checkpoint()          # after the results are written: the last one holds nothing
                     if bar is not None:
                         el = engine.elapsed()
