@@ -217,3 +217,40 @@ def test_speculative_engine_restores(setup, tmp_path):
     while b.has_unfinished():
         b.step()
     assert [b.get(i).tokens for i in ids] == ref
+
+
+_SAVER = r'''
+import sys, types, collections
+import numpy as np
+from ulacache_jax import checkpoint
+from ulacache_jax.engine import Request, SamplingParams
+d = sys.argv[1]
+eng = types.SimpleNamespace(_slot_req={}, _pending=[], _seed=np.zeros(1, np.uint32), _chunk_of=np.zeros(1, np.uint32),
+                            _remaining=np.zeros(1, np.int32), _queue=collections.deque(), _next_id=200,
+                            _checkpoint_identity={"model_config": {}, "cache_config": {}, "attention": "x"})
+for n in range(10**6):                        # every save holds 200 queued requests whose tokens all equal n
+    eng.requests = {i: Request(i, [1] * 500, SamplingParams(), tokens=[n] * 300) for i in range(200)}
+    eng._queue = collections.deque(range(200))
+    checkpoint.save(eng, d, meta={"n": n})
+'''
+
+
+def test_a_kill_during_save_leaves_a_complete_checkpoint(tmp_path):
+    """SIGKILL a process that saves in a loop at random moments: the newest readable checkpoint is always whole."""
+    d = tmp_path / "ck"
+    rng = np.random.default_rng(0)
+    last = 0
+    for _ in range(4):
+        p = subprocess.Popen([sys.executable, "-c", _SAVER, str(d)], stderr=subprocess.DEVNULL)
+        t0 = time.time()
+        while not (d.is_dir() and max((int(x) for x in os.listdir(d) if x.isdigit()), default=0) >= last + 2):
+            assert p.poll() is None and time.time() - t0 < 120
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.5))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        ck = checkpoint.read(d)
+        n = ck.meta["n"]
+        assert len(ck.requests) == 200 and all(r.tokens == [n] * 300 for r in ck.requests), n
+        assert ck.step > last                    # each run went on from the last complete step
+        last = ck.step
