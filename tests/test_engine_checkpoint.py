@@ -153,12 +153,14 @@ def _cmd(*args):
 
 
 def test_cli_killed_run_resumes_from_its_checkpoint(tmp_path):
+    """SIGKILL after 3 checkpoints, resume, SIGTERM that run (graceful: exit 143), resume again: the results are
+    the uninterrupted run's, token for token."""
     rng = np.random.default_rng(1)
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": [int(t) for t in rng.integers(3, 250, n)]})
                            + "\n" for i, n in enumerate((30, 50, 20))))
-    args = ["--input", str(inp), "--compile-cache", str(tmp_path / "jax_cache"), "--max-new-tokens", "200", "--page-size", "16", "--token-budget", "64",
-            "--max-seqs", "2", "--stop-ids", "none"]
+    args = ["--input", str(inp), "--compile-cache", str(tmp_path / "jax_cache"), "--max-new-tokens", "300",
+            "--page-size", "16", "--token-budget", "64", "--max-seqs", "2", "--stop-ids", "none"]
     ref = tmp_path / "ref.jsonl"
     r = subprocess.run(_cmd(*args, "--output", str(ref)), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -166,19 +168,30 @@ def test_cli_killed_run_resumes_from_its_checkpoint(tmp_path):
 
     out, ck = tmp_path / "out.jsonl", tmp_path / "ck"
     run = _cmd(*args, "--output", str(out), "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
+
+    def until_step(p, step: int):
+        t0 = time.time()
+        while not (ck.is_dir() and max((int(x) for x in os.listdir(ck) if x.isdigit()), default=0) >= step):
+            assert p.poll() is None, p.communicate()
+            assert time.time() - t0 < 240
+            time.sleep(0.02)
+
     p = subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    t0 = time.time()
-    while not (ck.is_dir() and any(x.isdigit() and int(x) >= 3 for x in os.listdir(ck))):   # 3 chunks in
-        assert p.poll() is None, p.communicate()
-        assert time.time() - t0 < 240
-        time.sleep(0.05)
+    until_step(p, 3)                                                     # 3 chunks in
     p.send_signal(signal.SIGKILL)
     p.wait()
     done_before = len(out.read_text().splitlines()) if out.exists() else 0
     saved = checkpoint.read(ck)
     assert any(r.status == "running" and len(r.tokens) > 1 for r in saved.requests)
-
     shutil.copytree(ck, tmp_path / "ck_killed")
+
+    p = subprocess.Popen(run + ["--resume"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    until_step(p, saved.step + 3)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143 and "restored from checkpoint" in err and "from their last checkpoint" in err, err
+    assert any(r.status == "running" and len(r.tokens) > 1 for r in checkpoint.read(ck).requests)
+
     r = subprocess.run(run + ["--resume"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "restored from checkpoint" in r.stderr, r.stderr
