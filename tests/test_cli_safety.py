@@ -250,6 +250,8 @@ def test_broken_model_folders_and_oversized_hbm_pool(tmp_path):
     inp = d / "in.jsonl"
     inp.write_text('{"id": 1, "prompt_ids": [1, 2, 3]}\n')
     cases = {name: (["--model", str(path)], msg) for name, (path, msg) in _model_folders(d).items()}
+    # a tier size with dense attention would be ignored: refused (with auto it selects the sparse cache)
+    cases["dense_tiers"] = (["--attention", "dense", "--host-gb", "1"], "--attention dense keeps every K/V in HBM")
     cases["hbm"] = (["--hbm-pages", "1000000000"], "--hbm-pages 1000000000")
     got = _run_all([_cmd("--input", str(inp), "--output", str(d / f"{n}.jsonl"), *argv, *ARGS)
                     for n, (argv, _) in cases.items()])

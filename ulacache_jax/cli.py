@@ -134,9 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=_positive_int, default=64, help="tokens per KV page (power of two)")
     g.add_argument("--hbm-pages", type=_positive_int, default=None,
                    help="HBM frame pool size in pages (default: the whole token budget of every slot); checked "
-                        "against the device's memory before anything is allocated")
+                        "against the device's memory before anything is allocated; sparse cache only (with "
+                        "--attention auto it runs the sparse cache)")
     g.add_argument("--host-gb", type=_positive_float, default=None,
-                   help="host pool size in GiB (default: every slot at the full context)")
+                   help="host pool size in GiB (default: every slot at the full context); sparse cache only (with "
+                        "--attention auto it runs the sparse cache)")
     g.add_argument("--max-seqs", type=_positive_int, default=4, help="sequence slots decoded together")
     g.add_argument("--max-context", type=_positive_int, default=None,
                    help="context limit in tokens (prompt + generated); default: the model's "
@@ -178,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "in flight continue from their last checkpoint instead of starting over")
     g.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
                    help="engine steps between checkpoints (a step decodes one chunk of --page-size tokens for every "
-                        f"running request); default: as often as keeps saving under {CHECKPOINT_SHARE:.0%} of the "
+                        f"running request); default: as often as keeps saving under {100 * CHECKPOINT_SHARE:.0f}%% of the "
                         "run's time (a save after a step once 20x the last save's duration has passed)")
     g.add_argument("--compile-cache", default=None, metavar="DIR|off",
                    help="JAX persistent compilation cache, so restarts do not recompile (default: "
@@ -689,6 +691,21 @@ def run_settings(args) -> dict:
             "attention": args.attention}
 
 
+def check_tier_flags(args) -> None:
+    """--hbm-pages and --host-gb size UlaCache's two tiers: with --attention dense they would be silently ignored
+    (refused), and with --attention auto they ask for the sparse cache (auto would otherwise be free to pick dense
+    and drop them)."""
+    given = [f for f, v in (("--hbm-pages", args.hbm_pages), ("--host-gb", args.host_gb)) if v is not None]
+    if not given:
+        return
+    if args.attention == "dense":
+        raise UsageError(f"{' and '.join(given)} size the sparse cache's tiers; --attention dense keeps every K/V in "
+                         "HBM and has neither (drop them, or use --attention sparse)")
+    if args.attention == "auto":
+        print(f"ulacache: {' and '.join(given)} given: --attention auto runs the sparse cache", file=sys.stderr)
+        args.attention = "sparse"
+
+
 def check_paths(args) -> None:
     """Every path the run writes, checked before the model loads (module docstring)."""
     if args.resume and args.overwrite:
@@ -823,6 +840,7 @@ def _restore_checkpoint(engine, ck, records) -> dict:
 
 def cmd_generate(args) -> int:
     t_start = time.perf_counter()
+    check_tier_flags(args)
     check_paths(args)
     lock = jsonl_io.OutputLock(args.output).acquire()
     try:

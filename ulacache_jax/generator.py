@@ -218,6 +218,10 @@ class Generator:
         if m:
             start, n = m * c.page_size, len(prompt)
             T = bucket_length(n - start, c.page_size)
+            if start + T > c.max_context:    # the sparse ingest would clamp its slices onto the shared pages
+                raise ValueError(f"shared prefix of {m} pages leaves a {T}-token prefill bucket past the max "
+                                 f"context {c.max_context} (prefix_cache.max_shared_pages must allow at most the "
+                                 f"pages that fit)")
             Tp = prefix_bucket(m, c.max_pages_per_seq) * c.page_size
             per_tok = np.zeros(Tp, np.int32)
             if src is not None:

@@ -214,11 +214,15 @@ class PrefixIndex:
 
 
 # ---- sizing ----------------------------------------------------------------------------------------------------
-def max_shared_pages(num_tokens: int, page_size: int, max_context: int) -> int:
-    """The most whole pages of a prompt of num_tokens tokens that may be shared: at least its last token is
-    prefilled, and the rest, bucketed to a power of two (bucket_length), must fit the context after them (the
-    prefill writes its whole bucket: past max_context a slice would clamp onto earlier pages)."""
+def max_shared_pages(num_tokens: int, page_size: int, max_context: int, at_most: int | None = None) -> int:
+    """The most whole pages of a prompt of num_tokens tokens that may be shared, at most `at_most` (the pages the
+    index matched): at least its last token is prefilled, and the rest, bucketed to a power of two
+    (bucket_length), must fit the context after them (the prefill writes its whole bucket: past max_context a
+    slice would clamp onto earlier pages). The rule is not monotone in the page count (fewer shared pages leave a
+    longer rest, whose bucket may double), so it is checked for the count actually shared."""
     m = max(0, (num_tokens - 1) // page_size)
+    if at_most is not None:
+        m = min(m, at_most)
     while m > 0:
         rest = num_tokens - m * page_size
         if m * page_size + max(page_size, 1 << max(0, (rest - 1).bit_length())) <= max_context:
@@ -255,6 +259,7 @@ class SparsePrefixes:
         if prompt is not None:
             self.index.stats.lookups += 1
             nodes = self.index.match(prompt, max_pages=max_shared_pages(len(prompt), c.page_size, c.max_context))
+            nodes = nodes[:max_shared_pages(len(prompt), c.page_size, c.max_context, at_most=len(nodes))]
         shared = np.stack([n.payload for n in nodes], axis=-1) if nodes else None     # [L, G, m]
         slot = self.manager.admit(num_tokens, shared)
         if nodes:
@@ -304,6 +309,7 @@ class DensePrefixes:
         c = self.config
         self.index.stats.lookups += 1
         nodes = self.index.match(prompt, max_pages=max_shared_pages(len(prompt), c.page_size, c.max_context))
+        nodes = nodes[:max_shared_pages(len(prompt), c.page_size, c.max_context, at_most=len(nodes))]
         return len(nodes), np.asarray([slot if slot in n.payload else min(n.payload) for n in nodes], np.int32)
 
     def stored(self, slot: int, prompt, m: int, src) -> None:
