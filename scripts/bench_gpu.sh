@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The benchmarks on a GPU machine (written for an H200), one step per name, each within one 600 s device call:
 #   bash scripts/bench_gpu.sh [select sieve tiers ingest attention layer decode profile e2e quality-passkey
-#                              quality-ppl16 quality-ppl64 quality-variants]     (default: the first seven, in order)
+#                              quality-ppl16 quality-ppl64 quality-variants auto-short auto-long speculative-b1
+#                              speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2]
+#                              (default: the first seven, in order)
 # (`make bench-gpu BENCH="select decode"` calls this.) Every script checks against its reference before timing
 # and writes its JSON row by row, so a step cut by its timeout keeps what it measured. Output: JSON + PNG under
 # $OUT (default out/gpu); $COMMIT, if set, is recorded as the measured commit (the device's copy of the tree may
@@ -53,8 +55,29 @@ for b in "${names[@]}"; do
                   --tasks ppl,trace --pages 64 --save-trace --out "$OUT" --name q_ppl64 "${C[@]}" ;;
     quality-variants) step quality-variants 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
                   --tasks ppl --variants --out "$OUT" --name q_variants "${C[@]}" ;;
+    # attention="auto" against both paths, same run (issue 21): short contexts, then the long ones appended
+    auto-short) step auto-short 580 scripts/bench_decode.py --out "$OUT/auto" "${C[@]}" --chunks 4 --row-timeout 180 \
+                  --rows sparse:8192:8,dense:8192:8,auto:8192:8,sparse:32768:1,dense:32768:1,auto:32768:1 ;;
+    auto-long)  step auto-long 580 scripts/bench_decode.py --out "$OUT/auto" "${C[@]}" --chunks 4 --row-timeout 180 \
+                  --append --rows sparse:262144:1,dense:262144:1,auto:262144:1 ;;
+    # speculative decoding (issue 22): SmolLM2 with and without drafts, one batch size a call; then the
+    # verification step's cost at the 8B shape
+    speculative-b1) step speculative-b1 580 scripts/bench_speculative.py --model "${MODEL:-smollm2-135m}" \
+                  --batches 1 --out "$OUT/speculative.json" "${C[@]}" ;;
+    speculative-b4) step speculative-b4 580 scripts/bench_speculative.py --model "${MODEL:-smollm2-135m}" \
+                  --batches 4 --append --out "$OUT/speculative.json" "${C[@]}" ;;
+    speculative-step) step speculative-step 580 scripts/bench_speculative.py --step-cost \
+                  --out "$OUT/speculative_step.json" "${C[@]}" ;;
+    # shared prefixes (issue 24): 16 questions over one 128K document with and without sharing, then SmolLM2 at 8K
+    prefix-8b-on)   step prefix-8b-on 580 scripts/bench_prefix.py --rows 8b:130816 --modes on --row-timeout 560 \
+                  --out "$OUT" "${C[@]}" ;;
+    prefix-8b-off)  step prefix-8b-off 580 scripts/bench_prefix.py --rows 8b:130816 --modes off --append \
+                  --row-timeout 560 --out "$OUT" "${C[@]}" ;;
+    prefix-smollm2) step prefix-smollm2 580 scripts/bench_prefix.py --rows smollm2:8192 --append --row-timeout 280 \
+                  --model "${MODEL:-smollm2-135m}" --out "$OUT" "${C[@]}" ;;
     *) echo "unknown benchmark '$b' (select sieve tiers ingest attention layer decode profile e2e" \
-            "quality-passkey quality-ppl16 quality-ppl64 quality-variants)"; exit 2 ;;
+            "quality-passkey quality-ppl16 quality-ppl64 quality-variants auto-short auto-long speculative-b1" \
+            "speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2)"; exit 2 ;;
   esac
 done
 exit $status
