@@ -204,6 +204,7 @@ def test_paths_checked_before_the_model_loads(tmp_path):
     ro.chmod(0o555)
     ro_dir = ro if os.geteuid() != 0 else pathlib.Path("/proc/self")   # root ignores permission bits
     held = jsonl_io.OutputLock(d / "held.jsonl").acquire()
+    held_ck = jsonl_io.OutputLock(d / "ck", "--checkpoint-dir").acquire()   # another run's checkpoint folder
     cases = {
         "same": (["--output", str(inp)], "is the input file"),
         "symlink": (["--output", str(d / "link.jsonl")], "resolve to"),
@@ -214,12 +215,15 @@ def test_paths_checked_before_the_model_loads(tmp_path):
                            "--report"),
         "plot_ro": (["--output", str(d / "o2.jsonl"), "--plot", str(ro_dir / "p.png")], "--plot"),
         "locked": (["--output", str(d / "held.jsonl")], f"pid {os.getpid()}"),
+        "ck_locked": (["--output", str(d / "o4.jsonl"), "--checkpoint-dir", str(d / "ck")],
+                      f"--checkpoint-dir {d / 'ck'} is in use by another ulacache run (pid {os.getpid()}"),
         "force_alone": (["--output", str(d / "o3.jsonl"), "--force"], "--force only applies"),
     }
     try:
         got = _run_all([_cmd("--input", str(inp), *argv, *ARGS) for argv, _ in cases.values()])
     finally:
         held.release()
+        held_ck.release()
         ro.chmod(0o755)
     for (name, (_, msg)), (rc, out, err) in zip(cases.items(), got):
         assert rc == 2, (name, err)

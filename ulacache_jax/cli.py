@@ -844,7 +844,14 @@ def cmd_generate(args) -> int:
     check_paths(args)
     lock = jsonl_io.OutputLock(args.output).acquire()
     try:
-        return _generate_locked(args, t_start)
+        # two runs saving into one checkpoint folder would overwrite each other's steps: it is locked too
+        ck_lock = (jsonl_io.OutputLock(args.checkpoint_dir, "--checkpoint-dir").acquire()
+                   if args.checkpoint_dir is not None else None)
+        try:
+            return _generate_locked(args, t_start)
+        finally:
+            if ck_lock is not None:
+                ck_lock.release()
     finally:
         lock.release()
 

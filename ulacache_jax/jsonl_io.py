@@ -179,12 +179,14 @@ def _umask() -> int:
 # ---- the lock ---------------------------------------------------------------------------------------------------
 class OutputLock:
     """An exclusive, non-blocking flock on `<output>.lock` (holding the pid), for the whole run. Second holders
-    fail at once with the first one's pid. The lock file is removed on release."""
+    fail at once with the first one's pid. The lock file is removed on release. `flag` names the option the
+    path came from in errors (the output file, or a checkpoint folder)."""
 
-    def __init__(self, output: str | os.PathLike):
+    def __init__(self, output: str | os.PathLike, flag: str = "--output"):
         out = pathlib.Path(output)
         self.path = out.with_name(out.name + ".lock")
         self.output = out
+        self.flag = flag
         self._fd: int | None = None
 
     def acquire(self) -> "OutputLock":
@@ -192,7 +194,7 @@ class OutputLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:
-                raise OutputError(f"--output {self.output}: cannot create the lock file {self.path} "
+                raise OutputError(f"{self.flag} {self.output}: cannot create the lock file {self.path} "
                                   f"({e.strerror})") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -201,9 +203,9 @@ class OutputLock:
                 os.close(fd)
                 if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                     who = f"pid {holder}" if holder else "another process"
-                    raise OutputError(f"--output {self.output} is in use by another ulacache run ({who}; lock file "
-                                      f"{self.path}): wait for it to finish, or choose another --output") from None
-                raise OutputError(f"--output {self.output}: cannot lock {self.path} ({e.strerror})") from None
+                    raise OutputError(f"{self.flag} {self.output} is in use by another ulacache run ({who}; lock file "
+                                      f"{self.path}): wait for it to finish, or choose another {self.flag}") from None
+                raise OutputError(f"{self.flag} {self.output}: cannot lock {self.path} ({e.strerror})") from None
             # the holder before us may have removed the file after we opened it: lock the file that is there now
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(self.path))
