@@ -199,18 +199,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated(signum)
+class StopSignals:
+    """SIGTERM and SIGINT, latched. The handler raises at once (Terminated / KeyboardInterrupt, so both stop the
+    same graceful way) and also records the signal: an exception raised while Python runs a gc or __del__ callback
+    (e.g. jax's `_xla_gc_callback`) is printed as "Exception ignored" and dropped, so the run loop calls `check()`
+    after every step to raise a signal that was swallowed. Only the main thread can install handlers."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._old: dict = {}
+
+    def exception(self) -> KeyboardInterrupt:
+        return Terminated(self.received) if self.received == signal.SIGTERM else KeyboardInterrupt()
+
+    def _handler(self, signum, frame):
+        self.received = signum
+        raise self.exception()
+
+    def install(self) -> "StopSignals":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handler)
+            except ValueError:   # not the main thread
+                pass
+        return self
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def check(self) -> None:
+        if self.received is not None:
+            raise self.exception()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # SIGTERM stops like Ctrl-C (graceful, finished results kept, exit 143); only the main thread can set it
-    old_term = None
-    try:
-        old_term = signal.signal(signal.SIGTERM, _raise_terminated)
-    except ValueError:
-        pass
+    # SIGTERM stops like Ctrl-C (graceful, finished results kept, exit 143)
+    args.stop_signals = signals = StopSignals().install()
     try:
         from .cache_state import raise_host_limit
         raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default, whatever the RAM
@@ -228,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
               "written", file=sys.stderr)
         return _exit_code(e)
     finally:
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
+        signals.restore()
 
 
 # ---- model ----------------------------------------------------------------------------------------------------
@@ -993,6 +1018,8 @@ def _generate_locked(args, t_start: float) -> int:
                         if bar is not None:
                             bar.update(1)
                     writer.write_batch(batch)      # whole lines, fsynced, once per step
+                    if getattr(args, "stop_signals", None) is not None:
+                        args.stop_signals.check()  # a signal whose exception a gc callback swallowed
                     n_steps += 1
                     due = (n_steps % every == 0 if every else   # default: saving stays under CHECKPOINT_SHARE
                            time.perf_counter() - ck_stats["last_end"] >= ck_stats["last_s"] / CHECKPOINT_SHARE)
