@@ -657,8 +657,6 @@ def find_tp_module():
 def _tp_module(args):
     if args.tp <= 1:
         return None
-    if args.attention == "dense":
-        raise UsageError(f"--tp {args.tp} shards the sparse cache; --attention dense is single-device")
     tp = find_tp_module()
     if tp is None:
         raise UsageError(f"--tp {args.tp} needs the TP module (ulacache_jax.tp, head-sharded tensor parallelism), "
