@@ -123,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     pid, n = initialize(args.coordinator, args.num_processes, args.process_id)
+    from . import tp as tp_mod
     from .cli import load_model
-    loaded = load_model(args.model, args.dtype, args.seed)
+    # with --tp > 1 the model is made or loaded straight into its sharding over this host's first tp devices
+    loaded = load_model(args.model, args.dtype, args.seed, tp_mod=tp_mod if args.tp > 1 else None, tp=args.tp)
     ids, prompts = _read_prompts(args.input, loaded.tokenizer)
     out = generate(loaded.model, prompts, max_new_tokens=args.max_new_tokens, tp=args.tp,
                    temperature=args.temperature, seed=args.seed, stop_ids=tuple(loaded.model.config.eos_token_ids))
