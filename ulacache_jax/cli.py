@@ -208,6 +208,7 @@ class StopSignals:
     def __init__(self):
         self.received: int | None = None
         self._old: dict = {}
+        self._old_hook = None
 
     def exception(self) -> KeyboardInterrupt:
         return Terminated(self.received) if self.received == signal.SIGTERM else KeyboardInterrupt()
@@ -216,21 +217,37 @@ class StopSignals:
         self.received = signum
         raise self.exception()
 
+    def _unraisable(self, u) -> None:
+        # our own stop, raised where Python drops exceptions: latched, so no "Exception ignored" traceback
+        if isinstance(u.exc_value, KeyboardInterrupt) and self.received is not None:
+            return
+        self._old_hook(u)
+
     def install(self) -> "StopSignals":
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._old[sig] = signal.signal(sig, self._handler)
             except ValueError:   # not the main thread
                 pass
+        if self._old:
+            self._old_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def restore(self) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        if self._old_hook is not None:
+            sys.unraisablehook = self._old_hook
 
     def check(self) -> None:
         if self.received is not None:
             raise self.exception()
+
+
+def _check_stop(args) -> None:
+    """Raise a SIGTERM / SIGINT that arrived while Python dropped exceptions (StopSignals)."""
+    if getattr(args, "stop_signals", None) is not None:
+        args.stop_signals.check()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -892,6 +909,7 @@ def _generate_locked(args, t_start: float) -> int:
 
     tp_mod = _tp_module(args)
     loaded = load_model(args.model, args.dtype, args.seed, tp_mod, args.tp)
+    _check_stop(args)
     if tp_mod is not None:
         try:   # replicates KV heads when --tp exceeds them
             loaded.model = tp_mod.prepare_model(loaded.model, args.tp)
@@ -947,16 +965,12 @@ def _generate_locked(args, t_start: float) -> int:
         check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes(), attention=decision.kind)
         spec = _spec_config(args)
         try:
-            if tp_mod is not None:
-                engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
-                                max_prefill_tokens_per_step=args.max_prefill_tokens,
-                                prefix_cache=not args.no_prefix_cache, speculative=spec)
-            else:
-                engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed,
-                                tokenizer=loaded.tokenizer, max_prefill_tokens_per_step=args.max_prefill_tokens,
-                                prefix_cache=not args.no_prefix_cache, speculative=spec)
+            engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
+                            max_prefill_tokens_per_step=args.max_prefill_tokens,
+                            prefix_cache=not args.no_prefix_cache, speculative=spec)
         except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
             raise UsageError(f"cache: {e}") from None
+        _check_stop(args)
 
     def stamp(d: dict) -> dict:
         d[jsonl_io.SETTINGS_FIELD] = fingerprint
@@ -1016,8 +1030,7 @@ def _generate_locked(args, t_start: float) -> int:
                         if bar is not None:
                             bar.update(1)
                     writer.write_batch(batch)      # whole lines, fsynced, once per step
-                    if getattr(args, "stop_signals", None) is not None:
-                        args.stop_signals.check()  # a signal whose exception a gc callback swallowed
+                    _check_stop(args)              # a signal whose exception a gc callback swallowed
                     n_steps += 1
                     due = (n_steps % every == 0 if every else   # default: saving stays under CHECKPOINT_SHARE
                            time.perf_counter() - ck_stats["last_end"] >= ck_stats["last_s"] / CHECKPOINT_SHARE)
