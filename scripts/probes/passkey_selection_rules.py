@@ -6,8 +6,9 @@ and budget, every answer step up to the key's last digit is re-run with its quer
 selects in every layer (sink page, 2 recent pages and the unflushed tail forced, as the library), the history's K/V
 from the dense run; a prompt counts when every step's token equals dense's. Rules: quest_sum (the library: the Quest
 bound summed over the group's query heads), quest_maxnorm / quest_sumnorm (each head's bounds softmax-normalised over
-pages, then max / sum over heads), oracle (the true attention weight per page, summed over the group's heads); a
-"_d2" suffix keeps layers 0-1 dense.
+pages, then max / sum over heads), oracle (the true attention weight per page, summed over the group's heads),
+twostage (Quest picks 4x the budget's pages, the oracle keeps the budget among them); a "_d2" suffix keeps layers
+0-1 dense.
     python scripts/probes/passkey_selection_rules.py CONTEXT DEPTHS KEYS BUDGETS [RULES]
     e.g. 4096 10,25,50 3 512,1024 quest_sum,quest_maxnorm,oracle
 """
@@ -52,6 +53,22 @@ eos = set(bq.eos_of(model, tok))
 graphdef, params = nnx.split(model)
 T = ctx + 16                              # fixed history length (padded): one compile per (rule, budget)
 
+def select_score(rule, qh, Kp, valid):
+    """qh [KV, r, D]; Kp [NP, page, KV, D]; valid [NP] -> page scores [KV, NP] of a rule (higher = keep)."""
+    if rule == "oracle":
+        s = jnp.einsum("ghd,ptgd->ghpt", qh, Kp) / np.sqrt(D)
+        s = jnp.where(valid[None, None, :, None], s, -jnp.inf)
+        m = jax.nn.softmax(s.reshape(KV, r, -1), -1).reshape(KV, r, Kp.shape[0], page)
+        return m.sum(axis=(1, 3))
+    kmax = jnp.where(valid[:, None, None], Kp.max(1), 0.0)      # [NP, KV, D]
+    kmin = jnp.where(valid[:, None, None], Kp.min(1), 0.0)
+    u = jnp.einsum("ghd,pgd->ghp", jnp.maximum(qh, 0), kmax) + jnp.einsum("ghd,pgd->ghp", jnp.minimum(qh, 0), kmin)
+    if rule == "quest_sum":
+        return u.sum(1)
+    z = jax.nn.softmax(jnp.where(valid[None, None], u / np.sqrt(D), -jnp.inf), -1)
+    return z.max(1) if rule == "quest_maxnorm" else z.sum(1)
+
+
 def select_mask(rule, q, K, n_hist, budget):
     """q [H, D]; K [T, KV, D] (valid < n_hist + 1) -> mask [KV, T]."""
     n = n_hist + 1
@@ -62,22 +79,14 @@ def select_mask(rule, q, K, n_hist, budget):
     pidx = jnp.arange(NP)
     valid = pidx < flushed
     qh = q.reshape(KV, r, D)
-    if rule == "oracle":
-        s = jnp.einsum("ghd,ptgd->ghpt", qh, Kp) / np.sqrt(D)
-        s = jnp.where(valid[None, None, :, None], s, -jnp.inf)
-        m = jax.nn.softmax(s.reshape(KV, r, -1), -1).reshape(KV, r, NP, page)
-        score = m.sum(axis=(1, 3))                                   # [KV, NP]
+    if rule == "twostage":
+        # Quest picks 4x the budget's pages, the exact attention weight over those pages' keys keeps the budget
+        quest = jnp.where(valid[None], select_score("quest_sum", qh, Kp, valid), -jnp.inf)
+        cand = jax.lax.top_k(quest, min(NP, 4 * kpages))[1]
+        in_cand = jnp.zeros((KV, NP), bool).at[jnp.arange(KV)[:, None], cand].set(True)
+        score = jnp.where(in_cand, select_score("oracle", qh, Kp, valid), -jnp.inf)
     else:
-        big = jnp.finfo(jnp.float32).max
-        kmax = jnp.where(valid[:, None, None], Kp.max(1), 0.0)      # [NP, KV, D]
-        kmin = jnp.where(valid[:, None, None], Kp.min(1), 0.0)
-        u = jnp.einsum("ghd,pgd->ghp", jnp.maximum(qh, 0), kmax) + jnp.einsum("ghd,pgd->ghp", jnp.minimum(qh, 0), kmin)
-        if rule == "quest_sum":
-            score = u.sum(1)
-        else:
-            z = jnp.where(valid[None, None], u / np.sqrt(D), -jnp.inf)
-            z = jax.nn.softmax(z, -1)
-            score = z.max(1) if rule == "quest_maxnorm" else z.sum(1)
+        score = select_score(rule, qh, Kp, valid)
     forced = (pidx == 0) | ((pidx >= flushed - 2) & (pidx < flushed))
     score = jnp.where(forced[None], jnp.inf, jnp.where(valid[None], score, -jnp.inf))
     _, top = jax.lax.top_k(score, kpages)                            # [KV, kpages]
