@@ -479,30 +479,35 @@ class Engine:
             if self._done[slot]:
                 continue
             req = self.requests[rid]
-            got = [int(t) for t in out[slot] if t >= 0]
             self._remaining[slot] = remaining[slot]
-            stop = next((i for i, t in enumerate(got) if t in req.sampling.stop_ids), None)
-            if stop is not None:
-                got = got[:stop + 1]              # the chunk ran on past the stop: those tokens are dropped
-            got, hit = self._stop_string(req, got)
-            if hit:
-                stop = len(got)
-            if got:
-                rec.decode_tokens += len(got)
-                req.tokens.extend(got)
-                req.deliveries.append((now, len(got), rec.index))
-                new.setdefault(rid, []).extend(got)
-                self._tok[slot] = got[-1]
-            if stop is not None:
-                reason = STOP
-            elif remaining[slot] <= 0:
-                reason = LENGTH
-            else:
+            reason = self._deliver(rec, req, slot, [int(t) for t in out[slot] if t >= 0], new, now)
+            if reason is None:
                 self._done[slot] = False              # only a stop id (matched here) or the length ends a slot
                 continue
             self._finish(req, reason)
             self._release(slot)
             ended[rid] = None
+
+    def _deliver(self, rec: StepRecord, req: Request, slot: int, got: list[int], new, now: float) -> str | None:
+        """Commit a slot's new tokens `got` (a decode chunk's, or a verification's accepted ones) to its request:
+        cut at the first stop id or stop string (tokens the step produced past it are dropped), recorded in the
+        step's `new` and the slot's last token -> the finish reason (STOP, LENGTH), or None while it runs on.
+        The slot's remaining budget must already count these tokens."""
+        stop = next((i for i, t in enumerate(got) if t in req.sampling.stop_ids), None)
+        if stop is not None:
+            got = got[:stop + 1]
+        got, hit = self._stop_string(req, got)
+        if hit:
+            stop = len(got)
+        if got:
+            rec.decode_tokens += len(got)
+            req.tokens.extend(got)
+            req.deliveries.append((now, len(got), rec.index))
+            new.setdefault(req.request_id, []).extend(got)
+            self._tok[slot] = got[-1]
+        if stop is not None:
+            return STOP
+        return LENGTH if self._remaining[slot] <= 0 else None
 
     def _stop_string(self, req: Request, got: list[int]) -> tuple[list[int], bool]:
         """New tokens `got` of a request with stop strings -> (those kept, whether a stop string ended it): the

@@ -269,7 +269,6 @@ class SpecDecoder:
         """One step for every running request of Engine `eng` (the Engine's `_decode`, speculative): a verification
         of each slot's drafts; or, when no slot drafts (ngram: no match, or every slot backing off), a plain decode
         chunk that ends where no flush point differs from plain decoding's (`_plain_steps`), else one row."""
-        from .engine import LENGTH, STOP
         from .generator import _accumulate
         gen, c, K = self.gen, self.gen.config, self.K
         S, P = c.max_seqs, c.page_size
@@ -351,23 +350,8 @@ class SpecDecoder:
                 if self.fails[slot] >= 2:
                     self.skip[slot] = min(P, 2 ** (int(self.fails[slot]) - 1))
             eng._remaining[slot] -= len(got)
-            stop = next((i for i, t in enumerate(got) if t in req.sampling.stop_ids), None)
-            if stop is not None:
-                got = got[:stop + 1]
-            got, hit = eng._stop_string(req, got)
-            if hit:
-                stop = len(got)
-            if got:
-                rec.decode_tokens += len(got)
-                req.tokens.extend(got)
-                req.deliveries.append((now, len(got), rec.index))
-                new.setdefault(rid, []).extend(got)
-                eng._tok[slot] = got[-1]
-            if stop is not None:
-                reason = STOP
-            elif eng._remaining[slot] <= 0:
-                reason = LENGTH
-            else:
+            reason = eng._deliver(rec, req, slot, got, new, now)
+            if reason is None:
                 continue
             eng._finish(req, reason)
             eng._release(slot)
