@@ -93,6 +93,29 @@ class PagePlan:
     seq_len: jax.Array
 
 
+def _sieve_pages(state: CacheState, layer: int, sel, row_live, row_seq, rank, options: DecodeOptions):
+    """One PB-LRU access for the selected pages of every row (a row: one sequence's step; a verification has
+    several rows per sequence). sel [R, G, K] page ids (-1 unused), row_live [R], row_seq [R] the row's sequence
+    slot -> (pb, vtlb table of this rank after the access, valid, page, frame, host_idx, miss, filled, overflow),
+    the last seven [R, G, K]: hits refresh recency, misses take frames (filled) or get none (overflow)."""
+    c = state.config
+    G, P = c.groups_per_rank, c.page_size
+    R, _, K = sel.shape
+    valid = (sel >= 0) & row_live[:, None, None]
+    page = jnp.where(valid, sel, 0)
+    seq_ids = jnp.broadcast_to(row_seq[:, None, None], (R, G, K))
+    grp = jnp.broadcast_to(rank * G + jnp.arange(G)[None, :, None], (R, G, K))
+    hi, lo = lid_mod.pack(seq_ids, jnp.full_like(seq_ids, layer), grp, (page * P).astype(jnp.uint32))
+    pb = jax.tree.map(lambda a: a[0], state.pb)
+    pb, out = pb_lru.access(pb, hi.reshape(-1), lo.reshape(-1), valid.reshape(-1), state.clock, impl=options.sieve)
+    table = jax.tree.map(lambda a: a[0], state.vtlb)
+    table = vtlb_mod.apply_access(table, hi.reshape(-1), lo.reshape(-1), out, rank * G)
+    frame = out.frame.reshape(R, G, K)
+    miss = valid & ~out.hit.reshape(R, G, K)
+    host_idx = table.host_page[seq_ids, layer, jnp.arange(G)[None, :, None], page]
+    return pb, table, valid, page, frame, host_idx, miss, miss & (frame >= 0), miss & (frame < 0)
+
+
 def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, live, *,
                options: DecodeOptions = DecodeOptions(), rank=0, append: bool = True):
     """Append -> select -> sieve -> (separate) fetch for one layer: everything before the attention kernel.
@@ -112,25 +135,10 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
                          launch=options.score_launch)                                 # [S, G, P]
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [S, G, K]
-    K = sel.shape[-1]
-    valid = (sel >= 0) & live[:, None, None]
-    page = jnp.where(valid, sel, 0)
-    seq_ids = jnp.broadcast_to(jnp.arange(S)[:, None, None], (S, G, K))
-    grp = jnp.broadcast_to(rank * G + jnp.arange(G)[None, :, None], (S, G, K))
-    hi, lo = lid_mod.pack(seq_ids, jnp.full_like(seq_ids, layer), grp, (page * P).astype(jnp.uint32))
-
     # 2. Sieve: hits refresh, misses take frames; the vTLB follows.
-    pb = jax.tree.map(lambda a: a[0], state.pb)
-    pb, out = pb_lru.access(pb, hi.reshape(-1), lo.reshape(-1), valid.reshape(-1), state.clock,
-                            impl=options.sieve)
-    table = jax.tree.map(lambda a: a[0], state.vtlb)
-    table = vtlb_mod.apply_access(table, hi.reshape(-1), lo.reshape(-1), out, rank * G)
-    frame = out.frame.reshape(S, G, K)
-    hit = out.hit.reshape(S, G, K)
-    host_idx = table.host_page[seq_ids, layer, jnp.arange(G)[None, :, None], page]    # [S, G, K]
-    miss = valid & ~hit
-    filled = miss & (frame >= 0)
-    overflow = miss & (frame < 0)
+    pb, table, valid, page, frame, host_idx, miss, filled, overflow = _sieve_pages(
+        state, layer, sel, live, jnp.arange(S), rank, options)                        # [S, G, K] each
+    K = sel.shape[-1]
 
     # 3. Misses cross PCIe once: fetched into their frames here, or read and stored by the attention kernel.
     pool_k, pool_v = state.pool_k[0], state.pool_v[0]
@@ -161,7 +169,7 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
         host_page=jnp.concatenate([jnp.where(valid, host_idx, -1), jnp.full((S, G, TAIL_PAGES), -1)],
                                   axis=-1).astype(jnp.int32),
         seq_len=seq_len.astype(jnp.int32))
-    stats = LayerStats(hits=(valid & hit).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
+    stats = LayerStats(hits=(valid & ~miss).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
                        overflow=overflow.sum().astype(jnp.int32), fetched=miss.sum().astype(jnp.int32))
     # the clock ticks once per sieve call (every layer of every step), so recency orders the accesses as they
     # happened: one tick per 64-step chunk made a chunk's accesses tie and cost 12 points of hit rate at a 1/8
@@ -297,24 +305,10 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     scores = jnp.stack(sc, axis=1).reshape((V,) + sc[0].shape[1:])                   # [V, G, Pm]
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [V, G, K]
-    K = sel.shape[-1]
-    valid = (sel >= 0) & vlive[:, None, None]
-    page = jnp.where(valid, sel, 0)
-    seq_ids = jnp.broadcast_to(vseq[:, None, None], (V, G, K))
-    grp = jnp.broadcast_to(rank * G + jnp.arange(G)[None, :, None], (V, G, K))
-    hi, lo = lid_mod.pack(seq_ids, jnp.full_like(seq_ids, layer), grp, (page * P).astype(jnp.uint32))
-
     # 2. One sieve access; the vTLB follows.
-    pb = jax.tree.map(lambda a: a[0], state.pb)
-    pb, out = pb_lru.access(pb, hi.reshape(-1), lo.reshape(-1), valid.reshape(-1), state.clock, impl=options.sieve)
-    table = jax.tree.map(lambda a: a[0], state.vtlb)
-    table = vtlb_mod.apply_access(table, hi.reshape(-1), lo.reshape(-1), out, rank * G)
-    frame = out.frame.reshape(V, G, K)
-    hit = out.hit.reshape(V, G, K)
-    host_idx = table.host_page[seq_ids, layer, jnp.arange(G)[None, :, None], page]    # [V, G, K]
-    miss = valid & ~hit
-    filled = miss & (frame >= 0)
-    overflow = miss & (frame < 0)
+    pb, table, valid, page, frame, host_idx, miss, filled, overflow = _sieve_pages(
+        state, layer, sel, vlive, vseq, rank, options)                                # [V, G, K] each
+    K = sel.shape[-1]
 
     # 3. Overflow pages staged once each: a duplicate (same sequence, group and page in another row) takes the
     #    stage of its first occurrence.
@@ -371,7 +365,7 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
         return pools, o
 
     (pool_k, pool_v), o = jax.lax.cond(fits, once, row_by_row, (state.pool_k[0], state.pool_v[0]))
-    stats = LayerStats(hits=(valid & hit).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
+    stats = LayerStats(hits=(valid & ~miss).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
                        overflow=overflow.sum().astype(jnp.int32), fetched=miss.sum().astype(jnp.int32))
     state = dataclasses.replace(state, pb=jax.tree.map(lambda a: a[None], pb),
                                 vtlb=jax.tree.map(lambda a: a[None], table),
