@@ -35,12 +35,11 @@ def check_sampling(temperature: float, top_p: float, top_k: int, vocab_size: int
         raise ValueError(f"top_k = {top_k!r} must be an int in [0, vocab_size = {vocab_size}] (0 = off)")
 
 
-def sample(logits, keys, params: SamplingArrays):
-    """logits [S, V] float32, keys [S] (one PRNG key per row, so a request's draws do not depend on its batch
-    neighbours) -> token ids [S] int32. Greedy where temperature == 0; else top-k, then top-p (nucleus, the
-    smallest prefix of the sorted distribution whose mass reaches top_p), then a categorical draw."""
+def truncated_sorted(logits, params: SamplingArrays):
+    """logits [S, V] -> (order [S, V]: token ids by descending scaled logit, srt [S, V]: the scaled logits in that
+    order, -inf where top-k, then top-p (the smallest prefix whose mass reaches top_p), cut them). The
+    distribution `sample` draws from (speculative.token_probs is its softmax)."""
     S, V = logits.shape
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     t = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
     scaled = logits / t
     order = jnp.argsort(-scaled, axis=-1)                                      # [S, V] descending
@@ -50,7 +49,15 @@ def sample(logits, keys, params: SamplingArrays):
     probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs                                # mass strictly before each token
     keep &= before < params.top_p[:, None]
-    srt = jnp.where(keep, srt, -jnp.inf)
+    return order, jnp.where(keep, srt, -jnp.inf)
+
+
+def sample(logits, keys, params: SamplingArrays):
+    """logits [S, V] float32, keys [S] (one PRNG key per row, so a request's draws do not depend on its batch
+    neighbours) -> token ids [S] int32. Greedy where temperature == 0; else top-k, then top-p (nucleus, the
+    smallest prefix of the sorted distribution whose mass reaches top_p), then a categorical draw."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    order, srt = truncated_sorted(logits, params)
     pick = jax.vmap(jax.random.categorical)(keys, srt)                         # [S] index into sorted order
     drawn = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(params.temperature > 0, drawn, greedy)

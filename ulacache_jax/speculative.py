@@ -33,7 +33,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from .sampling import SamplingArrays, row_keys
+from .sampling import SamplingArrays, row_keys, truncated_sorted
 
 METHODS = ("ngram", "draft")
 _DRAFT_KEY = 0x5bd1e995   # folded into a step's keys for the draft model's own draws
@@ -72,16 +72,8 @@ def token_probs(logits, params: SamplingArrays):
     top-p over the sorted scaled logits; a point mass on the argmax where temperature == 0."""
     N, V = logits.shape
     logits = logits.astype(jnp.float32)
-    t = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-    scaled = logits / t
-    order = jnp.argsort(-scaled, axis=-1)                                      # [N, V] descending
-    srt = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(V)[None, :]
-    keep = (params.top_k[:, None] == 0) | (rank < params.top_k[:, None])
-    probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= before < params.top_p[:, None]
-    ps = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
+    order, srt = truncated_sorted(logits, params)
+    ps = jax.nn.softmax(srt, axis=-1)
     p = jnp.zeros((N, V), jnp.float32).at[jnp.arange(N)[:, None], order].set(ps)
     point = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
     return jnp.where((params.temperature > 0)[:, None], p, point)
