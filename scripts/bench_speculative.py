@@ -28,6 +28,8 @@ On the H200: python scripts/bench_speculative.py --out docs/benchmarks/speculati
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
 import pathlib
@@ -126,7 +128,8 @@ def step_cost(args, res) -> None:
     reps = max(args.reps, 3) * 4
     ns = argparse.Namespace(chunks=4 + (max(ks) + 1) * (reps + 1) * len(ks) // page + 2, budget=args.token_budget)
     for B in [int(b) for b in args.step_batches.split(",")]:
-        cfg = bench_config(mc, "sparse", B, ctx, ns, kv_fraction=0.5, page=page)
+        cfg = dataclasses.replace(bench_config(mc, "sparse", B, ctx, ns, kv_fraction=0.5, page=page),
+                                  verify_rows=max(ks) + 1)      # overflow frames for K + 1 rows (as Engine sizes them)
         gen = Generator(model, cfg, attention="sparse")
         S = cfg.max_seqs
         slots = [gen.admit(ctx + (ns.chunks + 1) * page) for _ in range(B)]
@@ -165,7 +168,8 @@ def step_cost(args, res) -> None:
                        verify_ms=verify_ms, ratio=verify_ms / plain_ms, reps=len(vt))
             res.add(row)
             print(json.dumps(row), flush=True)
-        del gen
+        del gen, bk, out, n_new, a            # this batch's host pool is freed before the next batch's is made
+        gc.collect()
 
 
 def main(argv=None):

@@ -7,6 +7,8 @@ distribution (the acceptance rule on its own, and through a tiny model's verific
 Shapes: the tiny model, 2 slots, page 16, token budget 64 (4 pages: prompts of 70-110 tokens select pages), K = 3.
 Oracle drafters (the plain run's own continuation, corrupted on a schedule) give both acceptances and rejections;
 `fixed_rows` keeps one verification program per backend (row-count buckets are exercised by the ngram test)."""
+import dataclasses
+
 import numpy as np
 import pytest
 import jax
@@ -27,7 +29,7 @@ MAX_NEW = 40
 def setup():
     mc = get_preset("tiny")
     model = LlamaModel(mc, rngs=nnx.Rngs(0))
-    cfg = default_cache_config(mc, num_seqs=2, max_tokens=256, page_size=16, token_budget=64)
+    cfg = default_cache_config(mc, num_seqs=2, max_tokens=256, page_size=16, token_budget=64, verify_rows=K + 1)
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (70, 110, 93)]
     return model, cfg, prompts
@@ -223,7 +225,6 @@ def test_rejected_draft_leaves_the_cache_of_a_run_that_never_drafted(setup):
                 fr = tail_frame(c, 0, l, g, pos // c.page_size)
                 pk = pk.at[0, fr, pos % c.page_size].set(jnp.nan)
                 pv = pv.at[0, fr, pos % c.page_size].set(jnp.nan)
-    import dataclasses
     gens[0].backend.cache = dataclasses.replace(st, pool_k=pk, pool_v=pv)
     for i in range(6):
         b = next_flush(len(prompt), L, c.page_size)
@@ -361,17 +362,30 @@ def test_spec_config_errors():
 
 
 def test_greedy_speculative_equals_plain_when_selected_pages_overflow(setup):
-    """A PB-LRU of 2 frames (far less than one step's 16 selected pages): misses overflow every step, and the rows'
-    distinct overflow pages exceed the overflow frames, so verification stages them row by row."""
+    """A PB-LRU of 2 frames (far less than one step's 16 selected pages): misses overflow every step, and every
+    row's distinct overflow pages are staged at once, in overflow frames sized for K + 1 rows (verify_rows)."""
     model, cfg, prompts = setup
     small = default_cache_config(model.config, num_seqs=2, max_tokens=256, page_size=16, token_budget=64,
-                                 num_buckets=1, slots_per_bucket=2)
+                                 num_buckets=1, slots_per_bucket=2, verify_rows=K + 1)
     ref = generate(model, prompts[:2], max_new_tokens=24, cache_config=small, attention="sparse")
     eng = spec_engine(model, small, "sparse")
     eng.spec.drafter = oracle(prompts[:2], ref)
     reqs = eng.run(prompts[:2], SamplingParams(max_new_tokens=24))
     assert [r.tokens for r in reqs] == ref
     assert eng.stats_totals()["overflow"] > 0
+
+
+def test_verify_rows_sized_for_the_drafts(setup):
+    """An Engine that builds its cache sizes the overflow frames for K + 1 rows; a prebuilt sparse generator whose
+    cache has fewer is refused with the value and the limit (a verification would have nowhere to stage them)."""
+    model, cfg, _ = setup
+    one_row = dataclasses.replace(cfg, verify_rows=1)
+    eng = Engine(model, one_row, attention="sparse", speculative=SpecConfig("ngram", K))
+    assert eng.config.verify_rows == K + 1
+    assert eng.config.overflow_frames == (K + 1) * one_row.overflow_frames
+    with pytest.raises(ValueError, match=rf"verify_rows >= {K + 1} \(it is 1\)"):
+        Engine(generator=Generator(model, one_row, attention="sparse"), speculative=SpecConfig("ngram", K))
+    Engine(generator=Generator(model, one_row, attention="dense"), speculative=SpecConfig("ngram", K))  # no frames
 
 
 def test_cli_flags():

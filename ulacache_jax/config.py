@@ -34,6 +34,7 @@ class CacheConfig:
     sink_pages: int = 1
     recent_pages: int = 2
     tp: int = 1                      # ranks of the head-sharded mesh axis
+    verify_rows: int = 1             # query rows per sequence one call attends: 1 + speculative drafts (overflow frames)
 
     def __post_init__(self):
         def need(ok, msg):
@@ -41,7 +42,8 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig: {msg}")
 
         for f in ("num_layers", "num_kv_heads", "head_dim", "max_seqs", "max_pages_per_seq", "page_size",
-                  "kv_heads_per_group", "num_buckets", "slots_per_bucket", "host_pages", "token_budget", "tp"):
+                  "kv_heads_per_group", "num_buckets", "slots_per_bucket", "host_pages", "token_budget", "tp",
+                  "verify_rows"):
             v = getattr(self, f)
             need(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1, f"{f} = {v!r} must be an int >= 1")
         for f in ("sink_pages", "recent_pages"):
@@ -90,8 +92,9 @@ class CacheConfig:
     @property
     def overflow_frames(self) -> int:
         """HBM frames per rank that stage one layer call's overflow pages (misses with no free PB-LRU slot), so
-        attention reads only HBM: at most every selected page of every sequence and group overflows."""
-        return self.max_seqs * self.groups_per_rank * self.select_pages
+        attention reads only HBM: at most every selected page of every sequence, group and query row overflows (a
+        speculative verification attends `verify_rows` rows per sequence in one call, each with its own pages)."""
+        return self.max_seqs * self.groups_per_rank * self.select_pages * self.verify_rows
 
     @property
     def max_context(self) -> int:

@@ -281,11 +281,15 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     """`verify_layer`'s rows as one virtual decode batch of V = S * Q rows (row s * Q + j), their K/V already in
     the tail ring. Scores per row (the summaries read in place, one call per row), one top-k over V rows, one sieve
     access for every row's pages (duplicate LIDs share a frame: DESIGN.md section 5), misses fetched once, overflow
-    pages staged once each, one attention launch. When the distinct overflow pages exceed the overflow frames (a
-    plain step's worth), they are staged row by row instead, each row's attention then reading its own."""
+    pages staged once each in the overflow frames (sized for `verify_rows` rows per sequence, so every row's pages
+    fit), one attention launch. Straight-line on purpose: a lax.cond between this and a row-by-row fallback made
+    XLA copy both HBM pools around the conditional in every layer (scripts/probes/verify_cost.py)."""
     c = state.config
     S, G, P, g = c.max_seqs, c.groups_per_rank, c.page_size, c.kv_heads_per_group
     Q = q.shape[1]
+    if Q > c.verify_rows:
+        raise ValueError(f"verifying Q = {Q} rows per sequence needs cache_config.verify_rows >= {Q} (it is "
+                         f"{c.verify_rows}): the overflow frames are sized for verify_rows rows")
     Hr, D = q.shape[2], q.shape[3]
     options = resolved_options(options, c, q[:, :1])                                  # each row is a Q = 1 decode
     V = S * Q
@@ -324,8 +328,7 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     is_first = (first == jnp.arange(Q * K)) & (opg >= 0)
     ov = is_first.reshape(-1).astype(jnp.int32)
     stage = (jnp.cumsum(ov) - ov).reshape(S, G, Q * K)
-    stage = by_row(jnp.take_along_axis(stage, first, axis=-1))
-    fits = ov.sum() <= c.overflow_frames
+    stage = by_row(jnp.take_along_axis(stage, first, axis=-1))                         # < overflow_frames
 
     # 4. Tail pages of each row, up to its own position.
     tp = flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                           # [V, T]
@@ -339,32 +342,13 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     src = jnp.concatenate([jnp.where(valid, 1, 0), jnp.where(t_ok, 1, 0)], axis=-1).astype(jnp.int32)
     qv = q.reshape(V, 1, Hr, D)
 
-    def attend(pool_k, pool_v, fr):
-        fr = jnp.concatenate([jnp.where(valid, fr, 0), t_frame], axis=-1).astype(jnp.int32)
-        return sparse_decode_attention(qv, pool_k, pool_v, fr, start, seq_len.astype(jnp.int32), page_src=src,
-                                       softcap=options.softcap, impl=options.attention)   # [V, 1, Hr, D]
-
-    def fetch(pools, dst):
-        return tuple(page_copy.fetch(list(pools), [host.k[0], host.v[0]], host_idx.reshape(-1),
-                                     dst.reshape(-1).astype(jnp.int32), impl=options.copy))
-
-    def once(pools):
-        fr = jnp.where(overflow, overflow_frame(c, stage), frame)
-        pools = fetch(pools, jnp.where(miss, fr, -1))
-        return pools, attend(*pools, fr)
-
-    def row_by_row(pools):
-        pools = fetch(pools, jnp.where(filled, frame, -1))
-        o = jnp.zeros((V, 1, Hr, D), q.dtype)
-        for j in range(Q):
-            ovj = overflow & (vj == j)[:, None, None]
-            n = ovj.reshape(-1).astype(jnp.int32)
-            fr = jnp.where(ovj, overflow_frame(c, (jnp.cumsum(n) - n).reshape(V, G, K)), frame)
-            pools = fetch(pools, jnp.where(ovj, fr, -1))
-            o = jnp.where((vj == j)[:, None, None, None], attend(*pools, fr), o)
-        return pools, o
-
-    (pool_k, pool_v), o = jax.lax.cond(fits, once, row_by_row, (state.pool_k[0], state.pool_v[0]))
+    fr = jnp.where(overflow, overflow_frame(c, stage), frame)                         # [V, G, K]
+    pool_k, pool_v = page_copy.fetch([state.pool_k[0], state.pool_v[0]], [host.k[0], host.v[0]],
+                                     host_idx.reshape(-1), jnp.where(miss, fr, -1).reshape(-1).astype(jnp.int32),
+                                     impl=options.copy)   # K and V in one launch
+    fr = jnp.concatenate([jnp.where(valid, fr, 0), t_frame], axis=-1).astype(jnp.int32)
+    o = sparse_decode_attention(qv, pool_k, pool_v, fr, start, seq_len.astype(jnp.int32), page_src=src,
+                                softcap=options.softcap, impl=options.attention)          # [V, 1, Hr, D]
     stats = LayerStats(hits=(valid & ~miss).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
                        overflow=overflow.sum().astype(jnp.int32), fetched=miss.sum().astype(jnp.int32))
     state = dataclasses.replace(state, pb=jax.tree.map(lambda a: a[None], pb),

@@ -203,6 +203,10 @@ class Engine:
                                                     pool_headroom=pool_headroom(attention))
             else:
                 model = prepare_model(model, cache_config.tp)
+            if speculative is not None:
+                # a verification attends 1 + K rows per sequence in one call: stage their overflow pages too
+                cache_config = dataclasses.replace(cache_config, verify_rows=max(cache_config.verify_rows,
+                                                                                 speculative.num_tokens + 1))
             generator = Generator(model, cache_config, attention=attention, options=options)
         self.gen = generator
         # shared prefixes (prefix_cache.py), on by default: prompts that start with the complete pages of a stored

@@ -208,6 +208,9 @@ class SpecDecoder:
         c = gen.config
         if spec.num_tokens >= c.page_size:
             raise ValueError(f"speculative num_tokens = {spec.num_tokens} must be < page_size = {c.page_size}")
+        if gen.backend.host_tier and c.verify_rows < spec.num_tokens + 1:
+            raise ValueError(f"speculative num_tokens = {spec.num_tokens} needs cache_config.verify_rows >= "
+                             f"{spec.num_tokens + 1} (it is {c.verify_rows}): build the generator's cache with it")
         self.gen, self.spec, self.K = gen, spec, spec.num_tokens
         S = c.max_seqs
         self.prompt_len = np.zeros(S, np.int64)        # where each slot's flush points start (its prefill)

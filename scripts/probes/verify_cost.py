@@ -24,7 +24,7 @@ def main():
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--patched", action="store_true")
+    ap.add_argument("--patched", action="store_true", help="(trees before the fix) verify_batched's cond -> once")
     ap.add_argument("--preset", default="llama-3.1-8b")
     args = ap.parse_args()
     import numpy as np
@@ -47,6 +47,8 @@ def main():
     ctx, page, K = args.context, 64, args.k
     ns = argparse.Namespace(chunks=8, budget=2048)
     cfg = bench_config(mc, "sparse", 1, ctx, ns, kv_fraction=0.5, page=page)
+    if hasattr(cfg, "verify_rows"):                   # the cache's overflow frames sized for K + 1 rows
+        cfg = dataclasses.replace(cfg, verify_rows=K + 1)
     gen = Generator(model, cfg, attention="sparse")
     S = cfg.max_seqs
     slots = [gen.admit(ctx + (ns.chunks + 1) * page)]
