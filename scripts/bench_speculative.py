@@ -244,7 +244,8 @@ def main(argv=None):
     for B in batches:
         longest = args.doc_tokens + args.echo + 256 + args.max_new
         cfg = default_cache_config(model.config, num_seqs=B, max_tokens=longest, page_size=args.page_size,
-                                   token_budget=args.token_budget, dtype=dtype)
+                                   token_budget=args.token_budget, dtype=dtype,
+                                   verify_rows=max(int(k) for k in args.num_tokens.split(",")) + 1)
         gen = Generator(model, cfg, attention=args.attention)
         for task in args.tasks.split(","):
             prompts = make_prompts(task, tokenizer, B, args.doc_tokens, args.echo, model.config.vocab_size)
