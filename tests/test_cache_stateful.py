@@ -1,13 +1,21 @@
-"""A stateful model of the cache manager (issue 23, part 3): hypothesis drives admit / ingest / a decode step's
-sieve (PB-LRU access + vTLB update, as decode_layer.plan_layer does it) / release / capacity refusals against a
-plain-Python model (slots, host pages, tests/pb_lru_model.PyPBLRU). After every step:
-- vTLB and PB-LRU tags agree: vtlb[lid] == f  <=>  tag[f] == lid (DESIGN.md section 3);
-- no frame is owned twice;
-- host pages are conserved (free + owned = all, disjoint) and the vTLB's host page table is the allocator's;
-- a released sequence leaves nothing (no frame, tag, host page, length or summary);
+"""A stateful model of the cache manager (issue 23, part 3; shared prefixes, issue 24): hypothesis drives admit /
+ingest / a decode step's sieve (PB-LRU access + vTLB update, as decode_layer.plan_layer does it) / release /
+capacity refusals / save-restore, and the shared-prefix path (admit a prompt that attaches a stored prefix, prefill
+the rest, store a sequence's complete pages, evict stored prefixes), against plain-Python models (slots, host page
+holders, tests/pb_lru_model.PyPBLRU, tests/prefix_model.PrefixModel). The shared-prefix calls are the ones the
+Generator makes: SparsePrefixes.admit / sources / stored / released around the backend's prefill_attach and
+prefill_store (program.prefill_layer_from's cache side), per layer. After every step:
+- vTLB and PB-LRU tags agree: vtlb[lid] == f  <=>  tag[f] == lid (DESIGN.md section 3); no frame is owned twice;
+- host page reference counts are the holders' (every live sequence's table, every stored prefix node); a page
+  with a holder is never on the free list, and free + held pages are the whole pool, each page once;
+- the vTLB's host page table is the allocator's; a released sequence leaves nothing (frame, tag, length, summary);
+- the prefix index is the model's (nodes, LRU order, payloads, its host-page budget);
+- no shared page is written: a host page's K/V bytes are recorded when it becomes shared (stored by the index,
+  attached to a sharer) and must not change until the page is free again, so a sharer's own tokens land on its
+  own pages after the shared ones;
 - the device PB-LRU equals the Python model's, and each sieve's frames and hits equal the model's.
 A save-restore rule does what Engine.restore does to the cache (the cache is not saved: every live sequence is
-released and admitted + ingested again from its saved tokens), and the invariants must hold after it.
+released, admitted again with its tokens as the prompt and prefilled from its saved K/V).
 
 CI runs a short search (test_cache_manager_state_machine). The long run counts the rules it executed and keeps
 running non-derandomized searches until it reaches a number of steps:
@@ -15,6 +23,7 @@ running non-derandomized searches until it reaches a number of steps:
 the last ones are in docs/BENCHMARKS.md). ULACACHE_STATEFUL_EXAMPLES / ULACACHE_STATEFUL_STEPS size the short run.
 """
 import collections
+import dataclasses
 import math
 import os
 import time
@@ -28,18 +37,29 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from pb_lru_model import PyPBLRU
+from prefix_model import PrefixModel, library_nodes
 from ulacache_jax import lid as lid_mod, pb_lru, vtlb as vtlb_mod
+from ulacache_jax.backends import make_backend
 from ulacache_jax.config import CacheConfig
+from ulacache_jax.generator import bucket_length
+from ulacache_jax.prefix_cache import max_shared_pages, prefix_bucket
 from ulacache_jax.sequences import CacheManager, CapacityError
+from ulacache_jax.tp import make_mesh
 
 CFG = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=4, kv_heads_per_group=1, max_seqs=3, max_pages_per_seq=6,
                   page_size=4, num_buckets=2, slots_per_bucket=2, host_pages=40, token_budget=16, dtype="float32")
-MAX_TOKENS = CFG.max_pages_per_seq * CFG.page_size      # 24
+P = CFG.page_size
+MAX_TOKENS = CFG.max_pages_per_seq * P                  # 24 (not a power of two: prefill buckets must stop at it)
 G = CFG.groups_per_rank
-EXAMPLES = int(os.environ.get("ULACACHE_STATEFUL_EXAMPLES", "12"))
-STEPS = int(os.environ.get("ULACACHE_STATEFUL_STEPS", "25"))
+LG = CFG.num_layers * G                                 # host pages per page of a sequence
+EXAMPLES = int(os.environ.get("ULACACHE_STATEFUL_EXAMPLES", "40"))
+STEPS = int(os.environ.get("ULACACHE_STATEFUL_STEPS", "40"))
 TOTAL_STEPS = int(os.environ.get("ULACACHE_STATEFUL_TOTAL_STEPS", "0"))   # > 0: run the long search
 N_ACCESS = 8                                            # LIDs per sieve batch (fixed: one compiled program)
+K_TOKENS = MAX_TOKENS + P                               # tokens of a drawn K/V (covers a refused over-long ingest)
+# prompts are cut from a few documents (and a small alphabet of tails) so that stored prefixes are hit often
+DOCS = [[1000 * (d + 1) + i for i in range(MAX_TOKENS)] for d in range(3)]
+BUDGETS = [None, LG, 3 * LG, 5 * LG]                    # host pages the stored prefixes may hold
 
 
 @jax.jit
@@ -57,112 +77,301 @@ def _lid(seq, layer, group, tok) -> int:
     return seq << 44 | layer << 36 | group << 32 | tok
 
 
-_SHARED = {"counts": collections.Counter()}    # the manager, and how many times each rule ran
+_SHARED = {"counts": collections.Counter()}    # the backend, its jitted prefill ops, how many times each rule ran
 
 
-def _manager() -> CacheManager:
-    """One CacheManager per process, reset between examples by releasing its slots (jit caches stay warm)."""
-    m = _SHARED.get("m")
-    if m is None:
-        m = _SHARED["m"] = CacheManager(CFG)
-    for slot in list(m.alloc.pages_of):
-        m.release(slot)
-    return m
+def _backend():
+    """One sparse backend (CacheManager + the ops the program calls) per process, reset between examples: the stored
+    prefixes are dropped and every slot released (jit caches stay warm)."""
+    b = _SHARED.get("b")
+    if b is None:
+        b = _SHARED["b"] = make_backend("sparse", CFG, make_mesh(1))
+        ops = b.ops
+        # program.prefill_layer_from's cache side, one layer per call (layer, slot, start, length traced)
+        _SHARED["attach"] = jax.jit(lambda s, h, layer, slot, src, start:
+                                    ops.prefill_attach((s, h), layer, slot, src, start))
+        _SHARED["store"] = jax.jit(lambda s, h, layer, slot, k, v, length, start:
+                                   ops.prefill_store((s, h), layer, slot, k, v, length, start))
+    old = _SHARED.pop("prefixes", None)
+    m = b.manager
+    try:
+        for slot in list(m.alloc.pages_of):
+            m.release(slot)
+            if old is not None:
+                old.released(slot)
+        if old is not None:
+            old.close()
+        assert m.alloc.num_free == CFG.host_pages and not m.alloc.refs.any()
+        assert (np.asarray(m.state.pb.stamp) < 0).all()
+    except Exception:                  # a failed example left it inconsistent: a fresh one (recompiles)
+        _SHARED.pop("b")
+        return _backend()
+    return b
+
+
+@dataclasses.dataclass
+class Seq:
+    """The model of one live sequence: tokens reserved, its host page table [L, G, n] (first m pages attached),
+    pages that are read-only for it (attached or stored as a prefix), its token ids and K (V = -K) so far."""
+    tokens: int
+    table: np.ndarray
+    m: int = 0
+    frozen: int = 0
+    length: int = 0
+    ids: list = dataclasses.field(default_factory=list)
+    k: np.ndarray | None = None          # [L, K_TOKENS, KV, D]
+    pending: bool = False                # admitted with a prompt (ids), not prefilled yet
 
 
 class CacheMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.m = _manager()
-        self.clock0 = int(self.m.state.clock)
+        self.b = _backend()
+        self.m = self.b.manager
+        self.prefixes = None                         # SparsePrefixes, made by the initialize rule (its budget)
+        self.model = None                            # PrefixModel
         self.pb_model = PyPBLRU(CFG.num_buckets, CFG.slots_per_bucket)
-        self._sync_model_pb()
-        self.seqs: dict[int, dict] = {}          # slot -> {"tokens": reserved, "length": ingested}
-        self.free_pages = CFG.host_pages
+        assert (np.asarray(self.m.state.pb.stamp) < 0).all()     # every example starts with an empty PB-LRU
+        self.seqs: dict[int, Seq] = {}
+        self.shared_bytes: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # host page -> K, V when it was shared
         self.rng = np.random.default_rng(0)
 
-    def _sync_model_pb(self):
-        # the shared manager starts each example with its PB-LRU empty (every slot released); check, then mirror
-        st_ = self.m.state.pb
-        assert (np.asarray(st_.stamp) < 0).all()
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def _refs(self, extra=()) -> np.ndarray:
+        return self.model.refs(CFG.host_pages, [s.table for s in self.seqs.values()] + list(extra))
+
+    def _forget_free(self, refs) -> None:
+        """Pages nobody holds may be allocated and written again: they stop being shared."""
+        for page in [p for p in self.shared_bytes if refs[p] == 0]:
+            del self.shared_bytes[page]
+
+    def _new_k(self):
+        return self.rng.standard_normal((CFG.num_layers, K_TOKENS, CFG.num_kv_heads, CFG.head_dim)).astype(np.float32)
+
+    def _admit(self, tokens, prompt=None):
+        """Generator.admit with shared prefixes on (SparsePrefixes.admit): the model predicts the pages attached,
+        the stored prefixes the allocator reclaims, the slot, or the refusal. -> slot or None (refused)."""
+        keys = []
+        if prompt is not None:
+            keys = self.model.match(prompt, max_shared_pages(len(prompt), P, MAX_TOKENS))
+            keys = keys[:max_shared_pages(len(prompt), P, MAX_TOKENS, at_most=len(keys))]
+        m = len(keys)
+        shared = np.stack([self.model.nodes[k] for k in keys], -1) if keys else np.zeros((CFG.num_layers, G, 0), np.int32)
+        n_pages = math.ceil(tokens / P)
+        need = LG * (n_pages - m)
+        slots_left = len(self.seqs) < CFG.max_seqs
+        free = int((self._refs([shared]) == 0).sum())
+        if need > free and slots_left:                               # HostAllocator.reclaim: LRU leaves first
+            self.model.evict(need - free)
+            refs = self._refs([shared])
+            self._forget_free(refs)
+            free = int((refs == 0).sum())
+        free_pages = set(np.flatnonzero(self._refs([shared]) == 0).tolist())
+        if n_pages > CFG.max_pages_per_seq or not slots_left or need > free:
+            slots = list(self.m.alloc.free_slots)
+            with pytest.raises(CapacityError):
+                self.prefixes.admit(tokens, prompt)
+            assert list(self.m.alloc.free_slots) == slots
+            self._forget_free(self._refs())      # (a reclaim may have evicted the matched nodes: dropped now)
+            _SHARED["counts"]["admit_refused"] += 1
+            return None
+        expect = min(set(range(CFG.max_seqs)) - set(self.seqs))
+        slot = self.prefixes.admit(tokens, prompt)
+        assert slot == expect
+        table = self.m.alloc.pages_of[slot].copy()
+        assert table.shape == (CFG.num_layers, G, n_pages)
+        np.testing.assert_array_equal(table[:, :, :m], shared)      # the stored prefix's pages, attached
+        own = table[:, :, m:].reshape(-1).tolist()
+        assert len(set(own)) == len(own) and set(own) <= free_pages, "an own page was not free"
+        if m and any(np.isin(shared, s.table).any() for s in self.seqs.values()):
+            _SHARED["counts"]["attached_beside_another_sharer"] += 1
+        self.seqs[slot] = Seq(tokens, table, m=m, frozen=m, ids=list(prompt or []), pending=prompt is not None)
+        _SHARED["counts"]["attached" if m else "admitted_unshared"] += 1
+        return slot
+
+    def _store_rest(self, slot, k, start, length):
+        """Tokens [start, length) of `slot` through the backend's prefill_store, per layer, in the prefill's bucket
+        (pages of P tokens where the bucket would pass the context)."""
+        C = bucket_length(length - start, P)
+        if start + C > MAX_TOKENS:
+            C = P
+        k = k.copy()
+        k[:, :start] = 1e6            # not the sequence's K (read-only pages): a write of them would show
+        state, host = self.m.state, self.m.host
+        for s in range(start, length, C):
+            for layer in range(CFG.num_layers):
+                kc = jnp.asarray(k[layer, s:s + C])
+                state, host = _SHARED["store"](state, host, layer, slot, kc, -kc, length, s)
+        self.m.state, self.m.host = state, host
+
+    def _prefill(self, slot, k=None):
+        """Generator._prefill_shared's cache side: the attached pages read back (prefill_attach), the rest of the
+        prompt stored from the first own page (prefill_store), then the prompt's complete pages stored."""
+        s = self.seqs[slot]
+        prompt, n = s.ids, len(s.ids)
+        m, src = self.prefixes.sources(slot, prompt)
+        assert src is None and m == s.m
+        start = m * P
+        assert start + bucket_length(n - start, P) <= MAX_TOKENS or m == 0      # max_shared_pages' promise
+        k = self._new_k() if k is None else k.copy()
+        if m:
+            hk, hv = np.asarray(self.m.host.k[0]), np.asarray(self.m.host.v[0])
+            Tp = prefix_bucket(m, CFG.max_pages_per_seq) * P
+            state, host = self.m.state, self.m.host
+            for layer in range(CFG.num_layers):
+                (state, host), kp, vp = _SHARED["attach"](state, host, layer, slot, jnp.zeros(Tp, jnp.int32), start)
+                # the prefix operand is the attached pages' host K/V, token-major, heads in group order
+                want_k = np.concatenate([hk[s.table[layer, :, p]][:, :, 0].transpose(1, 0, 2) for p in range(m)])
+                want_v = np.concatenate([hv[s.table[layer, :, p]][:, :, 0].transpose(1, 0, 2) for p in range(m)])
+                np.testing.assert_array_equal(np.asarray(kp)[:start], want_k)
+                np.testing.assert_array_equal(np.asarray(vp)[:start], want_v)
+                assert not np.asarray(kp)[start:].any() and not np.asarray(vp)[start:].any()
+                k[layer, :start] = want_k
+            self.m.state, self.m.host = state, host
+        self._store_rest(slot, k, start, n)
+        s.pending, s.length, s.k = False, n, k
+        self._check_written(slot, start)
+        self.prefixes.stored(slot, prompt, m, src)
+        self.model.insert(prompt, n // P, s.table)
+        s.frozen = max(s.frozen, n // P)
+        self._forget_free(self._refs())
+
+    def _check_written(self, slot, start):
+        """After an ingest or prefill from `start`: length, flushed, the complete pages' host K/V, the summaries."""
+        s = self.seqs[slot]
+        st_ = self.m.state
+        assert int(st_.seqs.length[slot]) == s.length and int(st_.seqs.flushed[slot]) == s.length // P
+        hk, hv = np.asarray(self.m.host.k[0]), np.asarray(self.m.host.v[0])
+        kmin, kmax = np.asarray(st_.kmin[0, slot]), np.asarray(st_.kmax[0, slot])          # [L, G, P, g, D]
+        for p in range(math.ceil(s.length / P)):
+            for layer in range(CFG.num_layers):
+                for g in range(G):
+                    want = s.k[layer, p * P:min(s.length, (p + 1) * P), g:g + 1]
+                    np.testing.assert_array_equal(kmin[layer, g, p], want.min(0))
+                    np.testing.assert_array_equal(kmax[layer, g, p], want.max(0))
+                    if (p + 1) * P <= s.length:
+                        np.testing.assert_array_equal(hk[s.table[layer, g, p]], want)
+                        np.testing.assert_array_equal(hv[s.table[layer, g, p]], -want)
+
+    def _release(self, slot):
+        """Generator.release: the backend's slot, then the prefix bookkeeping."""
+        self.m.release(slot)
+        self.prefixes.released(slot)
+        self.pb_model.release(slot)
+        self.seqs.pop(slot)
+        self._forget_free(self._refs())
+        s, t = self.m.state, self.m.state.vtlb
+        assert (np.asarray(t.frame[0, slot]) == -1).all() and (np.asarray(t.host_page[0, slot]) == -1).all()
+        assert int(s.seqs.length[slot]) == 0 and not bool(s.seqs.active[slot])
+        assert not np.asarray(s.kmin[0, slot]).any() and not np.asarray(s.kmax[0, slot]).any()
 
     # ---- rules ------------------------------------------------------------------------------------------------
+    @initialize(budget=st.sampled_from(BUDGETS), a=st.integers(P, MAX_TOKENS), b=st.integers(P, MAX_TOKENS))
+    def two_prefilled_sequences(self, budget, a, b):
+        """Shared prefixes on with a host-page budget; two prompts over one document admitted and prefilled, so the
+        second attaches the first's stored pages and the sieve has pages to request from step one."""
+        _SHARED["counts"]["two_prefilled_sequences"] += 1
+        self.prefixes = _SHARED["prefixes"] = self.b.prefixes(budget)
+        self.model = PrefixModel(P, LG, budget)
+        for tokens in (a, b):
+            slot = self._admit(tokens, DOCS[0][:tokens])
+            if slot is not None:                     # (both may not fit the host pool)
+                self._prefill(slot)
+
     @rule(tokens=st.integers(1, MAX_TOKENS + 8))
     def admit(self, tokens):
+        """A sequence without a prompt (nothing to attach)."""
         _SHARED["counts"]["admit"] += 1
         self._admit(tokens)
 
-    def _admit(self, tokens):
-        n_pages = math.ceil(tokens / CFG.page_size)
-        need = CFG.num_layers * G * n_pages
-        refuse = n_pages > CFG.max_pages_per_seq or len(self.seqs) == CFG.max_seqs or need > self.free_pages
-        if refuse:
-            before = (self.m.alloc.num_free, list(self.m.alloc.free_slots))
-            with pytest.raises(CapacityError):
-                self.m.admit(tokens)
-            assert (self.m.alloc.num_free, list(self.m.alloc.free_slots)) == before   # state unchanged
+    @rule(doc=st.integers(0, len(DOCS) - 1), a=st.integers(0, MAX_TOKENS),
+          tail=st.lists(st.integers(0, 3), max_size=6), extra=st.integers(0, 6), now=st.booleans())
+    def admit_prompt(self, doc, a, tail, extra, now):
+        """A prompt (a document's first tokens and a tail), attaching the longest stored prefix of it; prefilled
+        at once (as the Engine does) or by a later rule, other rules in between."""
+        prompt = DOCS[doc][:a] + tail
+        if not prompt:
             return
-        expect = min(set(range(CFG.max_seqs)) - set(self.seqs))
-        slot = self.m.admit(tokens)
-        assert slot == expect
-        self.seqs[slot] = {"tokens": tokens, "length": 0, "k": None}
-        self.free_pages -= need
+        _SHARED["counts"]["admit_prompt"] += 1
+        slot = self._admit(len(prompt) + extra, prompt)
+        if slot is not None and now:
+            self._prefill(slot)
 
-    @initialize(a=st.integers(CFG.page_size, MAX_TOKENS), b=st.integers(CFG.page_size, MAX_TOKENS))
-    def two_prefilled_sequences(self, a, b):
-        """Start with two sequences admitted and prefilled, so the sieve has pages to request from step one."""
-        _SHARED["counts"]["two_prefilled_sequences"] += 1
-        for tokens in (a, b):
-            self._admit(tokens)
-            slot = max(self.seqs)
-            self._ingest(slot, tokens)
+    @precondition(lambda self: any(s.pending for s in self.seqs.values()))
+    @rule(data=st.data())
+    def prefill(self, data):
+        _SHARED["counts"]["prefill"] += 1
+        self._prefill(data.draw(st.sampled_from(sorted(k for k, s in self.seqs.items() if s.pending))))
 
-    @precondition(lambda self: self.seqs)
+    @precondition(lambda self: any(not s.pending for s in self.seqs.values()))
     @rule(data=st.data())
     def ingest(self, data):
+        """Tokens from the first page that is not read-only (0 for a sequence that shares nothing) to a drawn
+        length: through CacheManager.ingest (in a drawn chunk) from 0, else through the prefill's store."""
         _SHARED["counts"]["ingest"] += 1
-        slot = data.draw(st.sampled_from(sorted(self.seqs)))
-        reserved = math.ceil(self.seqs[slot]["tokens"] / CFG.page_size) * CFG.page_size
-        self._ingest(slot, data.draw(st.integers(1, reserved + CFG.page_size)))
-
-    def _ingest(self, slot, length, k=None):
-        reserved = math.ceil(self.seqs[slot]["tokens"] / CFG.page_size) * CFG.page_size
-        if k is None:
-            k = jnp.asarray(self.rng.standard_normal((CFG.num_layers, MAX_TOKENS + CFG.page_size, CFG.num_kv_heads,
-                                                      CFG.head_dim)), jnp.float32)
-        if length > reserved:
-            with pytest.raises(CapacityError):
-                self.m.ingest(slot, k, k, length, chunk=MAX_TOKENS)
+        slot = data.draw(st.sampled_from(sorted(k for k, s in self.seqs.items() if not s.pending)))
+        s = self.seqs[slot]
+        reserved = math.ceil(s.tokens / P) * P
+        start = s.frozen * P
+        if start >= reserved:
             return
-        self.m.ingest(slot, k, -k, length, chunk=MAX_TOKENS)
-        self.seqs[slot]["length"], self.seqs[slot]["k"] = length, k
-        s = self.m.state.seqs
-        assert int(s.length[slot]) == length and int(s.flushed[slot]) == length // CFG.page_size
-        # the complete pages went to their host pages
-        pages = self.m.alloc.pages_of[slot]                      # [L, G, n]
-        hk, hv = np.asarray(self.m.host.k[0]), np.asarray(self.m.host.v[0])
-        kk = np.asarray(k)
-        for p in range(length // CFG.page_size):
-            for layer in range(CFG.num_layers):
-                for g in range(G):
-                    want = kk[layer, p * CFG.page_size:(p + 1) * CFG.page_size, g:g + 1]
-                    np.testing.assert_array_equal(hk[pages[layer, g, p]], want)
-                    np.testing.assert_array_equal(hv[pages[layer, g, p]], -want)
+        doc = data.draw(st.integers(0, len(DOCS) - 1))
+        if start == 0:
+            length = data.draw(st.integers(1, reserved + P))
+            chunk = data.draw(st.sampled_from([MAX_TOKENS, 16, 8]))
+            k = self._new_k()
+            if length > reserved:
+                with pytest.raises(CapacityError):
+                    self.m.ingest(slot, jnp.asarray(k), jnp.asarray(k), length, chunk=chunk)
+                return
+            self.m.ingest(slot, jnp.asarray(k), jnp.asarray(-k), length, chunk=chunk)
+        else:
+            _SHARED["counts"]["ingest_after_shared"] += 1
+            length = data.draw(st.integers(start + 1, reserved))
+            k = s.k.copy()
+            k[:, start:] = self._new_k()[:, start:]
+            self._store_rest(slot, k, start, length)
+        s.length, s.k = length, k
+        s.ids = s.ids[:start] + DOCS[doc][start:length]
+        self._check_written(slot, start)
 
-    @precondition(lambda self: any(s["length"] >= CFG.page_size for s in self.seqs.values()))
+    @precondition(lambda self: any(not s.pending and s.length >= P for s in self.seqs.values()))
+    @rule(data=st.data())
+    def store(self, data):
+        """A sequence's complete pages stored as a prefix (SparsePrefixes.stored, as after a prefill)."""
+        _SHARED["counts"]["store"] += 1
+        slot = data.draw(st.sampled_from(sorted(k for k, s in self.seqs.items() if not s.pending and s.length >= P)))
+        s = self.seqs[slot]
+        prompt = s.ids[:s.length]
+        self.prefixes.stored(slot, prompt, 0, None)
+        self.model.insert(prompt, s.length // P, s.table)
+        s.frozen = max(s.frozen, s.length // P)
+        self._forget_free(self._refs())
+
+    @precondition(lambda self: self.model is not None and self.model.nodes)
+    @rule(data=st.data())
+    def evict(self, data):
+        """Stored prefixes given up, least recently used first (as the budget and the allocator's reclaim do)."""
+        _SHARED["counts"]["evict"] += 1
+        pages = data.draw(st.integers(0, self.model.held + LG))
+        assert self.prefixes.index.evict(pages) == self.model.evict(pages)
+        self._forget_free(self._refs())
+
+    @precondition(lambda self: any(s.length >= P for s in self.seqs.values()))
     @rule(data=st.data())
     def sieve(self, data):
-        """One decode layer's page requests: flushed pages of the ingested sequences, duplicates allowed."""
+        """One decode layer's page requests: flushed pages of the ingested sequences (attached ones included, named
+        by the sharer's own LIDs), duplicates allowed."""
         _SHARED["counts"]["sieve"] += 1
         cands = [(slot, layer, g, p) for slot, s in self.seqs.items() for layer in range(CFG.num_layers)
-                 for g in range(G) for p in range(s["length"] // CFG.page_size)]
+                 for g in range(G) for p in range(s.length // P)]
         picks = data.draw(st.lists(st.sampled_from(cands), min_size=1, max_size=N_ACCESS))
         n = len(picks)
         picks = picks + [picks[0]] * (N_ACCESS - n)
         valid = np.arange(N_ACCESS) < n
         arr = np.asarray(picks, np.int64)
-        hi, lo = lid_mod.pack(arr[:, 0], arr[:, 1], arr[:, 2], (arr[:, 3] * CFG.page_size).astype(np.uint32))
-        lids = [_lid(a, b, c, d * CFG.page_size) for a, b, c, d in picks]
+        hi, lo = lid_mod.pack(arr[:, 0], arr[:, 1], arr[:, 2], (arr[:, 3] * P).astype(np.uint32))
+        lids = [_lid(a, b, c, d * P) for a, b, c, d in picks]
         now = int(self.m.state.clock)
         self.m.state, out = _sieve(self.m.state, hi, lo, jnp.asarray(valid))
         frame, hit, _, _ = self.pb_model.access(lids, list(valid), now)
@@ -172,33 +381,28 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def release(self, data):
+        """Any sequence, sharer or owner, in any order."""
         _SHARED["counts"]["release"] += 1
         slot = data.draw(st.sampled_from(sorted(self.seqs)))
-        tokens = self.seqs.pop(slot)["tokens"]
-        self.m.release(slot)
-        self.pb_model.release(slot)
-        self.free_pages += CFG.num_layers * G * math.ceil(tokens / CFG.page_size)
-        s, t = self.m.state, self.m.state.vtlb
-        assert (np.asarray(t.frame[0, slot]) == -1).all() and (np.asarray(t.host_page[0, slot]) == -1).all()
-        assert int(s.seqs.length[slot]) == 0 and not bool(s.seqs.active[slot])
-        assert not np.asarray(s.kmin[0, slot]).any() and not np.asarray(s.kmax[0, slot]).any()
+        if self.seqs[slot].m:
+            _SHARED["counts"]["release_sharer"] += 1
+        self._release(slot)
 
     @precondition(lambda self: self.seqs)
     @rule()
     def save_restore(self):
         """Engine.restore's cache side: every live sequence released, then admitted again (in slot order, so into
-        the lowest free slots) and ingested from its saved K/V to its saved length."""
+        the lowest free slots) with its tokens so far as the prompt (attaching what is stored) and prefilled from
+        its saved K/V; a sequence with no tokens is admitted again only."""
         _SHARED["counts"]["save_restore"] += 1
-        saved = [(slot, dict(self.seqs[slot])) for slot in sorted(self.seqs)]
-        for slot, _ in saved:
-            self.m.release(slot)
-            self.pb_model.release(slot)
-            self.free_pages += CFG.num_layers * G * math.ceil(self.seqs.pop(slot)["tokens"] / CFG.page_size)
-        for slot, s in saved:
-            self._admit(s["tokens"])
-            new = max(self.seqs)
-            if s["length"]:
-                self._ingest(new, s["length"], k=s["k"])
+        saved = [self.seqs[slot] for slot in sorted(self.seqs)]
+        for slot in sorted(self.seqs):
+            self._release(slot)
+        for s in saved:
+            ids = s.ids if s.pending else s.ids[:s.length]
+            slot = self._admit(s.tokens, ids or None)
+            if slot is not None and ids and not s.pending:
+                self._prefill(slot, k=s.k)
 
     @rule(slot=st.integers(0, CFG.max_seqs - 1))
     def release_unknown(self, slot):
@@ -220,7 +424,7 @@ class CacheMachine(RuleBasedStateMachine):
         for (seq, layer, g, p), f in np.ndenumerate(frames):
             if f >= 0:
                 assert stamp[f] >= 0, (seq, layer, g, p, f)
-                assert (int(tag_hi[f]), int(tag_lo[f])) == (seq << 12 | layer << 4 | g, p * CFG.page_size)
+                assert (int(tag_hi[f]), int(tag_lo[f])) == (seq << 12 | layer << 4 | g, p * P)
                 mapped[int(f)] = (seq, layer, g, p)
         for f in np.flatnonzero(stamp >= 0):
             seq = int(tag_hi[f]) >> 12
@@ -237,27 +441,84 @@ class CacheMachine(RuleBasedStateMachine):
                     assert stamp[f] == self.pb_model.stamp[b][s]
 
     @invariant()
-    def host_pages_conserved(self):
+    def host_pages_held_never_free_and_conserved(self):
         a = self.m.alloc
+        if self.model is None:
+            return
+        refs = self._refs()
+        np.testing.assert_array_equal(a.refs, refs, err_msg="reference counts are not the holders'")
         free = a.free_pages[:a.num_free].tolist()
-        owned = [int(x) for pages in a.pages_of.values() for x in pages.reshape(-1)]
-        assert a.num_free == self.free_pages
-        assert sorted(free + owned) == list(range(CFG.host_pages)), "host pages lost or duplicated"
+        assert len(set(free)) == len(free), "a page is on the free list twice"
+        assert not refs[free].any(), f"held pages on the free list: {[p for p in free if refs[p]]}"
+        held = np.flatnonzero(refs > 0).tolist()
+        assert sorted(free + held) == list(range(CFG.host_pages)), "host pages lost"
         hp = np.asarray(self.m.state.vtlb.host_page[0])                    # [S, L, G, P]
         active = np.asarray(self.m.state.seqs.active)
+        assert sorted(a.pages_of) == sorted(self.seqs)
         for slot in range(CFG.max_seqs):
-            if slot in a.pages_of:
-                n = a.pages_of[slot].shape[-1]
-                np.testing.assert_array_equal(hp[slot, :, :, :n], a.pages_of[slot])
-                assert (hp[slot, :, :, n:] == -1).all() and active[slot]
+            if slot in self.seqs:
+                t = self.seqs[slot].table
+                np.testing.assert_array_equal(a.pages_of[slot], t)
+                np.testing.assert_array_equal(hp[slot, :, :, :t.shape[-1]], t)
+                assert (hp[slot, :, :, t.shape[-1]:] == -1).all() and active[slot]
             else:
                 assert (hp[slot] == -1).all() and not active[slot]
-        assert sorted(a.pages_of) == sorted(self.seqs)
+
+    @invariant()
+    def prefix_index_is_the_model(self):
+        if self.model is None:
+            return
+        idx = self.prefixes.index
+        idx.check()
+        got = library_nodes(idx)
+        assert [k for k, _ in got] == list(self.model.nodes), "stored prefixes or their LRU order differ"
+        for (key, pages), want in zip(got, self.model.nodes.values()):
+            np.testing.assert_array_equal(pages, want)
+        assert idx.held_pages == self.model.held
+        if self.model.budget is not None:
+            assert idx.held_pages <= self.model.budget
+        assert self.m.alloc.reclaim == idx.evict
+
+    @invariant()
+    def shared_pages_never_written(self):
+        if self.model is None:
+            return
+        hk, hv = np.asarray(self.m.host.k[0]), np.asarray(self.m.host.v[0])
+        refs = self._refs()
+        shared = {int(p) for p in np.flatnonzero(refs > 1)}
+        shared |= {int(p) for pages in self.model.nodes.values() for p in pages.reshape(-1)}
+        shared |= {int(p) for s in self.seqs.values() for p in s.table[:, :, :s.frozen].reshape(-1)}
+        for page, (k, v) in self.shared_bytes.items():
+            assert refs[page] > 0
+            np.testing.assert_array_equal(hk[page], k, err_msg=f"shared host page {page} was written")
+            np.testing.assert_array_equal(hv[page], v, err_msg=f"shared host page {page} was written")
+        for page in shared - set(self.shared_bytes):
+            self.shared_bytes[page] = hk[page].copy(), hv[page].copy()
+        _SHARED["counts"]["most_shared_pages_at_once"] = max(_SHARED["counts"]["most_shared_pages_at_once"],
+                                                             len(self.shared_bytes))
 
 
 CacheMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
-                                          suppress_health_check=list(HealthCheck), derandomize=EXAMPLES <= 12)
+                                          suppress_health_check=list(HealthCheck),
+                                          derandomize="ULACACHE_STATEFUL_EXAMPLES" not in os.environ)
 test_cache_manager_state_machine = CacheMachine.TestCase
+
+
+def test_ingest_chunk_past_the_context_stays_on_its_pages():
+    """Regression: CacheManager.ingest in chunks that do not divide the context (16-token chunks, 24-token context)
+    wrote its last chunk onto earlier pages (ingest_chunk's slices clamp back at the end of the table)."""
+    m = _backend().manager
+    slot = m.admit(MAX_TOKENS)
+    k = np.arange(CFG.num_layers * MAX_TOKENS * CFG.num_kv_heads * CFG.head_dim, dtype=np.float32)
+    k = k.reshape(CFG.num_layers, MAX_TOKENS, CFG.num_kv_heads, CFG.head_dim)
+    m.ingest(slot, jnp.asarray(k), jnp.asarray(-k), MAX_TOKENS, chunk=16)
+    hk = np.asarray(m.host.k[0])
+    pages = m.alloc.pages_of[slot]
+    for p in range(CFG.max_pages_per_seq):
+        for layer in range(CFG.num_layers):
+            for g in range(G):
+                np.testing.assert_array_equal(hk[pages[layer, g, p]], k[layer, p * P:(p + 1) * P, g:g + 1])
+    m.release(slot)
 
 
 @pytest.mark.skipif(TOTAL_STEPS <= 0, reason="the long run: set ULACACHE_STATEFUL_TOTAL_STEPS (e.g. 100000)")
@@ -266,11 +527,17 @@ def test_cache_manager_long_run():
     counts = _SHARED["counts"]
     counts.clear()
     t0, searches = time.perf_counter(), 0
-    while sum(counts.values()) < TOTAL_STEPS:
+    while sum(v for k, v in counts.items() if k in RULES) < TOTAL_STEPS:
         run_state_machine_as_test(CacheMachine, settings=settings(
             max_examples=200, stateful_step_count=50, deadline=None, database=None,
             suppress_health_check=list(HealthCheck), derandomize=False))
         searches += 1
-        print(f"search {searches}: {sum(counts.values())} steps, {time.perf_counter() - t0:.0f} s", flush=True)
-    print(f"long run: {sum(counts.values())} steps in {searches} searches, {time.perf_counter() - t0:.0f} s; "
-          f"per rule: {dict(sorted(counts.items()))}")
+        print(f"search {searches}: {sum(counts[r] for r in RULES)} steps, {time.perf_counter() - t0:.0f} s",
+              flush=True)
+    print(f"long run: {sum(counts[r] for r in RULES)} steps in {searches} searches, {time.perf_counter() - t0:.0f} s;"
+          f" per rule: {dict(sorted((k, v) for k, v in counts.items() if k in RULES))}; "
+          f"outcomes: {dict(sorted((k, v) for k, v in counts.items() if k not in RULES))}")
+
+
+RULES = ("two_prefilled_sequences", "admit", "admit_prompt", "prefill", "ingest", "store", "evict", "sieve", "release",
+         "save_restore", "release_unknown")

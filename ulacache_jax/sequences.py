@@ -151,8 +151,9 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
                  impl: str = "auto"):
     """Write prefill K/V of tokens [start, start + C) of sequence `slot` into the cache.
 
-    k, v [Lc, C, KV, D] for layers [layer0, layer0 + Lc) (C a multiple of page_size; start page-aligned; tokens at
-    or past `length`, the sequence's total prompt length, are padding). `layer0` may be traced, so one compiled
+    k, v [Lc, C, KV, D] for layers [layer0, layer0 + Lc) (C a multiple of page_size; start page-aligned and
+    start + C <= max_context, else the slices clamp back onto earlier pages; tokens at or past `length`, the
+    sequence's total prompt length, are padding). `layer0` may be traced, so one compiled
     per-layer prefill serves every layer. Complete pages go to the host pool (write-through), the page holding the
     last token, if partial, goes to the tail ring; summaries are filled for every page touched. The sequence's
     length becomes min(length, start + C) and its flushed count the complete pages. Returns (state, host)."""
@@ -268,8 +269,9 @@ class CacheManager:
         chunk = chunk or max(c.page_size, 1 << max(0, (T - 1).bit_length()))
         chunk = -(-chunk // c.page_size) * c.page_size
         for start in range(0, length, chunk):
-            kc, vc = k[:, start:start + chunk], v[:, start:start + chunk]
-            pad = chunk - kc.shape[1]
+            size = min(chunk, c.max_context - start)   # a chunk past the context would clamp its slices back
+            kc, vc = k[:, start:start + size], v[:, start:start + size]   # onto earlier pages (ingest_chunk)
+            pad = size - kc.shape[1]
             if pad:
                 kc = jnp.pad(kc, ((0, 0), (0, pad), (0, 0), (0, 0)))
                 vc = jnp.pad(vc, ((0, 0), (0, pad), (0, 0), (0, 0)))
