@@ -211,6 +211,7 @@ class CacheMachine(RuleBasedStateMachine):
         prompt, n = s.ids, len(s.ids)
         m, src = self.prefixes.sources(slot, prompt)
         assert src is None and m == s.m
+        _SHARED["counts"]["prefilled_after_attached" if m else "prefilled_whole"] += 1
         start = m * P
         assert start + bucket_length(n - start, P) <= MAX_TOKENS or m == 0      # max_shared_pages' promise
         k = self._new_k() if k is None else k.copy()
