@@ -43,7 +43,7 @@ from ulacache_jax.backends import make_backend
 from ulacache_jax.config import CacheConfig
 from ulacache_jax.generator import bucket_length
 from ulacache_jax.prefix_cache import max_shared_pages, prefix_bucket
-from ulacache_jax.sequences import CacheManager, CapacityError
+from ulacache_jax.sequences import CapacityError
 from ulacache_jax.tp import make_mesh
 
 CFG = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=4, kv_heads_per_group=1, max_seqs=3, max_pages_per_seq=6,
