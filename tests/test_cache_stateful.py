@@ -160,19 +160,22 @@ class CacheMachine(RuleBasedStateMachine):
         n_pages = math.ceil(tokens / P)
         need = LG * (n_pages - m)
         slots_left = len(self.seqs) < CFG.max_seqs
-        free = int((self._refs([shared]) == 0).sum())
-        if need > free and slots_left:                               # HostAllocator.reclaim: LRU leaves first
-            self.model.evict(need - free)
-            refs = self._refs([shared])
+        refs = self._refs([shared])
+        free = int((refs == 0).sum())
+        # HostAllocator.reclaim, LRU leaves first, only when giving up every stored page nobody else holds admits it
+        reclaimable = sum(int((refs[np.asarray(t).reshape(-1)] == 1).sum()) for t in self.model.nodes.values())
+        if slots_left and n_pages <= CFG.max_pages_per_seq and free < need <= free + reclaimable:
+            while need > free and self.model.evict(need - free):
+                refs = self._refs([shared])
+                free = int((refs == 0).sum())
             self._forget_free(refs)
-            free = int((refs == 0).sum())
         free_pages = set(np.flatnonzero(self._refs([shared]) == 0).tolist())
         if n_pages > CFG.max_pages_per_seq or not slots_left or need > free:
             slots = list(self.m.alloc.free_slots)
             with pytest.raises(CapacityError):
                 self.prefixes.admit(tokens, prompt)
             assert list(self.m.alloc.free_slots) == slots
-            self._forget_free(self._refs())      # (a reclaim may have evicted the matched nodes: dropped now)
+            self._forget_free(self._refs())
             _SHARED["counts"]["admit_refused"] += 1
             return None
         expect = min(set(range(CFG.max_seqs)) - set(self.seqs))

@@ -108,10 +108,18 @@ def test_allocator_reclaims_stored_prefixes_before_refusing():
     a.retain(kept)
     a.free(s0)
     asked = []
-    a.reclaim = lambda n: (asked.append(n), a.drop(kept))
+
+    def reclaim(n):
+        asked.append(n)
+        a.drop(kept)
+        return kept.size
+    a.reclaim, a.reclaimable = reclaim, lambda: int((a.refs[kept.reshape(-1)] == 1).sum())
+    with pytest.raises(CapacityError):
+        a.reserve(100)                    # 28 pages: more than free + reclaimable; nothing is given up for it
+    assert asked == [] and a.num_free == 12
     s1, _ = a.reserve(60)                                                # 16 pages: only 12 free
     assert asked == [4] and a.num_free == 24 - 16
-    a.reclaim = None
+    a.reclaim = a.reclaimable = None
     with pytest.raises(CapacityError):
         a.reserve(60)
 

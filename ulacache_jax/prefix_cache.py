@@ -249,7 +249,7 @@ class SparsePrefixes:
         self.manager, self.config = manager, c
         alloc = manager.alloc
         self.index = PrefixIndex(c.page_size, budget_pages=budget_pages, retain=alloc.retain, release=alloc.drop)
-        alloc.reclaim = self.index.evict
+        alloc.reclaim, alloc.reclaimable = self.index.evict, self._reclaimable
         self._attached: dict[int, tuple[int, bytes]] = {}     # slot -> (pages attached, key of the last one)
 
     def admit(self, num_tokens: int, prompt) -> int:
@@ -283,12 +283,18 @@ class SparsePrefixes:
     def released(self, slot: int) -> None:
         self._attached.pop(slot, None)
 
+    def _reclaimable(self) -> int:
+        """Host pages that evicting every stored prefix would free: stored pages no sequence holds (each host page
+        belongs to at most one node: a prompt that attached stored pages keeps their nodes when it is stored)."""
+        refs = self.manager.alloc.refs
+        return sum(int((refs[n.payload.reshape(-1)] == 1).sum()) for n in self.index.nodes.values())
+
     def saved_host_pages(self, m: int) -> int:
         return m * self.config.num_layers * self.config.groups_per_rank
 
     def close(self) -> None:
         self.index.clear()
-        self.manager.alloc.reclaim = None
+        self.manager.alloc.reclaim = self.manager.alloc.reclaimable = None
 
 
 class DensePrefixes:

@@ -38,17 +38,20 @@ class HostAllocator:
         self.pages_of: dict[int, np.ndarray] = {}                          # slot -> [L, G, n] host page ids
         # holders per host page (sequences using it + prefix-index nodes keeping it); a page is on the free list
         # iff its count is 0. `reclaim(pages)`, when set, asks the prefix index to give pages back before an
-        # admission is refused for lack of host pages. peak_used: the most host pages in use at once.
+        # admission is refused for lack of host pages; `reclaimable()` (set with it) counts the pages giving up
+        # every stored prefix would free. peak_used: the most host pages in use at once.
         self.refs = np.zeros(config.host_pages, np.int32)
         self.reclaim = None
+        self.reclaimable = None
         self.peak_used = 0
 
     def pages_needed(self, num_tokens: int) -> int:
         c = self.config
         return c.num_layers * c.groups_per_rank * math.ceil(num_tokens / c.page_size)
 
-    def check(self, num_tokens: int, shared_pages: int = 0) -> None:
-        """Refuse (CapacityError) a sequence of num_tokens tokens whose first `shared_pages` pages are attached."""
+    def check(self, num_tokens: int, shared_pages: int = 0, *, count_pages: bool = True) -> None:
+        """Refuse (CapacityError) a sequence of num_tokens tokens whose first `shared_pages` pages are attached
+        (count_pages=False: everything but the free host pages)."""
         c = self.config
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
             raise ValueError(f"num_tokens = {num_tokens!r} must be an int >= 1")
@@ -60,7 +63,7 @@ class HostAllocator:
         if not self.free_slots:
             raise CapacityError(f"all max_seqs = {c.max_seqs} sequence slots are in use (over by 1)")
         need = self.pages_needed(num_tokens) - c.num_layers * c.groups_per_rank * shared_pages
-        if need > self.num_free:
+        if count_pages and need > self.num_free:
             raise CapacityError(f"sequence of {num_tokens} tokens needs {need} host pages but only {self.num_free} "
                                 f"of host_pages = {c.host_pages} are free (short by {need - self.num_free})")
 
@@ -75,9 +78,12 @@ class HostAllocator:
                                  f"{c.groups_per_rank}, m] pages that are held")
             self.retain(shared)              # held first: a reclaim below cannot free them
         try:
+            self.check(num_tokens, m, count_pages=False)
             need = self.pages_needed(num_tokens) - c.num_layers * c.groups_per_rank * m
-            if self.reclaim is not None and need > self.num_free and self.free_slots:
-                self.reclaim(need - self.num_free)
+            # stored prefixes are given up only when that admits the sequence: a refusal changes nothing
+            if self.reclaim is not None and self.num_free < need <= self.num_free + self.reclaimable():
+                while need > self.num_free and self.reclaim(need - self.num_free):
+                    pass
             self.check(num_tokens, m)
         except Exception:
             if shared is not None:
