@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
 import re
@@ -33,17 +31,11 @@ def op_name(name: str) -> str:
 
 
 def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
-    """(name, ts_us, dur_us) of the complete events of the first GPU/TPU in a jax.profiler perfetto trace, sorted
-    by start; on CPU (no device timeline) the host's events."""
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
-    with gzip.open(path) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    dev = sorted(p for p, n in procs.items() if n.startswith("/device:GPU") or n.startswith("/device:TPU"))
-    pids = {dev[0]} if dev else set(procs)
-    ev = [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
-          if e.get("ph") == "X" and e.get("pid") in pids and e.get("dur") is not None]
+    """(name, ts_us, dur_us) of the device events of a jax.profiler perfetto trace (profile_decode's reader, this
+    checkout's: it imports nothing from the library, so it serves both trees), sorted by start."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from profile_decode import load_device_events
+    ev = [(e["name"], float(e["ts"]), float(e["dur"])) for e in load_device_events(trace_dir)]
     return sorted(ev, key=lambda e: e[1])
 
 
