@@ -20,6 +20,8 @@ H200 (one call per mode keeps each under 10 minutes):
   python scripts/bench_prefix.py --rows 8b:130816 --modes off --append --out docs/benchmarks
   python scripts/bench_prefix.py --rows smollm2:8192 --append --out docs/benchmarks
 CPU check: python scripts/bench_prefix.py --small --out /tmp/prefix
+Rows also carry decode's page hits, misses and pages fetched over PCIe (sparse). The PNG is drawn where matplotlib
+is installed (not on the GPU machine): `python scripts/bench_prefix.py --png docs/benchmarks/prefix.json`.
 """
 from __future__ import annotations
 
@@ -98,6 +100,7 @@ def run_mode(kind: str, tokens: int, attention: str, share: bool, args) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
     alloc = gen.cache.alloc if gen.cache is not None else None
     host_bytes = lambda pages: pages * 2 * cfg.page_bytes * cfg.tp
+    stats = eng.stats_totals()      # decode's PB-LRU accesses (sparse): hits, misses, pages fetched over PCIe
     return dict(
         model=kind, doc_tokens=len(doc), questions=len(qs), attention=attention, sharing=share,
         slots=args.slots, max_new=args.max_new, page_size=page,
@@ -110,6 +113,7 @@ def run_mode(kind: str, tokens: int, attention: str, share: bool, args) -> dict:
         host_pool_bytes=None if alloc is None else host_bytes(cfg.host_pages),
         host_bytes_saved=host_bytes(st.saved_host_pages),
         doc_host_bytes=host_bytes(per_page * pages_of(len(doc))) if alloc is not None else None,
+        decode_page_hits=stats["hits"], decode_page_misses=stats["misses"], decode_pages_fetched=stats["fetched"],
         answers=[r.tokens for r in reqs], errors=errors,
         device=str(jax.devices()[0].device_kind), jax=jax.__version__)
 
@@ -136,6 +140,34 @@ def pairs(rows: list[dict]) -> list[dict]:
     return out
 
 
+def plot(rows: list[dict], path: str) -> str | None:
+    """Time to the last answer and prompt tokens computed, with and without sharing, per (model, document,
+    attention): one pair of bars each. None where matplotlib is missing (the GPU machine): `--png` draws it later."""
+    try:
+        from ulacache_jax.bench_meta import pyplot, save_figure
+        plt = pyplot()
+    except ImportError:
+        return None
+    ok = [r for r in rows if "error" not in r]
+    keys = sorted({(r["model"], r["doc_tokens"], r["attention"]) for r in ok})
+    if not keys:
+        return None
+    latest = {(r["model"], r["doc_tokens"], r["attention"], r["sharing"]): r for r in ok}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, field, label in ((axes[0], "time_to_last_answer_s", "time to the last answer (s)"),
+                             (axes[1], "prefill_tokens_computed", "prompt tokens prefilled")):
+        for j, share in enumerate((False, True)):
+            vals = [latest.get(k + (share,), {}).get(field, 0) or 0 for k in keys]
+            ax.bar([i + 0.4 * j for i in range(len(keys))], vals, width=0.4, label="sharing" if share else "no sharing")
+        ax.set_xticks([i + 0.2 for i in range(len(keys))])
+        ax.set_xticklabels([f"{m} {d} tok\n{a}" for m, d, a in keys], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{ok[0]['questions']} questions over one document: shared prefixes (bench_prefix.py)", fontsize=9)
+    return save_figure(fig, path)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default=None, help=f"kind:tokens list (default {FULL_ROWS}; --small: {SMALL_ROWS})")
@@ -157,7 +189,12 @@ def main(argv=None):
                    "per mode keeps each under a call limit (--append adds the rows to <out>/prefix.json)")
     p.add_argument("--append", action="store_true", help="keep the rows already in <out>/prefix.json")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--png", default=None, metavar="JSON", help="draw JSON's PNG beside it (no run) and exit")
     args = p.parse_args(argv)
+    if args.png:
+        with open(args.png) as f:
+            print(plot(json.load(f)["rows"], os.path.splitext(args.png)[0] + ".png"))
+        return
     if args.small:
         args.questions = min(args.questions, 4)
         args.max_new = min(args.max_new, 8)
@@ -192,6 +229,7 @@ def main(argv=None):
                 res.extra["pairs"] = pairs(res.rows)
                 res.save()
                 print(json.dumps({k: v for k, v in row.items() if k != "answers"}), flush=True)
+    plot(res.rows, os.path.splitext(path)[0] + ".png")
     for pr in res.extra.get("pairs", []):
         print(json.dumps(pr))
     print(f"\n{'model':8s} {'doc':>7s} {'attn':6s} {'share':5s} {'last answer s':>13s} {'computed':>9s} "

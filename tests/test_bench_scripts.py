@@ -162,3 +162,19 @@ def test_decode_memory_probe_compiles_the_generators_program():
                    "--chunks", "1"])
     for side, rec in report.items():
         assert rec["alias"] >= sum(rec["cache_bytes"].values()), side
+
+
+def test_bench_prefix_plot_from_rows(tmp_path):
+    """bench_prefix's PNG (drawn beside the JSON, or later with --png where the GPU machine has no matplotlib): one
+    pair of bars per (model, document, attention); an errored row is left out, not drawn as zero time."""
+    import json
+    import bench_prefix
+    row = dict(model="tiny", doc_tokens=480, attention="sparse", questions=4, time_to_last_answer_s=2.0,
+               prefill_tokens_computed=590)
+    rows = [dict(row, sharing=True), dict(row, sharing=False, time_to_last_answer_s=9.0, prefill_tokens_computed=2030),
+            dict(row, attention="dense", sharing=True, error="boom")]
+    path = tmp_path / "prefix.json"
+    path.write_text(json.dumps(dict(meta={}, rows=rows)))
+    bench_prefix.main(["--png", str(path)])
+    png = tmp_path / "prefix.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
