@@ -4,11 +4,33 @@ SmolLM2 (float32), passkey prompts as scripts/bench_quality.py builds them. For 
 every layer's K/V, dense greedy decoding (one jitted step over the stored K/V) gives the answer. Then, for each rule
 and budget, every answer step up to the key's last digit is re-run with its query attending only the pages the rule
 selects in every layer (sink page, 2 recent pages and the unflushed tail forced, as the library), the history's K/V
-from the dense run; a prompt counts when every step's token equals dense's. Rules: quest_sum (the library: the Quest
+from the dense run; a prompt counts when every step's token equals dense's. All (rule, budget) pairs run as the
+lanes of one batched step (one compile). Two continuous measures beside it: attention recall (the dense weight of
+each lane's own query that its selection keeps, mean over heads, layers and steps) and needle recall (of the dense
+weight on the needle's tokens at the key's digit steps, summed over heads and layers, the share the selection
+keeps; it weighs the heads that retrieve). Rules: quest_sum (the library: the Quest
 bound summed over the group's query heads), quest_maxnorm / quest_sumnorm (each head's bounds softmax-normalised over
 pages, then max / sum over heads), oracle (the true attention weight per page, summed over the group's heads),
 twostage (Quest picks 4x the budget's pages, the oracle keeps the budget among them); a "_d2" suffix keeps layers
 0-1 dense.
+Cheaper page representatives (summary vectors per page and kv head, Quest keeps 2: per-channel min and max), with
+s_t = q.k_t / sqrt(D) the logit of a page token t for one query head:
+  centroid              sum over the group's heads of q.mean(k) (1 vector: the mean key);
+  centroid_max          max over the group's heads of q.mean(k) (1 vector);
+  softmax_est           each head's page mass estimated as exp(q.mean(k)/sqrt(D)) * page (Jensen's lower bound of
+                        sum_t exp(s_t)), normalised over the pages, summed over the heads as the oracle sums
+                        (1 vector; summed log-estimates would rank as centroid, so the mass is aggregated instead);
+  quest_centroid        z-score of quest_sum plus z-score of centroid, each standardised over the valid pages of
+                        that kv head for this query (scale-free sum of an upper bound and a mean; 3 vectors);
+  quest_p8              quest_sum on 8-token half pages, a page scores the max of its halves (4 vectors);
+  centroid_plus_spread  sum over the group's heads of the second-order (cumulant) estimate of a page's log mean
+                        exp logit: mean_t s_t + var_t(s_t) / 2, with var_t(s_t) ~ sum_d q_d^2 var_t(k_d) / D
+                        (diagonal covariance), i.e. q.mean(k)/sqrt(D) + 0.5 ||q * std(k)||^2 / D (2 vectors: mean
+                        and per-channel variance of the keys);
+  spread_mass           the same estimate exponentiated, normalised over pages and summed over heads as softmax_est
+                        (2 vectors).
+The spread rules weigh pages whose keys vary along the query's strong channels, where one token (the needle's) may
+stand out of a page whose mean is unremarkable; the mean alone averages it away.
     python scripts/probes/passkey_selection_rules.py CONTEXT DEPTHS KEYS BUDGETS [RULES]
     e.g. 4096 10,25,50 3 512,1024 quest_sum,quest_maxnorm,oracle
 """
@@ -51,7 +73,8 @@ L, H, KV, D = model.config.num_layers, model.config.num_heads, model.config.num_
 r = H // KV
 eos = set(bq.eos_of(model, tok))
 graphdef, params = nnx.split(model)
-T = ctx + 16                              # fixed history length (padded): one compile per (rule, budget)
+T = ctx + 16                              # fixed history length (padded): one compile for all (rule, budget) lanes
+BASE = sorted({ru.removesuffix("_d2") for ru in RULES})
 
 def select_score(rule, qh, Kp, valid):
     """qh [KV, r, D]; Kp [NP, page, KV, D]; valid [NP] -> page scores [KV, NP] of a rule (higher = keep)."""
@@ -60,46 +83,84 @@ def select_score(rule, qh, Kp, valid):
         s = jnp.where(valid[None, None, :, None], s, -jnp.inf)
         m = jax.nn.softmax(s.reshape(KV, r, -1), -1).reshape(KV, r, Kp.shape[0], page)
         return m.sum(axis=(1, 3))
-    kmax = jnp.where(valid[:, None, None], Kp.max(1), 0.0)      # [NP, KV, D]
-    kmin = jnp.where(valid[:, None, None], Kp.min(1), 0.0)
-    u = jnp.einsum("ghd,pgd->ghp", jnp.maximum(qh, 0), kmax) + jnp.einsum("ghd,pgd->ghp", jnp.minimum(qh, 0), kmin)
+    vmask = valid[None, None]                                      # [1, 1, NP]
+
+    def quest(kp):                                                 # kp [NP, n, KV, D] -> bound [KV, r, NP]
+        kmax = jnp.where(valid[:, None, None], kp.max(1), 0.0)     # [NP, KV, D]
+        kmin = jnp.where(valid[:, None, None], kp.min(1), 0.0)
+        return (jnp.einsum("ghd,pgd->ghp", jnp.maximum(qh, 0), kmax)
+                + jnp.einsum("ghd,pgd->ghp", jnp.minimum(qh, 0), kmin))
+
+    def zscore(x):                                                 # x [KV, NP] standardised over the valid pages
+        nv = jnp.maximum(valid.sum(), 1)
+        mu = jnp.where(valid[None], x, 0.0).sum(-1, keepdims=True) / nv
+        sd = jnp.sqrt(jnp.where(valid[None], (x - mu) ** 2, 0.0).sum(-1, keepdims=True) / nv)
+        return (x - mu) / jnp.maximum(sd, 1e-6)
+
+    def mass(logit):                                               # logit [KV, r, NP] -> per-head softmax, summed
+        return jax.nn.softmax(jnp.where(vmask, logit, -jnp.inf), -1).sum(1)
+
+    kmean = Kp.mean(1)                                             # [NP, KV, D]
+    cen = jnp.einsum("ghd,pgd->ghp", qh, kmean)                    # [KV, r, NP]
+    if rule == "centroid":
+        return cen.sum(1)
+    if rule == "centroid_max":
+        return cen.max(1)
+    if rule == "softmax_est":
+        return mass(cen / np.sqrt(D))
+    if rule in ("centroid_plus_spread", "spread_mass"):
+        spread = jnp.einsum("ghd,pgd->ghp", qh ** 2, Kp.var(1)) / D
+        est = cen / np.sqrt(D) + 0.5 * spread
+        return est.sum(1) if rule == "centroid_plus_spread" else mass(est)
+    if rule == "quest_p8":
+        NP = Kp.shape[0]
+        kh = Kp.reshape(NP, 2, page // 2, KV, D)
+        hmax = kh.max(2); hmin = kh.min(2)                         # [NP, 2, KV, D]
+        u8 = (jnp.einsum("ghd,pigd->ghpi", jnp.maximum(qh, 0), hmax)
+              + jnp.einsum("ghd,pigd->ghpi", jnp.minimum(qh, 0), hmin))   # [KV, r, NP, 2]
+        return u8.sum(1).max(-1)
+    u = quest(Kp)
     if rule == "quest_sum":
         return u.sum(1)
-    z = jax.nn.softmax(jnp.where(valid[None, None], u / np.sqrt(D), -jnp.inf), -1)
+    if rule == "quest_centroid":
+        return zscore(u.sum(1)) + zscore(cen.sum(1))
+    if rule not in ("quest_maxnorm", "quest_sumnorm"):
+        raise ValueError(f"unknown rule {rule!r}")
+    z = jax.nn.softmax(jnp.where(vmask, u / np.sqrt(D), -jnp.inf), -1)
     return z.max(1) if rule == "quest_maxnorm" else z.sum(1)
 
 
-def select_mask(rule, q, K, n_hist, budget):
-    """q [H, D]; K [T, KV, D] (valid < n_hist + 1) -> mask [KV, T]."""
-    n = n_hist + 1
+def select_mask(q, K, n_hist, rid, kpages):
+    """q [H, D]; K [T, KV, D] (history valid below n_hist); rid: index into BASE; kpages: the budget in pages
+    -> mask [KV, T] over the history (positions < n_hist). All rules are scored, the lane's is taken (vmapped)."""
     flushed = n_hist // page
     NP = T // page
-    kpages = budget // page
     Kp = K[:NP * page].reshape(NP, page, KV, D)
     pidx = jnp.arange(NP)
     valid = pidx < flushed
     qh = q.reshape(KV, r, D)
-    if rule == "twostage":
-        # Quest picks 4x the budget's pages, the exact attention weight over those pages' keys keeps the budget
-        quest = jnp.where(valid[None], select_score("quest_sum", qh, Kp, valid), -jnp.inf)
-        cand = jax.lax.top_k(quest, min(NP, 4 * kpages))[1]
-        in_cand = jnp.zeros((KV, NP), bool).at[jnp.arange(KV)[:, None], cand].set(True)
-        score = jnp.where(in_cand, select_score("oracle", qh, Kp, valid), -jnp.inf)
-    else:
-        score = select_score(rule, qh, Kp, valid)
+    rank = lambda x: jnp.argsort(jnp.argsort(-x, -1), -1)           # [KV, NP] 0 = best
+    scores = []
+    for ru in BASE:
+        if ru == "twostage":
+            # Quest picks 4x the budget's pages, the exact attention weight over those pages' keys keeps the budget
+            quest = jnp.where(valid[None], select_score("quest_sum", qh, Kp, valid), -jnp.inf)
+            scores.append(jnp.where(rank(quest) < 4 * kpages, select_score("oracle", qh, Kp, valid), -jnp.inf))
+        else:
+            scores.append(select_score(ru, qh, Kp, valid))
+    score = jnp.stack(scores)[rid]                                   # [KV, NP]
     forced = (pidx == 0) | ((pidx >= flushed - 2) & (pidx < flushed))
     score = jnp.where(forced[None], jnp.inf, jnp.where(valid[None], score, -jnp.inf))
-    _, top = jax.lax.top_k(score, kpages)                            # [KV, kpages]
-    selp = jnp.zeros((KV, NP), bool).at[jnp.arange(KV)[:, None], top].set(True) & valid[None]
+    selp = (rank(score) < kpages) & valid[None]                      # [KV, NP]
     tokp = jnp.arange(T) // page
     mask = jnp.take_along_axis(selp, jnp.minimum(tokp, NP - 1)[None].repeat(KV, 0), 1) & (tokp < flushed)[None]
-    mask = mask | ((jnp.arange(T) >= flushed * page) & (jnp.arange(T) < n))[None]
-    dense_all = flushed <= kpages
-    return jnp.where(dense_all, (jnp.arange(T) < n)[None].repeat(KV, 0), mask)
+    hist = jnp.arange(T) < n_hist
+    mask = (mask | (jnp.arange(T) >= flushed * page)[None]) & hist[None]
+    return jnp.where(flushed <= kpages, hist[None].repeat(KV, 0), mask)
 
-@functools.partial(jax.jit, static_argnames=("rule", "budget"))
-def step(params, tok_in, Ks, Vs, n_hist, rule, budget):
-    """Ks, Vs [L, T, KV, D] history (dense run); the token at position n_hist -> logits [V] (its own K/V in place)."""
+@jax.jit
+def step(params, tok_in, Ks, Vs, n_hist):
+    """Dense: Ks, Vs [L, T, KV, D] history; the token at position n_hist -> logits [V], its k, v [L, KV, D]."""
     m = nnx.merge(graphdef, params)
     x = m.embed(tok_in[None, None])
     pos = n_hist[None, None]
@@ -107,17 +168,46 @@ def step(params, tok_in, Ks, Vs, n_hist, rule, budget):
     for l, layer in enumerate(m.layers):
         q, k, v = layer.qkv(x, pos)
         K = Ks[l].at[n_hist].set(k[0, 0]); V = Vs[l].at[n_hist].set(v[0, 0])
-        if rule == "dense" or (rule.endswith("_d2") and l < 2):
-            mask = (jnp.arange(T) <= n_hist)[None].repeat(KV, 0)
-        else:
-            mask = select_mask(rule.removesuffix("_d2"), q[0, 0], K, n_hist, budget)
         Kh = jnp.repeat(K, r, axis=1); Vh = jnp.repeat(V, r, axis=1)
         s = jnp.einsum("hd,nhd->hn", q[0, 0], Kh) / np.sqrt(D)
-        s = jnp.where(jnp.repeat(mask, r, axis=0), s, -jnp.inf)
+        s = jnp.where((jnp.arange(T) <= n_hist)[None], s, -jnp.inf)
         a = jnp.einsum("hn,nhd->hd", jax.nn.softmax(s, -1), Vh)
         x = layer.finish(x, a[None, None])
         kvs.append((k[0, 0], v[0, 0]))
     return m.logits(x)[0, 0], jnp.stack([a for a, _ in kvs]), jnp.stack([b for _, b in kvs])
+
+@jax.jit
+def lanes_step(params, tok_in, Ks, Vs, n_hist, rids, kpages, d2, needle):
+    """One (rule, budget) pair a batch lane: rids, kpages, d2 [B] (d2: layers 0-1 dense); the token at position
+    n_hist -> logits [B, V], recall [B]: the dense attention weight (of the lane's own query, over the history and
+    itself) that falls on the selected positions, averaged over heads and layers; kept, total [B]: the dense weight
+    on the needle's positions (needle [T] bool) kept by the selection and in all, summed over heads and layers. The
+    history Ks, Vs [L, T, KV, D]
+    is the dense run's; each lane's own k/v join apart."""
+    m = nnx.merge(graphdef, params)
+    B = rids.shape[0]
+    x = m.embed(jnp.full((B, 1), tok_in))
+    pos = jnp.full((B, 1), n_hist)
+    hist = jnp.arange(T) < n_hist
+    recall = jnp.zeros(B); kept = jnp.zeros(B); total = jnp.zeros(B)
+    for l, layer in enumerate(m.layers):
+        q, k, v = layer.qkv(x, pos)                                   # q [B, 1, H, D], k/v [B, 1, KV, D]
+        mask = jax.vmap(select_mask, (0, None, None, 0, 0))(q[:, 0], Ks[l], n_hist, rids, kpages)  # [B, KV, T]
+        if l < 2:
+            mask = jnp.where(d2[:, None, None], hist[None, None], mask)
+        Kh = jnp.repeat(Ks[l], r, axis=1); Vh = jnp.repeat(Vs[l], r, axis=1)      # [T, H, D]
+        s = jnp.einsum("bhd,nhd->bhn", q[:, 0], Kh) / np.sqrt(D)
+        s_self = jnp.einsum("bhd,bhd->bh", q[:, 0], jnp.repeat(k[:, 0], r, axis=1)) / np.sqrt(D)
+        wd = jax.nn.softmax(jnp.concatenate([jnp.where(hist[None, None], s, -jnp.inf), s_self[..., None]], -1), -1)
+        mh = jnp.repeat(mask, r, axis=1)                                            # [B, H, T]
+        recall += (jnp.where(mh, wd[..., :T], 0.0).sum(-1) + wd[..., T]).mean(-1) / L
+        kept += jnp.where(mh & needle, wd[..., :T], 0.0).sum((-1, -2))
+        total += jnp.where(needle[None, None], wd[..., :T], 0.0).sum((-1, -2))
+        s = jnp.where(mh, s, -jnp.inf)
+        w = jax.nn.softmax(jnp.concatenate([s, s_self[..., None]], -1), -1)
+        a = jnp.einsum("bhn,nhd->bhd", w[..., :T], Vh) + w[..., T:] * jnp.repeat(v[:, 0], r, axis=1)
+        x = layer.finish(x, a[:, None])
+    return m.logits(x)[:, 0], recall, kept, total
 
 @jax.jit
 def prefill(params, ids):
@@ -130,7 +220,25 @@ def prefill(params, ids):
         Ks.append(k[0]); Vs.append(v[0])
     return m.logits(x)[0], jnp.stack(Ks), jnp.stack(Vs)
 
-res = {f"{ru} b{b}": 0 for ru in RULES for b in budgets}; ndense = 0; t0 = time.time()
+def needle_span(ids, key):
+    """-> slice of the needle's tokens in ids: from the token that starts "The pass key is KEY" to the one ending
+    "KEY is the pass key" (binary searches over decoded prefixes / suffixes)."""
+    end = _bisect(lambda i: f"{key} is the pass key" in tok.decode(ids[:i]), 1, len(ids))
+    start = _bisect(lambda j: f"The pass key is {key}" not in tok.decode(ids[j:end]), 0, end) - 1
+    return slice(start, end)
+
+
+def _bisect(ok, lo, hi):
+    """Smallest i in [lo, hi] with ok(i), ok monotone (False then True)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return lo
+
+LANES = [(ru, b) for ru in RULES for b in budgets]
+RIDS = jnp.asarray([BASE.index(ru.removesuffix("_d2")) for ru, _ in LANES])
+KPAGES = jnp.asarray([b // page for _, b in LANES]); D2 = jnp.asarray([ru.endswith("_d2") for ru, _ in LANES])
+res = {f"{ru} b{b}": 0 for ru, b in LANES}; ndense = 0; t0 = time.time(); rec_all, rec_key, rec_needle = [], [], []
 for pi, p in enumerate(P):
     ids = p["ids"]; n = len(ids)
     # dense answer: greedy, by full prefills of prompt + answer so far (K/V of the answer tokens exact)
@@ -138,7 +246,7 @@ for pi, p in enumerate(P):
     ans = [int(jnp.argmax(lg[n - 1]))]
     while len(ans) < 12 and ans[-1] not in eos and str(p["key"]) not in tok.decode(ans):
         pos = n + len(ans) - 1
-        lg1, k1, v1 = step(params, jnp.asarray(ans[-1]), Ks, Vs, jnp.asarray(pos), "dense", 0)
+        lg1, k1, v1 = step(params, jnp.asarray(ans[-1]), Ks, Vs, jnp.asarray(pos))
         Ks = Ks.at[:, pos].set(k1); Vs = Vs.at[:, pos].set(v1)
         ans.append(int(jnp.argmax(lg1)))
     text = tok.decode(ans); key = str(p["key"])
@@ -146,14 +254,27 @@ for pi, p in enumerate(P):
         print(f"prompt {pi} depth {p['depth']}: dense misses ({text!r})", flush=True); continue
     ndense += 1
     last = len(ans)
-    got = {}
-    for ru in RULES:
-        for b in budgets:
-            ok = True
-            for s in range(1, last):      # ans[0] from the dense prefill; step s feeds ans[s-1] at position n+s-1
-                lg, _, _ = step(params, jnp.asarray(ans[s - 1]), Ks, Vs, jnp.asarray(n + s - 1), ru, b)
-                if int(jnp.argmax(lg)) != ans[s]:
-                    ok = False; break
-            res[f"{ru} b{b}"] += ok; got[f"{ru} b{b}"] = int(ok)
+    alive = np.ones(len(LANES), bool)
+    needle = np.zeros(T, bool); needle[needle_span(ids, key)] = True
+    nkept = np.zeros(len(LANES)); ntotal = np.zeros(len(LANES))
+    for s in range(1, last):          # ans[0] from the dense prefill; step s feeds ans[s-1] at position n+s-1
+        lg, rc, kp, tt = lanes_step(params, jnp.asarray(ans[s - 1]), Ks, Vs, jnp.asarray(n + s - 1), RIDS, KPAGES,
+                                    D2, jnp.asarray(needle))
+        alive &= np.asarray(jnp.argmax(lg, -1)) == ans[s]
+        rec_all.append(np.asarray(rc))
+        if tok.decode([ans[s]]).strip().isdigit():                 # a step whose token is part of the key
+            rec_key.append(np.asarray(rc)); nkept += np.asarray(kp); ntotal += np.asarray(tt)
+    rec_needle.append(nkept / ntotal)
+    got = {f"{ru} b{b}": int(ok) for (ru, b), ok in zip(LANES, alive)}
+    for k_, v_ in got.items():
+        res[k_] += v_
     print(f"prompt {pi} depth {p['depth']} n {n} ans {text!r}: {got} ({time.time() - t0:.0f} s)", flush=True)
 print("dense found", ndense, "of", len(P)); print(json.dumps(res))
+print("attention recall (dense weight on the selected positions, mean over heads, layers, steps; all steps / key "
+      "steps):")
+for i, (ru, b) in enumerate(LANES):
+    print(f"  {ru} b{b}: {np.mean([x[i] for x in rec_all]):.3f} / {np.mean([x[i] for x in rec_key]):.3f}")
+print("needle recall (the dense weight on the needle's tokens that the selection keeps, summed over heads, layers and "
+      "key steps, a ratio per prompt; mean, min over prompts):")
+for i, (ru, b) in enumerate(LANES):
+    print(f"  {ru} b{b}: {np.mean([x[i] for x in rec_needle]):.3f}, {np.min([x[i] for x in rec_needle]):.3f}")
