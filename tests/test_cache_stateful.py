@@ -5,7 +5,13 @@ the rest, store a sequence's complete pages, evict stored prefixes), against pla
 holders, tests/pb_lru_model.PyPBLRU, tests/prefix_model.PrefixModel). The shared-prefix calls are the ones the
 Generator makes: SparsePrefixes.admit / sources / stored / released around the backend's prefill_attach and
 prefill_store (program.prefill_layer_from's cache side), per layer. After every step:
-- vTLB and PB-LRU tags agree: vtlb[lid] == f  <=>  tag[f] == lid (DESIGN.md section 3); no frame is owned twice;
+- vTLB and PB-LRU tags agree: vtlb[lid] == f  <=>  tag[f] == lid (DESIGN.md section 3) for slot LIDs; a tag whose
+  seq field is a stored prefix page's id (>= max_seqs) has no vTLB entry and its id is held; no frame is owned
+  twice and no LID is in two frames;
+- the owner table (the LID seq field per page) names a sequence's attached pages, then the leading stored pages of
+  its prompt that are its own after it is stored, by their ids and every other page by the slot; one id names one
+  page (one page index, one set of host pages: its node's while the node is stored) in every sequence; an id is
+  held by its node and by every sequence naming it, and an id nobody holds has no frame (emptied on release);
 - host page reference counts are the holders' (every live sequence's table, every stored prefix node); a page
   with a holder is never on the free list, and free + held pages are the whole pool, each page once;
 - the vTLB's host page table is the allocator's; a released sequence leaves nothing (frame, tag, length, summary);
@@ -13,7 +19,8 @@ prefill_store (program.prefill_layer_from's cache side), per layer. After every 
 - no shared page is written: a host page's K/V bytes are recorded when it becomes shared (stored by the index,
   attached to a sharer) and must not change until the page is free again, so a sharer's own tokens land on its
   own pages after the shared ones;
-- the device PB-LRU equals the Python model's, and each sieve's frames and hits equal the model's.
+- the device PB-LRU equals the Python model's, and each sieve's frames and hits equal the model's (the sieve names
+  pages through the owner table, as the decode does).
 A save-restore rule does what Engine.restore does to the cache (the cache is not saved: every live sequence is
 released, admitted again with its tokens as the prompt and prefilled from its saved K/V).
 
@@ -42,7 +49,7 @@ from ulacache_jax import lid as lid_mod, pb_lru, vtlb as vtlb_mod
 from ulacache_jax.backends import make_backend
 from ulacache_jax.config import CacheConfig
 from ulacache_jax.generator import bucket_length
-from ulacache_jax.prefix_cache import max_shared_pages, prefix_bucket
+from ulacache_jax.prefix_cache import max_shared_pages, page_keys, prefix_bucket
 from ulacache_jax.sequences import CapacityError
 from ulacache_jax.tp import make_mesh
 
@@ -120,6 +127,7 @@ class Seq:
     length: int = 0
     ids: list = dataclasses.field(default_factory=list)
     k: np.ndarray | None = None          # [L, K_TOKENS, KV, D]
+    named: list = dataclasses.field(default_factory=list)   # model keys of the leading pages named by stored ids
     pending: bool = False                # admitted with a prompt (ids), not prefilled yet
 
 
@@ -135,6 +143,12 @@ class CacheMachine(RuleBasedStateMachine):
         self.seqs: dict[int, Seq] = {}
         self.shared_bytes: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # host page -> K, V when it was shared
         self.rng = np.random.default_rng(0)
+        real, m, model = type(self.m).release_owner, self.m, self.pb_model
+
+        def release_owner(ident):            # an id given up: the model's frames of it are emptied too
+            real(m, ident)
+            model.release(ident)
+        self.m.release_owner = release_owner
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _refs(self, extra=()) -> np.ndarray:
@@ -188,7 +202,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert len(set(own)) == len(own) and set(own) <= free_pages, "an own page was not free"
         if m and any(np.isin(shared, s.table).any() for s in self.seqs.values()):
             _SHARED["counts"]["attached_beside_another_sharer"] += 1
-        self.seqs[slot] = Seq(tokens, table, m=m, frozen=m, ids=list(prompt or []), pending=prompt is not None)
+        self.seqs[slot] = Seq(tokens, table, m=m, frozen=m, ids=list(prompt or []), pending=prompt is not None,
+                              named=list(keys))
         _SHARED["counts"]["attached" if m else "admitted_unshared"] += 1
         return slot
 
@@ -238,7 +253,18 @@ class CacheMachine(RuleBasedStateMachine):
         self.prefixes.stored(slot, prompt, m, src)
         self.model.insert(prompt, n // P, s.table)
         s.frozen = max(s.frozen, n // P)
+        self._name_stored(s, prompt)
         self._forget_free(self._refs())
+
+    def _name_stored(self, s, prompt):
+        """After SparsePrefixes.stored: the leading pages of the prompt that are stored nodes holding this
+        sequence's own host pages are named by their ids."""
+        s.named = []
+        for i in range(len(prompt) // P):
+            key = tuple(prompt[:(i + 1) * P])
+            if key not in self.model.nodes or not np.array_equal(self.model.nodes[key], s.table[:, :, i]):
+                break
+            s.named.append(key)
 
     def _check_written(self, slot, start):
         """After an ingest or prefill from `start`: length, flushed, the complete pages' host K/V, the summaries."""
@@ -350,6 +376,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.prefixes.stored(slot, prompt, 0, None)
         self.model.insert(prompt, s.length // P, s.table)
         s.frozen = max(s.frozen, s.length // P)
+        self._name_stored(s, prompt)
         self._forget_free(self._refs())
 
     @precondition(lambda self: self.model is not None and self.model.nodes)
@@ -364,8 +391,8 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(s.length >= P for s in self.seqs.values()))
     @rule(data=st.data())
     def sieve(self, data):
-        """One decode layer's page requests: flushed pages of the ingested sequences (attached ones included, named
-        by the sharer's own LIDs), duplicates allowed."""
+        """One decode layer's page requests: flushed pages of the ingested sequences (attached ones included), each
+        named by its owner (the slot or a stored page's id, decode_layer._sieve_pages), duplicates allowed."""
         _SHARED["counts"]["sieve"] += 1
         cands = [(slot, layer, g, p) for slot, s in self.seqs.items() for layer in range(CFG.num_layers)
                  for g in range(G) for p in range(s.length // P)]
@@ -373,9 +400,12 @@ class CacheMachine(RuleBasedStateMachine):
         n = len(picks)
         picks = picks + [picks[0]] * (N_ACCESS - n)
         valid = np.arange(N_ACCESS) < n
-        arr = np.asarray(picks, np.int64)
+        owner = np.asarray(self.m.state.seqs.owner)
+        arr = np.asarray([(int(owner[a, d]), b, c, d) for a, b, c, d in picks], np.int64)
+        if (arr[:n, 0] >= CFG.max_seqs).any():
+            _SHARED["counts"]["sieve_shared_pages"] += 1
         hi, lo = lid_mod.pack(arr[:, 0], arr[:, 1], arr[:, 2], (arr[:, 3] * P).astype(np.uint32))
-        lids = [_lid(a, b, c, d * P) for a, b, c, d in picks]
+        lids = [_lid(a, b, c, d * P) for a, b, c, d in arr.tolist()]
         now = int(self.m.state.clock)
         self.m.state, out = _sieve(self.m.state, hi, lo, jnp.asarray(valid))
         frame, hit, _, _ = self.pb_model.access(lids, list(valid), now)
@@ -430,8 +460,16 @@ class CacheMachine(RuleBasedStateMachine):
                 assert stamp[f] >= 0, (seq, layer, g, p, f)
                 assert (int(tag_hi[f]), int(tag_lo[f])) == (seq << 12 | layer << 4 | g, p * P)
                 mapped[int(f)] = (seq, layer, g, p)
-        for f in np.flatnonzero(stamp >= 0):
+        held = self.prefixes.id_holders if self.prefixes is not None else {}
+        live = np.flatnonzero(stamp >= 0)
+        tags = [(int(tag_hi[f]), int(tag_lo[f])) for f in live]
+        assert len(set(tags)) == len(tags), "a LID is in two frames"
+        for f in live:
             seq = int(tag_hi[f]) >> 12
+            if seq >= CFG.max_seqs:                  # a stored prefix page's id: frames in the tags only
+                assert held.get(seq, 0) > 0, f"frame {f} holds a page of id {seq}, which nobody holds"
+                assert int(f) not in mapped
+                continue
             assert seq in self.seqs, f"frame {f} holds a page of released sequence {seq}"
             assert int(f) in mapped, f"tag in frame {f} has no vTLB entry"
         # the device PB-LRU is the model's
@@ -443,6 +481,40 @@ class CacheMachine(RuleBasedStateMachine):
                 assert got == want, (f, got, want)
                 if want is not None:
                     assert stamp[f] == self.pb_model.stamp[b][s]
+
+    @invariant()
+    def owner_table_names_shared_pages_once(self):
+        owner = np.asarray(self.m.state.seqs.owner)                          # [S, P]
+        for slot in range(CFG.max_seqs):
+            if slot not in self.seqs:
+                assert (owner[slot] == slot).all(), f"released slot {slot} still names pages by {owner[slot]}"
+        if self.model is None:
+            return
+        pre = self.prefixes
+        names = {}                                                           # id -> (page, host pages [L, G])
+        holders = collections.Counter(pre.ids.values())
+        for slot, s in self.seqs.items():
+            k = len(s.named)
+            assert (owner[slot, k:] == slot).all(), (slot, owner[slot], k)
+            ids = owner[slot, :k].tolist()
+            assert all(i >= CFG.max_seqs for i in ids) and len(set(ids)) == k, (slot, ids)
+            assert pre.owner_of.get(slot, []) == ids
+            holders.update(ids)
+            for i, (ident, key) in enumerate(zip(ids, s.named)):
+                got = names.setdefault(ident, (i, s.table[:, :, i]))
+                assert got[0] == i and np.array_equal(got[1], s.table[:, :, i]), f"id {ident} names two pages"
+                lib = page_keys(list(key), P)[-1]
+                if key in self.model.nodes and np.array_equal(self.model.nodes[key], s.table[:, :, i]) \
+                        and lib in pre.ids:                                  # its stored node's id: one name
+                    assert pre.ids[lib] == ident, (slot, i, pre.ids[lib], ident)
+        for key, ident in pre.ids.items():                                   # a stored node: its pages
+            node = pre.index.nodes[key]
+            if ident in names:
+                assert names[ident][0] == node.index and np.array_equal(names[ident][1], node.payload)
+        assert dict(pre.id_holders) == dict(holders), "id holders are not the nodes and the sequences naming them"
+        issued = set(range(CFG.max_seqs, pre._next_id))
+        assert len(set(pre.free_ids)) == len(pre.free_ids) and not set(pre.free_ids) & set(holders)
+        assert set(pre.free_ids) | set(holders) == issued, "an id was lost"
 
     @invariant()
     def host_pages_held_never_free_and_conserved(self):

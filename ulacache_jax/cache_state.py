@@ -8,7 +8,10 @@ P = max_pages_per_seq; F = PB-LRU frames; T = TAIL_PAGES; page = page_size; g = 
   needs, selected, overflowed or tail, from one HBM pool by frame id.
 - kmin, kmax [R, S, L, G, P, g, D]: per-page, per-dim min and max of K (the Quest summaries).
 - vtlb (frame, host_page) [R, S, L, G, P]; pb (tag_hi, tag_lo, stamp) [R, B, slots].
-- seqs: length, flushed (pages with a host copy), active, each [S]: the same on every rank.
+- seqs: length, flushed (pages with a host copy), active, each [S], and owner [S, P]: the same on every rank.
+  owner[s, p] is the seq field of the LID naming page p of slot s: the slot itself, or the id of a stored shared
+  prefix page (prefix_cache.SparsePrefixes, ids in [S, 2**20)) that every sharer names it by, so the PB-LRU sees
+  one page and one HBM frame serves every sharer. The host page still comes from the slot's own vTLB row.
 - clock: int32 scalar, the PB-LRU's `now`; ticks once per sieve call (each layer of each step); wound back by
   `rebase_clock` at the start of every decode chunk once it reaches 2**30, so it never wraps.
 The host pool (`HostPool`, k and v [R, H, page, g, D]) is kept apart because it lives in memory kind
@@ -28,12 +31,18 @@ from . import pb_lru, vtlb as vtlb_mod
 from .config import CacheConfig, TAIL_PAGES
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["length", "flushed", "active"], meta_fields=[])
+@partial(jax.tree_util.register_dataclass, data_fields=["length", "flushed", "active", "owner"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SeqTable:
     length: jax.Array   # [S] int32  committed tokens
     flushed: jax.Array  # [S] int32  leading pages that have their host copy (complete pages only)
     active: jax.Array   # [S] bool
+    owner: jax.Array    # [S, P] int32  LID seq field of each page: the slot, or a shared prefix page's id
+
+
+def own_rows(max_seqs: int, max_pages_per_seq: int) -> jax.Array:
+    """The owner table where every page is named by its own slot: [S, P] int32, row s all s."""
+    return jnp.broadcast_to(jnp.arange(max_seqs, dtype=jnp.int32)[:, None], (max_seqs, max_pages_per_seq))
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -182,7 +191,7 @@ def init(config: CacheConfig, *, device=None, check: bool = True) -> tuple[Cache
         pool_k=jnp.zeros((r, num_pool) + page_shape, dt), pool_v=jnp.zeros((r, num_pool) + page_shape, dt),
         kmin=jnp.zeros(summ, dt), kmax=jnp.zeros(summ, dt),
         seqs=SeqTable(length=jnp.zeros(c.max_seqs, jnp.int32), flushed=jnp.zeros(c.max_seqs, jnp.int32),
-                      active=jnp.zeros(c.max_seqs, bool)),
+                      active=jnp.zeros(c.max_seqs, bool), owner=own_rows(c.max_seqs, c.max_pages_per_seq)),
         clock=jnp.zeros((), jnp.int32))
     # committed to the device from the start, so the first donated call compiles the same program as later ones
     state = jax.device_put(state, jax.sharding.SingleDeviceSharding(device or jax.devices()[0]))

@@ -27,7 +27,7 @@ class LayerStats:
     hits: jax.Array      # [] int32 selected pages found in HBM
     misses: jax.Array    # [] int32 selected pages not in HBM (filled or overflow)
     overflow: jax.Array  # [] int32 misses with no free candidate slot: read from host, not cached
-    fetched: jax.Array   # [] int32 pages that crossed PCIe (= misses)
+    fetched: jax.Array   # [] int32 pages that crossed PCIe (misses; one per frame where several rows missed it)
 
     @staticmethod
     def zeros():
@@ -96,24 +96,37 @@ class PagePlan:
 def _sieve_pages(state: CacheState, layer: int, sel, row_live, row_seq, rank, options: DecodeOptions):
     """One PB-LRU access for the selected pages of every row (a row: one sequence's step; a verification has
     several rows per sequence). sel [R, G, K] page ids (-1 unused), row_live [R], row_seq [R] the row's sequence
-    slot -> (pb, vtlb table of this rank after the access, valid, page, frame, host_idx, miss, filled, overflow),
-    the last seven [R, G, K]: hits refresh recency, misses take frames (filled) or get none (overflow)."""
+    slot -> (pb, vtlb table of this rank after the access, valid, page, frame, host_idx, miss, filled, overflow,
+    lead), the last eight [R, G, K]: hits refresh recency, misses take frames (filled) or get none (overflow);
+    lead: a filled miss that is the first request of its frame in this access (one fetch per frame).
+    A page's LID names it by its owner (state.seqs.owner: the slot, or a shared prefix page's id), so the rows of
+    every sharer of a stored prefix page request one LID and get one frame; its host page comes from the row's own
+    vTLB row (every sharer's row points at the stored page)."""
     c = state.config
     G, P = c.groups_per_rank, c.page_size
     R, _, K = sel.shape
     valid = (sel >= 0) & row_live[:, None, None]
     page = jnp.where(valid, sel, 0)
     seq_ids = jnp.broadcast_to(row_seq[:, None, None], (R, G, K))
+    owner = state.seqs.owner[seq_ids, page]                                            # [R, G, K] LID seq field
     grp = jnp.broadcast_to(rank * G + jnp.arange(G)[None, :, None], (R, G, K))
-    hi, lo = lid_mod.pack(seq_ids, jnp.full_like(seq_ids, layer), grp, (page * P).astype(jnp.uint32))
+    hi, lo = lid_mod.pack(owner, jnp.full_like(seq_ids, layer), grp, (page * P).astype(jnp.uint32))
     pb = jax.tree.map(lambda a: a[0], state.pb)
     pb, out = pb_lru.access(pb, hi.reshape(-1), lo.reshape(-1), valid.reshape(-1), state.clock, impl=options.sieve)
     table = jax.tree.map(lambda a: a[0], state.vtlb)
     table = vtlb_mod.apply_access(table, hi.reshape(-1), lo.reshape(-1), out, rank * G)
     frame = out.frame.reshape(R, G, K)
     miss = valid & ~out.hit.reshape(R, G, K)
+    filled = miss & (frame >= 0)
     host_idx = table.host_page[seq_ids, layer, jnp.arange(G)[None, :, None], page]
-    return pb, table, valid, page, frame, host_idx, miss, miss & (frame >= 0), miss & (frame < 0)
+    # duplicates of one LID (sharers, or verification rows) share its frame: only the first fetches it
+    n, nf = R * G * K, c.num_frames
+    idx = jnp.arange(n, dtype=jnp.int32)
+    ff = filled.reshape(-1)
+    fr = jnp.where(ff, frame.reshape(-1), nf)
+    first = jnp.full((nf,), n, jnp.int32).at[fr].min(idx, mode="drop")
+    lead = (ff & (first[jnp.minimum(fr, nf - 1)] == idx)).reshape(R, G, K)
+    return pb, table, valid, page, frame, host_idx, miss, filled, miss & (frame < 0), lead
 
 
 def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, live, *,
@@ -136,23 +149,27 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [S, G, K]
     # 2. Sieve: hits refresh, misses take frames; the vTLB follows.
-    pb, table, valid, page, frame, host_idx, miss, filled, overflow = _sieve_pages(
+    pb, table, valid, page, frame, host_idx, miss, filled, overflow, lead = _sieve_pages(
         state, layer, sel, live, jnp.arange(S), rank, options)                        # [S, G, K] each
     K = sel.shape[-1]
 
-    # 3. Misses cross PCIe once: fetched into their frames here, or read and stored by the attention kernel.
+    # 3. Misses cross PCIe once: fetched into their frames here, or read and stored by the attention kernel. A
+    #    frame several rows missed (sharers of one stored prefix page) is fetched or stored by its first row only.
     pool_k, pool_v = state.pool_k[0], state.pool_v[0]
     if not options.fused_fetch:
         # overflow pages (no free slot) are staged in this call's overflow frames, so attention reads only HBM
         ov = overflow.reshape(-1).astype(jnp.int32)
         stage = overflow_frame(c, jnp.cumsum(ov) - ov).reshape(S, G, K)               # [S, G, K]
         frame = jnp.where(overflow, stage, frame)
-        dst = jnp.where(miss, frame, -1).reshape(-1)
+        dst = jnp.where(lead | overflow, frame, -1).reshape(-1)
         pool_k, pool_v = page_copy.fetch([pool_k, pool_v], [host.k[0], host.v[0]], host_idx.reshape(-1), dst,
                                          impl=options.copy)   # K and V in one launch
         src = jnp.where(valid, 1, 0)
+        fetched = lead.sum() + overflow.sum()
     else:
-        src = jnp.where(valid, jnp.where(overflow, 2, jnp.where(filled, 3, 1)), 0)
+        # a duplicate reads the host page without storing it (two programs storing one frame would race)
+        src = jnp.where(valid, jnp.where(overflow | (filled & ~lead), 2, jnp.where(filled, 3, 1)), 0)
+        fetched = miss.sum()
 
     # 4. Tail pages (unflushed, at most TAIL_PAGES) from the ring, appended to the attended set.
     tp = flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                           # [S, T]
@@ -170,7 +187,7 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
                                   axis=-1).astype(jnp.int32),
         seq_len=seq_len.astype(jnp.int32))
     stats = LayerStats(hits=(valid & ~miss).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
-                       overflow=overflow.sum().astype(jnp.int32), fetched=miss.sum().astype(jnp.int32))
+                       overflow=overflow.sum().astype(jnp.int32), fetched=fetched.astype(jnp.int32))
     # the clock ticks once per sieve call (every layer of every step), so recency orders the accesses as they
     # happened: one tick per 64-step chunk made a chunk's accesses tie and cost 12 points of hit rate at a 1/8
     # pool on a model trace (docs/benchmarks/eviction_model_clock.json vs eviction_model.json)
@@ -310,7 +327,7 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [V, G, K]
     # 2. One sieve access; the vTLB follows.
-    pb, table, valid, page, frame, host_idx, miss, filled, overflow = _sieve_pages(
+    pb, table, valid, page, frame, host_idx, miss, filled, overflow, lead = _sieve_pages(
         state, layer, sel, vlive, vseq, rank, options)                                # [V, G, K] each
     K = sel.shape[-1]
 
@@ -343,14 +360,15 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     qv = q.reshape(V, 1, Hr, D)
 
     fr = jnp.where(overflow, overflow_frame(c, stage), frame)                         # [V, G, K]
+    once = lead | (overflow & by_row(is_first))                                        # one fetch per frame
     pool_k, pool_v = page_copy.fetch([state.pool_k[0], state.pool_v[0]], [host.k[0], host.v[0]],
-                                     host_idx.reshape(-1), jnp.where(miss, fr, -1).reshape(-1).astype(jnp.int32),
+                                     host_idx.reshape(-1), jnp.where(once, fr, -1).reshape(-1).astype(jnp.int32),
                                      impl=options.copy)   # K and V in one launch
     fr = jnp.concatenate([jnp.where(valid, fr, 0), t_frame], axis=-1).astype(jnp.int32)
     o = sparse_decode_attention(qv, pool_k, pool_v, fr, start, seq_len.astype(jnp.int32), page_src=src,
                                 softcap=options.softcap, impl=options.attention)          # [V, 1, Hr, D]
     stats = LayerStats(hits=(valid & ~miss).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
-                       overflow=overflow.sum().astype(jnp.int32), fetched=miss.sum().astype(jnp.int32))
+                       overflow=overflow.sum().astype(jnp.int32), fetched=once.sum().astype(jnp.int32))
     state = dataclasses.replace(state, pb=jax.tree.map(lambda a: a[None], pb),
                                 vtlb=jax.tree.map(lambda a: a[None], table),
                                 pool_k=pool_k[None], pool_v=pool_v[None], clock=state.clock + 1)

@@ -6,7 +6,8 @@ block's tokens (a lookup is verified on the tokens themselves: a hash collision 
 K/V), its parent's key and a payload saying where the block's K/V live:
 - sparse (UlaCache): the host page ids [L, G] of the block (the same on every rank). The index holds one
   reference on each of them in the `HostAllocator`, so a stored prefix outlives the sequence that computed it;
-  a page returns to the free list only when no sequence and no index node holds it.
+  a page returns to the free list only when no sequence and no index node holds it. The node's page also has
+  one name in HBM: an id every sharer's LIDs use (`SparsePrefixes`), so one frame serves every sharer.
 - dense: the set of sequence slots whose HBM rows hold the block (nothing is held: a slot's rows stay valid
   until they are written again, and `forget_slot` drops them then). A dense sharer copies the rows instead of
   recomputing them.
@@ -31,6 +32,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from .lid import FIELD_LIMITS
 from .models.attention import dense_attention
 
 _ROOT = b""
@@ -87,14 +89,16 @@ class PrefixIndex:
 
     page_size: tokens per page. budget_pages: host pages the index may hold (None: no limit beyond what the
     allocator reclaims). retain(payload) / release(payload): take and give back the index's reference on a node's
-    payload (sparse: the allocator's page reference counts; dense: nothing)."""
+    payload (sparse: the allocator's page reference counts; dense: nothing). removed(node): called after a node
+    left the index (sparse: gives up the node's hold on its page id)."""
 
     def __init__(self, page_size: int, *, budget_pages: int | None = None,
-                 retain: Callable[[object], None] = lambda p: None, release: Callable[[object], None] = lambda p: None):
+                 retain: Callable[[object], None] = lambda p: None, release: Callable[[object], None] = lambda p: None,
+                 removed: Callable[[Node], None] = lambda n: None):
         if budget_pages is not None and budget_pages < 0:
             raise ValueError(f"budget_pages = {budget_pages} must be >= 0 or None")
         self.page_size, self.budget_pages = page_size, budget_pages
-        self._retain, self._release = retain, release
+        self._retain, self._release, self._removed = retain, release, removed
         self.nodes: collections.OrderedDict[bytes, Node] = collections.OrderedDict()   # oldest first
         self.held_pages = 0
         self.stats = PrefixStats()
@@ -167,6 +171,7 @@ class PrefixIndex:
         self.held_pages -= node.size
         self.stats.evicted += 1
         self._release(node.payload)
+        self._removed(node)
 
     def evict(self, pages: int) -> int:
         """Evict least recently used leaves until `pages` host pages are given up (or the index is empty).
@@ -240,20 +245,81 @@ def prefix_bucket(pages: int, max_pages: int) -> int:
 class SparsePrefixes:
     """UlaCache's stored prefixes: an index node holds the host pages [L, G] of one page of a prompt (one reference
     each, in the allocator). A new sequence's first pages are attached at admission (its vTLB rows point at the
-    stored host pages; nothing is allocated or written for them) and its prefill computes only the rest. Each
-    sharer names the pages by its own LIDs, so HBM frames are per sequence, as without sharing; what is shared is
-    the host copy and the prefill."""
+    stored host pages; nothing is allocated or written for them) and its prefill computes only the rest.
+
+    One page, one name: a node gets an id in [max_seqs, 2**20) (the LID seq field past every slot), and every
+    sequence whose vTLB rows point at the node's host pages names that page by the id (the owner table,
+    cache_state.SeqTable.owner): its LIDs are (id, layer, global group, page * page_size), so the PB-LRU sees one
+    page and one HBM frame serves every sharer. The sequence that stored a page switches to the id too (right after
+    its prefill, which fills no frame). An id is held by its node and by every live sequence naming a page by it;
+    when the last holder goes, its frames are emptied on every rank (CacheManager.release_owner) before the id
+    returns to the free list, so a reused id never finds another page's bytes under its tags. A sequence names a
+    page by a node's id only where its own host pages are the node's, so whoever fills the frame fills it with the
+    same bytes."""
 
     def __init__(self, manager, budget_pages: int | None = None):
         c = manager.config
         self.manager, self.config = manager, c
         alloc = manager.alloc
-        self.index = PrefixIndex(c.page_size, budget_pages=budget_pages, retain=alloc.retain, release=alloc.drop)
+        self.index = PrefixIndex(c.page_size, budget_pages=budget_pages, retain=alloc.retain, release=alloc.drop,
+                                 removed=self._node_removed)
         alloc.reclaim, alloc.reclaimable = self.index.evict, self._reclaimable
         self._attached: dict[int, tuple[int, bytes]] = {}     # slot -> (pages attached, key of the last one)
+        self.ids: dict[bytes, int] = {}                        # node key -> its id (given when first named)
+        self.id_holders: collections.Counter[int] = collections.Counter()   # id -> node (0/1) + sequences naming it
+        self.owner_of: dict[int, list[int]] = {}                # slot -> the ids naming its first pages
+        self.free_ids: list[int] = []                           # released ids (frames emptied), reused first
+        self._id_by_page: dict[int, int] = {}                  # first host page of a held id's page -> the id
+        self._page_of_id: dict[int, int] = {}
+        self._next_id = c.max_seqs
+
+    # ---- page ids ----------------------------------------------------------------------------------------------
+    def _id_of(self, node: Node) -> int:
+        """The node's id, given on first use (held by the node until it is removed). A node stored again over
+        host pages that a live sequence still names by an id (its earlier node was evicted) gets that id back."""
+        ident = self.ids.get(node.key)
+        if ident is None:
+            page = int(np.asarray(node.payload).reshape(-1)[0])
+            ident = self._id_by_page.get(page)
+            if ident is None and self.free_ids:
+                ident = self.free_ids.pop()
+            elif ident is None:
+                if self._next_id >= FIELD_LIMITS["seq"]:
+                    raise RuntimeError(f"stored prefix page ids exhausted ({FIELD_LIMITS['seq'] - self.config.max_seqs}"
+                                       " ids in use: the LID seq field has 20 bits)")
+                ident, self._next_id = self._next_id, self._next_id + 1
+            self._id_by_page[page], self._page_of_id[ident] = ident, page
+            self.ids[node.key] = ident
+            self.id_holders[ident] += 1
+        return ident
+
+    def _drop_id(self, ident: int) -> None:
+        self.id_holders[ident] -= 1
+        if self.id_holders[ident] == 0:
+            del self.id_holders[ident]
+            del self._id_by_page[self._page_of_id.pop(ident)]
+            self.manager.release_owner(ident)                  # its frames emptied on every rank before reuse
+            self.free_ids.append(ident)
+
+    def _node_removed(self, node: Node) -> None:
+        ident = self.ids.pop(node.key, None)
+        if ident is not None:
+            self._drop_id(ident)
+
+    def _name(self, slot: int, ids: list[int], *, device: bool = True) -> None:
+        """`slot`'s first len(ids) pages named by `ids` (held), the ids it named before given up."""
+        old = self.owner_of.pop(slot, [])
+        for ident in ids:
+            self.id_holders[ident] += 1
+        if ids:
+            self.owner_of[slot] = list(ids)
+        if device and ids != old:
+            self.manager.set_owner(slot, ids)
+        for ident in old:
+            self._drop_id(ident)
 
     def admit(self, num_tokens: int, prompt) -> int:
-        """Admit a sequence, its prompt's stored prefix attached. -> slot."""
+        """Admit a sequence, its prompt's stored prefix attached and named by the stored pages' ids. -> slot."""
         c = self.config
         nodes = []
         if prompt is not None:
@@ -261,7 +327,17 @@ class SparsePrefixes:
             nodes = self.index.match(prompt, max_pages=max_shared_pages(len(prompt), c.page_size, c.max_context))
             nodes = nodes[:max_shared_pages(len(prompt), c.page_size, c.max_context, at_most=len(nodes))]
         shared = np.stack([n.payload for n in nodes], axis=-1) if nodes else None     # [L, G, m]
-        slot = self.manager.admit(num_tokens, shared)
+        ids = [self._id_of(n) for n in nodes]
+        for ident in ids:              # held first: a reclaim evicting these nodes cannot release the ids
+            self.id_holders[ident] += 1
+        try:
+            slot = self.manager.admit(num_tokens, shared, np.asarray(ids, np.int32) if ids else None)
+        except Exception:
+            for ident in ids:
+                self._drop_id(ident)
+            raise
+        if ids:
+            self.owner_of[slot] = ids                           # admit wrote the owner row
         if nodes:
             self._attached[slot] = (len(nodes), nodes[-1].key)
         return slot
@@ -274,14 +350,26 @@ class SparsePrefixes:
         return m, None
 
     def stored(self, slot: int, prompt, m: int, src) -> None:
-        """After the prefill of `slot`: its prompt's complete pages become stored prefixes."""
+        """After the prefill of `slot`: its prompt's complete pages become stored prefixes, and the slot names each
+        of its leading pages that is a stored node's (its host pages are the node's) by the node's id. (The prefill
+        fills no PB-LRU frame, so no frame is left under the slot's own LIDs; where one is, as when this runs later,
+        it only holds the same host page's bytes until it is evicted or the slot released.)"""
         c = self.config
         pages = self.manager.alloc.pages_of[slot]                                          # [L, G, n]
-        self.index.insert(prompt, len(prompt) // c.page_size, lambda i: pages[:, :, i].copy(),
-                          size=c.num_layers * c.groups_per_rank)
+        n = len(prompt) // c.page_size
+        self.index.insert(prompt, n, lambda i: pages[:, :, i].copy(), size=c.num_layers * c.groups_per_rank)
+        ids = []
+        for key in page_keys(prompt, c.page_size, n):
+            node = self.index.nodes.get(key)
+            if node is None or not np.array_equal(node.payload, pages[:, :, len(ids)]):
+                break                                   # ids name a leading run of pages (the owner row's prefix)
+            ids.append(self._id_of(node))
+        self._name(slot, ids)
 
     def released(self, slot: int) -> None:
+        """After the backend released `slot` (its owner row is back to the slot): its ids given up."""
         self._attached.pop(slot, None)
+        self._name(slot, [], device=False)
 
     def _reclaimable(self) -> int:
         """Host pages that evicting every stored prefix would free: stored pages no sequence holds (each host page

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import pb_lru, vtlb as vtlb_mod
+from . import lid as lid_mod, pb_lru, vtlb as vtlb_mod
 from .cache_state import CacheState, HostPool, tail_frame
 from .config import CacheConfig
 from .pallas_kernels import page_copy
@@ -127,24 +127,44 @@ class HostAllocator:
         self.free_slots.sort(reverse=True)
 
 
-def admit_device(state: CacheState, slot, table) -> CacheState:
-    """Device side of admission: the slot's host page table (same on every rank), an empty sequence."""
+def admit_device(state: CacheState, slot, table, owner=None) -> CacheState:
+    """Device side of admission: the slot's host page table (same on every rank), an empty sequence. owner
+    [max_pages_per_seq] int32: the LID seq field of each of its pages (None: the slot itself everywhere; a shared
+    prefix's first pages are named by their stored ids, see `set_owner_device`)."""
     r = state.config.tp
     host_page = state.vtlb.host_page.at[:, slot].set(jnp.broadcast_to(table, (r,) + table.shape))
     frame = state.vtlb.frame.at[:, slot].set(-1)
+    row = jnp.full(state.seqs.owner.shape[1:], slot, jnp.int32) if owner is None else owner
     seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(0),
-                               flushed=state.seqs.flushed.at[slot].set(0), active=state.seqs.active.at[slot].set(True))
+                               flushed=state.seqs.flushed.at[slot].set(0), active=state.seqs.active.at[slot].set(True),
+                               owner=state.seqs.owner.at[slot].set(row))
     return dataclasses.replace(state, vtlb=dataclasses.replace(state.vtlb, frame=frame, host_page=host_page), seqs=seqs)
 
 
 def release_device(state: CacheState, slot) -> CacheState:
-    """Free a slot's frames (PB-LRU slots and vTLB entries), host page table, summaries and sequence row."""
+    """Free a slot's frames (PB-LRU slots and vTLB entries), host page table, summaries and sequence row. Frames
+    of shared prefix pages (LIDs whose seq field is a stored id, not the slot) are not the slot's: they stay, for
+    the other sharers (`release_owner_device` clears them when the id is given up)."""
     pb = jax.vmap(pb_lru._release, in_axes=(0, None))(state.pb, jnp.asarray(slot, jnp.uint32))
     table = jax.vmap(vtlb_mod.release, in_axes=(0, None))(state.vtlb, slot)
     seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(0),
-                               flushed=state.seqs.flushed.at[slot].set(0), active=state.seqs.active.at[slot].set(False))
+                               flushed=state.seqs.flushed.at[slot].set(0), active=state.seqs.active.at[slot].set(False),
+                               owner=state.seqs.owner.at[slot].set(slot))
     return dataclasses.replace(state, pb=pb, vtlb=table, seqs=seqs,
                                kmin=state.kmin.at[:, slot].set(0), kmax=state.kmax.at[:, slot].set(0))
+
+
+def set_owner_device(state: CacheState, slot, owner) -> CacheState:
+    """The LID seq field of each page of `slot`: owner [max_pages_per_seq] int32 (the slot, or stored ids)."""
+    return dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, owner=state.seqs.owner.at[slot].set(owner)))
+
+
+def release_owner_device(state: CacheState, ident) -> CacheState:
+    """Empty every PB-LRU frame tagged with LID seq field `ident` (a stored prefix page's id), on every rank: run
+    before the id names another page, so no stale tag can hand a new page an old page's bytes. The vTLB holds no
+    entry for such LIDs (they lie outside its slots), so only the tags change."""
+    pb = jax.vmap(pb_lru._release, in_axes=(0, None))(state.pb, jnp.asarray(ident, jnp.uint32))
+    return dataclasses.replace(state, pb=pb)
 
 
 def split_groups(config: CacheConfig, x):
@@ -236,8 +256,12 @@ class CacheManager:
         # outputs placed by their specs explicitly: on a mesh of one an inferred sharding comes back as an
         # equivalent but different one, and the next program to see the state would compile again
         sh = jax.tree.map(lambda s: NamedSharding(mesh, s), st, is_leaf=lambda x: isinstance(x, P))
-        self._admit = jax.jit(per_rank(admit_device, mesh, config, (st, r, r), st), donate_argnums=0,
+        self._admit = jax.jit(per_rank(admit_device, mesh, config, (st, r, r, r), st), donate_argnums=0,
                               out_shardings=sh)
+        self._set_owner = jax.jit(per_rank(set_owner_device, mesh, config, (st, r, r), st), donate_argnums=0,
+                                  out_shardings=sh)
+        self._release_owner = jax.jit(per_rank(release_owner_device, mesh, config, (st, r), st), donate_argnums=0,
+                                      out_shardings=sh)
         self._release = jax.jit(per_rank(release_device, mesh, config, (st, r), st), donate_argnums=0,
                                 out_shardings=sh)
 
@@ -250,12 +274,39 @@ class CacheManager:
     def host_shardings(self) -> HostPool:
         return HostPool(k=self.host.k.sharding, v=self.host.v.sharding)
 
-    def admit(self, num_tokens: int, shared: np.ndarray | None = None) -> int:
+    def admit(self, num_tokens: int, shared: np.ndarray | None = None, owner: np.ndarray | None = None) -> int:
         """Reserve a slot and host pages for a sequence of up to num_tokens tokens (prompt + new tokens); shared
-        [L, G, m]: host pages of its first m pages, attached instead of allocated (HostAllocator.reserve)."""
+        [L, G, m]: host pages of its first m pages, attached instead of allocated (HostAllocator.reserve); owner
+        [k] int: the LID seq field of its first k pages (stored prefix ids; the slot itself past them)."""
         slot, table = self.alloc.reserve(num_tokens, shared)
-        self.state = self._admit(self.state, slot, jnp.asarray(table))
+        self.state = self._admit(self.state, slot, jnp.asarray(table), jnp.asarray(self.owner_row(slot, owner)))
         return slot
+
+    def owner_row(self, slot: int, owner=None) -> np.ndarray:
+        """[max_pages_per_seq] int32: `owner` (the LID seq field of the first pages), then `slot` for the rest."""
+        c = self.config
+        row = np.full(c.max_pages_per_seq, slot, np.int32)
+        if owner is not None and len(owner):
+            ids = np.asarray(owner, np.int64)
+            if len(ids) > c.max_pages_per_seq or ids.min() < 0 or ids.max() >= lid_mod.FIELD_LIMITS["seq"]:
+                raise ValueError(f"owner ids {ids.tolist()} must be at most max_pages_per_seq = "
+                                 f"{c.max_pages_per_seq} LID seq fields in [0, {lid_mod.FIELD_LIMITS['seq'] - 1}]")
+            row[:len(ids)] = ids
+        return row
+
+    def set_owner(self, slot: int, owner) -> None:
+        """Name the first len(owner) pages of an admitted slot by the LID seq fields `owner` (the rest by the slot)."""
+        if slot not in self.alloc.pages_of:
+            raise ValueError(f"slot {slot} is not admitted")
+        self.state = self._set_owner(self.state, slot, jnp.asarray(self.owner_row(slot, owner)))
+
+    def release_owner(self, ident: int) -> None:
+        """Empty every frame (all ranks) of the pages named by LID seq field `ident`, a stored prefix page's id in
+        [max_seqs, 2**20): before the id is reused."""
+        if not self.config.max_seqs <= ident < lid_mod.FIELD_LIMITS["seq"]:
+            raise ValueError(f"owner id {ident} must be in [max_seqs = {self.config.max_seqs}, "
+                             f"{lid_mod.FIELD_LIMITS['seq']}) (a slot's frames are released with the slot)")
+        self.state = self._release_owner(self.state, ident)
 
     def release(self, slot: int) -> None:
         self.alloc.free(slot)

@@ -2,8 +2,13 @@
 
 Indexed by (seq slot, layer, local group, page) with page = tok // page_size, it gives the HBM frame (>= 0
 resident, -1 not) and the host page index (an index, not a byte offset: bytes overflow int32; -1 unallocated).
-It changes only for the LIDs a PB-LRU access filled or evicted, so after every operation
+It changes only for the LIDs a PB-LRU access filled or evicted, so after every operation, for every slot LID
+(seq field < max_seqs)
     vtlb.frame[lid] == f  <=>  pb_lru.tag[f] == lid.
+A page of a stored shared prefix is named by the prefix page's id (seq field in [max_seqs, 2**20); the owner table
+in cache_state.SeqTable), which lies outside the table (`index` says not inside): `apply_access` ignores it, so
+its frame lives in the PB-LRU tags only. The decode takes frames from the PB-LRU access, never from `frame`; the
+host page of every page, shared or not, is read from the sequence's own row here.
 One rank's table; the cache state stacks ranks. `group_base` is the first global group this rank owns (LIDs keep
 the global group id so all ranks share one address space).
 """
