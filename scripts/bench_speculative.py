@@ -20,8 +20,10 @@ all rejected: the worst case), K from --step-ks, B from --step-batches: plain_st
 verify_ms (one verification, host sync included, as the Engine runs it), ratio = the tokens a verification must
 yield to break even.
 
---small: the tiny random model, short prompts, float32, dense, on CPU (a check of the script; with --step-cost, the tiny
-shape at 1K).
+--small: the tiny random model, short prompts, float32, dense unless --attention sparse, on CPU (a check of the
+script; with --step-cost, the tiny shape at 1K).
+--per-step: ngram speculation one verification per Engine step (SpecDecoder.chunk_steps = 0) instead of the device
+chunk (Program.spec_chunk), to compare the two.
 On the H200: python scripts/bench_speculative.py --out docs/benchmarks/speculative.json
          and: python scripts/bench_speculative.py --step-cost --out docs/benchmarks/speculative_step.json
 """
@@ -81,13 +83,15 @@ def make_prompts(task: str, tokenizer, batch: int, doc_tokens: int, echo: int, v
     return out
 
 
-def run_engine(gen, prompts, max_new: int, tokenizer, spec):
+def run_engine(gen, prompts, max_new: int, tokenizer, spec, per_step: bool = False):
     """One Engine run over `gen` -> (token lists, decode tokens, decode s, wall s, spec counters or None)."""
     import inspect
     from ulacache_jax.engine import Engine, SamplingParams
     # every run prefills its prompts whole: attached shared prefixes round differently from a prefill in bf16
     kw = {"prefix_cache": False} if "prefix_cache" in inspect.signature(Engine).parameters else {}
     eng = Engine(generator=gen, tokenizer=tokenizer, speculative=spec, **kw)
+    if per_step and eng.spec is not None and hasattr(eng.spec, "chunk_steps"):
+        eng.spec.chunk_steps = 0
     t0 = time.perf_counter()
     reqs = eng.run(prompts, SamplingParams(max_new_tokens=max_new, stop_ids=()))
     wall = time.perf_counter() - t0
@@ -97,7 +101,8 @@ def run_engine(gen, prompts, max_new: int, tokenizer, spec):
     dec_tokens = sum(r.decode_tokens for r in eng.timeline)
     dec_s = sum(r.decode_s for r in eng.timeline)
     sp = eng.spec
-    counters = None if sp is None else dict(proposed=sp.proposed, accepted=sp.accepted, steps=sp.steps)
+    counters = None if sp is None else dict(proposed=sp.proposed, accepted=sp.accepted, steps=sp.steps,
+                                            chunks=getattr(sp, "chunks", 0))
     return [r.tokens for r in reqs], dec_tokens, dec_s, wall, counters
 
 
@@ -182,28 +187,35 @@ def main(argv=None):
     p.add_argument("--num-tokens", default="4", help="K values, comma separated")
     p.add_argument("--doc-tokens", type=int, default=6144)
     p.add_argument("--echo", type=int, default=64, help="tokens of the document repeated at its end (continue)")
-    p.add_argument("--max-new", type=int, default=256)
-    p.add_argument("--attention", default="sparse")
+    p.add_argument("--max-new", type=int, default=None, help="new tokens a request (default 256; --small: 24)")
+    p.add_argument("--attention", default=None, help="sparse or dense (default: sparse; --small: dense)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--token-budget", type=int, default=2048)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=None, help="timed runs (default 3; --small: 1)")
     p.add_argument("--require-match", action="store_true", help="fail when a greedy output differs from plain")
     p.add_argument("--step-cost", action="store_true", help="verification vs plain step cost (8B shape)")
     p.add_argument("--step-context", type=int, default=131072)
     p.add_argument("--step-ks", default="2,4,8")
     p.add_argument("--step-batches", default="1,4")
+    p.add_argument("--per-step", action="store_true", help="ngram: one verification per step, not device chunks")
     p.add_argument("--small", action="store_true", help="tiny random model, short prompts, float32 (CPU check)")
     p.add_argument("--out", default="docs/benchmarks/speculative.json")
     p.add_argument("--commit", default=None)
     p.add_argument("--append", action="store_true", help="keep the rows already in --out (one call per batch size)")
     args = p.parse_args(argv)
     if args.small and args.step_cost:
-        args.step_context, args.step_ks, args.step_batches, args.reps = 1024, "2", "1", 1
+        args.step_context, args.step_ks, args.step_batches, args.reps = 1024, "2", "1", args.reps or 1
     elif args.small:
-        args.doc_tokens, args.echo, args.max_new, args.dtype = 96, 32, 24, "float32"
-        args.batches, args.tasks, args.reps, args.page_size, args.token_budget = "1", "continue", 1, 16, 64
-        args.num_tokens, args.attention = "3", "dense"    # dense: the cheapest compile (tests cover sparse)
+        args.doc_tokens, args.echo, args.dtype = 96, 32, "float32"
+        args.max_new = args.max_new or 24
+        args.batches, args.tasks, args.page_size, args.token_budget = "1", "continue", 16, 64
+        args.reps = args.reps or 1
+        args.num_tokens = "3"
+        args.attention = args.attention or "dense"         # dense: the cheapest compile (tests cover sparse)
+    args.attention = args.attention or "sparse"
+    args.max_new = args.max_new or 256
+    args.reps = args.reps or 3
 
     from ulacache_jax.cache_state import raise_host_limit
     raise_host_limit()
@@ -259,13 +271,14 @@ def main(argv=None):
             for method in args.methods.split(","):
                 for K in ks:
                     spec = SpecConfig(method, K, draft_model=draft if method == "draft" else None)
-                    first = run_engine(gen, prompts, args.max_new, tokenizer, spec)            # compiles
+                    first = run_engine(gen, prompts, args.max_new, tokenizer, spec, args.per_step)   # compiles
                     out = first[0]
                     same = out == plain_tokens
                     if args.require_match and not same:
                         raise SystemExit(f"{task} B={B} {method} K={K}: greedy output differs from plain "
                                          f"(match share {match_share(out, plain_tokens):.3f})")
-                    runs = [run_engine(gen, prompts, args.max_new, tokenizer, spec) for _ in range(args.reps)]
+                    runs = [run_engine(gen, prompts, args.max_new, tokenizer, spec, args.per_step)
+                            for _ in range(args.reps)]
                     dec = statistics.median(t / s for _, t, s, _, _ in runs)
                     wall = statistics.median(sum(map(len, o)) / w for o, _, _, w, _ in runs)
                     c = runs[-1][4]
@@ -274,7 +287,8 @@ def main(argv=None):
                                match_tokens=match_share(out, plain_tokens),
                                acceptance=c["accepted"] / max(c["proposed"], 1),
                                tokens_per_step=runs[-1][1] / max(c["steps"], 1) / B,
-                               verifications=c["steps"], proposed=c["proposed"], accepted=c["accepted"],
+                               verifications=c["steps"], device_chunks=c["chunks"], per_step=args.per_step,
+                               proposed=c["proposed"], accepted=c["accepted"],
                                new_tokens=sum(map(len, out)))
                     res.add(row)
                     print(json.dumps(row), flush=True)

@@ -116,6 +116,89 @@ def test_ngram_drafter_greedy_equals_plain(setup):
     assert eng.spec.steps < sum(r.decode_steps for r in eng.timeline)
 
 
+@pytest.fixture(scope="module")
+def repetitive(setup):
+    """Prompts the ngram drafter finds matches in (the tiny model's continuations repeat them in part), and three
+    of them for two slots (one queues)."""
+    model, cfg, _ = setup
+    rng = np.random.default_rng(3)
+    unit = [int(t) for t in rng.integers(0, 256, 12)]
+    prompts = [unit * 6 + unit[:5], (unit[::-1] * 8)[:90], (unit[:7] * 12)[:80]]
+    return prompts, {att: generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention=att)
+                     for att in ("sparse", "dense")}
+
+
+@pytest.mark.parametrize("attention", ["sparse", "dense"])
+def test_chunked_ngram_equals_plain_and_the_per_step_path(setup, repetitive, attention):
+    """The device chunk (Program.spec_chunk, the Engine's default for ngram) against plain greedy and against one
+    verification per step (chunk_steps = 0): the same tokens for a ragged batch with a queued request and lengths
+    that end mid-chunk, the same drafts proposed and accepted (the device drafter and back-off are the host's),
+    several verifications per device call, one compiled chunk program whatever the acceptance pattern."""
+    model, cfg, _ = setup
+    prompts, refs = repetitive
+    params = [SamplingParams(max_new_tokens=n) for n in (MAX_NEW, 13, 29)]
+    runs = {}
+    for chunk_steps in (cfg.page_size, 0):
+        eng = Engine(generator=Generator(model, cfg, attention=attention), speculative=SpecConfig("ngram", K))
+        eng.spec.chunk_steps = chunk_steps
+        reqs = eng.run(prompts, params)
+        assert [r.tokens for r in reqs] == [ref[:p.max_new_tokens] for ref, p in zip(refs[attention], params)]
+        assert all(r.finish_reason == "length" for r in reqs)
+        runs[chunk_steps] = eng
+    chunked, per_step = runs[cfg.page_size].spec, runs[0].spec
+    assert chunked.proposed > 0 and chunked.accepted > 0
+    assert (chunked.proposed, chunked.accepted, chunked.steps) == (per_step.proposed, per_step.accepted,
+                                                                   per_step.steps)
+    assert 0 < chunked.chunks < chunked.steps and per_step.chunks == 0
+    program = runs[cfg.page_size].gen.program
+    assert program.spec_chunk(cfg.page_size, K, 3)._cache_size() == 1       # one compile
+    free = runs[cfg.page_size].gen.backend
+    assert sorted(free.manager.alloc.free_slots if attention == "sparse" else free._free) == [0, 1]
+
+
+def test_chunked_ngram_stops_mid_chunk(setup, repetitive):
+    """A stop id, a stop string and a length limit that land inside a chunk (the stop id is the target's own token
+    after a run of accepted drafts, the limit inside such a run): each request ends with exactly the tokens of
+    plain decoding (the tokens the device produced past them are dropped with the slot)."""
+    from ulacache_jax.models import ByteTokenizer
+    model, cfg, _ = setup
+    prompts, refs = repetitive
+    ref = refs["sparse"]
+    tok = ByteTokenizer()
+    run = next(i for i in range(8, MAX_NEW) if ref[2][i] != ref[2][i - 1] == ref[2][i - 2] == ref[2][i - 3])
+    stop_id = ref[2][run]                                     # the token that ends a run the drafts repeat
+    assert stop_id not in ref[2][:run]
+    stop_str = tok.decode(ref[0][MAX_NEW - 4:MAX_NEW - 2])
+    params = [SamplingParams(max_new_tokens=MAX_NEW, stop_ids=(), stop=(stop_str,)),
+              SamplingParams(max_new_tokens=13, stop_ids=()),
+              SamplingParams(max_new_tokens=MAX_NEW, stop_ids=(stop_id,))]
+    want = Engine(generator=Generator(model, cfg, attention="sparse"), tokenizer=tok).run(prompts, params)
+    eng = Engine(generator=Generator(model, cfg, attention="sparse"), tokenizer=tok, speculative=SpecConfig("ngram", K))
+    got = eng.run(prompts, params)
+    assert [w.finish_reason for w in want] == ["stop", "length", "stop"]
+    assert want[2].tokens == ref[2][:run + 1] and want[1].tokens == ref[1][:13]
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    assert [g.finish_reason for g in got] == [w.finish_reason for w in want]
+    assert got[0].text == want[0].text and got[0].stop_reason == stop_str
+    assert eng.spec.chunks > 0 and eng.spec.accepted > 0
+
+
+def test_spec_chunk_copies_no_pool(setup):
+    """The chunk's loop carries the cache (updated in place) and only reads the host pool (written once, after the
+    loop, as decode's chunk does): a big frame pool; a copy of it would show up as temp memory of its size."""
+    model, _, _ = setup
+    cfg = default_cache_config(model.config, num_seqs=2, max_tokens=256, page_size=16, num_buckets=64,
+                               slots_per_bucket=256, verify_rows=K + 1)
+    gen = Generator(model, cfg, attention="sparse")
+    S, b = cfg.max_seqs, gen.backend
+    z = jnp.zeros(S, jnp.int32)
+    args = (gen.params, b.cache, b.host, jnp.zeros((S, cfg.max_context), jnp.int32), z, jnp.ones(S, bool), z, z,
+            (z, z, z), row_keys(jnp.zeros(S, jnp.uint32), jnp.zeros(S, jnp.uint32)), SamplingArrays.fill(S),
+            jnp.full((S, 8), -1, jnp.int32))
+    mem = gen.program.spec_chunk(cfg.page_size, K, 3).lower(*args).compile().memory_analysis()
+    assert mem.temp_size_in_bytes < 0.5 * b.cache.pool_k.nbytes, (mem.temp_size_in_bytes, b.cache.pool_k.nbytes)
+
+
 def test_draft_model_greedy_equals_plain(setup, plain):
     """A draft model (another tiny model: few acceptances; the target itself: all accepted), on a dense cache."""
     model, cfg, prompts = setup

@@ -26,7 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .cache_state import CacheState, HostPool, rebase_clock
 from .config import CacheConfig
-from .decode_layer import DecodeOptions, LayerStats, attend_layer, commit_rows, flush_tail, verify_layer
+from .decode_layer import (DecodeOptions, LayerStats, attend_layer, commit_rows, commit_summaries, flush_tail,
+                           verify_layer)
 from .kernel_choice import Platform, ResolvedKernels, resolve
 from .models.attention import dense_attention
 from .prefix_cache import DensePrefixes, SparsePrefixes, dense_attach, sparse_attach
@@ -94,6 +95,11 @@ class SparseOps(_Kernels):
     def commit(self, cache: CacheState, host: HostPool, length, flush):
         """Accepted rows committed: length [S], flush [S] bool (the sequences at a flush point) -> (cache, host)."""
         return commit_rows(cache, host, length, flush, impl=self.options.copy)
+
+    def commit_length(self, cache: CacheState, length) -> CacheState:
+        """`commit` with no sequence at a flush point, without the host pool (the speculative chunk's steps)."""
+        cache = dataclasses.replace(cache, seqs=dataclasses.replace(cache.seqs, length=length))
+        return commit_summaries(cache, length)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
@@ -183,6 +189,9 @@ class DenseOps(_Kernels):
 
     def commit(self, cache, host, length, flush):
         return (cache[0], length), host
+
+    def commit_length(self, cache, length):
+        return cache[0], length
 
 
 # ---- host halves ----------------------------------------------------------------------------------------------

@@ -121,7 +121,8 @@ class Program:
     decode(params, cache, host, tok, done, remaining, keys, sampling, stop_ids)
         -> (cache, host, tokens [S, page_size], done, remaining, LayerStats of [R] per rank)   cache, host donated
     decode_steps(n): the same for a chunk of n steps (n a power of two <= page_size)
-    next_logits(params, cache, host, tok) -> [S, V]: one step's logits, nothing committed."""
+    next_logits(params, cache, host, tok) -> [S, V]: one step's logits, nothing committed.
+    verify(rows), propose(rows), commit, spec_chunk(steps, K, ngram_max): speculative decoding (speculative.py)."""
 
     def __init__(self, graphdef, layer_gd, ops, config: CacheConfig, mesh: Mesh, params_spec, layer_spec,
                  cache_spec, host_spec, host_sh, view_spec, view_sh):
@@ -160,6 +161,10 @@ class Program:
             functools.partial(self._propose, rows=rows), (ps, cs, hs) + (r,) * 4, (cs, r, r), (None, None, None),
             donate_argnums=(1,)))
         self.commit = jit(self._commit, (cs, hs, r, r, r), (cs, hs), (None, host_sh), donate_argnums=(0, 1))
+        self._spec_chunk_for = functools.lru_cache(maxsize=None)(lambda steps, num_tokens, ngram_max, page: jit(
+            functools.partial(self._spec_chunk, steps=steps, num_tokens=num_tokens, ngram_max=ngram_max, page=page),
+            (ps, cs, hs) + (r,) * 9, (cs, hs) + (r,) * 8 + (stats_spec,), (None, host_sh) + (None,) * 9,
+            donate_argnums=(1, 2, 3)))
 
     def decode_steps(self, steps: int):
         """The decode program of a chunk of `steps` steps (a power of two up to page_size: a request's last chunk
@@ -254,21 +259,95 @@ class Program:
         (its K/V left in the tail ring as a lease; committed or not by `commit`)."""
         return self._propose_for(rows)
 
-    def _verify(self, params, cache, host, tokens, nrows, bound, keys, sampling, draft_probs, *, rows: int,
-                with_probs: bool):
+    def spec_chunk(self, steps: int, num_tokens: int, ngram_max: int):
+        """spec_chunk(params, cache, host, hist [S, C], hlen [S], done [S], remaining [S], prompt_len [S],
+                      backoff (k_now, fails, skip) [S] each, keys [S], sampling, stop_ids [S, N])
+            -> (cache, host, hist, hlen, out [steps, S, K + 1], n_new [steps, S], done, remaining, backoff,
+                counts (verifications, proposed [S], accepted [S]), LayerStats of [R])     cache, host, hist donated
+        Up to `steps` ngram verifications (K = num_tokens) in one device call: each proposes up to K drafts per
+        running slot from its history (ngram_device.propose, the host NgramIndex's rule) within the slot's back-off
+        state and before its next flush point (speculative.spec_bounds), verifies and commits them (as `verify`
+        with K + 1 rows), appends the new tokens to hist and out (-1 past n_new) and updates done (remaining
+        tokens; each slot's stop_ids, -1 = none), the back-off state (speculative.backoff) and the counts. The
+        loop ends after the verification where a slot reaches its next flush point (the flush, which writes the
+        host pool, runs once after the loop: the host pool is only read inside it, as in `decode`), when no running
+        slot has a draft for the next verification (the first always runs), when every slot is done, or after
+        `steps`. A slot's last history token is its last token (row 0). Keys: fold_in(keys, verification)."""
+        return self._spec_chunk_for(steps, num_tokens, ngram_max, self.config.page_size)
+
+    def _verify_rows(self, model, cache, host, tokens, nrows, bound, keys, sampling, draft_probs, rank):
+        """One verification (`verify`'s body) up to the commit -> (cache, out, n_new, length, flush, stats); the
+        caller commits (ops.commit with flush, or without)."""
         from .speculative import accept
-        ops, model = self.ops, nnx.merge(self.graphdef, params)
-        rank = jax.lax.axis_index(TP_AXIS)
+        ops = self.ops
         cache = ops.begin_chunk(cache)
         pos = ops.lengths(cache)
         live = nrows > 0
         cache, y, stats = verify_layers(model, ops, cache, model.embed(tokens), VerifyMeta(pos, nrows, live, rank, host))
-        out, n_new = accept(model.logits(y), tokens[:, 1:], nrows, keys, sampling,
-                            draft_probs if with_probs else None)
+        out, n_new = accept(model.logits(y), tokens[:, 1:], nrows, keys, sampling, draft_probs)
         length = jnp.where(live, pos + n_new, pos)
         flush = live & (length >= bound)
-        cache, host = ops.commit(cache, host, length, flush)
+        return cache, out, n_new, length, flush, stats
+
+    def _verify(self, params, cache, host, tokens, nrows, bound, keys, sampling, draft_probs, *, rows: int,
+                with_probs: bool):
+        model = nnx.merge(self.graphdef, params)
+        rank = jax.lax.axis_index(TP_AXIS)
+        cache, out, n_new, length, flush, stats = self._verify_rows(
+            model, cache, host, tokens, nrows, bound, keys, sampling, draft_probs if with_probs else None, rank)
+        cache, host = self.ops.commit(cache, host, length, flush)
         return cache, host, out, n_new, length, flush, jax.tree.map(lambda a: a[None], stats)
+
+    def _spec_chunk(self, params, cache, host, hist, hlen, done, remaining, prompt_len, backoff_state, keys,
+                    sampling, stop_ids, *, steps: int, num_tokens: int, ngram_max: int, page: int):
+        from . import ngram_device
+        from .speculative import backoff, spec_bounds
+        ops, model = self.ops, nnx.merge(self.graphdef, params)
+        rank = jax.lax.axis_index(TP_AXIS)
+        S, Q = hist.shape[0], num_tokens + 1
+
+        def proposal(cache, hist, hlen, done, remaining, state):
+            # the next verification's rows: [last token, drafts] [S, Q], rows in use [S], flush points [S]
+            k, bound = spec_bounds(ops.lengths(cache), prompt_len, remaining, state, page)
+            drafts, nd = ngram_device.propose(hist, hlen, k, num_tokens=num_tokens, ngram_max=ngram_max)
+            last = jnp.take_along_axis(hist, jnp.maximum(hlen - 1, 0)[:, None], axis=1)
+            nrows = jnp.where(done, 0, 1 + nd).astype(jnp.int32)
+            return jnp.concatenate([last, drafts], axis=1), nrows, bound
+
+        def cond(carry):
+            i, nrows, pending = carry[0], carry[8], carry[10]
+            return (i < steps) & jnp.any(nrows > 0) & ~jnp.any(pending) & ((i == 0) | jnp.any(nrows > 1))
+
+        def body(carry):
+            (i, cache, hist, hlen, done, remaining, state, tokens, nrows, bound, _, out, nn, counts, stats) = carry
+            live = nrows > 0
+            cache, o, n_new, length, flush, st = self._verify_rows(
+                model, cache, host, tokens, nrows, bound, jax.vmap(jax.random.fold_in, (0, None))(keys, i),
+                sampling, None, rank)
+            cache = ops.commit_length(cache, length)                  # the flush runs after the loop
+            hist, hlen = ngram_device.append(hist, hlen, o, n_new)
+            remaining = remaining - n_new
+            stop = jnp.any((o[:, :, None] >= 0) & (o[:, :, None] == stop_ids[:, None, :]), axis=(1, 2))
+            done = done | (live & ((remaining <= 0) | stop))
+            drafted = jnp.maximum(nrows - 1, 0)
+            state = backoff(state, n_new, drafted, num_tokens, page)
+            counts = (counts[0] + 1, counts[1] + drafted, counts[2] + jnp.where(drafted > 0, n_new - 1, 0))
+            tokens, nrows, bound = proposal(cache, hist, hlen, done, remaining, state)
+            return (i + 1, cache, hist, hlen, done, remaining, state, tokens, nrows, bound, flush,
+                    out.at[i].set(o), nn.at[i].set(n_new), counts, stats + st)
+
+        cache = ops.begin_chunk(cache)
+        tokens, nrows, bound = proposal(cache, hist, hlen, done, remaining, backoff_state)
+        out = jnp.full((steps, S, Q), -1, jnp.int32)                 # written by row, as decode's [steps, S]
+        nn = jnp.zeros((steps, S), jnp.int32)
+        zeros = jnp.zeros((S,), jnp.int32)
+        carry = (jnp.int32(0), cache, hist, hlen, done, remaining, backoff_state, tokens, nrows, bound,
+                 jnp.zeros((S,), bool), out, nn, (jnp.int32(0), zeros, zeros), LayerStats.zeros())
+        (_, cache, hist, hlen, done, remaining, state, _, _, _, pending, out, nn, counts,
+         stats) = jax.lax.while_loop(cond, body, carry)
+        cache, host = ops.commit(cache, host, ops.lengths(cache), pending)
+        return (cache, host, hist, hlen, out, nn, done, remaining, state, counts,
+                jax.tree.map(lambda a: a[None], stats))
 
     def _propose(self, params, cache, host, tok, nrows, keys, sampling, *, rows: int):
         from .speculative import draw, token_probs

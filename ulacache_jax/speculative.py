@@ -18,11 +18,17 @@ one forward of K + 1 rows per sequence, accepted by the speculative sampling rul
   draft probability q(d) is accepted with probability min(1, p(d) / q(d)); at the first rejection the next token
   is drawn from norm(max(0, p - q)); when all are accepted, from the last row's p. Greedy rows make p a point mass
   on the argmax (accept = longest matching prefix + the target's next token); ngram drafts are point masses.
-- `SpecDecoder`: the Engine's speculative step (one verification per Engine step, one host sync). It backs off
-  by itself: a slot's draft length grows on full acceptance and shrinks on rejection, a slot rejected step after
-  step stops drafting for a while, and a step where no slot drafts (ngram) runs a plain decode chunk instead.
-The row count of a verification is a power of two up to K + 1 (the longest proposal of the step): at most
-log2(K + 1) + 1 verification programs compile, none per acceptance pattern.
+- `SpecDecoder`: the Engine's speculative step. ngram: a device chunk (program.Program.spec_chunk) of up to
+  page_size verifications with one host sync: each proposes from a device history of every slot
+  (ngram_device.propose, the host NgramIndex's rule), verifies, commits and appends on the device, and the
+  chunk ends where a slot reaches its flush point (the flush writes the host pool once, after the loop) or no
+  slot drafts. The draft model (and oracle drafters in tests): one verification per Engine step, one host sync.
+  It backs off by itself (the same rule on the host and in the chunk, `backoff`): a slot's draft length grows on
+  full acceptance and shrinks on rejection, a slot rejected verification after verification stops drafting for
+  a while, and a step where no slot drafts (ngram) runs a plain decode chunk instead.
+The row count of a per-step verification is a power of two up to K + 1 (the longest proposal of the step): at
+most log2(K + 1) + 1 verification programs compile; a chunk always verifies K + 1 rows (one program); none
+compiles per acceptance pattern.
 """
 from __future__ import annotations
 
@@ -195,6 +201,32 @@ def next_flush(prompt_len: int, length: int, page_size: int) -> int:
     return prompt_len + page_size * ((length - prompt_len) // page_size + 1)
 
 
+def spec_bounds(length, prompt_len, remaining, state, page_size: int):
+    """Traced: the drafts a slot may propose for its next verification and its next flush point, as the host
+    step computes them: length, prompt_len, remaining [S] int32, state = (k_now, fails, skip) [S] ->
+    (k [S] = min(k_now, bound - length - 1, remaining - 1), 0 while skip > 0; bound [S] = next_flush)."""
+    k_now, _, skip = state
+    bound = prompt_len + page_size * ((length - prompt_len) // page_size + 1)
+    k = jnp.minimum(jnp.minimum(k_now, bound - length - 1), remaining - 1)
+    return jnp.where(skip > 0, 0, jnp.maximum(k, 0)).astype(jnp.int32), bound.astype(jnp.int32)
+
+
+def backoff(state, n_new, drafted, num_tokens: int, page_size: int):
+    """Traced: the host step's back-off rule (`SpecDecoder.decode`) after one verification: state = (k_now, fails,
+    skip) [S], n_new [S] new tokens, drafted [S] drafts verified -> the new state. skip counts down by the new
+    tokens; where drafts were verified, k_now grows by 2 on a full acceptance (up to K) and shrinks by 1 on a
+    rejection (down to 1), fails counts consecutive verifications with nothing accepted, and from 2 fails on the
+    slot pauses drafting for min(page_size, 2 ** (fails - 1)) tokens."""
+    k_now, fails, skip = state
+    skip = jnp.maximum(0, skip - n_new)
+    acc = n_new - 1
+    did = drafted > 0
+    k2 = jnp.where(acc == drafted, jnp.minimum(num_tokens, k_now + 2), jnp.maximum(1, k_now - 1))
+    f2 = jnp.where(acc > 0, 0, fails + 1)
+    s2 = jnp.where(f2 >= 2, jnp.minimum(page_size, jnp.left_shift(1, jnp.clip(f2 - 1, 0, 30))), skip)
+    return tuple(jnp.where(did, new, old).astype(jnp.int32) for new, old in ((k2, k_now), (f2, fails), (s2, skip)))
+
+
 # ---- the Engine's speculative step ----------------------------------------------------------------------------------
 def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -202,7 +234,8 @@ def _bucket(n: int) -> int:
 
 class SpecDecoder:
     """The speculative step of an Engine over its Generator (and, for method "draft", a draft Generator with the
-    same slots, page size and flush points). Counters: steps, proposed (drafts verified), accepted."""
+    same slots, page size and flush points). Counters: steps (verifications), proposed (drafts verified),
+    accepted, chunks (device calls of the ngram chunk)."""
 
     def __init__(self, gen, spec: SpecConfig, *, draft_gen=None):
         c = gen.config
@@ -219,11 +252,19 @@ class SpecDecoder:
         self.fails = np.zeros(S, np.int64)                     # consecutive steps with no draft accepted
         self.skip = np.zeros(S, np.int64)                      # tokens to go before the slot drafts again
         self.steps = self.proposed = self.accepted = 0
+        self.chunks = 0                                        # device calls of the ngram chunk (Program.spec_chunk)
         self._seen_rows: set[int] = set()
         # a drafter (slot, history, k) -> up to k tokens in place of the ngram index (tests: oracle drafters)
         self._ngram = [NgramIndex(spec.ngram_max) for _ in range(S)]
         self.drafter = None
         self.fixed_rows = False      # True: every verification runs K + 1 rows (one program; tests)
+        # ngram: verifications run on the device in chunks of up to chunk_steps (Program.spec_chunk) over a device
+        # history [S, max_context] (rows uploaded once per request); 0 = one verification per step (the path of
+        # oracle drafters and the draft model; tests compare the two)
+        self.chunk_steps = c.page_size if spec.method == "ngram" else 0
+        self._hist = None
+        self._hist_len = np.full(S, -1, np.int64)      # tokens of the slot's request in the device history, -1: none
+        self._set_row = None
         self.draft = None
         if spec.method == "draft":
             self.draft = draft_gen if draft_gen is not None else make_draft_generator(gen, spec)
@@ -245,6 +286,7 @@ class SpecDecoder:
         self.prompt_len[slot] = self.length[slot] = len(prompt)
         self.k_now[slot], self.fails[slot], self.skip[slot] = self.K, 0, 0
         self._ngram[slot] = NgramIndex(self.spec.ngram_max)
+        self._hist_len[slot] = -1
         if self.draft is not None:
             d = self.draft.admit(num_tokens)
             self.d_of[slot] = d
@@ -261,9 +303,11 @@ class SpecDecoder:
 
     # the step
     def decode(self, eng, rec, new, ended) -> None:
-        """One step for every running request of Engine `eng` (the Engine's `_decode`, speculative): a verification
-        of each slot's drafts; or, when no slot drafts (ngram: no match, or every slot backing off), a plain decode
-        chunk that ends where no flush point differs from plain decoding's (`_plain_steps`), else one row."""
+        """One step for every running request of Engine `eng` (the Engine's `_decode`, speculative): ngram, when a
+        slot drafts: a device chunk of verifications (`_chunk`); otherwise a verification of each slot's drafts;
+        or, when no slot drafts (ngram: no match, or every slot backing off), a plain decode chunk that ends where
+        no flush point differs from plain decoding's (`_plain_steps`), else one row. The host proposal decides
+        the branch (the chunk proposes again on the device, by the same rule)."""
         from .generator import _accumulate
         gen, c, K = self.gen, self.gen.config, self.K
         S, P = c.max_seqs, c.page_size
@@ -295,6 +339,8 @@ class SpecDecoder:
         steps = 1
         if self.draft is None and not self.fixed_rows and nrows.max() <= 1:
             steps = self._plain_steps(running, P)
+        if steps == 1 and nrows.max() > 1 and self.draft is None and self.drafter is None and self.chunk_steps:
+            return self._chunk(eng, rec, new, ended, running, keys, sampling)
         if steps > 1:                      # nobody drafts: a plain chunk (one host sync for `steps` tokens)
             rec.decode_compiled = ("plain", steps) not in self._seen_rows
             self._seen_rows.add(("plain", steps))
@@ -322,13 +368,7 @@ class SpecDecoder:
                 self._commit_draft(length, flush)
             out, n_new = np.asarray(out), np.asarray(n_new)
             self.steps += 1
-        now = eng._clock()
-        eng._stats0 = eng._stats_now()
-        rec.hits, rec.misses, rec.overflow, rec.fetched = (a - b_ for a, b_ in zip(eng._stats0, before))
-        rec.decode_s = now - t0
-        rec.decode_steps = steps
-        eng._chunks += 1
-        eng._chunk_of += 1
+        now = self._record(eng, rec, before, t0, steps)
         for slot, rid in running:
             req = eng.requests[rid]
             got = [int(t) for t in out[slot, :n_new[slot]]]
@@ -345,12 +385,83 @@ class SpecDecoder:
                 if self.fails[slot] >= 2:
                     self.skip[slot] = min(P, 2 ** (int(self.fails[slot]) - 1))
             eng._remaining[slot] -= len(got)
-            reason = eng._deliver(rec, req, slot, got, new, now)
-            if reason is None:
-                continue
-            eng._finish(req, reason)
-            eng._release(slot)
-            ended[rid] = None
+            self._deliver(eng, rec, slot, rid, got, new, ended, now)
+
+    @staticmethod
+    def _record(eng, rec, before, t0, steps: int) -> float:
+        """The step's timeline entry (cache counters, time, decode steps) -> now."""
+        now = eng._clock()
+        eng._stats0 = eng._stats_now()
+        rec.hits, rec.misses, rec.overflow, rec.fetched = (a - b_ for a, b_ in zip(eng._stats0, before))
+        rec.decode_s = now - t0
+        rec.decode_steps = steps
+        eng._chunks += 1
+        eng._chunk_of += 1
+        return now
+
+    @staticmethod
+    def _deliver(eng, rec, slot: int, rid: int, got: list[int], new, ended, now: float) -> None:
+        """A slot's new tokens to its request (Engine._deliver: cut at a stop id or stop string); the request ends
+        and the slot is released where it stopped or reached its length."""
+        reason = eng._deliver(rec, eng.requests[rid], slot, got, new, now)
+        if reason is None:
+            return
+        eng._finish(eng.requests[rid], reason)
+        eng._release(slot)
+        ended[rid] = None
+
+    def _chunk(self, eng, rec, new, ended, running, keys, sampling) -> None:
+        """ngram: up to chunk_steps verifications in one device call (Program.spec_chunk), one host sync. The
+        device history of each running slot is its prompt + delivered tokens (a row is uploaded where it is not).
+        Tokens past a stop id or stop string that the device produced are cut by Engine._deliver (the request
+        ends and its slot is released, so its cache length no longer matters), as for plain chunks."""
+        from .generator import _accumulate
+        gen, c, K = self.gen, self.gen.config, self.K
+        S, C, rep = c.max_seqs, c.max_context, gen._replicated
+        if self._hist is None:
+            self._hist = jax.device_put(np.zeros((S, C), np.int32), rep)
+            self._set_row = jax.jit(lambda h, s, row: h.at[s].set(row), donate_argnums=0, out_shardings=rep)
+        stops = np.full((S, eng._no_stops.shape[0]), -1, np.int32)
+        for slot, rid in running:
+            req = eng.requests[rid]
+            want = len(req.prompt_ids) + len(req.tokens)
+            if self._hist_len[slot] != want:
+                row = np.zeros(C, np.int32)
+                h = (list(req.prompt_ids) + list(req.tokens))[:C]
+                row[:len(h)] = h
+                self._hist = self._set_row(self._hist, jnp.int32(slot), jax.device_put(row, rep))
+                self._hist_len[slot] = len(h)
+            ids = list(req.sampling.stop_ids)[:stops.shape[1]]
+            stops[slot, :len(ids)] = ids
+        steps = self.chunk_steps
+        rec.live_slots = len(running)
+        rec.decode_compiled = ("chunk", steps) not in self._seen_rows
+        self._seen_rows.add(("chunk", steps))
+        state = tuple(a.astype(np.int32) for a in (self.k_now, self.fails, self.skip))
+        args = jax.device_put((np.maximum(self._hist_len, 0).astype(np.int32), eng._done.copy(),
+                               eng._remaining.copy(), self.prompt_len.astype(np.int32), state, keys, sampling, stops),
+                              rep)
+        before = eng._stats0
+        t0 = eng._clock()
+        b = gen.backend
+        chunk = gen.program.spec_chunk(steps, K, self.spec.ngram_max)
+        b.cache, b.host, self._hist, hlen, out, n_new, _, _, state, counts, stats = chunk(
+            gen.params, b.cache, b.host, self._hist, *args)
+        gen.stats, gen.rank_stats = _accumulate(gen.stats, gen.rank_stats, stats)
+        hlen, out, state, (iters, proposed, accepted) = jax.device_get((hlen, out, state, counts))
+        self.k_now, self.fails, self.skip = (np.asarray(a, np.int64) for a in state)
+        self._hist_len = np.asarray(hlen, np.int64)
+        self.steps += int(iters)
+        self.chunks += 1
+        self.proposed += int(proposed.sum())
+        self.accepted += int(accepted.sum())
+        now = self._record(eng, rec, before, t0, int(iters))
+        for slot, rid in running:
+            got = out[:, slot].reshape(-1)
+            got = [int(t) for t in got[got >= 0]]
+            self.length[slot] += len(got)
+            eng._remaining[slot] -= len(got)
+            self._deliver(eng, rec, slot, rid, got, new, ended, now)
 
     def _plain_steps(self, running, P: int) -> int:
         """The longest plain decode chunk (a power of two) that every running slot can take without a flush plain
