@@ -136,6 +136,28 @@ def test_a_live_sharer_keeps_the_id_after_its_node_is_evicted(model):
     assert (owner == np.arange(S)[:, None]).all()                       # released rows name their own slot
 
 
+def test_turning_sharing_off_mid_run_releases_every_id(model):
+    """set_prefix_cache(False) while a sharer decodes: the stored prefixes go, the sharer names its pages by its
+    own slot again, every id's frames are emptied, and its tokens are still those of a run without sharing."""
+    gen = _gen(model)
+    eng = Engine(generator=gen)
+    S = gen.config.max_seqs
+    doc = _doc(5)
+    sp = SamplingParams(max_new_tokens=30)
+    first = eng.run([doc + [7, 8]], SamplingParams(max_new_tokens=2))[0].tokens
+    rid = eng.add_request(doc + [9, 10, 11], sp)
+    while not any(t[0] >= S for t in _tags(gen)):
+        eng.step()
+    gen.set_prefix_cache(False)
+    assert not [t for t in _tags(gen) if t[0] >= S]
+    assert (np.asarray(gen.cache.state.seqs.owner) == np.arange(S)[:, None]).all()
+    while eng.has_unfinished():
+        eng.step()
+    off = Engine(generator=_gen(model), prefix_cache=False)
+    assert off.run([doc + [7, 8]], SamplingParams(max_new_tokens=2))[0].tokens == first
+    assert eng.get(rid).tokens == off.run([doc + [9, 10, 11]], sp)[0].tokens
+
+
 # ---- tensor parallelism: the owner table is replicated, ids are global --------------------------------------------
 def _tp_main():
     """Run in a subprocess with 2 forced CPU devices: one prompt, two sharers, at TP = 1 without sharing and TP = 2

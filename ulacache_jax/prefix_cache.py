@@ -381,7 +381,11 @@ class SparsePrefixes:
         return m * self.config.num_layers * self.config.groups_per_rank
 
     def close(self) -> None:
+        """Drop every stored prefix; a live sequence goes back to naming every page by its own slot, so every id
+        is released (its frames emptied) and a later SparsePrefixes over this cache can give the ids again."""
         self.index.clear()
+        for slot in list(self.owner_of):
+            self._name(slot, [])
         self.manager.alloc.reclaim = self.manager.alloc.reclaimable = None
 
 
