@@ -6,7 +6,9 @@ distribution (the acceptance rule on its own, and through a tiny model's verific
 
 Shapes: the tiny model, 2 slots, page 16, token budget 64 (4 pages: prompts of 70-110 tokens select pages), K = 3.
 Oracle drafters (the plain run's own continuation, corrupted on a schedule) give both acceptances and rejections;
-`fixed_rows` keeps one verification program per backend (row-count buckets are exercised by the ngram test)."""
+`fixed_rows` keeps one verification program per backend (row-count buckets are exercised by the ngram test).
+The ngram drafter runs in device chunks (Program.spec_chunk): greedy equal to plain and to the per-step path
+(the same drafts proposed and accepted), stops and lengths inside a chunk, one compile, no pool copy."""
 import dataclasses
 
 import numpy as np
