@@ -212,8 +212,10 @@ def test_speculative_engine_restores(setup, tmp_path):
     """A speculative engine's checkpoint restores into a speculative engine (draft state and flush points from the
     prompt's end); greedy tokens equal the uninterrupted run's where the sequence stays within the token budget
     (checkpoint.py says why past it they may differ)."""
+    import dataclasses
     from ulacache_jax.speculative import SpecConfig
-    _, _, gen, prompts, _ = setup
+    model, cfg, _, prompts, _ = setup
+    gen = Generator(model, dataclasses.replace(cfg, verify_rows=4), attention="sparse")   # overflow frames: K + 1 rows
     short = [prompts[0][:30], prompts[2][:20]]                      # 30 + 33, 20 + 33 tokens <= budget 64
     params = [SamplingParams(max_new_tokens=33)] * 2
     ref = [r.tokens for r in Engine(generator=gen, speculative=SpecConfig(num_tokens=3)).run(short, params)]
