@@ -269,6 +269,8 @@ for pi, p in enumerate(P):
     for k_, v_ in got.items():
         res[k_] += v_
     print(f"prompt {pi} depth {p['depth']} n {n} ans {text!r}: {got} ({time.time() - t0:.0f} s)", flush=True)
+    print("  needle recall", json.dumps({f"{ru} b{b}": round(float(x), 3) for (ru, b), x in zip(LANES, rec_needle[-1])}),
+          flush=True)
 print("dense found", ndense, "of", len(P)); print(json.dumps(res))
 print("attention recall (dense weight on the selected positions, mean over heads, layers, steps; all steps / key "
       "steps):")
