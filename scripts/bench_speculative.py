@@ -115,6 +115,25 @@ def match_share(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(tot, 1)
 
 
+def plain_step_ms(gen, live, chunks: int):
+    """A plain decode step of `gen`'s live slots (live [S] bool): the median of chunks - 1 timed page_size-step chunks
+    (the first compiles) / page_size, host sync included -> (ms, the SamplingArrays used)."""
+    import numpy as np
+    import jax.numpy as jnp
+    from ulacache_jax.sampling import SamplingArrays, row_keys
+    S = gen.config.max_seqs
+    tok, done = jnp.zeros(S, jnp.int32), jnp.asarray(~live)
+    rem, sampling, stops = jnp.full(S, 1 << 30, jnp.int32), SamplingArrays.fill(S), jnp.asarray([-1], jnp.int32)
+    times = []
+    for i in range(chunks):
+        t = time.perf_counter()
+        out, _, _ = gen.decode_chunk(tok, done, rem, row_keys(jnp.arange(S, dtype=jnp.uint32),
+                                                               jnp.full(S, i, jnp.uint32)), sampling, stops)
+        np.asarray(out)
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times[1:])) / gen.config.page_size, sampling
+
+
 def step_cost(args, res) -> None:
     """--step-cost rows (module docstring)."""
     import numpy as np
@@ -124,7 +143,7 @@ def step_cost(args, res) -> None:
     from bench_decode import bench_config, synthetic_fill_sparse
     from ulacache_jax.generator import Generator
     from ulacache_jax.models import LlamaModel, get_preset
-    from ulacache_jax.sampling import SamplingArrays, row_keys
+    from ulacache_jax.sampling import row_keys
     from ulacache_jax.speculative import next_flush
     preset = "tiny" if args.small else "llama-3.1-8b"
     mc = get_preset(preset)
@@ -140,16 +159,7 @@ def step_cost(args, res) -> None:
         slots = [gen.admit(ctx + (ns.chunks + 1) * page) for _ in range(B)]
         synthetic_fill_sparse(gen.cache, slots, ctx, seed=B, chunk=min(ctx, 32768))
         live = np.arange(S) < B
-        tok, done = jnp.zeros(S, jnp.int32), jnp.asarray(~live)
-        rem, sampling, stops = jnp.full(S, 1 << 30, jnp.int32), SamplingArrays.fill(S), jnp.asarray([-1], jnp.int32)
-        times = []
-        for i in range(4):                                    # the first compiles
-            t = time.perf_counter()
-            out, _, _ = gen.decode_chunk(tok, done, rem, row_keys(jnp.arange(S, dtype=jnp.uint32),
-                                                                   jnp.full(S, i, jnp.uint32)), sampling, stops)
-            np.asarray(out)
-            times.append(time.perf_counter() - t)
-        plain_ms = 1e3 * float(np.median(times[1:])) / page
+        plain_ms, sampling = plain_step_ms(gen, live, chunks=4)
         L = ctx + 4 * page
         rng = np.random.default_rng(0)
         for K in ks:

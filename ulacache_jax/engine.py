@@ -472,13 +472,7 @@ class Engine:
                 ended[rid] = None
                 self._slot_req.pop(slot)
             raise
-        now = self._clock()
-        self._stats0 = self._stats_now()
-        rec.hits, rec.misses, rec.overflow, rec.fetched = (a - b for a, b in zip(self._stats0, before))
-        rec.decode_s = now - t0
-        rec.decode_steps = steps
-        self._chunks += 1
-        self._chunk_of += 1
+        now = self._record_chunk(rec, before, t0, steps)
         for slot, rid in list(self._slot_req.items()):
             if self._done[slot]:
                 continue
@@ -600,6 +594,18 @@ class Engine:
         """prefix_cache.PrefixStats of this engine's run: prompt tokens attached instead of prefilled, prompt tokens
         prefilled, host pages not allocated (zeros with prefix_cache=False)."""
         return self.gen.prefix_stats().minus(self._prefix0)
+
+    def _record_chunk(self, rec, before, t0, steps: int) -> float:
+        """A decode chunk's timeline entry (cache counters since `before`, time since t0, decode steps); the chunk
+        counters advance (a sampled request's key is its seed and its chunk count) -> now."""
+        now = self._clock()
+        self._stats0 = self._stats_now()
+        rec.hits, rec.misses, rec.overflow, rec.fetched = (a - b for a, b in zip(self._stats0, before))
+        rec.decode_s = now - t0
+        rec.decode_steps = steps
+        self._chunks += 1
+        self._chunk_of += 1
+        return now
 
     def stats_totals(self) -> dict[str, int]:
         h, m, o, f = (sum(getattr(r, k) for r in self.timeline) for k in ("hits", "misses", "overflow", "fetched"))

@@ -368,7 +368,7 @@ class SpecDecoder:
                 self._commit_draft(length, flush)
             out, n_new = np.asarray(out), np.asarray(n_new)
             self.steps += 1
-        now = self._record(eng, rec, before, t0, steps)
+        now = eng._record_chunk(rec, before, t0, steps)
         for slot, rid in running:
             req = eng.requests[rid]
             got = [int(t) for t in out[slot, :n_new[slot]]]
@@ -386,18 +386,6 @@ class SpecDecoder:
                     self.skip[slot] = min(P, 2 ** (int(self.fails[slot]) - 1))
             eng._remaining[slot] -= len(got)
             self._deliver(eng, rec, slot, rid, got, new, ended, now)
-
-    @staticmethod
-    def _record(eng, rec, before, t0, steps: int) -> float:
-        """The step's timeline entry (cache counters, time, decode steps) -> now."""
-        now = eng._clock()
-        eng._stats0 = eng._stats_now()
-        rec.hits, rec.misses, rec.overflow, rec.fetched = (a - b_ for a, b_ in zip(eng._stats0, before))
-        rec.decode_s = now - t0
-        rec.decode_steps = steps
-        eng._chunks += 1
-        eng._chunk_of += 1
-        return now
 
     @staticmethod
     def _deliver(eng, rec, slot: int, rid: int, got: list[int], new, ended, now: float) -> None:
@@ -455,7 +443,7 @@ class SpecDecoder:
         self.chunks += 1
         self.proposed += int(proposed.sum())
         self.accepted += int(accepted.sum())
-        now = self._record(eng, rec, before, t0, int(iters))
+        now = eng._record_chunk(rec, before, t0, int(iters))
         for slot, rid in running:
             got = out[:, slot].reshape(-1)
             got = [int(t) for t in got[got >= 0]]

@@ -32,6 +32,7 @@ def main():
     import jax.numpy as jnp
     from flax import nnx
     from bench_decode import bench_config, synthetic_fill_sparse
+    from bench_speculative import plain_step_ms
     from ulacache_jax import decode_layer
     if args.patched:
         src = inspect.getsource(decode_layer.verify_batched)
@@ -40,7 +41,7 @@ def main():
         exec(compile(new, decode_layer.__file__, "exec"), decode_layer.__dict__)
     from ulacache_jax.generator import Generator
     from ulacache_jax.models import LlamaModel, get_preset
-    from ulacache_jax.sampling import SamplingArrays, row_keys
+    from ulacache_jax.sampling import row_keys
     from ulacache_jax.speculative import next_flush
     mc = dataclasses.replace(get_preset(args.preset), num_layers=args.layers)
     model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -54,16 +55,7 @@ def main():
     slots = [gen.admit(ctx + (ns.chunks + 1) * page)]
     synthetic_fill_sparse(gen.cache, slots, ctx, seed=1, chunk=min(ctx, 32768))
     live = np.arange(S) < 1
-    tok, done = jnp.zeros(S, jnp.int32), jnp.asarray(~live)
-    rem, sampling, stops = jnp.full(S, 1 << 30, jnp.int32), SamplingArrays.fill(S), jnp.asarray([-1], jnp.int32)
-    times = []
-    for i in range(3):
-        t = time.perf_counter()
-        out, _, _ = gen.decode_chunk(tok, done, rem, row_keys(jnp.arange(S, dtype=jnp.uint32),
-                                                               jnp.full(S, i, jnp.uint32)), sampling, stops)
-        np.asarray(out)
-        times.append(time.perf_counter() - t)
-    plain_ms = 1e3 * float(np.median(times[1:])) / page
+    plain_ms, sampling = plain_step_ms(gen, live, chunks=3)
     L = ctx + 3 * page
     b = next_flush(ctx, L, page)
     rows = np.where(live, min(K + 1, b - L), 0).astype(np.int32)
