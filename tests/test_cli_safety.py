@@ -33,6 +33,9 @@ def _cmd(*argv):
 
 
 def _start(argv, **kw):
+    # CPU only: with every platform allowed, jax also probes TPU at start-up, and on a loaded machine its "TPU
+    # backend initialization is taking more than N seconds" warning lands in the stderr these tests read
+    kw.setdefault("env", dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS") or "cpu"))
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
