@@ -20,11 +20,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from . import ngram_device
 from .config import CacheConfig
 from .decode_layer import LayerStats
 from .models.attention import dense_attention
 from .prefix_cache import prefix_attention
 from .sampling import sample
+from .speculative import accept, backoff, draw, spec_bounds, token_probs
 from .tp import TP_AXIS, per_rank
 
 PREFILL_CHUNK = 4096  # tokens of per-token prefill work (projections, MLP) at a time
@@ -278,7 +280,6 @@ class Program:
     def _verify_rows(self, model, cache, host, tokens, nrows, bound, keys, sampling, draft_probs, rank):
         """One verification (`verify`'s body) up to the commit -> (cache, out, n_new, length, flush, stats); the
         caller commits (ops.commit with flush, or without)."""
-        from .speculative import accept
         ops = self.ops
         cache = ops.begin_chunk(cache)
         pos = ops.lengths(cache)
@@ -300,8 +301,6 @@ class Program:
 
     def _spec_chunk(self, params, cache, host, hist, hlen, done, remaining, prompt_len, backoff_state, keys,
                     sampling, stop_ids, *, steps: int, num_tokens: int, ngram_max: int, page: int):
-        from . import ngram_device
-        from .speculative import backoff, spec_bounds
         ops, model = self.ops, nnx.merge(self.graphdef, params)
         rank = jax.lax.axis_index(TP_AXIS)
         S, Q = hist.shape[0], num_tokens + 1
@@ -350,7 +349,6 @@ class Program:
                 jax.tree.map(lambda a: a[None], stats))
 
     def _propose(self, params, cache, host, tok, nrows, keys, sampling, *, rows: int):
-        from .speculative import draw, token_probs
         ops, model = self.ops, nnx.merge(self.graphdef, params)
         rank = jax.lax.axis_index(TP_AXIS)
         cache = ops.begin_chunk(cache)
