@@ -209,8 +209,11 @@ class Program:
         C = min(Ts, PREFILL_CHUNK)
         pos = start + jnp.arange(Ts, dtype=jnp.int32)[None]
         q, k, v = _token_chunks(block.qkv, C, x, pos)
-        view, kp, vp = self.ops.prefill_attach(view, layer, slot, src, start)
+        # store first, then read the prefix from the stored view: the two touch disjoint pages (rows), and the read
+        # taking the store's output orders it after the in-place write. The other order left the pool (host pool,
+        # sparse) with an unordered reader beside an in-place writer, and XLA copied it to keep both valid.
         view = self.ops.prefill_store(view, layer, slot, k[0], v[0], length, start=start)
+        view, kp, vp = self.ops.prefill_attach(view, layer, slot, src, start)
         attn = prefix_attention(q, k, v, kp[None], vp[None], start, self.ops.kernels.prefill_attention)
         return view, _token_chunks(block.finish, C, x, attn)
 
