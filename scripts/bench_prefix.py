@@ -13,7 +13,9 @@ and requests queue for host pages (that is the point of sharing); `--host-docs 0
 sequence (what the cache would need without sharing).
 Per row: time to the last answer (wall, compilation included, and the part spent in steps that compiled),
 prompt tokens prefilled (computed) and attached, host bytes (the pool's peak in use, and its size), and whether
-the answers equal those without sharing. JSON row by row to <out>/prefix.json (bench_meta.Results).
+the answers equal those without sharing. Each mode runs `--passes` documents one after
+another through its engine: the row's own fields are the first pass (every program compiles there), `warm` lists
+the later ones (another document of the same length, nothing compiles: what a running server pays per document). JSON row by row to <out>/prefix.json (bench_meta.Results).
 
 H200 (one call per mode keeps each under 10 minutes):
   python scripts/bench_prefix.py --rows 8b:130816 --modes on --out docs/benchmarks
@@ -44,7 +46,7 @@ QUESTIONS = ("What does the function defined above return?", "Which arguments ar
 
 
 def _document(kind: str, tokens: int, args):
-    """-> (model, document ids, question id lists, label)."""
+    """-> (model, [document ids] one per pass (distinct documents), question id lists)."""
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
@@ -56,27 +58,27 @@ def _document(kind: str, tokens: int, args):
         dtype = jnp.float32 if args.small else jnp.bfloat16
         model = from_pretrained(args.model, dtype=dtype)
         tok = load_tokenizer(args.model)
-        doc = real_text_ids(tok, tokens)
+        text = real_text_ids(tok, tokens * args.passes)
+        docs = [text[i * tokens:(i + 1) * tokens] for i in range(args.passes)]
         qs = [tok.encode("\n\nQuestion: " + QUESTIONS[i % len(QUESTIONS)] + "\nAnswer:") for i in range(args.questions)]
-        return model, doc, qs
+        return model, docs, qs
     from ulacache_jax.models import LlamaModel, get_preset
     preset = {"8b": "llama-3.1-8b", "tiny": "tiny"}[kind]
     dtype = jnp.float32 if kind == "tiny" else jnp.bfloat16
     model = LlamaModel(get_preset(preset), dtype=dtype, rngs=nnx.Rngs(0))
     V = model.config.vocab_size
-    doc = rng.integers(0, V, tokens).tolist()
+    docs = [rng.integers(0, V, tokens).tolist() for _ in range(args.passes)]
     qs = [rng.integers(0, V, int(n)).tolist() for n in rng.integers(16, 201 if kind == "8b" else 41, args.questions)]
-    return model, doc, qs
+    return model, docs, qs
 
 
 def run_mode(kind: str, tokens: int, attention: str, share: bool, args) -> dict:
     import jax
-    import numpy as np
     from ulacache_jax.engine import Engine, SamplingParams
     from ulacache_jax.generation import Generator, default_cache_config
-    model, doc, qs = _document(kind, tokens, args)
-    prompts = [doc + q for q in qs]
-    longest = max(len(p) for p in prompts) + args.max_new
+    model, docs, qs = _document(kind, tokens, args)
+    doc = docs[0]
+    longest = max(len(doc) + len(q) for q in qs) + args.max_new
     page = args.page
     pages_of = lambda n: -(-n // page)
     mc = model.config
@@ -92,30 +94,43 @@ def run_mode(kind: str, tokens: int, attention: str, share: bool, args) -> dict:
         cfg = base
     gen = Generator(model, cfg, attention=attention)
     eng = Engine(generator=gen, prefix_cache=share)
-    t0 = time.perf_counter()
-    reqs = eng.run(prompts, SamplingParams(max_new_tokens=args.max_new, stop_ids=()))
-    wall = time.perf_counter() - t0
-    errors = [r.error for r in reqs if r.finish_reason == "error"]
-    st = eng.prefix_stats()
-    prompt_tokens = sum(len(p) for p in prompts)
     alloc = gen.cache.alloc if gen.cache is not None else None
     host_bytes = lambda pages: pages * 2 * cfg.page_bytes * cfg.tp
-    stats = eng.stats_totals()      # decode's PB-LRU accesses (sparse): hits, misses, pages fetched over PCIe
+
+    def one_pass(doc) -> dict:
+        """All questions over `doc` through the engine: time to the last answer and what it computed and held.
+        The first pass compiles every program; later passes (another document, the same engine) show what a
+        running server pays for a new document."""
+        prompts = [doc + q for q in qs]
+        t_index, st0 = len(eng.timeline), eng.prefix_stats()
+        if alloc is not None:
+            alloc.peak_used = cfg.host_pages - alloc.num_free     # this pass's peak (stored prefixes count)
+        t0 = time.perf_counter()
+        reqs = eng.run(prompts, SamplingParams(max_new_tokens=args.max_new, stop_ids=()))
+        wall = time.perf_counter() - t0
+        timeline = eng.timeline[t_index:]
+        st = eng.prefix_stats().minus(st0)
+        prompt_tokens = sum(len(p) for p in prompts)
+        counts = {k: sum(getattr(r, k) for r in timeline) for k in ("hits", "misses", "fetched")}
+        return dict(
+            time_to_last_answer_s=wall,
+            compile_steps_s=sum(r.t_end - r.t_start for r in timeline if r.compiled),
+            prefill_s=sum(r.prefill_s for r in timeline), decode_s=sum(r.decode_s for r in timeline),
+            prompt_tokens=prompt_tokens, prefill_tokens_computed=prompt_tokens - st.hit_tokens,
+            prefix_cache_hit_tokens=st.hit_tokens, prefix_hits=st.hits,
+            host_bytes_peak=None if alloc is None else host_bytes(alloc.peak_used),
+            host_bytes_saved=host_bytes(st.saved_host_pages),
+            decode_page_hits=counts["hits"], decode_page_misses=counts["misses"],
+            decode_pages_fetched=counts["fetched"],
+            answers=[r.tokens for r in reqs], errors=[r.error for r in reqs if r.finish_reason == "error"])
+
+    passes = [one_pass(d) for d in docs]
     return dict(
         model=kind, doc_tokens=len(doc), questions=len(qs), attention=attention, sharing=share,
-        slots=args.slots, max_new=args.max_new, page_size=page,
-        time_to_last_answer_s=wall,
-        compile_steps_s=sum(r.t_end - r.t_start for r in eng.timeline if r.compiled),
-        prefill_s=sum(r.prefill_s for r in eng.timeline), decode_s=sum(r.decode_s for r in eng.timeline),
-        prompt_tokens=prompt_tokens, prefill_tokens_computed=prompt_tokens - st.hit_tokens,
-        prefix_cache_hit_tokens=st.hit_tokens, prefix_hits=st.hits,
-        host_bytes_peak=None if alloc is None else host_bytes(alloc.peak_used),
+        slots=args.slots, max_new=args.max_new, page_size=page, **passes[0],
         host_pool_bytes=None if alloc is None else host_bytes(cfg.host_pages),
-        host_bytes_saved=host_bytes(st.saved_host_pages),
         doc_host_bytes=host_bytes(per_page * pages_of(len(doc))) if alloc is not None else None,
-        decode_page_hits=stats["hits"], decode_page_misses=stats["misses"], decode_pages_fetched=stats["fetched"],
-        answers=[r.tokens for r in reqs], errors=errors,
-        device=str(jax.devices()[0].device_kind), jax=jax.__version__)
+        warm=passes[1:], device=str(jax.devices()[0].device_kind), jax=jax.__version__)
 
 
 def pairs(rows: list[dict]) -> list[dict]:
@@ -136,7 +151,11 @@ def pairs(rows: list[dict]) -> list[dict]:
                         prefill_tokens_computed=(on["prefill_tokens_computed"], off["prefill_tokens_computed"]),
                         host_bytes_peak=(hb_on, hb_off), host_bytes_peak_in_docs=None if not hb_on else
                         hb_on / on["doc_host_bytes"],
-                        same_answers=sum(a == b for a, b in zip(on["answers"], off["answers"]))))
+                        same_answers=sum(a == b for a, b in zip(on["answers"], off["answers"])),
+                        warm_speedup_to_last_answer=[b["time_to_last_answer_s"] / a["time_to_last_answer_s"]
+                                                     for a, b in zip(on.get("warm", []), off.get("warm", []))],
+                        warm_same_answers=[sum(x == y for x, y in zip(a["answers"], b["answers"]))
+                                           for a, b in zip(on.get("warm", []), off.get("warm", []))]))
     return out
 
 
@@ -174,6 +193,8 @@ def main(argv=None):
     p.add_argument("--attention", default=None,
                    help="sparse,dense (default: sparse for 8b rows, both for the others)")
     p.add_argument("--questions", type=int, default=16)
+    p.add_argument("--passes", type=int, default=2, help="documents run one after another through one engine: the "
+                   "first pass compiles, the next ones are a running server's cost of a new document (>= 1)")
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--slots", type=int, default=None, help="sequence slots (default: --questions)")
     p.add_argument("--host-docs", type=float, default=2, help="documents' worth of host pool beyond the slots' own "
@@ -202,6 +223,8 @@ def main(argv=None):
     args.page = args.page or (16 if args.small else 64)
     args.token_budget = args.token_budget or (64 if args.small else 2048)
     args.slots = args.slots or args.questions
+    if args.passes < 1:
+        p.error(f"--passes {args.passes}: need at least 1")
     if args.one:
         kind, tokens, attention, share = args.one.split(":")
         print("ROW " + json.dumps(run_mode(kind, int(tokens), attention, share == "on", args)), flush=True)
@@ -228,12 +251,12 @@ def main(argv=None):
                 res.add(row)
                 res.extra["pairs"] = pairs(res.rows)
                 res.save()
-                print(json.dumps({k: v for k, v in row.items() if k != "answers"}), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("answers", "warm")}), flush=True)
     plot(res.rows, os.path.splitext(path)[0] + ".png")
     for pr in res.extra.get("pairs", []):
         print(json.dumps(pr))
     print(f"\n{'model':8s} {'doc':>7s} {'attn':6s} {'share':5s} {'last answer s':>13s} {'computed':>9s} "
-          f"{'host peak':>10s}")
+          f"{'host peak':>12s} {'warm passes: last answer s':>26s}")
     for r in res.rows:
         if "error" in r:
             print(f"{r['model']:8s} {r['doc_tokens']:7d} {r['attention']:6s} {str(r['sharing']):5s} "
@@ -242,7 +265,8 @@ def main(argv=None):
         hb = r.get("host_bytes_peak")
         print(f"{r['model']:8s} {r['doc_tokens']:7d} {r['attention']:6s} {str(r['sharing']):5s} "
               f"{r['time_to_last_answer_s']:13.2f} {r['prefill_tokens_computed']:9d} "
-              f"{'-' if hb is None else f'{hb / 2**20:.1f} MiB':>12s}")
+              f"{'-' if hb is None else f'{hb / 2**20:.1f} MiB':>12s} "
+              f"{' '.join(f'{w['time_to_last_answer_s']:.2f}' for w in r.get('warm', [])):>26s}")
 
 
 if __name__ == "__main__":

@@ -273,7 +273,7 @@ def test_bench_prefix_small_rows_and_pairs():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     args = argparse.Namespace(small=True, questions=2, max_new=2, slots=2, host_docs=1, page=16, token_budget=64,
-                              model="smollm2-135m")
+                              model="smollm2-135m", passes=2)
     rows = [bench.run_mode("tiny", 64, "sparse", share, args) for share in (True, False)]
     on, off = rows
     assert not on["errors"] and not off["errors"] and on["answers"] == off["answers"]
@@ -284,3 +284,9 @@ def test_bench_prefix_small_rows_and_pairs():
     pr, = bench.pairs(rows)
     assert pr["same_answers"] == 2 and pr["prefill_tokens_computed"] == (on["prefill_tokens_computed"],
                                                                          off["prefill_tokens_computed"])
+    # the second pass (another document, the same engine: nothing compiles) shares its own document's pages
+    w_on, = on["warm"]
+    w_off, = off["warm"]
+    assert not w_on["errors"] and w_on["answers"] == w_off["answers"]
+    assert w_on["prefix_cache_hit_tokens"] == 64 and w_off["prefix_cache_hit_tokens"] == 0
+    assert w_on["compile_steps_s"] == 0 and len(pr["warm_speedup_to_last_answer"]) == 1
