@@ -75,11 +75,16 @@ def run(attention: str, args) -> dict:
 
         def first(*a, f=f, name=name):
             if name not in copies:
-                copies[name] = big_copies(f.lower(*a).compile().as_text())
+                try:
+                    copies[name] = big_copies(f.lower(*a).compile().as_text())
+                except Exception as e:  # noqa: BLE001 - the listing is a diagnostic; the timing goes on
+                    copies[name] = [f"(no listing: {type(e).__name__}: {e})"]
             return f(*a)
         setattr(gen.program, name, first)
     eng = Engine(generator=gen, prefix_cache=True)
-    eng.run(prompts, SamplingParams(max_new_tokens=2, stop_ids=()))
+    errors = [r.error for r in eng.run(prompts, SamplingParams(max_new_tokens=2, stop_ids=())) if r.error]
+    if errors:                               # the Engine reports a failed prefill as the request's error
+        raise RuntimeError(f"{len(errors)} of {len(prompts)} requests failed; first: {errors[0]}")
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             t = time.perf_counter()
