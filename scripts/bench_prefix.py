@@ -133,6 +133,15 @@ def run_mode(kind: str, tokens: int, attention: str, share: bool, args) -> dict:
         warm=passes[1:], device=str(jax.devices()[0].device_kind), jax=jax.__version__)
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two answers differ (None: equal). bf16 rounding tends to part answers late
+    and at near-tie logits; a wrong shared prefix would part them at the first token, every time."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def pairs(rows: list[dict]) -> list[dict]:
     """The with/without comparison of each (model, document, attention) that has both rows (the latest of each):
     speedup to the last answer, prefill tokens computed, host bytes at peak, answers equal."""
@@ -152,6 +161,7 @@ def pairs(rows: list[dict]) -> list[dict]:
                         host_bytes_peak=(hb_on, hb_off), host_bytes_peak_in_docs=None if not hb_on else
                         hb_on / on["doc_host_bytes"],
                         same_answers=sum(a == b for a, b in zip(on["answers"], off["answers"])),
+                        first_difference=[first_difference(a, b) for a, b in zip(on["answers"], off["answers"])],
                         warm_speedup_to_last_answer=[b["time_to_last_answer_s"] / a["time_to_last_answer_s"]
                                                      for a, b in zip(on.get("warm", []), off.get("warm", []))],
                         warm_same_answers=[sum(x == y for x, y in zip(a["answers"], b["answers"]))
