@@ -4,6 +4,7 @@ top-1 agreement / KL to dense, and hit rates on the model's own selection traces
     python scripts/bench_quality.py                       # full run (the H200): docs/benchmarks/quality.json + .png
     python scripts/bench_quality.py --small --out /tmp/q  # CPU, a few minutes
     python scripts/bench_quality.py --tiny --out DIR      # tiny random model, seconds (tests)
+    python scripts/bench_quality.py --tasks passkey --summary-split 2 ...  # sub-page key summaries (quest_p8 rule)
 
 Every answer and every scored token comes from the library's sparse decode path:
 - passkey: `ulacache_jax.generate(..., attention="sparse" | "dense")`, greedy, chat template, batched prompts;
@@ -19,6 +20,9 @@ pages to the budget); a cell whose config is refused (ValueError) is left out an
 whose budget covers every token of its sequences (prompt + generated) selects every page and is dense by
 construction: its rows say so (`dense_by_construction`). Quality beyond 8K tokens is not measured (the model's
 context is 8K).
+--summary-split N builds every sparse cell with CacheConfig.summary_split = N (N key summaries per page, a page
+scoring the max of its sub-pages' Quest bounds); every row records it as summary_split, and it is part of a row's
+cell (row_id), so runs with different splits combine side by side.
 """
 from __future__ import annotations
 
@@ -248,10 +252,10 @@ def run_passkey(model, tok, grid, args, meta, common):
     add_rows("dense", None, None)
     for page in grid.pages:
         for budget in grid.budgets:
-            name = f"sparse b{budget} p{page}"
+            name = f"sparse b{budget} p{page}" + (f" s{args.summary_split}" if args.summary_split > 1 else "")
             try:
                 cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=budget, page=page,
-                                 dtype=args.dtype)
+                                 dtype=args.dtype, summary_split=args.summary_split)
             except ValueError as e:
                 common["refused"].append(dict(task="passkey", budget=budget, page_size=page, reason=str(e)))
                 log(f"passkey {name}: refused ({e})")
@@ -291,7 +295,7 @@ def run_ppl(model, tok, grid, args, meta, common, variants):
         name = f"b{budget} p{page}" + "".join(f" {k}={v}" for k, v in over.items())
         try:
             cc = make_config(model.config, grid=dataclasses.replace(grid, batch=len(wins)), max_tokens=T,
-                             budget=budget, page=page, dtype=args.dtype, **over)
+                             budget=budget, page=page, dtype=args.dtype, summary_split=args.summary_split, **over)
         except ValueError as e:
             common["refused"].append(dict(task="ppl", budget=budget, page_size=page, **over, reason=str(e)))
             log(f"ppl {name}: refused ({e})")
@@ -412,11 +416,13 @@ def plot(rows, meta, path):
         dense = [r["accuracy"] for r in pk if r["context"] == ctx and r["attention"] == "dense"]
         if dense:
             ax.axhline(100 * np.mean(dense), color=colors[ci % 4], ls=":", lw=1)
-        for page, ls in zip(sorted({r["page_size"] for r in pk if r["page_size"]}), ("-o", "--s")):
-            pts = sorted({r["budget"] for r in pk if r["context"] == ctx and r["page_size"] == page})
-            acc = [100 * np.mean([r["accuracy"] for r in pk if r["context"] == ctx and r["page_size"] == page
-                                  and r["budget"] == b]) for b in pts]
-            ax.plot(pts, acc, ls, color=colors[ci % 4], label=f"{ctx} tok, page {page}")
+        lines = sorted({(r["page_size"], split_of(r)) for r in pk if r["page_size"]})
+        for (page, sp), ls in zip(lines, ("-o", "--s", "-.^", ":v")):
+            mine = [r for r in pk if r["context"] == ctx and r["page_size"] == page and split_of(r) == sp]
+            pts = sorted({r["budget"] for r in mine})
+            acc = [100 * np.mean([r["accuracy"] for r in mine if r["budget"] == b]) for b in pts]
+            ax.plot(pts, acc, ls, color=colors[ci % 4],
+                    label=f"{ctx} tok, page {page}" + (f", split {sp}" if sp > 1 else ""))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("token budget")
     ax.set_ylabel("passkey accuracy, mean over depths (%)")
@@ -471,12 +477,12 @@ def markdown(rows, meta) -> str:
     pk = [r for r in rows if r["task"] == "passkey"]
     if pk:
         ctxs = sorted({r["context"] for r in pk})
-        cells = sorted({(r["budget"] or 0, r["page_size"] or 0) for r in pk})
+        cells = sorted({(r["budget"] or 0, r["page_size"] or 0, split_of(r)) for r in pk})
         out.append("| cell | " + " | ".join(f"{c} tok: accuracy (same as dense)" for c in ctxs) + " |")
         out.append("|---" * (len(ctxs) + 1) + "|")
-        for b, p in cells:
-            sel = [r for r in pk if (r["budget"] or 0, r["page_size"] or 0) == (b, p)]
-            name = "dense" if not b else f"budget {b}, page {p}"
+        for b, p, sp in cells:
+            sel = [r for r in pk if (r["budget"] or 0, r["page_size"] or 0, split_of(r)) == (b, p, sp)]
+            name = "dense" if not b else f"budget {b}, page {p}" + (f", summary split {sp}" if sp > 1 else "")
             vals = []
             for c in ctxs:
                 rr = [r for r in sel if r["context"] == c]
@@ -506,7 +512,8 @@ def markdown(rows, meta) -> str:
             if r["attention"] == "dense":
                 out.append(f"| dense | | | {r['ppl']:.4f} | | | |")
                 continue
-            opts = f"sink {r['sink_pages']}, recent {r['recent_pages']}, kv heads/group {r['kv_heads_per_group']}"
+            opts = f"sink {r['sink_pages']}, recent {r['recent_pages']}, kv heads/group {r['kv_heads_per_group']}" + \
+                (f", summary split {split_of(r)}" if split_of(r) > 1 else "")
             out.append(f"| budget {r['budget']}, page {r['page_size']} | {opts} | {100 * r['budget_ratio']:.1f}% | "
                        f"{r['ppl']:.4f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {100 * r['top1_agreement']:.2f}% | "
                        f"{r['kl']:.5f} |")
@@ -527,11 +534,17 @@ def markdown(rows, meta) -> str:
     return "\n".join(out)
 
 
+def split_of(r) -> int:
+    """A row's summary split: 1 for dense rows (no summaries read) and for rows written before the option."""
+    return 1 if r.get("attention") == "dense" else int(r.get("summary_split") or 1)
+
+
 def row_id(r) -> tuple:
     """What a row measures (its cell), so rows of separate runs combine: a later run's row replaces an earlier
     run's row of the same cell."""
     return tuple(r.get(k) for k in ("task", "context", "depth", "budget", "page_size", "attention", "variant",
-                                    "sink_pages", "recent_pages", "kv_heads_per_group", "pool", "policy"))
+                                    "sink_pages", "recent_pages", "kv_heads_per_group", "pool", "policy")) + \
+        (split_of(r),)
 
 
 # ---- main -----------------------------------------------------------------------------------------------------
@@ -579,6 +592,9 @@ def main(argv=None):
         ap.add_argument(f"--{name}", default=None, help=f"override the grid's {name} (comma list of ints)")
     ap.add_argument("--save-trace", action="store_true", help="also write NAME_trace.npz (eviction_study.py format)")
     ap.add_argument("--pools", default="2,4,8,16,32", help="HBM pools of the trace study: 1/N of the KV pages")
+    ap.add_argument("--summary-split", type=int, default=1,
+                    help="CacheConfig.summary_split of every sparse cell: key summaries per page (a power of two "
+                         "dividing the page size; 2 = the quest_p8 rule at page 16)")
     args = ap.parse_args(argv)
     if args.combine:
         # JSONs of separate runs (e.g. one device call per task or page size) -> one NAME.json + PNG; later
@@ -607,6 +623,9 @@ def main(argv=None):
         if args.png:
             plot(data["rows"], data["meta"], os.path.splitext(args.report)[0] + ".png")
         return data["rows"], data["meta"]
+    if args.summary_split < 1 or args.summary_split & (args.summary_split - 1):
+        ap.error(f"--summary-split {args.summary_split} must be a power of two >= 1 (it must also divide each page "
+                 "size: a cell it does not divide is refused)")
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in args.tasks if t not in ("passkey", "ppl", "trace")]
     if bad:
@@ -638,7 +657,8 @@ def main(argv=None):
     text_ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
     log(f"model {label} ({time.time() - t0:.1f} s); text {provenance['chars']} chars = {len(text_ids)} tokens")
     stamp = dict(device=jax.devices()[0].device_kind, commit=args.commit or git_commit(), jax=jax.__version__,
-                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 summary_split=args.summary_split)
     meta = dict(model=label, mode=kind, dtype=args.dtype, grid=dataclasses.asdict(grid), text=provenance,
                 tasks=args.tasks, command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
                 **stamp)

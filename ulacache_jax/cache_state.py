@@ -6,7 +6,9 @@ P = max_pages_per_seq; F = PB-LRU frames; T = TAIL_PAGES; page = page_size; g = 
   fixed frame per (seq, layer, group, ring slot) outside the PB-LRU; then O = S*G*select_pages overflow frames
   where a layer call stages the selected pages that found no free PB-LRU slot. So attention reads every page it
   needs, selected, overflowed or tail, from one HBM pool by frame id.
-- kmin, kmax [R, S, L, G, P, g, D]: per-page, per-dim min and max of K (the Quest summaries).
+- kmin, kmax [R, S, L, G, P * split, g, D]: per-dim min and max of K over each sub-page of page_size // split
+  tokens (split = config.summary_split, 1 by default: one summary per page, the Quest summaries); sub-page
+  p * split + h is the h-th sub-page of page p, so split = 1 is the plain per-page layout.
 - vtlb (frame, host_page) [R, S, L, G, P]; pb (tag_hi, tag_lo, stamp) [R, B, slots].
 - seqs: length, flushed (pages with a host copy), active, each [S], and owner [S, P]: the same on every rank.
   owner[s, p] is the seq field of the LID naming page p of slot s: the slot itself, or the id of a stored shared
@@ -54,8 +56,8 @@ class CacheState:
     vtlb: vtlb_mod.VTLB     # arrays [R, S, L, G, P]
     pool_k: jax.Array       # [R, F + S*L*G*T, page, g, D]
     pool_v: jax.Array       # [R, F + S*L*G*T, page, g, D]
-    kmin: jax.Array         # [R, S, L, G, P, g, D]
-    kmax: jax.Array         # [R, S, L, G, P, g, D]
+    kmin: jax.Array         # [R, S, L, G, P * split, g, D]
+    kmax: jax.Array         # [R, S, L, G, P * split, g, D]
     seqs: SeqTable
     clock: jax.Array        # [] int32
 
@@ -185,7 +187,7 @@ def init(config: CacheConfig, *, device=None, check: bool = True) -> tuple[Cache
     pb = jax.tree.map(lambda a: jnp.broadcast_to(a, (r,) + a.shape), one)
     table = vtlb_mod.init(c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq, c.page_size)
     table = jax.tree.map(lambda a: jnp.broadcast_to(a, (r,) + a.shape), table)
-    summ = (r, c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq, c.kv_heads_per_group, c.head_dim)
+    summ = (r, c.max_seqs, c.num_layers, c.groups_per_rank, c.summary_pages, c.kv_heads_per_group, c.head_dim)
     state = CacheState(
         config=c, pb=pb, vtlb=table,
         pool_k=jnp.zeros((r, num_pool) + page_shape, dt), pool_v=jnp.zeros((r, num_pool) + page_shape, dt),

@@ -35,6 +35,8 @@ class CacheConfig:
     recent_pages: int = 2
     tp: int = 1                      # ranks of the head-sharded mesh axis
     verify_rows: int = 1             # query rows per sequence one call attends: 1 + speculative drafts (overflow frames)
+    summary_split: int = 1           # key summaries per page (each over page_size // summary_split tokens); a page
+                                     # scores the max of its sub-pages' Quest bounds, selection stays per page
 
     def __post_init__(self):
         def need(ok, msg):
@@ -57,6 +59,11 @@ class CacheConfig:
         need(self.num_layers <= lid_mod.FIELD_LIMITS["layer"], f"num_layers = {self.num_layers} exceeds 256")
         need(self.max_seqs <= lid_mod.FIELD_LIMITS["seq"], f"max_seqs = {self.max_seqs} exceeds 2**20")
         need(self.page_size & (self.page_size - 1) == 0, f"page_size = {self.page_size} must be a power of two")
+        sp = self.summary_split
+        need(isinstance(sp, (int, np.integer)) and not isinstance(sp, bool) and sp >= 1 and sp & (sp - 1) == 0
+             and sp <= self.page_size,
+             f"summary_split = {sp!r} must be a power of two >= 1 dividing page_size = {self.page_size} (at most "
+             f"{self.page_size})")
         need(self.max_pages_per_seq * self.page_size <= 2**31 - 1,
              f"max_pages_per_seq * page_size = {self.max_pages_per_seq * self.page_size} tokens exceeds 2**31 - 1")
         lid_mod.log2_buckets(self.num_buckets)
@@ -90,6 +97,17 @@ class CacheConfig:
         return self.token_budget // self.page_size
 
     @property
+    def summary_size(self) -> int:
+        """Tokens under one key summary (a sub-page): page_size // summary_split."""
+        return self.page_size // self.summary_split
+
+    @property
+    def summary_pages(self) -> int:
+        """Key summaries per (sequence, layer, group): max_pages_per_seq * summary_split (sub-page p * split + h
+        covers tokens [p * page_size + h * summary_size, ... + summary_size))."""
+        return self.max_pages_per_seq * self.summary_split
+
+    @property
     def overflow_frames(self) -> int:
         """HBM frames per rank that stage one layer call's overflow pages (misses with no free PB-LRU slot), so
         attention reads only HBM: at most every selected page of every sequence, group and query row overflows (a
@@ -117,7 +135,7 @@ class CacheConfig:
             "frames": 2 * self.num_frames * self.page_bytes,
             "tail": 2 * per_pg * TAIL_PAGES * self.page_bytes,
             "overflow": 2 * self.overflow_frames * self.page_bytes,
-            "summaries": 2 * per_pg * self.max_pages_per_seq * self.kv_heads_per_group * self.head_dim * isz,
+            "summaries": 2 * per_pg * self.summary_pages * self.kv_heads_per_group * self.head_dim * isz,
             "vtlb": 2 * 4 * per_pg * self.max_pages_per_seq,
             "pb_lru": 12 * self.num_frames,
             "host": 2 * self.host_pages * self.page_bytes,

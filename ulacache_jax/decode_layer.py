@@ -69,10 +69,12 @@ def append_token(state: CacheState, layer: int, k_new, v_new, pos, live) -> Cach
     offs = jnp.broadcast_to(off[:, None], (S, G))
     pool_k = state.pool_k.at[0, frame, offs].set(kg, mode="drop")
     pool_v = state.pool_v.at[0, frame, offs].set(vg, mode="drop")
-    pg = jnp.broadcast_to(jnp.where(live, page, c.max_pages_per_seq)[:, None], (S, G))       # P = dropped
-    first = (off == 0)[:, None, None, None]
-    old_min = state.kmin[0, s, layer, gi, jnp.minimum(pg, c.max_pages_per_seq - 1)]         # [S, G, g, D]
-    old_max = state.kmax[0, s, layer, gi, jnp.minimum(pg, c.max_pages_per_seq - 1)]
+    nsub = c.summary_pages                                                           # summary_split 1: pages
+    sp, soff = (page, off) if c.summary_split == 1 else (pos // c.summary_size, pos % c.summary_size)
+    pg = jnp.broadcast_to(jnp.where(live, sp, nsub)[:, None], (S, G))               # sub-page; nsub = dropped
+    first = (soff == 0)[:, None, None, None]                                         # its first token resets it
+    old_min = state.kmin[0, s, layer, gi, jnp.minimum(pg, nsub - 1)]                # [S, G, g, D]
+    old_max = state.kmax[0, s, layer, gi, jnp.minimum(pg, nsub - 1)]
     kmin = state.kmin.at[0, s, layer, gi, pg].set(jnp.where(first, kg, jnp.minimum(old_min, kg)), mode="drop")
     kmax = state.kmax.at[0, s, layer, gi, pg].set(jnp.where(first, kg, jnp.maximum(old_max, kg)), mode="drop")
     return dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, kmin=kmin, kmax=kmax)
@@ -145,7 +147,7 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     flushed = jnp.where(live, state.seqs.flushed, 0)
     qpos, qneg = selection.fold_queries(q, G, c.kv_heads_per_group)                   # [S, G, g, D]
     scores = page_scores(state.kmin[0], state.kmax[0], qpos, qneg, layer=layer, impl=options.scores,
-                         launch=options.score_launch)                                 # [S, G, P]
+                         launch=options.score_launch, split=c.summary_split)          # [S, G, P]
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [S, G, K]
     # 2. Sieve: hits refresh, misses take frames; the vTLB follows.
@@ -322,7 +324,7 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     for j in range(Q):
         qpos, qneg = selection.fold_queries(q[:, j:j + 1], G, g)                      # [S, G, g, D]
         sc.append(page_scores(state.kmin[0], state.kmax[0], qpos, qneg, layer=layer, impl=options.scores,
-                              launch=options.score_launch))                           # [S, G, Pm]
+                              launch=options.score_launch, split=c.summary_split))    # [S, G, Pm]
     scores = jnp.stack(sc, axis=1).reshape((V,) + sc[0].shape[1:])                   # [V, G, Pm]
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [V, G, K]
@@ -379,21 +381,27 @@ def commit_summaries(state: CacheState, length) -> CacheState:
     """The key summaries of the tail pages recomputed from their committed tokens (length [S]: the new committed
     length): min/max over the ring's first min(P, length - page start) tokens of each unflushed page holding
     committed tokens; other pages untouched. Min and max are exact, so this equals `append_token`'s token-by-token
-    updates for the same tokens, whatever rejected leases the ring holds past the length."""
+    updates for the same tokens, whatever rejected leases the ring holds past the length. With summary_split > 1
+    the same per sub-page: a sub-page without committed tokens is untouched, as `append_token` leaves it."""
     c = state.config
-    S, L, G, P = c.max_seqs, c.num_layers, c.groups_per_rank, c.page_size
+    S, L, G = c.max_seqs, c.num_layers, c.groups_per_rank
+    split, sub, TS = c.summary_split, c.summary_size, TAIL_PAGES * c.summary_split   # split 1: sub = page_size
     tp = state.seqs.flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                # [S, T]
-    n = jnp.clip(length[:, None] - tp * P, 0, P)                                      # [S, T] committed tokens
+    tsp = tp if split == 1 else (tp[:, :, None] * split + jnp.arange(split)).reshape(S, TS)  # [S, T*split] sub-pages
+    n = jnp.clip(length[:, None] - tsp * sub, 0, sub)                                 # [S, TS] committed tokens
     has = state.seqs.active[:, None] & (n > 0)
     s = jnp.arange(S)[:, None, None, None]
     l = jnp.arange(L)[None, :, None, None]
     g = jnp.arange(G)[None, None, :, None]
     tpp = tp[:, None, None, :]                                                        # [S, 1, 1, T]
     kp = state.pool_k[0, tail_frame(c, s, l, g, tpp)]                                 # [S, L, G, T, page, g, D]
-    ok = (jnp.arange(P)[None, None, :] < n[:, :, None])[:, None, None, :, :, None, None]
-    kmin = jnp.where(ok, kp, jnp.inf).min(axis=4).astype(kp.dtype)                   # [S, L, G, T, g, D]
+    if split > 1:
+        kp = kp.reshape(S, L, G, TS, sub, c.kv_heads_per_group, c.head_dim)          # [S, L, G, TS, sub, g, D]
+    ok = (jnp.arange(sub)[None, None, :] < n[:, :, None])[:, None, None, :, :, None, None]
+    kmin = jnp.where(ok, kp, jnp.inf).min(axis=4).astype(kp.dtype)                   # [S, L, G, TS, g, D]
     kmax = jnp.where(ok, kp, -jnp.inf).max(axis=4).astype(kp.dtype)
-    page = jnp.broadcast_to(jnp.where(has[:, None, None, :], tpp, c.max_pages_per_seq), (S, L, G, TAIL_PAGES))
+    tspp = tpp if split == 1 else tsp[:, None, None, :]                               # [S, 1, 1, TS]
+    page = jnp.broadcast_to(jnp.where(has[:, None, None, :], tspp, c.summary_pages), (S, L, G, TS))
     return dataclasses.replace(state, kmin=state.kmin.at[0, s, l, g, page].set(kmin, mode="drop"),
                                kmax=state.kmax.at[0, s, l, g, page].set(kmax, mode="drop"))
 
