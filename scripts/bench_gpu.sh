@@ -55,6 +55,7 @@ for b in "${names[@]}"; do
                   --tasks ppl,trace --pages 64 --save-trace --out "$OUT" --name q_ppl64 "${C[@]}" ;;
     quality-variants) step quality-variants 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
                   --tasks ppl --variants --out "$OUT" --name q_variants "${C[@]}" ;;
+    quality-passkey-split2) step quality-passkey-split2 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey --contexts 8192 --pages 16 --budgets 512,1024 --summary-split 2 --out "$OUT" --name q_passkey_split2 "${C[@]}" ;;
     # attention="auto" against both paths, same run (issue 21): short contexts, then the long ones appended
     auto-short) step auto-short 580 scripts/bench_decode.py --out "$OUT/auto" "${C[@]}" --chunks 4 --row-timeout 180 \
                   --rows sparse:8192:8,dense:8192:8,auto:8192:8,sparse:32768:1,dense:32768:1,auto:32768:1 ;;
