@@ -191,7 +191,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="a preset name, GGUF file or folder")
     p.add_argument("--tasks", default="continue,quote,fresh")
-    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--batches", default=None, help="batch sizes, comma separated (default 1,4,16; --small: 1)")
     p.add_argument("--methods", default="ngram", help="ngram and/or draft (draft: --draft-model)")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--num-tokens", default="4", help="K values, comma separated")
@@ -219,11 +219,12 @@ def main(argv=None):
     elif args.small:
         args.doc_tokens, args.echo, args.dtype = 96, 32, "float32"
         args.max_new = args.max_new or 24
-        args.batches, args.tasks, args.page_size, args.token_budget = "1", "continue", 16, 64
+        args.batches, args.tasks, args.page_size, args.token_budget = args.batches or "1", "continue", 16, 64
         args.reps = args.reps or 1
         args.num_tokens = "3"
         args.attention = args.attention or "dense"         # dense: the cheapest compile (tests cover sparse)
     args.attention = args.attention or "sparse"
+    args.batches = args.batches or "1,4,16"
     args.max_new = args.max_new or 256
     args.reps = args.reps or 3
 
@@ -298,6 +299,7 @@ def main(argv=None):
                                acceptance=c["accepted"] / max(c["proposed"], 1),
                                tokens_per_step=runs[-1][1] / max(c["steps"], 1) / B,
                                verifications=c["steps"], device_chunks=c["chunks"], per_step=args.per_step,
+                               verifications_per_chunk=c["steps"] / c["chunks"] if c["chunks"] else None,
                                proposed=c["proposed"], accepted=c["accepted"],
                                new_tokens=sum(map(len, out)))
                     res.add(row)

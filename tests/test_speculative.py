@@ -185,6 +185,36 @@ def test_chunked_ngram_stops_mid_chunk(setup, repetitive):
     assert eng.spec.chunks > 0 and eng.spec.accepted > 0
 
 
+@pytest.mark.parametrize("attention", ["sparse", "dense"])
+def test_chunk_at_batch_4_carries_every_slot_a_page(setup, attention):
+    """Four slots, ragged repetitive prompts (their flush points fall at different verifications): greedy equal to
+    plain, and a chunk no longer ends at the first slot's flush point: a slot there waits (sparse: its flush
+    writes the host pool after the loop) or goes on (dense: nothing to flush), so each chunk carries every slot
+    about a page. Ending at the first flush point gave 10 chunks of 3.5 verifications here."""
+    model, _, _ = setup
+    cfg4 = default_cache_config(model.config, num_seqs=4, max_tokens=256, page_size=16, token_budget=64,
+                                verify_rows=K + 1)
+    rng = np.random.default_rng(3)
+    unit = [int(t) for t in rng.integers(0, 256, 12)]
+    prompts = [unit * 6 + unit[:5], (unit[::-1] * 8)[:90], (unit[:7] * 12)[:80], (unit[:5] * 20)[:75]]
+    n = 48
+    ref = generate(model, prompts, max_new_tokens=n, cache_config=cfg4, attention=attention)
+    eng = Engine(generator=Generator(model, cfg4, attention=attention), speculative=SpecConfig("ngram", K))
+    sp, per_chunk = eng.spec, []
+    run_chunk = sp._chunk
+
+    def recorded(*a):
+        before = sp.steps
+        run_chunk(*a)
+        per_chunk.append(sp.steps - before)
+    sp._chunk = recorded
+    reqs = eng.run(prompts, SamplingParams(max_new_tokens=n))
+    assert [r.tokens for r in reqs] == ref
+    assert sp.accepted > 0 and len(per_chunk) == sp.chunks
+    assert sp.chunks <= n // cfg4.page_size + 2, per_chunk
+    assert sum(per_chunk) >= 6 * sp.chunks, per_chunk
+
+
 def test_spec_chunk_copies_no_pool(setup):
     """The chunk's loop carries the cache (updated in place) and only reads the host pool (written once, after the
     loop, as decode's chunk does): a big frame pool; a copy of it would show up as temp memory of its size."""

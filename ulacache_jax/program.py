@@ -273,11 +273,12 @@ class Program:
         running slot from its history (ngram_device.propose, the host NgramIndex's rule) within the slot's back-off
         state and before its next flush point (speculative.spec_bounds), verifies and commits them (as `verify`
         with K + 1 rows), appends the new tokens to hist and out (-1 past n_new) and updates done (remaining
-        tokens; each slot's stop_ids, -1 = none), the back-off state (speculative.backoff) and the counts. The
-        loop ends after the verification where a slot reaches its next flush point (the flush, which writes the
-        host pool, runs once after the loop: the host pool is only read inside it, as in `decode`), when no running
-        slot has a draft for the next verification (the first always runs), when every slot is done, or after
-        `steps`. A slot's last history token is its last token (row 0). Keys: fold_in(keys, verification)."""
+        tokens; each slot's stop_ids, -1 = none), the back-off state (speculative.backoff) and the counts. A slot
+        that reaches its next flush point waits there (no rows) for the rest of the loop: its flush, which writes
+        the host pool, runs once after the loop (the host pool is only read inside it, as in `decode`); without a
+        host pool (dense) no slot waits. The loop ends when no slot runs (every one waits or is done), when no
+        running slot has a draft for the next verification (the first always runs), or after `steps`. A slot's
+        last history token is its last token (row 0). Keys: fold_in(keys, verification)."""
         return self._spec_chunk_for(steps, num_tokens, ngram_max, self.config.page_size)
 
     def _verify_rows(self, model, cache, host, tokens, nrows, bound, keys, sampling, draft_probs, rank):
@@ -307,21 +308,24 @@ class Program:
         ops, model = self.ops, nnx.merge(self.graphdef, params)
         rank = jax.lax.axis_index(TP_AXIS)
         S, Q = hist.shape[0], num_tokens + 1
+        park = bool(jax.tree.leaves(host))     # the flush writes a host pool: a slot at its flush point waits
 
-        def proposal(cache, hist, hlen, done, remaining, state):
-            # the next verification's rows: [last token, drafts] [S, Q], rows in use [S], flush points [S]
+        def proposal(cache, hist, hlen, done, remaining, state, pending):
+            # the next verification's rows: [last token, drafts] [S, Q], rows in use [S] (0: done, or parked at
+            # its flush point until the flush after the loop), flush points [S]
             k, bound = spec_bounds(ops.lengths(cache), prompt_len, remaining, state, page)
             drafts, nd = ngram_device.propose(hist, hlen, k, num_tokens=num_tokens, ngram_max=ngram_max)
             last = jnp.take_along_axis(hist, jnp.maximum(hlen - 1, 0)[:, None], axis=1)
-            nrows = jnp.where(done, 0, 1 + nd).astype(jnp.int32)
+            nrows = jnp.where(done | (pending & park), 0, 1 + nd).astype(jnp.int32)
             return jnp.concatenate([last, drafts], axis=1), nrows, bound
 
         def cond(carry):
-            i, nrows, pending = carry[0], carry[8], carry[10]
-            return (i < steps) & jnp.any(nrows > 0) & ~jnp.any(pending) & ((i == 0) | jnp.any(nrows > 1))
+            i, nrows = carry[0], carry[8]
+            return (i < steps) & jnp.any(nrows > 0) & ((i == 0) | jnp.any(nrows > 1))
 
         def body(carry):
-            (i, cache, hist, hlen, done, remaining, state, tokens, nrows, bound, _, out, nn, counts, stats) = carry
+            (i, cache, hist, hlen, done, remaining, state, tokens, nrows, bound, pending, out, nn, counts,
+             stats) = carry
             live = nrows > 0
             cache, o, n_new, length, flush, st = self._verify_rows(
                 model, cache, host, tokens, nrows, bound, jax.vmap(jax.random.fold_in, (0, None))(keys, i),
@@ -334,17 +338,19 @@ class Program:
             drafted = jnp.maximum(nrows - 1, 0)
             state = backoff(state, n_new, drafted, num_tokens, page)
             counts = (counts[0] + 1, counts[1] + drafted, counts[2] + jnp.where(drafted > 0, n_new - 1, 0))
-            tokens, nrows, bound = proposal(cache, hist, hlen, done, remaining, state)
-            return (i + 1, cache, hist, hlen, done, remaining, state, tokens, nrows, bound, flush,
+            pending = pending | flush
+            tokens, nrows, bound = proposal(cache, hist, hlen, done, remaining, state, pending)
+            return (i + 1, cache, hist, hlen, done, remaining, state, tokens, nrows, bound, pending,
                     out.at[i].set(o), nn.at[i].set(n_new), counts, stats + st)
 
         cache = ops.begin_chunk(cache)
-        tokens, nrows, bound = proposal(cache, hist, hlen, done, remaining, backoff_state)
+        pending = jnp.zeros((S,), bool)                               # slots that reached a flush point
+        tokens, nrows, bound = proposal(cache, hist, hlen, done, remaining, backoff_state, pending)
         out = jnp.full((steps, S, Q), -1, jnp.int32)                 # written by row, as decode's [steps, S]
         nn = jnp.zeros((steps, S), jnp.int32)
         zeros = jnp.zeros((S,), jnp.int32)
         carry = (jnp.int32(0), cache, hist, hlen, done, remaining, backoff_state, tokens, nrows, bound,
-                 jnp.zeros((S,), bool), out, nn, (jnp.int32(0), zeros, zeros), LayerStats.zeros())
+                 pending, out, nn, (jnp.int32(0), zeros, zeros), LayerStats.zeros())
         (_, cache, hist, hlen, done, remaining, state, _, _, _, pending, out, nn, counts,
          stats) = jax.lax.while_loop(cond, body, carry)
         cache, host = ops.commit(cache, host, ops.lengths(cache), pending)

@@ -20,9 +20,12 @@ one forward of K + 1 rows per sequence, accepted by the speculative sampling rul
   on the argmax (accept = longest matching prefix + the target's next token); ngram drafts are point masses.
 - `SpecDecoder`: the Engine's speculative step. ngram: a device chunk (program.Program.spec_chunk) of up to
   page_size verifications with one host sync: each proposes from a device history of every slot
-  (ngram_device.propose, the host NgramIndex's rule), verifies, commits and appends on the device, and the
-  chunk ends where a slot reaches its flush point (the flush writes the host pool once, after the loop) or no
-  slot drafts. The draft model (and oracle drafters in tests): one verification per Engine step, one host sync.
+  (ngram_device.propose, the host NgramIndex's rule), verifies, commits and appends on the device. A slot that
+  reaches its flush point waits there (no rows) for the rest of the chunk, since the flush writes the host pool
+  once, after the loop; the chunk ends when every running slot waits or is done, or when no running slot drafts.
+  So at batch > 1 a chunk carries every slot about a page (the slots' flush points need not coincide), and the
+  slots leave it flushed together. Without a host pool (dense) nothing waits. The draft model (and oracle
+  drafters in tests): one verification per Engine step, one host sync.
   It backs off by itself (the same rule on the host and in the chunk, `backoff`): a slot's draft length grows on
   full acceptance and shrinks on rejection, a slot rejected verification after verification stops drafting for
   a while, and a step where no slot drafts (ngram) runs a plain decode chunk instead.
