@@ -171,7 +171,8 @@ def predicted_tokens_per_s(mc, kind, batch, ctx, cfg, hit_rate=None) -> float:
     return CostModel().tokens_per_s(kind, mc, batch=batch, context=ctx, token_budget=cfg.token_budget,
                                     page_size=cfg.page_size, itemsize=cfg.jnp_dtype.itemsize, tp=cfg.tp,
                                     pool_frames=cfg.num_frames if sparse else None,
-                                    hit_rate=hit_rate if sparse else None)
+                                    hit_rate=hit_rate if sparse else None,
+                                    summary_split=cfg.summary_split if sparse else 1)
 
 
 def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None, read_bw=None):

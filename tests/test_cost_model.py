@@ -244,3 +244,15 @@ def test_bench_decode_rows_take_auto():
     assert bd.auto_decision(mc, 3, 131072, args, 0.25).kind == "sparse"
     cfg = bd.bench_config(mc, "sparse", 3, 131072, args, 0.25)
     assert bd.predicted_tokens_per_s(mc, "sparse", 3, 131072, cfg, 0.962) == pytest.approx(359.3, rel=0.05)
+
+
+def test_summary_split_reads_its_summaries():
+    """Half-page summaries (CacheConfig.summary_split = 2) double the summary bytes the scores read each step:
+    the hbm term grows by exactly one more copy of them, and nothing else changes."""
+    mc = get_preset("llama-3.1-8b")
+    shape = dict(batch=3, context=131072, token_budget=2048, page_size=64, itemsize=2, pool_frames=4096,
+                 hit_rate=0.9)
+    one, two = (CostModel().step_terms("sparse", mc, summary_split=s, **shape) for s in (1, 2))
+    summ = 131072 // 64 * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
+    assert two["hbm"] - one["hbm"] == pytest.approx(3 * summ)
+    assert {k: v for k, v in two.items() if k != "hbm"} == {k: v for k, v in one.items() if k != "hbm"}
