@@ -132,7 +132,7 @@ def stage_loop(stage: str, options: DecodeOptions, calls: int, batch: int, ctx: 
         if stage in ("scores", "select"):
             qpos, qneg = selection.fold_queries(q, c.groups_per_rank, c.kv_heads_per_group)
             sc = page_scores(st.kmin[0], st.kmax[0], qpos, qneg, layer=0, impl=options.scores,
-                             launch=options.score_launch)                                      # [S, G, P]
+                             launch=options.score_launch, split=c.summary_split)               # [S, G, P]
             if stage == "scores":
                 return st, sc[:, :, 0].sum()
             sel = selection.select_pages(sc, jnp.where(live, st.seqs.flushed, 0), select_pages=c.select_pages,
