@@ -153,7 +153,7 @@ def test_chunked_ngram_equals_plain_and_the_per_step_path(setup, repetitive, att
                                                                    per_step.steps)
     assert 0 < chunked.chunks < chunked.steps and per_step.chunks == 0
     program = runs[cfg.page_size].gen.program
-    assert program.spec_chunk(cfg.page_size, K, 3)._cache_size() == 1       # one compile
+    assert program.spec_chunk(cfg.page_size, K, 3, runs[cfg.page_size].spec.chunk_wait)._cache_size() == 1
     free = runs[cfg.page_size].gen.backend
     assert sorted(free.manager.alloc.free_slots if attention == "sparse" else free._free) == [0, 1]
 
@@ -188,9 +188,10 @@ def test_chunked_ngram_stops_mid_chunk(setup, repetitive):
 @pytest.mark.parametrize("attention", ["sparse", "dense"])
 def test_chunk_at_batch_4_carries_every_slot_a_page(setup, attention):
     """Four slots, ragged repetitive prompts (their flush points fall at different verifications): greedy equal to
-    plain, and a chunk no longer ends at the first slot's flush point: a slot there waits (sparse: its flush
-    writes the host pool after the loop) or goes on (dense: nothing to flush), so each chunk carries every slot
-    about a page. Ending at the first flush point gave 10 chunks of 3.5 verifications here."""
+    plain, and a chunk does not end at the first slot's flush point: a slot there waits (sparse: its flush writes
+    the host pool after the loop) or goes on (dense: nothing to flush), so each chunk carries every slot about a
+    page. sparse, chunk_wait = 0 (the chunk ends at the first flush point, the earlier rule): the same tokens,
+    drafts and acceptances in twice the chunks or more."""
     model, _, _ = setup
     cfg4 = default_cache_config(model.config, num_seqs=4, max_tokens=256, page_size=16, token_budget=64,
                                 verify_rows=K + 1)
@@ -199,20 +200,32 @@ def test_chunk_at_batch_4_carries_every_slot_a_page(setup, attention):
     prompts = [unit * 6 + unit[:5], (unit[::-1] * 8)[:90], (unit[:7] * 12)[:80], (unit[:5] * 20)[:75]]
     n = 48
     ref = generate(model, prompts, max_new_tokens=n, cache_config=cfg4, attention=attention)
-    eng = Engine(generator=Generator(model, cfg4, attention=attention), speculative=SpecConfig("ngram", K))
-    sp, per_chunk = eng.spec, []
-    run_chunk = sp._chunk
+    gen = Generator(model, cfg4, attention=attention)
 
-    def recorded(*a):
-        before = sp.steps
-        run_chunk(*a)
-        per_chunk.append(sp.steps - before)
-    sp._chunk = recorded
-    reqs = eng.run(prompts, SamplingParams(max_new_tokens=n))
-    assert [r.tokens for r in reqs] == ref
-    assert sp.accepted > 0 and len(per_chunk) == sp.chunks
+    def run(wait):
+        eng = Engine(generator=gen, speculative=SpecConfig("ngram", K))
+        sp, per_chunk = eng.spec, []
+        sp.chunk_wait = wait
+        run_chunk = sp._chunk
+
+        def recorded(*a):
+            before = sp.steps
+            run_chunk(*a)
+            per_chunk.append(sp.steps - before)
+        sp._chunk = recorded
+        reqs = eng.run(prompts, SamplingParams(max_new_tokens=n))
+        assert [r.tokens for r in reqs] == ref
+        assert len(per_chunk) == sp.chunks
+        return sp, per_chunk
+
+    sp, per_chunk = run(None)
+    assert sp.accepted > 0
     assert sp.chunks <= n // cfg4.page_size + 2, per_chunk
     assert sum(per_chunk) >= 6 * sp.chunks, per_chunk
+    if attention == "sparse":
+        sp0, per_chunk0 = run(0)
+        assert (sp0.proposed, sp0.accepted) == (sp.proposed, sp.accepted)
+        assert sp0.chunks >= 2 * sp.chunks, (per_chunk0, per_chunk)
 
 
 def test_spec_chunk_copies_no_pool(setup):

@@ -124,7 +124,8 @@ class Program:
         -> (cache, host, tokens [S, page_size], done, remaining, LayerStats of [R] per rank)   cache, host donated
     decode_steps(n): the same for a chunk of n steps (n a power of two <= page_size)
     next_logits(params, cache, host, tok) -> [S, V]: one step's logits, nothing committed.
-    verify(rows), propose(rows), commit, spec_chunk(steps, K, ngram_max): speculative decoding (speculative.py)."""
+    verify(rows), propose(rows), commit, spec_chunk(steps, K, ngram_max, wait): speculative decoding
+    (speculative.py)."""
 
     def __init__(self, graphdef, layer_gd, ops, config: CacheConfig, mesh: Mesh, params_spec, layer_spec,
                  cache_spec, host_spec, host_sh, view_spec, view_sh):
@@ -163,8 +164,9 @@ class Program:
             functools.partial(self._propose, rows=rows), (ps, cs, hs) + (r,) * 4, (cs, r, r), (None, None, None),
             donate_argnums=(1,)))
         self.commit = jit(self._commit, (cs, hs, r, r, r), (cs, hs), (None, host_sh), donate_argnums=(0, 1))
-        self._spec_chunk_for = functools.lru_cache(maxsize=None)(lambda steps, num_tokens, ngram_max, page: jit(
-            functools.partial(self._spec_chunk, steps=steps, num_tokens=num_tokens, ngram_max=ngram_max, page=page),
+        self._spec_chunk_for = functools.lru_cache(maxsize=None)(lambda steps, num_tokens, ngram_max, wait, page: jit(
+            functools.partial(self._spec_chunk, steps=steps, num_tokens=num_tokens, ngram_max=ngram_max, wait=wait,
+                              page=page),
             (ps, cs, hs) + (r,) * 9, (cs, hs) + (r,) * 8 + (stats_spec,), (None, host_sh) + (None,) * 9,
             donate_argnums=(1, 2, 3)))
 
@@ -264,7 +266,7 @@ class Program:
         (its K/V left in the tail ring as a lease; committed or not by `commit`)."""
         return self._propose_for(rows)
 
-    def spec_chunk(self, steps: int, num_tokens: int, ngram_max: int):
+    def spec_chunk(self, steps: int, num_tokens: int, ngram_max: int, wait: int | None = None):
         """spec_chunk(params, cache, host, hist [S, C], hlen [S], done [S], remaining [S], prompt_len [S],
                       backoff (k_now, fails, skip) [S] each, keys [S], sampling, stop_ids [S, N])
             -> (cache, host, hist, hlen, out [steps, S, K + 1], n_new [steps, S], done, remaining, backoff,
@@ -276,10 +278,14 @@ class Program:
         tokens; each slot's stop_ids, -1 = none), the back-off state (speculative.backoff) and the counts. A slot
         that reaches its next flush point waits there (no rows) for the rest of the loop: its flush, which writes
         the host pool, runs once after the loop (the host pool is only read inside it, as in `decode`); without a
-        host pool (dense) no slot waits. The loop ends when no slot runs (every one waits or is done), when no
-        running slot has a draft for the next verification (the first always runs), or after `steps`. A slot's
-        last history token is its last token (row 0). Keys: fold_in(keys, verification)."""
-        return self._spec_chunk_for(steps, num_tokens, ngram_max, self.config.page_size)
+        host pool (dense) no slot waits. The loop ends when no slot runs (every one waits or is done), when a slot
+        has waited `wait` verifications (None: `steps`, so never before the last; 0: at the first flush point),
+        when no running slot has a draft for the next verification (the first always runs), or after `steps`. A
+        slot's last history token is its last token (row 0). Keys: fold_in(keys, verification)."""
+        wait = steps if wait is None else min(int(wait), steps)
+        if wait < 0:
+            raise ValueError(f"spec_chunk wait = {wait} must be >= 0 (or None)")
+        return self._spec_chunk_for(steps, num_tokens, ngram_max, wait, self.config.page_size)
 
     def _verify_rows(self, model, cache, host, tokens, nrows, bound, keys, sampling, draft_probs, rank):
         """One verification (`verify`'s body) up to the commit -> (cache, out, n_new, length, flush, stats); the
@@ -304,7 +310,7 @@ class Program:
         return cache, host, out, n_new, length, flush, jax.tree.map(lambda a: a[None], stats)
 
     def _spec_chunk(self, params, cache, host, hist, hlen, done, remaining, prompt_len, backoff_state, keys,
-                    sampling, stop_ids, *, steps: int, num_tokens: int, ngram_max: int, page: int):
+                    sampling, stop_ids, *, steps: int, num_tokens: int, ngram_max: int, wait: int, page: int):
         ops, model = self.ops, nnx.merge(self.graphdef, params)
         rank = jax.lax.axis_index(TP_AXIS)
         S, Q = hist.shape[0], num_tokens + 1
@@ -320,12 +326,13 @@ class Program:
             return jnp.concatenate([last, drafts], axis=1), nrows, bound
 
         def cond(carry):
-            i, nrows = carry[0], carry[8]
-            return (i < steps) & jnp.any(nrows > 0) & ((i == 0) | jnp.any(nrows > 1))
+            i, nrows, pending, waited = carry[0], carry[8], carry[10], carry[15]
+            waited_out = jnp.any(pending & (waited >= wait)) if park else jnp.zeros((), bool)
+            return (i < steps) & jnp.any(nrows > 0) & ~waited_out & ((i == 0) | jnp.any(nrows > 1))
 
         def body(carry):
             (i, cache, hist, hlen, done, remaining, state, tokens, nrows, bound, pending, out, nn, counts,
-             stats) = carry
+             stats, waited) = carry
             live = nrows > 0
             cache, o, n_new, length, flush, st = self._verify_rows(
                 model, cache, host, tokens, nrows, bound, jax.vmap(jax.random.fold_in, (0, None))(keys, i),
@@ -338,10 +345,11 @@ class Program:
             drafted = jnp.maximum(nrows - 1, 0)
             state = backoff(state, n_new, drafted, num_tokens, page)
             counts = (counts[0] + 1, counts[1] + drafted, counts[2] + jnp.where(drafted > 0, n_new - 1, 0))
+            waited = waited + pending                                  # verifications spent waiting
             pending = pending | flush
             tokens, nrows, bound = proposal(cache, hist, hlen, done, remaining, state, pending)
             return (i + 1, cache, hist, hlen, done, remaining, state, tokens, nrows, bound, pending,
-                    out.at[i].set(o), nn.at[i].set(n_new), counts, stats + st)
+                    out.at[i].set(o), nn.at[i].set(n_new), counts, stats + st, waited)
 
         cache = ops.begin_chunk(cache)
         pending = jnp.zeros((S,), bool)                               # slots that reached a flush point
@@ -350,9 +358,9 @@ class Program:
         nn = jnp.zeros((steps, S), jnp.int32)
         zeros = jnp.zeros((S,), jnp.int32)
         carry = (jnp.int32(0), cache, hist, hlen, done, remaining, backoff_state, tokens, nrows, bound,
-                 pending, out, nn, (jnp.int32(0), zeros, zeros), LayerStats.zeros())
+                 pending, out, nn, (jnp.int32(0), zeros, zeros), LayerStats.zeros(), zeros)
         (_, cache, hist, hlen, done, remaining, state, _, _, _, pending, out, nn, counts,
-         stats) = jax.lax.while_loop(cond, body, carry)
+         stats, _) = jax.lax.while_loop(cond, body, carry)
         cache, host = ops.commit(cache, host, ops.lengths(cache), pending)
         return (cache, host, hist, hlen, out, nn, done, remaining, state, counts,
                 jax.tree.map(lambda a: a[None], stats))

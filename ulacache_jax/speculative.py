@@ -265,6 +265,10 @@ class SpecDecoder:
         # history [S, max_context] (rows uploaded once per request); 0 = one verification per step (the path of
         # oracle drafters and the draft model; tests compare the two)
         self.chunk_steps = c.page_size if spec.method == "ngram" else 0
+        # the verifications a slot at its flush point may wait in a chunk (its flush runs after the loop) before
+        # the chunk ends: None = until every running slot waits (a chunk carries each slot about a page, and the
+        # slots leave it in step); 0 = the chunk ends at the first flush point (one host sync per slot and page)
+        self.chunk_wait: int | None = None
         self._hist = None
         self._hist_len = np.full(S, -1, np.int64)      # tokens of the slot's request in the device history, -1: none
         self._set_row = None
@@ -426,8 +430,8 @@ class SpecDecoder:
             stops[slot, :len(ids)] = ids
         steps = self.chunk_steps
         rec.live_slots = len(running)
-        rec.decode_compiled = ("chunk", steps) not in self._seen_rows
-        self._seen_rows.add(("chunk", steps))
+        rec.decode_compiled = ("chunk", steps, self.chunk_wait) not in self._seen_rows
+        self._seen_rows.add(("chunk", steps, self.chunk_wait))
         state = tuple(a.astype(np.int32) for a in (self.k_now, self.fails, self.skip))
         args = jax.device_put((np.maximum(self._hist_len, 0).astype(np.int32), eng._done.copy(),
                                eng._remaining.copy(), self.prompt_len.astype(np.int32), state, keys, sampling, stops),
@@ -435,7 +439,7 @@ class SpecDecoder:
         before = eng._stats0
         t0 = eng._clock()
         b = gen.backend
-        chunk = gen.program.spec_chunk(steps, K, self.spec.ngram_max)
+        chunk = gen.program.spec_chunk(steps, K, self.spec.ngram_max, self.chunk_wait)
         b.cache, b.host, self._hist, hlen, out, n_new, _, _, state, counts, stats = chunk(
             gen.params, b.cache, b.host, self._hist, *args)
         gen.stats, gen.rank_stats = _accumulate(gen.stats, gen.rank_stats, stats)
