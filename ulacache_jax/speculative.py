@@ -22,7 +22,8 @@ one forward of K + 1 rows per sequence, accepted by the speculative sampling rul
   page_size verifications with one host sync: each proposes from a device history of every slot
   (ngram_device.propose, the host NgramIndex's rule), verifies, commits and appends on the device. A slot that
   reaches its flush point waits there (no rows) for the rest of the chunk, since the flush writes the host pool
-  once, after the loop; the chunk ends when every running slot waits or is done, or when no running slot drafts.
+  once, after the loop; the chunk ends when every running slot waits or is done (or a slot has waited
+  `SpecDecoder.chunk_wait` verifications; 0 ends it at the first flush point), or when no running slot drafts.
   So at batch > 1 a chunk carries every slot about a page (the slots' flush points need not coincide), and the
   slots leave it flushed together. Without a host pool (dense) nothing waits. The draft model (and oracle
   drafters in tests): one verification per Engine step, one host sync.
