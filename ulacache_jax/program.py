@@ -326,8 +326,8 @@ class Program:
             return jnp.concatenate([last, drafts], axis=1), nrows, bound
 
         def cond(carry):
-            i, nrows, pending, waited = carry[0], carry[8], carry[10], carry[15]
-            waited_out = jnp.any(pending & (waited >= wait)) if park else jnp.zeros((), bool)
+            i, done, nrows, pending, waited = carry[0], carry[4], carry[8], carry[10], carry[15]
+            waited_out = jnp.any(pending & ~done & (waited >= wait)) if park else jnp.zeros((), bool)
             return (i < steps) & jnp.any(nrows > 0) & ~waited_out & ((i == 0) | jnp.any(nrows > 1))
 
         def body(carry):
@@ -345,7 +345,7 @@ class Program:
             drafted = jnp.maximum(nrows - 1, 0)
             state = backoff(state, n_new, drafted, num_tokens, page)
             counts = (counts[0] + 1, counts[1] + drafted, counts[2] + jnp.where(drafted > 0, n_new - 1, 0))
-            waited = waited + pending                                  # verifications spent waiting
+            waited = waited + (pending & ~done)                        # verifications spent waiting
             pending = pending | flush
             tokens, nrows, bound = proposal(cache, hist, hlen, done, remaining, state, pending)
             return (i + 1, cache, hist, hlen, done, remaining, state, tokens, nrows, bound, pending,
