@@ -66,7 +66,8 @@ for b in "${names[@]}"; do
     speculative-b1) step speculative-b1 580 scripts/bench_speculative.py --model "${MODEL:-smollm2-135m}" \
                   --batches 1 --out "$OUT/speculative.json" "${C[@]}" ;;
     speculative-b4) step speculative-b4 580 scripts/bench_speculative.py --model "${MODEL:-smollm2-135m}" \
-                  --batches 4 --append --out "$OUT/speculative.json" "${C[@]}" ;;
+                  --batches 4 --tasks continue,quote --chunk-waits 0,none --append --out "$OUT/speculative.json" \
+                  "${C[@]}" ;;
     speculative-step) step speculative-step 580 scripts/bench_speculative.py --step-cost \
                   --out "$OUT/speculative_step.json" "${C[@]}" ;;
     # shared prefixes (issue 24): 16 questions over one 128K document with and without sharing, then SmolLM2 at 8K
