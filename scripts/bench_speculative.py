@@ -6,7 +6,10 @@ different file offset per batch row):
 - `continue`: the document, then its first `--echo` tokens again: the model continues the copy (induction);
 - `quote`: a chat: the document, then "Repeat the first 30 lines of the document above exactly.";
 - `fresh`: a chat asking for a short story (little to copy: drafts mostly rejected; speculation's cost when it
-  does not help).
+  does not help);
+- `sampled`: `fresh` sampled at temperature 1 (each request seeded): the text stays original, so the n-gram
+  lookup's drafts are mostly rejected: the back-off's worst case. Its outputs are not compared with plain (a
+  speculative sampler draws from the same distribution, not the same tokens).
 Per (task, batch, method): greedy outputs are compared with the plain run's first (`match`: all tokens equal;
 `match_tokens`: the share of tokens before the first difference; float32 matches exactly, bfloat16 rounds K + 1-row
 matmuls differently), then `--reps` timed runs: decode tok/s (the Engine timeline's decode tokens / decode seconds;
@@ -66,7 +69,7 @@ def make_prompts(task: str, tokenizer, batch: int, doc_tokens: int, echo: int, v
         out = []
         for b in range(batch):
             doc = np.random.default_rng(b).integers(0, vocab, doc_tokens).tolist()
-            out.append(doc + doc[:echo] if task != "fresh" else doc)
+            out.append(doc + doc[:echo] if task not in ("fresh", "sampled") else doc)
         return out
     out = []
     for b in range(batch):
@@ -77,7 +80,7 @@ def make_prompts(task: str, tokenizer, batch: int, doc_tokens: int, echo: int, v
             text = tokenizer.decode(doc)
             out.append([{"role": "user", "content": text + "\n\nRepeat the first 30 lines of the document above "
                                                          "exactly, nothing else."}])
-        elif task == "fresh":
+        elif task in ("fresh", "sampled"):
             text = tokenizer.decode(doc)
             out.append([{"role": "user", "content": text + "\n\nForget the document. Write a short original story "
                                                          "about a lighthouse keeper."}])
@@ -86,8 +89,15 @@ def make_prompts(task: str, tokenizer, batch: int, doc_tokens: int, echo: int, v
     return out
 
 
-def run_engine(gen, prompts, max_new: int, tokenizer, spec, per_step: bool = False, chunk_wait="default"):
-    """One Engine run over `gen` -> (token lists, decode tokens, decode s, wall s, spec counters or None)."""
+def task_temperature(task: str) -> float:
+    """The sampling temperature of a task: 1 for `sampled`, greedy for the others."""
+    return 1.0 if task == "sampled" else 0.0
+
+
+def run_engine(gen, prompts, max_new: int, tokenizer, spec, per_step: bool = False, chunk_wait="default",
+               temperature: float = 0.0):
+    """One Engine run over `gen` -> (token lists, decode tokens, decode s, wall s, spec counters or None).
+    temperature > 0: request i is sampled with seed i (the same draws in every run of a task)."""
     import inspect
     from ulacache_jax.engine import Engine, SamplingParams
     # every run prefills its prompts whole: attached shared prefixes round differently from a prefill in bf16
@@ -98,7 +108,11 @@ def run_engine(gen, prompts, max_new: int, tokenizer, spec, per_step: bool = Fal
     if chunk_wait != "default" and eng.spec is not None:
         eng.spec.chunk_wait = chunk_wait
     t0 = time.perf_counter()
-    reqs = eng.run(prompts, SamplingParams(max_new_tokens=max_new, stop_ids=()))
+    if temperature > 0:
+        reqs = eng.run(prompts, [SamplingParams(max_new_tokens=max_new, stop_ids=(), temperature=temperature, seed=i)
+                                 for i in range(len(prompts))])
+    else:
+        reqs = eng.run(prompts, SamplingParams(max_new_tokens=max_new, stop_ids=()))
     wall = time.perf_counter() - t0
     for r in reqs:
         if r.finish_reason == "error":
@@ -195,7 +209,8 @@ def step_cost(args, res) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="a preset name, GGUF file or folder")
-    p.add_argument("--tasks", default="continue,quote,fresh")
+    p.add_argument("--tasks", default=None, help="continue, quote, fresh, sampled (default: all four; --small: "
+                   "continue)")
     p.add_argument("--batches", default=None, help="batch sizes, comma separated (default 1,4,16; --small: 1)")
     p.add_argument("--methods", default="ngram", help="ngram and/or draft (draft: --draft-model)")
     p.add_argument("--draft-model", default=None)
@@ -226,11 +241,16 @@ def main(argv=None):
     elif args.small:
         args.doc_tokens, args.echo, args.dtype = 96, 32, "float32"
         args.max_new = args.max_new or 24
-        args.batches, args.tasks, args.page_size, args.token_budget = args.batches or "1", "continue", 16, 64
+        args.batches, args.page_size, args.token_budget = args.batches or "1", 16, 64
+        args.tasks = args.tasks or "continue"
         args.reps = args.reps or 1
         args.num_tokens = "3"
         args.attention = args.attention or "dense"         # dense: the cheapest compile (tests cover sparse)
     args.attention = args.attention or "sparse"
+    args.tasks = args.tasks or "continue,quote,fresh,sampled"
+    bad = [t for t in args.tasks.split(",") if t not in ("continue", "quote", "fresh", "sampled")]
+    if bad:
+        p.error(f"--tasks: unknown {bad} (continue, quote, fresh, sampled)")
     args.batches = args.batches or "1,4,16"
     args.max_new = args.max_new or 256
     args.reps = args.reps or 3
@@ -280,8 +300,10 @@ def main(argv=None):
         gen = Generator(model, cfg, attention=args.attention)
         for task in args.tasks.split(","):
             prompts = make_prompts(task, tokenizer, B, args.doc_tokens, args.echo, model.config.vocab_size)
-            plain_tokens, *_ = run_engine(gen, prompts, args.max_new, tokenizer, None)      # compiles
-            plain = [run_engine(gen, prompts, args.max_new, tokenizer, None) for _ in range(args.reps)]
+            temp = task_temperature(task)
+            plain_tokens, *_ = run_engine(gen, prompts, args.max_new, tokenizer, None, temperature=temp)  # compiles
+            plain = [run_engine(gen, prompts, args.max_new, tokenizer, None, temperature=temp)
+                     for _ in range(args.reps)]
             plain_dec = statistics.median(t / s for _, t, s, _, _ in plain)
             plain_wall = statistics.median(sum(map(len, o)) / w for o, _, _, w, _ in plain)
             res.add(dict(task=task, batch=B, method="plain", num_tokens=0, decode_tok_s=plain_dec,
@@ -291,20 +313,22 @@ def main(argv=None):
                        for w in (waits if m == "ngram" and not args.per_step else ["default"])]
             for method, K, wait in runs_of:
                 spec = SpecConfig(method, K, draft_model=draft if method == "draft" else None)
-                first = run_engine(gen, prompts, args.max_new, tokenizer, spec, args.per_step, wait)   # compiles
+                first = run_engine(gen, prompts, args.max_new, tokenizer, spec, args.per_step, wait,
+                                   temperature=temp)                                          # compiles
                 out = first[0]
-                same = out == plain_tokens
-                if args.require_match and not same:
+                same = out == plain_tokens if temp == 0 else None            # sampled: not comparable token-wise
+                if args.require_match and same is False:
                     raise SystemExit(f"{task} B={B} {method} K={K}: greedy output differs from plain "
                                      f"(match share {match_share(out, plain_tokens):.3f})")
-                runs = [run_engine(gen, prompts, args.max_new, tokenizer, spec, args.per_step, wait)
-                        for _ in range(args.reps)]
+                runs = [run_engine(gen, prompts, args.max_new, tokenizer, spec, args.per_step, wait,
+                                   temperature=temp) for _ in range(args.reps)]
                 dec = statistics.median(t / s for _, t, s, _, _ in runs)
                 wall = statistics.median(sum(map(len, o)) / w for o, _, _, w, _ in runs)
                 c = runs[-1][4]
                 row = dict(task=task, batch=B, method=method, num_tokens=K, decode_tok_s=dec, wall_tok_s=wall,
                            speedup=dec / plain_dec, wall_speedup=wall / plain_wall, match=same,
-                           match_tokens=match_share(out, plain_tokens),
+                           match_tokens=match_share(out, plain_tokens) if temp == 0 else None,
+                           temperature=temp,
                            acceptance=c["accepted"] / max(c["proposed"], 1),
                            tokens_per_step=runs[-1][1] / max(c["steps"], 1) / B,
                            verifications=c["steps"], device_chunks=c["chunks"], per_step=args.per_step,
