@@ -206,6 +206,45 @@ def step_cost(args, res) -> None:
         gc.collect()
 
 
+def plot(rows: list[dict], path: str) -> str | None:
+    """Decode tokens/s over plain per (task, batch): one bar per speculative variant (device chunk, its wait, or
+    one verification a step), acceptance printed on each bar. None where matplotlib is missing (the GPU machine):
+    `--png` draws it later. Step-cost rows are not drawn."""
+    try:
+        from ulacache_jax.bench_meta import pyplot, save_figure
+        plt = pyplot()
+    except ImportError:
+        return None
+    spec = [r for r in rows if r.get("method", "plain") != "plain" and "speedup" in r]
+    if not spec:
+        return None
+    cells = sorted({(r["task"], r["batch"]) for r in spec}, key=lambda c: (c[1], c[0]))
+
+    def variant(r):
+        if r.get("per_step"):
+            return f"{r['method']} K={r['num_tokens']} per step"
+        wait = r.get("chunk_wait")
+        return f"{r['method']} K={r['num_tokens']} chunk" + ("" if wait is None else f" wait {wait}")
+    variants = sorted({variant(r) for r in spec})
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(cells)), 3.6))
+    for j, v in enumerate(variants):
+        for i, cell in enumerate(cells):
+            r = next((r for r in reversed(spec) if (r["task"], r["batch"]) == cell and variant(r) == v), None)
+            if r is None:
+                continue
+            x = i + j * width
+            ax.bar(x, r["speedup"], width=width, color=f"C{j}", label=v if i == 0 else None)
+            ax.text(x, r["speedup"], f"{r['acceptance']:.0%}", ha="center", va="bottom", fontsize=6)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))])
+    ax.set_xticklabels([f"{t}\nB={b}" for t, b in cells], fontsize=7)
+    ax.set_ylabel("decode tok/s / plain")
+    ax.legend(fontsize=6)
+    ax.set_title("speculative decoding vs plain, same run (label: draft acceptance)", fontsize=9)
+    return save_figure(fig, path)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="a preset name, GGUF file or folder")
@@ -235,7 +274,12 @@ def main(argv=None):
     p.add_argument("--out", default="docs/benchmarks/speculative.json")
     p.add_argument("--commit", default=None)
     p.add_argument("--append", action="store_true", help="keep the rows already in --out (one call per batch size)")
+    p.add_argument("--png", default=None, metavar="JSON", help="draw JSON's PNG beside it (no run) and exit")
     args = p.parse_args(argv)
+    if args.png:
+        with open(args.png) as f:
+            print(plot(json.load(f)["rows"], os.path.splitext(args.png)[0] + ".png"))
+        return
     if args.small and args.step_cost:
         args.step_context, args.step_ks, args.step_batches, args.reps = 1024, "2", "1", args.reps or 1
     elif args.small:
@@ -338,6 +382,7 @@ def main(argv=None):
                            new_tokens=sum(map(len, out)))
                 res.add(row)
                 print(json.dumps(row), flush=True)
+    plot(res.rows, os.path.splitext(args.out)[0] + ".png")
     print(f"\n{'task':9s} {'B':>3s} {'method':7s} {'K':>2s} {'wait':>4s} {'dec tok/s':>10s} {'speedup':>7s} "
           f"{'accept':>6s} {'v/call':>6s} {'match':>6s}")
     for r in res.rows:

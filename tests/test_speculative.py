@@ -543,3 +543,9 @@ def test_bench_speculative_small(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["method"] for r in rows] == ["plain", "ngram"]
     assert rows[1]["match"] and rows[1]["match_tokens"] == 1.0 and rows[1]["decode_tok_s"] > 0
+    # the plot beside the JSON (one bar per speculative row), and again from the JSON alone (--png)
+    png = tmp_path / "spec.png"
+    assert png.stat().st_size > 0
+    png.unlink()
+    bench_speculative.main(["--png", str(out)])
+    assert png.stat().st_size > 0
