@@ -70,7 +70,7 @@ def append_token(state: CacheState, layer: int, k_new, v_new, pos, live) -> Cach
     pool_k = state.pool_k.at[0, frame, offs].set(kg, mode="drop")
     pool_v = state.pool_v.at[0, frame, offs].set(vg, mode="drop")
     nsub = c.summary_pages                                                           # summary_split 1: pages
-    sp, soff = (page, off) if c.summary_split == 1 else (pos // c.summary_size, pos % c.summary_size)
+    sp, soff = pos // c.summary_size, pos % c.summary_size                            # split 1: page, off
     pg = jnp.broadcast_to(jnp.where(live, sp, nsub)[:, None], (S, G))               # sub-page; nsub = dropped
     first = (soff == 0)[:, None, None, None]                                         # its first token resets it
     old_min = state.kmin[0, s, layer, gi, jnp.minimum(pg, nsub - 1)]                # [S, G, g, D]
@@ -387,7 +387,7 @@ def commit_summaries(state: CacheState, length) -> CacheState:
     S, L, G = c.max_seqs, c.num_layers, c.groups_per_rank
     split, sub, TS = c.summary_split, c.summary_size, TAIL_PAGES * c.summary_split   # split 1: sub = page_size
     tp = state.seqs.flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                # [S, T]
-    tsp = tp if split == 1 else (tp[:, :, None] * split + jnp.arange(split)).reshape(S, TS)  # [S, T*split] sub-pages
+    tsp = (tp[:, :, None] * split + jnp.arange(split)).reshape(S, TS)                # [S, T*split] sub-pages
     n = jnp.clip(length[:, None] - tsp * sub, 0, sub)                                 # [S, TS] committed tokens
     has = state.seqs.active[:, None] & (n > 0)
     s = jnp.arange(S)[:, None, None, None]
@@ -395,13 +395,11 @@ def commit_summaries(state: CacheState, length) -> CacheState:
     g = jnp.arange(G)[None, None, :, None]
     tpp = tp[:, None, None, :]                                                        # [S, 1, 1, T]
     kp = state.pool_k[0, tail_frame(c, s, l, g, tpp)]                                 # [S, L, G, T, page, g, D]
-    if split > 1:
-        kp = kp.reshape(S, L, G, TS, sub, c.kv_heads_per_group, c.head_dim)          # [S, L, G, TS, sub, g, D]
+    kp = kp.reshape(S, L, G, TS, sub, c.kv_heads_per_group, c.head_dim)              # [S, L, G, TS, sub, g, D]
     ok = (jnp.arange(sub)[None, None, :] < n[:, :, None])[:, None, None, :, :, None, None]
     kmin = jnp.where(ok, kp, jnp.inf).min(axis=4).astype(kp.dtype)                   # [S, L, G, TS, g, D]
     kmax = jnp.where(ok, kp, -jnp.inf).max(axis=4).astype(kp.dtype)
-    tspp = tpp if split == 1 else tsp[:, None, None, :]                               # [S, 1, 1, TS]
-    page = jnp.broadcast_to(jnp.where(has[:, None, None, :], tspp, c.summary_pages), (S, L, G, TS))
+    page = jnp.broadcast_to(jnp.where(has[:, None, None, :], tsp[:, None, None, :], c.summary_pages), (S, L, G, TS))
     return dataclasses.replace(state, kmin=state.kmin.at[0, s, l, g, page].set(kmin, mode="drop"),
                                kmax=state.kmax.at[0, s, l, g, page].set(kmax, mode="drop"))
 

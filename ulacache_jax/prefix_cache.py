@@ -465,12 +465,12 @@ def sparse_attach(state, host, layer, slot, start, num_tokens: int, *, impl: str
     kp = kp.reshape(R, G, n, P, c.kv_heads_per_group, c.head_dim)
     vp = vp.reshape(R, G, n, P, c.kv_heads_per_group, c.head_dim)
     split, ns = c.summary_split, n * c.summary_split                  # sub-page summaries (whole pages: all live)
-    sel = (live if split == 1 else jnp.repeat(live, split))[None, None, :, None, None]
+    sel = jnp.repeat(live, split)[None, None, :, None, None]
     summ_at = at + (zero, zero)
     size = (R, 1, 1, G, ns, c.kv_heads_per_group, c.head_dim)
     old_min = jax.lax.dynamic_slice(state.kmin, summ_at, size)[:, 0, 0]                      # [R, G, ns, g, D]
     old_max = jax.lax.dynamic_slice(state.kmax, summ_at, size)[:, 0, 0]
-    ks = kp if split == 1 else kp.reshape(R, G, ns, c.summary_size, c.kv_heads_per_group, c.head_dim)
+    ks = kp.reshape(R, G, ns, c.summary_size, c.kv_heads_per_group, c.head_dim)
     kmin = jnp.where(sel, ks.min(axis=3), old_min)[:, None, None]
     kmax = jnp.where(sel, ks.max(axis=3), old_max)[:, None, None]
     state = dataclasses.replace(state, kmin=jax.lax.dynamic_update_slice(state.kmin, kmin, summ_at),

@@ -197,10 +197,9 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
     live = (tok < end)[None, None, None, :, :, None, None]
     big = jnp.asarray(jnp.finfo(dt).max, dt)
     split, ns = c.summary_split, n * c.summary_split                                  # ns sub-pages (split 1: n)
-    # split > 1: sub-pages of page_size // split tokens [R, L, G, ns, sub, g, D]; one without live tokens gets
-    # (big, -big), whose bound is about -big: it never wins its page's max
-    subs = (lambda x: x) if split == 1 else (
-        lambda x: x.reshape(R, L, G, ns, c.summary_size, c.kv_heads_per_group, c.head_dim))
+    # sub-pages of page_size // split tokens [R, L, G, ns, sub, g, D]; one without live tokens gets (big, -big),
+    # whose bound is about -big: it never wins its page's max
+    subs = lambda x: x.reshape(R, L, G, ns, c.summary_size, c.kv_heads_per_group, c.head_dim)
     kmin = subs(jnp.where(live, kp, big)).min(axis=4)                                 # [R, L, G, ns, g, D]
     kmax = subs(jnp.where(live, kp, -big)).max(axis=4)
     page_ids = p0 + jnp.arange(n)
@@ -208,11 +207,11 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
     # summaries of pages [p0, p0 + n) of layers [layer0, layer0 + L): one dynamic slice in, one update out
     zero = jnp.zeros((), jnp.int32)
     at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer0, jnp.int32), zero, jnp.asarray(p0, jnp.int32))
-    summ_at = at + (zero, zero) if split == 1 else at[:4] + (jnp.asarray(p0 * split, jnp.int32), zero, zero)
+    summ_at = at[:4] + (jnp.asarray(p0 * split, jnp.int32), zero, zero)
     summ_size = (R, 1, L, G, ns, c.kv_heads_per_group, c.head_dim)
     old_min = jax.lax.dynamic_slice(state.kmin, summ_at, summ_size)[:, 0]             # [R, L, G, ns, g, D]
     old_max = jax.lax.dynamic_slice(state.kmax, summ_at, summ_size)[:, 0]
-    sel = (has_tok if split == 1 else jnp.repeat(has_tok, split))[None, None, None, :, None, None]
+    sel = jnp.repeat(has_tok, split)[None, None, None, :, None, None]
     new_kmin = jnp.where(sel, kmin, old_min)[:, None]
     new_kmax = jnp.where(sel, kmax, old_max)[:, None]
 
