@@ -91,9 +91,10 @@ def run(attention: str, args) -> dict:
             eng.run(prompts[:2], SamplingParams(max_new_tokens=2, stop_ids=()))
             warm = time.perf_counter() - t
         ev = load_device_events(d)
+    from regression_diff import op_name          # this folder's probe: one kernel's name across instances
     ops = collections.Counter()
     for e in ev:
-        ops[e["name"].rstrip("0123456789._")] += float(e["dur"])
+        ops[op_name(e["name"])] += float(e["dur"])
     return dict(attention=attention, prefill_s=times, big_copies=copies, warm_round_s=warm, device_busy_us=sum(ops.values()),
                 top_ops_us=ops.most_common(args.top))
 
