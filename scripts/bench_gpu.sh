@@ -66,7 +66,7 @@ for b in "${names[@]}"; do
     speculative-b1) step speculative-b1 580 scripts/bench_speculative.py --model "${MODEL:-smollm2-135m}" \
                   --batches 1 --out "$OUT/speculative.json" "${C[@]}" ;;
     speculative-b4) step speculative-b4 580 scripts/bench_speculative.py --model "${MODEL:-smollm2-135m}" \
-                  --batches 4 --tasks continue,quote --chunk-waits 0,none --append --out "$OUT/speculative.json" \
+                  --batches 4 --tasks continue,quote,sampled --append --out "$OUT/speculative.json" \
                   "${C[@]}" ;;
     speculative-step) step speculative-step 580 scripts/bench_speculative.py --step-cost \
                   --out "$OUT/speculative_step.json" "${C[@]}" ;;

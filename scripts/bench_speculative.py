@@ -27,9 +27,8 @@ yield to break even.
 script; with --step-cost, the tiny shape at 1K).
 --per-step: ngram speculation one verification per Engine step (SpecDecoder.chunk_steps = 0) instead of the device
 chunk (Program.spec_chunk), to compare the two.
---chunk-waits: SpecDecoder.chunk_wait values (ngram device chunk), one row each: how many verifications a slot at its
-flush point waits in a chunk before the chunk ends; "none" = until every running slot waits (the default), 0 = the
-chunk ends at the first slot's flush point (the earlier behaviour). `verifications_per_chunk` in each row.
+`verifications` counts every verification (one-row steps of a chunk where no slot drafted included);
+`verifications_per_chunk` = verifications / device chunks.
 On the H200: python scripts/bench_speculative.py --out docs/benchmarks/speculative.json
          and: python scripts/bench_speculative.py --step-cost --out docs/benchmarks/speculative_step.json
 """
@@ -94,8 +93,7 @@ def task_temperature(task: str) -> float:
     return 1.0 if task == "sampled" else 0.0
 
 
-def run_engine(gen, prompts, max_new: int, tokenizer, spec, per_step: bool = False, chunk_wait="default",
-               temperature: float = 0.0):
+def run_engine(gen, prompts, max_new: int, tokenizer, spec, per_step: bool = False, temperature: float = 0.0):
     """One Engine run over `gen` -> (token lists, decode tokens, decode s, wall s, spec counters or None).
     temperature > 0: request i is sampled with seed i (the same draws in every run of a task)."""
     import inspect
@@ -105,8 +103,6 @@ def run_engine(gen, prompts, max_new: int, tokenizer, spec, per_step: bool = Fal
     eng = Engine(generator=gen, tokenizer=tokenizer, speculative=spec, **kw)
     if per_step and eng.spec is not None and hasattr(eng.spec, "chunk_steps"):
         eng.spec.chunk_steps = 0
-    if chunk_wait != "default" and eng.spec is not None:
-        eng.spec.chunk_wait = chunk_wait
     t0 = time.perf_counter()
     if temperature > 0:
         reqs = eng.run(prompts, [SamplingParams(max_new_tokens=max_new, stop_ids=(), temperature=temperature, seed=i)
@@ -223,8 +219,7 @@ def plot(rows: list[dict], path: str) -> str | None:
     def variant(r):
         if r.get("per_step"):
             return f"{r['method']} K={r['num_tokens']} per step"
-        wait = r.get("chunk_wait")
-        return f"{r['method']} K={r['num_tokens']} chunk" + ("" if wait is None else f" wait {wait}")
+        return f"{r['method']} K={r['num_tokens']} chunk"
     variants = sorted({variant(r) for r in spec})
     width = 0.8 / len(variants)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(cells)), 3.6))
@@ -268,8 +263,6 @@ def main(argv=None):
     p.add_argument("--step-ks", default="2,4,8")
     p.add_argument("--step-batches", default="1,4")
     p.add_argument("--per-step", action="store_true", help="ngram: one verification per step, not device chunks")
-    p.add_argument("--chunk-waits", default="none",
-                   help="ngram device chunk: SpecDecoder.chunk_wait values, comma separated (none, 0, 1, ...)")
     p.add_argument("--small", action="store_true", help="tiny random model, short prompts, float32 (CPU check)")
     p.add_argument("--out", default="docs/benchmarks/speculative.json")
     p.add_argument("--commit", default=None)
@@ -328,7 +321,6 @@ def main(argv=None):
         from ulacache_jax.models import from_pretrained
         draft = from_pretrained(args.draft_model, dtype=dtype)
     batches = [int(b) for b in args.batches.split(",")]
-    waits = [None if w.strip().lower() == "none" else int(w) for w in args.chunk_waits.split(",")]
     ks = [int(k) for k in args.num_tokens.split(",")]
     res = Results(args.out, run_meta(args.commit, model="tiny" if args.small else args.model, dtype=args.dtype,
                                      attention=args.attention, doc_tokens=args.doc_tokens, max_new=args.max_new,
@@ -353,18 +345,16 @@ def main(argv=None):
             res.add(dict(task=task, batch=B, method="plain", num_tokens=0, decode_tok_s=plain_dec,
                          wall_tok_s=plain_wall, new_tokens=sum(map(len, plain_tokens))))
             print(json.dumps(res.rows[-1]), flush=True)
-            runs_of = [(m, k, w) for m in args.methods.split(",") for k in ks
-                       for w in (waits if m == "ngram" and not args.per_step else ["default"])]
-            for method, K, wait in runs_of:
+            for method, K in [(m, k) for m in args.methods.split(",") for k in ks]:
                 spec = SpecConfig(method, K, draft_model=draft if method == "draft" else None)
-                first = run_engine(gen, prompts, args.max_new, tokenizer, spec, args.per_step, wait,
+                first = run_engine(gen, prompts, args.max_new, tokenizer, spec, args.per_step,
                                    temperature=temp)                                          # compiles
                 out = first[0]
                 same = out == plain_tokens if temp == 0 else None            # sampled: not comparable token-wise
                 if args.require_match and same is False:
                     raise SystemExit(f"{task} B={B} {method} K={K}: greedy output differs from plain "
                                      f"(match share {match_share(out, plain_tokens):.3f})")
-                runs = [run_engine(gen, prompts, args.max_new, tokenizer, spec, args.per_step, wait,
+                runs = [run_engine(gen, prompts, args.max_new, tokenizer, spec, args.per_step,
                                    temperature=temp) for _ in range(args.reps)]
                 dec = statistics.median(t / s for _, t, s, _, _ in runs)
                 wall = statistics.median(sum(map(len, o)) / w for o, _, _, w, _ in runs)
@@ -377,18 +367,17 @@ def main(argv=None):
                            tokens_per_step=runs[-1][1] / max(c["steps"], 1) / B,
                            verifications=c["steps"], device_chunks=c["chunks"], per_step=args.per_step,
                            verifications_per_chunk=c["steps"] / c["chunks"] if c["chunks"] else None,
-                           chunk_wait=None if wait == "default" else wait,
                            proposed=c["proposed"], accepted=c["accepted"],
                            new_tokens=sum(map(len, out)))
                 res.add(row)
                 print(json.dumps(row), flush=True)
     plot(res.rows, os.path.splitext(args.out)[0] + ".png")
-    print(f"\n{'task':9s} {'B':>3s} {'method':7s} {'K':>2s} {'wait':>4s} {'dec tok/s':>10s} {'speedup':>7s} "
+    print(f"\n{'task':9s} {'B':>3s} {'method':7s} {'K':>2s} {'dec tok/s':>10s} {'speedup':>7s} "
           f"{'accept':>6s} {'v/call':>6s} {'match':>6s}")
     for r in res.rows:
         vpc = r.get("verifications_per_chunk")
-        wait, vpc = str(r.get("chunk_wait", "")), "" if vpc is None else f"{vpc:.2f}"
-        print(f"{r['task']:9s} {r['batch']:3d} {r['method']:7s} {r['num_tokens']:2d} {wait:>4s} "
+        vpc = "" if vpc is None else f"{vpc:.2f}"
+        print(f"{r['task']:9s} {r['batch']:3d} {r['method']:7s} {r['num_tokens']:2d} "
               f"{r['decode_tok_s']:10.1f} {r.get('speedup', 1.0):7.2f} {r.get('acceptance', 0.0):6.2f} {vpc:>6s} "
               f"{str(r.get('match', '')):>6s}")
 

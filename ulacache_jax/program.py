@@ -164,9 +164,8 @@ class Program:
             functools.partial(self._propose, rows=rows), (ps, cs, hs) + (r,) * 4, (cs, r, r), (None, None, None),
             donate_argnums=(1,)))
         self.commit = jit(self._commit, (cs, hs, r, r, r), (cs, hs), (None, host_sh), donate_argnums=(0, 1))
-        self._spec_chunk_for = functools.lru_cache(maxsize=None)(lambda steps, num_tokens, ngram_max, wait, page: jit(
-            functools.partial(self._spec_chunk, steps=steps, num_tokens=num_tokens, ngram_max=ngram_max, wait=wait,
-                              page=page),
+        self._spec_chunk_for = functools.lru_cache(maxsize=None)(lambda steps, num_tokens, ngram_max, page: jit(
+            functools.partial(self._spec_chunk, steps=steps, num_tokens=num_tokens, ngram_max=ngram_max, page=page),
             (ps, cs, hs) + (r,) * 9, (cs, hs) + (r,) * 8 + (stats_spec,), (None, host_sh) + (None,) * 9,
             donate_argnums=(1, 2, 3)))
 
@@ -266,7 +265,7 @@ class Program:
         (its K/V left in the tail ring as a lease; committed or not by `commit`)."""
         return self._propose_for(rows)
 
-    def spec_chunk(self, steps: int, num_tokens: int, ngram_max: int, wait: int | None = None):
+    def spec_chunk(self, steps: int, num_tokens: int, ngram_max: int):
         """spec_chunk(params, cache, host, hist [S, C], hlen [S], done [S], remaining [S], prompt_len [S],
                       backoff (k_now, fails, skip) [S] each, keys [S], sampling, stop_ids [S, N])
             -> (cache, host, hist, hlen, out [steps, S, K + 1], n_new [steps, S], done, remaining, backoff,
@@ -275,17 +274,15 @@ class Program:
         running slot from its history (ngram_device.propose, the host NgramIndex's rule) within the slot's back-off
         state and before its next flush point (speculative.spec_bounds), verifies and commits them (as `verify`
         with K + 1 rows), appends the new tokens to hist and out (-1 past n_new) and updates done (remaining
-        tokens; each slot's stop_ids, -1 = none), the back-off state (speculative.backoff) and the counts. A slot
+        tokens; each slot's stop_ids, -1 = none), the back-off state (speculative.backoff) and the counts. A
+        verification where no running slot has a draft runs one row per slot (a plain decode step: the K + 1-row
+        program is chosen by lax.cond only when some slot drafts), so a chunk that stops finding drafts costs what
+        plain decoding costs instead of ending early and leaving the host short, unaligned plain chunks. A slot
         that reaches its next flush point waits there (no rows) for the rest of the loop: its flush, which writes
         the host pool, runs once after the loop (the host pool is only read inside it, as in `decode`); without a
-        host pool (dense) no slot waits. The loop ends when no slot runs (every one waits or is done), when a slot
-        has waited `wait` verifications (None: `steps`, so never before the last; 0: at the first flush point),
-        when no running slot has a draft for the next verification (the first always runs), or after `steps`. A
-        slot's last history token is its last token (row 0). Keys: fold_in(keys, verification)."""
-        wait = steps if wait is None else min(int(wait), steps)
-        if wait < 0:
-            raise ValueError(f"spec_chunk wait = {wait} must be >= 0 (or None)")
-        return self._spec_chunk_for(steps, num_tokens, ngram_max, wait, self.config.page_size)
+        host pool (dense) no slot waits. The loop ends when no slot runs (every one waits or is done) or after
+        `steps`. A slot's last history token is its last token (row 0). Keys: fold_in(keys, verification)."""
+        return self._spec_chunk_for(steps, num_tokens, ngram_max, self.config.page_size)
 
     def _verify_rows(self, model, cache, host, tokens, nrows, bound, keys, sampling, draft_probs, rank):
         """One verification (`verify`'s body) up to the commit -> (cache, out, n_new, length, flush, stats); the
@@ -310,7 +307,7 @@ class Program:
         return cache, host, out, n_new, length, flush, jax.tree.map(lambda a: a[None], stats)
 
     def _spec_chunk(self, params, cache, host, hist, hlen, done, remaining, prompt_len, backoff_state, keys,
-                    sampling, stop_ids, *, steps: int, num_tokens: int, ngram_max: int, wait: int, page: int):
+                    sampling, stop_ids, *, steps: int, num_tokens: int, ngram_max: int, page: int):
         ops, model = self.ops, nnx.merge(self.graphdef, params)
         rank = jax.lax.axis_index(TP_AXIS)
         S, Q = hist.shape[0], num_tokens + 1
@@ -326,17 +323,29 @@ class Program:
             return jnp.concatenate([last, drafts], axis=1), nrows, bound
 
         def cond(carry):
-            i, done, nrows, pending, waited = carry[0], carry[4], carry[8], carry[10], carry[15]
-            waited_out = jnp.any(pending & ~done & (waited >= wait)) if park else jnp.zeros((), bool)
-            return (i < steps) & jnp.any(nrows > 0) & ~waited_out & ((i == 0) | jnp.any(nrows > 1))
+            i, nrows = carry[0], carry[8]
+            return (i < steps) & jnp.any(nrows > 0)
+
+        def verify(q, cache, tokens, nrows, bound, k):
+            # a verification of q rows a slot -> (cache, out [S, Q] (-1 past q), n_new, length, flush, stats)
+            cache, o, n_new, length, flush, st = self._verify_rows(
+                model, cache, host, tokens[:, :q], jnp.minimum(nrows, q), bound, k, sampling, None, rank)
+            return (cache, jnp.pad(o, ((0, 0), (0, Q - q)), constant_values=-1), n_new, length, flush, st)
 
         def body(carry):
             (i, cache, hist, hlen, done, remaining, state, tokens, nrows, bound, pending, out, nn, counts,
-             stats, waited) = carry
+             stats) = carry
             live = nrows > 0
-            cache, o, n_new, length, flush, st = self._verify_rows(
-                model, cache, host, tokens, nrows, bound, jax.vmap(jax.random.fold_in, (0, None))(keys, i),
-                sampling, None, rank)
+            k = jax.vmap(jax.random.fold_in, (0, None))(keys, i)
+            if Q > 1:          # one row a slot where nobody drafts: the plain step's cost, not K + 1 rows'
+                wide = jnp.any(nrows > 1)
+                res = (cache, jnp.full((S, Q), -1, jnp.int32), zeros, zeros, jnp.zeros((S,), bool),
+                       LayerStats.zeros())
+                res = _once(wide, lambda r: verify(Q, r[0], tokens, nrows, bound, k), res)
+                cache, o, n_new, length, flush, st = _once(~wide, lambda r: verify(1, r[0], tokens, nrows, bound, k),
+                                                           res)
+            else:
+                cache, o, n_new, length, flush, st = verify(Q, cache, tokens, nrows, bound, k)
             cache = ops.commit_length(cache, length)                  # the flush runs after the loop
             hist, hlen = ngram_device.append(hist, hlen, o, n_new)
             remaining = remaining - n_new
@@ -345,22 +354,21 @@ class Program:
             drafted = jnp.maximum(nrows - 1, 0)
             state = backoff(state, n_new, drafted, num_tokens, page)
             counts = (counts[0] + 1, counts[1] + drafted, counts[2] + jnp.where(drafted > 0, n_new - 1, 0))
-            waited = waited + (pending & ~done)                        # verifications spent waiting
             pending = pending | flush
             tokens, nrows, bound = proposal(cache, hist, hlen, done, remaining, state, pending)
             return (i + 1, cache, hist, hlen, done, remaining, state, tokens, nrows, bound, pending,
-                    out.at[i].set(o), nn.at[i].set(n_new), counts, stats + st, waited)
+                    out.at[i].set(o), nn.at[i].set(n_new), counts, stats + st)
 
+        zeros = jnp.zeros((S,), jnp.int32)
         cache = ops.begin_chunk(cache)
         pending = jnp.zeros((S,), bool)                               # slots that reached a flush point
         tokens, nrows, bound = proposal(cache, hist, hlen, done, remaining, backoff_state, pending)
         out = jnp.full((steps, S, Q), -1, jnp.int32)                 # written by row, as decode's [steps, S]
         nn = jnp.zeros((steps, S), jnp.int32)
-        zeros = jnp.zeros((S,), jnp.int32)
         carry = (jnp.int32(0), cache, hist, hlen, done, remaining, backoff_state, tokens, nrows, bound,
-                 pending, out, nn, (jnp.int32(0), zeros, zeros), LayerStats.zeros(), zeros)
+                 pending, out, nn, (jnp.int32(0), zeros, zeros), LayerStats.zeros())
         (_, cache, hist, hlen, done, remaining, state, _, _, _, pending, out, nn, counts,
-         stats, _) = jax.lax.while_loop(cond, body, carry)
+         stats) = jax.lax.while_loop(cond, body, carry)
         cache, host = ops.commit(cache, host, ops.lengths(cache), pending)
         return (cache, host, hist, hlen, out, nn, done, remaining, state, counts,
                 jax.tree.map(lambda a: a[None], stats))
@@ -399,6 +407,15 @@ class Program:
         meta = DecodeMeta(length, jnp.ones(tok.shape, bool), jax.lax.axis_index(TP_AXIS), host)
         _, y, _ = decode_layers(model, self.ops, cache, model.embed(tok[:, None]), meta)
         return model.logits(y)[:, 0]
+
+
+def _once(pred, fn, init):
+    """fn(init) where pred, else init (same structure), as a while loop of at most one trip rather than lax.cond:
+    a loop's carry is updated in place, while a conditional whose branches write the cache pool made XLA copy the
+    pool (test_speculative's no-pool-copy test)."""
+    def body(c):
+        return jnp.zeros((), bool), fn(c[1])
+    return jax.lax.while_loop(lambda c: c[0], body, (pred, init))[1]
 
 
 def _flat(tree):

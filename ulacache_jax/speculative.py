@@ -22,14 +22,14 @@ one forward of K + 1 rows per sequence, accepted by the speculative sampling rul
   page_size verifications with one host sync: each proposes from a device history of every slot
   (ngram_device.propose, the host NgramIndex's rule), verifies, commits and appends on the device. A slot that
   reaches its flush point waits there (no rows) for the rest of the chunk, since the flush writes the host pool
-  once, after the loop; the chunk ends when every running slot waits or is done (or a slot has waited
-  `SpecDecoder.chunk_wait` verifications; 0 ends it at the first flush point), or when no running slot drafts.
-  So at batch > 1 a chunk carries every slot about a page (the slots' flush points need not coincide), and the
-  slots leave it flushed together. Without a host pool (dense) nothing waits. The draft model (and oracle
+  once, after the loop; the chunk ends when every running slot waits or is done. A verification where no slot
+  has a draft runs one row a slot (a plain step), so a chunk costs plain decoding's steps where drafts stop.
+  So a chunk carries every slot about a page (the slots' flush points need not coincide), and the slots leave
+  it flushed together. Without a host pool (dense) nothing waits. The draft model (and oracle
   drafters in tests): one verification per Engine step, one host sync.
   It backs off by itself (the same rule on the host and in the chunk, `backoff`): a slot's draft length grows on
   full acceptance and shrinks on rejection, a slot rejected verification after verification stops drafting for
-  a while, and a step where no slot drafts (ngram) runs a plain decode chunk instead.
+  a while, and a step where no slot drafts (ngram) runs a plain decode chunk instead (up to the flush point).
 The row count of a per-step verification is a power of two up to K + 1 (the longest proposal of the step): at
 most log2(K + 1) + 1 verification programs compile; a chunk always verifies K + 1 rows (one program); none
 compiles per acceptance pattern.
@@ -266,10 +266,6 @@ class SpecDecoder:
         # history [S, max_context] (rows uploaded once per request); 0 = one verification per step (the path of
         # oracle drafters and the draft model; tests compare the two)
         self.chunk_steps = c.page_size if spec.method == "ngram" else 0
-        # the verifications a slot at its flush point may wait in a chunk (its flush runs after the loop) before
-        # the chunk ends: None = until every running slot waits (a chunk carries each slot about a page, and the
-        # slots leave it in step); 0 = the chunk ends at the first flush point (one host sync per slot and page)
-        self.chunk_wait: int | None = None
         self._hist = None
         self._hist_len = np.full(S, -1, np.int64)      # tokens of the slot's request in the device history, -1: none
         self._set_row = None
@@ -431,8 +427,8 @@ class SpecDecoder:
             stops[slot, :len(ids)] = ids
         steps = self.chunk_steps
         rec.live_slots = len(running)
-        rec.decode_compiled = ("chunk", steps, self.chunk_wait) not in self._seen_rows
-        self._seen_rows.add(("chunk", steps, self.chunk_wait))
+        rec.decode_compiled = ("chunk", steps) not in self._seen_rows
+        self._seen_rows.add(("chunk", steps))
         state = tuple(a.astype(np.int32) for a in (self.k_now, self.fails, self.skip))
         args = jax.device_put((np.maximum(self._hist_len, 0).astype(np.int32), eng._done.copy(),
                                eng._remaining.copy(), self.prompt_len.astype(np.int32), state, keys, sampling, stops),
@@ -440,7 +436,7 @@ class SpecDecoder:
         before = eng._stats0
         t0 = eng._clock()
         b = gen.backend
-        chunk = gen.program.spec_chunk(steps, K, self.spec.ngram_max, self.chunk_wait)
+        chunk = gen.program.spec_chunk(steps, K, self.spec.ngram_max)
         b.cache, b.host, self._hist, hlen, out, n_new, _, _, state, counts, stats = chunk(
             gen.params, b.cache, b.host, self._hist, *args)
         gen.stats, gen.rank_stats = _accumulate(gen.stats, gen.rank_stats, stats)
