@@ -222,12 +222,12 @@ def test_chunk_at_batch_4_carries_every_slot_a_page(setup, attention):
     assert sum(per_chunk) >= 6 * sp.chunks, per_chunk
 
 
-@pytest.mark.parametrize("attention", ["sparse", "dense"])
-def test_chunk_without_drafts_runs_plain_steps_to_the_flush_point(setup, repetitive, monkeypatch, attention):
+def test_chunk_without_drafts_runs_plain_steps_to_the_flush_point(setup, repetitive, monkeypatch):
     """The host finds drafts (so a device chunk runs) but the chunk's own proposals are empty: every verification
-    takes the one-row branch (a plain step), the chunk does not end there but runs on to the slots' flush points
-    (sparse; dense: its `steps`), and the tokens equal plain decoding's. A config of its own, so the chunk
-    program is traced with the empty proposals."""
+    takes the one-row branch (a plain step), the chunk does not end there but runs on to the slots' flush points,
+    and the tokens equal plain decoding's (sparse: the backend with flush points). A config of its own, so the
+    chunk program is traced with the empty proposals."""
+    attention = "sparse"
     from ulacache_jax import ngram_device
     model, _, _ = setup
     prompts, refs = repetitive
