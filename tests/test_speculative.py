@@ -185,6 +185,18 @@ def test_chunked_ngram_stops_mid_chunk(setup, repetitive):
     assert eng.spec.chunks > 0 and eng.spec.accepted > 0
 
 
+def record_chunks(sp) -> list[int]:
+    """The verifications of each device chunk SpecDecoder `sp` runs (appended as they run)."""
+    per_chunk, run_chunk = [], sp._chunk
+
+    def recorded(*a):
+        before = sp.steps
+        run_chunk(*a)
+        per_chunk.append(sp.steps - before)
+    sp._chunk = recorded
+    return per_chunk
+
+
 @pytest.mark.parametrize("attention", ["sparse", "dense"])
 def test_chunk_at_batch_4_carries_every_slot_a_page(setup, attention):
     """Four slots, ragged repetitive prompts (their flush points fall at different verifications): greedy equal to
@@ -203,14 +215,7 @@ def test_chunk_at_batch_4_carries_every_slot_a_page(setup, attention):
 
     def run():
         eng = Engine(generator=gen, speculative=SpecConfig("ngram", K))
-        sp, per_chunk = eng.spec, []
-        run_chunk = sp._chunk
-
-        def recorded(*a):
-            before = sp.steps
-            run_chunk(*a)
-            per_chunk.append(sp.steps - before)
-        sp._chunk = recorded
+        sp, per_chunk = eng.spec, record_chunks(eng.spec)
         reqs = eng.run(prompts, SamplingParams(max_new_tokens=n))
         assert [r.tokens for r in reqs] == ref
         assert len(per_chunk) == sp.chunks
@@ -241,14 +246,7 @@ def test_chunk_without_drafts_runs_plain_steps_to_the_flush_point(setup, repetit
     monkeypatch.setattr(ngram_device, "propose", empty)
     ref = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention=attention)
     eng = Engine(generator=Generator(model, cfg, attention=attention), speculative=SpecConfig("ngram", K))
-    sp, per_chunk = eng.spec, []
-    run_chunk = sp._chunk
-
-    def recorded(*a):
-        before = sp.steps
-        run_chunk(*a)
-        per_chunk.append(sp.steps - before)
-    sp._chunk = recorded
+    sp, per_chunk = eng.spec, record_chunks(eng.spec)
     try:
         reqs = eng.run(prompts, SamplingParams(max_new_tokens=MAX_NEW))
     finally:       # Programs are shared by config: no later test may get the chunk traced with empty proposals
