@@ -124,7 +124,7 @@ class Program:
         -> (cache, host, tokens [S, page_size], done, remaining, LayerStats of [R] per rank)   cache, host donated
     decode_steps(n): the same for a chunk of n steps (n a power of two <= page_size)
     next_logits(params, cache, host, tok) -> [S, V]: one step's logits, nothing committed.
-    verify(rows), propose(rows), commit, spec_chunk(steps, K, ngram_max, wait): speculative decoding
+    verify(rows), propose(rows), commit, spec_chunk(steps, K, ngram_max): speculative decoding
     (speculative.py)."""
 
     def __init__(self, graphdef, layer_gd, ops, config: CacheConfig, mesh: Mesh, params_spec, layer_spec,
