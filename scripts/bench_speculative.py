@@ -203,8 +203,8 @@ def step_cost(args, res) -> None:
 
 
 def plot(rows: list[dict], path: str) -> str | None:
-    """Decode tokens/s over plain per (task, batch): one bar per speculative variant (device chunk, its wait, or
-    one verification a step), acceptance printed on each bar. None where matplotlib is missing (the GPU machine):
+    """Decode tokens/s over plain per (task, batch): one bar per speculative variant (device chunk or one
+    verification a step), acceptance printed on each bar. None where matplotlib is missing (the GPU machine):
     `--png` draws it later. Step-cost rows are not drawn."""
     try:
         from ulacache_jax.bench_meta import pyplot, save_figure

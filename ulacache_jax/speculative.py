@@ -31,8 +31,8 @@ one forward of K + 1 rows per sequence, accepted by the speculative sampling rul
   full acceptance and shrinks on rejection, a slot rejected verification after verification stops drafting for
   a while, and a step where no slot drafts (ngram) runs a plain decode chunk instead (up to the flush point).
 The row count of a per-step verification is a power of two up to K + 1 (the longest proposal of the step): at
-most log2(K + 1) + 1 verification programs compile; a chunk always verifies K + 1 rows (one program); none
-compiles per acceptance pattern.
+most log2(K + 1) + 1 verification programs compile; a chunk verifies K + 1 rows, or one where no slot drafts
+(both in its one program); none compiles per acceptance pattern.
 """
 from __future__ import annotations
 
