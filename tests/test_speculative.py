@@ -21,10 +21,13 @@ from ulacache_jax.engine import Engine, SamplingParams
 from ulacache_jax.generation import Generator, default_cache_config, generate
 from ulacache_jax.models import LlamaModel, get_preset
 from ulacache_jax.sampling import SamplingArrays, row_keys, sample
-from ulacache_jax.speculative import SpecConfig, accept, next_flush, ngram_propose, token_probs
+from ulacache_jax.speculative import SpecConfig, accept, gate_rows, next_flush, ngram_propose, token_probs
 
 K = 3
 MAX_NEW = 40
+# every draft verified (no batch gate): the tiny random model's drafts are mostly rejected, so the gate
+# (gate_rows, tested on its own) would leave these mechanics tests few verifications with drafts
+EVERY = SpecConfig("ngram", K, min_drafts_per_slot=0)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +112,7 @@ def test_ngram_drafter_greedy_equals_plain(setup):
     unit = [int(t) for t in rng.integers(0, 256, 12)]
     prompts = [unit * 6 + unit[:5], (unit[::-1] * 8)[:90]]
     ref = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention="sparse")
-    eng = Engine(generator=Generator(model, cfg, attention="sparse"), speculative=SpecConfig("ngram", K, ngram_max=3))
+    eng = Engine(generator=Generator(model, cfg, attention="sparse"), speculative=EVERY)
     reqs = eng.run(prompts, SamplingParams(max_new_tokens=MAX_NEW))
     assert [r.tokens for r in reqs] == ref
     assert eng.spec.proposed > 0
@@ -141,7 +144,7 @@ def test_chunked_ngram_equals_plain_and_the_per_step_path(setup, repetitive, att
     params = [SamplingParams(max_new_tokens=n) for n in (MAX_NEW, 13, 29)]
     runs = {}
     for chunk_steps in (cfg.page_size, 0):
-        eng = Engine(generator=Generator(model, cfg, attention=attention), speculative=SpecConfig("ngram", K))
+        eng = Engine(generator=Generator(model, cfg, attention=attention), speculative=EVERY)
         eng.spec.chunk_steps = chunk_steps
         reqs = eng.run(prompts, params)
         assert [r.tokens for r in reqs] == [ref[:p.max_new_tokens] for ref, p in zip(refs[attention], params)]
@@ -153,7 +156,7 @@ def test_chunked_ngram_equals_plain_and_the_per_step_path(setup, repetitive, att
     assert chunked.proposed > 0 and chunked.accepted > 0 and per_step.accepted > 0
     assert 0 < chunked.chunks < chunked.steps and per_step.chunks == 0
     program = runs[cfg.page_size].gen.program
-    assert program.spec_chunk(cfg.page_size, K, 3)._cache_size() == 1
+    assert program.spec_chunk(cfg.page_size, K, 3, 0)._cache_size() == 1
     free = runs[cfg.page_size].gen.backend
     assert sorted(free.manager.alloc.free_slots if attention == "sparse" else free._free) == [0, 1]
 
@@ -175,7 +178,7 @@ def test_chunked_ngram_stops_mid_chunk(setup, repetitive):
               SamplingParams(max_new_tokens=13, stop_ids=()),
               SamplingParams(max_new_tokens=MAX_NEW, stop_ids=(stop_id,))]
     want = Engine(generator=Generator(model, cfg, attention="sparse"), tokenizer=tok).run(prompts, params)
-    eng = Engine(generator=Generator(model, cfg, attention="sparse"), tokenizer=tok, speculative=SpecConfig("ngram", K))
+    eng = Engine(generator=Generator(model, cfg, attention="sparse"), tokenizer=tok, speculative=EVERY)
     got = eng.run(prompts, params)
     assert [w.finish_reason for w in want] == ["stop", "length", "stop"]
     assert want[2].tokens == ref[2][:run + 1] and want[1].tokens == ref[1][:13]
@@ -214,7 +217,7 @@ def test_chunk_at_batch_4_carries_every_slot_a_page(setup, attention):
     gen = Generator(model, cfg4, attention=attention)
 
     def run():
-        eng = Engine(generator=gen, speculative=SpecConfig("ngram", K))
+        eng = Engine(generator=gen, speculative=EVERY)
         sp, per_chunk = eng.spec, record_chunks(eng.spec)
         reqs = eng.run(prompts, SamplingParams(max_new_tokens=n))
         assert [r.tokens for r in reqs] == ref
@@ -227,35 +230,64 @@ def test_chunk_at_batch_4_carries_every_slot_a_page(setup, attention):
     assert sum(per_chunk) >= 6 * sp.chunks, per_chunk
 
 
-def test_chunk_without_drafts_runs_plain_steps_to_the_flush_point(setup, repetitive, monkeypatch):
-    """The host finds drafts (so a device chunk runs) but the chunk's own proposals are empty: every verification
-    takes the one-row branch (a plain step), the chunk does not end there but runs on to the slots' flush points,
-    and the tokens equal plain decoding's (sparse: the backend with flush points). A config of its own, so the
-    chunk program is traced with the empty proposals."""
+@pytest.mark.parametrize("who", ["nobody", "one slot"])
+def test_chunk_without_drafts_runs_plain_steps_to_the_flush_point(setup, repetitive, monkeypatch, who):
+    """The host finds drafts (so a device chunk runs) but the chunk's own proposals are empty ("nobody"), or only
+    slot 0 proposes, one draft ("one slot": while both slots run, 1 draft < 1 per slot, so the batch gate,
+    gate_rows, cuts it): those verifications take the one-row branch (a plain step), the chunk does not end there
+    but runs on to the slots' flush points, and the tokens equal plain decoding's (sparse: the backend with flush
+    points). A config of its own, so the chunk program is traced with the altered proposals."""
     attention = "sparse"
-    from ulacache_jax import ngram_device
+    from ulacache_jax import ngram_device, program as program_module
     model, _, _ = setup
     prompts, refs = repetitive
     cfg = default_cache_config(model.config, num_seqs=2, max_tokens=288, page_size=16, token_budget=64,
                                verify_rows=K + 1)
-    real = ngram_device.propose
+    real, real_gate, gated = ngram_device.propose, program_module.gate_rows, []
 
-    def empty(*a, **kw):
+    def fewer(*a, **kw):
         drafts, nd = real(*a, **kw)
-        return drafts, jnp.zeros_like(nd)
-    monkeypatch.setattr(ngram_device, "propose", empty)
+        return drafts, (jnp.zeros_like(nd) if who == "nobody" else jnp.minimum(nd, 1).at[1:].set(0))
+
+    def spy(nrows, lo):        # the chunk's gate, its rows in and out recorded
+        out = real_gate(nrows, lo)
+        jax.debug.callback(lambda i, o: gated.append((np.asarray(i), np.asarray(o))), nrows, out)
+        return out
+    monkeypatch.setattr(ngram_device, "propose", fewer)
+    monkeypatch.setattr(program_module, "gate_rows", spy)
     ref = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention=attention)
     eng = Engine(generator=Generator(model, cfg, attention=attention), speculative=SpecConfig("ngram", K))
     sp, per_chunk = eng.spec, record_chunks(eng.spec)
     try:
         reqs = eng.run(prompts, SamplingParams(max_new_tokens=MAX_NEW))
-    finally:       # Programs are shared by config: no later test may get the chunk traced with empty proposals
+    finally:       # Programs are shared by config: no later test may get the chunk traced with these proposals
         eng.gen.program._spec_chunk_for.cache_clear()
     assert [r.tokens for r in reqs] == ref
-    assert sp.chunks > 0 and sp.proposed == 0 and sp.accepted == 0     # every row verified alone
+    assert sp.chunks > 0 and gated
+    assert all(o.tolist() == gate_rows(i, 1.0).tolist() for i, o in gated)
+    if who == "nobody":
+        assert sp.proposed == 0 and sp.accepted == 0     # every row verified alone
+    else:          # slot 0's draft cut where slot 1 ran beside it; verified where slot 0 ran alone
+        assert any(i[0] == 2 and i[1] == 1 and o.max() == 1 for i, o in gated), gated
     # a chunk starts where the host found a draft and ends only where every running slot reached its flush
     # point (or ended): far more than the one verification the drafts alone would give it
     assert max(per_chunk) >= cfg.page_size // 2, per_chunk
+
+
+def test_gate_rows():
+    """The batch gate: rows kept where the drafts number at least min per slot with rows (slots without rows
+    neither count nor change), else one row a slot; the host (numpy) and the traced rule agree."""
+    cases = [([0, 3, 1, 1], 1.0, [0, 1, 1, 1]),               # 2 drafts, 3 running slots: cut
+             ([0, 4, 1, 1], 1.0, [0, 4, 1, 1]),               # 3 drafts, 3 running slots: kept
+             ([5, 1, 1, 1, 1, 1], 1.0, [1, 1, 1, 1, 1, 1]),   # one slot's 4 drafts among 6 running: cut
+             ([5, 1, 1, 1, 1, 1], 0.5, [5, 1, 1, 1, 1, 1]),
+             ([0, 0, 0], 1.0, [0, 0, 0]),
+             ([2, 0, 1], 0.0, [2, 0, 1])]
+    for nrows, lo, want in cases:
+        got_np = gate_rows(np.asarray(nrows, np.int32), lo)
+        got_jx = jax.jit(gate_rows, static_argnums=1)(jnp.asarray(nrows, jnp.int32), lo)
+        assert got_np.tolist() == want and np.asarray(got_jx).tolist() == want, (nrows, lo)
+        assert got_np.dtype == np.int32 and got_jx.dtype == jnp.int32
 
 
 def test_spec_chunk_copies_no_pool(setup):
@@ -517,6 +549,9 @@ def test_spec_config_errors():
         SpecConfig("draft", 4)
     with pytest.raises(ValueError, match="ngram"):
         SpecConfig("ngram", 4, draft_model="x")
+    for bad in (-0.5, 5, "1", True):
+        with pytest.raises(ValueError, match="min_drafts_per_slot"):
+            SpecConfig("ngram", 4, min_drafts_per_slot=bad)
 
 
 def test_greedy_speculative_equals_plain_when_selected_pages_overflow(setup):

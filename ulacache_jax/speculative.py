@@ -29,7 +29,9 @@ one forward of K + 1 rows per sequence, accepted by the speculative sampling rul
   drafters in tests): one verification per Engine step, one host sync.
   It backs off by itself (the same rule on the host and in the chunk, `backoff`): a slot's draft length grows on
   full acceptance and shrinks on rejection, a slot rejected verification after verification stops drafting for
-  a while, and a step where no slot drafts (ngram) runs a plain decode chunk instead (up to the flush point).
+  a while, a step whose drafts number fewer than `min_drafts_per_slot` per running slot verifies one row a slot
+  (`gate_rows`: a large batch of rejecting slots must not pay K + 1 rows for one slot's draft), and a step where
+  no slot drafts (ngram) runs a plain decode chunk instead (up to the flush point).
 The row count of a per-step verification is a power of two up to K + 1 (the longest proposal of the step): at
 most log2(K + 1) + 1 verification programs compile; a chunk verifies K + 1 rows, or one where no slot drafts
 (both in its one program); none compiles per acceptance pattern.
@@ -54,12 +56,16 @@ class SpecConfig:
     """Speculative decoding: method "ngram" (prompt lookup) or "draft" (draft_model: a LlamaModel, or a path or
     pretrained name for models.from_pretrained, of the target's tokenizer), num_tokens = K drafts a step at most,
     ngram_max = the longest suffix matched by the ngram drafter (it tries ngram_max down to 1).
-    draft_attention: the draft model's cache kind (None: the target's)."""
+    draft_attention: the draft model's cache kind (None: the target's).
+    min_drafts_per_slot: a verification runs K + 1 rows a slot only where the step's drafts number at least this
+    many per running slot, else one row a slot (a plain step; `gate_rows`): the K + 1-row step costs more with
+    every slot it carries, while a lone draft of a batch gains at most its own few tokens."""
     method: str = "ngram"
     num_tokens: int = 4
     draft_model: Any = None
     ngram_max: int = 3
     draft_attention: str | None = None
+    min_drafts_per_slot: float = 1.0
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -72,6 +78,11 @@ class SpecConfig:
             raise ValueError("speculative method 'draft' needs draft_model (a model, a path or a pretrained name)")
         if self.method == "ngram" and self.draft_model is not None:
             raise ValueError("speculative method 'ngram' takes no draft_model (use method='draft')")
+        r = self.min_drafts_per_slot
+        if isinstance(r, bool) or not isinstance(r, (int, float, np.integer, np.floating)) \
+                or not 0 <= r <= self.num_tokens:
+            raise ValueError(f"speculative min_drafts_per_slot = {r!r} must be a number in [0, num_tokens = "
+                             f"{self.num_tokens}]")
         if self.draft_attention not in (None, "sparse", "dense"):
             raise ValueError(f"draft_attention = {self.draft_attention!r} must be None, 'sparse' or 'dense'")
 
@@ -231,6 +242,18 @@ def backoff(state, n_new, drafted, num_tokens: int, page_size: int):
     return tuple(jnp.where(did, new, old).astype(jnp.int32) for new, old in ((k2, k_now), (f2, fails), (s2, skip)))
 
 
+def gate_rows(nrows, min_drafts_per_slot: float):
+    """A step's rows after the batch gate (host numpy or traced): nrows [S] (0 = no row, 1 + drafts otherwise) ->
+    nrows, cut to one row a slot unless the step's drafts number at least min_drafts_per_slot per slot with rows.
+    A verification's cost grows with the rows of every slot (S x (K + 1) where one slot drafts), so a few drafts
+    in a large batch of rejecting slots (sampled text) would make every step slower than plain decoding; a cut
+    slot's back-off state is left as it is (it drafted nothing)."""
+    xp = jnp if isinstance(nrows, jax.Array) else np
+    drafts = xp.sum(xp.maximum(nrows - 1, 0))
+    ok = drafts >= min_drafts_per_slot * xp.sum(nrows > 0)
+    return xp.where(ok, nrows, xp.minimum(nrows, 1)).astype(nrows.dtype)
+
+
 # ---- the Engine's speculative step ----------------------------------------------------------------------------------
 def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -335,6 +358,8 @@ class SpecDecoder:
                 tokens[slot, 1:1 + len(d)] = d
                 k = len(d)
             nrows[slot], bound[slot] = 1 + max(k, 0), b
+        if not self.fixed_rows:
+            nrows = gate_rows(nrows, self.spec.min_drafts_per_slot)
         rec.live_slots = len(running)
         keys = row_keys(jnp.asarray(eng._seed), jnp.asarray(eng._chunk_of))
         sampling = SamplingArrays(jnp.asarray(eng._temp), jnp.asarray(eng._top_p), jnp.asarray(eng._top_k))
@@ -436,7 +461,7 @@ class SpecDecoder:
         before = eng._stats0
         t0 = eng._clock()
         b = gen.backend
-        chunk = gen.program.spec_chunk(steps, K, self.spec.ngram_max)
+        chunk = gen.program.spec_chunk(steps, K, self.spec.ngram_max, self.spec.min_drafts_per_slot)
         b.cache, b.host, self._hist, hlen, out, n_new, _, _, state, counts, stats = chunk(
             gen.params, b.cache, b.host, self._hist, *args)
         gen.stats, gen.rank_stats = _accumulate(gen.stats, gen.rank_stats, stats)
