@@ -205,7 +205,7 @@ def test_chunk_at_batch_4_carries_every_slot_a_page(setup, attention):
     """Four slots, ragged repetitive prompts (their flush points fall at different verifications): greedy equal to
     plain, and a chunk does not end at the first slot's flush point: a slot there waits (sparse: its flush writes
     the host pool after the loop) or goes on (dense: nothing to flush), so each chunk carries every slot about a
-    page."""
+    page. A second run over the same Generator compiles nothing new."""
     model, _, _ = setup
     cfg4 = default_cache_config(model.config, num_seqs=4, max_tokens=256, page_size=16, token_budget=64,
                                 verify_rows=K + 1)
@@ -226,6 +226,9 @@ def test_chunk_at_batch_4_carries_every_slot_a_page(setup, attention):
 
     sp, per_chunk = run()
     assert sp.accepted > 0
+    run()           # a second Engine over the same Generator compiles nothing new (the history upload included)
+    assert gen.program.set_row._cache_size() == 1
+    assert gen.program.spec_chunk(cfg4.page_size, K, 3, 0)._cache_size() == 1
     assert sp.chunks <= n // cfg4.page_size + 2, per_chunk
     assert sum(per_chunk) >= 6 * sp.chunks, per_chunk
 

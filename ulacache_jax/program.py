@@ -125,7 +125,7 @@ class Program:
     decode_steps(n): the same for a chunk of n steps (n a power of two <= page_size)
     next_logits(params, cache, host, tok) -> [S, V]: one step's logits, nothing committed.
     verify(rows), propose(rows), commit, spec_chunk(steps, K, ngram_max, min_drafts): speculative decoding
-    (speculative.py)."""
+    (speculative.py); set_row(hist [S, C], slot, row [C]) -> hist: the chunk's device history, hist donated."""
 
     def __init__(self, graphdef, layer_gd, ops, config: CacheConfig, mesh: Mesh, params_spec, layer_spec,
                  cache_spec, host_spec, host_sh, view_spec, view_sh):
@@ -156,6 +156,9 @@ class Program:
         self._decode_for = functools.lru_cache(maxsize=None)(decode)
         self.decode = self._decode_for(config.page_size)
         self.next_logits = jit(self._next_logits, (ps, cs, hs, r), r)
+        # one row of the ngram chunk's device history (speculative.SpecDecoder): built here, once per program,
+        # so a new Engine over the same Generator does not compile it again
+        self.set_row = jax.jit(_set_row, donate_argnums=0, out_shardings=NamedSharding(mesh, r))
         # speculative decoding (speculative.py): one program per row count (and per draft kind), built on first use
         self._verify_for = functools.lru_cache(maxsize=None)(lambda rows, probs: jit(
             functools.partial(self._verify, rows=rows, with_probs=probs), (ps, cs, hs) + (r,) * 6,
@@ -412,6 +415,10 @@ class Program:
         meta = DecodeMeta(length, jnp.ones(tok.shape, bool), jax.lax.axis_index(TP_AXIS), host)
         _, y, _ = decode_layers(model, self.ops, cache, model.embed(tok[:, None]), meta)
         return model.logits(y)[:, 0]
+
+
+def _set_row(hist, slot, row):
+    return hist.at[slot].set(row)
 
 
 def _once(pred, fn, init):

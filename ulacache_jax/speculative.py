@@ -291,7 +291,6 @@ class SpecDecoder:
         self.chunk_steps = c.page_size if spec.method == "ngram" else 0
         self._hist = None
         self._hist_len = np.full(S, -1, np.int64)      # tokens of the slot's request in the device history, -1: none
-        self._set_row = None
         self.draft = None
         if spec.method == "draft":
             self.draft = draft_gen if draft_gen is not None else make_draft_generator(gen, spec)
@@ -437,7 +436,6 @@ class SpecDecoder:
         S, C, rep = c.max_seqs, c.max_context, gen._replicated
         if self._hist is None:
             self._hist = jax.device_put(np.zeros((S, C), np.int32), rep)
-            self._set_row = jax.jit(lambda h, s, row: h.at[s].set(row), donate_argnums=0, out_shardings=rep)
         stops = np.full((S, eng._no_stops.shape[0]), -1, np.int32)
         for slot, rid in running:
             req = eng.requests[rid]
@@ -446,7 +444,7 @@ class SpecDecoder:
                 row = np.zeros(C, np.int32)
                 h = (list(req.prompt_ids) + list(req.tokens))[:C]
                 row[:len(h)] = h
-                self._hist = self._set_row(self._hist, jnp.int32(slot), jax.device_put(row, rep))
+                self._hist = gen.program.set_row(self._hist, jnp.int32(slot), jax.device_put(row, rep))
                 self._hist_len[slot] = len(h)
             ids = list(req.sampling.stop_ids)[:stops.shape[1]]
             stops[slot, :len(ids)] = ids
