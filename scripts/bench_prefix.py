@@ -170,8 +170,9 @@ def pairs(rows: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: str) -> str | None:
-    """Time to the last answer and prompt tokens computed, with and without sharing, per (model, document,
-    attention): one pair of bars each. None where matplotlib is missing (the GPU machine): `--png` draws it later."""
+    """Time to the last answer (first pass, compiles included, and the last warm pass: a running server's cost of
+    a new document, hatched) and prompt tokens computed, with and without sharing, per (model, document,
+    attention). None where matplotlib is missing (the GPU machine): `--png` draws it later."""
     try:
         from ulacache_jax.bench_meta import pyplot, save_figure
         plt = pyplot()
@@ -182,13 +183,18 @@ def plot(rows: list[dict], path: str) -> str | None:
     if not keys:
         return None
     latest = {(r["model"], r["doc_tokens"], r["attention"], r["sharing"]): r for r in ok}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for ax, field, label in ((axes[0], "time_to_last_answer_s", "time to the last answer (s)"),
                              (axes[1], "prefill_tokens_computed", "prompt tokens prefilled")):
-        for j, share in enumerate((False, True)):
-            vals = [latest.get(k + (share,), {}).get(field, 0) or 0 for k in keys]
-            ax.bar([i + 0.4 * j for i in range(len(keys))], vals, width=0.4, label="sharing" if share else "no sharing")
-        ax.set_xticks([i + 0.2 for i in range(len(keys))])
+        bars = [(False, False), (True, False)] + ([(False, True), (True, True)] if ax is axes[0] else [])
+        w = 0.8 / len(bars)
+        for j, (share, warm) in enumerate(bars):
+            rs = [latest.get(k + (share,), {}) for k in keys]
+            vals = [((r.get("warm") or [{}])[-1] if warm else r).get(field, 0) or 0 for r in rs]
+            ax.bar([i + w * j for i in range(len(keys))], vals, width=w, color="C1" if share else "C0",
+                   hatch="//" if warm else None, edgecolor="white" if warm else None,
+                   label=("sharing" if share else "no sharing") + (", warm pass" if warm else ""))
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(keys))])
         ax.set_xticklabels([f"{m} {d} tok\n{a}" for m, d, a in keys], fontsize=7)
         ax.set_yscale("log")
         ax.set_ylabel(label)
