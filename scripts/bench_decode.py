@@ -1,9 +1,11 @@
 """End-to-end decode benchmark: UlaCache sparse decode vs the dense HBM baseline with the same model.
 
-Llama-3.1-8B shape with RANDOM bf16 weights. The KV cache is a SYNTHETIC fill made on the device (random K/V with
-distinct bytes per sequence, written through the real ingestion path into the pinned host pool and summaries for
-sparse; straight into HBM for dense), not a prefill. Random weights make selections without temporal locality,
-so hit rates at small HBM pools are worst cases.
+Llama-3.1-8B shape with RANDOM bf16 weights. The KV cache is, by default (--fill synthetic), a SYNTHETIC fill made
+on the device (random K/V with distinct bytes per sequence, written through the real ingestion path into the
+pinned host pool and summaries for sparse; straight into HBM for dense), not a prefill; --fill prefill runs random
+prompt ids through the Generator's own prefill (the path `generate` takes) and records the time to first token
+beside decode (`real_prefill`). Random weights make selections without temporal locality, so hit rates at small
+HBM pools are worst cases.
 
 Per context, same run: decode tokens/s and per-token latency (p50/p99 over chunks of page_size steps: tokens are
 produced on the device in chunks, one host sync per chunk, so the per-token figure is chunk time / steps), for
@@ -84,6 +86,32 @@ def synthetic_fill_dense(gen, batch, ctx, seed):
                                    gen.dense_len.sharding)
 
 
+def real_prefill(gen, batch: int, ctx: int, reserve: int, vocab: int):
+    """Random prompt ids of ctx tokens through the Generator's prefill (the one `generate` runs), into `batch`
+    admitted slots of `reserve` tokens each. A first prompt compiles the prefill programs and is released; then
+    each sequence is timed from admission to its first token (prefill + the argmax of its last logits on the host)
+    -> (first tokens [S] int32, running [S] bool, dict(first_prefill_s = the compiling one, ttft_s = the median of
+    the warm ones, prefill_tok_s = ctx / ttft_s))."""
+    rng = np.random.default_rng(ctx + batch)
+    S = gen.config.max_seqs
+    prompt = lambda: rng.integers(0, vocab, ctx).tolist()
+    t = time.perf_counter()
+    slot = gen.admit(reserve)
+    int(jnp.argmax(gen.prefill(slot, prompt())))
+    cold = time.perf_counter() - t
+    gen.release(slot)
+    first, running, ttft = np.zeros(S, np.int32), np.zeros(S, bool), []
+    for _ in range(batch):
+        p = prompt()
+        t = time.perf_counter()
+        slot = gen.admit(reserve)
+        first[slot] = int(jnp.argmax(gen.prefill(slot, p)))
+        ttft.append(time.perf_counter() - t)
+        running[slot] = True
+    med = float(np.median(ttft))
+    return first, running, dict(first_prefill_s=cold, ttft_s=med, prefill_tok_s=ctx / med)
+
+
 def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1):
     """The cache of one row: room for ctx + (chunks + 1) pages per sequence; sparse: an HBM frame pool of
     kv_fraction of the KV pages (at least one step's selection) and pages padded by `pad_page_count` (the host
@@ -138,6 +166,9 @@ def attention_kernel(impl: str, mc, cfg, platform=None) -> str:
 
 
 SIDES = ("sparse", "dense", "auto")
+KV_FILLS = {"synthetic": "fill=synthetic: a synthetic fill on the device (random, distinct per sequence), not a "
+                         "prefill",
+            "prefill": "fill=prefill: random prompt ids through the Generator's prefill (rows carry ttft_s)"}
 
 
 def parse_rows(spec: str) -> list[tuple]:
@@ -199,16 +230,19 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     gen = Generator(model, cfg, attention=decision or attention, options=opts)   # a mesh of cfg.tp GPUs
     S = cfg.max_seqs
     log(f"cache made (host pool {cfg.host_pages * cfg.page_bytes * 2 / 1e9:.1f} GB)")
-    if attention == "sparse":
+    fill = {}
+    tok, done = jnp.zeros(S, jnp.int32), jnp.arange(S) >= batch
+    if args.fill == "prefill":
+        first, running, fill = real_prefill(gen, batch, ctx, ctx + (args.chunks + 1) * page, mc.vocab_size)
+        tok, done = jnp.asarray(first), jnp.asarray(~running)
+    elif attention == "sparse":
         slots_ = [gen.admit(ctx + (args.chunks + 1) * page) for _ in range(batch)]
         synthetic_fill_sparse(gen.cache, slots_, ctx, seed=batch, chunk=32768)
     else:
         synthetic_fill_dense(gen, batch, ctx, seed=batch)
     jax.block_until_ready((gen.cache.state, gen.cache.host) if attention == "sparse" else gen.dense)
     setup_s = time.perf_counter() - t_setup
-    log("filled")
-    tok = jnp.zeros(S, jnp.int32)
-    done = jnp.arange(S) >= batch
+    log("filled" if args.fill == "synthetic" else f"prefilled (time to first token {fill['ttft_s']:.2f} s)")
     rem = jnp.full(S, 1 << 30, jnp.int32)
     sampling = SamplingArrays.fill(S)
     stops = jnp.asarray([-1], jnp.int32)
@@ -241,7 +275,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     floor_s = step_bytes / (tp * copy_bw)  # TP: every rank reads its share at once (the replicated embedding and
     # LM head, ~2 GB at 8B, are read by every rank: the floor is a little optimistic for tp > 1)
     row = dict(attention=requested, attention_path=attention, batch=batch, context=ctx, budget=args.budget,
-               page=page, tp=tp,
+               page=page, tp=tp, fill=args.fill, **fill,
                kv_fraction=kv_fraction if attention == "sparse" else 1.0,
                pool_frames=cfg.num_frames if attention == "sparse" else None,
                buckets=cfg.num_buckets if attention == "sparse" else None,
@@ -274,7 +308,8 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--rows", spec, "--out", tmp, "--commit", commit,
                "--budget", str(args.budget), "--layers", str(args.layers), "--chunks", str(args.chunks),
                "--steps", str(args.steps), "--kv-fraction", str(args.kv_fraction), "--sieve", args.sieve,
-               "--topk", args.topk, "--attention-impl", args.attention_impl, "--tp", str(args.tp)]
+               "--topk", args.topk, "--attention-impl", args.attention_impl, "--tp", str(args.tp),
+               "--fill", args.fill]
         if args.score_launch:
             cmd += ["--score-launch", *map(str, args.score_launch)]
         proc = None
@@ -324,6 +359,9 @@ def main(argv=None):
     p.add_argument("--attention-impl", default="auto", help="sparse attention kernel: auto (Mosaic on Hopper where it applies, else Triton), pallas (Triton) or mosaic")
     p.add_argument("--tp", type=int, default=1, help="head-sharded tensor parallelism over this many GPUs (sparse "
                    "rows only; the Generator over a mesh of N devices)")
+    p.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
+                   help="the KV before decode: a synthetic fill on the device, or random prompts through the "
+                   "Generator's prefill (rows then carry the time to first token)")
     p.add_argument("--append", action="store_true", help="keep the rows of an existing decode.json in --out")
     p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")
     p.add_argument("--out", default="docs/benchmarks")
@@ -369,7 +407,7 @@ def main(argv=None):
                date=utc_now(),
                copy_tb_s="per row (measured in the row's process)",
                model=f"llama-3.1-8b shape, {args.layers} layers, random bf16 weights",
-               kv="synthetic fill on device (random, distinct per sequence), not a prefill", rows=rows)
+               kv="; ".join(KV_FILLS[f] for f in sorted({r.get("fill", "synthetic") for r in rows})), rows=rows)
     write_json(args.out, res)
     plot(res, os.path.join(args.out, "decode.png"), args.kv_fraction)
     label = lambda r: r["attention"] if r["attention"] != "auto" else f"auto>{r.get('attention_path', '?')}"
@@ -411,7 +449,8 @@ def plot(res, path, kv_fraction):
         ax.set_xticks(np.arange(len(labels)), [f"{c // 1024}K b{b}" for c, b in labels])
         ax.set_ylabel("decode tokens/s")
         ax.set_title(f"sparse (pool {kv_fraction:g} of KV, Pallas sieve) vs dense\n{res['model']}, "
-                     f"{res['device']}, synthetic KV", fontsize=9)
+                     f"{res['device']}, {'prefilled KV' if 'prefill:' in res['kv'] else 'synthetic KV'}",
+                     fontsize=9)
         ax.legend()
         sweep = sorted((r["kv_fraction"], r["tokens_per_s"], r["hit_rate"], r["context"], r["batch"], r["sieve"])
                        for r in rows if r.get("attention") == "sparse" and "tokens_per_s" in r)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The benchmarks on a GPU machine (written for an H200), one step per name, each within one 600 s device call:
 #   bash scripts/bench_gpu.sh [select sieve tiers ingest attention layer decode profile e2e quality-passkey
-#                              quality-ppl16 quality-ppl64 quality-variants auto-short auto-long speculative-b1
-#                              speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2]
+#                              quality-ppl16 quality-ppl64 quality-variants auto-short auto-long decode-prefill
+#                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2]
 #                              (default: the first seven, in order)
 # (`make bench-gpu BENCH="select decode"` calls this.) Every script checks against its reference before timing
 # and writes its JSON row by row, so a step cut by its timeout keeps what it measured. Output: JSON + PNG under
@@ -61,6 +61,11 @@ for b in "${names[@]}"; do
                   --rows sparse:8192:8,dense:8192:8,auto:8192:8,sparse:32768:1,dense:32768:1,auto:32768:1 ;;
     auto-long)  step auto-long 580 scripts/bench_decode.py --out "$OUT/auto" "${C[@]}" --chunks 4 --row-timeout 180 \
                   --append --rows sparse:262144:1,dense:262144:1,auto:262144:1 ;;
+    # real prefill before decode, time to first token beside decode (issue 21 part 6): $OUT/prefill/decode.json,
+    # kept as docs/benchmarks/decode_prefill.json
+    decode-prefill) step decode-prefill 580 scripts/bench_decode.py --out "$OUT/prefill" "${C[@]}" --fill prefill \
+                  --chunks 4 --row-timeout 150 \
+                  --rows sparse:32768:1,dense:32768:1,auto:32768:1,sparse:131072:1,dense:131072:1 ;;
     # speculative decoding (issue 22): SmolLM2 with and without drafts, one batch size a call; then the
     # verification step's cost at the 8B shape
     speculative-b1) step speculative-b1 580 scripts/bench_speculative.py --model "${MODEL:-smollm2-135m}" \
@@ -78,7 +83,8 @@ for b in "${names[@]}"; do
     prefix-smollm2) step prefix-smollm2 580 scripts/bench_prefix.py --rows smollm2:8192 --append --row-timeout 280 \
                   --model "${MODEL:-smollm2-135m}" --out "$OUT" "${C[@]}" ;;
     *) echo "unknown benchmark '$b' (select sieve tiers ingest attention layer decode profile e2e" \
-            "quality-passkey quality-ppl16 quality-ppl64 quality-variants auto-short auto-long speculative-b1" \
+            "quality-passkey quality-ppl16 quality-ppl64 quality-variants auto-short auto-long decode-prefill" \
+            "speculative-b1" \
             "speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2)"; exit 2 ;;
   esac
 done

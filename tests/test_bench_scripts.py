@@ -178,3 +178,27 @@ def test_bench_prefix_plot_from_rows(tmp_path):
     bench_prefix.main(["--png", str(path)])
     png = tmp_path / "prefix.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_real_prefill_rows_take_generates_path():
+    """bench_decode --fill prefill: the first tokens its prefill times are generate's first tokens for the same
+    prompts (sparse and dense), the compiling prompt's slot is released, and a row records the time to first
+    token beside its decode rate (run_side end to end on the tiny model)."""
+    import argparse
+    import bench_decode as bd
+    from ulacache_jax import generate
+    model = LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    for attention in ("sparse", "dense"):
+        cfg = default_cache_config(model.config, num_seqs=2, max_tokens=512, page_size=16, token_budget=64)
+        gen = Generator(model, cfg, attention=attention)
+        first, running, info = bd.real_prefill(gen, 2, 200, 240, model.config.vocab_size)
+        rng = np.random.default_rng(200 + 2)
+        rng.integers(0, model.config.vocab_size, 200)                     # the compiling prompt
+        prompts = [rng.integers(0, model.config.vocab_size, 200).tolist() for _ in range(2)]
+        want = [t[0] for t in generate(model, prompts, max_new_tokens=1, cache_config=cfg, attention=attention)]
+        assert running.tolist() == [True, True] and first.tolist() == want, attention
+        assert info["first_prefill_s"] > 0 and info["ttft_s"] > 0 and info["prefill_tok_s"] == 200 / info["ttft_s"]
+    args = argparse.Namespace(budget=128, chunks=2, kv_fraction=0.5, sieve="auto", topk="auto", attention_impl="auto",
+                              score_launch=None, tp=1, fill="prefill")
+    row = bd.run_side(model, model.config, "sparse", 1, 256, args, copy_bw=1e11)
+    assert row["fill"] == "prefill" and row["ttft_s"] > 0 and row["tokens_per_s"] > 0 and row["hit_rate"] is not None
