@@ -283,12 +283,12 @@ class Program:
         updates done (remaining tokens; each slot's stop_ids, -1 = none), the back-off state (speculative.backoff)
         and the counts. A verification where no running slot has a draft left runs one row per slot (a plain decode
         step: the K + 1-row verification runs only when some slot drafts; `_once` picks one of the two), so a
-        chunk that stops finding drafts costs what plain decoding costs instead of ending early and leaving the host short, unaligned plain
-        chunks. A slot that reaches its next flush point waits there (no rows) for the rest of the loop: its flush,
-        which writes the host pool, runs once after the loop (the host pool is only read inside it, as in
-        `decode`); without a host pool (dense) no slot waits. The loop ends when no slot runs (every one waits or
-        is done) or after `steps`. A slot's last history token is its last token (row 0). Keys: fold_in(keys,
-        verification)."""
+        chunk that stops finding drafts costs what plain decoding costs instead of ending early and leaving the
+        host short, unaligned plain chunks. A slot that reaches its next flush point waits there (no rows) for the
+        rest of the loop: its flush, which writes the host pool, runs once after the loop (the host pool is only
+        read inside it, as in `decode`); without a host pool (dense) no slot waits. The loop ends when no slot runs
+        (every one waits or is done) or after `steps`. A slot's last history token is its last token (row 0).
+        Keys: fold_in(keys, verification)."""
         return self._spec_chunk_for(steps, num_tokens, ngram_max, float(min_drafts), self.config.page_size)
 
     def _verify_rows(self, model, cache, host, tokens, nrows, bound, keys, sampling, draft_probs, rank):
