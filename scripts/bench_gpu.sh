@@ -84,8 +84,7 @@ for b in "${names[@]}"; do
                   --model "${MODEL:-smollm2-135m}" --out "$OUT" "${C[@]}" ;;
     *) echo "unknown benchmark '$b' (select sieve tiers ingest attention layer decode profile e2e" \
             "quality-passkey quality-ppl16 quality-ppl64 quality-variants auto-short auto-long decode-prefill" \
-            "speculative-b1" \
-            "speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2)"; exit 2 ;;
+            "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2)"; exit 2 ;;
   esac
 done
 exit $status

@@ -19,7 +19,7 @@ PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-560}
 ROW_S=${ROW_S:-240}
 export PYTHONUNBUFFERED=1
-rm -f "$OUTD/old/decode.json" "$OUTD/new/decode.json"     # stale rows must not stand in for a failed run
+rm -f "$OUTD"/{old,new}/decode.json "$OUTD"/{old,new}.log   # stale rows or logs must not stand in for this run's
 for row in "$@"; do
     for side in old new; do
         tree=$OLD; [ $side = new ] && tree=$NEW
