@@ -253,7 +253,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     compile_s = time.perf_counter() - t0
     log("first chunk (compile) done")
     times = []
-    gen.stats = type(gen.stats).zeros()
+    gen.reset_stats()
     for i in range(args.chunks):
         t = time.perf_counter()
         out, _, _ = gen.decode_chunk(tok, done, rem, row_keys(jnp.arange(S, dtype=jnp.uint32),

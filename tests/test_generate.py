@@ -90,6 +90,31 @@ def test_prompt_lengths_are_bucketed_no_recompilation(model, attention):
     assert prog.embed._cache_size() == 2 and prog.logits._cache_size() == 2
 
 
+def test_later_chunks_compile_nothing(model, caplog):
+    # the chunk's stats are added in a small jitted function: zeros placed unlike the programs' outputs compiled it
+    # again inside the first timed chunks (seen on the H200 as slow chunks after the compiling one)
+    from ulacache_jax.sampling import SamplingArrays, row_keys
+    cfg = default_cache_config(model.config, num_seqs=1, max_tokens=256, page_size=16)
+    gen = Generator(model, cfg)
+    slot = gen.admit(200)
+    gen.prefill(slot, [3] * 40)
+    S = cfg.max_seqs
+    tok, done, rem = jnp.zeros(S, jnp.int32), jnp.arange(S) != slot, jnp.full(S, 1 << 20, jnp.int32)
+    keys = lambda i: row_keys(jnp.arange(S, dtype=jnp.uint32), jnp.full(S, i, jnp.uint32))
+    chunk = lambda i: jax.block_until_ready(gen.decode_chunk(tok, done, rem, keys(i), SamplingArrays.fill(S),
+                                                             jnp.asarray([-1], jnp.int32)))
+    chunk(0)
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        chunk(1)
+        two = np.asarray(gen.stats.hits) + np.asarray(gen.stats.misses)     # pages selected in chunks 0 and 1
+        gen.reset_stats()
+        assert int(gen.stats.hits) == 0 and not np.asarray(gen.rank_stats.misses).any()
+        chunk(2)
+    compiled = [r.getMessage()[:120] for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
+    assert compiled == []
+    assert 0 < int(gen.stats.hits) + int(gen.stats.misses) < two        # chunk 2's selections only
+
+
 def _prefill_layer_ops(attention: str, num_layers: int) -> tuple[int, list[int]]:
     """-> (lines of the lowered per-layer prefill program, compiled-program counts after one prefill)."""
     mc = get_preset("tiny").replace(num_layers=num_layers)

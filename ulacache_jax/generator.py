@@ -130,9 +130,21 @@ class Generator:
                                specs["layers"][0], cache_spec, host_spec, host_sh, view_spec, view_sh)
         self._decode = self.program.decode
         self._replicated = NamedSharding(mesh, P())
-        self.stats = LayerStats.zeros()
-        self.rank_stats = jax.tree.map(lambda z: jnp.zeros(c.tp, jnp.int32), LayerStats.zeros())
+        self.reset_stats()
         self.prefixes = None     # shared prefixes (prefix_cache.py): off here, on by default in the Engine
+
+    def reset_stats(self) -> None:
+        """Zero `stats` and `rank_stats`, placed as the decode programs return them (replicated; [R] over the
+        mesh), so that `add_stats` compiles once: zeros of another placement would compile it again on the next
+        chunk, ~40 ms of host time inside the first timed chunks."""
+        R = self.config.tp
+        self.stats = jax.device_put(LayerStats.zeros(), self._replicated)
+        self.rank_stats = jax.device_put(jax.tree.map(lambda z: jnp.zeros(R, jnp.int32), LayerStats.zeros()),
+                                         NamedSharding(self.mesh, P(TP_AXIS)))
+
+    def add_stats(self, chunk: LayerStats) -> None:
+        """Add one decode program's LayerStats ([R] per rank) to `stats` (summed over ranks) and `rank_stats`."""
+        self.stats, self.rank_stats = _accumulate(self.stats, self.rank_stats, chunk)
 
     def set_prefix_cache(self, on: bool, budget_pages: int | None = None) -> None:
         """Turn shared prefixes on (prompts sharing complete pages with a stored prompt attach them instead of
@@ -255,7 +267,7 @@ class Generator:
         args = jax.device_put((tok, done, remaining, keys, sampling, stop_ids), self._replicated)
         b = self.backend
         b.cache, b.host, out, done, remaining, stats = decode(self.params, b.cache, b.host, *args)
-        self.stats, self.rank_stats = _accumulate(self.stats, self.rank_stats, stats)
+        self.add_stats(stats)
         return out, done, remaining
 
     def next_logits(self, tok) -> jax.Array:

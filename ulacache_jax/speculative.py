@@ -334,7 +334,6 @@ class SpecDecoder:
         or, when no slot drafts (ngram: no match, or every slot backing off), a plain decode chunk that ends where
         no flush point differs from plain decoding's (`_plain_steps`), else one row. The host proposal decides
         the branch (the chunk proposes again on the device, by the same rule)."""
-        from .generator import _accumulate
         gen, c, K = self.gen, self.gen.config, self.K
         S, P = c.max_seqs, c.page_size
         tokens = np.zeros((S, K + 1), np.int32)
@@ -391,7 +390,7 @@ class SpecDecoder:
             b = gen.backend
             verify = gen.program.verify(rows, self.draft is not None and rows > 1)
             b.cache, b.host, out, n_new, length, flush, stats = verify(gen.params, b.cache, b.host, *args)
-            gen.stats, gen.rank_stats = _accumulate(gen.stats, gen.rank_stats, stats)
+            gen.add_stats(stats)
             if self.draft is not None:
                 self._commit_draft(length, flush)
             out, n_new = np.asarray(out), np.asarray(n_new)
@@ -431,7 +430,6 @@ class SpecDecoder:
         device history of each running slot is its prompt + delivered tokens (a row is uploaded where it is not).
         Tokens past a stop id or stop string that the device produced are cut by Engine._deliver (the request
         ends and its slot is released, so its cache length no longer matters), as for plain chunks."""
-        from .generator import _accumulate
         gen, c, K = self.gen, self.gen.config, self.K
         S, C, rep = c.max_seqs, c.max_context, gen._replicated
         if self._hist is None:
@@ -462,7 +460,7 @@ class SpecDecoder:
         chunk = gen.program.spec_chunk(steps, K, self.spec.ngram_max, self.spec.min_drafts_per_slot)
         b.cache, b.host, self._hist, hlen, out, n_new, _, _, state, counts, stats = chunk(
             gen.params, b.cache, b.host, self._hist, *args)
-        gen.stats, gen.rank_stats = _accumulate(gen.stats, gen.rank_stats, stats)
+        gen.add_stats(stats)
         hlen, out, state, (iters, proposed, accepted) = jax.device_get((hlen, out, state, counts))
         self.k_now, self.fails, self.skip = (np.asarray(a, np.int64) for a in state)
         self._hist_len = np.asarray(hlen, np.int64)
