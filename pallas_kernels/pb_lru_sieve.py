@@ -3,7 +3,7 @@
 `access(slots, hi, lo, valid, now)` equals `ref_access` (sort based, below) bit for bit: same frames, hit flags,
 evictions and new slots (DESIGN.md section 5). Arrays in, arrays out: `slots` is one rank's (tag_hi, tag_lo,
 stamp), each [B, S] (uint32, uint32, int32; stamp -1 = empty), and an access returns (new slots, (frame, hit,
-evicted, evicted_hi, evicted_lo)), each [N]; `ulacache_jax.pb_lru` wraps them in its state types and checks
+evicted, evicted_hi, evicted_lo, fill)), each [N]; `ulacache_jax.pb_lru` wraps them in its state types and checks
 arguments. The per-bucket work needs no locks or atomics:
 requests are grouped by bucket first, so every slot and every request is written by exactly one program.
 
@@ -50,7 +50,7 @@ from . import next_pow2, on_gpu
 from .lid_hash import bucket_bits
 
 Slots = tuple[jax.Array, jax.Array, jax.Array]                           # tag_hi, tag_lo, stamp: [B, S] each
-Access = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]  # frame, hit, evicted, evicted_hi/lo: [N]
+Access = tuple[jax.Array, ...]  # frame, hit, evicted, evicted_hi, evicted_lo, fill: [N] each
 
 EMPTY_STAMP = -1
 EMPTY_TAG = np.uint32(0xFFFFFFFF)  # an empty slot never matches: lookups also require stamp >= 0
@@ -215,7 +215,8 @@ def _sieve_kernel(*refs, n, nb, ns, cfg: SieveConfig, interpret):
     #   (original index, LID); bstart_ref [>= B + 2] int32: bucket b owns grouped positions [bstart[b], bstart[b+1])
     # now_ref [1] int32
     # th_ref, tl_ref [F] uint32, ts_ref [F] int32: the state, aliased to the inputs (read and written here)
-    # outputs, caller's order: frame_ref [N] int32, hit_ref, ev_ref [N] bool, evh_ref, evl_ref [N] uint32
+    # outputs, caller's order: frame_ref [N] int32, hit_ref, ev_ref [N] bool, evh_ref, evl_ref [N] uint32,
+    #   fill_ref [N] bool (the request filled a frame: first appearance of a missing LID that got a slot)
     # scratch (general path): sframe_ref [N] int32 by original index: frame of the request's own LID (hit or
     #   filled slot, else -1); by grouped position: sfo_ref [N] int32 original index of the LID's first
     #   appearance, sflag_ref [N] int32 1 on first appearances of missing LIDs; by bucket region and miss rank:
@@ -223,14 +224,14 @@ def _sieve_kernel(*refs, n, nb, ns, cfg: SieveConfig, interpret):
     b = pl.program_id(0)
     if cfg.grouping == "scan":
         (hi_ref, lo_ref, valid_ref, now_ref, _th_in, _tl_in, _ts_in, th_ref, tl_ref, ts_ref, frame_ref, hit_ref,
-         ev_ref, evh_ref, evl_ref, sframe_ref, sfo_ref, sflag_ref, mhi_ref, mlo_ref, morig_ref,
+         ev_ref, evh_ref, evl_ref, fill_ref, sframe_ref, sfo_ref, sflag_ref, mhi_ref, mlo_ref, morig_ref,
          sorder_ref, shi_ref, slo_ref) = refs
         start, end = _scan_group(hi_ref, lo_ref, valid_ref, sorder_ref, shi_ref, slo_ref, b, n=n, nb=nb,
                                  q=min(next_pow2(n), 256 * cfg.num_warps))
         _barrier(interpret)
     else:
         (sorder_ref, shi_ref, slo_ref, bstart_ref, now_ref, _th_in, _tl_in, _ts_in, th_ref, tl_ref, ts_ref,
-         frame_ref, hit_ref, ev_ref, evh_ref, evl_ref, sframe_ref, sfo_ref, sflag_ref, mhi_ref, mlo_ref,
+         frame_ref, hit_ref, ev_ref, evh_ref, evl_ref, fill_ref, sframe_ref, sfo_ref, sflag_ref, mhi_ref, mlo_ref,
          morig_ref) = refs
         start, end = bstart_ref[b], bstart_ref[b + 1]
     C, T = cfg.req_chunk, cfg.slot_chunk
@@ -254,19 +255,20 @@ def _sieve_kernel(*refs, n, nb, ns, cfg: SieveConfig, interpret):
         l = plgpu.load(slo_ref.at[pl.ds(p0, width)], mask=pm, other=u0)
         return p, pm, orig, h, l
 
-    def write_outputs(orig, pm, frame, hit, evd, evh, evl):
+    def write_outputs(orig, pm, frame, hit, evd, evh, evl, fl):
         _scatter(frame_ref, orig, frame, pm, n)
         _scatter(hit_ref, orig, hit, pm, n)
         _scatter(ev_ref, orig, evd, pm, n)
         _scatter(evh_ref, orig, evh, pm, n)
         _scatter(evl_ref, orig, evl, pm, n)
+        _scatter(fill_ref, orig, fl, pm, n)
 
     @pl.when(b == nb)
     def _invalid():  # here start = the invalid tail's first position, end = N
         def body(rc, carry):
             _, pm, orig = load_reqs(start + rc * C, C, n, lids=False)
             false = jnp.zeros((C,), jnp.bool_)
-            write_outputs(orig, pm, jnp.full((C,), -1, jnp.int32), false, false, empty, empty)
+            write_outputs(orig, pm, jnp.full((C,), -1, jnp.int32), false, false, empty, empty, false)
             return carry
 
         lax.fori_loop(0, (n - start + C - 1) // C, body, jnp.int32(0))
@@ -320,7 +322,8 @@ def _sieve_kernel(*refs, n, nb, ns, cfg: SieveConfig, interpret):
             evd = jnp.sum(w.astype(jnp.int32), axis=1) > 0
             evh = jnp.where(evd, jnp.sum(jnp.where(w, th[None, :], u0), axis=1), EMPTY_TAG)
             evl = jnp.where(evd, jnp.sum(jnp.where(w, tl[None, :], u0), axis=1), EMPTY_TAG)
-            write_outputs(orig, pm, jnp.where(slot >= 0, base + slot, -1), hit, evd, evh, evl)
+            fl = jnp.sum(f.astype(jnp.int32), axis=1) > 0  # this request took a slot
+            write_outputs(orig, pm, jnp.where(slot >= 0, base + slot, -1), hit, evd, evh, evl, fl)
             filled = jnp.sum(f.astype(jnp.int32), axis=0) > 0
             plgpu.store(th_ref.at[pl.ds(base, T)], jnp.sum(jnp.where(f, h[:, None], u0), axis=0), mask=filled)
             plgpu.store(tl_ref.at[pl.ds(base, T)], jnp.sum(jnp.where(f, l[:, None], u0), axis=0), mask=filled)
@@ -367,6 +370,7 @@ def _sieve_kernel(*refs, n, nb, ns, cfg: SieveConfig, interpret):
                 _scatter(ev_ref, orig, false, pm, n)
                 _scatter(evh_ref, orig, empty, pm, n)
                 _scatter(evl_ref, orig, empty, pm, n)
+                _scatter(fill_ref, orig, false, pm, n)  # set by `fill` (phase B, after the barriers) on fills
                 if resident:
                     shit = shit + shit_c
                 else:  # later chunks may read a MARK or the old stamp here: both count as occupied
@@ -408,6 +412,7 @@ def _sieve_kernel(*refs, n, nb, ns, cfg: SieveConfig, interpret):
                 _scatter(ev_ref, org, was, ch, n)
                 _scatter(evh_ref, org, jnp.where(was, old_h, EMPTY_TAG), ch, n)
                 _scatter(evl_ref, org, jnp.where(was, old_l, EMPTY_TAG), ch, n)
+                _scatter(fill_ref, org, jnp.ones((T,), jnp.bool_), ch, n)
                 return nh, nl
 
             if resident:
@@ -486,7 +491,7 @@ def sieve_call(slots: Slots, requests, now, cfg: SieveConfig, interpret: bool) -
     sds = jax.ShapeDtypeStruct
     out_shape = (sds((nf,), jnp.uint32), sds((nf,), jnp.uint32), sds((nf,), jnp.int32),          # state
                  sds((n,), jnp.int32), sds((n,), jnp.bool_), sds((n,), jnp.bool_),                # frame hit ev
-                 sds((n,), jnp.uint32), sds((n,), jnp.uint32),                                     # ev_hi ev_lo
+                 sds((n,), jnp.uint32), sds((n,), jnp.uint32), sds((n,), jnp.bool_),               # ev_hi ev_lo fill
                  sds((n,), jnp.int32), sds((n,), jnp.int32), sds((n,), jnp.int32),                 # scratch
                  sds((n,), jnp.uint32), sds((n,), jnp.uint32), sds((n,), jnp.int32))
     if scan:  # + the grouped requests (sorder, shi, slo), scratch written by the kernel
@@ -499,7 +504,7 @@ def sieve_call(slots: Slots, requests, now, cfg: SieveConfig, interpret: bool) -
     )(*requests, jnp.reshape(now, (1,)).astype(jnp.int32),
       tag_hi.reshape(nf), tag_lo.reshape(nf), stamp.reshape(nf))
     th, tl, ts = (a.reshape(nb, ns) for a in outs[:3])
-    return (th, tl, ts), tuple(outs[3:8])
+    return (th, tl, ts), tuple(outs[3:9])
 
 
 @partial(jax.jit, static_argnames=("config", "interpret"))
@@ -507,16 +512,16 @@ def access(slots: Slots, hi, lo, valid, now, *, config: SieveConfig | None = Non
            interpret: bool | None = None) -> tuple[Slots, Access]:
     """Batched PB-LRU access by the kernel (no argument checks; `ulacache_jax.pb_lru.access` checks).
     slots: (tag_hi, tag_lo, stamp) [B, S]; hi, lo [N] uint32, valid [N] bool, now int32 scalar. Returns (new
-    slots, (frame [N] int32, hit [N] bool, evicted [N] bool, evicted_hi, evicted_lo [N] uint32)). Compiled on GPU,
-    interpret mode elsewhere (or as `interpret` says). The slots are updated in place when the caller donates
-    them (otherwise XLA copies them once for the aliased kernel)."""
+    slots, (frame [N] int32, hit [N] bool, evicted [N] bool, evicted_hi, evicted_lo [N] uint32, fill [N] bool)).
+    Compiled on GPU, interpret mode elsewhere (or as `interpret` says). The slots are updated in place when the
+    caller donates them (otherwise XLA copies them once for the aliased kernel)."""
     nb, ns = slots[2].shape
     n = hi.shape[0]
     if interpret is None:
         interpret = not on_gpu()
     if n == 0:
-        e = jnp.zeros((0,), jnp.uint32)
-        return tuple(slots), (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), bool), jnp.zeros((0,), bool), e, e)
+        e, f = jnp.zeros((0,), jnp.uint32), jnp.zeros((0,), bool)
+        return tuple(slots), (jnp.zeros((0,), jnp.int32), f, f, e, e, f)
     cfg = config or choose_config(n, nb, ns)
     now = jnp.asarray(now, jnp.int32)
     if cfg.grouping == "scan":
@@ -567,7 +572,8 @@ def ref_access(slots: Slots, hi, lo, valid, now) -> tuple[Slots, Access]:
     _, _, cand = lax.sort((hit_slot, stamp, slot_idx), dimension=1, num_keys=3)  # [B, S]
     num_cand = ns - hit_slot.sum(axis=1)                                         # [B]
 
-    # 4. Fill: the r-th distinct miss of bucket b takes cand[b, r] when r < num_cand[b].
+    # 4. Fill: the r-th distinct miss of bucket b takes cand[b, r] when r < num_cand[b]. `fits` is also the `fill`
+    #    output: exactly one request per filled frame (the LID's first), so a caller fetches each frame once.
     fits = is_first_miss & (rank < num_cand[req_bucket])
     fill_frame = req_bucket * ns + cand[req_bucket, jnp.minimum(rank, ns - 1)]
     fill_frame = jnp.where(fits, fill_frame, -1)                                  # [N], on first misses only
@@ -587,4 +593,4 @@ def ref_access(slots: Slots, hi, lo, valid, now) -> tuple[Slots, Access]:
     new_hi = flat_hi.at[put].set(hi, mode="drop")
     new_lo = flat_lo.at[put].set(lo, mode="drop")
     new = (new_hi.reshape(nb, ns), new_lo.reshape(nb, ns), new_stamp.reshape(nb, ns))
-    return new, (frame, hit, evicted, evicted_hi, evicted_lo)
+    return new, (frame, hit, evicted, evicted_hi, evicted_lo, fits)

@@ -31,6 +31,13 @@ def check_step(state, model, lids, valid, now, impl="ref"):
     np.testing.assert_array_equal(np.asarray(out.evicted), evicted)
     for i in np.flatnonzero(evicted):
         assert to_int(out.evicted_hi[i], out.evicted_lo[i]) == ev_lid[i]
+    # fill: the first request of each missing LID that took a frame
+    first = {}
+    for i, (x, v) in enumerate(zip(lids, valid)):
+        if v:
+            first.setdefault(x, i)
+    fill = [bool(v and not hit[i] and frame[i] >= 0 and first[x] == i) for i, (x, v) in enumerate(zip(lids, valid))]
+    np.testing.assert_array_equal(np.asarray(out.fill), fill)
     check_state(state, model)
     # two distinct LIDs never share a frame
     f = np.asarray(out.frame)
@@ -182,7 +189,7 @@ def test_trace_from_a_rebased_clock_equals_trace_from_zero():
         a, out_a = pb_lru.ref_access(a, hi, lo, valid, jnp.int32(t))
         b, out_b = pb_lru.ref_access(b, hi, lo, valid, jnp.int32(clock_b))
         clock_b += 1
-        for f in ("frame", "hit", "evicted", "evicted_hi", "evicted_lo"):
+        for f in ("frame", "hit", "evicted", "evicted_hi", "evicted_lo", "fill"):
             np.testing.assert_array_equal(np.asarray(getattr(out_a, f)), np.asarray(getattr(out_b, f)), err_msg=f)
     np.testing.assert_array_equal(np.asarray(a.tag_lo), np.asarray(b.tag_lo))
     with pytest.raises(ValueError, match="keep"):

@@ -31,7 +31,7 @@ def assert_same(ref, got, what=""):
     for name in ("tag_hi", "tag_lo", "stamp"):
         np.testing.assert_array_equal(np.asarray(getattr(s_k, name)), np.asarray(getattr(s_r, name)),
                                       err_msg=f"state.{name} {what}")
-    for name in ("frame", "hit", "evicted", "evicted_hi", "evicted_lo"):
+    for name in ("frame", "hit", "evicted", "evicted_hi", "evicted_lo", "fill"):
         np.testing.assert_array_equal(np.asarray(getattr(o_k, name)), np.asarray(getattr(o_r, name)),
                                       err_msg=f"out.{name} {what}")
 
@@ -102,6 +102,69 @@ def test_kernel_matches_reference_step_by_step(case):
     batches = random_trace(rng, n, universe, steps=6)
     nows = [0, 1, 1, 4, 2, 9]  # a repeated and a decreasing clock: the semantics do not assume monotone time
     run_both(nb, ns, batches, nows, config=cfg)
+
+
+def scatter_lead(out, valid, num_frames):
+    """The first request (lowest index) of each filled frame, by a scatter-min over the frames: what the decode
+    computed before the access reported `fill`."""
+    frame, hit = jnp.asarray(out.frame), jnp.asarray(out.hit)
+    n, nf = frame.shape[0], num_frames
+    idx = jnp.arange(n, dtype=jnp.int32)
+    ff = jnp.asarray(valid) & ~hit & (frame >= 0)
+    fr = jnp.where(ff, frame, nf)
+    first = jnp.full((nf,), n, jnp.int32).at[fr].min(idx, mode="drop")
+    return np.asarray(ff & (first[jnp.minimum(fr, nf - 1)] == idx))
+
+
+def adversarial_trace(rng, nb, ns, n):
+    """Batches built to break a per-LID "first" flag: rows copying other rows (sharers, verification rows),
+    duplicates inside a row, one LID everywhere, a bucket overflowed by LIDs that also repeat, all invalid."""
+    pool = rng.integers(0, 2**63, 3 * n, dtype=np.uint64)
+    width = 8
+    rows = n // width
+    out = list(random_trace(rng, n, n, steps=2))
+    base = pool[rng.integers(0, n, width)]
+    base[3] = base[0]                                                     # a duplicate inside the row
+    copied = np.concatenate([rng.permutation(base) if r % 2 else base for r in range(rows)])
+    copied = np.concatenate([copied, pool[:n - len(copied)]])
+    out.append((copied, rng.random(n) >= 0.1))
+    out.append((np.full(n, pool[1]), np.arange(n) % 3 != 0))                   # one LID, first request invalid
+    hot = lids_in_bucket(rng, 0, nb, ns + 3)                                   # more new LIDs than bucket 0 holds
+    over = np.concatenate([hot, hot[::-1], pool[2 * n:2 * n + n - 2 * len(hot)]])
+    out.append((over, np.ones(n, bool)))
+    out.append((np.concatenate([rng.permutation(hot), pool[n:2 * n - len(hot)]]), np.ones(n, bool)))
+    out.append((pool[:n], np.zeros(n, bool)))                                  # all invalid
+    out.append((copied[::-1].copy(), np.ones(n, bool)))
+    return out
+
+
+@pytest.mark.parametrize("case", ["global_lru_B1", "overflow_small_pool", "chunked_slots_and_requests",
+                                  "fast_and_general_mixed", "general_path_only", "sort_grouping_chunked"])
+def test_fill_is_the_first_request_of_each_filled_frame(case):
+    # `fill` (kernel == reference, bit for bit) equals the scatter-min formulation on every step, and duplicates
+    # of filled and of overflowed LIDs both occur in the trace
+    nb, ns, n, _, cfg = CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)) + 1)
+    s_r = s_k = pb_lru.init(nb, ns)
+    seen_dup_fill = seen_dup_overflow = False
+    for t, (lids, valid) in enumerate(adversarial_trace(rng, nb, ns, n)):
+        hi, lo = words(lids)
+        v, now = jnp.asarray(valid), jnp.int32(t)
+        ref = pb_lru.ref_access(s_r, hi, lo, v, now)
+        got = kernel_access(s_k, hi, lo, v, now, config=cfg)
+        assert_same(ref, got, f"at step {t}")
+        (s_r, out), (s_k, _) = ref, got
+        fill = np.asarray(out.fill)
+        np.testing.assert_array_equal(fill, scatter_lead(out, valid, nb * ns), err_msg=f"step {t}")
+        frame, hit = np.asarray(out.frame), np.asarray(out.hit)
+        filled = valid & ~hit & (frame >= 0)
+        assert len(set(frame[filled].tolist())) == fill.sum()
+        seen_dup_fill |= bool(filled.sum() > fill.sum())
+        overflow = valid & ~hit & (frame < 0)
+        seen_dup_overflow |= len(set(lids[overflow].tolist())) < overflow.sum()
+        if not valid.any():
+            assert not fill.any()
+    assert seen_dup_fill and seen_dup_overflow
 
 
 def lids_in_bucket(rng, bucket, nb, count):

@@ -121,13 +121,9 @@ def _sieve_pages(state: CacheState, layer: int, sel, row_live, row_seq, rank, op
     miss = valid & ~out.hit.reshape(R, G, K)
     filled = miss & (frame >= 0)
     host_idx = table.host_page[seq_ids, layer, jnp.arange(G)[None, :, None], page]
-    # duplicates of one LID (sharers, or verification rows) share its frame: only the first fetches it
-    n, nf = R * G * K, c.num_frames
-    idx = jnp.arange(n, dtype=jnp.int32)
-    ff = filled.reshape(-1)
-    fr = jnp.where(ff, frame.reshape(-1), nf)
-    first = jnp.full((nf,), n, jnp.int32).at[fr].min(idx, mode="drop")
-    lead = (ff & (first[jnp.minimum(fr, nf - 1)] == idx)).reshape(R, G, K)
+    # duplicates of one LID (sharers, or verification rows) share its frame: only the first fetches it. A frame
+    # holds one LID, so the LID's first request (the access's `fill`) is the frame's first request.
+    lead = out.fill.reshape(R, G, K)
     return pb, table, valid, page, frame, host_idx, miss, filled, miss & (frame < 0), lead
 
 

@@ -6,7 +6,8 @@ Exact batch semantics (DESIGN.md section 5), which the Pallas sieve (`impl="pall
 - the distinct missing LIDs of a bucket, in order of first appearance, take the bucket's candidate slots in
   order: the slots not hit in this batch, by (stamp ascending, slot ascending); empty slots have stamp -1 so
   they come first. A filled slot reports the LID it displaced. Misses past the candidates get frame -1
-  (served from the host tier this step, not cached);
+  (served from the host tier this step, not cached). Exactly one request per filled frame reports `fill`: the
+  missing LID's first appearance (lowest index), so a caller fetches each new frame once;
 - frame id = bucket * slots_per_bucket + slot; num_buckets = 1 is exactly a global LRU.
 
 Both implementations live in `pallas_kernels/pb_lru_sieve.py` (the kernel and its sort-based jnp reference, arrays
@@ -48,7 +49,7 @@ class PBLRUState:
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["frame", "hit", "evicted", "evicted_hi", "evicted_lo"], meta_fields=[])
+         data_fields=["frame", "hit", "evicted", "evicted_hi", "evicted_lo", "fill"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class AccessOut:
     frame: jax.Array       # [N] int32   frame of the request's page; -1 for invalid or overflow
@@ -56,6 +57,7 @@ class AccessOut:
     evicted: jax.Array     # [N] bool    on the first occurrence of a missing LID whose fill displaced a LID
     evicted_hi: jax.Array  # [N] uint32  the displaced LID (EMPTY_TAG where evicted is False)
     evicted_lo: jax.Array  # [N] uint32
+    fill: jax.Array        # [N] bool    the first occurrence of a missing LID that took a frame (one per new frame)
 
 
 def init(num_buckets: int, slots_per_bucket: int) -> PBLRUState:
