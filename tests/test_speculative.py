@@ -546,6 +546,23 @@ def test_ngram_propose_and_flush_points():
     assert next_flush(100, 100, 16) == 116 and next_flush(100, 115, 16) == 116 and next_flush(100, 116, 16) == 132
 
 
+def test_ngram_index_bulk_and_token_by_token_agree_with_the_scan():
+    # a prompt is indexed with numpy windows (>= NgramIndex._BULK new tokens), decode tokens one by one: both write
+    # the same keys, so proposals across the switch (and for ids past 32 bits, negative ids) equal the scan's
+    from ulacache_jax.speculative import NgramIndex
+    rng = np.random.default_rng(11)
+    for trial in range(60):
+        nmax, n = int(rng.integers(1, 5)), int(rng.integers(1, 300))
+        seq = [int(t) for t in rng.integers(0, int(rng.integers(2, 6)), n)]
+        if trial % 3 == 0:
+            seq = [t * 2**40 - 7 for t in seq]
+        idx, T = NgramIndex(nmax), 0
+        while T < n:
+            T = min(n, T + int(rng.choice([1, 3, NgramIndex._BULK - 1, NgramIndex._BULK, 90])))
+            k = int(rng.integers(0, 5))
+            assert idx.propose(seq[:T], k) == ngram_propose(seq[:T], k, nmax), (trial, T)
+
+
 def test_spec_config_errors():
     with pytest.raises(ValueError, match="method"):
         SpecConfig("medusa")

@@ -39,6 +39,7 @@ most log2(K + 1) + 1 verification programs compile; a chunk verifies K + 1 rows,
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Any
 
 import numpy as np
@@ -171,22 +172,41 @@ def ngram_propose(history, k: int, ngram_max: int) -> list[int]:
 
 class NgramIndex:
     """`ngram_propose` incrementally, for one sequence: the latest start of every n-gram (n <= ngram_max) seen so
-    far, updated with each new token, so a proposal costs O(ngram_max) instead of a scan of the history."""
+    far, updated with each new token, so a proposal costs O(ngram_max) instead of a scan of the history. An n-gram's
+    key is the bytes of its tokens as little-endian int64 (any vocabulary size), so a prompt is indexed with numpy
+    windows in one pass (a per-token Python loop took ~20 ms a 6K-token prompt: 16 prompts, ~0.3 s at admission)."""
+
+    _BULK = 32          # new tokens from which extend indexes with numpy windows rather than token by token
 
     def __init__(self, ngram_max: int):
         self.ngram_max = ngram_max
         self.h: list[int] = []
-        self.after = [dict() for _ in range(ngram_max + 1)]     # n -> {n-gram: index after its latest occurrence}
+        self.after = [dict() for _ in range(ngram_max + 1)]     # n -> {n-gram key: index after its latest occurrence}
+
+    @staticmethod
+    def _key(tokens) -> bytes:
+        return struct.pack(f"<{len(tokens)}q", *tokens)          # == the numpy windows' "<i8" bytes
 
     def extend(self, tokens) -> None:
-        h = self.h
-        for t in tokens:
-            h.append(int(t))
-            i = len(h) - 2                 # n-grams ending at i (all but the newest token) become matchable
-            if i < 0:
+        h, old = self.h, len(self.h)
+        h.extend(int(t) for t in tokens)
+        lo, hi = max(old - 1, 0), len(h) - 2       # n-grams ending at lo..hi (all but the newest token) become matchable
+        if hi < lo:
+            return
+        if hi - lo + 1 < self._BULK:
+            for i in range(lo, hi + 1):
+                for n in range(1, min(self.ngram_max, i + 1) + 1):
+                    self.after[n][self._key(h[i - n + 1:i + 1])] = i + 1
+            return
+        base = max(lo - self.ngram_max + 1, 0)
+        a = np.asarray(h[base:hi + 1], dtype="<i8")                                    # [hi + 1 - base]
+        for n in range(1, self.ngram_max + 1):
+            first = max(lo, n - 1)                 # an n-gram ending at i starts at i - n + 1 >= 0
+            if first > hi:
                 continue
-            for n in range(1, min(self.ngram_max, i + 1) + 1):
-                self.after[n][tuple(h[i - n + 1:i + 1])] = i + 1
+            win = np.lib.stride_tricks.sliding_window_view(a, n)[first - n + 1 - base:hi - n + 2 - base]
+            keys = np.ascontiguousarray(win).view(f"V{8 * n}").ravel().tolist()       # [hi - first + 1] bytes
+            self.after[n].update(zip(keys, range(first + 1, hi + 2)))   # in order: the latest occurrence wins
 
     def propose(self, history, k: int, more=()) -> list[int]:
         """ngram_propose(history + more, k, ngram_max), given that history + more extends what this index has seen
@@ -196,15 +216,14 @@ class NgramIndex:
             self.__init__(self.ngram_max)
             seen = 0
         if seen < len(history):
-            self.extend(history[seen:])
-            self.extend(more)
+            self.extend(list(history[seen:]) + list(more))
         else:
             self.extend(more[seen - len(history):])
         if k < 1:
             return []
         h = self.h
         for n in range(min(self.ngram_max, len(h) - 1), 0, -1):
-            start = self.after[n].get(tuple(h[len(h) - n:]))
+            start = self.after[n].get(self._key(h[len(h) - n:]))
             if start is not None:
                 return h[start:start + k]
         return []
