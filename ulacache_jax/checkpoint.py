@@ -30,6 +30,9 @@ import pathlib
 import numpy as np
 import jax
 
+from .config import CacheConfig
+from .requests import ERROR, Request, SamplingParams, StepOutput
+
 FORMAT = 1
 _ITEMS = ("arrays", "meta")
 _KEEP = 2                                 # the newest step and the one before it (a kill during a save)
@@ -77,7 +80,6 @@ class Checkpoint:
 
     @property
     def cache_config(self):
-        from .config import CacheConfig
         return CacheConfig(**self.identity["cache_config"])
 
 
@@ -236,7 +238,6 @@ def read(directory) -> Checkpoint:
 
 def sampling_params(saved: dict):
     """A SavedRequest's sampling dict -> engine.SamplingParams (lists back to tuples)."""
-    from .engine import SamplingParams
     d = dict(saved)
     d["stop_ids"] = None if d.get("stop_ids") is None else tuple(d["stop_ids"])
     d["stop"] = tuple(d.get("stop") or ())
@@ -250,7 +251,6 @@ def restore(engine, directory, *, skip=()) -> Checkpoint:
     reported are reported by the next step). Request ids are kept. `skip`: request ids not to restore (e.g. ones
     whose results were written after the checkpoint). CheckpointMismatch if the checkpoint's model, weights,
     cache config or attention differ from the engine's. -> the Checkpoint read."""
-    from .engine import ERROR, Request, StepOutput
     ck = read(directory)
     if engine.requests or engine._queue or engine._slot_req:
         raise ValueError(f"restore needs an engine without requests (this one holds {len(engine.requests)})")

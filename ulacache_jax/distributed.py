@@ -27,7 +27,8 @@ import sys
 import numpy as np
 import jax
 
-from . import generation
+from . import generation, tp as tp_mod
+from .cli import load_model
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -123,8 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     pid, n = initialize(args.coordinator, args.num_processes, args.process_id)
-    from . import tp as tp_mod
-    from .cli import load_model
     # with --tp > 1 the model is made or loaded straight into its sharding over this host's first tp devices
     loaded = load_model(args.model, args.dtype, args.seed, tp_mod=tp_mod if args.tp > 1 else None, tp=args.tp)
     ids, prompts = _read_prompts(args.input, loaded.tokenizer)

@@ -31,6 +31,14 @@ s_t = q.k_t / sqrt(D) the logit of a page token t for one query head:
                         (2 vectors).
 The spread rules weigh pages whose keys vary along the query's strong channels, where one token (the needle's) may
 stand out of a page whose mean is unremarkable; the mean alone averages it away.
+A compressed copy of every key (a tier that would stay resident in HBM, as ShadowKV / InfiniGen keep), scored per
+token and aggregated as the oracle aggregates (each head's softmax over the history's approximate logits, summed
+over the page's tokens and the group's heads):
+  lowrank<R>            keys projected on the top R eigenvectors of the history keys' second moment (per layer and
+                        kv head, from the flushed pages: the basis a prefill would compute once), the query on the
+                        same basis (R/D of K per token; page 16: R = 8 stores as many bytes as Quest's 2 vectors);
+  topchan<R>            the R channels of largest key energy (sum of k_d^2 over the history) of each layer and kv
+                        head, the query's same channels (the same bytes as lowrank<R>, no projection of the keys).
     python scripts/probes/passkey_selection_rules.py CONTEXT DEPTHS KEYS BUDGETS [RULES]
     e.g. 4096 10,25,50 3 512,1024 quest_sum,quest_maxnorm,oracle
 """
@@ -80,6 +88,20 @@ def select_score(rule, qh, Kp, valid):
     """qh [KV, r, D]; Kp [NP, page, KV, D]; valid [NP] -> page scores [KV, NP] of a rule (higher = keep)."""
     if rule == "oracle":
         s = jnp.einsum("ghd,ptgd->ghpt", qh, Kp) / np.sqrt(D)
+        s = jnp.where(valid[None, None, :, None], s, -jnp.inf)
+        m = jax.nn.softmax(s.reshape(KV, r, -1), -1).reshape(KV, r, Kp.shape[0], page)
+        return m.sum(axis=(1, 3))
+    if rule.startswith(("lowrank", "topchan")):
+        R = int(rule.removeprefix("lowrank").removeprefix("topchan"))
+        kv = jnp.where(valid[:, None, None, None], Kp, 0.0).reshape(-1, KV, D)          # [NP * page, KV, D]
+        if rule.startswith("lowrank"):
+            _, vecs = jnp.linalg.eigh(jnp.einsum("tgd,tge->gde", kv, kv))               # ascending eigenvalues
+            U = vecs[..., -R:]                                                           # [KV, D, R]
+        else:
+            top = jnp.argsort(-(kv ** 2).sum(0), -1)[:, :R]                              # [KV, R]
+            U = jax.nn.one_hot(top, D, axis=1)                                           # [KV, D, R]
+        s = jnp.einsum("ghr,ptgr->ghpt", jnp.einsum("ghd,gdr->ghr", qh, U),
+                       jnp.einsum("ptgd,gdr->ptgr", Kp, U)) / np.sqrt(D)
         s = jnp.where(valid[None, None, :, None], s, -jnp.inf)
         m = jax.nn.softmax(s.reshape(KV, r, -1), -1).reshape(KV, r, Kp.shape[0], page)
         return m.sum(axis=(1, 3))
