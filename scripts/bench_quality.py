@@ -23,6 +23,9 @@ context is 8K).
 --summary-split N builds every sparse cell with CacheConfig.summary_split = N (N key summaries per page, a page
 scoring the max of its sub-pages' Quest bounds); every row records it as summary_split, and it is part of a row's
 cell (row_id), so runs with different splits combine side by side.
+--key-channels C builds every sparse cell with CacheConfig.key_channels = C (pages scored by attention mass from an
+HBM copy of C channels of every key, ulacache_jax/key_copy.py; the "topchan" rule of
+scripts/probes/passkey_selection_rules.py); rows record it as key_channels, part of a row's cell too.
 """
 from __future__ import annotations
 
@@ -252,10 +255,12 @@ def run_passkey(model, tok, grid, args, meta, common):
     add_rows("dense", None, None)
     for page in grid.pages:
         for budget in grid.budgets:
-            name = f"sparse b{budget} p{page}" + (f" s{args.summary_split}" if args.summary_split > 1 else "")
+            name = f"sparse b{budget} p{page}" + (f" s{args.summary_split}" if args.summary_split > 1 else "") + \
+                (f" c{args.key_channels}" if args.key_channels else "")
             try:
                 cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=budget, page=page,
-                                 dtype=args.dtype, summary_split=args.summary_split)
+                                 dtype=args.dtype, summary_split=args.summary_split,
+                                 key_channels=args.key_channels)
             except ValueError as e:
                 common["refused"].append(dict(task="passkey", budget=budget, page_size=page, reason=str(e)))
                 log(f"passkey {name}: refused ({e})")
@@ -295,7 +300,8 @@ def run_ppl(model, tok, grid, args, meta, common, variants):
         name = f"b{budget} p{page}" + "".join(f" {k}={v}" for k, v in over.items())
         try:
             cc = make_config(model.config, grid=dataclasses.replace(grid, batch=len(wins)), max_tokens=T,
-                             budget=budget, page=page, dtype=args.dtype, summary_split=args.summary_split, **over)
+                             budget=budget, page=page, dtype=args.dtype, summary_split=args.summary_split,
+                             key_channels=args.key_channels, **over)
         except ValueError as e:
             common["refused"].append(dict(task="ppl", budget=budget, page_size=page, **over, reason=str(e)))
             log(f"ppl {name}: refused ({e})")
@@ -416,13 +422,13 @@ def plot(rows, meta, path):
         dense = [r["accuracy"] for r in pk if r["context"] == ctx and r["attention"] == "dense"]
         if dense:
             ax.axhline(100 * np.mean(dense), color=colors[ci % 4], ls=":", lw=1)
-        lines = sorted({(r["page_size"], split_of(r)) for r in pk if r["page_size"]})
-        for (page, sp), ls in zip(lines, ("-o", "--s", "-.^", ":v")):
-            mine = [r for r in pk if r["context"] == ctx and r["page_size"] == page and split_of(r) == sp]
+        lines = sorted({(r["page_size"], sel_of(r)) for r in pk if r["page_size"]})
+        for (page, sp), ls in zip(lines, ("-o", "--s", "-.^", ":v", "-x", "--d")):
+            mine = [r for r in pk if r["context"] == ctx and r["page_size"] == page and sel_of(r) == sp]
             pts = sorted({r["budget"] for r in mine})
             acc = [100 * np.mean([r["accuracy"] for r in mine if r["budget"] == b]) for b in pts]
             ax.plot(pts, acc, ls, color=colors[ci % 4],
-                    label=f"{ctx} tok, page {page}" + (f", split {sp}" if sp > 1 else ""))
+                    label=f"{ctx} tok, page {page}" + sel_name(sp))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("token budget")
     ax.set_ylabel("passkey accuracy, mean over depths (%)")
@@ -477,12 +483,12 @@ def markdown(rows, meta) -> str:
     pk = [r for r in rows if r["task"] == "passkey"]
     if pk:
         ctxs = sorted({r["context"] for r in pk})
-        cells = sorted({(r["budget"] or 0, r["page_size"] or 0, split_of(r)) for r in pk})
+        cells = sorted({(r["budget"] or 0, r["page_size"] or 0, sel_of(r)) for r in pk})
         out.append("| cell | " + " | ".join(f"{c} tok: accuracy (same as dense)" for c in ctxs) + " |")
         out.append("|---" * (len(ctxs) + 1) + "|")
         for b, p, sp in cells:
-            sel = [r for r in pk if (r["budget"] or 0, r["page_size"] or 0, split_of(r)) == (b, p, sp)]
-            name = "dense" if not b else f"budget {b}, page {p}" + (f", summary split {sp}" if sp > 1 else "")
+            sel = [r for r in pk if (r["budget"] or 0, r["page_size"] or 0, sel_of(r)) == (b, p, sp)]
+            name = "dense" if not b else f"budget {b}, page {p}" + sel_name(sp)
             vals = []
             for c in ctxs:
                 rr = [r for r in sel if r["context"] == c]
@@ -513,7 +519,7 @@ def markdown(rows, meta) -> str:
                 out.append(f"| dense | | | {r['ppl']:.4f} | | | |")
                 continue
             opts = f"sink {r['sink_pages']}, recent {r['recent_pages']}, kv heads/group {r['kv_heads_per_group']}" + \
-                (f", summary split {split_of(r)}" if split_of(r) > 1 else "")
+                sel_name(sel_of(r))
             out.append(f"| budget {r['budget']}, page {r['page_size']} | {opts} | {100 * r['budget_ratio']:.1f}% | "
                        f"{r['ppl']:.4f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {100 * r['top1_agreement']:.2f}% | "
                        f"{r['kl']:.5f} |")
@@ -539,12 +545,26 @@ def split_of(r) -> int:
     return 1 if r.get("attention") == "dense" else int(r.get("summary_split") or 1)
 
 
+def sel_of(r) -> tuple[int, int]:
+    """A row's selection rule: (summary split, key channels); (1, 0) for dense rows and rows written before the
+    options (Quest over whole-page summaries)."""
+    if r.get("attention") == "dense":
+        return (1, 0)
+    return (split_of(r), int(r.get("key_channels") or 0))
+
+
+def sel_name(sel: tuple[int, int]) -> str:
+    """The label suffix of a selection rule (empty for plain Quest)."""
+    sp, kc = sel
+    return (f", summary split {sp}" if sp > 1 else "") + (f", key copy {kc}" if kc else "")
+
+
 def row_id(r) -> tuple:
     """What a row measures (its cell), so rows of separate runs combine: a later run's row replaces an earlier
     run's row of the same cell."""
     return tuple(r.get(k) for k in ("task", "context", "depth", "budget", "page_size", "attention", "variant",
                                     "sink_pages", "recent_pages", "kv_heads_per_group", "pool", "policy")) + \
-        (split_of(r),)
+        sel_of(r)
 
 
 # ---- main -----------------------------------------------------------------------------------------------------
@@ -595,6 +615,9 @@ def main(argv=None):
     ap.add_argument("--summary-split", type=int, default=1,
                     help="CacheConfig.summary_split of every sparse cell: key summaries per page (a power of two "
                          "dividing the page size; 2 = the quest_p8 rule at page 16)")
+    ap.add_argument("--key-channels", type=int, default=0,
+                    help="CacheConfig.key_channels of every sparse cell: pages scored from an HBM copy of this many "
+                         "channels of every key (0 = Quest summaries)")
     args = ap.parse_args(argv)
     if args.combine:
         # JSONs of separate runs (e.g. one device call per task or page size) -> one NAME.json + PNG; later
@@ -658,7 +681,7 @@ def main(argv=None):
     log(f"model {label} ({time.time() - t0:.1f} s); text {provenance['chars']} chars = {len(text_ids)} tokens")
     stamp = dict(device=jax.devices()[0].device_kind, commit=args.commit or git_commit(), jax=jax.__version__,
                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 summary_split=args.summary_split)
+                 summary_split=args.summary_split, key_channels=args.key_channels)
     meta = dict(model=label, mode=kind, dtype=args.dtype, grid=dataclasses.asdict(grid), text=provenance,
                 tasks=args.tasks, command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
                 **stamp)

@@ -9,6 +9,8 @@ P = max_pages_per_seq; F = PB-LRU frames; T = TAIL_PAGES; page = page_size; g = 
 - kmin, kmax [R, S, L, G, P * split, g, D]: per-dim min and max of K over each sub-page of page_size // split
   tokens (split = config.summary_split, 1 by default: one summary per page, the Quest summaries); sub-page
   p * split + h is the h-th sub-page of page p, so split = 1 is the plain per-page layout.
+- kc [R, S, L, G, P, page, g, C] and chan [R, S, L, G, g, C] int32: the compressed key copy and its channels
+  (key_copy.py; C = config.key_channels, 0 when selection is Quest's: zero-size arrays).
 - vtlb (frame, host_page) [R, S, L, G, P]; pb (tag_hi, tag_lo, stamp) [R, B, slots].
 - seqs: length, flushed (pages with a host copy), active, each [S], and owner [S, P]: the same on every rank.
   owner[s, p] is the seq field of the LID naming page p of slot s: the slot itself, or the id of a stored shared
@@ -48,7 +50,8 @@ def own_rows(max_seqs: int, max_pages_per_seq: int) -> jax.Array:
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["pb", "vtlb", "pool_k", "pool_v", "kmin", "kmax", "seqs", "clock"], meta_fields=["config"])
+         data_fields=["pb", "vtlb", "pool_k", "pool_v", "kmin", "kmax", "kc", "chan", "seqs",
+                      "clock"], meta_fields=["config"])
 @dataclasses.dataclass(frozen=True)
 class CacheState:
     config: CacheConfig
@@ -58,6 +61,8 @@ class CacheState:
     pool_v: jax.Array       # [R, F + S*L*G*T, page, g, D]
     kmin: jax.Array         # [R, S, L, G, P * split, g, D]
     kmax: jax.Array         # [R, S, L, G, P * split, g, D]
+    kc: jax.Array           # [R, S, L, G, P, page, g, C] key copy (C = key_channels; 0: empty)
+    chan: jax.Array         # [R, S, L, G, g, C] int32 its channels
     seqs: SeqTable
     clock: jax.Array        # [] int32
 
@@ -192,6 +197,10 @@ def init(config: CacheConfig, *, device=None, check: bool = True) -> tuple[Cache
         config=c, pb=pb, vtlb=table,
         pool_k=jnp.zeros((r, num_pool) + page_shape, dt), pool_v=jnp.zeros((r, num_pool) + page_shape, dt),
         kmin=jnp.zeros(summ, dt), kmax=jnp.zeros(summ, dt),
+        kc=jnp.zeros((r, c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq) + page_shape[:2]
+                     + (c.key_channels,), dt),
+        chan=jnp.broadcast_to(jnp.arange(c.key_channels, dtype=jnp.int32),   # until a first block picks them
+                              (r, c.max_seqs, c.num_layers, c.groups_per_rank, c.kv_heads_per_group, c.key_channels)),
         seqs=SeqTable(length=jnp.zeros(c.max_seqs, jnp.int32), flushed=jnp.zeros(c.max_seqs, jnp.int32),
                       active=jnp.zeros(c.max_seqs, bool), owner=own_rows(c.max_seqs, c.max_pages_per_seq)),
         clock=jnp.zeros((), jnp.int32))

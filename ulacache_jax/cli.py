@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "max_position_embeddings. The cache is sized for the longest request that fits")
     g.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
                    help="prompt tokens prefilled per step while other requests decode (default: the max context)")
+    g.add_argument("--key-channels", type=int, default=0,
+                   help="sparse page selection from an HBM copy of this many channels of every key (0 = Quest's "
+                        "per-page key summaries; 16 of 64: 12.5%% of the context's K + V bytes in HBM); shared "
+                        "prefixes are off with it")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole (default: prompts that start with the complete pages of an "
                         "earlier prompt of the run, e.g. many questions over one document, attach those pages "
@@ -600,7 +604,7 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
 
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
-                  dtype=dtype)
+                  dtype=dtype, key_channels=args.key_channels)
         return default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
 
     try:
@@ -967,7 +971,7 @@ def _generate_locked(args, t_start: float) -> int:
         try:
             engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
                             max_prefill_tokens_per_step=args.max_prefill_tokens,
-                            prefix_cache=not args.no_prefix_cache, speculative=spec)
+                            prefix_cache=False if args.no_prefix_cache else None, speculative=spec)
         except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
             raise UsageError(f"cache: {e}") from None
         _check_stop(args)

@@ -37,6 +37,8 @@ class CacheConfig:
     verify_rows: int = 1             # query rows per sequence one call attends: 1 + speculative drafts (overflow frames)
     summary_split: int = 1           # key summaries per page (each over page_size // summary_split tokens); a page
                                      # scores the max of its sub-pages' Quest bounds, selection stays per page
+    key_channels: int = 0            # 0: Quest selection. C > 0: an HBM copy of C channels of every flushed key
+                                     # scores pages by approximate attention mass instead (key_copy.py)
 
     def __post_init__(self):
         def need(ok, msg):
@@ -64,6 +66,9 @@ class CacheConfig:
              and sp <= self.page_size,
              f"summary_split = {sp!r} must be a power of two >= 1 dividing page_size = {self.page_size} (at most "
              f"{self.page_size})")
+        kc = self.key_channels
+        need(isinstance(kc, (int, np.integer)) and not isinstance(kc, bool) and 0 <= kc <= self.head_dim,
+             f"key_channels = {kc!r} must be an int in [0, head_dim = {self.head_dim}]")
         need(self.max_pages_per_seq * self.page_size <= 2**31 - 1,
              f"max_pages_per_seq * page_size = {self.max_pages_per_seq * self.page_size} tokens exceeds 2**31 - 1")
         lid_mod.log2_buckets(self.num_buckets)
@@ -136,6 +141,7 @@ class CacheConfig:
             "tail": 2 * per_pg * TAIL_PAGES * self.page_bytes,
             "overflow": 2 * self.overflow_frames * self.page_bytes,
             "summaries": 2 * per_pg * self.summary_pages * self.kv_heads_per_group * self.head_dim * isz,
+            "key_copy": per_pg * self.kv_heads_per_group * (self.max_context * isz + 4) * self.key_channels,
             "vtlb": 2 * 4 * per_pg * self.max_pages_per_seq,
             "pb_lru": 12 * self.num_frames,
             "host": 2 * self.host_pages * self.page_bytes,

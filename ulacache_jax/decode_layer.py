@@ -12,7 +12,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from . import lid as lid_mod, pb_lru, selection, vtlb as vtlb_mod
+from . import key_copy, lid as lid_mod, pb_lru, selection, vtlb as vtlb_mod
 from .cache_state import CacheState, HostPool, overflow_frame, tail_frame
 from .config import TAIL_PAGES
 from .kernel_choice import resolved_options
@@ -95,6 +95,18 @@ class PagePlan:
     seq_len: jax.Array
 
 
+def _scores(state: CacheState, layer: int, q, flushed, options: DecodeOptions):
+    """Page scores of one query row per sequence: q [S, 1, Hr, D]; flushed [S] candidate pages -> [S, G, P]
+    float32. Quest's bound over the key summaries, or with config.key_channels the attention mass from the key
+    copy (key_copy.py; a config field, so the choice is static)."""
+    c = state.config
+    if c.key_channels:
+        return key_copy.ref_page_mass(state.kc[0, :, layer], state.chan[0, :, layer], q, flushed)
+    qpos, qneg = selection.fold_queries(q, c.groups_per_rank, c.kv_heads_per_group)  # [S, G, g, D]
+    return page_scores(state.kmin[0], state.kmax[0], qpos, qneg, layer=layer, impl=options.scores,
+                       launch=options.score_launch, split=c.summary_split)
+
+
 def _sieve_pages(state: CacheState, layer: int, sel, row_live, row_seq, rank, options: DecodeOptions):
     """One PB-LRU access for the selected pages of every row (a row: one sequence's step; a verification has
     several rows per sequence). sel [R, G, K] page ids (-1 unused), row_live [R], row_seq [R] the row's sequence
@@ -141,9 +153,7 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
 
     # 1. Selection among flushed pages (Quest bound), static count K per (sequence, group).
     flushed = jnp.where(live, state.seqs.flushed, 0)
-    qpos, qneg = selection.fold_queries(q, G, c.kv_heads_per_group)                   # [S, G, g, D]
-    scores = page_scores(state.kmin[0], state.kmax[0], qpos, qneg, layer=layer, impl=options.scores,
-                         launch=options.score_launch, split=c.summary_split)          # [S, G, P]
+    scores = _scores(state, layer, q, flushed, options)                               # [S, G, P]
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [S, G, K]
     # 2. Sieve: hits refresh, misses take frames; the vTLB follows.
@@ -242,7 +252,12 @@ def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto") -> tupl
     hk, hv = page_copy.flush([host.k[0], host.v[0]], [state.pool_k[0], state.pool_v[0]], src, dst.astype(jnp.int32),
                              impl=impl)   # K and V in one launch
     seqs = dataclasses.replace(state.seqs, flushed=jnp.where(state.seqs.active, length // P, flushed))
-    return dataclasses.replace(state, seqs=seqs), HostPool(k=hk[None], v=hv[None])
+    kc = state.kc
+    if c.key_channels:   # the flushed pages join the key copy (read from their ring frames)
+        pages = jnp.where(done[:, None, None, :], pp, c.max_pages_per_seq)            # [S, 1, 1, T]; P: dropped
+        kc = key_copy.write_pages(kc[0], state.chan[0], s, l, g, pages, state.pool_k[0, tail_frame(c, s, l, g, pp)]
+                                  )[None]
+    return dataclasses.replace(state, seqs=seqs, kc=kc), HostPool(k=hk[None], v=hv[None])
 
 
 # ---- speculative verification (speculative.py; DESIGN.md section 7) --------------------------------------------
@@ -300,7 +315,7 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     fit), one attention launch. Straight-line on purpose: a lax.cond between this and a row-by-row fallback made
     XLA copy both HBM pools around the conditional in every layer (scripts/probes/verify_cost.py)."""
     c = state.config
-    S, G, P, g = c.max_seqs, c.groups_per_rank, c.page_size, c.kv_heads_per_group
+    S, G, P = c.max_seqs, c.groups_per_rank, c.page_size
     Q = q.shape[1]
     if Q > c.verify_rows:
         raise ValueError(f"verifying Q = {Q} rows per sequence needs cache_config.verify_rows >= {Q} (it is "
@@ -316,11 +331,8 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     flushed = jnp.where(vlive, state.seqs.flushed[vseq], 0)
 
     # 1. Selection: row j's scores as a plain step's (its own query), one top-k for all rows.
-    sc = []
-    for j in range(Q):
-        qpos, qneg = selection.fold_queries(q[:, j:j + 1], G, g)                      # [S, G, g, D]
-        sc.append(page_scores(state.kmin[0], state.kmax[0], qpos, qneg, layer=layer, impl=options.scores,
-                              launch=options.score_launch, split=c.summary_split))    # [S, G, Pm]
+    sflushed = jnp.where(live, state.seqs.flushed, 0)
+    sc = [_scores(state, layer, q[:, j:j + 1], sflushed, options) for j in range(Q)]  # Q x [S, G, Pm]
     scores = jnp.stack(sc, axis=1).reshape((V,) + sc[0].shape[1:])                   # [V, G, Pm]
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [V, G, K]

@@ -67,7 +67,7 @@ class Engine:
     def __init__(self, model=None, cache_config: CacheConfig | None = None, *, generator: Generator | None = None,
                  attention: str = "auto", options: DecodeOptions = DecodeOptions(), max_seqs: int = 4,
                  max_context: int | None = None, page_size: int = 64, token_budget: int = 2048, tp: int = 1,
-                 seed: int = 0, max_prefill_tokens_per_step: int | None = None, tokenizer=None, prefix_cache=True,
+                 seed: int = 0, max_prefill_tokens_per_step: int | None = None, tokenizer=None, prefix_cache=None,
                  clock=time.perf_counter, speculative=None):
         if (model is None) == (generator is None):
             raise ValueError("give exactly one of model or generator")
@@ -87,8 +87,11 @@ class Engine:
                                                                                  speculative.num_tokens + 1))
             generator = Generator(model, cache_config, attention=attention, options=options)
         self.gen = generator
-        # shared prefixes (prefix_cache.py), on by default: prompts that start with the complete pages of a stored
-        # prompt attach them instead of prefilling them; prefix_cache=False prefills every prompt whole
+        # shared prefixes (prefix_cache.py), on by default (None) unless the cache keeps a key copy, which they
+        # would change (Generator.set_prefix_cache): prompts that start with the complete pages of a stored prompt
+        # attach them instead of prefilling them; prefix_cache=False prefills every prompt whole
+        if prefix_cache is None:
+            prefix_cache = not generator.config.key_channels
         if bool(prefix_cache) != (generator.prefixes is not None):
             generator.set_prefix_cache(bool(prefix_cache))
         self._prefix0 = generator.prefix_stats()

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import lid as lid_mod, pb_lru, vtlb as vtlb_mod
+from . import key_copy, lid as lid_mod, pb_lru, vtlb as vtlb_mod
 from .cache_state import CacheState, HostPool, tail_frame
 from .config import CacheConfig
 from .pallas_kernels import page_copy
@@ -150,8 +150,10 @@ def release_device(state: CacheState, slot) -> CacheState:
     seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(0),
                                flushed=state.seqs.flushed.at[slot].set(0), active=state.seqs.active.at[slot].set(False),
                                owner=state.seqs.owner.at[slot].set(slot))
+    # the key copy itself needs no clearing: a sequence reads only its flushed pages, each written before it
     return dataclasses.replace(state, pb=pb, vtlb=table, seqs=seqs,
-                               kmin=state.kmin.at[:, slot].set(0), kmax=state.kmax.at[:, slot].set(0))
+                               kmin=state.kmin.at[:, slot].set(0), kmax=state.kmax.at[:, slot].set(0),
+                               chan=state.chan.at[:, slot].set(jnp.arange(state.config.key_channels, dtype=jnp.int32)))
 
 
 def set_owner_device(state: CacheState, slot, owner) -> CacheState:
@@ -238,7 +240,10 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
                                             mode="drop")
     seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(end),
                                flushed=state.seqs.flushed.at[slot].set(end // page))
-    state = dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, seqs=seqs,
+    kc, chan = state.kc, state.chan
+    if c.key_channels:   # the key copy; a sequence's first block (start 0) picks its channels
+        kc, chan = key_copy.write_block(kc, chan, slot, layer0, p0, kp, tok < end, jnp.asarray(start) == 0)
+    state = dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, seqs=seqs, kc=kc, chan=chan,
                                 kmin=jax.lax.dynamic_update_slice(state.kmin, new_kmin, summ_at),
                                 kmax=jax.lax.dynamic_update_slice(state.kmax, new_kmax, summ_at))
     return state, host

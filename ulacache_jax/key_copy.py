@@ -1,0 +1,86 @@
+"""A compressed copy of every flushed key, resident in HBM, and the page selection that scores it.
+
+Quest's per-page min/max bound (selection.py) ranks pages by an upper bound of one logit; on a trained model it
+misses needles whose page is otherwise unremarkable (docs/BENCHMARKS.md, "A compressed copy of every key"). With
+CacheConfig.key_channels = C > 0 the cache also keeps, for every token of every flushed page, C of its key's D
+channels: those of largest energy (sum of k_d^2 over the keys the sequence's first prefill block holds), chosen
+per (sequence, layer, KV head) when that block is written and fixed for the sequence's life. A page then scores the
+attention mass it would get: each query head's softmax over the approximate logits q[chan] . k[chan] / sqrt(D) of
+every flushed token, summed over the page's tokens and the group's query heads. The copy costs C / (2 D) of the
+context's K + V bytes in HBM (16 of 128 channels: 6.25%) and is read in full every step.
+
+Arrays (one rank's view inside the decode; the state holds a leading rank axis):
+- kc [S, L, G, P, page, g, C]: the copy, page-major so a flush writes whole pages; tokens of pages at or past a
+  sequence's `flushed` count are stale and never read (masked).
+- chan [S, L, G, g, C] int32: the channel indices of each (sequence, layer, KV head).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def pick_channels(k, live, num_channels: int):
+    """k [..., T, g, D] keys; live [..., T] bool -> [..., g, C] int32: the C channels of largest energy over the
+    live tokens (ties: lower index first). Where no token is live the energies tie: channels 0..C-1."""
+    kf = jnp.where(live[..., None, None], k.astype(jnp.float32), 0.0)
+    energy = jnp.sum(kf * kf, axis=-3)                                                  # [..., g, D]
+    return jax.lax.top_k(energy, num_channels)[1].astype(jnp.int32)
+
+
+def compress(k, chan):
+    """k [..., T, g, D]; chan [..., g, C] -> [..., T, g, C]: each token's key at its KV head's channels."""
+    idx = jnp.broadcast_to(chan[..., None, :, :], k.shape[:-1] + chan.shape[-1:])
+    return jnp.take_along_axis(k, idx, axis=-1)
+
+
+def ref_page_mass(kc, chan, q, flushed):
+    """Page scores of one layer from the key copy: the attention mass each flushed page would receive.
+
+    kc [S, G, P, page, g, C] (this layer's copy); chan [S, G, g, C] int32; q [S, Q, Hr, D] (Hr query heads of this
+    rank's G * g KV heads; the Q rows' masses are summed); flushed [S] int32 pages per sequence -> [S, G, P]
+    float32, -inf on pages at or past `flushed`. Softmax per query head over the flushed tokens (the unflushed
+    tail is always attended and not part of the ranking), summed over the page's tokens and the group's heads."""
+    S, G, P, page, g, C = kc.shape
+    Q, Hr, D = q.shape[1], q.shape[2], q.shape[3]
+    h = Hr // (G * g)
+    qg = q.astype(jnp.float32).reshape(S, Q, G, g, h, D)
+    idx = jnp.broadcast_to(chan[:, None, :, :, None, :], (S, Q, G, g, h, C))
+    qc = jnp.take_along_axis(qg, idx, axis=-1)                                          # [S, Q, G, g, h, C]
+    logit = jnp.einsum("sqgihc,sgptic->sqgihpt", qc, kc.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
+    ok = (jnp.arange(P) < flushed[:, None])[:, None, None, None, None, :, None]        # [S, 1, 1, 1, 1, P, 1]
+    logit = jnp.where(ok, logit, -jnp.inf)
+    flat = logit.reshape(S, Q, G, g, h, P * page)
+    m = jnp.max(flat, axis=-1, keepdims=True)
+    e = jnp.exp(flat - jnp.where(jnp.isfinite(m), m, 0.0))                              # 0 where masked
+    w = e / jnp.maximum(e.sum(-1, keepdims=True), 1e-30)
+    mass = w.reshape(S, Q, G, g, h, P, page).sum(axis=(1, 3, 4, 6))                     # [S, G, P]
+    return jnp.where(jnp.arange(P)[None, None, :] < flushed[:, None, None], mass, -jnp.inf)
+
+
+def write_block(kc, chan, slot, layer0, page0, kp, live, first):
+    """The copy of a block of whole pages of one sequence, all ranks: prefill ingestion and prefix attachment.
+
+    kc [R, S, L, G, P, page, g, C], chan [R, S, L, G, g, C] (the state's); kp [R, Lb, G, n, page, g, D] keys of
+    pages [page0, page0 + n) of layers [layer0, layer0 + Lb) of `slot`; live [n, page] bool tokens that exist;
+    first: traced bool, the sequence's first block: its channels are picked from this block's live keys (else the
+    sequence's stored channels are kept). -> (kc, chan). Dead tokens' copies are written too: they lie at or past
+    the sequence's length, in pages that are not flushed yet, and are never read before a flush rewrites them."""
+    R, Lb, G, n, page, g, D = kp.shape
+    C = kc.shape[-1]
+    zero = jnp.zeros((), jnp.int32)
+    at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer0, jnp.int32), zero)
+    flat = kp.reshape(R, Lb, G, n * page, g, D)
+    old = jax.lax.dynamic_slice(chan, at + (zero, zero), (R, 1, Lb, G, g, C))[:, 0]      # [R, Lb, G, g, C]
+    ch = jnp.where(first, pick_channels(flat, live.reshape(-1), C), old)
+    block = compress(flat, ch).reshape(R, 1, Lb, G, n, page, g, C).astype(kc.dtype)
+    kc = jax.lax.dynamic_update_slice(kc, block, at + (jnp.asarray(page0, jnp.int32), zero, zero, zero))
+    return kc, jax.lax.dynamic_update_slice(chan, ch[:, None], at + (zero, zero))
+
+
+def write_pages(kc, chan, s, l, g, page, kp):
+    """The copy of single pages, one rank: tail pages at their flush. kc [S, L, G, P, page, g, C], chan
+    [S, L, G, g, C]; s, l, g, page broadcastable index arrays (page = P: dropped) of shape I; kp [*I, page, g, D]
+    -> kc."""
+    ch = chan[s, l, g]                                                                  # [*I, g, C]
+    return kc.at[s, l, g, page].set(compress(kp, ch).astype(kc.dtype), mode="drop")
