@@ -128,7 +128,7 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1):
         frames = max(step_pages * mc.num_layers, int(kv_pages * kv_fraction))
         nb, ns = sieve_geometry(frames, step_pages)
         pages = pad_page_count(need)
-        kw = dict(num_buckets=nb, slots_per_bucket=ns, max_pages_per_seq=pages)
+        kw = dict(num_buckets=nb, slots_per_bucket=ns, max_pages_per_seq=pages, key_channels=args.key_channels)
     else:
         kw = dict(max_pages_per_seq=need)
     cfg = default_cache_config(mc, num_seqs=batch, max_tokens=need * page, page_size=page,
@@ -203,7 +203,8 @@ def predicted_tokens_per_s(mc, kind, batch, ctx, cfg, hit_rate=None) -> float:
                                     page_size=cfg.page_size, itemsize=cfg.jnp_dtype.itemsize, tp=cfg.tp,
                                     pool_frames=cfg.num_frames if sparse else None,
                                     hit_rate=hit_rate if sparse else None,
-                                    summary_split=cfg.summary_split if sparse else 1)
+                                    summary_split=cfg.summary_split if sparse else 1,
+                                    key_channels=cfg.key_channels if sparse else 0)
 
 
 def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None, read_bw=None):
@@ -285,6 +286,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                attention_impl=args.attention_impl if attention == "sparse" else None,
                attention_kernel=attention_kernel(args.attention_impl, mc, cfg) if attention == "sparse" else None,
                score_launch=score_launch(args) if attention == "sparse" else None,
+               key_channels=cfg.key_channels if attention == "sparse" else None,
                setup_s=setup_s,
                tokens_per_s=batch / float(np.median(per_tok)), p50_token_ms=1e3 * float(np.median(per_tok)),
                p99_token_ms=1e3 * float(np.percentile(per_tok, 99)), compile_s=compile_s,
@@ -309,7 +311,7 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
                "--budget", str(args.budget), "--layers", str(args.layers), "--chunks", str(args.chunks),
                "--steps", str(args.steps), "--kv-fraction", str(args.kv_fraction), "--sieve", args.sieve,
                "--topk", args.topk, "--attention-impl", args.attention_impl, "--tp", str(args.tp),
-               "--fill", args.fill]
+               "--fill", args.fill, "--key-channels", str(args.key_channels)]
         if args.score_launch:
             cmd += ["--score-launch", *map(str, args.score_launch)]
         proc = None
@@ -362,6 +364,9 @@ def main(argv=None):
     p.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
                    help="the KV before decode: a synthetic fill on the device, or random prompts through the "
                    "Generator's prefill (rows then carry the time to first token)")
+    p.add_argument("--key-channels", type=int, default=0,
+                   help="sparse rows: CacheConfig.key_channels (pages scored from an HBM copy of this many channels of "
+                        "every key; 0 = Quest summaries)")
     p.add_argument("--append", action="store_true", help="keep the rows of an existing decode.json in --out")
     p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")
     p.add_argument("--out", default="docs/benchmarks")
