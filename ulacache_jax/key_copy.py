@@ -49,17 +49,17 @@ def ref_page_mass(kc, chan, q, flushed):
     qc = jnp.take_along_axis(qg, idx, axis=-1)                                          # [S, Q, G, g, h, C]
     logit = jnp.einsum("sqgihc,sgptic->sqgihpt", qc, kc.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
     ok = (jnp.arange(P) < flushed[:, None])[:, None, None, None, None, :, None]        # [S, 1, 1, 1, 1, P, 1]
-    logit = jnp.where(ok, logit, -jnp.inf)
-    flat = logit.reshape(S, Q, G, g, h, P * page)
-    m = jnp.max(flat, axis=-1, keepdims=True)
-    e = jnp.exp(flat - jnp.where(jnp.isfinite(m), m, 0.0))                              # 0 where masked
-    w = e / jnp.maximum(e.sum(-1, keepdims=True), 1e-30)
-    mass = w.reshape(S, Q, G, g, h, P, page).sum(axis=(1, 3, 4, 6))                     # [S, G, P]
+    # per page log-sum-exp, then each head's normaliser over the pages: the token-level weights are never
+    # written out (one pass over the logits, then [.., P] arrays)
+    lse = jax.nn.logsumexp(jnp.where(ok, logit, -jnp.inf), axis=-1)                     # [S, Q, G, g, h, P]
+    total = jax.nn.logsumexp(lse, axis=-1, keepdims=True)
+    w = jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0))                       # 0 on masked pages
+    mass = w.sum(axis=(1, 3, 4))                                                        # [S, G, P]
     return jnp.where(jnp.arange(P)[None, None, :] < flushed[:, None, None], mass, -jnp.inf)
 
 
 def write_block(kc, chan, slot, layer0, page0, kp, live, first):
-    """The copy of a block of whole pages of one sequence, all ranks: prefill ingestion and prefix attachment.
+    """The copy of a block of whole pages of one sequence, all ranks, at prefill ingestion.
 
     kc [R, S, L, G, P, page, g, C], chan [R, S, L, G, g, C] (the state's); kp [R, Lb, G, n, page, g, D] keys of
     pages [page0, page0 + n) of layers [layer0, layer0 + Lb) of `slot`; live [n, page] bool tokens that exist;
