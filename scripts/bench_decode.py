@@ -112,11 +112,12 @@ def real_prefill(gen, batch: int, ctx: int, reserve: int, vocab: int):
     return first, running, dict(first_prefill_s=cold, ttft_s=med, prefill_tok_s=ctx / med)
 
 
-def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1):
+def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1, key_channels=0):
     """The cache of one row: room for ctx + (chunks + 1) pages per sequence; sparse: an HBM frame pool of
     kv_fraction of the KV pages (at least one step's selection) and pages padded by `pad_page_count` (the host
     pool is sized to the context, not to a power of two); dense: exactly the tokens needed (HBM). tp > 1 (sparse
-    only): frames and host pages are per rank (a rank holds its own KV-head groups' pages only)."""
+    only): frames and host pages are per rank (a rank holds its own KV-head groups' pages only). key_channels
+    (sparse only): CacheConfig.key_channels."""
     from ulacache_jax.generation import default_cache_config
     from ulacache_jax.pallas_kernels.page_scores import pad_page_count
     from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
@@ -128,7 +129,7 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1):
         frames = max(step_pages * mc.num_layers, int(kv_pages * kv_fraction))
         nb, ns = sieve_geometry(frames, step_pages)
         pages = pad_page_count(need)
-        kw = dict(num_buckets=nb, slots_per_bucket=ns, max_pages_per_seq=pages, key_channels=args.key_channels)
+        kw = dict(num_buckets=nb, slots_per_bucket=ns, max_pages_per_seq=pages, key_channels=key_channels)
     else:
         kw = dict(max_pages_per_seq=need)
     cfg = default_cache_config(mc, num_seqs=batch, max_tokens=need * page, page_size=page,
@@ -187,11 +188,12 @@ def parse_rows(spec: str) -> list[tuple]:
     return plan
 
 
-def auto_decision(mc, batch, ctx, args, kv_fraction, tp=1):
+def auto_decision(mc, batch, ctx, args, kv_fraction, tp=1, key_channels=0):
     """attention='auto' for one row, resolved as a Generator resolves it (cost_model.resolve_attention, against
     this device's memory), on the cache this shape's sparse row gets (its pool of kv_fraction of the KV)."""
     from ulacache_jax.cost_model import resolve_attention
-    return resolve_attention("auto", mc, bench_config(mc, "sparse", batch, ctx, args, kv_fraction, tp=tp))
+    return resolve_attention("auto", mc, bench_config(mc, "sparse", batch, ctx, args, kv_fraction, tp=tp,
+                                                      key_channels=key_channels))
 
 
 def predicted_tokens_per_s(mc, kind, batch, ctx, cfg, hit_rate=None) -> float:
@@ -216,11 +218,11 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     tp = args.tp
     requested, decision = attention, None
     if attention == "auto":
-        decision = auto_decision(mc, batch, ctx, args, kv_fraction, tp=tp)
+        decision = auto_decision(mc, batch, ctx, args, kv_fraction, tp=tp, key_channels=args.key_channels)
         attention = decision.kind        # from here on the row is that path's; it is recorded as "auto"
     if tp > 1 and attention != "sparse":
         raise ValueError(f"--tp {tp}: only the sparse side runs head-sharded; got {attention}")
-    cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction, tp=tp)
+    cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction, tp=tp, key_channels=args.key_channels)
     from ulacache_jax.decode_layer import DecodeOptions
     if attention == "dense":
         check_dense_fits(cfg, model)

