@@ -33,6 +33,17 @@ def test_config_checks_and_footprint():
             CacheConfig.preset("tiny", key_channels=bad)
 
 
+def test_no_copy_no_leaves():
+    """key_channels = 0: the state holds no key-copy arrays at all (not zero-size ones), so a cache without the
+    copy compiles and donates exactly the buffers it did before the option existed."""
+    from ulacache_jax import cache_state
+    st, _ = cache_state.init(CacheConfig.preset("tiny"))
+    assert st.kc is None and st.chan is None
+    assert all(x.size > 0 for x in jax.tree.leaves(st))
+    st4, _ = cache_state.init(CacheConfig.preset("tiny", key_channels=4))
+    assert st4.kc.shape[-1] == 4 and len(jax.tree.leaves(st4)) == len(jax.tree.leaves(st)) + 2
+
+
 def test_pick_channels_and_compress():
     k = np.zeros((1, 5, 1, 6), np.float32)
     k[0, :, 0, 4] = 3.0            # largest energy

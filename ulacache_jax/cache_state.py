@@ -10,7 +10,8 @@ P = max_pages_per_seq; F = PB-LRU frames; T = TAIL_PAGES; page = page_size; g = 
   tokens (split = config.summary_split, 1 by default: one summary per page, the Quest summaries); sub-page
   p * split + h is the h-th sub-page of page p, so split = 1 is the plain per-page layout.
 - kc [R, S, L, G, P, page, g, C] and chan [R, S, L, G, g, C] int32: the compressed key copy and its channels
-  (key_copy.py; C = config.key_channels, 0 when selection is Quest's: zero-size arrays).
+  (key_copy.py; C = config.key_channels). None when C is 0 (Quest's selection): no leaf at all, so the programs
+  of a cache without the copy are the ones they were before it existed (no zero-size buffers donated).
 - vtlb (frame, host_page) [R, S, L, G, P]; pb (tag_hi, tag_lo, stamp) [R, B, slots].
 - seqs: length, flushed (pages with a host copy), active, each [S], and owner [S, P]: the same on every rank.
   owner[s, p] is the seq field of the LID naming page p of slot s: the slot itself, or the id of a stored shared
@@ -61,8 +62,8 @@ class CacheState:
     pool_v: jax.Array       # [R, F + S*L*G*T, page, g, D]
     kmin: jax.Array         # [R, S, L, G, P * split, g, D]
     kmax: jax.Array         # [R, S, L, G, P * split, g, D]
-    kc: jax.Array           # [R, S, L, G, P, page, g, C] key copy (C = key_channels; 0: empty)
-    chan: jax.Array         # [R, S, L, G, g, C] int32 its channels
+    kc: jax.Array | None    # [R, S, L, G, P, page, g, C] key copy (C = key_channels; None when 0)
+    chan: jax.Array | None  # [R, S, L, G, g, C] int32 its channels (None when key_channels is 0)
     seqs: SeqTable
     clock: jax.Array        # [] int32
 
@@ -198,9 +199,10 @@ def init(config: CacheConfig, *, device=None, check: bool = True) -> tuple[Cache
         pool_k=jnp.zeros((r, num_pool) + page_shape, dt), pool_v=jnp.zeros((r, num_pool) + page_shape, dt),
         kmin=jnp.zeros(summ, dt), kmax=jnp.zeros(summ, dt),
         kc=jnp.zeros((r, c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq) + page_shape[:2]
-                     + (c.key_channels,), dt),
+                     + (c.key_channels,), dt) if c.key_channels else None,
         chan=jnp.broadcast_to(jnp.arange(c.key_channels, dtype=jnp.int32),   # until a first block picks them
-                              (r, c.max_seqs, c.num_layers, c.groups_per_rank, c.kv_heads_per_group, c.key_channels)),
+                              (r, c.max_seqs, c.num_layers, c.groups_per_rank, c.kv_heads_per_group, c.key_channels))
+        if c.key_channels else None,
         seqs=SeqTable(length=jnp.zeros(c.max_seqs, jnp.int32), flushed=jnp.zeros(c.max_seqs, jnp.int32),
                       active=jnp.zeros(c.max_seqs, bool), owner=own_rows(c.max_seqs, c.max_pages_per_seq)),
         clock=jnp.zeros((), jnp.int32))

@@ -47,7 +47,9 @@ def ref_page_mass(kc, chan, q, flushed):
     qg = q.astype(jnp.float32).reshape(S, Q, G, g, h, D)
     idx = jnp.broadcast_to(chan[:, None, :, :, None, :], (S, Q, G, g, h, C))
     qc = jnp.take_along_axis(qg, idx, axis=-1)                                          # [S, Q, G, g, h, C]
-    logit = jnp.einsum("sqgihc,sgptic->sqgihpt", qc, kc.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
+    # full float32 products: XLA's default on GPU rounds float32 operands to TF32, which reorders near pages
+    logit = jnp.einsum("sqgihc,sgptic->sqgihpt", qc, kc.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST) / jnp.sqrt(jnp.float32(D))
     ok = (jnp.arange(P) < flushed[:, None])[:, None, None, None, None, :, None]        # [S, 1, 1, 1, 1, P, 1]
     # per page log-sum-exp, then each head's normaliser over the pages: the token-level weights are never
     # written out (one pass over the logits, then [.., P] arrays)

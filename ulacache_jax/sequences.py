@@ -150,10 +150,12 @@ def release_device(state: CacheState, slot) -> CacheState:
     seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(0),
                                flushed=state.seqs.flushed.at[slot].set(0), active=state.seqs.active.at[slot].set(False),
                                owner=state.seqs.owner.at[slot].set(slot))
-    # the key copy itself needs no clearing: a sequence reads only its flushed pages, each written before it
-    return dataclasses.replace(state, pb=pb, vtlb=table, seqs=seqs,
-                               kmin=state.kmin.at[:, slot].set(0), kmax=state.kmax.at[:, slot].set(0),
-                               chan=state.chan.at[:, slot].set(jnp.arange(state.config.key_channels, dtype=jnp.int32)))
+    state = dataclasses.replace(state, pb=pb, vtlb=table, seqs=seqs,
+                                kmin=state.kmin.at[:, slot].set(0), kmax=state.kmax.at[:, slot].set(0))
+    if state.config.key_channels:   # the copy itself needs no clearing: a sequence reads only its flushed pages
+        state = dataclasses.replace(state, chan=state.chan.at[:, slot].set(
+            jnp.arange(state.config.key_channels, dtype=jnp.int32)))
+    return state
 
 
 def set_owner_device(state: CacheState, slot, owner) -> CacheState:
