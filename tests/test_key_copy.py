@@ -15,8 +15,8 @@ from flax import nnx
 
 from ulacache_jax import key_copy, selection
 from ulacache_jax.config import CacheConfig
-from ulacache_jax.decode_layer import attend_layer, flush_tail, plan_layer
-from ulacache_jax.sequences import CacheManager
+from ulacache_jax.decode_layer import plan_layer
+from cache_steps import ingest_and_decode
 
 QPK = 2          # query heads per KV head
 PAGE, C, D = 8, 4, 16
@@ -94,28 +94,9 @@ def build(lengths, steps, *, token_budget=32, seed=0):
     c = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=D, max_seqs=len(lengths), max_pages_per_seq=32,
                     page_size=PAGE, num_buckets=4, slots_per_bucket=8, host_pages=512, token_budget=token_budget,
                     dtype="float32", sink_pages=1, recent_pages=1, key_channels=C)
-    m = CacheManager(c)
     rng = np.random.default_rng(seed)
-    ks = []
-    for n in lengths:
-        slot = m.admit(n + steps + 8)
-        k = rng.standard_normal((2, n, 2, D)).astype(np.float32) * rng.uniform(0.2, 3.0, D).astype(np.float32)
-        m.ingest(slot, jnp.asarray(k), jnp.asarray(rng.standard_normal(k.shape).astype(np.float32)), n)
-        ks.append(k)
-    S = len(lengths)
-    step = jax.jit(lambda st, h, l, q, kn, pos: attend_layer(st, h, l, q, kn, kn, pos, jnp.ones(S, bool)),
-                   static_argnums=2)
-    state, host = m.state, m.host
-    for i in range(steps):
-        pos = jnp.asarray([n + i for n in lengths], jnp.int32)
-        q = jnp.asarray(rng.standard_normal((S, 1, 2 * QPK, D)), jnp.float32)
-        kn = rng.standard_normal((2, S, 2, D)).astype(np.float32)                      # [L, S, KV, D]
-        for l in range(2):
-            state, _, _ = step(state, host, l, q, jnp.asarray(kn[l]), pos)
-        for s in range(S):
-            ks[s] = np.concatenate([ks[s], kn[:, s:s + 1]], axis=1)
-        state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=pos + 1))
-        state, host = flush_tail(state, host)
+    _, state, host, ks = ingest_and_decode(c, lengths, steps, rng, qpk=QPK,
+                                           key_scale=rng.uniform(0.2, 3.0, D).astype(np.float32))
     return c, state, host, ks, lengths, rng
 
 
