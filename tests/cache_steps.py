@@ -41,3 +41,22 @@ def ingest_and_decode(c, lengths, steps, rng, *, qpk: int = 2, key_scale=None):
         state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=pos + 1))
         state, host = flush_tail(state, host)
     return m, state, host, ks
+
+
+def tiny_model():
+    """The tiny preset's random model in float32 (token-exact comparisons)."""
+    from flax import nnx
+    from ulacache_jax.models import LlamaModel, get_preset
+    return LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+def assert_covering_budget_equals_dense(model, **overrides):
+    """generate() with a sparse cache whose budget covers every prompt (overrides: CacheConfig fields, e.g. a
+    selection option) gives dense attention's tokens: every page is attended, whatever the selection rule."""
+    from ulacache_jax.generation import default_cache_config, generate
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(0, 256, n))) for n in (70, 5)]
+    cfg = default_cache_config(model.config, num_seqs=2, max_tokens=128, page_size=16, **overrides)
+    assert all(getattr(cfg, k) == v for k, v in overrides.items())
+    sparse = generate(model, prompts, max_new_tokens=8, cache_config=cfg, attention="sparse")
+    assert sparse == generate(model, prompts, max_new_tokens=8, attention="dense")

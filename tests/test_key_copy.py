@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from ulacache_jax import key_copy, selection
 from ulacache_jax.config import CacheConfig
 from ulacache_jax.decode_layer import plan_layer
-from cache_steps import ingest_and_decode
+from cache_steps import assert_covering_budget_equals_dense, ingest_and_decode, tiny_model
 
 QPK = 2          # query heads per KV head
 PAGE, C, D = 8, 4, 16
@@ -154,19 +153,11 @@ def test_a_released_slot_forgets_its_channels(built):
 # ---- end to end: generate / Engine, tiny model ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model():
-    from ulacache_jax.models import LlamaModel, get_preset
-    return LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    return tiny_model()
 
 
 def test_generate_covering_budget_equals_dense(model):
-    from ulacache_jax.generation import default_cache_config, generate
-    rng = np.random.default_rng(0)
-    prompts = [list(map(int, rng.integers(0, 256, n))) for n in (70, 5)]
-    cfg = default_cache_config(model.config, num_seqs=2, max_tokens=128, page_size=16, key_channels=8)
-    assert cfg.key_channels == 8
-    sparse = generate(model, prompts, max_new_tokens=8, cache_config=cfg, attention="sparse")
-    dense = generate(model, prompts, max_new_tokens=8, attention="dense")
-    assert sparse == dense
+    assert_covering_budget_equals_dense(model, key_channels=8)
 
 
 def test_engine_small_budget_and_speculative(model):

@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from ulacache_jax import selection
 from ulacache_jax.config import CacheConfig
 from ulacache_jax.decode_layer import DecodeOptions, append_leases, append_token, commit_summaries, plan_layer
-from cache_steps import ingest_and_decode
+from cache_steps import assert_covering_budget_equals_dense, ingest_and_decode, tiny_model
 
 QPK = 2          # query heads per KV head
 PAGE, SPLIT = 8, 2
@@ -189,19 +188,11 @@ def test_commit_summaries_equal_token_by_token_appends():
 # ---- end to end: generate / Engine, tiny model ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model():
-    from ulacache_jax.models import LlamaModel, get_preset
-    return LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    return tiny_model()
 
 
 def test_generate_covering_budget_equals_dense(model):
-    from ulacache_jax.generation import default_cache_config, generate
-    rng = np.random.default_rng(0)
-    prompts = [list(map(int, rng.integers(0, 256, n))) for n in (70, 5)]
-    cfg = default_cache_config(model.config, num_seqs=2, max_tokens=128, page_size=16, summary_split=2)
-    assert cfg.summary_split == 2
-    sparse = generate(model, prompts, max_new_tokens=8, cache_config=cfg, attention="sparse")
-    dense = generate(model, prompts, max_new_tokens=8, attention="dense")
-    assert sparse == dense
+    assert_covering_budget_equals_dense(model, summary_split=2)
 
 
 def test_engine_small_budget_shared_prefix_and_speculative(model):
