@@ -540,17 +540,12 @@ def markdown(rows, meta) -> str:
     return "\n".join(out)
 
 
-def split_of(r) -> int:
-    """A row's summary split: 1 for dense rows (no summaries read) and for rows written before the option."""
-    return 1 if r.get("attention") == "dense" else int(r.get("summary_split") or 1)
-
-
 def sel_of(r) -> tuple[int, int]:
-    """A row's selection rule: (summary split, key channels); (1, 0) for dense rows and rows written before the
-    options (Quest over whole-page summaries)."""
+    """A row's selection rule: (summary split, key channels); (1, 0) for dense rows (no selection) and for rows
+    written before the options (Quest over whole-page summaries)."""
     if r.get("attention") == "dense":
         return (1, 0)
-    return (split_of(r), int(r.get("key_channels") or 0))
+    return (int(r.get("summary_split") or 1), int(r.get("key_channels") or 0))
 
 
 def sel_name(sel: tuple[int, int]) -> str:

@@ -146,12 +146,13 @@ def run_checks(tps: list[int]) -> dict:
         dense = generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=cfg,
                          attention="dense") if tp == 2 else None
         # the key copy (CacheConfig.key_channels) per rank: its channels and copy are per KV head (TP = 2 only)
-        kc_cfg = dataclasses.replace(cfg, key_channels=4)
+        key_copy = None
         if tp == 2:
+            kc_cfg = dataclasses.replace(cfg, key_channels=4)
             res["key_copy_reference"] = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=kc_cfg,
                                                  attention="sparse")
-        key_copy = generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=kc_cfg,
-                            attention="sparse") if tp == 2 else None
+            key_copy = generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=kc_cfg,
+                                attention="sparse")
         gen = Generator(model, c)
         slots, pre, out, nxt, args = _drive(gen, prompts, c)
         m = gen.cache
@@ -164,8 +165,8 @@ def run_checks(tps: list[int]) -> dict:
         coll = {k: {"lowered": _collectives(v.as_text()),
                     "compiled": _collectives(v.compile().as_text()) if tp == 2 else None}
                 for k, v in lowered.items()}
-        res["tp"][tp] = {"tokens": tokens, "dense_tokens": dense, "key_copy_tokens": key_copy, "prefill": pre.tolist(), "chunk": out.tolist(),
-                         "next": nxt.tolist(),
+        res["tp"][tp] = {"tokens": tokens, "dense_tokens": dense, "key_copy_tokens": key_copy,
+                         "prefill": pre.tolist(), "chunk": out.tolist(), "next": nxt.tolist(),
                          "slots": slots, "owner": _ownership(gen), "collectives": coll,
                          "hits_per_rank": gen.rank_stats.hits.tolist(), "misses_per_rank": gen.rank_stats.misses.tolist(),
                          "seconds": time.perf_counter() - t0}

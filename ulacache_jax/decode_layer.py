@@ -151,7 +151,7 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
         state = append_token(state, layer, k_new, v_new, pos, live)
     seq_len = jnp.where(live, pos + 1, 0)                                             # [S] visible tokens
 
-    # 1. Selection among flushed pages (Quest bound), static count K per (sequence, group).
+    # 1. Selection among flushed pages (Quest bound, or the key copy's mass), static count K per (sequence, group).
     flushed = jnp.where(live, state.seqs.flushed, 0)
     scores = _scores(state, layer, q, flushed, options)                               # [S, G, P]
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
