@@ -23,9 +23,10 @@ context is 8K).
 --summary-split N builds every sparse cell with CacheConfig.summary_split = N (N key summaries per page, a page
 scoring the max of its sub-pages' Quest bounds); every row records it as summary_split, and it is part of a row's
 cell (row_id), so runs with different splits combine side by side.
---key-channels C builds every sparse cell with CacheConfig.key_channels = C (pages scored by attention mass from an
-HBM copy of C channels of every key, ulacache_jax/key_copy.py; the "topchan" rule of
-scripts/probes/passkey_selection_rules.py); rows record it as key_channels, part of a row's cell too.
+--key-channels C[,C2,...] builds every sparse cell with CacheConfig.key_channels = C, then C2, ... (pages scored by
+attention mass from an HBM copy of C channels of every key, ulacache_jax/key_copy.py; the "topchan" rule of
+scripts/probes/passkey_selection_rules.py; 0 = Quest summaries), all against one dense run; rows record it as
+key_channels, part of a row's cell too.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import dataclasses
 import datetime
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -233,7 +235,7 @@ def run_passkey(model, tok, grid, args, meta, common):
 
     rows = []
 
-    def add_rows(name, budget, page):
+    def add_rows(name, budget, page, kc=0):
         for ctx in grid.contexts:
             for depth in grid.depths:
                 idx = [i for i, p in enumerate(prompts) if p["context"] == ctx and p["depth"] == depth]
@@ -245,7 +247,8 @@ def run_passkey(model, tok, grid, args, meta, common):
                                  attention="dense" if budget is None else "sparse", n=len(idx),
                                  accuracy=float(np.mean(correct)), same_as_dense=float(np.mean(same)),
                                  dense_by_construction=budget is None or budget >= longest,
-                                 budget_ratio=None if budget is None else budget / ctx, **common["stamp"]))
+                                 budget_ratio=None if budget is None else budget / ctx, **common["stamp"],
+                                 key_channels=kc))
         common["save"](rows)
 
     dense_cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=1024, page=64,
@@ -253,20 +256,19 @@ def run_passkey(model, tok, grid, args, meta, common):
     run("dense", "dense", dense_cc)
     meta["passkey"]["example_answer"] = tok.decode(answers["dense"][0])
     add_rows("dense", None, None)
-    for page in grid.pages:
-        for budget in grid.budgets:
-            name = f"sparse b{budget} p{page}" + (f" s{args.summary_split}" if args.summary_split > 1 else "") + \
-                (f" c{args.key_channels}" if args.key_channels else "")
-            try:
-                cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=budget, page=page,
-                                 dtype=args.dtype, summary_split=args.summary_split,
-                                 key_channels=args.key_channels)
-            except ValueError as e:
-                common["refused"].append(dict(task="passkey", budget=budget, page_size=page, reason=str(e)))
-                log(f"passkey {name}: refused ({e})")
-                continue
-            run(name, "sparse", cc)
-            add_rows(name, budget, page)
+    for kc, page, budget in itertools.product(args.key_channels, grid.pages, grid.budgets):
+        name = f"sparse b{budget} p{page}" + (f" s{args.summary_split}" if args.summary_split > 1 else "") + \
+            (f" c{kc}" if kc else "")
+        try:
+            cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=budget, page=page,
+                             dtype=args.dtype, summary_split=args.summary_split, key_channels=kc)
+        except ValueError as e:
+            common["refused"].append(dict(task="passkey", budget=budget, page_size=page, key_channels=kc,
+                                          reason=str(e)))
+            log(f"passkey {name}: refused ({e})")
+            continue
+        run(name, "sparse", cc)
+        add_rows(name, budget, page, kc)
     return rows
 
 
@@ -292,30 +294,32 @@ def run_ppl(model, tok, grid, args, meta, common, variants):
     rows, trace = [], None
     # --variants scores the selection options only (a separate run, merged into the same JSON)
     configs = variants or [(b, p, {}) for p in grid.pages for b in grid.budgets]
+    configs = [(b, p, over, kc) for kc in args.key_channels for b, p, over in configs]
     # the traced cell: the grid's, else its smallest budget at its first page size
     traced = ((grid.trace_budget, grid.trace_page) if grid.trace_budget in grid.budgets
               and grid.trace_page in grid.pages else (min(grid.budgets), grid.pages[0]))
     dense_done = False
-    for budget, page, over in configs:
-        name = f"b{budget} p{page}" + "".join(f" {k}={v}" for k, v in over.items())
+    for budget, page, over, kc in configs:
+        name = f"b{budget} p{page}" + "".join(f" {k}={v}" for k, v in over.items()) + (f" c{kc}" if kc else "")
         try:
             cc = make_config(model.config, grid=dataclasses.replace(grid, batch=len(wins)), max_tokens=T,
                              budget=budget, page=page, dtype=args.dtype, summary_split=args.summary_split,
-                             key_channels=args.key_channels, **over)
+                             key_channels=kc, **over)
         except ValueError as e:
-            common["refused"].append(dict(task="ppl", budget=budget, page_size=page, **over, reason=str(e)))
+            common["refused"].append(dict(task="ppl", budget=budget, page_size=page, key_channels=kc, **over,
+                                          reason=str(e)))
             log(f"ppl {name}: refused ({e})")
             continue
-        record = (budget, page) == traced and not over and "trace" in args.tasks
+        record = (budget, page) == traced and not over and kc == args.key_channels[0] and "trace" in args.tasks
         t0 = time.time()
         res = TeacherForcedScorer(model, cc, options=decode_options(args), record=record).score(wins, prefix)
         s = res.summary()
         meta[mkey]["seconds"][name] = round(time.time() - t0, 1)
         log(f"ppl {name}: ppl {s['ppl']:.4f} (dense {s['dense_ppl']:.4f}) top1 {s['top1_agreement']:.4f} "
             f"kl {s['kl']:.5f} hit rate {res.hits / max(1, res.hits + res.misses):.3f} ({time.time() - t0:.1f} s)")
-        base = dict(task="ppl", context=T, depth=None, page_size=page, n=s["n"], **common["stamp"])
+        base = dict(task="ppl", context=T, depth=None, page_size=page, n=s["n"], **common["stamp"], key_channels=kc)
         if not dense_done and not variants:
-            rows.append(dict(base, budget=None, page_size=None, attention="dense", ppl=s["dense_ppl"],
+            rows.append(dict(base, budget=None, page_size=None, key_channels=0, attention="dense", ppl=s["dense_ppl"],
                              top1_agreement=1.0, kl=0.0, dense_by_construction=True))
             dense_done = True
         rows.append(dict(base, budget=budget, attention="sparse", ppl=s["ppl"], dense_ppl=s["dense_ppl"],
@@ -610,9 +614,10 @@ def main(argv=None):
     ap.add_argument("--summary-split", type=int, default=1,
                     help="CacheConfig.summary_split of every sparse cell: key summaries per page (a power of two "
                          "dividing the page size; 2 = the quest_p8 rule at page 16)")
-    ap.add_argument("--key-channels", type=int, default=0,
-                    help="CacheConfig.key_channels of every sparse cell: pages scored from an HBM copy of this many "
-                         "channels of every key (0 = Quest summaries)")
+    ap.add_argument("--key-channels", default="0",
+                    help="comma list: CacheConfig.key_channels of the sparse cells, each value its own cells against "
+                         "one dense run (pages scored from an HBM copy of this many channels of every key; "
+                         "0 = Quest summaries)")
     args = ap.parse_args(argv)
     if args.combine:
         # JSONs of separate runs (e.g. one device call per task or page size) -> one NAME.json + PNG; later
@@ -644,6 +649,12 @@ def main(argv=None):
     if args.summary_split < 1 or args.summary_split & (args.summary_split - 1):
         ap.error(f"--summary-split {args.summary_split} must be a power of two >= 1 (it must also divide each page "
                  "size: a cell it does not divide is refused)")
+    try:
+        args.key_channels = tuple(int(x) for x in args.key_channels.split(","))
+    except ValueError:
+        ap.error(f"--key-channels {args.key_channels!r} must be a comma list of ints")
+    if not args.key_channels or min(args.key_channels) < 0:
+        ap.error(f"--key-channels {args.key_channels} must name at least one value, each >= 0")
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in args.tasks if t not in ("passkey", "ppl", "trace")]
     if bad:
@@ -676,9 +687,9 @@ def main(argv=None):
     log(f"model {label} ({time.time() - t0:.1f} s); text {provenance['chars']} chars = {len(text_ids)} tokens")
     stamp = dict(device=jax.devices()[0].device_kind, commit=args.commit or git_commit(), jax=jax.__version__,
                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 summary_split=args.summary_split, key_channels=args.key_channels)
+                 summary_split=args.summary_split)
     meta = dict(model=label, mode=kind, dtype=args.dtype, grid=dataclasses.asdict(grid), text=provenance,
-                tasks=args.tasks, command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+                tasks=args.tasks, key_channels=list(args.key_channels), command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
                 **stamp)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.name}.json")

@@ -29,6 +29,9 @@ def ingest_and_decode(c, lengths, steps, rng, *, qpk: int = 2, key_scale=None):
     S = len(lengths)
     step = jax.jit(lambda st, h, l, q, kn, pos: attend_layer(st, h, l, q, kn, kn, pos, jnp.ones(S, bool)),
                    static_argnums=2)
+    # jitted as the decode program runs it: the host pool comes back in its own sharding (pinned_host on GPU;
+    # an eager call returns it in device memory, which XLA refuses for a pallas_call output aliased to host)
+    flush = jax.jit(flush_tail, out_shardings=(None, m.host_shardings()))
     state, host = m.state, m.host
     for i in range(steps):
         pos = jnp.asarray([n + i for n in lengths], jnp.int32)
@@ -39,7 +42,7 @@ def ingest_and_decode(c, lengths, steps, rng, *, qpk: int = 2, key_scale=None):
         for s in range(S):
             ks[s] = np.concatenate([ks[s], kn[:, s:s + 1]], axis=1)
         state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=pos + 1))
-        state, host = flush_tail(state, host)
+        state, host = flush(state, host)
     return m, state, host, ks
 
 

@@ -92,3 +92,19 @@ def test_tiny_mode_rows(tmp_path):
     assert set(hr) == {"pb_lru", "global_lru", "belady"}
     assert all(0.0 <= h <= 1.0 for h in hr.values())
     assert meta["text"]["sha256"] and meta["refused"] == []
+
+
+def test_key_channels_list_rows(tmp_path):
+    """--key-channels 0,8: each value its own sparse cells against one dense run; rows carry their value and a
+    covering budget stays dense's answers with the key copy too."""
+    bq = _load_script()
+    rows, meta = bq.main(["--tiny", "--out", str(tmp_path), "--tasks", "passkey", "--contexts", "384",
+                          "--depths", "50", "--budgets", "32,512", "--pages", "16", "--key-channels", "0,8"])
+    cells = {(r["attention"], r["budget"], r["key_channels"]) for r in rows}
+    assert cells == {("dense", None, 0)} | {("sparse", b, kc) for b in (32, 512) for kc in (0, 8)}
+    assert meta["key_channels"] == [0, 8]
+    for r in rows:
+        if r["budget"] == 512:
+            assert r["dense_by_construction"] and r["same_as_dense"] == 1.0, r
+    with pytest.raises(SystemExit):
+        bq.main(["--tiny", "--out", str(tmp_path), "--key-channels", "8,-1"])
