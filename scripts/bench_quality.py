@@ -607,6 +607,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keys", type=int, default=None, help="override keys per passkey cell")
     ap.add_argument("--batch", type=int, default=None, help="override cache slots (prompts per decode wave)")
+    ap.add_argument("--ppl-windows", type=int, default=None, help="override the windows the ppl task scores")
     for name in ("contexts", "depths", "budgets", "pages"):
         ap.add_argument(f"--{name}", default=None, help=f"override the grid's {name} (comma list of ints)")
     ap.add_argument("--save-trace", action="store_true", help="also write NAME_trace.npz (eviction_study.py format)")
@@ -673,6 +674,8 @@ def main(argv=None):
         grid = dataclasses.replace(grid, keys=args.keys)
     if args.batch:
         grid = dataclasses.replace(grid, batch=args.batch)
+    if args.ppl_windows:
+        grid = dataclasses.replace(grid, ppl_windows=args.ppl_windows)
     for name in ("contexts", "depths", "budgets", "pages"):
         if getattr(args, name):
             grid = dataclasses.replace(grid, **{name: tuple(int(x) for x in getattr(args, name).split(","))})
