@@ -692,7 +692,8 @@ def main(argv=None):
                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                  summary_split=args.summary_split)
     meta = dict(model=label, mode=kind, dtype=args.dtype, grid=dataclasses.asdict(grid), text=provenance,
-                tasks=args.tasks, key_channels=list(args.key_channels), command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+                tasks=args.tasks, key_channels=list(args.key_channels),
+                command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
                 **stamp)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.name}.json")
