@@ -229,7 +229,8 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     t_setup = time.perf_counter()
     log = lambda what: print(f"[{attention} {ctx}x{batch}] {what} at {time.perf_counter() - t_setup:.1f} s",
                              file=sys.stderr, flush=True)  # phase times survive a row timeout (run_isolated)
-    opts = DecodeOptions(sieve=sieve, topk=args.topk, attention=args.attention_impl, score_launch=score_launch(args))
+    opts = DecodeOptions(sieve=sieve, topk=args.topk, attention=args.attention_impl, score_launch=score_launch(args),
+                         scores=args.scores)
     gen = Generator(model, cfg, attention=decision or attention, options=opts)   # a mesh of cfg.tp GPUs
     S = cfg.max_seqs
     log(f"cache made (host pool {cfg.host_pages * cfg.page_bytes * 2 / 1e9:.1f} GB)")
@@ -289,6 +290,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                attention_kernel=attention_kernel(args.attention_impl, mc, cfg) if attention == "sparse" else None,
                score_launch=score_launch(args) if attention == "sparse" else None,
                key_channels=cfg.key_channels if attention == "sparse" else None,
+               scores=args.scores if attention == "sparse" else None,
                setup_s=setup_s,
                tokens_per_s=batch / float(np.median(per_tok)), p50_token_ms=1e3 * float(np.median(per_tok)),
                p99_token_ms=1e3 * float(np.percentile(per_tok, 99)), compile_s=compile_s,
@@ -313,7 +315,7 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
                "--budget", str(args.budget), "--layers", str(args.layers), "--chunks", str(args.chunks),
                "--steps", str(args.steps), "--kv-fraction", str(args.kv_fraction), "--sieve", args.sieve,
                "--topk", args.topk, "--attention-impl", args.attention_impl, "--tp", str(args.tp),
-               "--fill", args.fill, "--key-channels", str(args.key_channels)]
+               "--fill", args.fill, "--key-channels", str(args.key_channels), "--scores", args.scores]
         if args.score_launch:
             cmd += ["--score-launch", *map(str, args.score_launch)]
         proc = None
@@ -369,6 +371,9 @@ def main(argv=None):
     p.add_argument("--key-channels", type=int, default=0,
                    help="sparse rows: CacheConfig.key_channels (pages scored from an HBM copy of this many channels of "
                         "every key; 0 = Quest summaries)")
+    p.add_argument("--scores", default="auto", choices=("auto", "ref", "pallas"),
+                   help="sparse rows: page-score kernel (Quest bounds or the key copy's page mass): auto (the Pallas "
+                        "kernel on GPU), ref (XLA) or pallas")
     p.add_argument("--append", action="store_true", help="keep the rows of an existing decode.json in --out")
     p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")
     p.add_argument("--out", default="docs/benchmarks")

@@ -67,17 +67,20 @@ def np_page_mass(q, keys, flushed, page):
     return w.sum(0).reshape(flushed, page).sum(-1)
 
 
-def test_page_mass_with_every_channel_is_the_true_attention_mass():
+@pytest.mark.parametrize("impl", ["ref", "pallas"])
+def test_page_mass_with_every_channel_is_the_true_attention_mass(impl):
+    """With all D channels the copy's page mass is the true attention mass (the kernel in interpret mode too)."""
     rng = np.random.default_rng(0)
     S, G, P = 3, 2, 6
     keys = rng.standard_normal((S, G, P * PAGE, D)).astype(np.float32)
     chan = np.stack([rng.permutation(D) for _ in range(S * G)]).reshape(S, G, 1, D).astype(np.int32)
     kc = np.take_along_axis(keys[:, :, :, None, :], chan[:, :, None], axis=-1)      # [S, G, T, 1, D]
-    kc = kc.reshape(S, G, P, PAGE, 1, D)
+    kc = kc.reshape(S, 1, G, P, PAGE, 1, D)
+    kc = np.concatenate([rng.standard_normal(kc.shape).astype(np.float32), kc], axis=1)   # layer 0: other keys
     q = rng.standard_normal((S, 1, G * QPK, D)).astype(np.float32) * 2
     flushed = np.array([6, 2, 0], np.int32)                                          # 0: nothing to rank
-    got = np.asarray(key_copy.ref_page_mass(jnp.asarray(kc), jnp.asarray(chan), jnp.asarray(q),
-                                            jnp.asarray(flushed)))
+    got = np.asarray(key_copy.page_mass(jnp.asarray(kc), jnp.asarray(chan), jnp.asarray(q), jnp.asarray(flushed),
+                                        layer=1, impl=impl))
     for s in range(S):
         assert np.isneginf(got[s, :, flushed[s]:]).all()
         for gi in range(G):

@@ -98,10 +98,11 @@ class PagePlan:
 def _scores(state: CacheState, layer: int, q, flushed, options: DecodeOptions):
     """Page scores of one query row per sequence: q [S, 1, Hr, D]; flushed [S] candidate pages -> [S, G, P]
     float32. Quest's bound over the key summaries, or with config.key_channels the attention mass from the key
-    copy (key_copy.py; a config field, so the choice is static)."""
+    copy (key_copy.py; a config field, so the choice is static). options.scores picks the kernel of either."""
     c = state.config
     if c.key_channels:
-        return key_copy.ref_page_mass(state.kc[0, :, layer], state.chan[0, :, layer], q, flushed)
+        return key_copy.page_mass(state.kc[0], state.chan[0, :, layer], q, flushed, layer=layer,
+                                  impl=options.scores)
     qpos, qneg = selection.fold_queries(q, c.groups_per_rank, c.kv_heads_per_group)  # [S, G, g, D]
     return page_scores(state.kmin[0], state.kmax[0], qpos, qneg, layer=layer, impl=options.scores,
                        launch=options.score_launch, split=c.summary_split)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .pallas_kernels.page_lse import page_lse
+
 
 def pick_channels(k, live, num_channels: int):
     """k [..., T, g, D] keys; live [..., T] bool -> [..., g, C] int32: the C channels of largest energy over the
@@ -34,30 +36,28 @@ def compress(k, chan):
     return jnp.take_along_axis(k, idx, axis=-1)
 
 
-def ref_page_mass(kc, chan, q, flushed):
+def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto"):
     """Page scores of one layer from the key copy: the attention mass each flushed page would receive.
 
-    kc [S, G, P, page, g, C] (this layer's copy); chan [S, G, g, C] int32; q [S, Q, Hr, D] (Hr query heads of this
-    rank's G * g KV heads; the Q rows' masses are summed); flushed [S] int32 pages per sequence -> [S, G, P]
-    float32, -inf on pages at or past `flushed`. Softmax per query head over the flushed tokens (the unflushed
-    tail is always attended and not part of the ranking), summed over the page's tokens and the group's heads."""
-    S, G, P, page, g, C = kc.shape
+    kc [S, L, G, P, page, g, C] (the rank's copy, every layer); chan [S, G, g, C] int32 (this layer's channels);
+    q [S, Q, Hr, D] (Hr query heads of this rank's G * g KV heads; the Q rows' masses are summed); flushed [S]
+    int32 pages per sequence -> [S, G, P] float32, -inf on pages at or past `flushed`. Softmax per query head over
+    the flushed tokens (the unflushed tail is always attended and not part of the ranking), summed over the page's
+    tokens and the group's heads. The per-page log-sum-exp of the logits is pallas_kernels/page_lse.py (impl:
+    'auto' = kernel on GPU); each head's normaliser over the pages and the sum are [.., P]-sized XLA ops."""
+    S, L, G, P, page, g, C = kc.shape
     Q, Hr, D = q.shape[1], q.shape[2], q.shape[3]
     h = Hr // (G * g)
     qg = q.astype(jnp.float32).reshape(S, Q, G, g, h, D)
     idx = jnp.broadcast_to(chan[:, None, :, :, None, :], (S, Q, G, g, h, C))
-    qc = jnp.take_along_axis(qg, idx, axis=-1)                                          # [S, Q, G, g, h, C]
-    # full float32 products: XLA's default on GPU rounds float32 operands to TF32, which reorders near pages
-    logit = jnp.einsum("sqgihc,sgptic->sqgihpt", qc, kc.astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST) / jnp.sqrt(jnp.float32(D))
-    ok = (jnp.arange(P) < flushed[:, None])[:, None, None, None, None, :, None]        # [S, 1, 1, 1, 1, P, 1]
-    # per page log-sum-exp, then each head's normaliser over the pages: the token-level weights are never
-    # written out (one pass over the logits, then [.., P] arrays)
-    lse = jax.nn.logsumexp(jnp.where(ok, logit, -jnp.inf), axis=-1)                     # [S, Q, G, g, h, P]
-    total = jax.nn.logsumexp(lse, axis=-1, keepdims=True)
+    qc = jnp.take_along_axis(qg, idx, axis=-1) / jnp.sqrt(jnp.float32(D))              # [S, Q, G, g, h, C]
+    qc = qc.transpose(0, 2, 3, 1, 4, 5).reshape(S, G, g, Q * h, C)                      # rows: (Q, h)
+    lse = page_lse(kc, qc, layer=layer, impl=impl)                                      # [S, G, g * Q * h, P]
+    ok = jnp.arange(P)[None, None, None, :] < flushed[:, None, None, None]             # [S, 1, 1, P]
+    lse = jnp.where(ok, lse, -jnp.inf)
+    total = jax.nn.logsumexp(lse, axis=-1, keepdims=True)                              # each row's normaliser
     w = jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0))                       # 0 on masked pages
-    mass = w.sum(axis=(1, 3, 4))                                                        # [S, G, P]
-    return jnp.where(jnp.arange(P)[None, None, :] < flushed[:, None, None], mass, -jnp.inf)
+    return jnp.where(ok[:, :, 0], w.sum(axis=2), -jnp.inf)                              # [S, G, P]
 
 
 def write_block(kc, chan, slot, layer0, page0, kp, live, first):
