@@ -466,18 +466,21 @@ def plot(res, path, kv_fraction):
         ax.legend()
         sweep = sorted((r["kv_fraction"], r["tokens_per_s"], r["hit_rate"], r["context"], r["batch"], r["sieve"])
                        for r in rows if r.get("attention") == "sparse" and "tokens_per_s" in r)
-        for key in sorted({(c, b, sv) for _, _, _, c, b, sv in sweep}):
+        swept = [k for k in {(c, b, sv) for _, _, _, c, b, sv in sweep}
+                 if sum((c, b, sv) == k for _, _, _, c, b, sv in sweep) > 1]
+        ax2.set_visible(bool(swept))       # no pool sweep in this run: the left panel alone
+        for key in sorted(swept):
             pts = [(f, t, h) for f, t, h, c, b, sv in sweep if (c, b, sv) == key]
-            if len(pts) > 1:
-                ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{key[0] // 1024}K b{key[1]} {key[2]}: tok/s")
-                ax3 = ax2.twinx()
-                ax3.plot([p[0] for p in pts], [p[2] for p in pts], "s--", color="gray", label="hit rate")
-                ax3.set_ylabel("HBM hit rate")
-                ax3.set_ylim(0, 1)
+            ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{key[0] // 1024}K b{key[1]} {key[2]}: tok/s")
+            ax3 = ax2.twinx()
+            ax3.plot([p[0] for p in pts], [p[2] for p in pts], "s--", color="gray", label="hit rate")
+            ax3.set_ylabel("HBM hit rate")
+            ax3.set_ylim(0, 1)
         ax2.set_xscale("log", base=2)
         ax2.set_xlabel("HBM frame pool / KV pages (random weights: worst-case locality)")
         ax2.set_ylabel("sparse decode tokens/s")
-        ax2.legend(fontsize=7, loc="upper left")
+        if swept:
+            ax2.legend(fontsize=7, loc="upper left")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
     except Exception as e:
