@@ -7,8 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ulacache_jax.ngram_device import append, propose, ref_propose
-from ulacache_jax.speculative import (RATE_ONE, RATE_PRIOR, NgramIndex, backoff, next_flush, ngram_propose,
-                                      spec_bounds, update_rate)
+from ulacache_jax.speculative import NgramIndex, backoff, next_flush, ngram_propose, spec_bounds
 
 K, NMAX = 4, 3
 
@@ -109,8 +108,8 @@ def test_append_drops_past_the_buffer():
     assert np.asarray(hist).tolist() == [[0, 0, 5, 6]] and int(hlen[0]) == 5
 
 
-def _host_backoff(k_now, fails, skip, rate, n_new, drafted, P):
-    """SpecDecoder.decode's rule, one slot, in plain Python integers (the rate as update_rate's docstring says)."""
+def _host_backoff(k_now, fails, skip, n_new, drafted, P):
+    """SpecDecoder.decode's rule, one slot."""
     skip = max(0, skip - n_new)
     if drafted:
         acc = n_new - 1
@@ -118,10 +117,7 @@ def _host_backoff(k_now, fails, skip, rate, n_new, drafted, P):
         fails = 0 if acc else fails + 1
         if fails >= 2:
             skip = min(P, 2 ** (fails - 1))
-        rate = (rate + acc * RATE_ONE // drafted) // 2
-    else:
-        rate = rate + (RATE_PRIOR - rate) * min(n_new, 4 * P) // (4 * P)
-    return k_now, fails, skip, rate
+    return k_now, fails, skip
 
 
 def test_backoff_and_bounds_equal_the_host_rule():
@@ -130,21 +126,18 @@ def test_backoff_and_bounds_equal_the_host_rule():
     k_now = rng.integers(1, K + 1, N)
     fails = rng.integers(0, 40, N)                        # large fails: 2 ** (fails - 1) far past P
     skip = rng.integers(0, 20, N)
-    rate = rng.integers(0, RATE_ONE + 1, N)
     drafted = rng.integers(0, K + 1, N)
-    n_new = np.where(drafted > 0, np.minimum(rng.integers(1, K + 2, N), drafted + 1), rng.integers(1, 5 * P, N))
-    state = tuple(jnp.asarray(a, jnp.int32) for a in (k_now, fails, skip, rate))
-    got = backoff(state, jnp.asarray(n_new, jnp.int32), jnp.asarray(drafted, jnp.int32), K, P)
-    want = np.array([_host_backoff(*map(int, a), P) for a in zip(k_now, fails, skip, rate, n_new, drafted)]).T
+    n_new = np.minimum(rng.integers(1, K + 2, N), drafted + 1)
+    got = backoff(tuple(jnp.asarray(a, jnp.int32) for a in (k_now, fails, skip)), jnp.asarray(n_new, jnp.int32),
+                  jnp.asarray(drafted, jnp.int32), K, P)
+    want = np.array([_host_backoff(*map(int, a), P) for a in zip(k_now, fails, skip, n_new, drafted)]).T
     assert np.array_equal(np.stack([np.asarray(g) for g in got]), want)
-    # the host step's numpy call of the rate rule is the same function
-    assert np.array_equal(update_rate(rate, n_new, drafted, P), want[3])
 
     prompt = rng.integers(1, 100, N)
     length = prompt + rng.integers(0, 100, N)
     remaining = rng.integers(0, 10, N)
     k, bound = spec_bounds(*(jnp.asarray(a, jnp.int32) for a in (length, prompt, remaining)),
-                           state, P)
+                           tuple(jnp.asarray(a, jnp.int32) for a in (k_now, fails, skip)), P)
     for i in range(0, N, 7):
         b = next_flush(int(prompt[i]), int(length[i]), P)
         kk = 0 if skip[i] > 0 else max(0, min(int(k_now[i]), b - int(length[i]) - 1, int(remaining[i]) - 1))

@@ -124,7 +124,7 @@ class Program:
         -> (cache, host, tokens [S, page_size], done, remaining, LayerStats of [R] per rank)   cache, host donated
     decode_steps(n): the same for a chunk of n steps (n a power of two <= page_size)
     next_logits(params, cache, host, tok) -> [S, V]: one step's logits, nothing committed.
-    verify(rows), propose(rows), commit, spec_chunk(steps, K, ngram_max, min_accepted): speculative decoding
+    verify(rows), propose(rows), commit, spec_chunk(steps, K, ngram_max, min_drafts): speculative decoding
     (speculative.py); set_row(hist [S, C], slot, row [C]) -> hist: the chunk's device history, hist donated."""
 
     def __init__(self, graphdef, layer_gd, ops, config: CacheConfig, mesh: Mesh, params_spec, layer_spec,
@@ -167,10 +167,10 @@ class Program:
             functools.partial(self._propose, rows=rows), (ps, cs, hs) + (r,) * 4, (cs, r, r), (None, None, None),
             donate_argnums=(1,)))
         self.commit = jit(self._commit, (cs, hs, r, r, r), (cs, hs), (None, host_sh), donate_argnums=(0, 1))
-        self._spec_chunk_for = functools.lru_cache(maxsize=None)(lambda steps, num_tokens, ngram_max, min_accepted,
+        self._spec_chunk_for = functools.lru_cache(maxsize=None)(lambda steps, num_tokens, ngram_max, min_drafts,
                                                                  page: jit(
             functools.partial(self._spec_chunk, steps=steps, num_tokens=num_tokens, ngram_max=ngram_max,
-                              min_accepted=min_accepted, page=page),
+                              min_drafts=min_drafts, page=page),
             (ps, cs, hs) + (r,) * 9, (cs, hs) + (r,) * 8 + (stats_spec,), (None, host_sh) + (None,) * 9,
             donate_argnums=(1, 2, 3)))
 
@@ -270,16 +270,15 @@ class Program:
         (its K/V left in the tail ring as a lease; committed or not by `commit`)."""
         return self._propose_for(rows)
 
-    def spec_chunk(self, steps: int, num_tokens: int, ngram_max: int, min_accepted: float = 0.5):
+    def spec_chunk(self, steps: int, num_tokens: int, ngram_max: int, min_drafts: float = 1.0):
         """spec_chunk(params, cache, host, hist [S, C], hlen [S], done [S], remaining [S], prompt_len [S],
-                      backoff (k_now, fails, skip, rate) [S] each, keys [S], sampling, stop_ids [S, N])
+                      backoff (k_now, fails, skip) [S] each, keys [S], sampling, stop_ids [S, N])
             -> (cache, host, hist, hlen, out [steps, S, K + 1], n_new [steps, S], done, remaining, backoff,
                 counts (verifications, proposed [S], accepted [S]), LayerStats of [R])     cache, host, hist donated
         Up to `steps` ngram verifications (K = num_tokens) in one device call: each proposes up to K drafts per
         running slot from its history (ngram_device.propose, the host NgramIndex's rule) within the slot's back-off
-        state and before its next flush point (speculative.spec_bounds), cut to one row a slot unless the drafts'
-        expected accepted tokens reach min_accepted per running slot (speculative.gate_rows, the host step's rule,
-        with the slots' acceptance rates carried in the back-off state), verifies and
+        state and before its next flush point (speculative.spec_bounds), cut to one row a slot unless the drafts
+        number at least min_drafts per running slot (speculative.gate_rows, the host step's rule), verifies and
         commits them (as `verify` with K + 1 rows), appends the new tokens to hist and out (-1 past n_new) and
         updates done (remaining tokens; each slot's stop_ids, -1 = none), the back-off state (speculative.backoff)
         and the counts. A verification where no running slot has a draft left runs one row per slot (a plain decode
@@ -290,7 +289,7 @@ class Program:
         read inside it, as in `decode`); without a host pool (dense) no slot waits. The loop ends when no slot runs
         (every one waits or is done) or after `steps`. A slot's last history token is its last token (row 0).
         Keys: fold_in(keys, verification)."""
-        return self._spec_chunk_for(steps, num_tokens, ngram_max, float(min_accepted), self.config.page_size)
+        return self._spec_chunk_for(steps, num_tokens, ngram_max, float(min_drafts), self.config.page_size)
 
     def _verify_rows(self, model, cache, host, tokens, nrows, bound, keys, sampling, draft_probs, rank):
         """One verification (`verify`'s body) up to the commit -> (cache, out, n_new, length, flush, stats); the
@@ -315,7 +314,7 @@ class Program:
         return cache, host, out, n_new, length, flush, jax.tree.map(lambda a: a[None], stats)
 
     def _spec_chunk(self, params, cache, host, hist, hlen, done, remaining, prompt_len, backoff_state, keys,
-                    sampling, stop_ids, *, steps: int, num_tokens: int, ngram_max: int, min_accepted: float,
+                    sampling, stop_ids, *, steps: int, num_tokens: int, ngram_max: int, min_drafts: float,
                     page: int):
         ops, model = self.ops, nnx.merge(self.graphdef, params)
         rank = jax.lax.axis_index(TP_AXIS)
@@ -328,8 +327,7 @@ class Program:
             k, bound = spec_bounds(ops.lengths(cache), prompt_len, remaining, state, page)
             drafts, nd = ngram_device.propose(hist, hlen, k, num_tokens=num_tokens, ngram_max=ngram_max)
             last = jnp.take_along_axis(hist, jnp.maximum(hlen - 1, 0)[:, None], axis=1)
-            nrows = gate_rows(jnp.where(done | (pending & park), 0, 1 + nd).astype(jnp.int32), state[3], min_accepted,
-                              num_tokens)
+            nrows = gate_rows(jnp.where(done | (pending & park), 0, 1 + nd).astype(jnp.int32), min_drafts)
             return jnp.concatenate([last, drafts], axis=1), nrows, bound
 
         def cond(carry):

@@ -29,11 +29,9 @@ one forward of K + 1 rows per sequence, accepted by the speculative sampling rul
   drafters in tests): one verification per Engine step, one host sync.
   It backs off by itself (the same rule on the host and in the chunk, `backoff`): a slot's draft length grows on
   full acceptance and shrinks on rejection, a slot rejected verification after verification stops drafting for
-  a while, and a step whose drafts are expected to gain fewer than `min_accepted_per_slot` accepted tokens per
-  running slot verifies one row a slot (`gate_rows`: each slot's drafts weighted by its recent acceptance rate,
-  `update_rate`; a batch of rejecting slots must not pay K + 1 rows a slot for drafts that will not land), and a
-  step where no slot drafts or the gate cuts every draft (ngram) runs a plain decode chunk instead (up to the
-  flush point).
+  a while, a step whose drafts number fewer than `min_drafts_per_slot` per running slot verifies one row a slot
+  (`gate_rows`: a large batch of rejecting slots must not pay K + 1 rows for one slot's draft), and a step where
+  no slot drafts (ngram) runs a plain decode chunk instead (up to the flush point).
 The row count of a per-step verification is a power of two up to K + 1 (the longest proposal of the step): at
 most log2(K + 1) + 1 verification programs compile; a chunk verifies K + 1 rows, or one where no slot drafts
 (both in its one program); none compiles per acceptance pattern.
@@ -52,10 +50,6 @@ from .sampling import SamplingArrays, row_keys, truncated_sorted
 
 METHODS = ("ngram", "draft")
 _DRAFT_KEY = 0x5bd1e995   # folded into a step's keys for the draft model's own draws
-# a slot's acceptance rate (update_rate) in fixed point: int32 state like the rest of the back-off, so the host
-# and the device chunk carry it alike; a new request starts at the prior (its first drafts pass the gate)
-RATE_ONE = 1 << 16
-RATE_PRIOR = RATE_ONE // 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,17 +58,15 @@ class SpecConfig:
     pretrained name for models.from_pretrained, of the target's tokenizer), num_tokens = K drafts a step at most,
     ngram_max = the longest suffix matched by the ngram drafter (it tries ngram_max down to 1).
     draft_attention: the draft model's cache kind (None: the target's).
-    min_accepted_per_slot: a verification runs K + 1 rows a slot only where the step's drafts are expected to
-    gain at least this many accepted tokens per running slot (each slot's drafts weighted by its recent
-    acceptance rate), else one row a slot (a plain step; `gate_rows`): the K + 1-row step costs more than a
-    plain one with every slot it carries (about 1.8 plain steps for SmolLM2 at K = 4), so it pays only where
-    enough of its drafts land; a lone draft of a batch gains at most its own few tokens."""
+    min_drafts_per_slot: a verification runs K + 1 rows a slot only where the step's drafts number at least this
+    many per running slot, else one row a slot (a plain step; `gate_rows`): the K + 1-row step costs more with
+    every slot it carries, while a lone draft of a batch gains at most its own few tokens."""
     method: str = "ngram"
     num_tokens: int = 4
     draft_model: Any = None
     ngram_max: int = 3
     draft_attention: str | None = None
-    min_accepted_per_slot: float = 0.5
+    min_drafts_per_slot: float = 1.0
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -87,10 +79,10 @@ class SpecConfig:
             raise ValueError("speculative method 'draft' needs draft_model (a model, a path or a pretrained name)")
         if self.method == "ngram" and self.draft_model is not None:
             raise ValueError("speculative method 'ngram' takes no draft_model (use method='draft')")
-        r = self.min_accepted_per_slot
+        r = self.min_drafts_per_slot
         if isinstance(r, bool) or not isinstance(r, (int, float, np.integer, np.floating)) \
                 or not 0 <= r <= self.num_tokens:
-            raise ValueError(f"speculative min_accepted_per_slot = {r!r} must be a number in [0, num_tokens = "
+            raise ValueError(f"speculative min_drafts_per_slot = {r!r} must be a number in [0, num_tokens = "
                              f"{self.num_tokens}]")
         if self.draft_attention not in (None, "sparse", "dense"):
             raise ValueError(f"draft_attention = {self.draft_attention!r} must be None, 'sparse' or 'dense'")
@@ -245,68 +237,39 @@ def next_flush(prompt_len: int, length: int, page_size: int) -> int:
 
 def spec_bounds(length, prompt_len, remaining, state, page_size: int):
     """Traced: the drafts a slot may propose for its next verification and its next flush point, as the host
-    step computes them: length, prompt_len, remaining [S] int32, state = (k_now, fails, skip, rate) [S] ->
+    step computes them: length, prompt_len, remaining [S] int32, state = (k_now, fails, skip) [S] ->
     (k [S] = min(k_now, bound - length - 1, remaining - 1), 0 while skip > 0; bound [S] = next_flush)."""
-    k_now, _, skip, _ = state
+    k_now, _, skip = state
     bound = prompt_len + page_size * ((length - prompt_len) // page_size + 1)
     k = jnp.minimum(jnp.minimum(k_now, bound - length - 1), remaining - 1)
     return jnp.where(skip > 0, 0, jnp.maximum(k, 0)).astype(jnp.int32), bound.astype(jnp.int32)
 
 
-def update_rate(rate, n_new, drafted, page_size: int):
-    """A slot's acceptance rate after one step (host numpy or traced, int32 fixed point of RATE_ONE): rate,
-    n_new (new tokens), drafted (drafts verified) [S] -> rate [S]. Where drafts were verified, the mean of the old
-    rate and this step's accepted fraction (two full rejections take a fresh slot from 1/2 to 1/8); elsewhere it
-    drifts back to RATE_PRIOR by min(n_new, 4 P) / (4 P) of the gap, so a slot the gate cut tries again after a
-    few pages of tokens (its own fails / skip back-off still spaces repeated rejections)."""
-    xp = jnp if isinstance(rate, jax.Array) else np
-    n = xp.minimum(n_new, 4 * page_size)
-    obs = ((n_new - 1) * RATE_ONE) // xp.maximum(drafted, 1)
-    out = xp.where(drafted > 0, (rate + obs) // 2, rate + ((RATE_PRIOR - rate) * n) // (4 * page_size))
-    return out.astype(xp.int32)
-
-
 def backoff(state, n_new, drafted, num_tokens: int, page_size: int):
     """Traced: the host step's back-off rule (`SpecDecoder.decode`) after one verification: state = (k_now, fails,
-    skip, rate) [S], n_new [S] new tokens, drafted [S] drafts verified -> the new state. skip counts down by the
-    new tokens; where drafts were verified, k_now grows by 2 on a full acceptance (up to K) and shrinks by 1 on a
+    skip) [S], n_new [S] new tokens, drafted [S] drafts verified -> the new state. skip counts down by the new
+    tokens; where drafts were verified, k_now grows by 2 on a full acceptance (up to K) and shrinks by 1 on a
     rejection (down to 1), fails counts consecutive verifications with nothing accepted, and from 2 fails on the
-    slot pauses drafting for min(page_size, 2 ** (fails - 1)) tokens; rate: `update_rate`."""
-    k_now, fails, skip, rate = state
+    slot pauses drafting for min(page_size, 2 ** (fails - 1)) tokens."""
+    k_now, fails, skip = state
     skip = jnp.maximum(0, skip - n_new)
     acc = n_new - 1
     did = drafted > 0
     k2 = jnp.where(acc == drafted, jnp.minimum(num_tokens, k_now + 2), jnp.maximum(1, k_now - 1))
     f2 = jnp.where(acc > 0, 0, fails + 1)
     s2 = jnp.where(f2 >= 2, jnp.minimum(page_size, jnp.left_shift(1, jnp.clip(f2 - 1, 0, 30))), skip)
-    new = tuple(jnp.where(did, a, b).astype(jnp.int32) for a, b in ((k2, k_now), (f2, fails), (s2, skip)))
-    return (*new, update_rate(rate, n_new, drafted, page_size))
+    return tuple(jnp.where(did, new, old).astype(jnp.int32) for new, old in ((k2, k_now), (f2, fails), (s2, skip)))
 
 
-def expected_accepted(nrows, rate, num_tokens: int):
-    """Host numpy or traced: nrows [S] (1 + drafts, 0 = no row), rate [S] (RATE_ONE fixed point) -> [S] float32,
-    the accepted drafts each slot's proposal is expected to gain: a + a^2 + ... + a^d for d drafts at acceptance
-    rate a (a draft lands only if every earlier one did). Products in a fixed order, so numpy and XLA agree."""
+def gate_rows(nrows, min_drafts_per_slot: float):
+    """A step's rows after the batch gate (host numpy or traced): nrows [S] (0 = no row, 1 + drafts otherwise) ->
+    nrows, cut to one row a slot unless the step's drafts number at least min_drafts_per_slot per slot with rows.
+    A verification's cost grows with the rows of every slot (S x (K + 1) where one slot drafts), so a few drafts
+    in a large batch of rejecting slots (sampled text) would make every step slower than plain decoding; a cut
+    slot's back-off state is left as it is (it drafted nothing)."""
     xp = jnp if isinstance(nrows, jax.Array) else np
-    a = rate.astype(xp.float32) / xp.float32(RATE_ONE)
-    d = xp.maximum(nrows - 1, 0)
-    p, e = xp.ones_like(a), xp.zeros_like(a)
-    for j in range(1, num_tokens + 1):
-        p = p * a
-        e = e + xp.where(d >= j, p, xp.float32(0))
-    return e
-
-
-def gate_rows(nrows, rate, min_accepted_per_slot: float, num_tokens: int):
-    """A step's rows after the batch gate (host numpy or traced): nrows [S] (0 = no row, 1 + drafts otherwise),
-    rate [S] -> nrows, cut to one row a slot unless the drafts' expected accepted tokens (expected_accepted) sum
-    to at least min_accepted_per_slot per slot with rows. A verification's cost grows with the rows of every slot
-    (S x (K + 1) where one slot drafts), so drafts that will mostly be rejected (sampled text), or a few drafts in
-    a large batch, would make every step slower than plain decoding; a cut slot's back-off state is left as it is
-    (it drafted nothing) and its rate drifts back (update_rate), so it is tried again later."""
-    xp = jnp if isinstance(nrows, jax.Array) else np
-    gain = xp.sum(expected_accepted(nrows, rate, num_tokens))
-    ok = gain >= xp.float32(min_accepted_per_slot) * xp.sum(nrows > 0).astype(xp.float32)
+    drafts = xp.sum(xp.maximum(nrows - 1, 0))
+    ok = drafts >= min_drafts_per_slot * xp.sum(nrows > 0)
     return xp.where(ok, nrows, xp.minimum(nrows, 1)).astype(nrows.dtype)
 
 
@@ -334,7 +297,6 @@ class SpecDecoder:
         self.k_now = np.full(S, spec.num_tokens, np.int64)   # drafts a step per slot (back-off)
         self.fails = np.zeros(S, np.int64)                     # consecutive steps with no draft accepted
         self.skip = np.zeros(S, np.int64)                      # tokens to go before the slot drafts again
-        self.rate = np.full(S, RATE_PRIOR, np.int64)           # recent acceptance rate (update_rate; the gate)
         self.steps = self.proposed = self.accepted = 0
         self.chunks = 0                                        # device calls of the ngram chunk (Program.spec_chunk)
         self._seen_rows: set[int] = set()
@@ -367,7 +329,7 @@ class SpecDecoder:
     # slots
     def prefill(self, slot: int, prompt: list[int], num_tokens: int) -> None:
         self.prompt_len[slot] = self.length[slot] = len(prompt)
-        self.k_now[slot], self.fails[slot], self.skip[slot], self.rate[slot] = self.K, 0, 0, RATE_PRIOR
+        self.k_now[slot], self.fails[slot], self.skip[slot] = self.K, 0, 0
         self._ngram[slot] = NgramIndex(self.spec.ngram_max)
         self._hist_len[slot] = -1
         if self.draft is not None:
@@ -414,7 +376,7 @@ class SpecDecoder:
                 k = len(d)
             nrows[slot], bound[slot] = 1 + max(k, 0), b
         if not self.fixed_rows:
-            nrows = gate_rows(nrows, self.rate, self.spec.min_accepted_per_slot, K)
+            nrows = gate_rows(nrows, self.spec.min_drafts_per_slot)
         rec.live_slots = len(running)
         keys = row_keys(jnp.asarray(eng._seed), jnp.asarray(eng._chunk_of))
         sampling = SamplingArrays(jnp.asarray(eng._temp), jnp.asarray(eng._top_p), jnp.asarray(eng._top_k))
@@ -459,7 +421,6 @@ class SpecDecoder:
             drafted, acc = int(nrows[slot]) - 1, int(n_new[slot]) - 1
             self.length[slot] += n_new[slot]
             self.skip[slot] = max(0, self.skip[slot] - int(n_new[slot]))
-            self.rate[slot] = update_rate(np.int64(self.rate[slot]), np.int64(n_new[slot]), np.int64(drafted), P)
             if drafted:
                 self.proposed += drafted
                 self.accepted += acc
@@ -508,19 +469,19 @@ class SpecDecoder:
         rec.live_slots = len(running)
         rec.decode_compiled = ("chunk", steps) not in self._seen_rows
         self._seen_rows.add(("chunk", steps))
-        state = tuple(a.astype(np.int32) for a in (self.k_now, self.fails, self.skip, self.rate))
+        state = tuple(a.astype(np.int32) for a in (self.k_now, self.fails, self.skip))
         args = jax.device_put((np.maximum(self._hist_len, 0).astype(np.int32), eng._done.copy(),
                                eng._remaining.copy(), self.prompt_len.astype(np.int32), state, keys, sampling, stops),
                               rep)
         before = eng._stats0
         t0 = eng._clock()
         b = gen.backend
-        chunk = gen.program.spec_chunk(steps, K, self.spec.ngram_max, self.spec.min_accepted_per_slot)
+        chunk = gen.program.spec_chunk(steps, K, self.spec.ngram_max, self.spec.min_drafts_per_slot)
         b.cache, b.host, self._hist, hlen, out, n_new, _, _, state, counts, stats = chunk(
             gen.params, b.cache, b.host, self._hist, *args)
         gen.add_stats(stats)
         hlen, out, state, (iters, proposed, accepted) = jax.device_get((hlen, out, state, counts))
-        self.k_now, self.fails, self.skip, self.rate = (np.asarray(a, np.int64) for a in state)
+        self.k_now, self.fails, self.skip = (np.asarray(a, np.int64) for a in state)
         self._hist_len = np.asarray(hlen, np.int64)
         self.steps += int(iters)
         self.chunks += 1
