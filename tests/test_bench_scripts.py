@@ -199,6 +199,6 @@ def test_real_prefill_rows_take_generates_path():
         assert running.tolist() == [True, True] and first.tolist() == want, attention
         assert info["first_prefill_s"] > 0 and info["ttft_s"] > 0 and info["prefill_tok_s"] == 200 / info["ttft_s"]
     args = argparse.Namespace(budget=128, chunks=2, kv_fraction=0.5, sieve="auto", topk="auto", attention_impl="auto",
-                              score_launch=None, tp=1, fill="prefill", key_channels=0)
+                              score_launch=None, tp=1, fill="prefill", key_channels=0, scores="auto")
     row = bd.run_side(model, model.config, "sparse", 1, 256, args, copy_bw=1e11)
     assert row["fill"] == "prefill" and row["ttft_s"] > 0 and row["tokens_per_s"] > 0 and row["hit_rate"] is not None
