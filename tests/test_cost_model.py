@@ -108,6 +108,24 @@ def test_auto_at_the_measured_shapes(batch, context, kind):
     assert d.kind == kind and d.requested == "auto" and d.tokens_per_s["sparse"] > 0
     step = CostModel().step_frames(get_preset("llama-3.1-8b"), batch=batch, token_budget=2048, page_size=64)
     assert d.pool_frames == int(1.5 * step) and d.hit_rate == pytest.approx(0.984)
+    # where both fit, the reason names which path is predicted faster, and by how much
+    p = d.tokens_per_s
+    ahead, behind = (kind, "sparse" if kind == "dense" else "dense")
+    if p["dense"] is not None:
+        assert d.reason.startswith(f"{ahead} predicted at {p[ahead] / p[behind]:.2f}x {behind}'s tokens/s"), d.reason
+    else:
+        assert "exceeds" in d.reason
+
+
+def test_auto_near_tie_goes_to_dense():
+    """Sparse predicted faster by less than dense_margin: dense (exact) is kept, and the reason says so."""
+    mc, kw = get_preset("llama-3.1-8b"), dict(max_seqs=1, token_budget=2048, page_size=64, dtype="bfloat16",
+                                              hbm_bytes=H200_LIMIT)
+    base = choose_attention(mc, max_context=65536, **kw)
+    ratio = base.tokens_per_s["sparse"] / base.tokens_per_s["dense"]
+    assert ratio > 1, base.summary()     # at 64K x 1 sparse is predicted ahead; a margin above that keeps dense
+    d = choose_attention(mc, max_context=65536, costs=CostModel(dense_margin=ratio - 1 + 0.01), **kw)
+    assert d.kind == "dense" and "within the" in d.reason and f"only {ratio:.2f}x dense's" in d.reason, d.reason
 
 
 def test_memory_and_context_rules():

@@ -262,9 +262,13 @@ def choose_attention(model_config, *, max_seqs: int, max_context: int, token_bud
         kind, reason = "dense", (f"max_context {T} <= token_budget {budget}: every page is attended, sparse would "
                                  "equal dense at more cost")
     elif sparse > dense * (1 + costs.dense_margin):
-        kind, reason = "sparse", f"predicted {sparse / dense:.2f}x dense at {S} x {T} tokens"
-    else:
-        kind, reason = "dense", f"predicted {dense / sparse:.2f}x sparse at {S} x {T} tokens (the cache fits in HBM)"
+        kind, reason = "sparse", f"sparse predicted at {sparse / dense:.2f}x dense's tokens/s at {S} x {T} tokens"
+    elif dense >= sparse:
+        kind, reason = "dense", (f"dense predicted at {dense / sparse:.2f}x sparse's tokens/s at {S} x {T} tokens "
+                                 "(the cache fits in HBM)")
+    else:   # sparse ahead by less than the margin: dense is exact, so it takes the near tie
+        kind, reason = "dense", (f"sparse predicted at only {sparse / dense:.2f}x dense's tokens/s at {S} x {T} "
+                                 f"tokens, within the {costs.dense_margin:.0%} margin (the cache fits in HBM)")
     return Decision(kind=kind, requested=requested, reason=reason, tokens_per_s=pred, hit_rate=hit,
                     pool_frames=pool_frames, hbm_bytes=hbm, hbm_source=hbm_source)
 
