@@ -216,10 +216,14 @@ def plot(rows: list[dict], path: str) -> str | None:
         return None
     cells = sorted({(r["task"], r["batch"]) for r in spec}, key=lambda c: (c[1], c[0]))
 
+    gates = {r.get("min_drafts_per_slot") for r in spec}
+
     def variant(r):
+        g = r.get("min_drafts_per_slot")
+        gate = f" gate {g:g}" if len(gates) > 1 and g is not None else ""
         if r.get("per_step"):
-            return f"{r['method']} K={r['num_tokens']} per step"
-        return f"{r['method']} K={r['num_tokens']} chunk"
+            return f"{r['method']} K={r['num_tokens']} per step{gate}"
+        return f"{r['method']} K={r['num_tokens']} chunk{gate}"
     variants = sorted({variant(r) for r in spec})
     width = 0.8 / len(variants)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(cells)), 3.6))
@@ -249,6 +253,8 @@ def main(argv=None):
     p.add_argument("--methods", default="ngram", help="ngram and/or draft (draft: --draft-model)")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--num-tokens", default="4", help="K values, comma separated")
+    p.add_argument("--min-drafts", default=None,
+                   help="SpecConfig.min_drafts_per_slot values, comma separated (the batch gate; default: its default)")
     p.add_argument("--doc-tokens", type=int, default=6144)
     p.add_argument("--echo", type=int, default=64, help="tokens of the document repeated at its end (continue)")
     p.add_argument("--max-new", type=int, default=None, help="new tokens a request (default 256; --small: 24)")
@@ -322,6 +328,7 @@ def main(argv=None):
         draft = from_pretrained(args.draft_model, dtype=dtype)
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.num_tokens.split(",")]
+    gates = [None] if args.min_drafts is None else [float(g) for g in args.min_drafts.split(",")]
     res = Results(args.out, run_meta(args.commit, model="tiny" if args.small else args.model, dtype=args.dtype,
                                      attention=args.attention, doc_tokens=args.doc_tokens, max_new=args.max_new,
                                      page_size=args.page_size, token_budget=args.token_budget, reps=args.reps))
@@ -345,8 +352,9 @@ def main(argv=None):
             res.add(dict(task=task, batch=B, method="plain", num_tokens=0, decode_tok_s=plain_dec,
                          wall_tok_s=plain_wall, new_tokens=sum(map(len, plain_tokens))))
             print(json.dumps(res.rows[-1]), flush=True)
-            for method, K in [(m, k) for m in args.methods.split(",") for k in ks]:
-                spec = SpecConfig(method, K, draft_model=draft if method == "draft" else None)
+            for method, K, gate in [(m, k, g) for m in args.methods.split(",") for k in ks for g in gates]:
+                spec = SpecConfig(method, K, draft_model=draft if method == "draft" else None,
+                                  **({} if gate is None else {"min_drafts_per_slot": gate}))
                 first = run_engine(gen, prompts, args.max_new, tokenizer, spec, args.per_step,
                                    temperature=temp)                                          # compiles
                 out = first[0]
@@ -360,6 +368,7 @@ def main(argv=None):
                 wall = statistics.median(sum(map(len, o)) / w for o, _, _, w, _ in runs)
                 c = runs[-1][4]
                 row = dict(task=task, batch=B, method=method, num_tokens=K, decode_tok_s=dec, wall_tok_s=wall,
+                           min_drafts_per_slot=spec.min_drafts_per_slot,
                            speedup=dec / plain_dec, wall_speedup=wall / plain_wall, match=same,
                            match_tokens=match_share(out, plain_tokens) if temp == 0 else None,
                            temperature=temp,
@@ -373,13 +382,13 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
     plot(res.rows, os.path.splitext(args.out)[0] + ".png")
     print(f"\n{'task':9s} {'B':>3s} {'method':7s} {'K':>2s} {'dec tok/s':>10s} {'speedup':>7s} "
-          f"{'accept':>6s} {'v/call':>6s} {'match':>6s}")
+          f"{'accept':>6s} {'v/call':>6s} {'match':>6s} {'gate':>4s}")
     for r in res.rows:
         vpc = r.get("verifications_per_chunk")
         vpc = "" if vpc is None else f"{vpc:.2f}"
         print(f"{r['task']:9s} {r['batch']:3d} {r['method']:7s} {r['num_tokens']:2d} "
               f"{r['decode_tok_s']:10.1f} {r.get('speedup', 1.0):7.2f} {r.get('acceptance', 0.0):6.2f} {vpc:>6s} "
-              f"{str(r.get('match', '')):>6s}")
+              f"{str(r.get('match', '')):>6s} {r.get('min_drafts_per_slot') or '':>4}")
 
 
 if __name__ == "__main__":
