@@ -96,10 +96,11 @@ class SparseOps(_Kernels):
         """Accepted rows committed: length [S], flush [S] bool (the sequences at a flush point) -> (cache, host)."""
         return commit_rows(cache, host, length, flush, impl=self.options.copy)
 
-    def commit_length(self, cache: CacheState, length) -> CacheState:
-        """`commit` with no sequence at a flush point, without the host pool (the speculative chunk's steps)."""
+    def commit_length(self, cache: CacheState, length, summaries: bool = True) -> CacheState:
+        """`commit` with no sequence at a flush point, without the host pool (the speculative chunk's steps).
+        summaries=False: the lengths only, after a plain decode step (`attend` wrote its summaries)."""
         cache = dataclasses.replace(cache, seqs=dataclasses.replace(cache.seqs, length=length))
-        return commit_summaries(cache, length)
+        return commit_summaries(cache, length) if summaries else cache
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
@@ -190,7 +191,7 @@ class DenseOps(_Kernels):
     def commit(self, cache, host, length, flush):
         return (cache[0], length), host
 
-    def commit_length(self, cache, length):
+    def commit_length(self, cache, length, summaries: bool = True):
         return cache[0], length
 
 

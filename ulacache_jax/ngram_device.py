@@ -15,20 +15,26 @@ import jax.numpy as jnp
 def propose(hist, hlen, k, *, num_tokens: int, ngram_max: int):
     """hist [S, C] int32 token histories, hlen [S] int32 their lengths T, k [S] int32 drafts wanted (clipped to
     [0, num_tokens]) -> (drafts [S, num_tokens] int32, 0 past nd; nd [S] int32 drafts found).
-    Cost O(S * C * ngram_max): one compare pass over the buffer per n."""
+    Cost O(S * C * ngram_max) compares in one fused pass over the buffer."""
     S, C = hist.shape
     T = hlen[:, None]                                                                 # [S, 1]
     e = jnp.arange(C, dtype=jnp.int32)[None, :]                                       # [1, C] window end
+    back = jnp.arange(ngram_max, dtype=jnp.int32)[None, :]                            # [1, N]
+    tails = jnp.take_along_axis(hist, jnp.clip(T - 1 - back, 0, C - 1), axis=1)       # [S, N] suffix, m back
+    # One pass over the buffer: the window ending at e matches the last n tokens where its m-th token back equals
+    # the suffix's for every m < n; key n * C + e ranks a longer match above any shorter one, then the latest.
+    # The elementwise terms and the max fuse into one reduction (XLA), where a loop over n launched a compare pass
+    # and a reduction per n on the per-step critical path of the speculative chunk.
     match = jnp.ones((S, C), bool)
-    start = jnp.full((S,), -1, jnp.int32)
-    for n in range(1, ngram_max + 1):          # ascending: a longer suffix that recurs overrides a shorter one
+    key = jnp.full((S, C), -1, jnp.int32)
+    for n in range(1, ngram_max + 1):
         m = n - 1
-        tail = jnp.take_along_axis(hist, jnp.clip(T - 1 - m, 0, C - 1), axis=1)     # [S, 1] suffix token m back
         shifted = hist if m == 0 else jnp.pad(hist[:, :C - m], ((0, 0), (m, 0)), constant_values=-1)
-        match = match & (shifted == tail)                                             # window [e - m, e] == suffix
+        match = match & (shifted == tails[:, m:m + 1])                                # window [e - m, e] == suffix
         ok = match & (e >= m) & (e <= T - 2) & (n <= T - 1)
-        last = jnp.max(jnp.where(ok, e, -1), axis=1)                                  # [S] latest window end
-        start = jnp.where(last >= 0, last + 1, start)
+        key = jnp.where(ok, n * C + e, key)                                           # n ascending: longer wins
+    best = jnp.max(key, axis=1)                                                       # [S]
+    start = jnp.where(best >= 0, best % C + 1, -1)
     avail = jnp.where(start >= 0, hlen - start, 0)
     nd = jnp.clip(jnp.minimum(k, avail), 0, num_tokens).astype(jnp.int32)
     j = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]

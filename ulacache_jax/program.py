@@ -281,13 +281,14 @@ class Program:
         number at least min_drafts per running slot (speculative.gate_rows, the host step's rule), verifies and
         commits them (as `verify` with K + 1 rows), appends the new tokens to hist and out (-1 past n_new) and
         updates done (remaining tokens; each slot's stop_ids, -1 = none), the back-off state (speculative.backoff)
-        and the counts. A verification where no running slot has a draft left runs one row per slot (a plain decode
-        step: the K + 1-row verification runs only when some slot drafts; `_once` picks one of the two), so a
-        chunk that stops finding drafts costs what plain decoding costs instead of ending early and leaving the
-        host short, unaligned plain chunks. A slot that reaches its next flush point waits there (no rows) for the
-        rest of the loop: its flush, which writes the host pool, runs once after the loop (the host pool is only
-        read inside it, as in `decode`); without a host pool (dense) no slot waits. The loop ends when no slot runs
-        (every one waits or is done) or after `steps`. A slot's last history token is its last token (row 0).
+        and the counts. A step where no running slot has a draft left is a plain decode step (decode_layers and
+        `sample`, one row a slot; the K + 1-row verification runs only when some slot drafts; `_once` picks one of
+        the two), so a chunk that stops finding drafts costs what plain decoding costs instead of ending early and
+        leaving the host short, unaligned plain chunks. A slot that reaches its next flush point waits there (no
+        rows) for the rest of the loop: its flush, which writes the host pool, runs once after the loop (the host
+        pool is only read inside it, as in `decode`); without a host pool (dense) no slot waits. The loop ends when
+        no slot runs (every one waits or is done) or after `steps`. A slot's last history token is its last token
+        (row 0).
         Keys: fold_in(keys, verification)."""
         return self._spec_chunk_for(steps, num_tokens, ngram_max, float(min_drafts), self.config.page_size)
 
@@ -338,7 +339,23 @@ class Program:
             # a verification of q rows a slot -> (cache, out [S, Q] (-1 past q), n_new, length, flush, stats)
             cache, o, n_new, length, flush, st = self._verify_rows(
                 model, cache, host, tokens[:, :q], jnp.minimum(nrows, q), bound, k, sampling, None, rank)
+            cache = ops.commit_length(cache, length)                  # the flush runs after the loop
             return (cache, jnp.pad(o, ((0, 0), (0, Q - q)), constant_values=-1), n_new, length, flush, st)
+
+        def plain(cache, tokens, nrows, bound, k):
+            # no slot drafts: the plain decode step (decode_layers + sample, `_decode`'s body), not a one-row
+            # verification: the verification's batched selection stages overflow pages and appends leases, work a
+            # single committed row does not need. Its token's K/V and key summaries are written as decode writes
+            # them (token by token), so the commit sets the lengths only.
+            pos, live = ops.lengths(cache), nrows > 0
+            cache = ops.begin_chunk(cache)
+            cache, y, st = decode_layers(model, ops, cache, model.embed(tokens[:, :1]),
+                                         DecodeMeta(pos, live, rank, host))
+            nxt = jnp.where(live, sample(model.logits(y)[:, 0], k, sampling), -1)
+            n_new = live.astype(jnp.int32)
+            length = pos + n_new
+            o = jnp.pad(nxt[:, None], ((0, 0), (0, Q - 1)), constant_values=-1)
+            return ops.commit_length(cache, length, summaries=False), o, n_new, length, live & (length >= bound), st
 
         def body(carry):
             (i, cache, hist, hlen, done, remaining, state, tokens, nrows, bound, pending, out, nn, counts,
@@ -350,11 +367,9 @@ class Program:
                 res = (cache, jnp.full((S, Q), -1, jnp.int32), zeros, zeros, jnp.zeros((S,), bool),
                        LayerStats.zeros())
                 res = _once(wide, lambda r: verify(Q, r[0], tokens, nrows, bound, k), res)
-                cache, o, n_new, length, flush, st = _once(~wide, lambda r: verify(1, r[0], tokens, nrows, bound, k),
-                                                           res)
+                cache, o, n_new, length, flush, st = _once(~wide, lambda r: plain(r[0], tokens, nrows, bound, k), res)
             else:
                 cache, o, n_new, length, flush, st = verify(Q, cache, tokens, nrows, bound, k)
-            cache = ops.commit_length(cache, length)                  # the flush runs after the loop
             hist, hlen = ngram_device.append(hist, hlen, o, n_new)
             remaining = remaining - n_new
             stop = jnp.any((o[:, :, None] >= 0) & (o[:, :, None] == stop_ids[:, None, :]), axis=(1, 2))
