@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from device_env import forced_devices
+
 from ulacache_jax import cli
 from ulacache_jax.engine import SamplingParams
 from ulacache_jax.models import ByteTokenizer
@@ -157,9 +159,8 @@ def test_tp_needs_the_tp_module(tmp_path, monkeypatch):
 def test_tp_cli_matches_tp1(tmp_path):
     if cli.find_tp_module() is None:
         pytest.skip("no ulacache_jax.tp in this install")
-    import os
     (tmp_path / "in.jsonl").write_text(json.dumps(GOOD[2]) + "\n" + json.dumps(GOOD[1]) + "\n")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = forced_devices(2)
     # one process (2 CPU devices) runs the command with --tp 1 and --tp 2 (the dense cache's TP = 2 equality is
     # tests/test_tp.py's; here the CLI's --tp plumbing)
     script = ("import sys; from ulacache_jax.cli import main\n"

@@ -5,13 +5,14 @@ of each prompt by the model's full forward (the cache covers the context, so spa
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from device_env import forced_devices
 
 from ulacache_jax.distributed import shard_range
 
@@ -56,8 +57,7 @@ def test_two_processes_each_run_their_own_replica(tmp_path):
     inp.write_text("".join(json.dumps({"id": f"p{i}", "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
     out = tmp_path / "out.jsonl"
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
-               JAX_PLATFORMS="cpu")
+    env = forced_devices(DEVICES_PER_PROCESS)
     procs = [subprocess.Popen([sys.executable, "-m", "ulacache_jax.distributed", "--coordinator", f"localhost:{port}",
                                "--num-processes", str(NUM_PROCESSES), "--process-id", str(i), "--tp", "2",
                                "--model", "tiny", "--dtype", "float32", "--input", str(inp), "--output", str(out),

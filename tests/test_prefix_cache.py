@@ -6,7 +6,6 @@ Tiny float32 model, CPU, page 16, token budget 64 (4 pages): a 100-token documen
 selection runs over attached pages (their summaries must be right)."""
 import numpy as np
 import pytest
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from device_env import forced_devices
 from ulacache_jax import lid as lid_mod
 from ulacache_jax.engine import Engine, SamplingParams
 from ulacache_jax.generation import Generator, default_cache_config
@@ -193,8 +194,8 @@ def _tp_main():
 
 
 def test_tp2_sharers_share_frames_on_every_rank():
-    import json, os, subprocess, sys
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    import json, subprocess, sys
+    env = forced_devices(2)
     p = subprocess.run([sys.executable, __file__, "tp"], env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])

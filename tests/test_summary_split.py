@@ -248,7 +248,6 @@ def test_bench_quality_summary_split_rows(tmp_path):
     """scripts/bench_quality.py --summary-split 2 (tiny mode): its sparse cells run with split 2, every row records
     summary_split, and split-2 rows combine beside split-1 rows of the same cell (row_id tells them apart)."""
     import importlib.util
-    import json
     import os
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

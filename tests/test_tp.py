@@ -20,6 +20,8 @@ import time
 import numpy as np
 import pytest
 
+from device_env import forced_devices
+
 NUM_DEVICES = 8
 # the TP sizes of the shared checks: 1 (the reference), 2 (two KV heads a rank; the dense, key-copy and compiled
 # checks run here) and 8 (one head a rank). TP = 4 would repeat 2's case at a quarter of the suite's TP time.
@@ -309,7 +311,7 @@ def _run_subprocess(mode: str, tps: list[int], share: str | None = None) -> dict
             with open(share, "w") as f:
                 json.dump(res, f)
             return res
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}", JAX_PLATFORMS="cpu")
+    env = forced_devices(NUM_DEVICES)
     p = subprocess.run([sys.executable, __file__, mode, ",".join(map(str, tps))], env=env, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]

@@ -11,13 +11,14 @@ Llama-3.1-70B shape, abstractly: what each of 8 devices holds under the loaders'
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 import tempfile
 
 import pytest
+
+from device_env import forced_devices
 
 NUM_DEVICES = 8
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
@@ -105,7 +106,7 @@ def run_checks() -> dict:
 # ---- the pytest side -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def checks():
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}", JAX_PLATFORMS="cpu")
+    env = forced_devices(NUM_DEVICES)
     p = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
