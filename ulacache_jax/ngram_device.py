@@ -23,8 +23,9 @@ def propose(hist, hlen, k, *, num_tokens: int, ngram_max: int):
     tails = jnp.take_along_axis(hist, jnp.clip(T - 1 - back, 0, C - 1), axis=1)       # [S, N] suffix, m back
     # One pass over the buffer: the window ending at e matches the last n tokens where its m-th token back equals
     # the suffix's for every m < n; key n * C + e ranks a longer match above any shorter one, then the latest.
-    # The elementwise terms and the max fuse into one reduction (XLA), where a loop over n launched a compare pass
-    # and a reduction per n on the per-step critical path of the speculative chunk.
+    # Elementwise terms feeding one max, which XLA can fuse into a single reduction, where a loop over n ran a
+    # compare pass and a reduction per n on the speculative chunk's per-step path (its GPU cost is not yet measured
+    # apart: BENCHMARKS, speculative decoding).
     match = jnp.ones((S, C), bool)
     key = jnp.full((S, C), -1, jnp.int32)
     for n in range(1, ngram_max + 1):
