@@ -54,6 +54,15 @@ def decode_layers(model, ops, cache, x, meta: DecodeMeta):
     return cache, y, stats
 
 
+def decode_step(model, ops, cache, tok, meta: DecodeMeta, keys, sampling):
+    """One plain decode step of every slot: tok [S] last tokens, keys [S] this step's PRNG keys -> (cache, nxt [S]
+    the sampled tokens, -1 where not meta.live, LayerStats). The body of a decode chunk and the speculative chunk's
+    step without drafts."""
+    cache, y, stats = decode_layers(model, ops, cache, model.embed(tok[:, None]), meta)
+    nxt = sample(model.logits(y)[:, 0], keys, sampling)
+    return cache, jnp.where(meta.live, nxt, -1), stats
+
+
 class VerifyMeta(NamedTuple):
     """What every layer of one verification shares: pos [S] int32 (row 0's position = committed length), nrows
     [S] int32 rows in use (row j at pos + j), live [S] bool, the rank and the host pool (read, never carried)."""
@@ -236,10 +245,8 @@ class Program:
         def body(i, carry):
             cache, tok, done, remaining, length, out, stats = carry
             live = ~done
-            cache, y, st = decode_layers(model, ops, cache, model.embed(tok[:, None]),
-                                         DecodeMeta(length, live, rank, host))
-            nxt = sample(model.logits(y)[:, 0], jax.vmap(jax.random.fold_in, (0, None))(keys, i), sampling)
-            nxt = jnp.where(live, nxt, -1)
+            cache, nxt, st = decode_step(model, ops, cache, tok, DecodeMeta(length, live, rank, host),
+                                         jax.vmap(jax.random.fold_in, (0, None))(keys, i), sampling)
             length = length + live
             remaining = remaining - live
             done = done | (live & ((remaining <= 0) | jnp.isin(nxt, stop_ids)))
@@ -343,15 +350,14 @@ class Program:
             return (cache, jnp.pad(o, ((0, 0), (0, Q - q)), constant_values=-1), n_new, length, flush, st)
 
         def plain(cache, tokens, nrows, bound, k):
-            # no slot drafts: the plain decode step (decode_layers + sample, `_decode`'s body), not a one-row
+            # no slot drafts: the plain decode step (`decode_step`, a decode chunk's body), not a one-row
             # verification: the verification's batched selection stages overflow pages and appends leases, work a
             # single committed row does not need. Its token's K/V and key summaries are written as decode writes
-            # them (token by token), so the commit sets the lengths only.
+            # them (token by token), so the commit sets the lengths only. The PB-LRU clock was rebased once, before
+            # the loop, as a decode chunk does.
             pos, live = ops.lengths(cache), nrows > 0
-            cache = ops.begin_chunk(cache)
-            cache, y, st = decode_layers(model, ops, cache, model.embed(tokens[:, :1]),
-                                         DecodeMeta(pos, live, rank, host))
-            nxt = jnp.where(live, sample(model.logits(y)[:, 0], k, sampling), -1)
+            cache, nxt, st = decode_step(model, ops, cache, tokens[:, 0], DecodeMeta(pos, live, rank, host), k,
+                                         sampling)
             n_new = live.astype(jnp.int32)
             length = pos + n_new
             o = jnp.pad(nxt[:, None], ((0, 0), (0, Q - 1)), constant_values=-1)
