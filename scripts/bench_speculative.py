@@ -216,24 +216,28 @@ def plot(rows: list[dict], path: str) -> str | None:
         return None
     cells = sorted({(r["task"], r["batch"]) for r in spec}, key=lambda c: (c[1], c[0]))
 
-    gates = {r.get("min_drafts_per_slot") for r in spec}
+    gates = {r["min_drafts_per_slot"] for r in spec if r.get("min_drafts_per_slot") is not None}  # older rows: none
+    dtypes = {r.get("dtype", "bfloat16") for r in spec}
 
     def variant(r):
+        # Everything that tells two rows of one (task, batch) cell apart, so none hides another.
         g = r.get("min_drafts_per_slot")
         gate = f" gate {g:g}" if len(gates) > 1 and g is not None else ""
-        if r.get("per_step"):
-            return f"{r['method']} K={r['num_tokens']} per step{gate}"
-        return f"{r['method']} K={r['num_tokens']} chunk{gate}"
+        dt = f" {r.get('dtype', 'bfloat16')}" if len(dtypes) > 1 else ""
+        path = "per step" if r.get("per_step") else "chunk"
+        return f"{r['method']} K={r['num_tokens']} {path}{gate}{dt}"
     variants = sorted({variant(r) for r in spec})
     width = 0.8 / len(variants)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(cells)), 3.6))
     for j, v in enumerate(variants):
+        labelled = False
         for i, cell in enumerate(cells):
             r = next((r for r in reversed(spec) if (r["task"], r["batch"]) == cell and variant(r) == v), None)
             if r is None:
                 continue
             x = i + j * width
-            ax.bar(x, r["speedup"], width=width, color=f"C{j}", label=v if i == 0 else None)
+            ax.bar(x, r["speedup"], width=width, color=f"C{j}", label=None if labelled else v)
+            labelled = True
             ax.text(x, r["speedup"], f"{r['acceptance']:.0%}", ha="center", va="bottom", fontsize=6)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))])
@@ -349,7 +353,7 @@ def main(argv=None):
                      for _ in range(args.reps)]
             plain_dec = statistics.median(t / s for _, t, s, _, _ in plain)
             plain_wall = statistics.median(sum(map(len, o)) / w for o, _, _, w, _ in plain)
-            res.add(dict(task=task, batch=B, method="plain", num_tokens=0, decode_tok_s=plain_dec,
+            res.add(dict(task=task, batch=B, method="plain", num_tokens=0, dtype=args.dtype, decode_tok_s=plain_dec,
                          wall_tok_s=plain_wall, new_tokens=sum(map(len, plain_tokens))))
             print(json.dumps(res.rows[-1]), flush=True)
             for method, K, gate in [(m, k, g) for m in args.methods.split(",") for k in ks for g in gates]:
@@ -367,7 +371,8 @@ def main(argv=None):
                 dec = statistics.median(t / s for _, t, s, _, _ in runs)
                 wall = statistics.median(sum(map(len, o)) / w for o, _, _, w, _ in runs)
                 c = runs[-1][4]
-                row = dict(task=task, batch=B, method=method, num_tokens=K, decode_tok_s=dec, wall_tok_s=wall,
+                row = dict(task=task, batch=B, method=method, num_tokens=K, dtype=args.dtype,
+                           decode_tok_s=dec, wall_tok_s=wall,
                            min_drafts_per_slot=spec.min_drafts_per_slot,
                            speedup=dec / plain_dec, wall_speedup=wall / plain_wall, match=same,
                            match_tokens=match_share(out, plain_tokens) if temp == 0 else None,
