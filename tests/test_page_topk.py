@@ -1,21 +1,30 @@
 import numpy as np
 import pytest
+import jax
 import jax.numpy as jnp
+from jax._src import mesh as mesh_lib
 
 from ulacache_jax.pallas_kernels import on_gpu
 from ulacache_jax.pallas_kernels.page_topk import ref_top_k, top_k, top_k_pallas
 
+BITS = (1, 2, 3, 4)  # threshold bits a pass: 1 is the first kernel; 3 ends with a narrower (2-bit) pass
 
-def check(s, k, interpret=True):
-    v, i = top_k_pallas(jnp.asarray(s, jnp.float32), k, interpret=interpret)
+
+def check(s, k, interpret=True, bits=1):
+    v, i = top_k_pallas(jnp.asarray(s, jnp.float32), k, interpret=interpret, bits=bits)
     rv, ri = ref_top_k(jnp.asarray(s, jnp.float32), k)
+    if bits == 1:  # the first kernel returns its scores unfolded: -0.0, and denormals where XLA flushes them (CPU)
+        v = jnp.where(v == 0, jnp.float32(0), v)
     np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
     np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
+    if bits > 1:  # bit for bit: +0.0 where the reference has +0.0 (the first kernel returns a -0.0 score as is)
+        np.testing.assert_array_equal(np.asarray(v).view(np.uint32), np.asarray(rv).view(np.uint32))
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("rows,p,k", [(3, 100, 32), (2, 64, 64), (4, 257, 5), (1, 1, 1), (2, 4224, 32)])
-def test_matches_lax_top_k_on_random_scores(rows, p, k):
-    check(np.random.default_rng(p + k).standard_normal((rows, p)), k)
+def test_matches_lax_top_k_on_random_scores(rows, p, k, bits):
+    check(np.random.default_rng(p + k).standard_normal((rows, p)), k, bits=bits)
 
 
 def adversarial_scores():
@@ -29,22 +38,88 @@ def adversarial_scores():
     return s
 
 
-def test_ties_infinities_and_signed_zero():
-    check(adversarial_scores(), 32)
+def hard_scores(p: int = 300):
+    """[14, p] float32 rows that stress the threshold search: ties at every k, neighbours one ulp apart (the k-th
+    key and the next differ in the lowest bit only), denormals, signed zeros, infinities, every bit pattern."""
+    rng = np.random.default_rng(3)
+    ulps = lambda lo, n: np.arange(lo, lo + n, dtype=np.uint32).view(np.float32)   # n consecutive floats from lo
+    one, m_one = np.float32(1).view(np.uint32), np.float32(-1).view(np.uint32)
+    rows = [
+        np.full(p, 1.5),                                               # all equal
+        rng.choice([-1, -0.0, 0.0, 1], p),                             # signed zeros between +-1
+        rng.choice([-np.inf, np.inf], p),                              # infinities only
+        rng.choice([-np.inf, 2.0, np.inf], p),
+        rng.permutation(ulps(one, p)),                                 # all distinct, one ulp apart
+        rng.permutation(ulps(m_one, p)),                               # the same below -1 (keys flipped)
+        ulps(one, 4)[rng.integers(0, 4, p)],                           # ties on one-ulp steps
+        ulps(0, 8)[rng.integers(0, 8, p)] * rng.choice([-1, 1], p),    # the smallest denormals, +-, and +-0
+        rng.permutation(ulps(0x7FFFFF - p // 2, p)),                   # largest denormals / smallest normals
+        rng.integers(0, 2**32, p, dtype=np.uint32).view(np.float32),   # any bit pattern (NaNs replaced below)
+        np.where(np.arange(p) % 2, np.float32(np.finfo(np.float32).max), -np.finfo(np.float32).max),
+        rng.integers(-3, 4, p),                                        # many ties at the threshold
+        np.where(np.arange(p) < 40, 7.0, 0.0),                         # 40 ties above zeros
+        np.r_[np.full(p - 5, -np.inf), [1.0, -0.0, 1.0, 0.0, -np.inf]],  # the few real pages at the end
+    ]
+    s = np.stack([np.asarray(r, np.float32) for r in rows])
+    return np.where(np.isnan(s), np.float32(0.5), s)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("k", [1, 32, 300])
+def test_ties_infinities_signed_zero_and_hard_rows(k, bits):
+    """k = 1, k = P and k between, over both row sets in one call (one compile); the rows are 300 long (padded
+    to 512)."""
+    check(np.concatenate([adversarial_scores(), hard_scores()]), k, bits=bits)
+
+
+@pytest.mark.parametrize("bits", [5, 8])
+def test_wider_digits(bits):
+    """More bits a pass (4 rows of fields at 5 bits with a 2-bit last pass, 128 at 8 bits): the same results."""
+    check(hard_scores(64), 7, bits=bits)
+
+
+def test_bits_are_checked():
+    s = jnp.zeros((1, 8), jnp.float32)
+    for bits in (0, 9):
+        with pytest.raises(ValueError, match="bits"):
+            top_k_pallas(s, 2, interpret=True, bits=bits)
+    with pytest.raises(ValueError, match="bits"):                     # 16-bit counters hold rows up to 32768
+        top_k_pallas(jnp.zeros((1, 32769), jnp.float32), 2, interpret=True, bits=2)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_lowers_for_h200(bits):
+    """Each variant lowers to one Triton call for an (abstract) H200, without a GPU: an unsupported primitive fails
+    here. Triton's own compile to PTX runs only on the device (the `gpu` tests below)."""
+    h200 = mesh_lib.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                 abstract_device=mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                                                         platform="cuda"))
+    fn = lambda s: top_k_pallas(s, 32, interpret=False, bits=bits)
+    try:
+        with jax.sharding.use_abstract_mesh(h200):
+            txt = jax.jit(fn).trace(jax.ShapeDtypeStruct((8, 4224), jnp.float32)).lower(
+                lowering_platforms=("cuda",)).as_text()
+    finally:
+        jax.clear_caches()  # a GPU trace must never be reused by a CPU test
+    assert txt.count("__gpu$xla.gpu.triton") == 1
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_gpu(), reason="needs a GPU: runs the kernel compiled")
-@pytest.mark.parametrize("case", ["random-decode-shape", "random-odd", "adversarial"])
-def test_compiled_matches_lax_top_k(case):
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("case", ["random-decode-shape", "random-odd", "adversarial", "hard"])
+def test_compiled_matches_lax_top_k(case, bits):
     """The same checks with the Triton kernel compiled (the decode's default top-k on GPU)."""
     rng = np.random.default_rng(7)
     if case == "random-decode-shape":
-        check(rng.standard_normal((256, 4224)), 32, interpret=False)         # B=32 x 8 groups at 256K, budget 2048
+        check(rng.standard_normal((256, 4224)), 32, interpret=False, bits=bits)  # B=32 x 8 groups at 256K, budget 2048
     elif case == "random-odd":
-        check(rng.standard_normal((5, 257)), 64, interpret=False)
+        check(rng.standard_normal((5, 257)), 64, interpret=False, bits=bits)
+    elif case == "adversarial":
+        check(adversarial_scores(), 32, interpret=False, bits=bits)
     else:
-        check(adversarial_scores(), 32, interpret=False)
+        for k in (1, 32, 300):
+            check(hard_scores(), k, interpret=False, bits=bits)
 
 
 def test_leading_axes_and_dispatch():

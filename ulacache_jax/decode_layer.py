@@ -19,6 +19,7 @@ from .kernel_choice import resolved_options
 from .pallas_kernels import page_copy
 from .pallas_kernels.page_scores import page_scores
 from .pallas_kernels.sparse_decode_attention import sparse_decode_attention
+from .pallas_kernels.tail_append import tail_append
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["hits", "misses", "overflow", "fetched"], meta_fields=[])
@@ -54,29 +55,23 @@ class DecodeOptions:
     softcap: float | None = None
 
 
-def append_token(state: CacheState, layer: int, k_new, v_new, pos, live) -> CacheState:
+def append_token(state: CacheState, layer: int, k_new, v_new, pos, live, *, impl: str = "ref") -> CacheState:
     """Write one token's K/V per sequence into its tail-ring page and update that page's key summary.
-    k_new, v_new [S, KVr, D] (this rank's KV heads); pos [S] int32 token index; live [S] bool."""
+    k_new, v_new [S, KVr, D] (this rank's KV heads); pos [S] int32 token index; live [S] bool. impl: the tail
+    append's implementation (pallas_kernels/tail_append.py: one kernel, or 'ref' = four XLA scatters); the decode
+    passes its `copy` choice (the append writes pool pages as the copies do)."""
     c = state.config
     S, G, g, P = c.max_seqs, c.groups_per_rank, c.kv_heads_per_group, c.page_size
     dt = c.jnp_dtype
-    kg = k_new.astype(dt).reshape(S, G, g, c.head_dim)
-    vg = v_new.astype(dt).reshape(S, G, g, c.head_dim)
-    s = jnp.arange(S)[:, None]
-    gi = jnp.arange(G)[None, :]
+    kg = k_new.astype(dt).reshape(S, 1, G, g, c.head_dim)
+    vg = v_new.astype(dt).reshape(S, 1, G, g, c.head_dim)
     page, off = pos // P, pos % P
-    frame = jnp.where(live[:, None], tail_frame(c, s, layer, gi, page[:, None]), state.pool_k.shape[1])  # [S, G]
-    offs = jnp.broadcast_to(off[:, None], (S, G))
-    pool_k = state.pool_k.at[0, frame, offs].set(kg, mode="drop")
-    pool_v = state.pool_v.at[0, frame, offs].set(vg, mode="drop")
-    nsub = c.summary_pages                                                           # summary_split 1: pages
+    frame = tail_frame(c, jnp.arange(S)[:, None], layer, jnp.arange(G)[None, :], page[:, None])   # [S, G]
+    frame = jnp.where(live[:, None], frame, -1)[:, None, :]                          # [S, 1, G], -1 = skipped
     sp, soff = pos // c.summary_size, pos % c.summary_size                            # split 1: page, off
-    pg = jnp.broadcast_to(jnp.where(live, sp, nsub)[:, None], (S, G))               # sub-page; nsub = dropped
-    first = (soff == 0)[:, None, None, None]                                         # its first token resets it
-    old_min = state.kmin[0, s, layer, gi, jnp.minimum(pg, nsub - 1)]                # [S, G, g, D]
-    old_max = state.kmax[0, s, layer, gi, jnp.minimum(pg, nsub - 1)]
-    kmin = state.kmin.at[0, s, layer, gi, pg].set(jnp.where(first, kg, jnp.minimum(old_min, kg)), mode="drop")
-    kmax = state.kmax.at[0, s, layer, gi, pg].set(jnp.where(first, kg, jnp.maximum(old_max, kg)), mode="drop")
+    sub = jnp.where(live, sp, -1)                                                     # [S] sub-page, -1 = skipped
+    pool_k, pool_v, kmin, kmax = tail_append(state.pool_k, state.pool_v, kg, vg, frame, off[:, None],
+                                             state.kmin, state.kmax, sub, soff == 0, layer=layer, impl=impl)
     return dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, kmin=kmin, kmax=kmax)
 
 
@@ -149,7 +144,7 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     S, G, P = c.max_seqs, c.groups_per_rank, c.page_size
     options = resolved_options(options, c, q)                                         # a backend's: as given
     if append:
-        state = append_token(state, layer, k_new, v_new, pos, live)
+        state = append_token(state, layer, k_new, v_new, pos, live, impl=options.copy)
     seq_len = jnp.where(live, pos + 1, 0)                                             # [S] visible tokens
 
     # 1. Selection among flushed pages (Quest bound, or the key copy's mass), static count K per (sequence, group).
@@ -262,11 +257,12 @@ def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto") -> tupl
 
 
 # ---- speculative verification (speculative.py; DESIGN.md section 7) --------------------------------------------
-def append_leases(state: CacheState, layer: int, k_new, v_new, pos, nrows) -> CacheState:
+def append_leases(state: CacheState, layer: int, k_new, v_new, pos, nrows, *, impl: str = "ref") -> CacheState:
     """Speculative rows into the tail ring as leases: row j < nrows[s] of k_new, v_new [S, Q, KVr, D] goes to
     position pos[s] + j. K/V only: the key summaries change at commit (`commit_summaries`), so a rejected row
     leaves nothing but ring bytes past the committed length, which no later step reads (a row sees positions up
-    to its own, and every position is written again before a row at or past it reads it)."""
+    to its own, and every position is written again before a row at or past it reads it). impl: as
+    `append_token`'s."""
     c = state.config
     S, G, g, P = c.max_seqs, c.groups_per_rank, c.kv_heads_per_group, c.page_size
     Q = k_new.shape[1]
@@ -276,10 +272,8 @@ def append_leases(state: CacheState, layer: int, k_new, v_new, pos, nrows) -> Ca
     p = pos[:, None] + jnp.arange(Q)[None, :]                                         # [S, Q]
     ok = jnp.arange(Q)[None, :] < nrows[:, None]                                      # [S, Q]
     frame = tail_frame(c, jnp.arange(S)[:, None, None], layer, jnp.arange(G)[None, None, :], (p // P)[..., None])
-    frame = jnp.where(ok[..., None], frame, state.pool_k.shape[1])                   # [S, Q, G], F = dropped
-    offs = jnp.broadcast_to((p % P)[..., None], (S, Q, G))
-    pool_k = state.pool_k.at[0, frame, offs].set(kg, mode="drop")
-    pool_v = state.pool_v.at[0, frame, offs].set(vg, mode="drop")
+    frame = jnp.where(ok[..., None], frame, -1)                                       # [S, Q, G], -1 = skipped
+    pool_k, pool_v = tail_append(state.pool_k, state.pool_v, kg, vg, frame, p % P, impl=impl)
     return dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v)
 
 
@@ -293,7 +287,7 @@ def verify_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new,
     Otherwise the rows run one after another, each a `plan_layer` + `attend_pages` (its own sieve access).
     q [S, Q, Hr, D], k_new/v_new [S, Q, KVr, D], pos/nrows [S] int32, live [S] bool -> (state, out [S, Q, Hr, D],
     LayerStats summed over rows)."""
-    state = append_leases(state, layer, k_new, v_new, pos, jnp.where(live, nrows, 0))
+    state = append_leases(state, layer, k_new, v_new, pos, jnp.where(live, nrows, 0), impl=options.copy)
     if batched and not options.fused_fetch:
         return verify_batched(state, host, layer, q, pos, nrows, live, options=options, rank=rank)
     outs, stats = [], LayerStats.zeros()
