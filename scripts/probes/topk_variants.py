@@ -78,10 +78,17 @@ def main() -> int:
             return lax.fori_loop(0, calls, body, jnp.int32(0))
         return median_seconds(lambda: chain(s), reps, per_call=calls)
 
+    meta = run_meta(a.commit, interpret=interpret, calls=calls, reps=reps)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     rows, failed = [], False
+
+    def save():  # after every row: a run cut short by its time limit keeps what it measured
+        with open(a.out, "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
+
     for name, s_np, k in sets:
-        s = jnp.asarray(s_np)
-        rv, ri = (np.asarray(x) for x in ref_top_k(s, k))
+        s = jnp.asarray(s_np)                                      # [R, P] float32
+        rv, ri = (np.asarray(x) for x in ref_top_k(s, k))         # [R, k] float32, int32: what every variant returns
         fns = [("ref_top_k", {}, lambda x, k=k: ref_top_k(x, k))] + [
             (label, kw, lambda x, k=k, kw=kw: top_k_pallas(x, k, interpret=interpret, **kw)) for label, kw in variants]
         for label, kw, fn in fns:
@@ -90,24 +97,23 @@ def main() -> int:
                 v, i = (np.asarray(x) for x in jax.jit(fn)(s))
                 row["ok"] = bool(np.array_equal(v, rv) and np.array_equal(i, ri))
                 row["bitwise"] = bool(np.array_equal(v.view(np.uint32), rv.view(np.uint32)))
+                if not row["ok"]:  # which rows: in the ties set, each of the first rows is one edge case
+                    row["bad_rows"] = np.nonzero(~((v == rv) & (i == ri)).all(axis=1))[0].tolist()
                 t = timed(fn, s)
                 row.update(us=t.median_s * 1e6, min_us=t.min_s * 1e6, max_us=t.max_s * 1e6)
             except Exception as e:  # noqa: BLE001 - one variant failing to lower or compile must not lose the others
                 row.update(ok=False, error=repr(e)[:400])
             failed |= not row["ok"]
             rows.append(row)
+            save()
             print(json.dumps(row), flush=True)
 
-    out = dict(run_meta(a.commit, interpret=interpret, calls=calls, reps=reps), rows=rows)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"\n{out['device']}, jax {out['jax']}, commit {out['commit']}: us per call ({calls} calls, median of {reps})"
-          f" -> {a.out}")
+    print(f"\n{meta['device']}, jax {meta['jax']}, commit {meta['commit']}: us per call ({calls} calls, median of "
+          f"{reps}) -> {a.out}")
     print("| set | variant | us | ok | bitwise |\n|---|---|---|---|---|")
-    for r in rows:
-        us = f"{r['us']:.2f}" if "us" in r else "ERROR " + r.get("error", "")[:60]
-        print(f"| {r['set']} | {r['variant']} | {us} | {r['ok']} | {r.get('bitwise', '')} |")
+    for x in rows:
+        us = f"{x['us']:.2f}" if "us" in x else "ERROR " + x.get("error", "")[:60]
+        print(f"| {x['set']} | {x['variant']} | {us} | {x['ok']} | {x.get('bitwise', '')} |")
     return 1 if failed else 0
 
 
