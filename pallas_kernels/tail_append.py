@@ -16,7 +16,8 @@ is local under shard_map):
 - sub [S] int32 (decode only): the summary sub-page, out of [0, nsub) = skip; first [S] int32: 1 where the token
   starts its sub-page (the summary is reset to it, not min/max-ed with the page's previous tokens).
 Contract: the valid (frame, off) pairs of one call are distinct (one writer per row), as the tail ring gives.
-The reference is the XLA scatter form (`ref_tail_append`); the two agree bit for bit (min and max are exact).
+The reference is the XLA scatter form (`ref_tail_append`); the two agree bit for bit (min and max are exact,
+written as compare + select in both: `summary_min`).
 """
 from __future__ import annotations
 
@@ -64,8 +65,20 @@ def _append_kernel(*refs, layer: int, num_frames: int, nsub: int, rows: int, gro
         def _summary():
             lo = outs[2][0, s, layer, gi, p]                                  # [g, D]
             hi = outs[3][0, s, layer, gi, p]
-            outs[2][0, s, layer, gi, p] = jnp.where(reset, k, jnp.minimum(lo, k))
-            outs[3][0, s, layer, gi, p] = jnp.where(reset, k, jnp.maximum(hi, k))
+            outs[2][0, s, layer, gi, p] = summary_min(lo, k, reset)
+            outs[3][0, s, layer, gi, p] = summary_max(hi, k, reset)
+
+
+def summary_min(old, k, reset):
+    """The min summary after token k: k where it resets the sub-page, else min(old, k) as compare + select, so
+    XLA and Triton agree bit for bit (their `minimum`s differ on NaN and on -0.0 vs +0.0: `minimum` compiled in
+    the kernel did not match XLA's on the H200): a NaN on either side stays NaN, a tie keeps the old value."""
+    return jnp.where(reset | (k < old) | (k != k), k, old)
+
+
+def summary_max(old, k, reset):
+    """The max summary after token k: as `summary_min` with the order reversed."""
+    return jnp.where(reset | (k > old) | (k != k), k, old)
 
 
 def _check(pool_k, k, frame, off, kmin, sub):
@@ -129,8 +142,8 @@ def ref_tail_append(pool_k, pool_v, k, v, frame, off, kmin=None, kmax=None, sub=
     kq = k[:, 0]                                                                     # [S, G, g, D]
     old_min = kmin[0, s, layer, gi, jnp.minimum(pg, nsub - 1)]                       # [S, G, g, D]
     old_max = kmax[0, s, layer, gi, jnp.minimum(pg, nsub - 1)]
-    kmin = kmin.at[0, s, layer, gi, pg].set(jnp.where(reset, kq, jnp.minimum(old_min, kq)), mode="drop")
-    kmax = kmax.at[0, s, layer, gi, pg].set(jnp.where(reset, kq, jnp.maximum(old_max, kq)), mode="drop")
+    kmin = kmin.at[0, s, layer, gi, pg].set(summary_min(old_min, kq, reset), mode="drop")
+    kmax = kmax.at[0, s, layer, gi, pg].set(summary_max(old_max, kq, reset), mode="drop")
     return pool_k, pool_v, kmin, kmax
 
 
