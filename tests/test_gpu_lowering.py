@@ -86,11 +86,12 @@ def test_sparse_attention_triton_lowers(store_misses):
 
 
 @pytest.mark.parametrize("options,triton,mosaic", [
-    (dict(), 5, 1),                                     # scores, top-k, sieve, fetch, tail flush; Mosaic attention
-    (dict(fused_fetch=True), 5, 0),                     # no fetch launch: Triton attention reads misses from host
-    (dict(topk="ref"), 4, 1),                           # lax.top_k instead of the top-k kernel
-    (dict(attention="pallas"), 6, 0),                   # Triton attention for Mosaic's
-    (dict(attention="mosaic"), 5, 1),
+    (dict(), 6, 1),                                     # tail append, scores, top-k, sieve, fetch, tail flush; Mosaic
+    (dict(fused_fetch=True), 6, 0),                     # no fetch launch: Triton attention reads misses from host
+    (dict(topk="ref"), 5, 1),                           # lax.top_k instead of the top-k kernel
+    (dict(attention="pallas"), 7, 0),                   # Triton attention for Mosaic's
+    (dict(attention="mosaic"), 6, 1),
+    (dict(copy="ref"), 4, 1),                           # XLA for the append and the fetch (the flush keeps its kernel)
 ])
 def test_decode_layer_lowers_with_gpu_dispatch(monkeypatch, options, triton, mosaic):
     """One layer's decode as the GPU runs it (impl="auto" picks the kernels), default and forced kernels."""
