@@ -2,7 +2,7 @@
 # (scripts/find_python.sh), installs what it needs, and runs.
 VENV := .venv
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?= -n 2 --dist loadgroup -q
+PYTEST_ARGS ?= -n 2 -q
 
 .PHONY: demo test test-gpu bench-gpu clean fixtures
 

@@ -297,8 +297,20 @@ def run_replicated(tps: list[int]) -> dict:
 
 
 # ---- the pytest side -------------------------------------------------------------------------------------------
-def _run_subprocess(mode: str, tps: list[int]) -> dict:
-    """Run the checks in a fresh process with NUM_DEVICES CPU devices."""
+def _run_subprocess(mode: str, tps: list[int], share: str | None = None) -> dict:
+    """Run the checks in a fresh process with NUM_DEVICES CPU devices. Under pytest-xdist a module fixture runs once
+    per worker, so `share` (a path unique to this test run) lets the workers run it once and share the result."""
+    if share:
+        import fcntl
+        with open(share + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if os.path.exists(share):
+                with open(share) as f:
+                    return json.load(f)
+            res = _run_subprocess(mode, tps)
+            with open(share, "w") as f:
+                json.dump(res, f)
+            return res
     env = forced_devices(NUM_DEVICES)
     p = subprocess.run([sys.executable, __file__, mode, ",".join(map(str, tps))], env=env, capture_output=True,
                        text=True, timeout=600)
@@ -306,14 +318,13 @@ def _run_subprocess(mode: str, tps: list[int]) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-# One worker runs this module (`make test` schedules with --dist loadgroup), so the checks run once while the other
-# worker goes on with other files; a per-worker module fixture had both workers wait on one run (~2 min each).
-pytestmark = pytest.mark.xdist_group("tp_checks")
-
-
 @pytest.fixture(scope="module")
-def checks():
-    return _run_subprocess("checks", CHECK_TPS)
+def checks(request, tmp_path_factory):
+    share = None
+    if hasattr(request.config, "workerinput"):      # pytest-xdist worker: share one run among the workers
+        uid = request.config.workerinput["testrunuid"]
+        share = str(tmp_path_factory.getbasetemp().parent / f"tp_checks_{uid}.json")
+    return _run_subprocess("checks", CHECK_TPS, share)
 
 
 def test_subprocess_has_forced_devices(checks):
