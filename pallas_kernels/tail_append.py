@@ -28,9 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from . import pick_impl, on_gpu
-from .page_copy import _out_struct
-
-_ANY = pl.BlockSpec(memory_space=pl.ANY)
+from .page_copy import _ANY, _out_struct   # whole operands addressed by index; aliased outputs' types
 
 
 def _append_kernel(*refs, layer: int, num_frames: int, nsub: int, rows: int, groups: int, summaries: bool):
