@@ -151,10 +151,14 @@ def test_sparse_attention_mosaic_lowers_under_shard_map(monkeypatch):
     assert txt.count("custom_call @mosaic_gpu") == 1 and TRITON_CALL not in txt
 
 
-def test_page_top_k_lowers():
-    from ulacache_jax.pallas_kernels.page_topk import top_k_pallas
-    txt = lower_for_h200(lambda s: top_k_pallas(s, 32, interpret=False), spec((32, 8, 4224), jnp.float32))
+def test_page_select_lowers_to_one_launch_without_pad_or_sort():
+    """The candidate masking, the top-k and the page order are all in the kernel: no XLA pad before it (the
+    block masks the row's padding) and no sort after it."""
+    from ulacache_jax.pallas_kernels.page_topk import select_pages_pallas
+    txt = lower_for_h200(lambda s, f: select_pages_pallas(s, f, 32, sink=1, recent=2, groups=8, interpret=False),
+                         spec((256, 4224), jnp.float32), spec((32,), jnp.int32))
     assert txt.count(TRITON_CALL) == 1
+    assert "stablehlo.sort" not in txt and "stablehlo.pad" not in txt
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -37,14 +37,8 @@ def ref_page_scores(q, kmin, kmax, split: int = 1):
 
 def select_pages(scores, flushed, *, select_pages: int, sink_pages: int, recent_pages: int, impl: str = "ref"):
     """scores [B, G, P]; flushed [B] int32 candidate pages per sequence -> page ids [B, G, K] int32 (K =
-    min(select_pages, P)), -1 for unused; every flushed page when flushed <= K. Order: by score.
-    impl: the top-k, 'ref' (lax.top_k) or 'pallas' / 'auto' (pallas_kernels/page_topk.py: the same result)."""
-    B, G, P = scores.shape
-    k = min(select_pages, P)
-    p = jnp.arange(P, dtype=jnp.int32)
-    fl = flushed[:, None, None]
-    keep = (p < sink_pages) | (p >= fl - recent_pages)
-    s = jnp.where(keep, jnp.inf, jnp.nan_to_num(scores, nan=0.0, posinf=3e38, neginf=-3e38))
-    s = jnp.where(p < fl, s, -jnp.inf)
-    top, idx = page_topk.top_k(s, k, impl=impl)
-    return jnp.where(top > -jnp.inf, idx.astype(jnp.int32), -1)
+    min(select_pages, P)), -1 for unused; every flushed page when flushed <= K. Order: by page id (ids first, then
+    the -1s). impl: 'ref' (lax.top_k) or 'pallas' / 'auto' (pallas_kernels/page_topk.py, one kernel for the
+    masking and the top-k: the same result)."""
+    return page_topk.select_top_pages(scores, flushed, min(select_pages, scores.shape[-1]), sink=sink_pages,
+                                      recent=recent_pages, impl=impl)
