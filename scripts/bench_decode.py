@@ -375,6 +375,8 @@ def main(argv=None):
                    help="sparse rows: page-score kernel (Quest bounds or the key copy's page mass): auto (the Pallas "
                         "kernel on GPU), ref (XLA) or pallas")
     p.add_argument("--append", action="store_true", help="keep the rows of an existing decode.json in --out")
+    p.add_argument("--run", default=None, help="label recorded as each new row's 'run' (with --append, which run "
+                                              "of the JSON a row belongs to; the command is added to the JSON's)")
     p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")
     p.add_argument("--out", default="docs/benchmarks")
     p.add_argument("--no-isolate", dest="isolate", action="store_false",
@@ -390,9 +392,11 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     # a run may be split across sessions and machines: --append keeps the rows already in the JSON
     old_path = os.path.join(args.out, "decode.json")
+    old_meta = {}
     if args.append and os.path.exists(old_path):
         with open(old_path) as f:
-            rows.extend(json.load(f).get("rows", []))
+            old_meta = json.load(f)
+        rows.extend(old_meta.pop("rows", []))
     # each row in a fresh process: a large row's buffers (or XLA's allocator state) cannot starve the next one
     # (on the H200 a 128K x 7 dense row after the sparse one could not get its cache); the parent then never
     # touches the GPU (jax.devices() would take XLA's preallocated share of HBM)
@@ -412,6 +416,8 @@ def main(argv=None):
             rows[-1].update(device=str(jax.devices()[0].device_kind), copy_tb_s=copy_bw / 1e12,
                             read_tb_s=read_bw / 1e12)
         rows[-1].setdefault("commit", commit)
+        if args.run:
+            rows[-1].setdefault("run", args.run)
         print(json.dumps(rows[-1]), flush=True)
         write_json(args.out, dict(commit=commit, rows=rows, partial=True))
     devices = sorted({r["device"] for r in rows if "device" in r})
@@ -420,6 +426,12 @@ def main(argv=None):
                copy_tb_s="per row (measured in the row's process)",
                model=f"llama-3.1-8b shape, {args.layers} layers, random bf16 weights",
                kv="; ".join(KV_FILLS[f] for f in sorted({r.get("fill", "synthetic") for r in rows})), rows=rows)
+    this = "bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if old_meta:   # an appended run: the JSON's earlier commands and commits stay, this run's are added
+        res["command"] = f"{old_meta.get('command', '')}; run {args.run or commit}: {this}".lstrip("; ")
+        res["commit"] = f"{old_meta.get('commit', '')} / {commit}".lstrip(" /")
+    else:
+        res["command"] = this
     write_json(args.out, res)
     plot(res, os.path.join(args.out, "decode.png"), args.kv_fraction)
     label = lambda r: r["attention"] if r["attention"] != "auto" else f"auto>{r.get('attention_path', '?')}"

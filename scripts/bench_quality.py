@@ -50,6 +50,10 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
                "memorize it. I will quiz you about it.")
 QUESTION = "What is the pass key? Answer with the number only."
+# how a passkey row's prompts were drawn (part of its cell): runs before 2026-12-03 drew every cell of a call from
+# one generator, so a cell's prompts depended on the contexts listed before it; their rows carry no such field, or
+# "grid-seeded, contexts ..." where the call is known
+PROMPTS = "cell-seeded"
 
 
 def log(*a):
@@ -169,13 +173,16 @@ def make_config(mc, *, grid, max_tokens, budget, page, dtype, **overrides):
 def passkey_prompts(tok, text_ids, grid, seed):
     """-> list of dict(context, depth, key, ids). Filler: a slice of the documentation's tokens (a different slice
     per key), decoded, split at the line break nearest the depth, the needle inserted there, then the whole user
-    message through the chat template; the filler is trimmed until prompt + max_new fits the context."""
-    rng = np.random.default_rng(seed)
+    message through the chat template; the filler is trimmed until prompt + max_new fits the context.
+    Each (context, depth) cell draws from its own generator, seeded by (seed, context, depth): a cell's prompts do
+    not depend on which other contexts or depths the run lists (one generator for the whole grid gave the 4K cells
+    other prompts when 2K was listed before them: dense 57% with 4K alone, 69% after 2K, on the H200)."""
     needle_of = lambda key: f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
     out = []
     for ctx in grid.contexts:
         target = ctx - grid.max_new
         for depth in grid.depths:
+            rng = np.random.default_rng([seed, ctx, depth])
             for i in range(grid.keys):
                 key = int(rng.integers(10000, 100000))
                 overhead = len(tok.apply_chat_template(
@@ -248,7 +255,7 @@ def run_passkey(model, tok, grid, args, meta, common):
                                  accuracy=float(np.mean(correct)), same_as_dense=float(np.mean(same)),
                                  dense_by_construction=budget is None or budget >= longest,
                                  budget_ratio=None if budget is None else budget / ctx, **common["stamp"],
-                                 key_channels=kc))
+                                 key_channels=kc, prompts=PROMPTS))
         common["save"](rows)
 
     dense_cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=1024, page=64,
@@ -410,6 +417,7 @@ def run_trace(trace, grid, args, meta, common):
                              page_size=cc.page_size, attention="sparse", n=int(valid[warm:].sum()),
                              policy=policy, pool=name, pool_frames=nb * ns, pool_fraction=nb * ns / total_pages,
                              geometry=geo, hit_rate=hr, **common["stamp"]))
+        common["save"](rows)    # a run cut by a timeout keeps the pools it measured
     return rows
 
 
@@ -426,13 +434,17 @@ def plot(rows, meta, path):
         dense = [r["accuracy"] for r in pk if r["context"] == ctx and r["attention"] == "dense"]
         if dense:
             ax.axhline(100 * np.mean(dense), color=colors[ci % 4], ls=":", lw=1)
-        lines = sorted({(r["page_size"], sel_of(r)) for r in pk if r["page_size"]})
-        for (page, sp), ls in zip(lines, ("-o", "--s", "-.^", ":v", "-x", "--d")):
-            mine = [r for r in pk if r["context"] == ctx and r["page_size"] == page and sel_of(r) == sp]
+        # a line per (page size, rule, prompt set): cells drawn from different prompt sets are not joined
+        line_of = lambda r: (r["page_size"], sel_of(r), r.get("prompts") or "")
+        lines = sorted({line_of(r) for r in pk if r["page_size"]})
+        for (page, sp, ps), ls in zip(lines, ("-o", "--s", "-.^", ":v", "-x", "--d", "-.*", ":p", "-+")):
+            mine = [r for r in pk if r["context"] == ctx and line_of(r) == (page, sp, ps)]
+            if not mine:
+                continue
             pts = sorted({r["budget"] for r in mine})
             acc = [100 * np.mean([r["accuracy"] for r in mine if r["budget"] == b]) for b in pts]
             ax.plot(pts, acc, ls, color=colors[ci % 4],
-                    label=f"{ctx} tok, page {page}" + sel_name(sp))
+                    label=f"{ctx} tok, page {page}" + sel_name(sp) + prompts_name(ps))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("token budget")
     ax.set_ylabel("passkey accuracy, mean over depths (%)")
@@ -442,12 +454,14 @@ def plot(rows, meta, path):
     pp = [r for r in rows if r["task"] == "ppl" and r["attention"] == "sparse" and not r.get("variant")]
     ax = axes[1]
     ax2 = ax.twinx()
-    for page, ls in zip(sorted({r["page_size"] for r in pp}), ("-o", "--s")):
-        rr = sorted((r for r in pp if r["page_size"] == page), key=lambda r: r["budget"])
+    # one line per (page size, selection rule) across budgets, so rules measured at one budget stay apart
+    for (page, sp), ls in zip(sorted({(r["page_size"], sel_of(r)) for r in pp}),
+                              ("-o", "--s", "-.^", ":v", "-x", "--d", "-.*")):
+        rr = sorted((r for r in pp if (r["page_size"], sel_of(r)) == (page, sp)), key=lambda r: r["budget"])
         ax.plot([r["budget"] for r in rr], [100 * (r["ppl_ratio"] - 1) for r in rr], ls, color="tab:purple",
-                label=f"ppl vs dense, page {page}")
+                label=f"ppl vs dense, page {page}" + sel_name(sp))
         ax2.plot([r["budget"] for r in rr], [100 * r["top1_agreement"] for r in rr], ls, color="tab:green",
-                 label=f"top-1 agreement, page {page}")
+                 label=f"top-1 agreement, page {page}" + sel_name(sp))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("token budget")
     ax.set_ylabel("perplexity above dense (%)", color="tab:purple")
@@ -487,12 +501,13 @@ def markdown(rows, meta) -> str:
     pk = [r for r in rows if r["task"] == "passkey"]
     if pk:
         ctxs = sorted({r["context"] for r in pk})
-        cells = sorted({(r["budget"] or 0, r["page_size"] or 0, sel_of(r)) for r in pk})
+        cell_of = lambda r: (r.get("prompts") or "", r["budget"] or 0, r["page_size"] or 0, sel_of(r))
+        cells = sorted({cell_of(r) for r in pk})
         out.append("| cell | " + " | ".join(f"{c} tok: accuracy (same as dense)" for c in ctxs) + " |")
         out.append("|---" * (len(ctxs) + 1) + "|")
-        for b, p, sp in cells:
-            sel = [r for r in pk if (r["budget"] or 0, r["page_size"] or 0, sel_of(r)) == (b, p, sp)]
-            name = "dense" if not b else f"budget {b}, page {p}" + sel_name(sp)
+        for ps, b, p, sp in cells:
+            sel = [r for r in pk if cell_of(r) == (ps, b, p, sp)]
+            name = ("dense" if not b else f"budget {b}, page {p}" + sel_name(sp)) + prompts_name(ps)
             vals = []
             for c in ctxs:
                 rr = [r for r in sel if r["context"] == c]
@@ -508,10 +523,12 @@ def markdown(rows, meta) -> str:
         depths = sorted({r["depth"] for r in pk})
         out.append("\nDense accuracy by depth:\n\n| context | " + " | ".join(f"{d}%" for d in depths) + " |")
         out.append("|---" * (len(depths) + 1) + "|")
-        for c in ctxs:
-            acc = {r["depth"]: r for r in pk if r["context"] == c and r["attention"] == "dense"}
-            out.append(f"| {c} | " + " | ".join(f"{100 * acc[d]['accuracy']:.0f}% of {acc[d]['n']}" for d in depths)
-                       + " |")
+        for c, ps in sorted({(r["context"], r.get("prompts") or "") for r in pk if r["attention"] == "dense"}):
+            acc = {r["depth"]: r for r in pk if r["context"] == c and r["attention"] == "dense"
+                   and (r.get("prompts") or "") == ps}
+            out.append(f"| {c}{prompts_name(ps)} | " +
+                       " | ".join(f"{100 * acc[d]['accuracy']:.0f}% of {acc[d]['n']}" if d in acc else "not run"
+                                  for d in depths) + " |")
         out.append("")
     pp = [r for r in rows if r["task"] == "ppl"]
     if pp:
@@ -552,6 +569,11 @@ def sel_of(r) -> tuple[int, int]:
     return (int(r.get("summary_split") or 1), int(r.get("key_channels") or 0))
 
 
+def prompts_name(prompts: str) -> str:
+    """The label suffix of a row's prompt set: empty for the current one (and for rows older than the field)."""
+    return f" [{prompts}]" if prompts and prompts != PROMPTS else ""
+
+
 def sel_name(sel: tuple[int, int]) -> str:
     """The label suffix of a selection rule (empty for plain Quest)."""
     sp, kc = sel
@@ -562,8 +584,8 @@ def row_id(r) -> tuple:
     """What a row measures (its cell), so rows of separate runs combine: a later run's row replaces an earlier
     run's row of the same cell."""
     return tuple(r.get(k) for k in ("task", "context", "depth", "budget", "page_size", "attention", "variant",
-                                    "sink_pages", "recent_pages", "kv_heads_per_group", "pool", "policy")) + \
-        sel_of(r)
+                                    "sink_pages", "recent_pages", "kv_heads_per_group", "pool", "policy",
+                                    "prompts")) + sel_of(r)
 
 
 # ---- main -----------------------------------------------------------------------------------------------------

@@ -108,3 +108,19 @@ def test_key_channels_list_rows(tmp_path):
             assert r["dense_by_construction"] and r["same_as_dense"] == 1.0, r
     with pytest.raises(SystemExit):
         bq.main(["--tiny", "--out", str(tmp_path), "--key-channels", "8,-1"])
+
+
+def test_passkey_cells_do_not_depend_on_the_other_cells_listed():
+    """A (context, depth) cell's prompts are the same whether or not other contexts or depths come before it in
+    the grid (one generator for the whole grid once gave a call's 4K cells other prompts when 2K was listed)."""
+    import dataclasses
+    bq = _load_script()
+    tok = bq.TinyChat()
+    text_ids = np.asarray(tok.encode("".join(f"line {i}: filler text of the haystack.\n" for i in range(400)),
+                                     add_special_tokens=False), np.int32)
+    grid = bq.GRIDS["tiny"]
+    both = bq.passkey_prompts(tok, text_ids, grid, 0)
+    alone = bq.passkey_prompts(tok, text_ids, dataclasses.replace(grid, contexts=(512,), depths=(75,)), 0)
+    assert len(alone) == grid.keys
+    assert [p for p in both if p["context"] == 512 and p["depth"] == 75] == alone
+    assert len({p["key"] for p in both}) > 1
