@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The benchmarks on a GPU machine (written for an H200), one step per name, each within one 600 s device call:
-#   bash scripts/bench_gpu.sh [select sieve tiers ingest attention layer decode profile e2e quality-passkey
-#                              quality-ppl16 quality-ppl64 quality-variants auto-short auto-long decode-prefill
+#   bash scripts/bench_gpu.sh [select sieve tiers ingest attention layer decode profile e2e quality-passkey16
+#                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
+#                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
+#                              decode-prefill
 #                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2]
 #                              (default: the first seven, in order)
 # (`make bench-gpu BENCH="select decode"` calls this.) Every script checks against its reference before timing
@@ -45,16 +47,27 @@ for b in "${names[@]}"; do
     e2e)        # first token through generate: SmolLM2 at 8K ($MODEL: its GGUF; default the installed package),
                 # the 8B shape at 128K
                 step e2e 560 scripts/bench_e2e.py --out "$OUT" "${C[@]}" --model "${MODEL:-smollm2-135m}" ;;
-    # the quality grid of issue 19 on SmolLM2 in four calls; then, anywhere: bench_quality.py --combine
-    # $OUT/q_passkey.json $OUT/q_ppl16.json $OUT/q_ppl64.json $OUT/q_variants.json --out docs/benchmarks
-    quality-passkey)  step quality-passkey 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
-                  --tasks passkey --out "$OUT" --name q_passkey "${C[@]}" ;;
+    # the quality grid of issue 19 on SmolLM2, each step sized to one 600 s call by the H200's cell times at 0a69cd0
+    # (passkey: ~55 s dense + 50-90 s a sparse cell of 300 prompts; ppl: ~50 s a Quest cell, ~75 s a key-copy cell;
+    # trace: ~27 s a pool). Then, anywhere: bench_quality.py --combine $OUT/q_*.json --out docs/benchmarks
+    quality-passkey|quality-passkey16|quality-passkey64)   # the target cells (budgets >= 512), Quest and key copy 32
+                  pg=16; [ "$b" = quality-passkey64 ] && pg=64
+                  step "$b" 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey \
+                  --pages "$pg" --budgets 512,1024 --key-channels 0,32 --batch 32 --out "$OUT" --name "q_pk$pg" "${C[@]}" ;;
+    quality-passkey-low16|quality-passkey-low64)           # the speed shapes' ratios (budgets 64-256)
+                  pg=16; [ "$b" = quality-passkey-low64 ] && pg=64
+                  step "$b" 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey \
+                  --pages "$pg" --budgets 64,128,256 --key-channels 0,32 --batch 32 --out "$OUT" --name "q_pklow$pg" "${C[@]}" ;;
     quality-ppl16)    step quality-ppl16 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
-                  --tasks ppl --pages 16 --out "$OUT" --name q_ppl16 "${C[@]}" ;;
+                  --tasks ppl --pages 16 --key-channels 0 --out "$OUT" --name q_ppl16 "${C[@]}" ;;
+    quality-ppl16-copy) step quality-ppl16-copy 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
+                  --tasks ppl --pages 16 --key-channels 32 --out "$OUT" --name q_ppl16c "${C[@]}" ;;
     quality-ppl64)    step quality-ppl64 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
-                  --tasks ppl,trace --pages 64 --save-trace --out "$OUT" --name q_ppl64 "${C[@]}" ;;
+                  --tasks ppl --pages 64 --budgets 512,1024 --key-channels 0,32 --out "$OUT" --name q_ppl64 "${C[@]}" ;;
+    quality-trace)    step quality-trace 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
+                  --tasks ppl,trace --pages 16 --budgets 1024 --pools 2,4 --out "$OUT" --name q_trace "${C[@]}" ;;
     quality-variants) step quality-variants 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
-                  --tasks ppl --variants --out "$OUT" --name q_variants "${C[@]}" ;;
+                  --tasks ppl --variants --pages 16 --budgets 1024 --out "$OUT" --name q_variants "${C[@]}" ;;
     quality-passkey-split2) step quality-passkey-split2 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey --contexts 8192 --pages 16 --budgets 512,1024 --summary-split 2 --out "$OUT" --name q_passkey_split2 "${C[@]}" ;;
     # attention="auto" against both paths, same run (issue 21): short contexts, then the long ones appended
     auto-short) step auto-short 580 scripts/bench_decode.py --out "$OUT/auto" "${C[@]}" --chunks 4 --row-timeout 180 \
@@ -83,7 +96,8 @@ for b in "${names[@]}"; do
     prefix-smollm2) step prefix-smollm2 580 scripts/bench_prefix.py --rows smollm2:8192 --append --row-timeout 280 \
                   --model "${MODEL:-smollm2-135m}" --out "$OUT" "${C[@]}" ;;
     *) echo "unknown benchmark '$b' (select sieve tiers ingest attention layer decode profile e2e" \
-            "quality-passkey quality-ppl16 quality-ppl64 quality-variants auto-short auto-long decode-prefill" \
+            "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
+            "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2)"; exit 2 ;;
   esac
 done
