@@ -716,7 +716,8 @@ def main(argv=None):
     meta = dict(model=label, mode=kind, dtype=args.dtype, grid=dataclasses.asdict(grid), text=provenance,
                 tasks=args.tasks, key_channels=list(args.key_channels),
                 command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
-                **stamp)
+                # what "float32" computed: JAX's default float32 dots are TF32 on NVIDIA GPUs since Ampere
+                matmul_precision=str(jax.config.jax_default_matmul_precision or "default"), **stamp)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.name}.json")
     old = None
