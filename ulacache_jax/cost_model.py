@@ -41,10 +41,11 @@ class CostModel:
     sparse_page_s: float = 24.6e-9        # per selected page (one sequence, group and layer): 6.3 us a sequence
     sparse_frame_s: float = 0.047e-9      # per HBM pool frame and layer (the sieve reads the PB-LRU state)
     pcie_bytes_per_s: float = 50.3e9      # missed pages host -> HBM (the fetch kernel alone: 51 GB/s)
-    # PB-LRU hit rate by pool frames / one step's selection frames, on SmolLM2's own selections (BENCHMARKS.md,
-    # quality section: 59.5% at 1x, 95.3% at 1.25x, 98.4% at 1.5x, 99.0% at 2x); linear in between, 0 at 0
-    hit_curve: tuple[tuple[float, float], ...] = ((0.0, 0.0), (1.0, 0.595), (1.25, 0.953), (1.5, 0.984),
-                                                 (2.0, 0.990))
+    # PB-LRU hit rate by pool frames / one step's selection frames, on SmolLM2's own selections over 8K-token
+    # windows on the H200 (BENCHMARKS.md, quality section: 58.9% at 1x, 94.5% at 1.25x, 97.9% at 1.5x, 99.3% at
+    # 2x; CPU's 1K windows gave 59.5 / 95.3 / 98.4 / 99.0%); linear in between, 0 at 0
+    hit_curve: tuple[tuple[float, float], ...] = ((0.0, 0.0), (1.0, 0.589), (1.25, 0.945), (1.5, 0.979),
+                                                 (2.0, 0.993))
     pool_headroom: float = 1.5            # auto pool: this many times one step's selection frames
     hbm_usable: float = 0.95              # of the device's memory, for weights + a dense cache (the rest: activations)
     default_hbm_bytes: int = 139 * 2**30  # where the device reports no memory: an H200's (the constants' device)
