@@ -76,7 +76,11 @@ def _select_kernel(s_ref, fl_ref, i_ref, *, k: int, kp: int, pp: int, n: int, si
     plgpu.store(i_ref.at[pos], jnp.where(x > -np.inf, idx, -1), mask=sel)
 
 
-def _check(p: int, k: int, sink: int, recent: int):
+def _check(s, flushed, k: int, sink: int, recent: int, groups: int):
+    """The arguments both `select_pages_pallas` and `ref_select_pages` take, refused the same way by both."""
+    r, p = s.shape
+    if flushed.shape != (r // groups,) or r % groups:
+        raise ValueError(f"flushed has shape {flushed.shape}: it must be [{r} rows // groups = {groups}]")
     if not 1 <= k <= p:
         raise ValueError(f"k = {k} must be in [1, {p}] (the pages of a row)")
     if sink < 0 or recent < 0:
@@ -90,9 +94,7 @@ def select_pages_pallas(s, flushed, k: int, *, sink: int = 0, recent: int = 0, g
     rows (a sequence's KV-head groups share it; read in place, not broadcast) -> [R, k] int32 page ids in page
     order, -1 where the row has fewer than k candidates: exactly `ref_select_pages`."""
     r, p = s.shape
-    _check(p, k, sink, recent)
-    if flushed.shape != (r // groups,) or r % groups:
-        raise ValueError(f"flushed has shape {flushed.shape}: it must be [{r} rows // groups = {groups}]")
+    _check(s, flushed, k, sink, recent, groups)
     pp, kp = next_pow2(p), next_pow2(k)
     kwargs = {}
     if not interpret:
@@ -114,7 +116,7 @@ def ref_select_pages(s, flushed, k: int, *, sink: int = 0, recent: int = 0, grou
     lowest page first; XLA's top-k alone ranks +0.0 above -0.0), the winners sorted by page. Arguments as
     `select_pages_pallas`."""
     r, p = s.shape
-    _check(p, k, sink, recent)
+    _check(s, flushed, k, sink, recent, groups)
     fl = jnp.repeat(flushed.astype(jnp.int32), groups)[:, None]                      # [R, 1]
     x = candidate_scores(s.astype(jnp.float32), jnp.arange(p, dtype=jnp.int32), fl, p, sink=sink, recent=recent)
     v, i = lax.top_k(jnp.where(x == 0, jnp.float32(0), x), k)   # a select, not `+ 0.0`, which XLA may simplify away

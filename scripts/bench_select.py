@@ -107,6 +107,7 @@ def main(argv=None):
     k = a.budget // 64
     sc = jnp.asarray(ref)
     want = np.sort(np.asarray(lax.top_k(sc, k)[1]), axis=-1)
+
     def radix(s):
         """The selection kernel with every page a candidate and none forced: the plain top-k (ids in page order),
         returned twice to match (values, ids): the timed sum reads the first output."""

@@ -143,5 +143,7 @@ def test_dispatch_leading_axes_and_errors():
         select_pages_pallas(s2, jnp.zeros(6, jnp.int32), 51, interpret=True)
     with pytest.raises(ValueError, match="flushed has shape"):
         select_pages_pallas(s2, jnp.zeros(4, jnp.int32), 5, groups=2, interpret=True)
+    with pytest.raises(ValueError, match="flushed has shape"):
+        ref_select_pages(s2, jnp.zeros(4, jnp.int32), 5, groups=2)
     with pytest.raises(ValueError, match="impl = 'fast'"):
         select_top_pages(jnp.asarray(s), fl, 3, impl="fast")
