@@ -426,7 +426,7 @@ def plot(rows, meta, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 7.5))
     pk = [r for r in rows if r["task"] == "passkey"]
     ax = axes[0]
     colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
@@ -437,7 +437,7 @@ def plot(rows, meta, path):
         # a line per (page size, rule, prompt set): cells drawn from different prompt sets are not joined
         line_of = lambda r: (r["page_size"], sel_of(r), r.get("prompts") or "")
         lines = sorted({line_of(r) for r in pk if r["page_size"]})
-        for (page, sp, ps), ls in zip(lines, ("-o", "--s", "-.^", ":v", "-x", "--d", "-.*", ":p", "-+")):
+        for (page, sp, ps), ls in zip(lines, line_styles()):
             mine = [r for r in pk if r["context"] == ctx and line_of(r) == (page, sp, ps)]
             if not mine:
                 continue
@@ -449,14 +449,14 @@ def plot(rows, meta, path):
     ax.set_xlabel("token budget")
     ax.set_ylabel("passkey accuracy, mean over depths (%)")
     ax.set_title("passkey (dotted: dense)", fontsize=9)
-    ax.legend(fontsize=6)
+    # below the axes: a line per prompt set and rule outgrows the plot area
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     ax.grid(alpha=0.3)
     pp = [r for r in rows if r["task"] == "ppl" and r["attention"] == "sparse" and not r.get("variant")]
     ax = axes[1]
     ax2 = ax.twinx()
     # one line per (page size, selection rule) across budgets, so rules measured at one budget stay apart
-    for (page, sp), ls in zip(sorted({(r["page_size"], sel_of(r)) for r in pp}),
-                              ("-o", "--s", "-.^", ":v", "-x", "--d", "-.*")):
+    for (page, sp), ls in zip(sorted({(r["page_size"], sel_of(r)) for r in pp}), line_styles()):
         rr = sorted((r for r in pp if (r["page_size"], sel_of(r)) == (page, sp)), key=lambda r: r["budget"])
         ax.plot([r["budget"] for r in rr], [100 * (r["ppl_ratio"] - 1) for r in rr], ls, color="tab:purple",
                 label=f"ppl vs dense, page {page}" + sel_name(sp))
@@ -469,8 +469,8 @@ def plot(rows, meta, path):
     ppl_meta = meta.get("ppl", {})
     ax.set_title(f"teacher forced, {ppl_meta.get('windows')} windows of {ppl_meta.get('window_tokens')} tokens, "
                  f"scored past {ppl_meta.get('prefix')}", fontsize=9)
-    ax.legend(fontsize=6, loc="upper center")
-    ax2.legend(fontsize=6, loc="center right")
+    ax.legend(fontsize=6, loc="upper right", bbox_to_anchor=(0.49, -0.14))
+    ax2.legend(fontsize=6, loc="upper left", bbox_to_anchor=(0.51, -0.14))
     ax.grid(alpha=0.3)
     hr = [r for r in rows if r["task"] == "hit_rate"]
     ax = axes[2]
@@ -489,7 +489,7 @@ def plot(rows, meta, path):
     ax.grid(alpha=0.3)
     fig.suptitle(f"{meta['model']} on {meta['device']} ({meta['commit'][:8]}): sparse vs dense", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -502,7 +502,7 @@ def markdown(rows, meta) -> str:
     if pk:
         ctxs = sorted({r["context"] for r in pk})
         cell_of = lambda r: (r.get("prompts") or "", r["budget"] or 0, r["page_size"] or 0, sel_of(r))
-        cells = sorted({cell_of(r) for r in pk})
+        cells = sorted({cell_of(r) for r in pk}, key=lambda cell: (prompts_order(cell[0]),) + cell[1:])
         out.append("| cell | " + " | ".join(f"{c} tok: accuracy (same as dense)" for c in ctxs) + " |")
         out.append("|---" * (len(ctxs) + 1) + "|")
         for ps, b, p, sp in cells:
@@ -523,7 +523,8 @@ def markdown(rows, meta) -> str:
         depths = sorted({r["depth"] for r in pk})
         out.append("\nDense accuracy by depth:\n\n| context | " + " | ".join(f"{d}%" for d in depths) + " |")
         out.append("|---" * (len(depths) + 1) + "|")
-        for c, ps in sorted({(r["context"], r.get("prompts") or "") for r in pk if r["attention"] == "dense"}):
+        for c, ps in sorted({(r["context"], r.get("prompts") or "") for r in pk if r["attention"] == "dense"},
+                            key=lambda cp: (cp[0], prompts_order(cp[1]))):
             acc = {r["depth"]: r for r in pk if r["context"] == c and r["attention"] == "dense"
                    and (r.get("prompts") or "") == ps}
             out.append(f"| {c}{prompts_name(ps)} | " +
@@ -570,8 +571,22 @@ def sel_of(r) -> tuple[int, int]:
 
 
 def prompts_name(prompts: str) -> str:
-    """The label suffix of a row's prompt set: empty for the current one (and for rows older than the field)."""
-    return f" [{prompts}]" if prompts and prompts != PROMPTS else ""
+    """The label suffix of a row's prompt set: empty for the current one; rows older than the field were drawn
+    grid-seeded by calls whose contexts the row does not record."""
+    if prompts == PROMPTS:
+        return ""
+    return f" [{prompts or 'grid-seeded, earlier calls'}]"
+
+
+def prompts_order(prompts: str) -> tuple:
+    """Sort key of a prompt set: the current one first, then the older sets by name."""
+    return (prompts != PROMPTS, prompts)
+
+
+def line_styles():
+    """Matplotlib format strings, one per plotted line and never run out (a zip over a short fixed list dropped
+    the lines past its end): every line style with one marker, then the next marker."""
+    return itertools.cycle([ls + m for m in "os^vxd*p+<>" for ls in ("-", "--", "-.", ":")])
 
 
 def sel_name(sel: tuple[int, int]) -> str:
@@ -602,6 +617,13 @@ def variants_of(grid, model_config) -> list:
                     (budget, page, dict(sink_pages=2, recent_pages=4)),
                     (budget, page, dict(kv_heads_per_group=model_config.num_kv_heads))]
     return out
+
+
+def _sources(path: str) -> list:
+    """The files a JSON was combined from (its own name last), for --combine's provenance."""
+    with open(path) as fh:
+        earlier = json.load(fh)["meta"].get("combined_from", [])
+    return list(earlier) + [os.path.basename(path)]
 
 
 def main(argv=None):
@@ -651,10 +673,16 @@ def main(argv=None):
                 d = json.load(fh)
             keys = {row_id(r) for r in d["rows"]}
             rows = [r for r in rows if row_id(r) not in keys] + d["rows"]
+            # each run's own provenance is kept: the top-level command / commit / date are the last file's
+            runs = meta.get("runs", []) + d["meta"].get("runs", [])
+            runs.append({k: d["meta"][k] for k in ("command", "commit", "date", "device") if k in d["meta"]}
+                        | dict(file=os.path.basename(f)))
             meta.update(d["meta"])
+            meta["runs"] = runs
             meta["refused"] = meta.get("refused", []) + [x for x in d["meta"].get("refused", [])
                                                          if x not in meta.get("refused", [])]
-        meta["combined_from"] = [os.path.basename(f) for f in args.combine]
+        # a combined input's own sources stay listed before it
+        meta["combined_from"] = [x for f in args.combine for x in _sources(f)]
         out = args.out or os.path.dirname(os.path.abspath(args.combine[0]))
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"{args.name}.json"), "w") as fh:

@@ -124,3 +124,39 @@ def test_passkey_cells_do_not_depend_on_the_other_cells_listed():
     assert len(alone) == grid.keys
     assert [p for p in both if p["context"] == 512 and p["depth"] == 75] == alone
     assert len({p["key"] for p in both}) > 1
+
+
+def _pk_row(ctx, acc, prompts=None, commit="a"):
+    r = dict(task="passkey", context=ctx, depth=50, budget=None, page_size=None, attention="dense", n=20,
+             accuracy=acc, same_as_dense=1.0, dense_by_construction=True, commit=commit)
+    return r | ({"prompts": prompts} if prompts else {})
+
+
+def test_combine_keeps_every_run_and_labels_prompt_sets(tmp_path):
+    """--combine: a later file's row replaces an earlier row of the same cell (prompt set included); each input's
+    command / commit stays in meta.runs and an input's own sources in combined_from; the tables put the current
+    prompt set first, unlabelled, and label untagged older rows."""
+    bq = _load_script()
+    old = dict(meta=dict(command="old run", commit="a", combined_from=["first.json"], model="m", device="cpu"),
+               rows=[_pk_row(2048, 0.9), _pk_row(4096, 0.5, "cell-seeded")])
+    new = dict(meta=dict(command="new run", commit="b", model="m", device="cpu"),
+               rows=[_pk_row(4096, 0.6, "cell-seeded", "b"), _pk_row(8192, 0.4, "cell-seeded", "b")])
+    for name, d in (("old.json", old), ("new.json", new)):
+        (tmp_path / name).write_text(json.dumps(d))
+    rows, meta = bq.main(["--combine", str(tmp_path / "old.json"), str(tmp_path / "new.json"),
+                          "--out", str(tmp_path), "--name", "both"])
+    got = {(r["context"], r.get("prompts")): r["accuracy"] for r in rows}
+    assert got == {(2048, None): 0.9, (4096, "cell-seeded"): 0.6, (8192, "cell-seeded"): 0.4}
+    assert [(r["command"], r["file"]) for r in meta["runs"]] == [("old run", "old.json"), ("new run", "new.json")]
+    assert meta["combined_from"] == ["first.json", "old.json", "new.json"]
+    assert meta["command"] == "new run"
+    table = bq.markdown(rows, meta).splitlines()
+    dense = [line for line in table if line.startswith("| dense")]
+    assert dense[0].startswith("| dense |") and "grid-seeded, earlier calls" in dense[1]
+    assert (tmp_path / "both.png").stat().st_size > 0
+
+
+def test_line_styles_never_run_out():
+    bq = _load_script()
+    styles = [s for _, s in zip(range(60), bq.line_styles())]
+    assert len(styles) == 60 and len(set(styles[:44])) == 44
