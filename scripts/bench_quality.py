@@ -619,13 +619,6 @@ def variants_of(grid, model_config) -> list:
     return out
 
 
-def _sources(path: str) -> list:
-    """The files a JSON was combined from (its own name last), for --combine's provenance."""
-    with open(path) as fh:
-        earlier = json.load(fh)["meta"].get("combined_from", [])
-    return list(earlier) + [os.path.basename(path)]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
@@ -667,7 +660,7 @@ def main(argv=None):
     if args.combine:
         # JSONs of separate runs (e.g. one device call per task or page size) -> one NAME.json + PNG; later
         # files win per cell (row_id) and per meta key
-        rows, meta = [], {}
+        rows, meta, sources = [], {}, []
         for f in args.combine:
             with open(f) as fh:
                 d = json.load(fh)
@@ -677,12 +670,13 @@ def main(argv=None):
             runs = meta.get("runs", []) + d["meta"].get("runs", [])
             runs.append({k: d["meta"][k] for k in ("command", "commit", "date", "device") if k in d["meta"]}
                         | dict(file=os.path.basename(f)))
+            # a combined input's own sources stay listed before it
+            sources += list(d["meta"].get("combined_from", [])) + [os.path.basename(f)]
             meta.update(d["meta"])
             meta["runs"] = runs
             meta["refused"] = meta.get("refused", []) + [x for x in d["meta"].get("refused", [])
                                                          if x not in meta.get("refused", [])]
-        # a combined input's own sources stay listed before it
-        meta["combined_from"] = [x for f in args.combine for x in _sources(f)]
+        meta["combined_from"] = sources
         out = args.out or os.path.dirname(os.path.abspath(args.combine[0]))
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"{args.name}.json"), "w") as fh:
