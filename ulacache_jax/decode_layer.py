@@ -161,9 +161,10 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     #    frame several rows missed (sharers of one stored prefix page) is fetched or stored by its first row only.
     pool_k, pool_v = state.pool_k[0], state.pool_v[0]
     if not options.fused_fetch:
-        # overflow pages (no free slot) are staged in this call's overflow frames, so attention reads only HBM
-        ov = overflow.reshape(-1).astype(jnp.int32)
-        stage = overflow_frame(c, jnp.cumsum(ov) - ov).reshape(S, G, K)               # [S, G, K]
+        # overflow pages (no free slot) are staged in this call's overflow frames, so attention reads only HBM.
+        # There is one overflow frame per (sequence, group, slot) (config.overflow_frames), so a slot's own frame
+        # needs no compaction (a cumsum over the overflow flags cost a launch a layer)
+        stage = overflow_frame(c, jnp.arange(S * G * K, dtype=jnp.int32).reshape(S, G, K))   # [S, G, K]
         frame = jnp.where(overflow, stage, frame)
         dst = jnp.where(lead | overflow, frame, -1).reshape(-1)
         pool_k, pool_v = page_copy.fetch([pool_k, pool_v], [host.k[0], host.v[0]], host_idx.reshape(-1), dst,
@@ -337,7 +338,8 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     K = sel.shape[-1]
 
     # 3. Overflow pages staged once each: a duplicate (same sequence, group and page in another row) takes the
-    #    stage of its first occurrence.
+    #    stage of its first occurrence. Each (sequence, group, row, slot) owns an overflow frame (overflow_frames
+    #    is sized for verify_rows rows), so the stage is the first occurrence's own slot: no compaction.
     def by_seq(x):                                                                    # [V, G, K] -> [S, G, Q*K]
         return x.reshape(S, Q, G, K).transpose(0, 2, 1, 3).reshape(S, G, Q * K)
 
@@ -348,9 +350,8 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     same = (opg[..., :, None] == opg[..., None, :]) & (opg[..., :, None] >= 0)        # [S, G, QK, QK]
     first = jnp.argmax(same, axis=-1)                                                 # first equal entry
     is_first = (first == jnp.arange(Q * K)) & (opg >= 0)
-    ov = is_first.reshape(-1).astype(jnp.int32)
-    stage = (jnp.cumsum(ov) - ov).reshape(S, G, Q * K)
-    stage = by_row(jnp.take_along_axis(stage, first, axis=-1))                         # < overflow_frames
+    row_base = (jnp.arange(S)[:, None, None] * G + jnp.arange(G)[None, :, None]) * (Q * K)    # [S, G, 1]
+    stage = by_row(row_base + first)                                                   # < S*G*Q*K <= overflow_frames
 
     # 4. Tail pages of each row, up to its own position.
     tp = flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                           # [V, T]
