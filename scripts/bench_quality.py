@@ -431,8 +431,10 @@ def plot(rows, meta, path):
     ax = axes[0]
     colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
     for ci, ctx in enumerate(sorted({r["context"] for r in pk})):
-        dense = [r["accuracy"] for r in pk if r["context"] == ctx and r["attention"] == "dense"]
-        if dense:
+        # one dotted line per prompt set: dense on one set is not the reference of another set's cells
+        for ps in sorted({r.get("prompts") or "" for r in pk if r["context"] == ctx and r["attention"] == "dense"}):
+            dense = [r["accuracy"] for r in pk if r["context"] == ctx and r["attention"] == "dense"
+                     and (r.get("prompts") or "") == ps]
             ax.axhline(100 * np.mean(dense), color=colors[ci % 4], ls=":", lw=1)
         # a line per (page size, rule, prompt set): cells drawn from different prompt sets are not joined
         line_of = lambda r: (r["page_size"], sel_of(r), r.get("prompts") or "")
