@@ -69,15 +69,29 @@ def _winners(key, k: int):
     return gt | ((eq == 1) & (jnp.cumsum(eq) - eq < need))
 
 
+def _page_winners(s, idx, flushed, n: int, k: int, end: int, *, sink: int, recent: int):
+    """s [W] float32 loaded scores of pages idx [W] (lanes idx >= n: masked loads, undefined) -> (x candidate
+    scores, sel the k winners, pos each winner's output slot in page order, `end` for the other lanes)."""
+    x = candidate_scores(s, idx, flushed, n, sink=sink, recent=recent)
+    sel = _winners(_sort_keys(x), k)
+    si = sel.astype(jnp.int32)
+    return x, sel, jnp.where(sel, jnp.cumsum(si) - si, end)
+
+
+def _launch(width: int, num_warps: int | None, interpret: bool) -> dict:
+    """pallas_call kwargs of a kernel whose program holds `width` scores: 8 warps from 4096 lanes, else 4."""
+    if interpret:
+        return {}
+    return dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps or (8 if width >= 4096 else 4),
+                                                     num_stages=1))
+
+
 def _select_kernel(s_ref, fl_ref, i_ref, *, k: int, kp: int, pp: int, n: int, sink: int, recent: int):
     # s_ref [Pp] float32 (one row; lanes >= n are masked loads: undefined, then -inf); fl_ref [] int32 (the row's
     # flushed pages); i_ref [kp] int32: the k winners' page ids in page order, -1 for a non-candidate
     idx = jnp.arange(pp, dtype=jnp.int32)
-    x = candidate_scores(s_ref[...], idx, fl_ref[...], n, sink=sink, recent=recent)
-    sel = _winners(_sort_keys(x), k)
-    si = sel.astype(jnp.int32)
-    pos = jnp.where(sel, jnp.cumsum(si) - si, kp)                  # masked lanes point past the end
-    plgpu.store(i_ref.at[pos], jnp.where(x > -np.inf, idx, -1), mask=sel)
+    x, sel, pos = _page_winners(s_ref[...], idx, fl_ref[...], n, k, kp, sink=sink, recent=recent)
+    plgpu.store(i_ref.at[pos], jnp.where(x > -np.inf, idx, -1), mask=sel)   # masked lanes point past the end
 
 
 # ---- two stages: a row split into chunks over many programs, then one program per row over the chunks' winners --
@@ -88,10 +102,7 @@ def _chunk_kernel(s_ref, fl_ref, xs_ref, is_ref, *, k1: int, w: int, n: int, sin
     # s_ref [W] float32 (row i's pages c*W .. c*W + W - 1; lanes past n masked); fl_ref [] int32; xs_ref, is_ref
     # [k1]: the chunk's k1 winners' candidate scores and page ids in page order (k1 <= W: every slot written)
     idx = pl.program_id(1) * w + jnp.arange(w, dtype=jnp.int32)
-    x = candidate_scores(s_ref[...], idx, fl_ref[...], n, sink=sink, recent=recent)
-    sel = _winners(_sort_keys(x), k1)
-    si = sel.astype(jnp.int32)
-    pos = jnp.where(sel, jnp.cumsum(si) - si, k1)
+    x, sel, pos = _page_winners(s_ref[...], idx, fl_ref[...], n, k1, k1, sink=sink, recent=recent)
     plgpu.store(xs_ref.at[pos], x, mask=sel)
     plgpu.store(is_ref.at[pos], idx, mask=sel)
 
@@ -110,32 +121,28 @@ def _merge_kernel(xs_ref, is_ref, i_ref, *, k: int, kp: int, m: int, mp: int):
     plgpu.store(i_ref.at[pos], jnp.where(real, is_ref[...], -1), mask=sel)
 
 
-def _two_stage(s, flushed, k: int, *, sink: int, recent: int, groups: int, chunks: int, interpret: bool,
+def _two_stage(s, flushed, k: int, *, sink: int, recent: int, groups: int, w: int, interpret: bool,
                num_warps: int | None):
-    """`select_pages_pallas` as a chunk stage (grid rows x chunks) and a merge stage (grid rows)."""
+    """`select_pages_pallas` as a chunk stage (grid rows x chunks of w pages, w a power of two) and a merge stage
+    (grid rows)."""
     r, p = s.shape
-    w = next_pow2(-(-p // chunks))                                   # chunk width: a power of two
     nc = -(-p // w)                                                  # chunks that hold pages
     k1 = min(next_pow2(k), w)                                        # a power of two: the output blocks tile
     m = nc * k1
     mp, kp = next_pow2(m), next_pow2(k)
-    kw1, kw2 = {}, {}
-    if not interpret:
-        kw1["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps or (8 if w >= 4096 else 4), num_stages=1)
-        kw2["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps or (8 if mp >= 4096 else 4), num_stages=1)
     xs, ids = pl.pallas_call(
         functools.partial(_chunk_kernel, k1=k1, w=w, n=p, sink=sink, recent=recent), grid=(r, nc),
         interpret=interpret,
         in_specs=[pl.BlockSpec((None, w), lambda i, c: (i, c)), pl.BlockSpec((None,), lambda i, c: (i // groups,))],
         out_specs=[pl.BlockSpec((None, k1), lambda i, c: (i, c))] * 2,
         out_shape=[jax.ShapeDtypeStruct((r, m), jnp.float32), jax.ShapeDtypeStruct((r, m), jnp.int32)],
-        name="page_top_k_chunks", **kw1,
+        name="page_top_k_chunks", **_launch(w, num_warps, interpret),
     )(s, flushed)
     return pl.pallas_call(
         functools.partial(_merge_kernel, k=k, kp=kp, m=m, mp=mp), grid=(r,), interpret=interpret,
         in_specs=[pl.BlockSpec((None, mp), lambda i: (i, 0))] * 2,
         out_specs=pl.BlockSpec((None, kp), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32), name="page_top_k_merge", **kw2,
+        out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32), name="page_top_k_merge", **_launch(mp, num_warps, interpret),
     )(xs, ids)
 
 
@@ -163,14 +170,11 @@ def select_pages_pallas(s, flushed, k: int, *, sink: int = 0, recent: int = 0, g
     _check(s, flushed, k, sink, recent, groups)
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks = {chunks!r} must be an int >= 1")
-    if chunks > 1 and next_pow2(-(-p // chunks)) < p:
+    w = next_pow2(-(-p // chunks))                                   # chunk width: a power of two
+    if w < p:
         return _two_stage(s.astype(jnp.float32), flushed.astype(jnp.int32), k, sink=sink, recent=recent,
-                          groups=groups, chunks=chunks, interpret=interpret, num_warps=num_warps)
+                          groups=groups, w=w, interpret=interpret, num_warps=num_warps)
     pp, kp = next_pow2(p), next_pow2(k)
-    kwargs = {}
-    if not interpret:
-        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps or (8 if pp >= 4096 else 4),
-                                                         num_stages=1)
     # a block wider than the row (pp > p) or than the output (kp > k): Pallas masks the loads and stores past the
     # array (interpret mode pads), so no XLA pad or slice runs around the kernel
     return pl.pallas_call(
@@ -178,7 +182,7 @@ def select_pages_pallas(s, flushed, k: int, *, sink: int = 0, recent: int = 0, g
         interpret=interpret,
         in_specs=[pl.BlockSpec((None, pp), lambda i: (i, 0)), pl.BlockSpec((None,), lambda i: (i // groups,))],
         out_specs=pl.BlockSpec((None, kp), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32), name="page_top_k", **kwargs,
+        out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32), name="page_top_k", **_launch(pp, num_warps, interpret),
     )(s.astype(jnp.float32), flushed.astype(jnp.int32))
 
 
