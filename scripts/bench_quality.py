@@ -432,12 +432,12 @@ def plot(rows, meta, path):
     colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
     for ci, ctx in enumerate(sorted({r["context"] for r in pk})):
         # one dotted line per prompt set: dense on one set is not the reference of another set's cells
-        for ps in sorted({r.get("prompts") or "" for r in pk if r["context"] == ctx and r["attention"] == "dense"}):
+        for ps in sorted({prompts_of(r) for r in pk if r["context"] == ctx and r["attention"] == "dense"}):
             dense = [r["accuracy"] for r in pk if r["context"] == ctx and r["attention"] == "dense"
-                     and (r.get("prompts") or "") == ps]
+                     and prompts_of(r) == ps]
             ax.axhline(100 * np.mean(dense), color=colors[ci % 4], ls=":", lw=1)
         # a line per (page size, rule, prompt set): cells drawn from different prompt sets are not joined
-        line_of = lambda r: (r["page_size"], sel_of(r), r.get("prompts") or "")
+        line_of = lambda r: (r["page_size"], sel_of(r), prompts_of(r))
         lines = sorted({line_of(r) for r in pk if r["page_size"]})
         for (page, sp, ps), ls in zip(lines, line_styles()):
             mine = [r for r in pk if r["context"] == ctx and line_of(r) == (page, sp, ps)]
@@ -503,7 +503,7 @@ def markdown(rows, meta) -> str:
     pk = [r for r in rows if r["task"] == "passkey"]
     if pk:
         ctxs = sorted({r["context"] for r in pk})
-        cell_of = lambda r: (r.get("prompts") or "", r["budget"] or 0, r["page_size"] or 0, sel_of(r))
+        cell_of = lambda r: (prompts_of(r), r["budget"] or 0, r["page_size"] or 0, sel_of(r))
         cells = sorted({cell_of(r) for r in pk}, key=lambda cell: (prompts_order(cell[0]),) + cell[1:])
         out.append("| cell | " + " | ".join(f"{c} tok: accuracy (same as dense)" for c in ctxs) + " |")
         out.append("|---" * (len(ctxs) + 1) + "|")
@@ -525,10 +525,10 @@ def markdown(rows, meta) -> str:
         depths = sorted({r["depth"] for r in pk})
         out.append("\nDense accuracy by depth:\n\n| context | " + " | ".join(f"{d}%" for d in depths) + " |")
         out.append("|---" * (len(depths) + 1) + "|")
-        for c, ps in sorted({(r["context"], r.get("prompts") or "") for r in pk if r["attention"] == "dense"},
+        for c, ps in sorted({(r["context"], prompts_of(r)) for r in pk if r["attention"] == "dense"},
                             key=lambda cp: (cp[0], prompts_order(cp[1]))):
             acc = {r["depth"]: r for r in pk if r["context"] == c and r["attention"] == "dense"
-                   and (r.get("prompts") or "") == ps}
+                   and prompts_of(r) == ps}
             out.append(f"| {c}{prompts_name(ps)} | " +
                        " | ".join(f"{100 * acc[d]['accuracy']:.0f}% of {acc[d]['n']}" if d in acc else "not run"
                                   for d in depths) + " |")
@@ -570,6 +570,11 @@ def sel_of(r) -> tuple[int, int]:
     if r.get("attention") == "dense":
         return (1, 0)
     return (int(r.get("summary_split") or 1), int(r.get("key_channels") or 0))
+
+
+def prompts_of(r) -> str:
+    """A passkey row's prompt set ("" for rows older than the field)."""
+    return r.get("prompts") or ""
 
 
 def prompts_name(prompts: str) -> str:

@@ -136,8 +136,7 @@ def main(argv=None):
     print(f"\nB={B} KV={KV} P={P} D={D}: summaries {summ_bytes / 1e9:.3f} GB, copy {bw / 1e12:.2f} TB/s")
     print("| kind | variant | us | TB/s | of copy | check |\n|---|---|---|---|---|---|")
     for r in res.rows:
-        v = r["impl"] + (f" bp={r['block_pages']} w={r['num_warps']}" if r.get("block_pages") else "") + \
-            (f" chunks={r['chunks']}" if r.get("chunks") else "")
+        v = variant_name(r, " ")
         if "error" in r:
             print(f"| {r['kind']} | {v} | ERROR {r['error'][:80]} |")
         else:
@@ -146,11 +145,16 @@ def main(argv=None):
     return res
 
 
+def variant_name(r, sep: str) -> str:
+    """A row's variant for the table (sep ' ') and the plot's labels (sep newline): impl, launch shape, chunks."""
+    return r["impl"] + (f"{sep}bp={r['block_pages']} w={r['num_warps']}" if r.get("block_pages") else "") + \
+        (f"{sep}chunks={r['chunks']}" if r.get("chunks") else "")
+
+
 def plot(res: Results, path):
     plt = pyplot()
     rows = [r for r in res.rows if "us" in r]
-    labels = [r["impl"] + (f"\nbp{r['block_pages']} w{r['num_warps']}" if r.get("block_pages") else "")
-              + (f"\nchunks {r['chunks']}" if r.get("chunks") else "") for r in rows]
+    labels = [variant_name(r, "\n") for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(rows)), 4))
     ax.bar(range(len(rows)), [r["us"] for r in rows],
            color=["tab:blue" if r["kind"] == "scores" else "tab:orange" for r in rows])
