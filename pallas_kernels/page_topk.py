@@ -55,9 +55,13 @@ def _sort_keys(x):
     return jnp.where(neg, ~bits, bits | np.uint32(0x80000000))
 
 
-def _winners(key, k: int):
-    """key [N] uint32 -> sel [N] bool, exactly k lanes (k <= N): every key above the k-th largest key T, then the
-    lowest-index keys equal to T (lax.top_k's tie rule). T is found bit by bit from the top: 32 passes of a count."""
+def _select_kernel(s_ref, fl_ref, i_ref, *, k: int, kp: int, pp: int, n: int, sink: int, recent: int):
+    # s_ref [Pp] float32 (one row; lanes >= n are masked loads: undefined, then -inf); fl_ref [] int32 (the row's
+    # flushed pages); i_ref [kp] int32: the k winners' page ids in page order, -1 for a non-candidate
+    idx = jnp.arange(pp, dtype=jnp.int32)
+    x = candidate_scores(s_ref[...], idx, fl_ref[...], n, sink=sink, recent=recent)
+    key = _sort_keys(x)
+
     def bit(b, t):  # the largest t with count(key >= t) >= k, built from the top bit down
         cand = t | (np.uint32(1) << (np.uint32(31) - b.astype(jnp.uint32)))
         return jnp.where(jnp.sum((key >= cand).astype(jnp.int32)) >= k, cand, t)
@@ -66,84 +70,10 @@ def _winners(key, k: int):
     gt = key > t
     eq = (key == t).astype(jnp.int32)
     need = k - jnp.sum(gt.astype(jnp.int32))                       # ties to take, lowest index first
-    return gt | ((eq == 1) & (jnp.cumsum(eq) - eq < need))
-
-
-def _page_winners(s, idx, flushed, n: int, k: int, end: int, *, sink: int, recent: int):
-    """s [W] float32 loaded scores of pages idx [W] (lanes idx >= n: masked loads, undefined) -> (x candidate
-    scores, sel the k winners, pos each winner's output slot in page order, `end` for the other lanes)."""
-    x = candidate_scores(s, idx, flushed, n, sink=sink, recent=recent)
-    sel = _winners(_sort_keys(x), k)
+    sel = gt | ((eq == 1) & (jnp.cumsum(eq) - eq < need))
     si = sel.astype(jnp.int32)
-    return x, sel, jnp.where(sel, jnp.cumsum(si) - si, end)
-
-
-def _launch(width: int, num_warps: int | None, interpret: bool) -> dict:
-    """pallas_call kwargs of a kernel whose program holds `width` scores: 8 warps from 4096 lanes, else 4."""
-    if interpret:
-        return {}
-    return dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps or (8 if width >= 4096 else 4),
-                                                     num_stages=1))
-
-
-def _select_kernel(s_ref, fl_ref, i_ref, *, k: int, kp: int, pp: int, n: int, sink: int, recent: int):
-    # s_ref [Pp] float32 (one row; lanes >= n are masked loads: undefined, then -inf); fl_ref [] int32 (the row's
-    # flushed pages); i_ref [kp] int32: the k winners' page ids in page order, -1 for a non-candidate
-    idx = jnp.arange(pp, dtype=jnp.int32)
-    x, sel, pos = _page_winners(s_ref[...], idx, fl_ref[...], n, k, kp, sink=sink, recent=recent)
-    plgpu.store(i_ref.at[pos], jnp.where(x > -np.inf, idx, -1), mask=sel)   # masked lanes point past the end
-
-
-# ---- two stages: a row split into chunks over many programs, then one program per row over the chunks' winners --
-# Exact: a page among the row's k winners is among its chunk's k winners (fewer pages beat it inside its chunk than
-# in the row), so the row's winners are the k winners of the union, and the union, laid out chunk after chunk with
-# each chunk's winners in page order, is in page order: the lowest-index tie rule picks the same pages.
-def _chunk_kernel(s_ref, fl_ref, xs_ref, is_ref, *, k1: int, w: int, n: int, sink: int, recent: int):
-    # s_ref [W] float32 (row i's pages c*W .. c*W + W - 1; lanes past n masked); fl_ref [] int32; xs_ref, is_ref
-    # [k1]: the chunk's k1 winners' candidate scores and page ids in page order (k1 <= W: every slot written)
-    idx = pl.program_id(1) * w + jnp.arange(w, dtype=jnp.int32)
-    x, sel, pos = _page_winners(s_ref[...], idx, fl_ref[...], n, k1, k1, sink=sink, recent=recent)
-    plgpu.store(xs_ref.at[pos], x, mask=sel)
-    plgpu.store(is_ref.at[pos], idx, mask=sel)
-
-
-def _merge_kernel(xs_ref, is_ref, i_ref, *, k: int, kp: int, m: int, mp: int):
-    # xs_ref, is_ref [Mp] (one row's M chunk winners, in page order; lanes past m masked: -inf); i_ref [kp]: the k
-    # winners' page ids in page order, then -1 for winners that are not candidates (as `_select_kernel`: the
-    # non-candidates of a row are its pages past `flushed`, all after its candidates)
-    lane = jnp.arange(mp, dtype=jnp.int32)
-    x = jnp.where(lane < m, xs_ref[...], np.float32(-np.inf))
-    sel = _winners(_sort_keys(x), k)
-    real = sel & (x > -np.inf)
-    fill = sel & ~real
-    ri, fi = real.astype(jnp.int32), fill.astype(jnp.int32)
-    pos = jnp.where(real, jnp.cumsum(ri) - ri, jnp.where(fill, jnp.sum(ri) + jnp.cumsum(fi) - fi, kp))
-    plgpu.store(i_ref.at[pos], jnp.where(real, is_ref[...], -1), mask=sel)
-
-
-def _two_stage(s, flushed, k: int, *, sink: int, recent: int, groups: int, w: int, interpret: bool,
-               num_warps: int | None):
-    """`select_pages_pallas` as a chunk stage (grid rows x chunks of w pages, w a power of two) and a merge stage
-    (grid rows)."""
-    r, p = s.shape
-    nc = -(-p // w)                                                  # chunks that hold pages
-    k1 = min(next_pow2(k), w)                                        # a power of two: the output blocks tile
-    m = nc * k1
-    mp, kp = next_pow2(m), next_pow2(k)
-    xs, ids = pl.pallas_call(
-        functools.partial(_chunk_kernel, k1=k1, w=w, n=p, sink=sink, recent=recent), grid=(r, nc),
-        interpret=interpret,
-        in_specs=[pl.BlockSpec((None, w), lambda i, c: (i, c)), pl.BlockSpec((None,), lambda i, c: (i // groups,))],
-        out_specs=[pl.BlockSpec((None, k1), lambda i, c: (i, c))] * 2,
-        out_shape=[jax.ShapeDtypeStruct((r, m), jnp.float32), jax.ShapeDtypeStruct((r, m), jnp.int32)],
-        name="page_top_k_chunks", **_launch(w, num_warps, interpret),
-    )(s, flushed)
-    return pl.pallas_call(
-        functools.partial(_merge_kernel, k=k, kp=kp, m=m, mp=mp), grid=(r,), interpret=interpret,
-        in_specs=[pl.BlockSpec((None, mp), lambda i: (i, 0))] * 2,
-        out_specs=pl.BlockSpec((None, kp), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32), name="page_top_k_merge", **_launch(mp, num_warps, interpret),
-    )(xs, ids)
+    pos = jnp.where(sel, jnp.cumsum(si) - si, kp)                  # masked lanes point past the end
+    plgpu.store(i_ref.at[pos], jnp.where(x > -np.inf, idx, -1), mask=sel)
 
 
 def _check(s, flushed, k: int, sink: int, recent: int, groups: int):
@@ -157,24 +87,19 @@ def _check(s, flushed, k: int, sink: int, recent: int, groups: int):
         raise ValueError(f"sink = {sink} and recent = {recent} must be >= 0")
 
 
-@functools.partial(jax.jit, static_argnames=("k", "sink", "recent", "groups", "interpret", "num_warps", "chunks"))
+@functools.partial(jax.jit, static_argnames=("k", "sink", "recent", "groups", "interpret", "num_warps"))
 def select_pages_pallas(s, flushed, k: int, *, sink: int = 0, recent: int = 0, groups: int = 1,
-                        interpret: bool = False, num_warps: int | None = None, chunks: int = 1):
+                        interpret: bool = False, num_warps: int | None = None):
     """s [R, P] float32 scores; flushed [R // groups] int32 candidate pages, one value for each `groups` consecutive
     rows (a sequence's KV-head groups share it; read in place, not broadcast) -> [R, k] int32 page ids in page
-    order, -1 where the row has fewer than k candidates: exactly `ref_select_pages`.
-    chunks > 1: two launches, each row split into `chunks` chunks of a power-of-two width whose winners one program
-    per row then merges (the same result); for few rows of many pages, where one program per row leaves most of the
-    GPU idle. Which shapes it pays at is measured by scripts/bench_select.py; the decode uses chunks = 1."""
+    order, -1 where the row has fewer than k candidates: exactly `ref_select_pages`."""
     r, p = s.shape
     _check(s, flushed, k, sink, recent, groups)
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks = {chunks!r} must be an int >= 1")
-    w = next_pow2(-(-p // chunks))                                   # chunk width: a power of two
-    if w < p:
-        return _two_stage(s.astype(jnp.float32), flushed.astype(jnp.int32), k, sink=sink, recent=recent,
-                          groups=groups, w=w, interpret=interpret, num_warps=num_warps)
     pp, kp = next_pow2(p), next_pow2(k)
+    kwargs = {}
+    if not interpret:
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps or (8 if pp >= 4096 else 4),
+                                                         num_stages=1)
     # a block wider than the row (pp > p) or than the output (kp > k): Pallas masks the loads and stores past the
     # array (interpret mode pads), so no XLA pad or slice runs around the kernel
     return pl.pallas_call(
@@ -182,7 +107,7 @@ def select_pages_pallas(s, flushed, k: int, *, sink: int = 0, recent: int = 0, g
         interpret=interpret,
         in_specs=[pl.BlockSpec((None, pp), lambda i: (i, 0)), pl.BlockSpec((None,), lambda i: (i // groups,))],
         out_specs=pl.BlockSpec((None, kp), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32), name="page_top_k", **_launch(pp, num_warps, interpret),
+        out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32), name="page_top_k", **kwargs,
     )(s.astype(jnp.float32), flushed.astype(jnp.int32))
 
 

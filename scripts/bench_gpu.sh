@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks on a GPU machine (written for an H200), one step per name, each within one 600 s device call:
-#   bash scripts/bench_gpu.sh [select select-small sieve tiers ingest attention layer decode profile e2e quality-passkey16
+#   bash scripts/bench_gpu.sh [select sieve tiers ingest attention layer decode profile e2e quality-passkey16
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
 #                              decode-prefill
@@ -31,12 +31,6 @@ names=("$@")
 for b in "${names[@]}"; do
   case $b in
     select)     step select 300 scripts/bench_select.py --out "$OUT" "${C[@]}" --reps 5 ;;
-    select-small)   # the decode's small batches at 256K (8 groups x 4224 pages, k = 32): the two-stage top-k's
-                    # chunk counts against the one-launch kernel (issue 21), batch 1 then 3, each its own folder
-                    step select-b1 280 scripts/bench_select.py --out "$OUT/select_b1" "${C[@]}" --reps 5 --batch 1 \
-                      --blocks 16 --warps 8 --chunks 1 2 4 8 16 32
-                    step select-b3 280 scripts/bench_select.py --out "$OUT/select_b3" "${C[@]}" --reps 5 --batch 3 \
-                      --blocks 16 --warps 8 --chunks 1 2 4 8 16 ;;
     sieve)      step sieve 560 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --requests 8192 65536 \
                   --pools 65536 1048576 --buckets 64 128 256 1024 --budget-s 0.2 --max-seconds 420 ;;
     tiers)      step tiers 300 scripts/bench_tiers.py --out "$OUT" ;;
@@ -101,7 +95,7 @@ for b in "${names[@]}"; do
                   --row-timeout 560 --out "$OUT" "${C[@]}" ;;
     prefix-smollm2) step prefix-smollm2 580 scripts/bench_prefix.py --rows smollm2:8192 --append --row-timeout 280 \
                   --model "${MODEL:-smollm2-135m}" --out "$OUT" "${C[@]}" ;;
-    *) echo "unknown benchmark '$b' (select select-small sieve tiers ingest attention layer decode profile e2e" \
+    *) echo "unknown benchmark '$b' (select sieve tiers ingest attention layer decode profile e2e" \
             "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2)"; exit 2 ;;

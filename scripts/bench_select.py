@@ -6,8 +6,7 @@ one layer; q [B, 1, 64, 128]. Score variants: the Pallas kernel at several (bloc
 einsum reference; each is checked against the reference (fp32, rtol 1e-4) before timing, and its bandwidth over
 the summary bytes is reported as a fraction of the HBM copy bandwidth measured in the same run. Top-k variants
 over the [B, KV, P] scores (k = budget / 64): lax.top_k, a two-stage top-k (per 128-page block, then over the
-block winners) and the radix-select kernel (pallas_kernels/page_topk.py) in one launch and in two stages at
-`--chunks` chunks a row (its `chunks` argument: for few rows of many pages), checked for the same selected set. Time = median over reps of a jitted loop of `--calls` calls
+block winners) and the radix-select kernel (pallas_kernels/page_topk.py), checked for the same selected set. Time = median over reps of a jitted loop of `--calls` calls
 (each call's query depends on the previous result, so no call is hoisted) / calls.
 
 Run (H200): python3 scripts/bench_select.py --out DIR [--commit SHA]   -> DIR/select.json, DIR/select.png
@@ -62,8 +61,6 @@ def main(argv=None):
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--commit", default=None)
-    p.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 8, 16, 32],
-                   help="radix top-k variants: chunks a row (1 = one launch; more = chunk stage + merge stage)")
     p.add_argument("--out", default=os.environ.get("OUT", "docs/benchmarks"))
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
@@ -111,18 +108,16 @@ def main(argv=None):
     sc = jnp.asarray(ref)
     want = np.sort(np.asarray(lax.top_k(sc, k)[1]), axis=-1)
 
-    def radix(s, chunks):
+    def radix(s):
         """The selection kernel with every page a candidate and none forced: the plain top-k (ids in page order),
         returned twice to match (values, ids): the timed sum reads the first output."""
         b, g, p = s.shape
-        ids = select_pages_pallas(s.reshape(b * g, p), jnp.full(b * g, p, jnp.int32), k, interpret=not gpu,
-                                  chunks=chunks)
+        ids = select_pages_pallas(s.reshape(b * g, p), jnp.full(b * g, p, jnp.int32), k, interpret=not gpu)
         return ids.reshape(b, g, k), ids.reshape(b, g, k)
 
-    variants = [("lax.top_k", None, lambda s: lax.top_k(s, k)), ("two_stage", None, lambda s: two_stage_top_k(s, k))]
-    variants += [("pallas_radix", c, lambda s, c=c: radix(s, c)) for c in a.chunks]
-    for name, chunks, fn in variants:
-        row = dict(kind="top_k", impl=name, k=k) | ({"chunks": chunks} if chunks else {})
+    for name, fn in (("lax.top_k", lambda s: lax.top_k(s, k)), ("two_stage", lambda s: two_stage_top_k(s, k)),
+                     ("pallas_radix", radix)):
+        row = dict(kind="top_k", impl=name, k=k)
         try:
             got = np.sort(np.asarray(jax.jit(fn)(sc)[1]), axis=-1)
             row["ok"] = bool((got == want).all())
@@ -146,9 +141,8 @@ def main(argv=None):
 
 
 def variant_name(r, sep: str) -> str:
-    """A row's variant for the table (sep ' ') and the plot's labels (sep newline): impl, launch shape, chunks."""
-    return r["impl"] + (f"{sep}bp={r['block_pages']} w={r['num_warps']}" if r.get("block_pages") else "") + \
-        (f"{sep}chunks={r['chunks']}" if r.get("chunks") else "")
+    """A row's variant for the table (sep ' ') and the plot's labels (sep newline): impl and launch shape."""
+    return r["impl"] + (f"{sep}bp={r['block_pages']} w={r['num_warps']}" if r.get("block_pages") else "")
 
 
 def plot(res: Results, path):

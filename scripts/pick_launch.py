@@ -16,9 +16,7 @@ def pick(select: dict) -> list[str]:
     if kern:
         best = min(kern, key=lambda r: r["us"])
         flags += ["--score-launch", str(best["block_pages"]), str(best["num_warps"])]
-    # the decode's kernel is the one-launch radix select (chunks 1, or rows older than the chunks field)
-    topk = {r["impl"]: r for r in rows if r.get("kind") == "top_k" and r.get("ok") and "us" in r
-            and r.get("chunks", 1) == 1}
+    topk = {r["impl"]: r for r in rows if r.get("kind") == "top_k" and r.get("ok") and "us" in r}
     if "lax.top_k" in topk and ("pallas_radix" not in topk or topk["lax.top_k"]["us"] < topk["pallas_radix"]["us"]):
         flags += ["--topk", "ref"]
     return flags

@@ -59,9 +59,6 @@ def test_pick_launch_takes_the_fastest_checked_variant():
     slow_radix = rows[:4] + [dict(rows[4]), dict(rows[5], us=300.0)]
     assert pick(dict(rows=slow_radix)) == ["--score-launch", "16", "8", "--topk", "ref"]
     assert pick(dict(rows=[dict(kind="top_k", impl="pallas_radix", error="x")])) == []
-    # a fast two-stage row does not stand in for the one-launch kernel the decode runs
-    two = slow_radix + [dict(kind="top_k", impl="pallas_radix", chunks=8, ok=True, us=5.0)]
-    assert pick(dict(rows=two)) == ["--score-launch", "16", "8", "--topk", "ref"]
 
 
 def test_bench_ingest_checks_and_reports(tmp_path):

@@ -161,18 +161,6 @@ def test_page_select_lowers_to_one_launch_without_pad_or_sort():
     assert "stablehlo.sort" not in txt and "stablehlo.pad" not in txt
 
 
-@pytest.mark.parametrize("chunks", [4, 16])
-def test_two_stage_page_select_lowers_to_two_launches(chunks):
-    """Chunk stage and merge stage: two Triton launches, no XLA op between them (the chunk winners are written
-    chunk after chunk, which is already the merge's page order)."""
-    from ulacache_jax.pallas_kernels.page_topk import select_pages_pallas
-    txt = lower_for_h200(lambda s, f: select_pages_pallas(s, f, 32, sink=1, recent=2, groups=8, interpret=False,
-                                                          chunks=chunks),
-                         spec((8, 4224), jnp.float32), spec((1,), jnp.int32))
-    assert txt.count(TRITON_CALL) == 2
-    assert "stablehlo.sort" not in txt and "stablehlo.pad" not in txt and "stablehlo.concatenate" not in txt
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_ingest_passes_the_host_pool_to_the_flush_kernel_only(monkeypatch, tp):
     """Prefill ingestion writes complete pages through with one flush launch per rank that indexes the rank inside

@@ -7,15 +7,12 @@ from ulacache_jax.pallas_kernels import on_gpu
 from ulacache_jax.pallas_kernels.page_topk import ref_select_pages, select_pages_pallas, select_top_pages
 
 
-def check(s, flushed, k, *, sink=0, recent=0, groups=1, interpret=True, chunks=(1, 4)):
-    """The kernel (one launch, and in two stages with each row in 4 chunks) against the reference, bit for bit;
-    returns the ids."""
+def check(s, flushed, k, *, sink=0, recent=0, groups=1, interpret=True):
+    """The kernel against the reference, bit for bit; returns the ids."""
     s, fl = jnp.asarray(s, jnp.float32), jnp.asarray(flushed, jnp.int32)
+    got = np.asarray(select_pages_pallas(s, fl, k, sink=sink, recent=recent, groups=groups, interpret=interpret))
     want = np.asarray(ref_select_pages(s, fl, k, sink=sink, recent=recent, groups=groups))
-    for c in chunks:
-        got = np.asarray(select_pages_pallas(s, fl, k, sink=sink, recent=recent, groups=groups, interpret=interpret,
-                                             chunks=c))
-        np.testing.assert_array_equal(got, want, err_msg=f"chunks = {c}")
+    np.testing.assert_array_equal(got, want)
     return got
 
 
@@ -116,16 +113,13 @@ def test_forced_pages_win_and_short_rows_take_every_candidate():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_gpu(), reason="needs a GPU: runs the kernel compiled")
-@pytest.mark.parametrize("case", ["random-decode-shape", "random-b1", "random-odd", "hard"])
+@pytest.mark.parametrize("case", ["random-decode-shape", "random-odd", "hard"])
 def test_compiled_matches_reference(case):
-    """The same checks with the Triton kernels compiled (the decode's default selection on GPU; two stages too)."""
+    """The same checks with the Triton kernel compiled (the decode's default selection on GPU)."""
     rng = np.random.default_rng(7)
     if case == "random-decode-shape":        # B = 32 x 8 groups at 256K, budget 2048, page 64
         check(rng.standard_normal((256, 4224)), rng.integers(0, 4225, 32), 32, sink=1, recent=2, groups=8,
               interpret=False)
-    elif case == "random-b1":                # B = 1 x 8 groups at 256K: the shape two stages are for
-        check(rng.standard_normal((8, 4224)), [4224], 32, sink=1, recent=2, groups=8, interpret=False,
-              chunks=(1, 4, 8, 16, 32))
     elif case == "random-odd":
         check(rng.standard_normal((6, 257)), rng.integers(0, 258, 3), 64, sink=1, recent=2, groups=2,
               interpret=False)
@@ -135,21 +129,6 @@ def test_compiled_matches_reference(case):
             for fl, sink, recent in cases:
                 if sink + recent <= k:
                     check(s, fl, k, sink=sink, recent=recent, interpret=False)
-
-
-@pytest.mark.parametrize("p,k,chunks", [(4224, 32, 8), (4224, 32, 64), (300, 300, 16), (257, 5, 3), (64, 64, 2)])
-def test_two_stages_match_the_reference(p, k, chunks):
-    """Chunk widths that do not divide the row, chunks narrower than k (every page of a chunk passes), a last chunk
-    of a few pages, ties across chunk borders, forced pages in the first and last chunks, short rows."""
-    rng = np.random.default_rng(p * k + chunks)
-    s = rng.integers(-2, 3, (4, p)).astype(np.float32)                  # ties everywhere, across chunk borders
-    s[1] = rng.standard_normal(p)
-    s[2, ::3] = -0.0
-    fl = np.array([p, 3], np.int32)                                     # full rows, and rows of 3 candidates
-    for sink, recent in ((0, 0), (1, 2)):
-        if sink + recent <= k:
-            got = check(s, fl, k, sink=sink, recent=recent, groups=2, chunks=(chunks,))
-            np.testing.assert_array_equal(got, numpy_select(s, np.repeat(fl, 2), k, sink, recent))
 
 
 def test_dispatch_leading_axes_and_errors():
@@ -166,7 +145,5 @@ def test_dispatch_leading_axes_and_errors():
         select_pages_pallas(s2, jnp.zeros(4, jnp.int32), 5, groups=2, interpret=True)
     with pytest.raises(ValueError, match="flushed has shape"):
         ref_select_pages(s2, jnp.zeros(4, jnp.int32), 5, groups=2)
-    with pytest.raises(ValueError, match="chunks = 0 must be"):
-        select_pages_pallas(s2, jnp.zeros(6, jnp.int32), 5, interpret=True, chunks=0)
     with pytest.raises(ValueError, match="impl = 'fast'"):
         select_top_pages(jnp.asarray(s), fl, 3, impl="fast")

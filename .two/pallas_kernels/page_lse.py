@@ -1,0 +1,104 @@
+"""Per-page log-sum-exp of approximate logits over the key copy, as a Pallas kernel (the key copy's page scores).
+
+lse[s, j, r, p] = log sum_{t in page p} exp(kc[s, layer, j, p, t, i(r)] . qc[s, j, r])
+for each query row r of group j (r = i * H + x: KV head i of the group, its x-th query row; a verification's rows
+and a KV head's query heads are all rows here). The caller (ulacache_jax.key_copy.page_mass) masks unflushed pages,
+normalises each row over the pages (a softmax over every flushed token, done per page so the token weights are
+never written) and sums the rows. XLA's version materialises the float32 logits [S, rows, P, page] of every layer
+and reads them back; this kernel reads the copy once and writes [S, G, rows, P].
+One program per (sequence, group, block of pages); the layer is a static index into the full copy (no per-layer
+slice is materialised). Rows beyond the caller's (padding to a power of two) compute garbage the caller drops.
+Axis alphabet: S sequences, L layers, G groups, P pages, T tokens of a page, g KV heads per group, C copy channels,
+H query rows per KV head, p pages of a block.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from . import next_pow2, on_gpu, pick_impl
+
+DEFAULT_WARPS = 4
+BLOCK_ELEMS = 16384  # fp32 values of one block's copy (pages x T x C): 64 a thread at 4 warps, no spill
+
+
+def _lse_kernel(kc_ref, q_ref, out_ref, *, g: int, rows: int):
+    # kc_ref [p, T, g * C] (this sequence, layer, group, page block); q_ref [g * rows, C] float32 (scaled);
+    # out_ref [g * rows, p]: one row of page log-sum-exps per query row
+    p, t, gc = kc_ref.shape
+    c = gc // g
+    for i in range(g):
+        k = kc_ref[:, :, pl.ds(i * c, c)].astype(jnp.float32)                          # [p, T, C]
+        for x in range(rows):
+            r = i * rows + x
+            q = q_ref[pl.ds(r, 1), :].reshape(1, 1, c)                                  # [1, 1, C]
+            logit = jnp.sum(k * q, axis=2)                                              # [p, T]
+            m = jnp.max(logit, axis=1)                                                  # [p]
+            out_ref[pl.ds(r, 1), :] = (m + jnp.log(jnp.sum(jnp.exp(logit - m[:, None]), axis=1))).reshape(1, p)
+
+
+def _block_pages(num_pages: int, page: int, channels: int) -> int:
+    """Largest power of two dividing num_pages whose block holds at most BLOCK_ELEMS copy values."""
+    b = 1
+    while num_pages % (b * 2) == 0 and (b * 2) * page * channels <= BLOCK_ELEMS:
+        b *= 2
+    return b
+
+
+def _check(kc, qc, *, pow2: bool):
+    S, L, G, P, T, g, C = kc.shape
+    if qc.ndim != 5 or qc.shape[:3] != (S, G, g) or qc.shape[4] != C:
+        raise ValueError(f"qc shape {qc.shape} must be [S, G, g, H, C] = [{S}, {G}, {g}, H, {C}] for kc {kc.shape}")
+    for name, v in (("page size", T), ("copy channels", C)):
+        if pow2 and v & (v - 1):
+            raise ValueError(f"{name} = {v} must be a power of two for the page-lse kernel (Triton blocks)")
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "interpret", "block_pages", "num_warps"))
+def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages: int | None = None,
+                    num_warps: int | None = None):
+    """kc [S, L, G, P, T, g, C] the key copy (any float dtype); qc [S, G, g, H, C] float32 query rows at the copy's
+    channels, already scaled -> lse [S, G, g * H, P] float32 for `layer`. block_pages: a power of two dividing P
+    (default: the largest within BLOCK_ELEMS)."""
+    _check(kc, qc, pow2=True)
+    S, L, G, P, T, g, C = kc.shape
+    H = qc.shape[3]
+    Hp = next_pow2(H)    # Triton blocks are powers of two: padded rows are zeros, their lse is dropped below
+    qp = jnp.pad(qc.astype(jnp.float32), ((0, 0),) * 3 + ((0, Hp - H), (0, 0))).reshape(S, G, g * Hp, C)
+    bp = block_pages or _block_pages(P, T, C)
+    if P % bp or bp & (bp - 1):
+        raise ValueError(f"block_pages = {bp} must be a power of two dividing the page count {P}")
+    kwargs = {}
+    if not interpret:
+        kwargs["compiler_params"] = pltr.CompilerParams(num_warps=num_warps or DEFAULT_WARPS)
+    view = kc.reshape(S, L, G, P, T, g * C)                                             # row-major: free
+    out = pl.pallas_call(
+        functools.partial(_lse_kernel, g=g, rows=Hp), grid=(S, G, P // bp), interpret=interpret,
+        in_specs=[pl.BlockSpec((None, None, None, bp, T, g * C), lambda s, j, b: (s, layer, j, b, 0, 0)),
+                  pl.BlockSpec((None, None, g * Hp, C), lambda s, j, b: (s, j, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, g * Hp, bp), lambda s, j, b: (s, j, 0, b)),
+        out_shape=jax.ShapeDtypeStruct((S, G, g * Hp, P), jnp.float32),
+        name="key_copy_page_lse", **kwargs)(view, qp)
+    return out.reshape(S, G, g, Hp, P)[:, :, :, :H].reshape(S, G, g * H, P)
+
+
+def ref_page_lse(kc, qc, *, layer: int):
+    """Plain jnp reference of `page_lse_pallas` (float32 products at full precision)."""
+    S, L, G, P, T, g, C = kc.shape
+    logit = jnp.einsum("sjptic,sjihc->sjihpt", kc[:, layer].astype(jnp.float32), qc.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)                             # [S, G, g, H, P, T]
+    return jax.nn.logsumexp(logit, axis=-1).reshape(S, G, g * qc.shape[3], P)
+
+
+def page_lse(kc, qc, *, layer: int, impl: str = "auto"):
+    """impl: 'auto' (kernel on GPU, reference elsewhere), 'pallas' (kernel; interpret mode off GPU) or 'ref'.
+    A copy whose page size or channel count is not a power of two takes the reference."""
+    _check(kc, qc, pow2=False)
+    T, C = kc.shape[4], kc.shape[6]
+    if pick_impl(impl) == "ref" or T & (T - 1) or C & (C - 1):
+        return ref_page_lse(kc, qc, layer=layer)
+    return page_lse_pallas(kc, qc, layer=layer, interpret=not on_gpu())

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The benchmarks on a GPU machine (written for an H200), one step per name, each within one 600 s device call:
+#   bash scripts/bench_gpu.sh [select select-small sieve tiers ingest attention layer decode profile e2e quality-passkey16
+#                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
+#                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
+#                              decode-prefill
+#                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2]
+#                              (default: the first seven, in order)
+# (`make bench-gpu BENCH="select decode"` calls this.) Every script checks against its reference before timing
+# and writes its JSON row by row, so a step cut by its timeout keeps what it measured. Output: JSON + PNG under
+# $OUT (default out/gpu); $COMMIT, if set, is recorded as the measured commit (the device's copy of the tree may
+# have no usable .git). Nothing is installed: the checkout is on PYTHONPATH ($PY: the interpreter, default python3).
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+OUT=${OUT:-out/gpu}
+C=()
+[ -n "${COMMIT:-}" ] && C=(--commit "$COMMIT")
+mkdir -p "$OUT"
+status=0
+
+step() {  # step NAME SECONDS SCRIPT ARGS...
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*"
+  timeout "$limit" "$PY" "$@" || { echo "!! $name exited $?"; status=1; }
+}
+
+names=("$@")
+[ ${#names[@]} -eq 0 ] && names=(select sieve tiers ingest attention layer decode)
+for b in "${names[@]}"; do
+  case $b in
+    select)     step select 300 scripts/bench_select.py --out "$OUT" "${C[@]}" --reps 5 ;;
+    select-small)   # the decode's small batches at 256K (8 groups x 4224 pages, k = 32): the two-stage top-k's
+                    # chunk counts against the one-launch kernel (issue 21), batch 1 then 3, each its own folder
+                    step select-b1 280 scripts/bench_select.py --out "$OUT/select_b1" "${C[@]}" --reps 5 --batch 1 \
+                      --blocks 16 --warps 8 --chunks 1 2 4 8 16 32
+                    step select-b3 280 scripts/bench_select.py --out "$OUT/select_b3" "${C[@]}" --reps 5 --batch 3 \
+                      --blocks 16 --warps 8 --chunks 1 2 4 8 16 ;;
+    sieve)      step sieve 560 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --requests 8192 65536 \
+                  --pools 65536 1048576 --buckets 64 128 256 1024 --budget-s 0.2 --max-seconds 420 ;;
+    tiers)      step tiers 300 scripts/bench_tiers.py --out "$OUT" ;;
+    ingest)     step ingest 200 scripts/bench_ingest.py --out "$OUT" "${C[@]}" ;;
+    attention)  step attention 560 scripts/bench_attention.py --out "$OUT" "${C[@]}" --deadline 420 ;;
+    layer)      step layer 560 scripts/bench_layer.py --out "$OUT" "${C[@]}" ;;
+    decode)     # the regression rows (issue 20): sparse and dense at 128K x 3 and 256K x 1, each row its own process;
+                # the score launch and top-k that select.json measured fastest, when this run has one
+                step decode 580 scripts/bench_decode.py --out "$OUT" "${C[@]}" --chunks 4 --row-timeout 250 \
+                  $("$PY" scripts/pick_launch.py "$OUT/select.json") \
+                  --rows sparse:131072:3,dense:131072:3,sparse:262144:1,dense:262144:1 ;;
+    profile)    step profile 560 scripts/profile_decode.py --out "$OUT" "${C[@]}" --row-timeout 130 \
+                  --rows sparse:131072:1,sparse:131072:3,dense:131072:1,sparse:262144:1 ;;
+    e2e)        # first token through generate: SmolLM2 at 8K ($MODEL: its GGUF; default the installed package),
+                # the 8B shape at 128K
+                step e2e 560 scripts/bench_e2e.py --out "$OUT" "${C[@]}" --model "${MODEL:-smollm2-135m}" ;;
+    # the quality grid of issue 19 on SmolLM2, each step sized to one 600 s call by the H200's cell times at 0a69cd0
+    # (passkey: ~55 s dense + 50-90 s a sparse cell of 300 prompts; ppl: ~50 s a Quest cell, ~75 s a key-copy cell;
+    # trace: ~27 s a pool). Then, anywhere: bench_quality.py --combine $OUT/q_*.json --out docs/benchmarks
+    quality-passkey|quality-passkey16|quality-passkey64)   # the target cells (budgets >= 512), Quest and key copy 32
+                  pg=16; [ "$b" = quality-passkey64 ] && pg=64
+                  step "$b" 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey \
+                  --pages "$pg" --budgets 512,1024 --key-channels 0,32 --batch 32 --out "$OUT" --name "q_pk$pg" "${C[@]}" ;;
+    quality-passkey-low16|quality-passkey-low64)           # the speed shapes' ratios (budgets 64-256)
+                  pg=16; [ "$b" = quality-passkey-low64 ] && pg=64
+                  step "$b" 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey \
+                  --pages "$pg" --budgets 64,128,256 --key-channels 0,32 --batch 32 --out "$OUT" --name "q_pklow$pg" "${C[@]}" ;;
+    quality-ppl16)    step quality-ppl16 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
+                  --tasks ppl --pages 16 --key-channels 0 --out "$OUT" --name q_ppl16 "${C[@]}" ;;
+    quality-ppl16-copy) step quality-ppl16-copy 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
+                  --tasks ppl --pages 16 --key-channels 32 --out "$OUT" --name q_ppl16c "${C[@]}" ;;
+    quality-ppl64)    step quality-ppl64 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
+                  --tasks ppl --pages 64 --budgets 512,1024 --key-channels 0,32 --out "$OUT" --name q_ppl64 "${C[@]}" ;;
+    quality-trace)    step quality-trace 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
+                  --tasks ppl,trace --pages 16 --budgets 1024 --pools 2,4 --out "$OUT" --name q_trace "${C[@]}" ;;
+    quality-variants) step quality-variants 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
+                  --tasks ppl --variants --pages 16 --budgets 1024 --out "$OUT" --name q_variants "${C[@]}" ;;
+    quality-passkey-split2) step quality-passkey-split2 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey --contexts 8192 --pages 16 --budgets 512,1024 --summary-split 2 --out "$OUT" --name q_passkey_split2 "${C[@]}" ;;
+    # attention="auto" against both paths, same run (issue 21): short contexts, then the long ones appended
+    auto-short) step auto-short 580 scripts/bench_decode.py --out "$OUT/auto" "${C[@]}" --chunks 4 --row-timeout 180 \
+                  --rows sparse:8192:8,dense:8192:8,auto:8192:8,sparse:32768:1,dense:32768:1,auto:32768:1 ;;
+    auto-long)  step auto-long 580 scripts/bench_decode.py --out "$OUT/auto" "${C[@]}" --chunks 4 --row-timeout 180 \
+                  --append --rows sparse:262144:1,dense:262144:1,auto:262144:1 ;;
+    # real prefill before decode, time to first token beside decode (issue 21 part 6): $OUT/prefill/decode.json,
+    # kept as docs/benchmarks/decode_prefill.json
+    decode-prefill) step decode-prefill 580 scripts/bench_decode.py --out "$OUT/prefill" "${C[@]}" --fill prefill \
+                  --chunks 4 --row-timeout 150 \
+                  --rows sparse:32768:1,dense:32768:1,auto:32768:1,sparse:131072:1,dense:131072:1 ;;
+    # speculative decoding (issue 22): SmolLM2 with and without drafts, one batch size a call; then the
+    # verification step's cost at the 8B shape
+    speculative-b1) step speculative-b1 580 scripts/bench_speculative.py --model "${MODEL:-smollm2-135m}" \
+                  --batches 1 --out "$OUT/speculative.json" "${C[@]}" ;;
+    speculative-b4) step speculative-b4 580 scripts/bench_speculative.py --model "${MODEL:-smollm2-135m}" \
+                  --batches 4 --tasks continue,quote,sampled --append --out "$OUT/speculative.json" \
+                  "${C[@]}" ;;
+    speculative-step) step speculative-step 580 scripts/bench_speculative.py --step-cost \
+                  --out "$OUT/speculative_step.json" "${C[@]}" ;;
+    # shared prefixes (issue 24): 16 questions over one 128K document with and without sharing, then SmolLM2 at 8K
+    prefix-8b-on)   step prefix-8b-on 580 scripts/bench_prefix.py --rows 8b:130816 --modes on --row-timeout 560 \
+                  --out "$OUT" "${C[@]}" ;;
+    prefix-8b-off)  step prefix-8b-off 580 scripts/bench_prefix.py --rows 8b:130816 --modes off --append \
+                  --row-timeout 560 --out "$OUT" "${C[@]}" ;;
+    prefix-smollm2) step prefix-smollm2 580 scripts/bench_prefix.py --rows smollm2:8192 --append --row-timeout 280 \
+                  --model "${MODEL:-smollm2-135m}" --out "$OUT" "${C[@]}" ;;
+    *) echo "unknown benchmark '$b' (select select-small sieve tiers ingest attention layer decode profile e2e" \
+            "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
+            "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
+            "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2)"; exit 2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,60 @@
+"""Does the order of a step's selected pages change PB-LRU's hit rate? (issue 21: the page top-k lists its
+winners in page order instead of score order, which drops a sort a layer.)
+
+Order matters to the sieve only when a bucket has more misses than free candidate slots: the misses are served in
+order of appearance (DESIGN.md section 5), so score order caches the best-scored pages first and page order the
+lowest pages. This replays one selection trace recorded in score order (`bench_quality.py --tasks ppl,trace
+--save-trace` before the change) twice, as recorded and with each row's pages sorted by id, through PB-LRU at the
+library's geometry and the pools of bench_quality's trace study, and prints both hit rates.
+
+    python scripts/probes/selection_order_hits.py TRACE.npz [--out JSON]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def page_order(sel):
+    """sel [..., K] page ids, -1 unused (last) -> the same ids sorted ascending per row, -1s still last."""
+    big = np.iinfo(np.int32).max
+    s = np.sort(np.where(sel < 0, big, sel), axis=-1)
+    return np.where(s == big, -1, s).astype(sel.dtype)
+
+
+def main(argv=None):
+    from bench_quality import pblru_hits, trace_lids
+    from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    z = np.load(a.trace)
+    sel = z["sel"]                                                     # [steps, L, W, G, K]
+    cc = json.loads(str(z["meta"]))["cache_config"]
+    steps, L, W, G, K = sel.shape
+    lib = W * L * G * cc["token_budget"] // cc["page_size"]
+    warm = min(steps // 4, 16) * L
+    rows = []
+    for name, frames in [("default", lib)] + [(f"default x{m}", int(lib * m)) for m in (1.25, 1.5, 2)]:
+        nb, ns = sieve_geometry(frames, W * G * K)
+        r = dict(pool=name, frames=nb * ns, geometry=[nb, ns])
+        for order, s in (("score", sel), ("page", page_order(sel))):
+            lids, valid = trace_lids(s, cc["page_size"])
+            r[order] = pblru_hits(lids, valid, nb, ns, warm)
+        rows.append(r)
+        print(f"| {name} | {nb * ns} ({nb} x {ns}) | {r['score']:.4f} | {r['page']:.4f} |", flush=True)
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(dict(trace=os.path.basename(a.trace), steps=steps, layers=L, rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

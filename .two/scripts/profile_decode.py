@@ -1,0 +1,172 @@
+"""Device trace of one decode chunk: every kernel and XLA op of one layer by name, its time, and the gaps.
+
+Per row (attention, context, batch), in its own process: the cache of `bench_decode.py` (Llama-3.1-8B shape,
+random bf16 weights, synthetic KV fill), one warm-up chunk (compiles), then one chunk of `page_size` decode steps
+under `jax.profiler.trace`. The trace's device events are summarised three ways:
+- per op name: launches and device time per layer-step (total / (steps x layers));
+- one layer of a middle step, in launch order: each op's time and the idle gap before it (layer boundaries are
+  the launches of the one op that runs exactly once per layer-step, found from the counts);
+- the chunk: device busy time, idle time (gaps between launches), wall time per step.
+Writes `decode_profile.json` (rows + the ordered layer of each row) to --out and prints a table per row.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+
+
+def load_device_events(trace_dir: str) -> list[dict]:
+    """The complete ('X') events of the first accelerator in a jax.profiler perfetto trace; the host's events on
+    CPU (where there is no device timeline: the CPU test exercises the summary, not the timing)."""
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    dev = sorted(p for p, n in procs.items() if n.startswith("/device:GPU") or n.startswith("/device:TPU"))
+    pids = {dev[0]} if dev else set(procs)
+    return [e for e in events if e.get("ph") == "X" and e["pid"] in pids and e.get("dur") is not None]
+
+
+def _op_name(e: dict) -> str:
+    """A launch's kernel name without XLA's per-instance numeric suffix (fusion.123 -> fusion), so the unrolled
+    layers' copies of one op add up. The kernel name, not the event's `hlo_op`: with XLA's command buffers (on by
+    default) the hlo_op of every captured kernel is just "command_buffer"."""
+    return re.sub(r"[._]\d+$", "", e["name"])
+
+
+def summarize(events: list[dict], *, steps: int, layers: int) -> dict:
+    """events: one decode chunk's device events. Returns per-op totals, one ordered layer and the chunk's busy and
+    idle time (microseconds)."""
+    ev = sorted(events, key=lambda e: e["ts"])
+    if not ev:
+        return dict(ops=[], layer=[], busy_us=0.0, idle_us=0.0, span_us=0.0)
+    busy, end = 0.0, ev[0]["ts"]
+    for e in ev:                                     # union of intervals (streams may overlap)
+        s, t = max(e["ts"], end), e["ts"] + e["dur"]
+        if t > s:
+            busy += t - s
+        end = max(end, t)
+    span = end - ev[0]["ts"]
+    counts = collections.Counter(_op_name(e) for e in ev)
+    dur = collections.Counter()
+    for e in ev:
+        dur[_op_name(e)] += e["dur"]
+    per = steps * layers
+    ops = [dict(name=n, launches=c, launches_per_layer_step=c / per, us_per_layer_step=dur[n] / per,
+                share=dur[n] / max(busy, 1e-9)) for n, c in counts.most_common()]
+    ops.sort(key=lambda r: -r["us_per_layer_step"])
+    # layer boundaries: an op launched exactly once per layer-step (the latest such op in launch order of a step)
+    marks = [n for n, c in counts.items() if c == per]
+    layer = []
+    if marks:
+        mark = max(marks, key=lambda n: dur[n])
+        idx = [i for i, e in enumerate(ev) if _op_name(e) == mark]
+        mid = (steps // 2) * layers + layers // 2     # a middle layer of a middle step: no step overhead
+        lo, hi = idx[mid - 1] + 1 if mid > 0 else 0, idx[mid] + 1
+        prev_end = ev[lo - 1]["ts"] + ev[lo - 1]["dur"] if lo > 0 else ev[lo]["ts"]
+        for e in ev[lo:hi]:
+            layer.append(dict(name=_op_name(e), us=e["dur"], gap_before_us=max(0.0, e["ts"] - prev_end)))
+            prev_end = max(prev_end, e["ts"] + e["dur"])
+    return dict(ops=ops, layer=layer, busy_us=busy, idle_us=span - busy, span_us=span,
+                layer_us=sum(r["us"] + r["gap_before_us"] for r in layer))
+
+
+def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
+    """Build the row's cache as bench_decode does, warm up, trace one chunk, summarise."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_decode as bd
+    import dataclasses
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from ulacache_jax.decode_layer import DecodeOptions
+    from ulacache_jax.generation import Generator
+    from ulacache_jax.models import LlamaModel, get_preset
+    from ulacache_jax.sampling import SamplingArrays, row_keys
+    mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
+    model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    ns = argparse.Namespace(chunks=2, budget=args.budget)
+    cfg = bd.bench_config(mc, attention, batch, ctx, ns, args.kv_fraction)
+    gen = Generator(model, cfg, attention=attention, options=DecodeOptions())
+    if attention == "sparse":
+        slots = [gen.admit(ctx + 3 * cfg.page_size) for _ in range(batch)]
+        bd.synthetic_fill_sparse(gen.cache, slots, ctx, seed=batch, chunk=32768)
+    else:
+        bd.synthetic_fill_dense(gen, batch, ctx, seed=batch)
+    S = cfg.max_seqs
+    tok, done = jnp.zeros(S, jnp.int32), jnp.arange(S) >= batch
+    rem, sampling, stops = jnp.full(S, 1 << 30, jnp.int32), SamplingArrays.fill(S), jnp.asarray([-1], jnp.int32)
+    keys = lambda i: row_keys(jnp.arange(S, dtype=jnp.uint32), jnp.full(S, i, jnp.uint32))
+    jax.block_until_ready(gen.decode_chunk(tok, done, rem, keys(0), sampling, stops))      # compile + warm
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            jax.block_until_ready(gen.decode_chunk(tok, done, rem, keys(1), sampling, stops))
+        events = load_device_events(tmp)
+    res = summarize(events, steps=cfg.page_size, layers=mc.num_layers)
+    mid = len(events) // 2
+    res["sample_events"] = sorted(events, key=lambda e: e["ts"])[mid:mid + 40]   # raw, for reading the names
+    res.update(attention=attention, context=ctx, batch=batch, budget=args.budget, layers=mc.num_layers,
+               steps=cfg.page_size, kv_fraction=args.kv_fraction if attention == "sparse" else 1.0,
+               device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+               step_ms=res["span_us"] / cfg.page_size / 1e3)
+    return res
+
+
+def print_row(r: dict, top: int = 12) -> None:
+    print(f"\n== {r['attention']} {r['context'] // 1024}K x {r['batch']}: {r['step_ms']:.3f} ms/step device span, "
+          f"busy {r['busy_us'] / 1e3:.2f} ms, idle {r['idle_us'] / 1e3:.2f} ms over {r['steps']} steps; "
+          f"one layer {r.get('layer_us', 0):.1f} us in {len(r['layer'])} launches")
+    print(f"{'op':48s} {'launch/ls':>9s} {'us/ls':>8s} {'share':>6s}")
+    for o in r["ops"][:top]:
+        print(f"{o['name'][:48]:48s} {o['launches_per_layer_step']:9.2f} {o['us_per_layer_step']:8.2f} "
+              f"{100 * o['share']:5.1f}%")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default="sparse:131072:1,dense:131072:1,sparse:262144:1,dense:262144:1",
+                   help="attention:context:batch list")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--kv-fraction", type=float, default=0.25)
+    p.add_argument("--out", default="docs/benchmarks")
+    p.add_argument("--commit", default=None)
+    p.add_argument("--row-timeout", type=float, default=300)
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # child: run the single row
+    args = p.parse_args(argv)
+    rows = []
+    specs = [(a, int(c), int(b)) for a, c, b in (r.split(":") for r in args.rows.split(","))]
+    if args.one:
+        (a, c, b), = specs
+        print("ROW " + json.dumps(profile_row(a, c, b, args)), flush=True)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    from ulacache_jax.cache_state import raise_host_limit
+    raise_host_limit()          # the row processes inherit it: XLA's pinned-host pool is 64 GiB by default
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    from ulacache_jax.bench_meta import git_commit, row_in_child
+    commit = args.commit or git_commit()
+    for a, c, b in specs:           # each row in its own process: one row's HBM cannot starve the next
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", "--rows", f"{a}:{c}:{b}", "--layers",
+               str(args.layers), "--budget", str(args.budget), "--kv-fraction", str(args.kv_fraction)]
+        row = row_in_child(cmd, args.row_timeout, attention=a, context=c, batch=b)
+        row["commit"] = commit
+        rows.append(row)
+        with open(os.path.join(args.out, "decode_profile.json"), "w") as f:
+            json.dump(dict(commit=commit, rows=rows), f, indent=1)
+        if "error" in row:
+            print(f"{a} {c} {b}: ERROR {row['error'][-300:]}")
+        else:
+            print_row(row)
+
+
+if __name__ == "__main__":
+    main()

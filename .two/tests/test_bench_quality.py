@@ -1,0 +1,162 @@
+"""scripts/bench_quality.py in its tiny mode (tiny random model) and the teacher-forced scorer it is built on."""
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import jax.numpy as jnp
+from flax import nnx
+
+import ulacache_jax
+from ulacache_jax.generation import default_cache_config
+from ulacache_jax.models import LlamaModel, get_preset
+from ulacache_jax.scoring import TeacherForcedScorer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("bench_quality", os.path.join(ROOT, "scripts", "bench_quality.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod     # its dataclasses look their module up while the module runs
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("budget", [256, 32])
+def test_scorer_matches_dense_and_generate(model, budget):
+    """Budget 256 covers the 190-token windows: sparse log-probs equal dense ones. At both budgets the scorer's
+    greedy argmax continuation is generate()'s tokens (the scorer's decode is generate's sparse decode)."""
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(0, 256, 150))) for _ in range(2)]
+    cc = default_cache_config(model.config, num_seqs=2, max_tokens=200, page_size=16, token_budget=budget,
+                              dtype="float32")
+    gen = ulacache_jax.generate(model, prompts, max_new_tokens=40, cache_config=cc, attention="sparse")
+    res = TeacherForcedScorer(model, cc, record=True).score([p + g for p, g in zip(prompts, gen)], 150)
+    for w, g in enumerate(gen):
+        np.testing.assert_array_equal(res.argmax[w], np.asarray(g[1:]))
+    assert res.logp.shape == (2, 39) and res.selections.shape[:3] == (40, 2, 2)
+    if budget >= 190:
+        np.testing.assert_allclose(res.logp, res.dense_logp, atol=2e-5, rtol=0)
+        assert res.summary()["top1_agreement"] == 1.0 and res.summary()["kl"] < 1e-6
+    else:
+        assert res.summary()["kl"] > 1e-4 and res.misses > 0      # really sparse: the budget is 2 pages
+
+
+def test_scorer_rejects_bad_windows(model):
+    cc = default_cache_config(model.config, num_seqs=2, max_tokens=64, page_size=16, token_budget=32,
+                              dtype="float32")
+    sc = TeacherForcedScorer(model, cc)
+    with pytest.raises(ValueError, match="one length"):
+        sc.score([[1] * 40, [1] * 41], 20)
+    with pytest.raises(ValueError, match="prefix"):
+        sc.score([[1] * 40], 39)
+    with pytest.raises(ValueError, match="max_seqs"):
+        sc.score([[1] * 40] * 3, 20)
+
+
+def test_tiny_mode_rows(tmp_path):
+    bq = _load_script()
+    rows, meta = bq.main(["--tiny", "--out", str(tmp_path), "--contexts", "512", "--depths", "50",
+                          "--budgets", "32,512", "--pages", "16", "--pools", "4"])
+    data = json.loads((tmp_path / "quality.json").read_text())
+    assert (tmp_path / "quality.png").stat().st_size > 0
+    assert data["rows"] == json.loads(json.dumps(rows))
+    required = {"task", "context", "depth", "budget", "page_size", "attention", "n", "device", "commit", "jax", "date"}
+    metric = {"passkey": "accuracy", "ppl": "ppl", "hit_rate": "hit_rate"}
+    for r in data["rows"]:
+        assert required <= set(r), r
+        assert metric[r["task"]] in r
+        if r["task"] == "ppl":
+            assert {"top1_agreement", "kl"} <= set(r)
+    assert {r["task"] for r in rows} == {"passkey", "ppl", "hit_rate"}
+    pk = [r for r in rows if r["task"] == "passkey"]
+    assert {(r["attention"], r["budget"]) for r in pk} == {("dense", None), ("sparse", 32), ("sparse", 512)}
+    # budget 512 covers every 512-token sequence: dense by construction, and its answers are dense's
+    for r in pk:
+        assert r["dense_by_construction"] == (r["budget"] in (None, 512)) and r["n"] == 2
+        if r["dense_by_construction"]:
+            assert r["same_as_dense"] == 1.0
+    pp = {r["budget"]: r for r in rows if r["task"] == "ppl"}
+    assert pp[512]["dense_by_construction"] and pp[512]["top1_agreement"] == 1.0
+    assert abs(pp[512]["ppl"] / pp[None]["ppl"] - 1) < 1e-5
+    assert not pp[32]["dense_by_construction"] and pp[32]["kl"] > 0
+    hr = {r["policy"]: r["hit_rate"] for r in rows if r["task"] == "hit_rate" and r["pool"] == "1/4"}
+    assert set(hr) == {"pb_lru", "global_lru", "belady"}
+    assert all(0.0 <= h <= 1.0 for h in hr.values())
+    assert meta["text"]["sha256"] and meta["refused"] == []
+
+
+def test_key_channels_list_rows(tmp_path):
+    """--key-channels 0,8: each value its own sparse cells against one dense run; rows carry their value and a
+    covering budget stays dense's answers with the key copy too."""
+    bq = _load_script()
+    rows, meta = bq.main(["--tiny", "--out", str(tmp_path), "--tasks", "passkey", "--contexts", "384",
+                          "--depths", "50", "--budgets", "32,512", "--pages", "16", "--key-channels", "0,8"])
+    cells = {(r["attention"], r["budget"], r["key_channels"]) for r in rows}
+    assert cells == {("dense", None, 0)} | {("sparse", b, kc) for b in (32, 512) for kc in (0, 8)}
+    assert meta["key_channels"] == [0, 8]
+    for r in rows:
+        if r["budget"] == 512:
+            assert r["dense_by_construction"] and r["same_as_dense"] == 1.0, r
+    with pytest.raises(SystemExit):
+        bq.main(["--tiny", "--out", str(tmp_path), "--key-channels", "8,-1"])
+
+
+def test_passkey_cells_do_not_depend_on_the_other_cells_listed():
+    """A (context, depth) cell's prompts are the same whether or not other contexts or depths come before it in
+    the grid (one generator for the whole grid once gave a call's 4K cells other prompts when 2K was listed)."""
+    import dataclasses
+    bq = _load_script()
+    tok = bq.TinyChat()
+    text_ids = np.asarray(tok.encode("".join(f"line {i}: filler text of the haystack.\n" for i in range(400)),
+                                     add_special_tokens=False), np.int32)
+    grid = bq.GRIDS["tiny"]
+    both = bq.passkey_prompts(tok, text_ids, grid, 0)
+    alone = bq.passkey_prompts(tok, text_ids, dataclasses.replace(grid, contexts=(512,), depths=(75,)), 0)
+    assert len(alone) == grid.keys
+    assert [p for p in both if p["context"] == 512 and p["depth"] == 75] == alone
+    assert len({p["key"] for p in both}) > 1
+
+
+def _pk_row(ctx, acc, prompts=None, commit="a"):
+    r = dict(task="passkey", context=ctx, depth=50, budget=None, page_size=None, attention="dense", n=20,
+             accuracy=acc, same_as_dense=1.0, dense_by_construction=True, commit=commit)
+    return r | ({"prompts": prompts} if prompts else {})
+
+
+def test_combine_keeps_every_run_and_labels_prompt_sets(tmp_path):
+    """--combine: a later file's row replaces an earlier row of the same cell (prompt set included); each input's
+    command / commit stays in meta.runs and an input's own sources in combined_from; the tables put the current
+    prompt set first, unlabelled, and label untagged older rows."""
+    bq = _load_script()
+    old = dict(meta=dict(command="old run", commit="a", combined_from=["first.json"], model="m", device="cpu"),
+               rows=[_pk_row(2048, 0.9), _pk_row(4096, 0.5, "cell-seeded")])
+    new = dict(meta=dict(command="new run", commit="b", model="m", device="cpu"),
+               rows=[_pk_row(4096, 0.6, "cell-seeded", "b"), _pk_row(8192, 0.4, "cell-seeded", "b")])
+    for name, d in (("old.json", old), ("new.json", new)):
+        (tmp_path / name).write_text(json.dumps(d))
+    rows, meta = bq.main(["--combine", str(tmp_path / "old.json"), str(tmp_path / "new.json"),
+                          "--out", str(tmp_path), "--name", "both"])
+    got = {(r["context"], r.get("prompts")): r["accuracy"] for r in rows}
+    assert got == {(2048, None): 0.9, (4096, "cell-seeded"): 0.6, (8192, "cell-seeded"): 0.4}
+    assert [(r["command"], r["file"]) for r in meta["runs"]] == [("old run", "old.json"), ("new run", "new.json")]
+    assert meta["combined_from"] == ["first.json", "old.json", "new.json"]
+    assert meta["command"] == "new run"
+    table = bq.markdown(rows, meta).splitlines()
+    dense = [line for line in table if line.startswith("| dense")]
+    assert dense[0].startswith("| dense |") and "grid-seeded, earlier calls" in dense[1]
+    assert (tmp_path / "both.png").stat().st_size > 0
+
+
+def test_line_styles_never_run_out():
+    bq = _load_script()
+    styles = [s for _, s in zip(range(60), bq.line_styles())]
+    assert len(styles) == 60 and len(set(styles[:44])) == 44

@@ -1,0 +1,207 @@
+"""The benchmark scripts' own helpers (scripts/ is not a package: imported by path)."""
+import os
+import sys
+
+import numpy as np
+import jax.numpy as jnp
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+
+from bench_decode import synthetic_fill_dense  # noqa: E402
+from pick_launch import pick  # noqa: E402
+from ulacache_jax.generator import Generator, default_cache_config  # noqa: E402
+from ulacache_jax.models import LlamaModel, get_preset  # noqa: E402
+
+
+def tiny_dense_generator():
+    model = LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    cfg = default_cache_config(model.config, num_seqs=3, max_tokens=256, page_size=16)
+    return Generator(model, cfg, attention="dense")
+
+
+def test_dense_fill_consumes_the_zero_cache():
+    """The fill must write into the donated zero arrays: an unused donated argument is pruned by jit and stays
+    alive, which doubled the dense cache's HBM on the H200 (its largest-batch rows could not run)."""
+    gen = tiny_dense_generator()
+    old = gen.dense.k + gen.dense.v
+    synthetic_fill_dense(gen, 2, 100, seed=1)
+    assert all(x.is_deleted() for x in old)
+    k = np.asarray(gen.dense.k[0])                                                   # [S, T, KV, D]
+    assert k.shape == old[0].shape
+    assert np.abs(k[0]).sum() > 0 and not np.array_equal(k[0], k[1])                  # random, distinct per sequence
+    assert list(np.asarray(gen.dense_len)) == [100, 100, 0]
+
+
+def test_dense_fill_keeps_one_decode_program():
+    """After the fill, decode chunks reuse one compiled program: an uncommitted dense_len once made the first
+    timed chunk compile it again (the H200 dense rows' p99)."""
+    from ulacache_jax.sampling import SamplingArrays, row_keys
+    gen = tiny_dense_generator()
+    synthetic_fill_dense(gen, 2, 100, seed=1)
+    S = gen.config.max_seqs
+    for i in range(2):
+        out, _, _ = gen.decode_chunk(jnp.zeros(S, jnp.int32), jnp.arange(S) >= 2, jnp.full(S, 1 << 30, jnp.int32),
+                                     row_keys(jnp.arange(S, dtype=jnp.uint32), jnp.full(S, i, jnp.uint32)),
+                                     SamplingArrays.fill(S), jnp.asarray([-1], jnp.int32))
+        np.asarray(out)
+    assert gen._decode._cache_size() == 1
+
+
+def test_pick_launch_takes_the_fastest_checked_variant():
+    rows = [dict(kind="scores", impl="pallas", block_pages=16, num_warps=8, ok=True, us=190.0),
+            dict(kind="scores", impl="pallas", block_pages=128, num_warps=4, ok=True, us=400.0),
+            dict(kind="scores", impl="pallas", block_pages=32, num_warps=2, ok=False, us=50.0),   # wrong: ignored
+            dict(kind="scores", impl="ref", ok=True, us=100.0),                                 # not a launch
+            dict(kind="top_k", impl="lax.top_k", ok=True, us=115.0),
+            dict(kind="top_k", impl="pallas_radix", ok=True, us=20.0)]
+    assert pick(dict(rows=rows)) == ["--score-launch", "16", "8"]                    # the radix kernel: default
+    slow_radix = rows[:4] + [dict(rows[4]), dict(rows[5], us=300.0)]
+    assert pick(dict(rows=slow_radix)) == ["--score-launch", "16", "8", "--topk", "ref"]
+    assert pick(dict(rows=[dict(kind="top_k", impl="pallas_radix", error="x")])) == []
+    # a fast two-stage row does not stand in for the one-launch kernel the decode runs
+    two = slow_radix + [dict(kind="top_k", impl="pallas_radix", chunks=8, ok=True, us=5.0)]
+    assert pick(dict(rows=two)) == ["--score-launch", "16", "8", "--topk", "ref"]
+
+
+def test_bench_ingest_checks_and_reports(tmp_path):
+    from bench_ingest import main
+    res = main(["--layers", "2", "--context", "1024", "--chunks", "256", "--reps", "1", "--out", str(tmp_path)])
+    row = res["rows"][0]
+    assert "error" not in row and row["check_first_chunk"] is True
+    assert row["ingest"]["bytes"] == 2 * 2 * 256 * 8 * 128 * 2 and row["ingest"]["wall_us"] > 0
+    assert (tmp_path / "ingest.json").exists() and (tmp_path / "ingest.png").exists()
+
+
+def test_rows_record_the_attention_kernel_that_ran(monkeypatch):
+    """'auto' changed meaning (Triton, then Mosaic on Hopper): each decode row records the resolved kernel."""
+    from bench_decode import attention_kernel
+    from ulacache_jax.kernel_choice import Platform
+    mc = get_preset("llama-3.1-8b")
+    cfg = default_cache_config(mc, num_seqs=2, max_tokens=4096, dtype="bfloat16")
+    tiny = get_preset("tiny")
+    tiny_cfg = default_cache_config(tiny, num_seqs=2, max_tokens=256, page_size=16)
+    assert attention_kernel("auto", mc, cfg, Platform("cpu")) == "ref"
+    assert attention_kernel("pallas", mc, cfg, Platform("gpu")) == "triton"
+    assert attention_kernel("auto", mc, cfg, Platform("gpu", hopper=True)) == "mosaic"
+    assert attention_kernel("auto", tiny, tiny_cfg, Platform("gpu", hopper=True)) == "triton"  # head_dim 16
+    assert attention_kernel("auto", mc, cfg, Platform("gpu")) == "triton"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the shared harness (ulacache_jax/bench_meta.py) and the scripts built on it, in small shapes
+# ----------------------------------------------------------------------------------------------------------------
+def test_harness_timing_and_results(tmp_path):
+    import json
+    import jax
+    from ulacache_jax import bench_meta as bm
+    calls = []
+    t = bm.median_seconds(lambda x: calls.append(x) or jnp.ones(3) * x, 5, warmup=2, prepare=lambda: len(calls),
+                          per_call=4)
+    assert t.reps == 5 and len(calls) == 7 and 0 < t.min_s <= t.median_s <= t.max_s
+    assert set(t.row()) == {"us", "min_us", "max_us", "reps"}
+    sec, carry = bm.time_chain(lambda c, a: c + a, jnp.zeros(4), jnp.ones(4), reps=3, max_n=4)
+    assert sec > 0 and float(carry[0]) >= 3                                          # warm-ups and chains all ran
+    assert bm.copy_ceiling(1 << 20, reps=2) > 0 and bm.read_ceiling(1 << 20, reps=2) > 0
+    if jax.default_backend() == "cpu":
+        assert bm.device_events(lambda: jnp.ones(8) + 1, 2) is None                  # no GPU planes to read
+    meta = bm.run_meta("abc123", note="x")
+    assert meta["commit"] == "abc123" and meta["note"] == "x"
+    assert {"device", "platform", "num_devices", "jax", "date", "command"} <= set(meta)
+    res = bm.Results(str(tmp_path / "sub" / "r.json"), meta, shapes=dict(B=1))
+    res.add(dict(a=np.float32(1.5)))
+    first = json.loads((tmp_path / "sub" / "r.json").read_text())                    # written after the first row
+    assert first["rows"] == [{"a": 1.5}] and first["shapes"] == {"B": 1} and first["meta"]["commit"] == "abc123"
+
+
+def test_bench_sieve_small_run_checks_and_writes(tmp_path):
+    import json
+    import subprocess
+    import sys as _sys
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_sieve.py")
+    out = subprocess.run([_sys.executable, script, "--requests", "64", "--pools", "256", "--buckets", "4",
+                          "--budget-s", "0.01", "--out", str(tmp_path), "--commit", "test"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    d = json.loads((tmp_path / "sieve.json").read_text())
+    assert d["meta"]["commit"] == "test" and (tmp_path / "sieve.png").exists()
+    kern = [r for r in d["rows"] if r["impl"] == "pallas"]
+    assert kern and all(r["check_ok"] for r in kern) and all("scan_us" in r for r in d["rows"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scripts that drive the runtime's internals: run in the smallest shapes, so a refactor cannot silently break them
+# ----------------------------------------------------------------------------------------------------------------
+def test_selection_trace_records_what_the_sieve_sees(tmp_path):
+    """selection_trace.py decodes through program.decode_layers with a recording backend: its replay check (the
+    recorded pages reproduce the backend's hits) and its Engine check (same tokens) must both hold, and the trace
+    carries what scripts/studies/eviction_study.py --trace reads."""
+    from selection_trace import main
+    out = tmp_path / "trace.npz"
+    meta = main(["--out", str(out), "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+                 "--hidden", "32", "--num-seqs", "2", "--prompt-len", "48", "--steps", "16", "--page-size", "16",
+                 "--token-budget", "32"])
+    assert meta["replay_matches_library"] is True and meta["generate_tokens_match"] is True
+    d = np.load(out)
+    assert d["lids"].shape == d["valid"].shape == (16, 2 * 1 * 2)          # rows = steps x layers; seqs x groups x K
+    assert d["clock"].shape == (16,) and (np.diff(d["clock"]) == 1).all()  # one tick per sieve call
+    assert int(d["total_pages"]) > 0 and str(d["label"]) == "random-weight model trace"
+
+
+def test_decode_memory_probe_compiles_the_generators_program():
+    """probes/decode_memory.py builds, without allocating, the very Program a Generator of that shape gets, and
+    the tiny decode aliases the whole cache input -> output."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "probes"))
+    from decode_memory import abstract_program, main
+    from ulacache_jax.decode_layer import DecodeOptions
+    mc = get_preset("tiny")
+    model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    shape_only = nnx.eval_shape(lambda: LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    cfg = default_cache_config(mc, num_seqs=2, max_tokens=256, page_size=16, dtype="bfloat16")
+    for side in ("sparse", "dense"):
+        gen = Generator(model, cfg, attention=side)
+        assert abstract_program(shape_only, cfg, side, DecodeOptions(), gen.mesh)[0] is gen.program
+    report = main(["--preset", "tiny", "--context", "256", "--batch", "2", "--layers", "2", "--budget", "64",
+                   "--chunks", "1"])
+    for side, rec in report.items():
+        assert rec["alias"] >= sum(rec["cache_bytes"].values()), side
+
+
+def test_bench_prefix_plot_from_rows(tmp_path):
+    """bench_prefix's PNG (drawn beside the JSON, or later with --png where the GPU machine has no matplotlib): one
+    pair of bars per (model, document, attention); an errored row is left out, not drawn as zero time."""
+    import json
+    import bench_prefix
+    row = dict(model="tiny", doc_tokens=480, attention="sparse", questions=4, time_to_last_answer_s=2.0,
+               prefill_tokens_computed=590)
+    rows = [dict(row, sharing=True), dict(row, sharing=False, time_to_last_answer_s=9.0, prefill_tokens_computed=2030),
+            dict(row, attention="dense", sharing=True, error="boom")]
+    path = tmp_path / "prefix.json"
+    path.write_text(json.dumps(dict(meta={}, rows=rows)))
+    bench_prefix.main(["--png", str(path)])
+    png = tmp_path / "prefix.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_real_prefill_rows_take_generates_path():
+    """bench_decode --fill prefill: the first tokens its prefill times are generate's first tokens for the same
+    prompts (sparse and dense), the compiling prompt's slot is released, and a row records the time to first
+    token beside its decode rate (run_side end to end on the tiny model)."""
+    import argparse
+    import bench_decode as bd
+    from ulacache_jax import generate
+    model = LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    for attention in ("sparse", "dense"):
+        cfg = default_cache_config(model.config, num_seqs=2, max_tokens=512, page_size=16, token_budget=64)
+        gen = Generator(model, cfg, attention=attention)
+        first, running, info = bd.real_prefill(gen, 2, 200, 240, model.config.vocab_size)
+        rng = np.random.default_rng(200 + 2)
+        rng.integers(0, model.config.vocab_size, 200)                     # the compiling prompt
+        prompts = [rng.integers(0, model.config.vocab_size, 200).tolist() for _ in range(2)]
+        want = [t[0] for t in generate(model, prompts, max_new_tokens=1, cache_config=cfg, attention=attention)]
+        assert running.tolist() == [True, True] and first.tolist() == want, attention
+        assert info["first_prefill_s"] > 0 and info["ttft_s"] > 0 and info["prefill_tok_s"] == 200 / info["ttft_s"]
+    args = argparse.Namespace(budget=128, chunks=2, kv_fraction=0.5, sieve="auto", topk="auto", attention_impl="auto",
+                              score_launch=None, tp=1, fill="prefill", key_channels=0, scores="auto")
+    row = bd.run_side(model, model.config, "sparse", 1, 256, args, copy_bw=1e11)
+    assert row["fill"] == "prefill" and row["ttft_s"] > 0 and row["tokens_per_s"] > 0 and row["hit_rate"] is not None

@@ -1,0 +1,49 @@
+"""scripts/profile_decode.py's trace summary on a synthetic device timeline (the H200 run is what it is for)."""
+import importlib.util
+import pathlib
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def prof():
+    path = pathlib.Path(__file__).parent.parent / "scripts" / "profile_decode.py"
+    spec = importlib.util.spec_from_file_location("profile_decode", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _timeline(steps, layers):
+    """Per layer-step: scores (2 us), topk (3 us, 1 us gap), attention (5 us, 2 us gap); 4 us between steps."""
+    ev, t = [], 0.0
+    for _ in range(steps):
+        for l in range(layers):
+            for name, d, gap in (("fusion.%d" % (3 * l), 2.0, 0.0), ("topk_kernel", 3.0, 1.0),
+                                 ("attention_kernel", 5.0, 2.0)):
+                t += gap
+                ev.append(dict(ph="X", pid=1, tid=1, ts=t, dur=d, name=name))
+                t += d
+        t += 4.0
+    return ev
+
+
+def test_summary_counts_times_and_gaps(prof):
+    steps, layers = 4, 3
+    r = prof.summarize(_timeline(steps, layers), steps=steps, layers=layers)
+    by = {o["name"]: o for o in r["ops"]}
+    assert set(by) == {"fusion", "topk_kernel", "attention_kernel"}       # fusion.0/.3/.6 folded into one op
+    assert by["attention_kernel"]["us_per_layer_step"] == pytest.approx(5.0)
+    assert by["fusion"]["launches_per_layer_step"] == pytest.approx(1.0)
+    assert r["busy_us"] == pytest.approx(steps * layers * 10.0)
+    assert r["idle_us"] == pytest.approx(steps * layers * 3.0 + (steps - 1) * 4.0)
+    # one layer in launch order, bounded by the once-per-layer-step op that takes longest
+    assert [x["name"] for x in r["layer"]] == ["fusion", "topk_kernel", "attention_kernel"]
+    assert [x["gap_before_us"] for x in r["layer"]] == [0.0, 1.0, 2.0]
+    assert r["layer_us"] == pytest.approx(13.0)
+
+
+def test_overlapping_streams_count_once(prof):
+    ev = [dict(ph="X", pid=1, ts=0.0, dur=10.0, name="a"), dict(ph="X", pid=1, ts=5.0, dur=10.0, name="b")]
+    r = prof.summarize(ev, steps=1, layers=1)
+    assert r["busy_us"] == pytest.approx(15.0) and r["idle_us"] == pytest.approx(0.0)

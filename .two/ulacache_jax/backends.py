@@ -1,0 +1,362 @@
+"""Cache backends: UlaCache (sparse, two-tier) and the dense HBM baseline behind one protocol.
+
+A backend has two halves:
+- the traced half (`SparseOps`, `DenseOps`: frozen and hashable, so programs built from them are shared) is what
+  the one program (program.py) calls inside `jax.shard_map`, on one rank's view of the cache:
+  `prefill_store` (one layer's prompt K/V into the cache), `begin_chunk`, `lengths`, `attend` (one layer of one
+  decode step) and `end_chunk` (commit lengths, flush). The decode carries `cache` through its loop and reads
+  `host` (the pinned host pool; `()` for dense) without carrying it.
+- the host half (`SparseBackend`, `DenseBackend`) owns the arrays, sharded over the mesh's "tp" axis (one device
+  is a mesh of one), and the slot bookkeeping in plain Python: `admit`, `release`, `request_error`, and the
+  per-layer prefill views (`layer_view` / `set_layer_view`: what one layer's prefill program donates and gets
+  back).
+The attention kind is resolved once, by `backend_class` (make_backend); nothing else compares it. The kernel
+choices are resolved once too, when make_backend builds the ops (kernel_choice.resolve).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .cache_state import CacheState, HostPool, rebase_clock
+from .config import CacheConfig
+from .decode_layer import (DecodeOptions, LayerStats, attend_layer, commit_rows, commit_summaries, flush_tail,
+                           verify_layer)
+from .kernel_choice import Platform, ResolvedKernels, resolve
+from .models.attention import dense_attention
+from .prefix_cache import DensePrefixes, SparsePrefixes, dense_attach, sparse_attach
+from .sequences import CacheManager, CapacityError, ingest_chunk
+from .tp import HOST_SPECS, TP_AXIS
+
+ATTENTION_KINDS = ("sparse", "dense")
+
+
+# ---- traced halves --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Kernels:
+    """What both traced halves carry: the kernel choices resolved once (kernel_choice.resolve), and the decode
+    options with those choices in place of their 'auto's. Build with `build`."""
+    options: DecodeOptions
+    kernels: ResolvedKernels
+
+    @classmethod
+    def build(cls, options: DecodeOptions, config: CacheConfig, platform: Platform, **query):
+        """The ops for `options` on `platform` (query: resolve's query_dtype and query_heads_per_kv)."""
+        kernels = resolve(options, config, platform, **query)
+        return cls(kernels.decode_options(options), kernels)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseOps(_Kernels):
+    """UlaCache inside the program: cache = CacheState (one rank's view), host = HostPool."""
+    kind: ClassVar[str] = "sparse"
+
+    def prefill_store(self, view, layer, slot, k, v, length, start=0):
+        """view (state, host); k, v [T, KVr, D] of layer `layer` (traced), tokens [start, start + T) -> view."""
+        state, host = view
+        return ingest_chunk(state, host, slot, k[None], v[None], start, length, layer0=layer, impl=self.options.copy)
+
+    def prefill_attach(self, view, layer, slot, src, start):
+        """The attached shared prefix (tokens [0, start), whole pages) of one layer: its K/V from the host pool and
+        its page summaries (prefix_cache.sparse_attach). src [Tp]: only its length is used. -> (view, k, v [Tp,
+        KVr, D])."""
+        state, host = view
+        state, k, v = sparse_attach(state, host, layer, slot, start, src.shape[0], impl=self.options.copy)
+        return (state, host), k, v
+
+    def begin_chunk(self, cache: CacheState) -> CacheState:
+        return rebase_clock(cache)    # the int32 PB-LRU clock never wraps (a no-op until 2**30 ticks)
+
+    def lengths(self, cache: CacheState):
+        return cache.seqs.length
+
+    def attend(self, cache: CacheState, host: HostPool, layer: int, q, k, v, pos, live, rank):
+        """q [S, 1, Hr, D], k/v [S, KVr, D], pos [S], live [S] -> (cache, out [S, 1, Hr, D], LayerStats). The host
+        pool is read here, never carried through the decode loop (DESIGN.md section 1)."""
+        return attend_layer(cache, host, layer, q, k, v, pos, live & cache.seqs.active, options=self.options,
+                            rank=rank)
+
+    def end_chunk(self, cache: CacheState, host: HostPool, length):
+        cache = dataclasses.replace(cache, seqs=dataclasses.replace(cache.seqs, length=length))
+        return flush_tail(cache, host, impl=self.options.copy)
+
+    def verify(self, cache: CacheState, host: HostPool, layer: int, q, k, v, pos, nrows, live, rank):
+        """Speculative verification, one layer: q [S, Q, Hr, D], k/v [S, Q, KVr, D], rows j < nrows [S] at
+        pos + j, each as a plain decode step at its position -> (cache, out [S, Q, Hr, D], LayerStats)."""
+        return verify_layer(cache, host, layer, q, k, v, pos, nrows, live & cache.seqs.active,
+                            options=self.options, rank=rank)
+
+    def commit(self, cache: CacheState, host: HostPool, length, flush):
+        """Accepted rows committed: length [S], flush [S] bool (the sequences at a flush point) -> (cache, host)."""
+        return commit_rows(cache, host, length, flush, impl=self.options.copy)
+
+    def commit_length(self, cache: CacheState, length, summaries: bool = True) -> CacheState:
+        """`commit` with no sequence at a flush point, without the host pool (the speculative chunk's steps).
+        summaries=False: the lengths only, after a plain decode step (`attend` wrote its summaries)."""
+        cache = dataclasses.replace(cache, seqs=dataclasses.replace(cache.seqs, length=length))
+        return commit_summaries(cache, length) if summaries else cache
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DenseCache:
+    """The baseline: every K/V in HBM. k, v: one [S, T_max, KV, D] array per layer (a tuple of L). One array per
+    layer, not one [L, ...] array: with a single array each layer's token write produced a new whole-cache value
+    that cuDNN read a slice of, and XLA kept a second full cache (the dense decode at 128K x 7 sequences asked for
+    56 GiB more than the cache on the H200, scripts/probes/decode_memory.py)."""
+    k: tuple
+    v: tuple
+
+    @staticmethod
+    def zeros(num_layers: int, shape, dtype, device=None) -> "DenseCache":
+        """device: where the arrays live, committed (an uncommitted first cache compiles the programs a second
+        time once their committed outputs come back)."""
+        return DenseCache(tuple(jnp.zeros(shape, dtype, device=device) for _ in range(num_layers)),
+                          tuple(jnp.zeros(shape, dtype, device=device) for _ in range(num_layers)))
+
+    def set_layer(self, l: int, k, v) -> "DenseCache":
+        return DenseCache(self.k[:l] + (k,) + self.k[l + 1:], self.v[:l] + (v,) + self.v[l + 1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseOps(_Kernels):
+    """The dense baseline inside the program: cache = (DenseCache, length [S]), host = (). Decode attention by
+    `kernels.dense_attention` (cuDNN or the jnp reference)."""
+    kind: ClassVar[str] = "dense"
+
+    def prefill_store(self, view, layer, slot, k, v, length, start=0):
+        """view (k, v) [S, T_max, KVr, D] of this layer; k, v [T, KVr, D] of tokens [start, start + T) -> view."""
+        ck, cv = view
+        T = k.shape[0]
+        if isinstance(start, int) and start == 0:
+            return ck.at[slot, :T].set(k.astype(ck.dtype)), cv.at[slot, :T].set(v.astype(cv.dtype))
+        rows = start + jnp.arange(T)
+        return (ck.at[slot, rows].set(k.astype(ck.dtype), mode="drop"),
+                cv.at[slot, rows].set(v.astype(cv.dtype), mode="drop"))
+
+    def prefill_attach(self, view, layer, slot, src, start):
+        """The shared prefix (tokens [0, start)) of one layer copied into `slot`'s rows from the slots that hold
+        it, src [Tp] per token (prefix_cache.dense_attach). -> (view, k, v [Tp, KVr, D])."""
+        ck, cv, k, v = dense_attach(*view, slot, src, start)
+        return (ck, cv), k, v
+
+    def begin_chunk(self, cache):
+        return cache
+
+    def lengths(self, cache):
+        return cache[1]
+
+    def attend(self, cache, host, layer: int, q, k, v, pos, live, rank):
+        dense, length = cache
+        T = dense.k[layer].shape[1]
+        S = q.shape[0]
+        w = jnp.where(live, pos, T)                                   # write index, T = dropped
+        ck = dense.k[layer].at[jnp.arange(S), w].set(k.astype(dense.k[layer].dtype), mode="drop")  # [S, T, KV, D]
+        cv = dense.v[layer].at[jnp.arange(S), w].set(v.astype(dense.v[layer].dtype), mode="drop")
+        seen = jnp.where(live, pos + 1, 0)
+        if self.kernels.dense_attention == "cudnn":
+            o = jax.nn.dot_product_attention(q, ck, cv, key_value_seq_lengths=jnp.maximum(seen, 1),
+                                             implementation="cudnn")
+        else:
+            kpos = jnp.broadcast_to(jnp.arange(T)[None], (S, T))
+            o = dense_attention(q, ck, cv, pos[:, None], kpos, k_valid=kpos < seen[:, None])
+        return (dense.set_layer(layer, ck, cv), length), o, LayerStats.zeros()
+
+    def end_chunk(self, cache, host, length):
+        return (cache[0], length), host
+
+    def verify(self, cache, host, layer: int, q, k, v, pos, nrows, live, rank):
+        """q [S, Q, H, D], k/v [S, Q, KV, D]: rows j < nrows written at pos + j, each attending causally up to its
+        own position (jnp attention: cuDNN's causal mask is not per-row) -> (cache, out [S, Q, H, D], stats)."""
+        dense, length = cache
+        T = dense.k[layer].shape[1]
+        S, Q = q.shape[:2]
+        qpos = pos[:, None] + jnp.arange(Q)[None, :]                   # [S, Q]
+        ok = live[:, None] & (jnp.arange(Q)[None, :] < nrows[:, None])
+        w = jnp.where(ok, qpos, T)                                      # T = dropped
+        s = jnp.arange(S)[:, None]
+        ck = dense.k[layer].at[s, w].set(k.astype(dense.k[layer].dtype), mode="drop")
+        cv = dense.v[layer].at[s, w].set(v.astype(dense.v[layer].dtype), mode="drop")
+        kpos = jnp.broadcast_to(jnp.arange(T)[None], (S, T))
+        seen = jnp.where(live, pos + jnp.maximum(nrows, 1), 0)
+        o = dense_attention(q, ck, cv, qpos, kpos, k_valid=kpos < seen[:, None])
+        return (dense.set_layer(layer, ck, cv), length), o, LayerStats.zeros()
+
+    def commit(self, cache, host, length, flush):
+        return (cache[0], length), host
+
+    def commit_length(self, cache, length, summaries: bool = True):
+        return cache[0], length
+
+
+# ---- host halves ----------------------------------------------------------------------------------------------
+class SparseBackend:
+    """UlaCache's arrays and bookkeeping: a `CacheManager` over the mesh (state + pinned host pool per rank)."""
+    kind = "sparse"
+    ops_class = SparseOps
+    host_tier = True      # pages live in a host pool and cross PCIe: hit rates and PCIe bytes mean something
+
+    @staticmethod
+    def footprint(config: CacheConfig) -> dict:
+        """Bytes of the cache: HBM (all ranks) and host, by part."""
+        fp = config.footprint()
+        hbm = {k: v * config.tp for k, v in fp.items() if k != "host"}
+        return {"hbm_bytes": sum(hbm.values()), "host_bytes": fp["host"] * config.tp, "hbm_detail": hbm}
+
+    def __init__(self, config: CacheConfig, mesh: Mesh, ops: SparseOps):
+        self.config, self.ops = config, ops
+        self.manager = CacheManager(config, mesh=mesh, impl=ops.kernels.copy)
+
+    # the carried decode cache and the host pool
+    @property
+    def cache(self):
+        return self.manager.state
+
+    @cache.setter
+    def cache(self, value):
+        self.manager.state = value
+
+    @property
+    def host(self):
+        return self.manager.host
+
+    @host.setter
+    def host(self, value):
+        self.manager.host = value
+
+    def specs(self):
+        """-> (cache specs, host specs, host out-shardings): PartitionSpecs over "tp" and the pool's memory kind."""
+        return self.manager.specs, HOST_SPECS, self.manager.host_shardings()
+
+    # prefill: every layer donates the whole state and host pool (the layer index is traced)
+    def layer_view(self, layer: int):
+        return self.manager.state, self.manager.host
+
+    def set_layer_view(self, layer: int, view) -> None:
+        self.manager.state, self.manager.host = view
+
+    def view_specs(self):
+        """-> (view specs, view out-shardings)."""
+        return (self.manager.specs, HOST_SPECS), (None, self.manager.host_shardings())
+
+    def prefill_done(self, slot: int, length: int) -> None:
+        """Nothing: ingestion already set the sequence's length."""
+
+    def prefixes(self, budget_pages: int | None = None) -> SparsePrefixes:
+        """The stored shared prefixes of this cache (host pages attached to new sequences)."""
+        return SparsePrefixes(self.manager, budget_pages)
+
+    # slots
+    def request_error(self, num_tokens: int) -> str | None:
+        """Why a sequence of num_tokens tokens can never be admitted (even into an empty cache), else None."""
+        need = self.manager.alloc.pages_needed(num_tokens)
+        if need > self.config.host_pages:
+            return (f"{num_tokens} tokens need {need} host pages, more than the whole host pool "
+                    f"(host_pages = {self.config.host_pages})")
+        return None
+
+    def admit(self, num_tokens: int) -> int:
+        return self.manager.admit(num_tokens)
+
+    def release(self, slot: int) -> None:
+        self.manager.release(slot)
+
+
+class DenseBackend:
+    """The dense baseline's arrays: per-layer K/V [S, T_max, KV, D] in HBM, KV heads sharded over "tp"."""
+    kind = "dense"
+    ops_class = DenseOps
+    host_tier = False
+
+    @staticmethod
+    def footprint(config: CacheConfig) -> dict:
+        """Bytes of the cache: every K/V in HBM (all ranks), no host tier."""
+        c = config
+        kv = 2 * c.num_layers * c.max_seqs * c.max_context * c.num_kv_heads * c.head_dim * c.jnp_dtype.itemsize
+        return {"hbm_bytes": kv, "host_bytes": 0, "hbm_detail": {"dense_kv": kv}}
+
+    def __init__(self, config: CacheConfig, mesh: Mesh, ops: DenseOps):
+        c = config
+        self.config, self.ops, self.mesh = config, ops, mesh
+        self._kv_sh = NamedSharding(mesh, P(None, None, TP_AXIS))
+        self._rep = NamedSharding(mesh, P())
+        # committed from the start: the programs' outputs come back committed, and an uncommitted first cache made
+        # prefill and decode compile twice (the H200's dense rows paid a second compile in their first timed chunk)
+        self.dense = DenseCache.zeros(c.num_layers, (c.max_seqs, c.max_context, c.num_kv_heads, c.head_dim),
+                                      c.jnp_dtype, device=self._kv_sh)
+        self.length = jnp.zeros(c.max_seqs, jnp.int32, device=self._rep)
+        self._free = list(range(c.max_seqs))[::-1]
+        self._set_length = jax.jit(lambda a, slot, n: a.at[slot].set(n), donate_argnums=0, out_shardings=self._rep)
+
+    @property
+    def cache(self):
+        return self.dense, self.length
+
+    @cache.setter
+    def cache(self, value):
+        self.dense, self.length = value
+
+    host = ()
+
+    def specs(self):
+        kv = P(None, None, TP_AXIS)
+        L = self.config.num_layers
+        return (DenseCache((kv,) * L, (kv,) * L), P()), (), ()
+
+    def layer_view(self, layer: int):
+        return self.dense.k[layer], self.dense.v[layer]
+
+    def set_layer_view(self, layer: int, view) -> None:
+        self.dense = self.dense.set_layer(layer, *view)
+
+    def view_specs(self):
+        kv = P(None, None, TP_AXIS)
+        return (kv, kv), None
+
+    def prefill_done(self, slot: int, length: int) -> None:
+        self.length = self._set_length(self.length, slot, length)
+
+    def prefixes(self, budget_pages: int | None = None) -> DensePrefixes:
+        """The stored shared prefixes of this cache (rows copied between slots)."""
+        return DensePrefixes(self.config, budget_pages)
+
+    def request_error(self, num_tokens: int) -> str | None:
+        return None
+
+    def admit(self, num_tokens: int) -> int:
+        c = self.config
+        if math.ceil(num_tokens / c.page_size) > c.max_pages_per_seq:
+            raise CapacityError(f"sequence of {num_tokens} tokens exceeds the max context {c.max_context}")
+        if not self._free:
+            raise CapacityError(f"all max_seqs = {c.max_seqs} sequence slots are in use (over by 1)")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+
+def backend_class(attention: str):
+    """The backend class for `attention` ('sparse' = UlaCache, 'dense' = every K/V in HBM): the one place that
+    reads the attention kind (make_backend builds from it; sizing before a backend exists asks its class)."""
+    if attention == "sparse":
+        return SparseBackend
+    if attention == "dense":
+        return DenseBackend
+    raise ValueError(f"attention = {attention!r} must be one of {ATTENTION_KINDS}")
+
+
+def make_backend(attention: str, config: CacheConfig, mesh: Mesh, options: DecodeOptions = DecodeOptions(), *,
+                 query_dtype=None, query_heads_per_kv: int = 1):
+    """The backend for `attention` over `mesh`, its kernel choices resolved here, once, for the mesh's platform
+    (kernel_choice.resolve; query_dtype and query_heads_per_kv: the model's, see there)."""
+    cls = backend_class(attention)
+    ops = cls.ops_class.build(options, config, Platform.of(mesh.devices.flat[0]), query_dtype=query_dtype,
+                              query_heads_per_kv=query_heads_per_kv)
+    return cls(config, mesh, ops)

@@ -1,0 +1,272 @@
+"""The benchmarks' shared harness (scripts/bench_*.py): what a run records about itself, how it times, the ceiling
+it compares against, its JSON written row by row, and its plot.
+
+- `run_meta(commit)`: device, platform, device count, jax version, commit and UTC date of the run (+ command line).
+- `median_seconds(run, ...)`: median wall seconds of a blocking call (compiled and warmed first; an untimed
+  `prepare` gives each repetition fresh donated inputs); `time_chain` times a step chained n times inside one jit
+  (dispatch paid once per chain); `device_events(run, reps)`: the GPU's own busy time per call from the profiler.
+- `copy_ceiling(nbytes)`: device-to-device copy bandwidth measured in the same run (bytes/s, read + write).
+- `Results(path, meta)`: `.add(row)` rewrites `{"meta": ..., "rows": [...]}` after every row, so a run cut by a
+  timeout keeps what it measured.
+- `pyplot()`: matplotlib on the Agg backend; `save_figure(fig, path)`.
+Medians, not means: a GPU call's first repetitions and the odd host hiccup are outliers, not signal.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what a run records about itself
+# ----------------------------------------------------------------------------------------------------------------
+def repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit(root: str | None = None) -> str:
+    """HEAD's hash (+ '-dirty' with uncommitted changes to tracked files); read from .git directly where git cannot
+    run (the GPU machine gets a copied tree whose git may refuse it); 'unknown' when neither works."""
+    root = root or repo_root()
+    try:
+        out = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=root)
+        commit = out.stdout.strip()
+        if out.returncode == 0 and len(commit) == 40:
+            st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, timeout=20, cwd=root)
+            return commit + ("-dirty" if st.returncode == 0 and st.stdout.strip() else "")
+    except Exception:  # noqa: BLE001 - no git binary, a timeout: fall back to reading the files
+        pass
+    try:
+        head = open(os.path.join(root, ".git", "HEAD")).read().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head[5:]
+        path = os.path.join(root, ".git", ref)
+        if os.path.exists(path):
+            return open(path).read().strip()
+        for line in open(os.path.join(root, ".git", "packed-refs")):
+            if line.strip().endswith(" " + ref):
+                return line.split()[0]
+    except OSError:
+        pass
+    return "unknown"
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_meta(commit: str | None = None, **extra) -> dict:
+    """The fields every benchmark JSON carries: device kind, platform, device count, jax version, commit (given,
+    e.g. by the device runbook, else read from git), UTC date and the command line; `extra` is merged in."""
+    dev = jax.devices()[0]
+    return dict(device=dev.device_kind, platform=dev.platform, num_devices=jax.device_count(), jax=jax.__version__,
+                commit=commit or git_commit(), date=utc_now(), command=" ".join(sys.argv), **extra)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------------------------
+def block(tree):
+    """Wait for every array of a pytree (non-arrays pass through)."""
+    jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, tree)
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    median_s: float
+    min_s: float
+    max_s: float
+    reps: int
+
+    def row(self, scale: float = 1e6, unit: str = "us") -> dict:
+        """JSON fields: median, min and max in `unit`, and the repetition count."""
+        return {unit: self.median_s * scale, f"min_{unit}": self.min_s * scale, f"max_{unit}": self.max_s * scale,
+                "reps": self.reps}
+
+
+def median_seconds(run: Callable, reps: int = 10, *, warmup: int = 1, prepare: Callable | None = None,
+                   budget_s: float | None = None, per_call: int = 1) -> Timing:
+    """Median wall seconds of `run()` (or `run(prepare())`), blocking on its result, after `warmup` untimed calls
+    (the first compiles). `prepare` is not timed (fresh donated inputs, a copied state). With `budget_s`, at least
+    3 repetitions and then more, up to `reps`, while the budget lasts. `per_call` divides every time (a loop of n
+    calls timed as one)."""
+    def call():
+        arg = block(prepare()) if prepare is not None else None
+        t0 = time.perf_counter()
+        block(run(arg) if prepare is not None else run())
+        return (time.perf_counter() - t0) / per_call
+
+    for _ in range(warmup):
+        call()
+    times, t_start = [], time.perf_counter()
+    while len(times) < reps and (budget_s is None or len(times) < 3 or time.perf_counter() - t_start < budget_s):
+        times.append(call())
+    return Timing(median_s=statistics.median(times), min_s=min(times), max_s=max(times), reps=len(times))
+
+
+def time_chain(step: Callable, carry, *args, donate: bool = False, target_s: float = 0.004, reps: int = 7,
+               max_n: int = 32) -> tuple[float, Any]:
+    """Median seconds per call of `step(carry, *args) -> carry`, run as a chain of n calls inside one jit (the
+    output feeds the next call, so nothing is hoisted or overlapped, and dispatch is paid once per chain; n makes
+    a chain last about target_s). Returns (seconds, carry)."""
+    def chain(n):
+        def run(c, *a):
+            for _ in range(n):
+                c = step(c, *a)
+            return c
+        return jax.jit(run, donate_argnums=(0,) if donate else ())
+
+    one = chain(1)
+    carry = block(one(carry, *args))
+    t0 = time.perf_counter()
+    carry = block(one(carry, *args))
+    est = time.perf_counter() - t0
+    n = int(min(max_n, max(1, math.ceil(target_s / max(est, 1e-6)))))
+    run = chain(n) if n > 1 else one
+    carry = block(run(carry, *args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        carry = block(run(carry, *args))
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times), carry
+
+
+_SKIP_LINES = ("XLA Modules", "XLA Ops", "XLA TraceMe", "Launch Stats", "Steps", "Source code", "TensorFlow Ops",
+               "Framework Name Scope", "Framework Ops")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTime:
+    busy_ns: float                # per call: the summed duration of the device's events (kernels, memcpys)
+    span_ns: float                # per call: first event start to last event end, over all calls / reps
+    by_name: dict[str, float]     # per call: ns by event name
+    events: int                   # per call
+    gap_ns_median: float | None   # median gap between consecutive events closer than 20 us (launch gaps)
+    lines: list[str]
+
+
+def device_events(run: Callable, reps: int) -> DeviceTime | None:
+    """Runs `run()` reps times (no sync in between) under the JAX profiler and reads the GPU's events; None where
+    the profiler or the GPU planes are unavailable (on CPU, or without CUPTI)."""
+    try:
+        from jax._src.lib import _profiler  # the in-memory profiler session: no trace files to parse
+        sess = _profiler.ProfilerSession(jax.profiler.ProfileOptions())
+    except Exception as e:  # noqa: BLE001
+        print("profiler unavailable:", repr(e)[:200], flush=True)
+        return None
+    out = None
+    for _ in range(reps):
+        out = run()
+    block(out)
+    pd = jax.profiler.ProfileData.from_serialized_xspace(sess.stop())
+    by_name, lines_seen, spans = {}, set(), []
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        lines = list(plane.lines)
+        streams = [ln for ln in lines if ln.name.startswith("Stream")] or \
+            [ln for ln in lines if ln.name not in _SKIP_LINES]
+        for ln in streams:
+            lines_seen.add(ln.name)
+            for ev in ln.events:
+                d, s = float(ev.duration_ns), float(ev.start_ns)
+                by_name[ev.name] = by_name.get(ev.name, 0.0) + d / reps
+                spans.append((s, d))
+    if not spans:
+        return None
+    spans.sort()
+    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(spans, spans[1:]) if 0 <= b[0] - (a[0] + a[1]) < 20e3]
+    return DeviceTime(busy_ns=sum(d for _, d in spans) / reps,
+                      span_ns=(max(s + d for s, d in spans) - spans[0][0]) / reps, by_name=by_name,
+                      events=len(spans) // reps, gap_ns_median=statistics.median(gaps) if gaps else None,
+                      lines=sorted(lines_seen))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ceilings
+# ----------------------------------------------------------------------------------------------------------------
+def copy_ceiling(nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device memory copy bandwidth in bytes/s (read + write counted) of `x * 1` over a bf16 array of nbytes:
+    the ceiling a memory-bound kernel of the same run is compared against."""
+    x = jnp.ones(nbytes // 2, jnp.bfloat16)
+    f = jax.jit(lambda a: a * 1)
+    return 2 * nbytes / median_seconds(lambda: f(x), reps).median_s
+
+
+def read_ceiling(nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device memory read bandwidth in bytes/s: a sum over a bf16 array of nbytes (reads only)."""
+    x = jnp.ones(nbytes // 2, jnp.bfloat16)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    return nbytes / median_seconds(lambda: f(x), reps).median_s
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# results and plots
+# ----------------------------------------------------------------------------------------------------------------
+class Results:
+    """A benchmark's JSON file, `{"meta": ..., "rows": [...], **extra}`, rewritten after every row."""
+
+    def __init__(self, path: str, meta: dict, **extra):
+        self.path, self.meta, self.rows, self.extra = path, meta, [], dict(extra)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def add(self, row: dict) -> dict:
+        self.rows.append(row)
+        self.save()
+        return row
+
+    def save(self) -> None:
+        with open(self.path, "w") as fh:
+            json.dump(dict(meta=self.meta, rows=self.rows, **self.extra), fh, indent=1, default=_jsonable)
+
+
+def _jsonable(x):
+    if hasattr(x, "item"):  # numpy / jax scalars
+        return x.item()
+    if dataclasses.is_dataclass(x):
+        return dataclasses.asdict(x)
+    return str(x)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display on the GPU machine or in CI)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
+
+
+def row_in_child(cmd: list[str], timeout: float, **labels) -> dict:
+    """Run one benchmark row in a fresh process (its compiles, HBM and pinned host memory are its own) and return
+    the JSON it printed on a line starting "ROW "; on a crash or a timeout, `labels` plus the error."""
+    import json
+    import subprocess
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(labels, error=f"timeout after {timeout:.0f} s")
+    line = [x for x in res.stdout.splitlines() if x.startswith("ROW ")]
+    return json.loads(line[-1][4:]) if line else dict(labels, error=res.stderr[-600:])

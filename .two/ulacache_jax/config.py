@@ -1,0 +1,164 @@
+"""CacheConfig: the frozen shape of a UlaCache (DESIGN.md section 3), validated on construction, with presets."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import jax.numpy as jnp
+
+from . import lid as lid_mod
+
+TAIL_PAGES = 2  # ring pages per (seq, layer, group): a decode chunk of page_size steps crosses <= 1 page boundary
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Shapes and policy of one cache. Counts are per rank unless named otherwise.
+
+    Attended pages per (sequence, group) each step: `select_pages = token_budget // page_size` pages chosen among
+    the flushed pages (the first `sink_pages` and last `recent_pages` always, the rest by Quest score), plus the
+    unflushed tail pages (at most TAIL_PAGES, read from the HBM tail ring). A sequence of at most `select_pages`
+    flushed pages selects all of them, so sparse equals dense there exactly."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_seqs: int = 8
+    max_pages_per_seq: int = 64
+    page_size: int = 64
+    kv_heads_per_group: int = 1
+    dtype: str = "bfloat16"
+    num_buckets: int = 64
+    slots_per_bucket: int = 64
+    host_pages: int = 4096           # host pool capacity in (layer, group) pages, per rank
+    token_budget: int = 2048
+    sink_pages: int = 1
+    recent_pages: int = 2
+    tp: int = 1                      # ranks of the head-sharded mesh axis
+    verify_rows: int = 1             # query rows per sequence one call attends: 1 + speculative drafts (overflow frames)
+    summary_split: int = 1           # key summaries per page (each over page_size // summary_split tokens); a page
+                                     # scores the max of its sub-pages' Quest bounds, selection stays per page
+    key_channels: int = 0            # 0: Quest selection. C > 0: an HBM copy of C channels of every flushed key
+                                     # scores pages by approximate attention mass instead (key_copy.py)
+
+    def __post_init__(self):
+        def need(ok, msg):
+            if not ok:
+                raise ValueError(f"CacheConfig: {msg}")
+
+        for f in ("num_layers", "num_kv_heads", "head_dim", "max_seqs", "max_pages_per_seq", "page_size",
+                  "kv_heads_per_group", "num_buckets", "slots_per_bucket", "host_pages", "token_budget", "tp",
+                  "verify_rows"):
+            v = getattr(self, f)
+            need(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1, f"{f} = {v!r} must be an int >= 1")
+        for f in ("sink_pages", "recent_pages"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and v >= 0, f"{f} = {v!r} must be an int >= 0")
+        need(self.num_kv_heads % self.kv_heads_per_group == 0,
+             f"num_kv_heads = {self.num_kv_heads} must be a multiple of kv_heads_per_group = {self.kv_heads_per_group}")
+        need(self.num_groups <= lid_mod.FIELD_LIMITS["group"],
+             f"num_groups = {self.num_groups} exceeds {lid_mod.FIELD_LIMITS['group']} (4-bit LID group field); "
+             "raise kv_heads_per_group")
+        need(self.num_layers <= lid_mod.FIELD_LIMITS["layer"], f"num_layers = {self.num_layers} exceeds 256")
+        need(self.max_seqs <= lid_mod.FIELD_LIMITS["seq"], f"max_seqs = {self.max_seqs} exceeds 2**20")
+        need(self.page_size & (self.page_size - 1) == 0, f"page_size = {self.page_size} must be a power of two")
+        sp = self.summary_split
+        need(isinstance(sp, (int, np.integer)) and not isinstance(sp, bool) and sp >= 1 and sp & (sp - 1) == 0
+             and sp <= self.page_size,
+             f"summary_split = {sp!r} must be a power of two >= 1 dividing page_size = {self.page_size} (at most "
+             f"{self.page_size})")
+        kc = self.key_channels
+        need(isinstance(kc, (int, np.integer)) and not isinstance(kc, bool) and 0 <= kc <= self.head_dim,
+             f"key_channels = {kc!r} must be an int in [0, head_dim = {self.head_dim}]")
+        need(self.max_pages_per_seq * self.page_size <= 2**31 - 1,
+             f"max_pages_per_seq * page_size = {self.max_pages_per_seq * self.page_size} tokens exceeds 2**31 - 1")
+        lid_mod.log2_buckets(self.num_buckets)
+        need(self.num_frames < 2**31, f"num_frames = {self.num_frames} must be < 2**31")
+        need(self.token_budget % self.page_size == 0,
+             f"token_budget = {self.token_budget} must be a multiple of page_size = {self.page_size}")
+        need(self.sink_pages + self.recent_pages <= self.select_pages,
+             f"sink_pages + recent_pages = {self.sink_pages + self.recent_pages} exceeds token_budget // page_size"
+             f" = {self.select_pages}")
+        need(self.dtype in ("bfloat16", "float32", "float16"), f"dtype = {self.dtype!r} must be bfloat16, float16 or float32")
+        need(self.num_groups % self.tp == 0 or self.tp % self.num_groups == 0,
+             f"num_groups = {self.num_groups} must divide or be divided by tp = {self.tp}")
+        need(self.tp == 1 or self.num_groups % self.tp == 0,
+             f"num_groups = {self.num_groups} % tp = {self.tp} != 0: replicate heads (kv_heads_per_group) first")
+
+    # derived sizes
+    @property
+    def num_groups(self) -> int:
+        return self.num_kv_heads // self.kv_heads_per_group
+
+    @property
+    def groups_per_rank(self) -> int:
+        return self.num_groups // self.tp
+
+    @property
+    def num_frames(self) -> int:
+        return self.num_buckets * self.slots_per_bucket
+
+    @property
+    def select_pages(self) -> int:
+        return self.token_budget // self.page_size
+
+    @property
+    def summary_size(self) -> int:
+        """Tokens under one key summary (a sub-page): page_size // summary_split."""
+        return self.page_size // self.summary_split
+
+    @property
+    def summary_pages(self) -> int:
+        """Key summaries per (sequence, layer, group): max_pages_per_seq * summary_split (sub-page p * split + h
+        covers tokens [p * page_size + h * summary_size, ... + summary_size))."""
+        return self.max_pages_per_seq * self.summary_split
+
+    @property
+    def overflow_frames(self) -> int:
+        """HBM frames per rank that stage one layer call's overflow pages (misses with no free PB-LRU slot), so
+        attention reads only HBM: at most every selected page of every sequence, group and query row overflows (a
+        speculative verification attends `verify_rows` rows per sequence in one call, each with its own pages)."""
+        return self.max_seqs * self.groups_per_rank * self.select_pages * self.verify_rows
+
+    @property
+    def max_context(self) -> int:
+        return self.max_pages_per_seq * self.page_size
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one K (or V) page of one group."""
+        return self.page_size * self.kv_heads_per_group * self.head_dim * self.jnp_dtype.itemsize
+
+    def footprint(self) -> dict[str, int]:
+        """Bytes per rank of each pool, for capacity checks before anything is allocated."""
+        isz = self.jnp_dtype.itemsize
+        per_pg = self.num_layers * self.groups_per_rank * self.max_seqs
+        return {
+            "frames": 2 * self.num_frames * self.page_bytes,
+            "tail": 2 * per_pg * TAIL_PAGES * self.page_bytes,
+            "overflow": 2 * self.overflow_frames * self.page_bytes,
+            "summaries": 2 * per_pg * self.summary_pages * self.kv_heads_per_group * self.head_dim * isz,
+            "key_copy": per_pg * self.kv_heads_per_group * (self.max_context * isz + 4) * self.key_channels,
+            "vtlb": 2 * 4 * per_pg * self.max_pages_per_seq,
+            "pb_lru": 12 * self.num_frames,
+            "host": 2 * self.host_pages * self.page_bytes,
+        }
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "CacheConfig":
+        presets = {
+            # tiny shapes for CPU tests and the demo
+            "tiny": dict(num_layers=2, num_kv_heads=2, head_dim=16, max_seqs=4, max_pages_per_seq=32, page_size=8,
+                         num_buckets=4, slots_per_bucket=16, host_pages=1024, token_budget=64, dtype="float32"),
+            # Llama-3.1-8B: 32 layers, 8 KV heads of 128; 256K context at page 64
+            "llama-3.1-8b": dict(num_layers=32, num_kv_heads=8, head_dim=128, max_seqs=8, max_pages_per_seq=4096,
+                                 num_buckets=256, slots_per_bucket=1024, host_pages=2**20, token_budget=2048),
+            "llama-3.1-70b": dict(num_layers=80, num_kv_heads=8, head_dim=128, max_seqs=8, max_pages_per_seq=4096,
+                                  num_buckets=256, slots_per_bucket=512, host_pages=2**20, token_budget=2048),
+        }
+        if name not in presets:
+            raise ValueError(f"unknown CacheConfig preset {name!r}; known: {sorted(presets)}")
+        return cls(**{**presets[name], **overrides})

@@ -1,0 +1,421 @@
+"""One layer's decode attention over the cache: append -> select -> sieve -> fetch -> attend.
+
+All functions here work on ONE rank's view of the state (leading rank axis of size 1): directly without TP, or
+per rank inside `jax.shard_map` (ulacache_jax/tp.py), where `rank` is the mesh axis index. The decode batch is
+every sequence slot (inactive slots are masked), so shapes never depend on how many requests are running.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from . import key_copy, lid as lid_mod, pb_lru, selection, vtlb as vtlb_mod
+from .cache_state import CacheState, HostPool, overflow_frame, tail_frame
+from .config import TAIL_PAGES
+from .kernel_choice import resolved_options
+from .pallas_kernels import page_copy
+from .pallas_kernels.page_scores import page_scores
+from .pallas_kernels.sparse_decode_attention import sparse_decode_attention
+from .pallas_kernels.tail_append import tail_append
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["hits", "misses", "overflow", "fetched"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class LayerStats:
+    hits: jax.Array      # [] int32 selected pages found in HBM
+    misses: jax.Array    # [] int32 selected pages not in HBM (filled or overflow)
+    overflow: jax.Array  # [] int32 misses with no free candidate slot: read from host, not cached
+    fetched: jax.Array   # [] int32 pages that crossed PCIe (misses; one per frame where several rows missed it)
+
+    @staticmethod
+    def zeros():
+        z = jnp.zeros((), jnp.int32)
+        return LayerStats(z, z, z, z)
+
+    def __add__(self, o):
+        return LayerStats(self.hits + o.hits, self.misses + o.misses, self.overflow + o.overflow,
+                          self.fetched + o.fetched)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """What the decode asks for per step: 'auto' (the resolver's choice: kernel_choice.resolve, tabled in
+    docs/KERNELS.md) or a forced implementation ('pallas' = the Pallas kernel, 'ref' = the jnp reference; the
+    attention also takes 'mosaic', the Mosaic GPU kernel on Hopper). A backend resolves them once when it is built."""
+    attention: str = "auto"       # sparse decode attention: 'mosaic', 'pallas' (Triton) or 'ref'
+    sieve: str = "auto"           # PB-LRU access
+    scores: str = "auto"          # Quest page scores
+    score_launch: tuple[int, int] | None = None  # (block_pages, num_warps) of the score kernel; None: its default
+    topk: str = "auto"            # page top-k: 'pallas' (radix select) or 'ref' (lax.top_k)
+    copy: str = "auto"            # page copies between tiers
+    fused_fetch: bool = False     # misses read by the attention kernel and stored into their frames in one pass
+    softcap: float | None = None
+
+
+def append_token(state: CacheState, layer: int, k_new, v_new, pos, live, *, impl: str = "ref") -> CacheState:
+    """Write one token's K/V per sequence into its tail-ring page and update that page's key summary.
+    k_new, v_new [S, KVr, D] (this rank's KV heads); pos [S] int32 token index; live [S] bool. impl: the tail
+    append's implementation (pallas_kernels/tail_append.py: one kernel, or 'ref' = four XLA scatters); the decode
+    passes its `copy` choice (the append writes pool pages as the copies do)."""
+    c = state.config
+    S, G, g, P = c.max_seqs, c.groups_per_rank, c.kv_heads_per_group, c.page_size
+    dt = c.jnp_dtype
+    kg = k_new.astype(dt).reshape(S, 1, G, g, c.head_dim)
+    vg = v_new.astype(dt).reshape(S, 1, G, g, c.head_dim)
+    page, off = pos // P, pos % P
+    frame = tail_frame(c, jnp.arange(S)[:, None], layer, jnp.arange(G)[None, :], page[:, None])   # [S, G]
+    frame = jnp.where(live[:, None], frame, -1)[:, None, :]                          # [S, 1, G], -1 = skipped
+    sp, soff = pos // c.summary_size, pos % c.summary_size                            # split 1: page, off
+    sub = jnp.where(live, sp, -1)                                                     # [S] sub-page, -1 = skipped
+    pool_k, pool_v, kmin, kmax = tail_append(state.pool_k, state.pool_v, kg, vg, frame, off[:, None],
+                                             state.kmin, state.kmax, sub, soff == 0, layer=layer, impl=impl)
+    return dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, kmin=kmin, kmax=kmax)
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["frame", "start", "src", "host_page", "seq_len"],
+         meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class PagePlan:
+    """What one layer's attention reads, per (sequence, group): the selected pages then the tail pages.
+    frame, start, src, host_page [S, G, K + TAIL_PAGES] int32 (HBM frame, first token or -1 = unused, source:
+    0 unused / 1 HBM / 2 host, not cached / 3 host, stored into `frame` by the kernel, host page or -1);
+    seq_len [S] int32 visible tokens."""
+    frame: jax.Array
+    start: jax.Array
+    src: jax.Array
+    host_page: jax.Array
+    seq_len: jax.Array
+
+
+def _scores(state: CacheState, layer: int, q, flushed, options: DecodeOptions):
+    """Page scores of one query row per sequence: q [S, 1, Hr, D]; flushed [S] candidate pages -> [S, G, P]
+    float32. Quest's bound over the key summaries, or with config.key_channels the attention mass from the key
+    copy (key_copy.py; a config field, so the choice is static). options.scores picks the kernel of either."""
+    c = state.config
+    if c.key_channels:
+        return key_copy.page_mass(state.kc[0], state.chan[0, :, layer], q, flushed, layer=layer,
+                                  impl=options.scores)
+    qpos, qneg = selection.fold_queries(q, c.groups_per_rank, c.kv_heads_per_group)  # [S, G, g, D]
+    return page_scores(state.kmin[0], state.kmax[0], qpos, qneg, layer=layer, impl=options.scores,
+                       launch=options.score_launch, split=c.summary_split)
+
+
+def _sieve_pages(state: CacheState, layer: int, sel, row_live, row_seq, rank, options: DecodeOptions):
+    """One PB-LRU access for the selected pages of every row (a row: one sequence's step; a verification has
+    several rows per sequence). sel [R, G, K] page ids (-1 unused), row_live [R], row_seq [R] the row's sequence
+    slot -> (pb, vtlb table of this rank after the access, valid, page, frame, host_idx, miss, filled, overflow,
+    lead), the last eight [R, G, K]: hits refresh recency, misses take frames (filled) or get none (overflow);
+    lead: a filled miss that is the first request of its frame in this access (one fetch per frame).
+    A page's LID names it by its owner (state.seqs.owner: the slot, or a shared prefix page's id), so the rows of
+    every sharer of a stored prefix page request one LID and get one frame; its host page comes from the row's own
+    vTLB row (every sharer's row points at the stored page)."""
+    c = state.config
+    G, P = c.groups_per_rank, c.page_size
+    R, _, K = sel.shape
+    valid = (sel >= 0) & row_live[:, None, None]
+    page = jnp.where(valid, sel, 0)
+    seq_ids = jnp.broadcast_to(row_seq[:, None, None], (R, G, K))
+    owner = state.seqs.owner[seq_ids, page]                                            # [R, G, K] LID seq field
+    grp = jnp.broadcast_to(rank * G + jnp.arange(G)[None, :, None], (R, G, K))
+    hi, lo = lid_mod.pack(owner, jnp.full_like(seq_ids, layer), grp, (page * P).astype(jnp.uint32))
+    pb = jax.tree.map(lambda a: a[0], state.pb)
+    pb, out = pb_lru.access(pb, hi.reshape(-1), lo.reshape(-1), valid.reshape(-1), state.clock, impl=options.sieve)
+    table = jax.tree.map(lambda a: a[0], state.vtlb)
+    table = vtlb_mod.apply_access(table, hi.reshape(-1), lo.reshape(-1), out, rank * G)
+    frame = out.frame.reshape(R, G, K)
+    miss = valid & ~out.hit.reshape(R, G, K)
+    filled = miss & (frame >= 0)
+    host_idx = table.host_page[seq_ids, layer, jnp.arange(G)[None, :, None], page]
+    # duplicates of one LID (sharers, or verification rows) share its frame: only the first fetches it. A frame
+    # holds one LID, so the LID's first request (the access's `fill`) is the frame's first request.
+    lead = out.fill.reshape(R, G, K)
+    return pb, table, valid, page, frame, host_idx, miss, filled, miss & (frame < 0), lead
+
+
+def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, live, *,
+               options: DecodeOptions = DecodeOptions(), rank=0, append: bool = True):
+    """Append -> select -> sieve -> (separate) fetch for one layer: everything before the attention kernel.
+    Returns (state, PagePlan, LayerStats); arguments as in `attend_layer`. append=False: the token's K/V is
+    already in the tail ring (`verify_layer`); k_new, v_new are unused."""
+    c = state.config
+    S, G, P = c.max_seqs, c.groups_per_rank, c.page_size
+    options = resolved_options(options, c, q)                                         # a backend's: as given
+    if append:
+        state = append_token(state, layer, k_new, v_new, pos, live, impl=options.copy)
+    seq_len = jnp.where(live, pos + 1, 0)                                             # [S] visible tokens
+
+    # 1. Selection among flushed pages (Quest bound, or the key copy's mass), static count K per (sequence, group).
+    flushed = jnp.where(live, state.seqs.flushed, 0)
+    scores = _scores(state, layer, q, flushed, options)                               # [S, G, P]
+    sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
+                                 recent_pages=c.recent_pages, impl=options.topk)      # [S, G, K]
+    # 2. Sieve: hits refresh, misses take frames; the vTLB follows.
+    pb, table, valid, page, frame, host_idx, miss, filled, overflow, lead = _sieve_pages(
+        state, layer, sel, live, jnp.arange(S), rank, options)                        # [S, G, K] each
+    K = sel.shape[-1]
+
+    # 3. Misses cross PCIe once: fetched into their frames here, or read and stored by the attention kernel. A
+    #    frame several rows missed (sharers of one stored prefix page) is fetched or stored by its first row only.
+    pool_k, pool_v = state.pool_k[0], state.pool_v[0]
+    if not options.fused_fetch:
+        # overflow pages (no free slot) are staged in this call's overflow frames, so attention reads only HBM.
+        # There is one overflow frame per (sequence, group, slot) (config.overflow_frames), so a slot's own frame
+        # needs no compaction (a cumsum over the overflow flags cost a launch a layer)
+        stage = overflow_frame(c, jnp.arange(S * G * K, dtype=jnp.int32).reshape(S, G, K))   # [S, G, K]
+        frame = jnp.where(overflow, stage, frame)
+        dst = jnp.where(lead | overflow, frame, -1).reshape(-1)
+        pool_k, pool_v = page_copy.fetch([pool_k, pool_v], [host.k[0], host.v[0]], host_idx.reshape(-1), dst,
+                                         impl=options.copy)   # K and V in one launch
+        src = jnp.where(valid, 1, 0)
+        fetched = lead.sum() + overflow.sum()
+    else:
+        # a duplicate reads the host page without storing it (two programs storing one frame would race)
+        src = jnp.where(valid, jnp.where(overflow | (filled & ~lead), 2, jnp.where(filled, 3, 1)), 0)
+        fetched = miss.sum()
+
+    # 4. Tail pages (unflushed, at most TAIL_PAGES) from the ring, appended to the attended set.
+    tp = flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                           # [S, T]
+    t_ok = live[:, None] & (tp * P < seq_len[:, None])
+    t_frame = tail_frame(c, jnp.arange(S)[:, None, None], layer, jnp.arange(G)[None, :, None], tp[:, None, :])
+    t_frame = jnp.broadcast_to(t_frame, (S, G, TAIL_PAGES))
+    t_ok = jnp.broadcast_to(t_ok[:, None, :], (S, G, TAIL_PAGES))
+    plan = PagePlan(
+        frame=jnp.concatenate([jnp.where(valid, frame, 0), t_frame], axis=-1).astype(jnp.int32),
+        start=jnp.concatenate([jnp.where(valid, page * P, -1),
+                               jnp.where(t_ok, jnp.broadcast_to(tp[:, None, :], (S, G, TAIL_PAGES)) * P, -1)],
+                              axis=-1).astype(jnp.int32),
+        src=jnp.concatenate([src, jnp.where(t_ok, 1, 0)], axis=-1).astype(jnp.int32),
+        host_page=jnp.concatenate([jnp.where(valid, host_idx, -1), jnp.full((S, G, TAIL_PAGES), -1)],
+                                  axis=-1).astype(jnp.int32),
+        seq_len=seq_len.astype(jnp.int32))
+    stats = LayerStats(hits=(valid & ~miss).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
+                       overflow=overflow.sum().astype(jnp.int32), fetched=fetched.astype(jnp.int32))
+    # the clock ticks once per sieve call (every layer of every step), so recency orders the accesses as they
+    # happened: one tick per 64-step chunk made a chunk's accesses tie and cost 12 points of hit rate at a 1/8
+    # pool on a model trace (docs/benchmarks/eviction_model_clock.json vs eviction_model.json)
+    state = dataclasses.replace(state, pb=jax.tree.map(lambda a: a[None], pb),
+                                vtlb=jax.tree.map(lambda a: a[None], table),
+                                pool_k=pool_k[None], pool_v=pool_v[None], clock=state.clock + 1)
+    return state, plan, stats
+
+
+def attend_pages(state: CacheState, host: HostPool, q, plan: PagePlan, *,
+                 options: DecodeOptions = DecodeOptions()):
+    """The attention kernel over a PagePlan. q [S, 1, Hr, D] -> (state, out [S, 1, Hr, D]); with fused fetch the
+    kernel also reads the misses from the host pool and stores them into their frames (the state's pool changes);
+    otherwise every page is in HBM (misses fetched, overflow staged by `plan_layer`) and the host pool is not an
+    operand."""
+    options = resolved_options(options, state.config, q)
+    if not options.fused_fetch:
+        return state, sparse_decode_attention(q, state.pool_k[0], state.pool_v[0], plan.frame, plan.start,
+                                              plan.seq_len, page_src=plan.src, softcap=options.softcap,
+                                              impl=options.attention)
+    res = sparse_decode_attention(q, state.pool_k[0], state.pool_v[0], plan.frame, plan.start, plan.seq_len,
+                                  host_k=host.k[0], host_v=host.v[0], page_host=plan.host_page, page_src=plan.src,
+                                  softcap=options.softcap, impl=options.attention, store_misses=True)
+    attn, pool_k, pool_v = res
+    return dataclasses.replace(state, pool_k=pool_k[None], pool_v=pool_v[None]), attn
+
+
+def attend_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, live, *,
+                 options: DecodeOptions = DecodeOptions(), rank=0):
+    """Decode attention of one layer for every slot, one token per sequence: `plan_layer` then `attend_pages`.
+
+    q [S, 1, Hr, D] (this rank's query heads), k_new/v_new [S, KVr, D], pos [S] int32 position of the new token
+    (= committed length), live [S] bool. Returns (state, out [S, 1, Hr, D], LayerStats)."""
+    state, plan, stats = plan_layer(state, host, layer, q, k_new, v_new, pos, live, options=options, rank=rank)
+    state, attn = attend_pages(state, host, q, plan, options=options)
+    return state, attn, stats
+
+
+def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto") -> tuple[CacheState, HostPool]:
+    """Write every completed, unflushed tail page to the host pool (once per page) and advance `flushed`."""
+    c = state.config
+    S, L, G, P = c.max_seqs, c.num_layers, c.groups_per_rank, c.page_size
+    length, flushed = state.seqs.length, state.seqs.flushed
+    p = flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                            # [S, T]
+    done = state.seqs.active[:, None] & ((p + 1) * P <= length[:, None])             # [S, T]
+    s = jnp.arange(S)[:, None, None, None]
+    l = jnp.arange(L)[None, :, None, None]
+    g = jnp.arange(G)[None, None, :, None]
+    pp = p[:, None, None, :]                                                          # [S, 1, 1, T]
+    src = tail_frame(c, s, l, g, pp)                                                  # [S, L, G, T]
+    dst = state.vtlb.host_page[0, s, l, g, jnp.minimum(pp, c.max_pages_per_seq - 1)]
+    dst = jnp.where(done[:, None, None, :], dst, -1).reshape(-1)
+    src = jnp.broadcast_to(src, (S, L, G, TAIL_PAGES)).reshape(-1).astype(jnp.int32)
+    hk, hv = page_copy.flush([host.k[0], host.v[0]], [state.pool_k[0], state.pool_v[0]], src, dst.astype(jnp.int32),
+                             impl=impl)   # K and V in one launch
+    seqs = dataclasses.replace(state.seqs, flushed=jnp.where(state.seqs.active, length // P, flushed))
+    kc = state.kc
+    if c.key_channels:   # the flushed pages join the key copy (read from their ring frames)
+        pages = jnp.where(done[:, None, None, :], pp, c.max_pages_per_seq)            # [S, 1, 1, T]; P: dropped
+        kc = key_copy.write_pages(kc[0], state.chan[0], s, l, g, pages, state.pool_k[0, tail_frame(c, s, l, g, pp)]
+                                  )[None]
+    return dataclasses.replace(state, seqs=seqs, kc=kc), HostPool(k=hk[None], v=hv[None])
+
+
+# ---- speculative verification (speculative.py; DESIGN.md section 7) --------------------------------------------
+def append_leases(state: CacheState, layer: int, k_new, v_new, pos, nrows, *, impl: str = "ref") -> CacheState:
+    """Speculative rows into the tail ring as leases: row j < nrows[s] of k_new, v_new [S, Q, KVr, D] goes to
+    position pos[s] + j. K/V only: the key summaries change at commit (`commit_summaries`), so a rejected row
+    leaves nothing but ring bytes past the committed length, which no later step reads (a row sees positions up
+    to its own, and every position is written again before a row at or past it reads it). impl: as
+    `append_token`'s."""
+    c = state.config
+    S, G, g, P = c.max_seqs, c.groups_per_rank, c.kv_heads_per_group, c.page_size
+    Q = k_new.shape[1]
+    dt = c.jnp_dtype
+    kg = k_new.astype(dt).reshape(S, Q, G, g, c.head_dim)
+    vg = v_new.astype(dt).reshape(S, Q, G, g, c.head_dim)
+    p = pos[:, None] + jnp.arange(Q)[None, :]                                         # [S, Q]
+    ok = jnp.arange(Q)[None, :] < nrows[:, None]                                      # [S, Q]
+    frame = tail_frame(c, jnp.arange(S)[:, None, None], layer, jnp.arange(G)[None, None, :], (p // P)[..., None])
+    frame = jnp.where(ok[..., None], frame, -1)                                       # [S, Q, G], -1 = skipped
+    pool_k, pool_v = tail_append(state.pool_k, state.pool_v, kg, vg, frame, p % P, impl=impl)
+    return dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v)
+
+
+def verify_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, nrows, live, *,
+                 options: DecodeOptions = DecodeOptions(), rank=0, batched: bool = True):
+    """Decode attention of one layer for Q rows per sequence (speculative verification): row j of sequence s sits
+    at position pos[s] + j; rows j >= nrows[s] are off. Each row computes what a plain decode step at its position
+    computes: its own Quest selection among the flushed pages, the tail ring up to its own position.
+    batched (the default; not with fused fetch): the S * Q rows are one virtual decode batch: one top-k, one sieve
+    access (a page several rows selected is one LID: one frame, one fetch), one attention launch (`verify_batched`).
+    Otherwise the rows run one after another, each a `plan_layer` + `attend_pages` (its own sieve access).
+    q [S, Q, Hr, D], k_new/v_new [S, Q, KVr, D], pos/nrows [S] int32, live [S] bool -> (state, out [S, Q, Hr, D],
+    LayerStats summed over rows)."""
+    state = append_leases(state, layer, k_new, v_new, pos, jnp.where(live, nrows, 0), impl=options.copy)
+    if batched and not options.fused_fetch:
+        return verify_batched(state, host, layer, q, pos, nrows, live, options=options, rank=rank)
+    outs, stats = [], LayerStats.zeros()
+    for j in range(q.shape[1]):
+        row_live = live & (j < nrows)
+        state, plan, st = plan_layer(state, host, layer, q[:, j:j + 1], None, None, pos + j, row_live,
+                                     options=options, rank=rank, append=False)
+        state, o = attend_pages(state, host, q[:, j:j + 1], plan, options=options)
+        outs.append(o)
+        stats = stats + st
+    return state, jnp.concatenate(outs, axis=1), stats
+
+
+def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows, live, *,
+                   options: DecodeOptions = DecodeOptions(), rank=0):
+    """`verify_layer`'s rows as one virtual decode batch of V = S * Q rows (row s * Q + j), their K/V already in
+    the tail ring. Scores per row (the summaries read in place, one call per row), one top-k over V rows, one sieve
+    access for every row's pages (duplicate LIDs share a frame: DESIGN.md section 5), misses fetched once, overflow
+    pages staged once each in the overflow frames (sized for `verify_rows` rows per sequence, so every row's pages
+    fit), one attention launch. Straight-line on purpose: a lax.cond between this and a row-by-row fallback made
+    XLA copy both HBM pools around the conditional in every layer (scripts/probes/verify_cost.py)."""
+    c = state.config
+    S, G, P = c.max_seqs, c.groups_per_rank, c.page_size
+    Q = q.shape[1]
+    if Q > c.verify_rows:
+        raise ValueError(f"verifying Q = {Q} rows per sequence needs cache_config.verify_rows >= {Q} (it is "
+                         f"{c.verify_rows}): the overflow frames are sized for verify_rows rows")
+    Hr, D = q.shape[2], q.shape[3]
+    options = resolved_options(options, c, q[:, :1])                                  # each row is a Q = 1 decode
+    V = S * Q
+    vseq = jnp.repeat(jnp.arange(S), Q)                                               # [V]
+    vj = jnp.tile(jnp.arange(Q), S)
+    vpos = jnp.repeat(pos, Q) + vj
+    vlive = jnp.repeat(live, Q) & (vj < jnp.repeat(nrows, Q))
+    seq_len = jnp.where(vlive, vpos + 1, 0)
+    flushed = jnp.where(vlive, state.seqs.flushed[vseq], 0)
+
+    # 1. Selection: row j's scores as a plain step's (its own query), one top-k for all rows.
+    sflushed = jnp.where(live, state.seqs.flushed, 0)
+    sc = [_scores(state, layer, q[:, j:j + 1], sflushed, options) for j in range(Q)]  # Q x [S, G, Pm]
+    scores = jnp.stack(sc, axis=1).reshape((V,) + sc[0].shape[1:])                   # [V, G, Pm]
+    sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
+                                 recent_pages=c.recent_pages, impl=options.topk)      # [V, G, K]
+    # 2. One sieve access; the vTLB follows.
+    pb, table, valid, page, frame, host_idx, miss, filled, overflow, lead = _sieve_pages(
+        state, layer, sel, vlive, vseq, rank, options)                                # [V, G, K] each
+    K = sel.shape[-1]
+
+    # 3. Overflow pages staged once each: a duplicate (same sequence, group and page in another row) takes the
+    #    stage of its first occurrence. Each (sequence, group, row, slot) owns an overflow frame (overflow_frames
+    #    is sized for verify_rows rows), so the stage is the first occurrence's own slot: no compaction.
+    def by_seq(x):                                                                    # [V, G, K] -> [S, G, Q*K]
+        return x.reshape(S, Q, G, K).transpose(0, 2, 1, 3).reshape(S, G, Q * K)
+
+    def by_row(x):                                                                    # [S, G, Q*K] -> [V, G, K]
+        return x.reshape(S, G, Q, K).transpose(0, 2, 1, 3).reshape(V, G, K)
+
+    opg = by_seq(jnp.where(overflow, page, -1))
+    same = (opg[..., :, None] == opg[..., None, :]) & (opg[..., :, None] >= 0)        # [S, G, QK, QK]
+    first = jnp.argmax(same, axis=-1)                                                 # first equal entry
+    is_first = (first == jnp.arange(Q * K)) & (opg >= 0)
+    row_base = (jnp.arange(S)[:, None, None] * G + jnp.arange(G)[None, :, None]) * (Q * K)    # [S, G, 1]
+    stage = by_row(row_base + first)                                                   # < S*G*Q*K <= overflow_frames
+
+    # 4. Tail pages of each row, up to its own position.
+    tp = flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                           # [V, T]
+    t_ok = vlive[:, None] & (tp * P < seq_len[:, None])
+    t_frame = tail_frame(c, vseq[:, None, None], layer, jnp.arange(G)[None, :, None], tp[:, None, :])
+    t_frame = jnp.broadcast_to(t_frame, (V, G, TAIL_PAGES))
+    t_ok = jnp.broadcast_to(t_ok[:, None, :], (V, G, TAIL_PAGES))
+    start = jnp.concatenate([jnp.where(valid, page * P, -1),
+                             jnp.where(t_ok, jnp.broadcast_to(tp[:, None, :], (V, G, TAIL_PAGES)) * P, -1)],
+                            axis=-1).astype(jnp.int32)
+    src = jnp.concatenate([jnp.where(valid, 1, 0), jnp.where(t_ok, 1, 0)], axis=-1).astype(jnp.int32)
+    qv = q.reshape(V, 1, Hr, D)
+
+    fr = jnp.where(overflow, overflow_frame(c, stage), frame)                         # [V, G, K]
+    once = lead | (overflow & by_row(is_first))                                        # one fetch per frame
+    pool_k, pool_v = page_copy.fetch([state.pool_k[0], state.pool_v[0]], [host.k[0], host.v[0]],
+                                     host_idx.reshape(-1), jnp.where(once, fr, -1).reshape(-1).astype(jnp.int32),
+                                     impl=options.copy)   # K and V in one launch
+    fr = jnp.concatenate([jnp.where(valid, fr, 0), t_frame], axis=-1).astype(jnp.int32)
+    o = sparse_decode_attention(qv, pool_k, pool_v, fr, start, seq_len.astype(jnp.int32), page_src=src,
+                                softcap=options.softcap, impl=options.attention)          # [V, 1, Hr, D]
+    stats = LayerStats(hits=(valid & ~miss).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
+                       overflow=overflow.sum().astype(jnp.int32), fetched=once.sum().astype(jnp.int32))
+    state = dataclasses.replace(state, pb=jax.tree.map(lambda a: a[None], pb),
+                                vtlb=jax.tree.map(lambda a: a[None], table),
+                                pool_k=pool_k[None], pool_v=pool_v[None], clock=state.clock + 1)
+    return state, o.reshape(S, Q, Hr, D), stats
+
+
+def commit_summaries(state: CacheState, length) -> CacheState:
+    """The key summaries of the tail pages recomputed from their committed tokens (length [S]: the new committed
+    length): min/max over the ring's first min(P, length - page start) tokens of each unflushed page holding
+    committed tokens; other pages untouched. Min and max are exact, so this equals `append_token`'s token-by-token
+    updates for the same tokens, whatever rejected leases the ring holds past the length. With summary_split > 1
+    the same per sub-page: a sub-page without committed tokens is untouched, as `append_token` leaves it."""
+    c = state.config
+    S, L, G = c.max_seqs, c.num_layers, c.groups_per_rank
+    split, sub, TS = c.summary_split, c.summary_size, TAIL_PAGES * c.summary_split   # split 1: sub = page_size
+    tp = state.seqs.flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                # [S, T]
+    tsp = (tp[:, :, None] * split + jnp.arange(split)).reshape(S, TS)                # [S, T*split] sub-pages
+    n = jnp.clip(length[:, None] - tsp * sub, 0, sub)                                 # [S, TS] committed tokens
+    has = state.seqs.active[:, None] & (n > 0)
+    s = jnp.arange(S)[:, None, None, None]
+    l = jnp.arange(L)[None, :, None, None]
+    g = jnp.arange(G)[None, None, :, None]
+    tpp = tp[:, None, None, :]                                                        # [S, 1, 1, T]
+    kp = state.pool_k[0, tail_frame(c, s, l, g, tpp)]                                 # [S, L, G, T, page, g, D]
+    kp = kp.reshape(S, L, G, TS, sub, c.kv_heads_per_group, c.head_dim)              # [S, L, G, TS, sub, g, D]
+    ok = (jnp.arange(sub)[None, None, :] < n[:, :, None])[:, None, None, :, :, None, None]
+    kmin = jnp.where(ok, kp, jnp.inf).min(axis=4).astype(kp.dtype)                   # [S, L, G, TS, g, D]
+    kmax = jnp.where(ok, kp, -jnp.inf).max(axis=4).astype(kp.dtype)
+    page = jnp.broadcast_to(jnp.where(has[:, None, None, :], tsp[:, None, None, :], c.summary_pages), (S, L, G, TS))
+    return dataclasses.replace(state, kmin=state.kmin.at[0, s, l, g, page].set(kmin, mode="drop"),
+                               kmax=state.kmax.at[0, s, l, g, page].set(kmax, mode="drop"))
+
+
+def commit_rows(state: CacheState, host: HostPool, length, flush, *, impl: str = "auto"):
+    """Commit a verification: length [S] the new committed lengths (accepted rows), flush [S] bool the sequences
+    that reached a flush point (their chunk boundary: where plain decode flushes). The tail summaries are
+    recomputed from committed tokens, then the flushing sequences' complete pages go to the host pool; a rejected
+    row writes nothing here (no vTLB, frame, PB-LRU or host write). -> (state, host)."""
+    state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=length))
+    state = commit_summaries(state, length)
+    active = state.seqs.active
+    state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, active=active & flush))
+    state, host = flush_tail(state, host, impl=impl)
+    return dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, active=active)), host

@@ -1,0 +1,95 @@
+"""generate(): prompts in, tokens out, on the Engine's path (continuous batching over one Generator).
+
+The Generator (generator.py) holds the model, the cache backend and the one compiled program; the Engine
+(engine.py) schedules requests over its slots; generate() adds every prompt to an Engine and runs it to the end.
+Tensor parallelism is `tp=N` (the model and the cache head-sharded over N local devices, tp.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+from .config import CacheConfig
+from .cost_model import pool_headroom
+from .decode_layer import DecodeOptions
+from .engine import Engine, SamplingParams
+from .generator import DenseCache, Generator, bucket_length, bucket_pages, default_cache_config  # noqa: F401
+from . import validate
+from .text import check_stop_strings, encode_prompt, is_text
+from .tp import check_tp, prepare_model
+
+MAX_BATCH = 8   # default cache slots of generate(): prompts beyond it queue (continuous batching)
+
+
+def _tp_cache_config(cache_config: CacheConfig, tp: int, num_kv_heads: int, orig_kv_heads: int) -> CacheConfig:
+    """A given cache config for `tp` ranks: it may say tp = 1 or tp; its num_kv_heads is the model's, scaled when
+    prepare_model replicated the KV heads."""
+    if cache_config.tp not in (1, tp):
+        raise ValueError(f"cache_config.tp = {cache_config.tp} but tp = {tp}")
+    one = dataclasses.replace(cache_config, tp=1)
+    if num_kv_heads != orig_kv_heads and one.num_kv_heads == orig_kv_heads:
+        one = dataclasses.replace(one, num_kv_heads=num_kv_heads)
+    check_tp(one, tp)
+    return dataclasses.replace(one, tp=tp)
+
+
+def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), stop_ids=None,
+             cache_config: CacheConfig | None = None, attention: str = "auto", tp: int = 1,
+             token_budget: int = 2048, page_size: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int = 0, options: DecodeOptions = DecodeOptions(), mesh=None,
+             speculative=None) -> list:
+    """Generate up to max_new_tokens tokens for each prompt.
+
+    prompts: a list of token-id lists -> a list of token-id lists; or, with a tokenizer, a list of texts (str)
+    or chats (lists of {"role", "content"} messages, rendered by the tokenizer's chat template) -> a list of
+    generated texts. stop_ids end a sequence (the stop token is kept); None = the tokenizer's end-of-text and
+    end-of-turn ids (e.g. SmolLM2's <|im_end|>), or none without a tokenizer. stop: strings that end a sequence
+    once its text holds one (needs the tokenizer; the text is cut before it).
+    attention="auto" (the default) picks one of the two below when the engine is built, from its batch, max
+    context, model and device memory (cost_model.resolve_attention; the HBM pool sized for it), never mid-sequence;
+    attention="sparse" decodes with UlaCache (query-aware page selection over a two-tier cache);
+    attention="dense" is the baseline with the same model and every K/V in HBM. tp: tensor-parallel ranks (local
+    devices). Without a cache_config, one is sized for these prompts (`default_cache_config`: up to 8 slots,
+    `token_budget` tokens attended per step, `page_size` None = 64, or 16 for contexts up to 512 tokens); more
+    prompts than slots queue and are admitted as slots free up. A request's tokens do not depend on what shares
+    its batch; sampled tokens are seeded by `seed` and the prompt's index. speculative: a
+    speculative.SpecConfig (drafts verified K + 1 rows at a time; greedy tokens unchanged), None = off."""
+    k0 = model.config.num_kv_heads
+    model = prepare_model(model, tp)
+    mc = model.config
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise TypeError("prompts must be a list of prompts (token-id lists, or texts / chats with a tokenizer)")
+    as_text = len(prompts) > 0 and all(is_text(p) for p in prompts)
+    stop = check_stop_strings(stop)
+    if stop and tokenizer is None:
+        raise ValueError(f"stop strings {stop!r} need a tokenizer to decode the text (pass tokenizer=...)")
+    # token ids are checked as given (a flat id list or float ids are refused, not reinterpreted); texts and chats
+    # once encoded
+    prompts = validate.check_prompt_batch([encode_prompt(p, tokenizer) for p in prompts] if as_text else prompts,
+                                          mc.vocab_size)
+    max_new_tokens = validate.check_max_new_tokens(max_new_tokens)
+    temperature, top_p, top_k = validate.check_sampling_args(temperature, top_p, top_k, mc.vocab_size)
+    seed = validate.check_seed(seed)
+    if stop_ids is not None:
+        stop_ids = validate.check_stop_ids(stop_ids, mc.vocab_size)
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    if cache_config is None:
+        n = len(prompts)
+        cache_config = default_cache_config(mc, num_seqs=bucket_length(n, 1) if n <= MAX_BATCH else MAX_BATCH,
+                                            max_tokens=longest, page_size=page_size, token_budget=token_budget,
+                                            dtype=model.dtype, tp=tp, pool_headroom=pool_headroom(attention))
+    else:
+        cache_config = _tp_cache_config(cache_config, tp, mc.num_kv_heads, k0)
+    if longest > cache_config.max_context:
+        raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the cache's max context "
+                         f"{cache_config.max_context} (max_pages_per_seq x page_size)")
+    engine = Engine(generator=Generator(model, cache_config, attention=attention, options=options, mesh=mesh),
+                    seed=seed, tokenizer=tokenizer, speculative=speculative)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            stop_ids=None if stop_ids is None else tuple(int(t) for t in stop_ids), stop=stop)
+    out = []
+    for req in engine.run(prompts, params):
+        if req.finish_reason == "error":
+            raise ValueError(f"prompt {req.request_id}: {req.error}")
+        out.append(req.text if as_text else req.tokens)
+    return out

@@ -1,0 +1,284 @@
+"""The Generator: one model, one cache backend, one compiled program (program.py) over a mesh; and the one cache
+sizing policy (`default_cache_config`) that generate, the Engine, TP and the CLI use.
+
+The Generator is the host-side driver of the program: `admit` a sequence into a slot, `prefill` it layer by layer
+(the prompt length bucketed to a power of two, so lengths do not recompile), `decode_chunk` every slot for
+`page_size` steps (one host sync per chunk), `release` the slot. The Engine schedules requests over it;
+`generate()` runs on the Engine. Tensor parallelism is the same Generator over a mesh of `cache_config.tp`
+devices (a single device is a mesh of one): the params are placed by `tp.param_specs`, the cache by the backend.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .backends import DenseCache, make_backend
+from .config import CacheConfig
+from .cost_model import resolve_attention
+from .decode_layer import DecodeOptions, LayerStats
+from .pallas_kernels.pb_lru_sieve import sieve_geometry
+from .prefix_cache import prefix_bucket
+from .program import layer_graphdef, program
+from .tp import TP_AXIS, make_mesh, param_specs, shard_params, tp_graphdef
+
+__all__ = ["Generator", "default_cache_config", "bucket_length", "bucket_pages", "DenseCache"]
+
+
+def bucket_length(n: int, minimum: int) -> int:
+    """Prompt length bucket: the next power of two >= max(n, minimum), so only log2(max) shapes compile."""
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def bucket_pages(n: int) -> int:
+    """Pages per sequence for a cache of n pages: the next power of two up to 128, then the next multiple of
+    max(128, 2^(bit_length - 4)): at most 16 sizes per octave (few compiles), at most 1/8 more host pool than
+    needed (a power of two doubled it at 128K + a few pages), and a multiple of 128 pages (the score block
+    divides it; see page_scores.pad_page_count)."""
+    if n <= 128:
+        return bucket_length(n, 1)
+    step = max(128, 1 << (n.bit_length() - 4))
+    return -(-n // step) * step
+
+
+def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_size: int | None = None,
+                         token_budget: int = 2048, dtype=None, tp: int = 1, pool_headroom: float = 1.0,
+                         **overrides) -> CacheConfig:
+    """The cache sizing policy: `num_seqs` sequences of up to `max_tokens` tokens each over `tp` ranks, HBM frames
+    for every sequence's whole token budget and host pages for every token (per rank: a rank caches only its own
+    KV-head groups). page_size None: 64, or 16 when max_tokens <= 512 (short contexts keep more pages to choose
+    from). pool_headroom: HBM frames per frame of one step's selections, at most one per page
+    (cost_model.pool_headroom: PB-LRU's buckets hit only with headroom). `overrides` replace any CacheConfig field."""
+    mc = model_config
+    if page_size is None:
+        page_size = 64 if max_tokens > 512 else 16
+    pages = bucket_pages(math.ceil(max_tokens / page_size))
+    budget = min(token_budget, pages * page_size)
+    num_groups = mc.num_kv_heads if mc.num_kv_heads <= 16 else 16
+    if num_groups % tp:
+        raise ValueError(f"tp = {tp} must divide the cache's {num_groups} KV-head groups (num_kv_heads = "
+                         f"{mc.num_kv_heads}); with more ranks than KV heads replicate them first "
+                         "(tp.prepare_model)")
+    groups = num_groups // tp
+    frames_needed = min(math.ceil(pool_headroom * num_seqs * mc.num_layers * groups * (budget // page_size)),
+                        num_seqs * mc.num_layers * groups * pages)
+    # one sieve call = one layer of a decode step: the largest buckets that keep the Pallas sieve on its fast path
+    buckets, slots = sieve_geometry(frames_needed, num_seqs * groups * (budget // page_size))
+    kw = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+              kv_heads_per_group=mc.num_kv_heads // num_groups,
+              max_seqs=num_seqs, max_pages_per_seq=pages, page_size=page_size,
+              dtype=jnp.dtype(dtype or "float32").name, num_buckets=buckets, slots_per_bucket=slots,
+              host_pages=num_seqs * mc.num_layers * groups * pages, token_budget=budget,
+              sink_pages=min(1, budget // page_size), recent_pages=min(2, max(0, budget // page_size - 1)), tp=tp)
+    kw.update(overrides)
+    return CacheConfig(**kw)
+
+
+def check_model_fits_cache(model_config, config: CacheConfig) -> None:
+    """The clear error for a model whose shape, head split or attention the cache cannot serve."""
+    mc, c = model_config, config
+    for name, a, b in (("num_layers", c.num_layers, mc.num_layers), ("num_kv_heads", c.num_kv_heads, mc.num_kv_heads),
+                       ("head_dim", c.head_dim, mc.head_dim)):
+        if a != b:
+            raise ValueError(f"cache_config.{name} = {a} does not match the model's {b}"
+                             + (" (more ranks than KV heads? see tp.prepare_model)" if name == "num_kv_heads" else ""))
+    for name, n in (("num_heads", mc.num_heads), ("intermediate_size", mc.intermediate_size)):
+        if n % c.tp:
+            raise ValueError(f"tp = {c.tp} must divide the model's {name} = {n}")
+    if getattr(mc, "sliding_window", None) is not None and c.max_context > mc.sliding_window:
+        raise ValueError(f"model uses a sliding window of {mc.sliding_window} tokens; the cache's max context "
+                         f"{c.max_context} exceeds it and sliding-window attention is not implemented in the cache")
+
+
+@jax.jit
+def _accumulate(total: LayerStats, per_rank: LayerStats, chunk: LayerStats):
+    """chunk: one decode chunk's LayerStats, [R] per rank -> (total summed over ranks, per rank)."""
+    return total + jax.tree.map(lambda a: a.sum().astype(jnp.int32), chunk), per_rank + chunk
+
+
+class Generator:
+    """Prefill and decode for one model, one cache (attention 'sparse' = UlaCache, 'dense' = every K/V in HBM,
+    'auto' = the one cost_model.resolve_attention picks for this cache and device, or a cost_model.Decision made
+    for it) and one mesh of `cache_config.tp` devices; reusable across requests. `decision` says which kind runs
+    and why. `stats` sums the decode's LayerStats over ranks, `rank_stats` keeps them per rank ([R] arrays)."""
+
+    def __init__(self, model, cache_config: CacheConfig, *, attention: str = "sparse",
+                 options: DecodeOptions = DecodeOptions(), mesh: Mesh | None = None):
+        c = cache_config
+        check_model_fits_cache(model.config, c)
+        mesh = make_mesh(c.tp) if mesh is None else mesh
+        if mesh.shape.get(TP_AXIS) != c.tp:
+            raise ValueError(f"mesh axis {TP_AXIS!r} has {mesh.shape.get(TP_AXIS)} devices, cache_config.tp = {c.tp}")
+        self.model_config, self.config, self.options, self.mesh = model.config, c, options, mesh
+        # 'auto' is resolved here, once: the backend, the program and the reports see only the kind it became
+        self.decision = resolve_attention(attention, model.config, c, mesh.devices.flat[0])
+        attention = self.decision.kind
+        self.backend = make_backend(attention, c, mesh, options, query_dtype=model.dtype,
+                                    query_heads_per_kv=model.config.num_queries_per_kv)
+        graphdef = tp_graphdef(model)
+        self.params = shard_params(nnx.split(model)[1], mesh)
+        self.layer_params = [self.params["layers"][l] for l in range(c.num_layers)]
+        specs = param_specs(self.params)
+        cache_spec, host_spec, host_sh = self.backend.specs()
+        view_spec, view_sh = self.backend.view_specs()
+        self.program = program(graphdef, layer_graphdef(graphdef, self.params), self.backend.ops, c, mesh, specs,
+                               specs["layers"][0], cache_spec, host_spec, host_sh, view_spec, view_sh)
+        self._decode = self.program.decode
+        self._replicated = NamedSharding(mesh, P())
+        self.reset_stats()
+        self.prefixes = None     # shared prefixes (prefix_cache.py): off here, on by default in the Engine
+
+    def reset_stats(self) -> None:
+        """Zero `stats` and `rank_stats`, placed as the decode programs return them (replicated; [R] over the
+        mesh), so that `add_stats` compiles once: zeros of another placement would compile it again on the next
+        chunk, ~40 ms of host time inside the first timed chunks."""
+        R = self.config.tp
+        self.stats = jax.device_put(LayerStats.zeros(), self._replicated)
+        self.rank_stats = jax.device_put(jax.tree.map(lambda z: jnp.zeros(R, jnp.int32), LayerStats.zeros()),
+                                         NamedSharding(self.mesh, P(TP_AXIS)))
+
+    def add_stats(self, chunk: LayerStats) -> None:
+        """Add one decode program's LayerStats ([R] per rank) to `stats` (summed over ranks) and `rank_stats`."""
+        self.stats, self.rank_stats = _accumulate(self.stats, self.rank_stats, chunk)
+
+    def set_prefix_cache(self, on: bool, budget_pages: int | None = None) -> None:
+        """Turn shared prefixes on (prompts sharing complete pages with a stored prompt attach them instead of
+        prefilling them; stored prompts keep at most `budget_pages` host pages, None = as long as the pool has
+        room) or off (the stored prefixes are dropped). Call it with no sequence admitted. Refused with a key copy
+        (CacheConfig.key_channels > 0): a sequence's channels are picked from its first prefill block, which an
+        attached prefix would change, so outputs would depend on what other prompts stored."""
+        kc = self.config.key_channels
+        if on and kc:
+            raise ValueError(f"shared prefixes need cache_config.key_channels = 0 (it is {kc}): each sequence picks "
+                             "its key-copy channels from its own first prefill block; turn prefix_cache off")
+        if self.prefixes is not None:
+            self.prefixes.close()
+        self.prefixes = self.backend.prefixes(budget_pages) if on else None
+
+    def prefix_stats(self):
+        """prefix_cache.PrefixStats of this generator's shared prefixes (zeros when off)."""
+        from .prefix_cache import PrefixStats
+        return dataclasses.replace(self.prefixes.index.stats) if self.prefixes is not None else PrefixStats()
+
+    @property
+    def attention(self) -> str:
+        """'sparse' or 'dense': the backend's kind (for reports; `decision` says why)."""
+        return self.backend.kind
+
+    @property
+    def cache(self):
+        """The sparse backend's CacheManager (state, host pool, allocator); None for dense."""
+        return getattr(self.backend, "manager", None)
+
+    # the dense backend's arrays, by the names benchmark scripts fill them under
+    @property
+    def dense(self) -> DenseCache:
+        return self.backend.dense
+
+    @dense.setter
+    def dense(self, value: DenseCache):
+        self.backend.dense = value
+
+    @property
+    def dense_len(self):
+        return self.backend.length
+
+    @dense_len.setter
+    def dense_len(self, value):
+        self.backend.length = value
+
+    # ---- slots ------------------------------------------------------------------------------------------------
+    def request_error(self, num_tokens: int) -> str | None:
+        """Why a sequence of num_tokens tokens (prompt + new) can never be admitted, else None."""
+        return self.backend.request_error(num_tokens)
+
+    def admit(self, num_tokens: int, prompt=None) -> int:
+        """A slot (and host pages) for a sequence of up to num_tokens tokens; sequences.CapacityError if full. With
+        shared prefixes on, `prompt` (the ids `prefill` will get) attaches its stored prefix."""
+        slot = self.prefixes.admit(num_tokens, prompt) if self.prefixes is not None else None
+        return self.backend.admit(num_tokens) if slot is None else slot
+
+    def release(self, slot: int) -> None:
+        self.backend.release(slot)
+        if self.prefixes is not None:
+            self.prefixes.released(slot)
+
+    # ---- prefill and decode -------------------------------------------------------------------------------------
+    def prefill(self, slot: int, prompt: list[int]):
+        """Prefill one admitted slot, layer by layer through one compiled layer program; -> last-position logits
+        [V]. With shared prefixes on, the prompt's stored prefix is attached (or, dense, copied) and only the rest
+        is computed; its complete pages are stored for later prompts."""
+        if self.prefixes is not None:
+            return self._prefill_shared(slot, prompt)
+        return self._prefill_from(slot, prompt, 0, None)
+
+    def _prefill_shared(self, slot: int, prompt: list[int]):
+        m, src = self.prefixes.sources(slot, prompt)
+        logits = self._prefill_from(slot, prompt, m, src)
+        st = self.prefixes.index.stats
+        P = self.config.page_size
+        st.hit_tokens += m * P
+        st.prefill_tokens += len(prompt) - m * P
+        st.hits += m > 0
+        st.saved_host_pages += self.prefixes.saved_host_pages(m)
+        self.prefixes.stored(slot, prompt, m, src)
+        return logits
+
+    def _prefill_from(self, slot: int, prompt: list[int], m: int, src):
+        """Prefill tokens [m * page_size, len(prompt)) of a slot whose first m pages are shared (src: dense source
+        slot per page, None for sparse)."""
+        c = self.config
+        if m:
+            start, n = m * c.page_size, len(prompt)
+            T = bucket_length(n - start, c.page_size)
+            if start + T > c.max_context:    # the sparse ingest would clamp its slices onto the shared pages
+                raise ValueError(f"shared prefix of {m} pages leaves a {T}-token prefill bucket past the max "
+                                 f"context {c.max_context} (prefix_cache.max_shared_pages must allow at most the "
+                                 f"pages that fit)")
+            Tp = prefix_bucket(m, c.max_pages_per_seq) * c.page_size
+            per_tok = np.zeros(Tp, np.int32)
+            if src is not None:
+                per_tok[:start] = np.repeat(src, c.page_size)
+            ids = jax.device_put(np.pad(np.asarray(prompt[start:], np.int32), (0, T - (n - start))), self._replicated)
+            args = jax.device_put((np.int32(start), per_tok), self._replicated)
+            prog, b = self.program, self.backend
+            x = prog.embed(self.params, ids)
+            for l, lp in enumerate(self.layer_params):
+                view, x = prog.prefill_layer_from(lp, b.layer_view(l), x, slot, l, n, *args)
+                b.set_layer_view(l, view)
+            b.prefill_done(slot, n)
+            return prog.logits(self.params, x, n - start)
+        T = bucket_length(len(prompt), self.config.page_size)
+        # committed like the layers' outputs, so every layer call hits the one compiled program
+        ids = jax.device_put(np.pad(np.asarray(prompt, np.int32), (0, T - len(prompt))), self._replicated)
+        prog, b, n = self.program, self.backend, len(prompt)
+        x = prog.embed(self.params, ids)
+        for l, lp in enumerate(self.layer_params):
+            view, x = prog.prefill_layer(lp, b.layer_view(l), x, slot, l, n)
+            b.set_layer_view(l, view)
+        b.prefill_done(slot, n)
+        return prog.logits(self.params, x, n)
+
+    def decode_chunk(self, tok, done, remaining, keys, sampling, stop_ids, *, steps: int | None = None):
+        """One jitted chunk of `steps` steps (None: page_size; else a power of two up to it) for every slot. keys
+        [S]: one PRNG key per slot (see sampling.row_keys). Returns (tokens [S, steps] with -1 where a slot produced
+        nothing, done, remaining)."""
+        decode = self.program.decode if steps is None else self.program.decode_steps(steps)
+        # host-made inputs replicated on the mesh like the previous chunk's outputs: one compile, not two
+        args = jax.device_put((tok, done, remaining, keys, sampling, stop_ids), self._replicated)
+        b = self.backend
+        b.cache, b.host, out, done, remaining, stats = decode(self.params, b.cache, b.host, *args)
+        self.add_stats(stats)
+        return out, done, remaining
+
+    def next_logits(self, tok) -> jax.Array:
+        """Logits [S, V] of the token after `tok` [S] (each slot's last token) for every active slot, exactly as a
+        decode step computes them; the cache is not advanced (checks, scoring)."""
+        b = self.backend
+        tok = jax.device_put(jnp.asarray(tok, jnp.int32), self._replicated)
+        return self.program.next_logits(self.params, b.cache, b.host, tok)
