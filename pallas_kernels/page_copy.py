@@ -20,10 +20,6 @@ Kernel design:
   (probed on the H200: a 5 GiB pinned pool and a 5 GiB HBM pool round-trip exactly past element 2**31).
 - Pages per program (1..8) and the warp count do not change the rate (PCIe bound: docs/BENCHMARKS.md), so the
   default is one page per program. K and V go in one launch by passing lists.
-- Loads before stores: a store waits for its own load, so an entry copied as load K, store K, load V, store V pays
-  one PCIe round trip per tile in sequence. An entry's tiles (of every array) are loaded in batches of at most
-  LOAD_BATCH_BYTES, each batch's loads issued before its stores, so a page's K and V reads are in flight together.
-  What that buys is latency, where few pages miss (a decode layer at batch 1: ~10 of 256 entries).
 - A leading rank axis ([R, pages, ...], the cache state's layout) is indexed inside the kernel (`rank=`), so no XLA
   slice of a pinned_host operand is needed; under `jax.shard_map` the output type carries the input's manual axes.
 
@@ -47,7 +43,6 @@ from . import on_gpu, pick_impl
 PAGES_PER_PROGRAM = 1      # entries per program: 1, 2, 4, 8 copy at one rate (PCIe bound)
 NUM_WARPS = 4              # 128 threads move a 16 KiB tile as 8 x 16-byte loads each
 MAX_TILE_BYTES = 16384     # a larger page is split into several power-of-two tiles of at most this size
-LOAD_BATCH_BYTES = 32768   # tiles loaded together before their stores: 256 bytes (64 registers) a thread at 4 warps
 _ANY = pl.BlockSpec(memory_space=pl.ANY)
 
 
@@ -80,24 +75,7 @@ def page_tiles(page_shape: tuple[int, ...], itemsize: int, max_tile_bytes: int =
     return tiles
 
 
-def load_batches(tiles, itemsizes, max_bytes: int = LOAD_BATCH_BYTES) -> tuple:
-    """The tiles of one page entry, every array's (tiles[a] from `page_tiles`, itemsizes[a] its dtype's bytes), as
-    ((array, tile), ...) batches in order, each at most max_bytes (a larger single tile is a batch of its own)."""
-    batches, cur, size = [], [], 0
-    for a, (arr_tiles, isz) in enumerate(zip(tiles, itemsizes)):
-        for t in arr_tiles:
-            nbytes = t[0][1] * t[1][1] * t[2][1] * isz
-            if cur and size + nbytes > max_bytes:
-                batches.append(tuple(cur))
-                cur, size = [], 0
-            cur.append((a, t))
-            size += nbytes
-    if cur:
-        batches.append(tuple(cur))
-    return tuple(batches)
-
-
-def _copy_kernel(*refs, num_arrays, pages_per_program, batches, src_sizes, dst_sizes, src_rank, dst_rank):
+def _copy_kernel(*refs, num_arrays, pages_per_program, tiles, src_sizes, dst_sizes, src_rank, dst_rank):
     # refs: src_idx [Np] int32, dst_idx [Np] int32, then one [1] int32 ref per traced rank (source, destination),
     #       src_0..src_{A-1} [(R,) M, rows, heads, dim] (HBM or pinned host),
     #       dst_in_0..dst_in_{A-1} (aliased to the outputs, never read), dst_0..dst_{A-1} [(R,) F, rows, heads, dim].
@@ -127,12 +105,10 @@ def _copy_kernel(*refs, num_arrays, pages_per_program, batches, src_sizes, dst_s
     for s, d, ok in entries:
         @pl.when(ok)
         def _copy(s=s, d=d):
-            for batch in batches:   # a batch's loads are all issued before its first store (module docstring)
-                sls = [(a, (pl.ds(r0, rs), pl.ds(h0, hs), pl.ds(c0, cs)))
-                       for a, ((r0, rs), (h0, hs), (c0, cs)) in batch]
-                vals = [srcs[a][s_pre + (s,) + sl] for a, sl in sls]
-                for (a, sl), v in zip(sls, vals):
-                    dsts[a][d_pre + (d,) + sl] = v
+            for a in range(num_arrays):
+                for (r0, rs), (h0, hs), (c0, cs) in tiles[a]:
+                    sl = (pl.ds(r0, rs), pl.ds(h0, hs), pl.ds(c0, cs))
+                    dsts[a][d_pre + (d,) + sl] = srcs[a][s_pre + (s,) + sl]
 
 
 def _as_list(x) -> tuple[list[jax.Array], bool]:
@@ -207,8 +183,7 @@ def copy_pages_pallas(dst, src, src_idx, dst_idx, *, src_rank=None, dst_rank=Non
         interpret = not on_gpu()
     num = len(dsts)
     tiles = tuple(tuple(page_tiles(d.shape[-3:], d.dtype.itemsize)) for d in dsts)
-    batches = load_batches(tiles, [d.dtype.itemsize for d in dsts])
-    body = functools.partial(_copy_kernel, num_arrays=num, pages_per_program=ppp, batches=batches,
+    body = functools.partial(_copy_kernel, num_arrays=num, pages_per_program=ppp, tiles=tiles,
                              src_sizes=srcs[0].shape[-4], dst_sizes=dsts[0].shape[-4],
                              src_rank=s_spec, dst_rank=d_spec)
     body.__name__ = name  # the Triton kernel's name: profiles tell variants apart by it

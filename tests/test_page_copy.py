@@ -91,22 +91,6 @@ def test_non_pow2_page_is_tiled():
     np.testing.assert_array_equal(_bits(got), _bits(_expect(pool, host, hidx, fidx)))
 
 
-def test_load_batches_cover_every_tile_once_within_the_byte_cap():
-    """An entry's tiles of every array, grouped for loads-before-stores: each tile once, in order, every batch
-    within the cap (one oversized tile alone); a page of the 8B shape (64 x 1 x 128 bf16, K and V) is one batch."""
-    tiles = (tuple(pc.page_tiles((8, 3, 48), 4, max_tile_bytes=256)), tuple(pc.page_tiles((8, 3, 48), 2)))
-    batches = pc.load_batches(tiles, (4, 2), max_bytes=1024)
-    flat = [x for b in batches for x in b]
-    assert flat == [(a, t) for a in range(2) for t in tiles[a]]
-    for b in batches:
-        nbytes = [t[0][1] * t[1][1] * t[2][1] * (4, 2)[a] for a, t in b]
-        assert len(b) == 1 or sum(nbytes) <= 1024
-    kv = tuple(tuple(pc.page_tiles((64, 1, 128), 2)) for _ in range(2))
-    assert pc.load_batches(kv, (2, 2)) == (tuple((a, t) for a in range(2) for t in kv[a]),)
-    big = (tuple(pc.page_tiles((64, 2, 128), 4)),)            # 64 KiB: four 16 KiB tiles, two per 32 KiB batch
-    assert [len(b) for b in pc.load_batches(big, (4,))] == [2, 2]
-
-
 def test_all_invalid_and_empty_change_nothing():
     rng = np.random.default_rng(3)
     host, pool, _, _ = _case(rng, dtype=jnp.bfloat16, shape=(4, 1, 8), num_src=6, num_dst=5, n=4, n_valid=0)
