@@ -199,10 +199,13 @@ def test_mosaic_wrapper_packing_and_merge(nq, r, softcap, splits):
 
 
 def test_mosaic_tuning_pads_little():
-    for b, k in ((8, 18), (8, 34), (8, 66), (32, 66), (1, 5)):
+    for b, k in ((8, 18), (8, 34), (8, 66), (32, 66), (1, 5), (1, 34), (3, 34), (1, 66)):
         t = sda.default_mosaic_tuning(b, 8, k)
-        s = t["num_splits"]
-        assert 1 <= s <= k and -(-k // s) * s - k <= max(1, k // 10)
+        s, steps = t["num_splits"], -(-k // t["num_splits"])
+        assert 1 <= s <= k and steps * s - k <= max(1, k // 10)
+        assert -(-k // (s - 1)) > steps if s > 1 else True          # one split fewer would take a step more
+    # the decode's 34 slots (32 selected + 2 tail pages) at batch 1: 17 splits of 2 steps, nothing padded
+    assert sda.default_mosaic_tuning(1, 8, 34)["num_splits"] == 17
 
 
 # ----------------------------------------------------------------------------------------------------------------
