@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from flax import nnx
 
-from ulacache_jax.bench_meta import copy_ceiling, git_commit, read_ceiling, utc_now
+from ulacache_jax.bench_meta import appended_meta, copy_ceiling, earlier_run, git_commit, read_ceiling, utc_now
 
 
 def copy_bandwidth(nbytes=4 << 30) -> float:
@@ -390,13 +390,8 @@ def main(argv=None):
                                             for b in args.batches.split(",") for side in args.sides.split(",")))
     commit = args.commit or git_commit()
     os.makedirs(args.out, exist_ok=True)
-    # a run may be split across sessions and machines: --append keeps the rows already in the JSON
-    old_path = os.path.join(args.out, "decode.json")
-    old_meta = {}
-    if args.append and os.path.exists(old_path):
-        with open(old_path) as f:
-            old_meta = json.load(f)
-        rows.extend(old_meta.pop("rows", []))
+    old_meta, old_rows = earlier_run(os.path.join(args.out, "decode.json"), args.append)
+    rows.extend(old_rows)
     # each row in a fresh process: a large row's buffers (or XLA's allocator state) cannot starve the next one
     # (on the H200 a 128K x 7 dense row after the sparse one could not get its cache); the parent then never
     # touches the GPU (jax.devices() would take XLA's preallocated share of HBM)
@@ -427,11 +422,7 @@ def main(argv=None):
                model=f"llama-3.1-8b shape, {args.layers} layers, random bf16 weights",
                kv="; ".join(KV_FILLS[f] for f in sorted({r.get("fill", "synthetic") for r in rows})), rows=rows)
     this = "bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    if old_meta:   # an appended run: the JSON's earlier commands and commits stay, this run's are added
-        res["command"] = f"{old_meta.get('command', '')}; run {args.run or commit}: {this}".lstrip("; ")
-        res["commit"] = f"{old_meta.get('commit', '')} / {commit}".lstrip(" /")
-    else:
-        res["command"] = this
+    res.update(appended_meta(old_meta, commit, this, args.run))
     write_json(args.out, res)
     plot(res, os.path.join(args.out, "decode.png"), args.kv_fraction)
     label = lambda r: r["attention"] if r["attention"] != "auto" else f"auto>{r.get('attention_path', '?')}"

@@ -140,9 +140,10 @@ def main(argv=None):
     p.add_argument("--out", default="docs/benchmarks")
     p.add_argument("--commit", default=None)
     p.add_argument("--row-timeout", type=float, default=300)
+    p.add_argument("--append", action="store_true", help="keep the rows (and commands) of an existing "
+                   "decode_profile.json in --out")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # child: run the single row
     args = p.parse_args(argv)
-    rows = []
     specs = [(a, int(c), int(b)) for a, c, b in (r.split(":") for r in args.rows.split(","))]
     if args.one:
         (a, c, b), = specs
@@ -152,16 +153,20 @@ def main(argv=None):
     from ulacache_jax.cache_state import raise_host_limit
     raise_host_limit()          # the row processes inherit it: XLA's pinned-host pool is 64 GiB by default
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    from ulacache_jax.bench_meta import git_commit, row_in_child
+    from ulacache_jax.bench_meta import appended_meta, earlier_run, git_commit, row_in_child
     commit = args.commit or git_commit()
+    path = os.path.join(args.out, "decode_profile.json")
+    earlier, rows = earlier_run(path, args.append)
+    meta = earlier | appended_meta(earlier, commit, "profile_decode.py " + " ".join(sys.argv[1:] if argv is None
+                                                                                     else argv))
     for a, c, b in specs:           # each row in its own process: one row's HBM cannot starve the next
         cmd = [sys.executable, os.path.abspath(__file__), "--one", "--rows", f"{a}:{c}:{b}", "--layers",
                str(args.layers), "--budget", str(args.budget), "--kv-fraction", str(args.kv_fraction)]
         row = row_in_child(cmd, args.row_timeout, attention=a, context=c, batch=b)
         row["commit"] = commit
         rows.append(row)
-        with open(os.path.join(args.out, "decode_profile.json"), "w") as f:
-            json.dump(dict(commit=commit, rows=rows), f, indent=1)
+        with open(path, "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
         if "error" in row:
             print(f"{a} {c} {b}: ERROR {row['error'][-300:]}")
         else:

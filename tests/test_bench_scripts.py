@@ -202,3 +202,20 @@ def test_real_prefill_rows_take_generates_path():
                               score_launch=None, tp=1, fill="prefill", key_channels=0, scores="auto")
     row = bd.run_side(model, model.config, "sparse", 1, 256, args, copy_bw=1e11)
     assert row["fill"] == "prefill" and row["ttft_s"] > 0 and row["tokens_per_s"] > 0 and row["hit_rate"] is not None
+
+
+def test_appended_runs_keep_earlier_rows_commands_and_commits(tmp_path):
+    """bench_decode.py and profile_decode.py --append: the rows already in the JSON stay, its command and commit
+    fields gain this run's; without --append (or without a file) the run starts empty."""
+    import json
+    from ulacache_jax import bench_meta as bm
+    path = str(tmp_path / "decode_profile.json")
+    assert bm.earlier_run(path, True) == ({}, [])
+    assert bm.appended_meta({}, "abc", "x.py --rows a") == dict(command="x.py --rows a", commit="abc")
+    with open(path, "w") as f:
+        json.dump(dict(commit="old1", command="x.py --rows a", device="H200", rows=[dict(r=1)]), f)
+    assert bm.earlier_run(path, False) == ({}, [])
+    meta, rows = bm.earlier_run(path, True)
+    assert rows == [dict(r=1)] and meta == dict(commit="old1", command="x.py --rows a", device="H200")
+    assert bm.appended_meta(meta, "new2", "x.py --rows b", run="L") == dict(
+        command="x.py --rows a; run L: x.py --rows b", commit="old1 / new2")

@@ -236,6 +236,24 @@ class Results:
             json.dump(dict(meta=self.meta, rows=self.rows, **self.extra), fh, indent=1, default=_jsonable)
 
 
+def earlier_run(path: str, append: bool) -> tuple[dict, list]:
+    """(meta, rows) of the JSON at `path` when appending to it (a run split across sessions and machines keeps the
+    rows already there), else ({}, [])."""
+    if not (append and os.path.exists(path)):
+        return {}, []
+    with open(path) as f:
+        meta = json.load(f)
+    return meta, meta.pop("rows", [])
+
+
+def appended_meta(earlier: dict, commit: str, command: str, run: str | None = None) -> dict:
+    """The `command` and `commit` fields of a JSON this run appends to: the earlier runs' stay, this one's is added."""
+    if not earlier:
+        return dict(command=command, commit=commit)
+    return dict(command=f"{earlier.get('command', '')}; run {run or commit}: {command}".lstrip("; "),
+                commit=f"{earlier.get('commit', '')} / {commit}".lstrip(" /"))
+
+
 def _jsonable(x):
     if hasattr(x, "item"):  # numpy / jax scalars
         return x.item()
