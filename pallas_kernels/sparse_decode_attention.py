@@ -506,13 +506,15 @@ def _mosaic_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, *, sca
     o, lse = fn(q4, pool_k.reshape(nf, page, d), pool_v.reshape(nf, page, d), frame, start, seq_len.astype(jnp.int32),
                 nq=nq, r=r, scale=scale, softcap=softcap, num_splits=num_splits,
                 max_concurrent_steps=max_concurrent_steps)
-    # log-sum-exp merge over the splits
+    # log-sum-exp merge over the splits, of the real query rows only (the padding rows up to MOSAIC_ROWS are
+    # dropped first: the merge reads m_rows of each split's 64 rows, not all of them)
+    o, lse = o[:, :, :, :m_rows], lse[:, :, :, :m_rows]                  # [B, KV, splits, M, D], [B, KV, splits, M]
     top = jnp.max(lse, axis=2, keepdims=True)
     w = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))               # -inf (nothing seen) -> 0
-    den = jnp.sum(w, axis=2)                                               # [B, KV, 64]
+    den = jnp.sum(w, axis=2)                                               # [B, KV, M]
     num = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * o.astype(jnp.float32), 0.0), axis=2)
     out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
-    return out[:, :, :m_rows].reshape(b, kv, nq, r, d).transpose(0, 2, 1, 3, 4).reshape(b, nq, h, d).astype(q.dtype)
+    return out.reshape(b, kv, nq, r, d).transpose(0, 2, 1, 3, 4).reshape(b, nq, h, d).astype(q.dtype)
 
 
 def _mosaic_applies(q, pool_k, num_kv: int, host_k, store_misses) -> bool:
