@@ -36,11 +36,11 @@ class CostModel:
     Llama-3.1-8B shape (bf16, budget 2048, page 64, contexts 8K-256K, batches 1-27, pools 1/16-1/2 of the KV);
     the per-layer costs are taken as independent of the model's width, so other models are extrapolations."""
     hbm_bytes_per_s: float = 4.29e12      # weights + K/V + summaries read (cuDNN alone reads at 4.42-4.48 TB/s)
-    dense_layer_s: float = 39.7e-6        # per layer and step, beside the bytes: norms, RoPE, launches
-    sparse_layer_s: float = 83.2e-6       # the same for sparse: + append, scores, top-k, sieve, plan, fetch launch
-    sparse_page_s: float = 24.6e-9        # per selected page (one sequence, group and layer): 6.3 us a sequence
-    sparse_frame_s: float = 0.047e-9      # per HBM pool frame and layer (the sieve reads the PB-LRU state)
-    pcie_bytes_per_s: float = 50.3e9      # missed pages host -> HBM (the fetch kernel alone: 51 GB/s)
+    dense_layer_s: float = 38.6e-6        # per layer and step, beside the bytes: norms, RoPE, launches
+    sparse_layer_s: float = 77.5e-6       # the same for sparse: + append, scores, top-k, sieve, plan, fetch launch
+    sparse_page_s: float = 21.3e-9        # per selected page (one sequence, group and layer): 5.5 us a sequence
+    sparse_frame_s: float = 0.050e-9      # per HBM pool frame and layer (the sieve reads the PB-LRU state)
+    pcie_bytes_per_s: float = 48.2e9      # missed pages host -> HBM (the fetch kernel alone: 51 GB/s)
     # PB-LRU hit rate by pool frames / one step's selection frames, on SmolLM2's own selections over 8K-token
     # windows on the H200 (BENCHMARKS.md, quality section: 58.9% at 1x, 94.5% at 1.25x, 97.9% at 1.5x, 99.3% at
     # 2x; CPU's 1K windows gave 59.5 / 95.3 / 98.4 / 99.0%); linear in between, 0 at 0
