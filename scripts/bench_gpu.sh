@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks on a GPU machine (written for an H200), one step per name, each within one 600 s device call:
-#   bash scripts/bench_gpu.sh [select sieve tiers ingest attention layer decode profile e2e quality-passkey16
+#   bash scripts/bench_gpu.sh [select sieve sieve-decode tiers ingest attention layer decode profile e2e quality-passkey16
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
 #                              decode-prefill
@@ -33,6 +33,12 @@ for b in "${names[@]}"; do
     select)     step select 300 scripts/bench_select.py --out "$OUT" "${C[@]}" --reps 5 ;;
     sieve)      step sieve 560 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --requests 8192 65536 \
                   --pools 65536 1048576 --buckets 64 128 256 1024 --budget-s 0.2 --max-seconds 420 ;;
+    sieve-decode)   # the decode's accesses (issue 21): 256 requests a layer (256K x 1) and 768 (128K x 3) into its
+                    # pools of 1/4 of the KV, at bucket counts from sieve_geometry's (256 / 512: 1024 / 768 slots a
+                    # bucket) up: does scanning fewer slots a program cut the sieve's ~11 / ~21 us a layer?
+                    step sieve-decode 400 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --name sieve_decode \
+                      --requests 256 768 --pools 262144 393216 --buckets 256 512 1024 2048 4096 --budget-s 0.2 \
+                      --max-seconds 300 ;;
     tiers)      step tiers 300 scripts/bench_tiers.py --out "$OUT" ;;
     ingest)     step ingest 200 scripts/bench_ingest.py --out "$OUT" "${C[@]}" ;;
     attention)  step attention 560 scripts/bench_attention.py --out "$OUT" "${C[@]}" --deadline 420 ;;
@@ -95,7 +101,7 @@ for b in "${names[@]}"; do
                   --row-timeout 560 --out "$OUT" "${C[@]}" ;;
     prefix-smollm2) step prefix-smollm2 580 scripts/bench_prefix.py --rows smollm2:8192 --append --row-timeout 280 \
                   --model "${MODEL:-smollm2-135m}" --out "$OUT" "${C[@]}" ;;
-    *) echo "unknown benchmark '$b' (select sieve tiers ingest attention layer decode profile e2e" \
+    *) echo "unknown benchmark '$b' (select sieve sieve-decode tiers ingest attention layer decode profile e2e" \
             "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2)"; exit 2 ;;
