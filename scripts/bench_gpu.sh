@@ -5,7 +5,7 @@
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
 #                              decode-prefill
 #                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2]
-#                              (default: the first seven, in order)
+#                              (default: select sieve tiers ingest attention layer decode, in order)
 # (`make bench-gpu BENCH="select decode"` calls this.) Every script checks against its reference before timing
 # and writes its JSON row by row, so a step cut by its timeout keeps what it measured. Output: JSON + PNG under
 # $OUT (default out/gpu); $COMMIT, if set, is recorded as the measured commit (the device's copy of the tree may
