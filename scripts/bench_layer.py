@@ -130,8 +130,7 @@ def stage_loop(stage: str, options: DecodeOptions, calls: int, batch: int, ctx: 
     def one(st, host, q, plan):
         c = st.config
         if stage in ("scores", "select"):
-            qpos, qneg = selection.fold_queries(q, c.groups_per_rank, c.kv_heads_per_group)
-            sc = page_scores(st.kmin[0], st.kmax[0], qpos, qneg, layer=0, impl=options.scores,
+            sc = page_scores(st.kmin[0], st.kmax[0], q, layer=0, impl=options.scores,
                              launch=options.score_launch, split=c.summary_split)               # [S, G, P]
             if stage == "scores":
                 return st, sc[:, :, 0].sum()

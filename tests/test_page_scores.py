@@ -17,7 +17,7 @@ def test_kernel_matches_reference_and_quest_bound(g, P, dtype):
     q = jnp.asarray(rng.standard_normal((S, 1, G * g * r, D)), jnp.float32)
     qpos, qneg = selection.fold_queries(q, G, g)
     for layer in (1, 2):
-        got = page_scores(kmin, kmax, qpos, qneg, layer=layer, impl="pallas")
+        got = page_scores(kmin, kmax, q, layer=layer, impl="pallas")
         want = ref_page_scores(kmin, kmax, qpos, qneg, layer=layer)
         tol = 1e-4 if dtype == jnp.float32 else 1e-2
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
@@ -26,6 +26,46 @@ def test_kernel_matches_reference_and_quest_bound(g, P, dtype):
         mn, mx = np.asarray(kmin[:, layer], np.float32), np.asarray(kmax[:, layer], np.float32)
         quest = np.maximum(qh[:, :, None] * mn[:, :, :, :, None], qh[:, :, None] * mx[:, :, :, :, None]).sum((3, 4, 5))
         np.testing.assert_allclose(np.asarray(want), quest, rtol=1e-4, atol=1e-3)
+
+
+def pallas_operands(jaxpr):
+    """The operands of the first pallas_call in a jaxpr (looking inside jit calls, not inside kernels)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            return eqn.invars
+        inner = eqn.params.get("jaxpr")
+        if inner is not None:
+            found = pallas_operands(getattr(inner, "jaxpr", inner))
+            if found is not None:
+                return found
+    return None
+
+
+@pytest.mark.parametrize("g,r,nq,split", [(1, 4, 1, 1), (2, 2, 1, 1), (1, 8, 2, 1), (1, 4, 1, 2), (1, 3, 1, 1),
+                                         (1, 4, 3, 1)])
+def test_queries_folded_in_the_kernel_or_before_it(g, r, nq, split):
+    """The decode passes q itself: the kernel folds a group's query heads (powers of two: one launch, no XLA
+    reductions before it); other shapes (r = 3 as SmolLM2's 9 heads over 3 kv heads, 3 query rows) are folded
+    before the kernel. Both match the reference on the folded queries."""
+    from ulacache_jax.pallas_kernels.page_scores import folds_in_kernel, page_scores_pallas
+    rng = np.random.default_rng(g * 100 + r * 10 + nq + split)
+    S, L, G, P, D = 2, 2, 2, 32, 16
+    kmin = jnp.asarray(rng.standard_normal((S, L, G, P * split, g, D)), jnp.float32)
+    kmax = kmin + jnp.abs(jnp.asarray(rng.standard_normal(kmin.shape), jnp.float32))
+    q = jnp.asarray(rng.standard_normal((S, nq, G * g * r, D)), jnp.bfloat16)
+    qpos, qneg = selection.fold_queries(q, G, g)
+    want = np.asarray(ref_page_scores(kmin, kmax, qpos, qneg, layer=1, split=split))
+    got = np.asarray(page_scores(kmin, kmax, q, layer=1, impl="pallas", split=split))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    inside = folds_in_kernel(q.shape, G, g)
+    assert inside == (r & (r - 1) == 0 and nq & (nq - 1) == 0)
+    closed = jax.make_jaxpr(lambda q: page_scores(kmin, kmax, q, layer=1, impl="pallas", split=split))(q)
+    assert (q.shape in [tuple(v.aval.shape) for v in pallas_operands(closed.jaxpr)]) == inside  # q itself, unfolded
+    if not inside:
+        with pytest.raises(ValueError, match="cannot be folded in the kernel"):
+            page_scores_pallas(kmin, kmax, q=q, layer=1, interpret=True)
+    with pytest.raises(ValueError, match="either the folded queries"):
+        page_scores_pallas(kmin, kmax, qpos, qneg, q=q, layer=1, interpret=True)
 
 
 def test_launch_shape_does_not_change_scores():
@@ -67,7 +107,7 @@ def test_split_kernel_matches_reference_and_half_page_bound(split, g, P, dtype):
     qpos, qneg = selection.fold_queries(q, G, g)
     tol = 1e-4 if dtype == jnp.float32 else 1e-2
     for layer in (1, 2):
-        got = page_scores(kmin, kmax, qpos, qneg, layer=layer, impl="pallas", split=split)
+        got = page_scores(kmin, kmax, q, layer=layer, impl="pallas", split=split)
         want = ref_page_scores(kmin, kmax, qpos, qneg, layer=layer, split=split)
         assert got.shape == want.shape == (S, G, P)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
@@ -92,7 +132,7 @@ def test_split_launch_shapes_and_errors():
                                  split=split)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     # a launch block that does not divide the page count (not the summary count) falls back to the default
-    got = page_scores(kmin, kmax, qpos, qneg, layer=1, impl="pallas", launch=(64, 2), split=split)
+    got = page_scores(kmin, kmax, q, layer=1, impl="pallas", launch=(64, 2), split=split)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="block_pages = 64 must divide the page count 32"):
         page_scores_pallas(kmin, kmax, qpos, qneg, layer=1, interpret=True, block_pages=64, split=split)
@@ -143,14 +183,15 @@ def test_split_one_is_the_per_page_program():
     """split = 1 (the default) traces the per-page kernel and reference, op for op."""
     rng = np.random.default_rng(1)
     kmin = jnp.asarray(rng.standard_normal((2, 2, 2, 16, 1, 16)), jnp.float32)
-    q = jnp.asarray(rng.standard_normal((2, 2, 1, 16)), jnp.float32)
-    def per_page(mn, mx, qp, qn):     # the per-page reference as it reads without sub-pages
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)), jnp.float32)
+    def per_page(mn, mx, q):     # the per-page reference as it reads without sub-pages
+        qp, qn = selection.fold_queries(q, 2, 1)
         mx, mn = mx[:, 1].astype(jnp.float32), mn[:, 1].astype(jnp.float32)
         return jnp.einsum("sjpid,sjid->sjp", mx, qp) + jnp.einsum("sjpid,sjid->sjp", mn, qn)
-    a = jax.make_jaxpr(per_page)(kmin, kmin, q, q)
-    b = jax.make_jaxpr(lambda *x: page_scores(*x, layer=1, impl="ref", split=1))(kmin, kmin, q, q)
+    a = jax.make_jaxpr(per_page)(kmin, kmin, q)
+    b = jax.make_jaxpr(lambda *x: page_scores(*x, layer=1, impl="ref", split=1))(kmin, kmin, q)
     assert str(a) == str(b)
-    jp = str(jax.make_jaxpr(lambda *x: page_scores(*x, layer=1, impl="pallas"))(kmin, kmin, q, q))
+    jp = str(jax.make_jaxpr(lambda *x: page_scores(*x, layer=1, impl="pallas"))(kmin, kmin, q))
     assert "quest_page_scores" in jp and "quest_page_scores_split" not in jp
 
 
@@ -182,10 +223,10 @@ def test_kernel_compiled_on_gpu(split):
     kmax = kmin + 1
     q = jax.random.normal(key, (S, 1, 64, D), jnp.float32)
     qpos, qneg = selection.fold_queries(q, G, g)
-    got = page_scores(kmin, kmax, qpos, qneg, layer=2, impl="pallas", split=split)
+    got = page_scores(kmin, kmax, q, layer=2, impl="pallas", split=split)
     want = ref_page_scores(kmin, kmax, qpos, qneg, layer=2, split=split)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-2, atol=1e-1)
     if split > 1:   # with a page count the default block does not reach (fewer than 16 pages)
-        got = page_scores(kmin[:, :, :, :24], kmax[:, :, :, :24], qpos, qneg, layer=1, impl="pallas", split=split)
+        got = page_scores(kmin[:, :, :, :24], kmax[:, :, :, :24], q, layer=1, impl="pallas", split=split)
         want = ref_page_scores(kmin[:, :, :, :24], kmax[:, :, :, :24], qpos, qneg, layer=1, split=split)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-2, atol=1e-1)

@@ -98,8 +98,7 @@ def _scores(state: CacheState, layer: int, q, flushed, options: DecodeOptions):
     if c.key_channels:
         return key_copy.page_mass(state.kc[0], state.chan[0, :, layer], q, flushed, layer=layer,
                                   impl=options.scores)
-    qpos, qneg = selection.fold_queries(q, c.groups_per_rank, c.kv_heads_per_group)  # [S, G, g, D]
-    return page_scores(state.kmin[0], state.kmax[0], qpos, qneg, layer=layer, impl=options.scores,
+    return page_scores(state.kmin[0], state.kmax[0], q, layer=layer, impl=options.scores,
                        launch=options.score_launch, split=c.summary_split)
 
 

@@ -12,18 +12,8 @@ pages are always attended from the tail ring).
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from .pallas_kernels import page_scores, page_topk
-
-
-def fold_queries(q, num_groups: int, kv_heads_per_group: int):
-    """q [B, Q, H, D] -> (qpos, qneg) [B, G, g, D] fp32: sums over query positions and the query heads of each KV
-    head of relu(q) and min(q, 0)."""
-    B, Q, H, D = q.shape
-    kv = num_groups * kv_heads_per_group
-    qf = q.astype(jnp.float32).reshape(B, Q, num_groups, kv_heads_per_group, H // kv, D)
-    return jnp.maximum(qf, 0).sum(axis=(1, 4)), jnp.minimum(qf, 0).sum(axis=(1, 4))
+from .pallas_kernels.page_scores import fold_queries
 
 
 def ref_page_scores(q, kmin, kmax, split: int = 1):
