@@ -31,7 +31,7 @@ def _query_sums(q_refs, g: int, fold: int):
     """The group's query sums as [1, g * D] float32 rows (qpos, qneg). fold = 0: q_refs = (qpos_ref, qneg_ref) [g, D],
     folded before the kernel; fold = r: q_refs = (q_ref,) [Q, g * r, D], this sequence's query rows of the group's
     g * r query heads, folded here (relu / min(., 0) summed over rows and each kv head's r heads, as
-    `ulacache_jax.selection.fold_queries`), which saves the decode the XLA reductions before the launch."""
+    `fold_queries`), which saves the decode the XLA reductions before the launch."""
     if not fold:
         qpos_ref, qneg_ref = q_refs
         d = qpos_ref.shape[-1]

@@ -17,8 +17,8 @@ Why page order and not score order: nothing downstream needs the scores' order (
 sieve serves a bucket's misses in order of appearance, which decides only who is cached when a bucket overflows),
 and sorting the k winners by score was three more XLA ops a layer. The reference `ref_select_pages` is `lax.top_k`
 over the same candidate scores, its winners sorted by page: the kernel's result exactly.
-Axis alphabet: R rows, P pages (Pp: the row's block, padded to a power of two; the pieces' loads mask lanes past P), k winners (kp:
-padded to a power of two; stores past k are masked).
+Axis alphabet: R rows, P pages (Pb: the row's block, the pieces' extent padded to a power of two; the pieces'
+loads mask lanes past P), k winners (kp: padded to a power of two; stores past k are masked).
 A row lives in one program's registers: which row lengths the decode sends here (and which to `lax.top_k`) is
 decided by ulacache_jax/kernel_choice.py.
 """
@@ -72,8 +72,8 @@ def row_parts(p: int, granule: int = 128, max_parts: int = 3) -> tuple[tuple[int
 
 
 def _select_kernel(s_ref, fl_ref, i_ref, *, k: int, kp: int, parts: tuple, n: int, sink: int, recent: int):
-    # s_ref [Pb] float32 (one row's block, read as the `parts` pieces; lanes >= n are masked loads, then -inf); fl_ref []
-    # int32 (the row's flushed pages); i_ref [kp] int32: the k winners' page ids in page order, -1 for a
+    # s_ref [Pb] float32 (one row's block, read as the `parts` pieces; lanes >= n are masked loads, then -inf);
+    # fl_ref [] int32 (the row's flushed pages); i_ref [kp] int32: the k winners' page ids in page order, -1 for a
     # non-candidate. Every step runs piece by piece: counts are sums over the pieces, and the prefix sums of the
     # tie rule and of the output slots carry the earlier pieces' totals.
     fl = fl_ref[...]
