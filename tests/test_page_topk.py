@@ -139,13 +139,18 @@ def test_forced_pages_win_and_short_rows_take_every_candidate():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_gpu(), reason="needs a GPU: runs the kernel compiled")
-@pytest.mark.parametrize("case", ["random-decode-shape", "random-odd", "hard"])
+@pytest.mark.parametrize("case", ["random-decode-shape", "pieces", "random-odd", "hard"])
 def test_compiled_matches_reference(case):
     """The same checks with the Triton kernel compiled (the decode's default selection on GPU)."""
     rng = np.random.default_rng(7)
-    if case == "random-decode-shape":        # B = 32 x 8 groups at 256K, budget 2048, page 64
+    if case == "random-decode-shape":        # B = 32 x 8 groups at 256K, budget 2048, page 64: 4096 + 128 lanes
         check(rng.standard_normal((256, 4224)), rng.integers(0, 4225, 32), 32, sink=1, recent=2, groups=8,
               interpret=False)
+    elif case == "pieces":                   # 128K rows (2048 + 128, the last piece masked past 2112), 3 pieces
+        for p, k in ((2112, 32), (6000, 40), (8000, 64)):
+            s = rng.integers(-2, 3, (8, p)).astype(np.float32)                   # ties across the piece borders
+            s[1::2] = rng.standard_normal((4, p))
+            check(s, [p, p - 130, 3, 4097 % p], k, sink=1, recent=2, groups=2, interpret=False)
     elif case == "random-odd":
         check(rng.standard_normal((6, 257)), rng.integers(0, 258, 3), 64, sink=1, recent=2, groups=2,
               interpret=False)
