@@ -78,13 +78,16 @@ def translate(vtlb: VTLB, hi, lo, group_base=0):
 @jax.jit
 def apply_access(vtlb: VTLB, hi, lo, out: AccessOut, group_base=0) -> VTLB:
     """Record a PB-LRU access: evicted LIDs become non-resident, filled LIDs map to their new frames.
-    Evicted and filled LIDs are disjoint (a resident LID in the batch is a hit, never a candidate)."""
+    Evicted and filled LIDs are disjoint (a resident LID in the batch is a hit, never a candidate), and the
+    requests of one filled LID share its frame, so both go in one scatter (one launch a decode layer, not two):
+    no index gets two different values."""
     size = vtlb.frame.size
     ev_flat, ev_in = index(vtlb, out.evicted_hi, out.evicted_lo, group_base)
-    frame = vtlb.frame.reshape(-1).at[jnp.where(out.evicted & ev_in, ev_flat, size)].set(-1, mode="drop")
     flat, inside = index(vtlb, hi, lo, group_base)
     filled = ~out.hit & (out.frame >= 0) & inside
-    frame = frame.at[jnp.where(filled, flat, size)].set(out.frame, mode="drop")
+    at = jnp.concatenate([jnp.where(out.evicted & ev_in, ev_flat, size), jnp.where(filled, flat, size)])   # [2N]
+    val = jnp.concatenate([jnp.full_like(out.frame, -1), out.frame])
+    frame = vtlb.frame.reshape(-1).at[at].set(val, mode="drop")
     return dataclasses.replace(vtlb, frame=frame.reshape(vtlb.frame.shape))
 
 
