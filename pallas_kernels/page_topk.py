@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import next_pow2, on_gpu, pick_impl
+from . import next_pow2, on_gpu, pick_impl, pow2_parts
 
 BIG = np.float32(3e38)   # finite stand-in for +-inf scores, so forced pages (+inf) and non-candidates (-inf) stay apart
 
@@ -62,12 +62,11 @@ def row_parts(p: int, granule: int = 128, max_parts: int = 3) -> tuple[tuple[int
     power of two that fits first, at most `max_parts` pieces (the last one rounded up to a power of two). Why: the
     kernel's time follows the lanes it compares (32 passes over them), and one power-of-two block pads a row of 4224
     pages (256K tokens at page 64) to 8192 lanes; as 4096 + 128 it compares 4224."""
-    n, off, parts = -(-p // granule) * granule, 0, []
-    while off < n:
-        rem = n - off
-        size = next_pow2(rem) if len(parts) == max_parts - 1 else 1 << (rem.bit_length() - 1)
-        parts.append((off, size))
-        off += size
+    n = -(-p // granule) * granule
+    parts = pow2_parts(n)
+    if len(parts) > max_parts:                       # the pieces past the last one allowed: one piece, rounded up
+        off = parts[max_parts - 1][0]
+        parts = parts[:max_parts - 1] + [(off, next_pow2(n - off))]
     return tuple(parts)
 
 
