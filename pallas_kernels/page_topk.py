@@ -7,9 +7,7 @@ and the ordering after it were XLA ops of their own. Here one program owns one (
    pages at or past `flushed` (and the padding) -> -inf; the reference runs the same function;
 2. each score becomes an order-preserving uint32 key (sign flip; -0.0 is folded into +0.0 first, so equal floats
    get equal keys);
-3. the k-th largest key T is found bit by bit from the top (32 passes of a count over the row, in registers; the
-   row is read as up to three power-of-two pieces, `row_parts`, not padded to one: the passes' compares are what
-   the kernel's time follows);
+3. the k-th largest key T is found bit by bit from the top (32 passes of a count over the row, in registers);
 4. the selected set is every key > T plus the lowest-index keys == T up to k (the same tie rule as `lax.top_k`),
    compacted by a prefix sum and stored in page order: page ids, -1 where a winner is not a candidate (-inf: the
    row has fewer than k flushed pages).
@@ -17,8 +15,8 @@ Why page order and not score order: nothing downstream needs the scores' order (
 sieve serves a bucket's misses in order of appearance, which decides only who is cached when a bucket overflows),
 and sorting the k winners by score was three more XLA ops a layer. The reference `ref_select_pages` is `lax.top_k`
 over the same candidate scores, its winners sorted by page: the kernel's result exactly.
-Axis alphabet: R rows, P pages (Pb: the row's block, the pieces' extent padded to a power of two; the pieces'
-loads mask lanes past P), k winners (kp: padded to a power of two; stores past k are masked).
+Axis alphabet: R rows, P pages (Pp: the row padded to a power of two; the load masks the padding), k winners (kp:
+padded to a power of two; stores past k are masked).
 A row lives in one program's registers: which row lengths the decode sends here (and which to `lax.top_k`) is
 decided by ulacache_jax/kernel_choice.py.
 """
@@ -33,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import next_pow2, on_gpu, pick_impl, pow2_parts
+from . import next_pow2, on_gpu, pick_impl
 
 BIG = np.float32(3e38)   # finite stand-in for +-inf scores, so forced pages (+inf) and non-candidates (-inf) stay apart
 
@@ -57,47 +55,25 @@ def _sort_keys(x):
     return jnp.where(neg, ~bits, bits | np.uint32(0x80000000))
 
 
-def row_parts(p: int, granule: int = 128, max_parts: int = 3) -> tuple[tuple[int, int], ...]:
-    """(offset, size) power-of-two pieces, in order, that cover a row of p pages rounded up to `granule`: the largest
-    power of two that fits first, at most `max_parts` pieces (the last one rounded up to a power of two). Why: the
-    kernel's time follows the lanes it compares (32 passes over them), and one power-of-two block pads a row of 4224
-    pages (256K tokens at page 64) to 8192 lanes; as 4096 + 128 it compares 4224."""
-    n = -(-p // granule) * granule
-    parts = pow2_parts(n)
-    if len(parts) > max_parts:                       # the pieces past the last one allowed: one piece, rounded up
-        off = parts[max_parts - 1][0]
-        parts = parts[:max_parts - 1] + [(off, next_pow2(n - off))]
-    return tuple(parts)
-
-
-def _select_kernel(s_ref, fl_ref, i_ref, *, k: int, kp: int, parts: tuple, n: int, sink: int, recent: int):
-    # s_ref [Pb] float32 (one row's block, read as the `parts` pieces; lanes >= n are masked loads, then -inf);
-    # fl_ref [] int32 (the row's flushed pages); i_ref [kp] int32: the k winners' page ids in page order, -1 for a
-    # non-candidate. Every step runs piece by piece: counts are sums over the pieces, and the prefix sums of the
-    # tie rule and of the output slots carry the earlier pieces' totals.
-    fl = fl_ref[...]
-    idxs = [o + jnp.arange(z, dtype=jnp.int32) for o, z in parts]
-    xs = [candidate_scores(plgpu.load(s_ref.at[pl.ds(o, z)], mask=idx < n, other=0.0), idx, fl, n, sink=sink,
-                           recent=recent) for (o, z), idx in zip(parts, idxs)]
-    keys = [_sort_keys(x) for x in xs]
-
-    def count(pred):
-        return sum(jnp.sum(pred(key).astype(jnp.int32)) for key in keys)
+def _select_kernel(s_ref, fl_ref, i_ref, *, k: int, kp: int, pp: int, n: int, sink: int, recent: int):
+    # s_ref [Pp] float32 (one row; lanes >= n are masked loads: undefined, then -inf); fl_ref [] int32 (the row's
+    # flushed pages); i_ref [kp] int32: the k winners' page ids in page order, -1 for a non-candidate
+    idx = jnp.arange(pp, dtype=jnp.int32)
+    x = candidate_scores(s_ref[...], idx, fl_ref[...], n, sink=sink, recent=recent)
+    key = _sort_keys(x)
 
     def bit(b, t):  # the largest t with count(key >= t) >= k, built from the top bit down
         cand = t | (np.uint32(1) << (np.uint32(31) - b.astype(jnp.uint32)))
-        return jnp.where(count(lambda key: key >= cand) >= k, cand, t)
+        return jnp.where(jnp.sum((key >= cand).astype(jnp.int32)) >= k, cand, t)
 
     t = lax.fori_loop(0, 32, bit, jnp.uint32(0))
-    need = k - count(lambda key: key > t)                          # ties to take, lowest index first
-    ties = slots = jnp.int32(0)                                    # the earlier pieces' ties and winners
-    for key, x, idx in zip(keys, xs, idxs):
-        eq = (key == t).astype(jnp.int32)
-        sel = (key > t) | ((eq == 1) & (ties + jnp.cumsum(eq) - eq < need))
-        si = sel.astype(jnp.int32)
-        pos = jnp.where(sel, slots + jnp.cumsum(si) - si, kp)      # masked lanes point past the end
-        plgpu.store(i_ref.at[pos], jnp.where(x > -np.inf, idx, -1), mask=sel)
-        ties, slots = ties + jnp.sum(eq), slots + jnp.sum(si)
+    gt = key > t
+    eq = (key == t).astype(jnp.int32)
+    need = k - jnp.sum(gt.astype(jnp.int32))                       # ties to take, lowest index first
+    sel = gt | ((eq == 1) & (jnp.cumsum(eq) - eq < need))
+    si = sel.astype(jnp.int32)
+    pos = jnp.where(sel, jnp.cumsum(si) - si, kp)                  # masked lanes point past the end
+    plgpu.store(i_ref.at[pos], jnp.where(x > -np.inf, idx, -1), mask=sel)
 
 
 def _check(s, flushed, k: int, sink: int, recent: int, groups: int):
@@ -119,18 +95,17 @@ def select_pages_pallas(s, flushed, k: int, *, sink: int = 0, recent: int = 0, g
     order, -1 where the row has fewer than k candidates: exactly `ref_select_pages`."""
     r, p = s.shape
     _check(s, flushed, k, sink, recent, groups)
-    pp, kp, parts = next_pow2(p), next_pow2(k), row_parts(p)
-    pb = next_pow2(sum(z for _, z in parts))                      # the row's block: every piece inside it
+    pp, kp = next_pow2(p), next_pow2(k)
     kwargs = {}
     if not interpret:
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps or (8 if pp >= 4096 else 4),
                                                          num_stages=1)
-    # a block wider than the row (pp > p) or than the output (kp > k): the kernel masks its loads past the row, and
-    # Pallas the stores past k (interpret mode pads), so no XLA pad or slice runs around the kernel
+    # a block wider than the row (pp > p) or than the output (kp > k): Pallas masks the loads and stores past the
+    # array (interpret mode pads), so no XLA pad or slice runs around the kernel
     return pl.pallas_call(
-        functools.partial(_select_kernel, k=k, kp=kp, parts=parts, n=p, sink=sink, recent=recent), grid=(r,),
+        functools.partial(_select_kernel, k=k, kp=kp, pp=pp, n=p, sink=sink, recent=recent), grid=(r,),
         interpret=interpret,
-        in_specs=[pl.BlockSpec((None, pb), lambda i: (i, 0)), pl.BlockSpec((None,), lambda i: (i // groups,))],
+        in_specs=[pl.BlockSpec((None, pp), lambda i: (i, 0)), pl.BlockSpec((None,), lambda i: (i // groups,))],
         out_specs=pl.BlockSpec((None, kp), lambda i: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32), name="page_top_k", **kwargs,
     )(s.astype(jnp.float32), flushed.astype(jnp.int32))

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 
 from ulacache_jax import selection
 from ulacache_jax.pallas_kernels import on_gpu
-from ulacache_jax.pallas_kernels.page_topk import ref_select_pages, row_parts, select_pages_pallas, select_top_pages
+from ulacache_jax.pallas_kernels.page_topk import ref_select_pages, select_pages_pallas, select_top_pages
 
 
 def check(s, flushed, k, *, sink=0, recent=0, groups=1, interpret=True):
@@ -45,26 +45,15 @@ def test_random_scores_match_reference_and_numpy(rows, p, k, groups):
             np.testing.assert_array_equal(got, numpy_select(s, np.repeat(fl, groups), k, sink, recent))
 
 
-def test_row_parts_cover_the_row_in_few_power_of_two_pieces():
-    """256K tokens at page 64 (4224 pages) as 4096 + 128 lanes, not one block of 8192; 128K (2112) as 2048 + 128."""
-    assert row_parts(4224) == ((0, 4096), (4096, 128)) and row_parts(2112) == ((0, 2048), (2048, 128))
-    assert row_parts(8192) == ((0, 8192),) and row_parts(1) == ((0, 128),)
-    for p in (1, 100, 257, 300, 2112, 4097, 6000, 8000, 8192):
-        parts = row_parts(p)
-        assert len(parts) <= 3 and parts[0][0] == 0
-        assert all(o2 == o1 + z1 for (o1, z1), (o2, _) in zip(parts, parts[1:]))           # contiguous, in order
-        assert all(z & (z - 1) == 0 for _, z in parts) and p <= sum(z for _, z in parts) < p + max(128, p)
-
-
 @pytest.mark.parametrize("p,k", [(4224, 32), (8000, 40), (300, 200), (2112, 128)])
-def test_ties_across_the_pieces_of_a_row(p, k):
-    """Rows read as several pieces (row_parts): integer scores tie across the piece borders, so the lowest-index tie
-    rule and the output slots must carry the earlier pieces' counts; forced pages in the first and last pieces;
-    short rows whose candidates end inside a piece or before the last one."""
+def test_ties_in_long_rows(p, k):
+    """Long rows (4224 pages pad to 8192 lanes) full of integer ties (the lowest-index tie rule over thousands of
+    equal keys), every tie in the row's second half, forced pages at both ends, and short rows whose candidates end
+    in the middle or near the start."""
     rng = np.random.default_rng(p + k)
     s = rng.integers(-2, 3, (4, p)).astype(np.float32)
     s[1] = rng.standard_normal(p)
-    s[2, p // 2:] = 2.0                                                # every tie in the later pieces
+    s[2, p // 2:] = 2.0                                                # every tie in the second half
     fl = np.array([p, p - 130, 3, 4097 if p > 4097 else p // 2], np.int32)
     for sink, recent in ((0, 0), (1, 2)):
         got = check(s, fl, k, sink=sink, recent=recent)
@@ -139,16 +128,16 @@ def test_forced_pages_win_and_short_rows_take_every_candidate():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_gpu(), reason="needs a GPU: runs the kernel compiled")
-@pytest.mark.parametrize("case", ["random-decode-shape", "pieces", "random-odd", "hard"])
+@pytest.mark.parametrize("case", ["random-decode-shape", "long-ties", "random-odd", "hard"])
 def test_compiled_matches_reference(case):
     """The same checks with the Triton kernel compiled (the decode's default selection on GPU)."""
     rng = np.random.default_rng(7)
-    if case == "random-decode-shape":        # B = 32 x 8 groups at 256K, budget 2048, page 64: 4096 + 128 lanes
+    if case == "random-decode-shape":        # B = 32 x 8 groups at 256K, budget 2048, page 64
         check(rng.standard_normal((256, 4224)), rng.integers(0, 4225, 32), 32, sink=1, recent=2, groups=8,
               interpret=False)
-    elif case == "pieces":                   # 128K rows (2048 + 128, the last piece masked past 2112), 3 pieces
+    elif case == "long-ties":                # 128K rows (2112 pages, masked past them in 4096 lanes), longer rows
         for p, k in ((2112, 32), (6000, 40), (8000, 64)):
-            s = rng.integers(-2, 3, (8, p)).astype(np.float32)                   # ties across the piece borders
+            s = rng.integers(-2, 3, (8, p)).astype(np.float32)                   # thousands of exact ties
             s[1::2] = rng.standard_normal((4, p))
             check(s, [p, p - 130, 3, 4097 % p], k, sink=1, recent=2, groups=2, interpret=False)
     elif case == "random-odd":
