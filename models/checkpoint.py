@@ -1,12 +1,14 @@
 """Orbax checkpoints of converted models: `save(model, path)` / `load(path)`, exact round trip.
 
 Layout of `path/`:
-    model.json   {"format": 1, "dtype": "bfloat16", "config": ModelConfig.to_dict()}
+    model.json   {"format": 2, "dtype": "bfloat16", "config": ModelConfig.to_dict()}
     params/      orbax StandardCheckpointer tree of the model's params as a pure dict
 A pure dict (nested str keys, array leaves) rather than an nnx.State keeps the on-disk tree independent of
 flax's Variable classes, so checkpoints move between flax versions. `load(..., shardings=)` restores each param
 straight into its Sharding (orbax reads every device's slice from the files), so a model larger than one device is
 never held by one (tp.load_model).
+Format 2 stores each MLP's gate and up as one gate_up_proj [2, F, E] (llama.MLP); format 1 (gate_proj and up_proj
+[F, E] each) still loads, stacked as it is restored.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from .config import ModelConfig
-from .hf_loader import CheckpointError, Shardings
+from .hf_loader import CheckpointError, Shardings, fuse_gate_up
 from .llama import LlamaModel
 
 META_FILE = "model.json"
 PARAMS_DIR = "params"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_FORMATS = (1, 2)
 
 
 def _stringify(tree):
@@ -57,8 +60,8 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
     return (pathlib.Path(path) / META_FILE).is_file()
 
 
-def _meta(folder: pathlib.Path) -> tuple[ModelConfig, np.dtype]:
-    """(config, saved param dtype) of the checkpoint in `folder` (_parse_meta's errors)."""
+def _meta(folder: pathlib.Path) -> tuple[ModelConfig, np.dtype, int]:
+    """(config, saved param dtype, format) of the checkpoint in `folder` (_parse_meta's errors)."""
     meta_file = folder / META_FILE
     if not meta_file.is_file():
         raise FileNotFoundError(f"no {META_FILE} in {folder}: not a checkpoint written by models.save")
@@ -75,7 +78,7 @@ def load(path: str | os.PathLike, *, dtype=None, shardings: Shardings | None = N
     `shardings`: a function from each param's state path (e.g. ("layers", 0, "mlp", "up_proj")) to the Sharding
     it is restored into; None restores onto the default device."""
     folder = pathlib.Path(path).absolute()
-    config, saved_dtype = _meta(folder)
+    config, saved_dtype, fmt = _meta(folder)
     dtype = saved_dtype if dtype is None else jnp.dtype(dtype)
     model = nnx.eval_shape(lambda: LlamaModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
     abstract = nnx.to_pure_dict(nnx.state(model, nnx.Param))  # ShapeDtypeStruct leaves
@@ -83,23 +86,58 @@ def load(path: str | os.PathLike, *, dtype=None, shardings: Shardings | None = N
         abstract = jax.tree_util.tree_map_with_path(
             lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings(tuple(k.key for k in p))),
             abstract)
-    restored = _restore_params(folder, abstract)
+    if fmt == 1:
+        restored = _restore_params(folder, _format1_tree(abstract, shardings))
+        _stack_gate_up(restored, (), shardings)
+    else:
+        restored = _restore_params(folder, abstract)
     graphdef, state = nnx.split(model)
     nnx.replace_by_pure_dict(state, restored)  # maps the str layer keys back to ints
     return nnx.merge(graphdef, state)
 
 
-def _parse_meta(meta_file: pathlib.Path) -> tuple[ModelConfig, np.dtype]:
-    """model.json -> (config, saved param dtype); a CheckpointError naming the file and the key otherwise."""
+def _format1_tree(abstract, shardings: Shardings | None):
+    """The param tree a format-1 checkpoint holds: each gate_up_proj [2, F, E] of `abstract` as gate_proj and
+    up_proj [F, E], placed as a loader places those tensors."""
+    def walk(node, path):
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, x in node.items():
+            if key != "gate_up_proj":
+                out[key] = walk(x, (*path, key))
+                continue
+            for name in ("gate_proj", "up_proj"):
+                where = None if shardings is None else shardings((*path, name))
+                out[name] = jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=where)
+        return out
+    return walk(abstract, ())
+
+
+def _stack_gate_up(node, path: tuple, shardings: Shardings | None) -> None:
+    """In place over a restored format-1 tree: gate_proj and up_proj -> gate_up_proj (hf_loader.fuse_gate_up)."""
+    if not isinstance(node, dict):
+        return
+    if "gate_proj" in node and "up_proj" in node:
+        flat = {(*path, name): node.pop(name) for name in ("gate_proj", "up_proj")}
+        fuse_gate_up(flat, None, shardings)
+        node.update({p[-1]: x for p, x in flat.items()})
+    for key, child in node.items():
+        _stack_gate_up(child, (*path, key), shardings)
+
+
+def _parse_meta(meta_file: pathlib.Path) -> tuple[ModelConfig, np.dtype, int]:
+    """model.json -> (config, saved param dtype, format); a CheckpointError naming the file and the key
+    otherwise."""
     try:
         meta = json.loads(meta_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"cannot parse {meta_file}: {err}") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_file} must hold a JSON object, not {type(meta).__name__}")
-    if meta.get("format") != FORMAT_VERSION:
+    if meta.get("format") not in READ_FORMATS:
         raise CheckpointError(f"{meta_file}: unsupported checkpoint format {meta.get('format')!r} (this version "
-                              f"reads format {FORMAT_VERSION})")
+                              f"reads formats {READ_FORMATS})")
     for key in ("config", "dtype"):
         if key not in meta:
             raise CheckpointError(f"{meta_file}: missing key {key!r}")
@@ -111,7 +149,7 @@ def _parse_meta(meta_file: pathlib.Path) -> tuple[ModelConfig, np.dtype]:
         dtype = np.dtype(jnp.dtype(meta["dtype"]))
     except TypeError:
         raise CheckpointError(f"{meta_file}: 'dtype' {meta['dtype']!r} is not a dtype") from None
-    return config, dtype
+    return config, dtype, meta["format"]
 
 
 def _restore_params(folder: pathlib.Path, abstract) -> dict:

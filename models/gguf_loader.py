@@ -297,4 +297,4 @@ def from_gguf(
         del host
     loaded = {expected_name for expected_name, target in expected.items() if target[0] in params}
     return assemble(config, dtype, params, where=file, unexpected=unexpected, missing=sorted(set(expected) - loaded),
-                    source="gguf_tensor_map")
+                    source="gguf_tensor_map", device=device, shardings=shardings)

@@ -157,12 +157,25 @@ def from_pretrained(
         _load_file(folder / file, names, expected, np_dtype, device, shardings, params, loaded, unexpected)
 
     return assemble(config, dtype, params, where=folder, unexpected=unexpected, missing=sorted(set(expected) - loaded),
-                    source="hf_tensor_map")
+                    source="hf_tensor_map", device=device, shardings=shardings)
 
 
-def assemble(config: ModelConfig, dtype, params: dict, *, where, unexpected, missing, source: str) -> LlamaModel:
+def fuse_gate_up(params: dict, device=None, shardings: Shardings | None = None) -> None:
+    """In place: each MLP's loaded gate_proj and up_proj [F, E] -> its gate_up_proj [2, F, E] (llama.MLP reads
+    both with one matmul), placed where `gate_up_proj` goes (`placement`: with `shardings`, straight into its
+    Sharding). A gate_proj without its up_proj is left alone (the caller's missing-tensor error names it)."""
+    for path in [p for p in params if p[-1] == "gate_proj" and (*p[:-1], "up_proj") in params]:
+        where = placement(device, shardings, (*path[:-1], "gate_up_proj"))
+        sharded = where if isinstance(where, jax.sharding.Sharding) else None
+        stack = jax.jit(lambda g, u: jnp.stack([g, u]), out_shardings=sharded)  # [2, F, E]
+        params[(*path[:-1], "gate_up_proj")] = stack(params.pop(path), params.pop((*path[:-1], "up_proj")))
+
+
+def assemble(config: ModelConfig, dtype, params: dict, *, where, unexpected, missing, source: str, device=None,
+             shardings: Shardings | None = None) -> LlamaModel:
     """The loaded params (flat state path -> array) as a LlamaModel: unexpected or missing checkpoint tensors are
-    a CheckpointError naming them (up to 8) and `where`; an abstract model (shapes only, nothing allocated) then
+    a CheckpointError naming them (up to 8) and `where`; gate and up are stacked (`fuse_gate_up`, placed per
+    `device` / `shardings` as the loader placed the rest); an abstract model (shapes only, nothing allocated) then
     gets its params replaced by the loaded ones. Shared by the Hugging Face and GGUF loaders."""
     def named(xs):
         return ", ".join(sorted(xs)[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
@@ -171,6 +184,7 @@ def assemble(config: ModelConfig, dtype, params: dict, *, where, unexpected, mis
         raise CheckpointError(f"unexpected tensors in {where} for {config.architecture}: {named(unexpected)}")
     if missing:
         raise CheckpointError(f"missing tensors in {where}: {named(missing)}")
+    fuse_gate_up(params, device, shardings)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: LlamaModel(config, dtype=dtype, rngs=nnx.Rngs(0))))
     model_shapes = {path: tuple(var.shape) for path, var in nnx.to_flat_state(state)}
     loaded_shapes = {path: tuple(x.shape) for path, x in params.items()}

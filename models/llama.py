@@ -92,18 +92,19 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). Gate and up are one param [2, F, E] (checkpoints' gate_proj and up_proj
+    stacked by the loaders), read by one matmul: at decode's few rows the projections are weight reads, and XLA's
+    one fused gemm over both reads them faster than two (scripts/probes/proj_layout.py, docs/BENCHMARKS.md)."""
 
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
         e, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nnx.Param(_init(rngs, (f, e), e, dtype))  # [F, E]
-        self.up_proj = nnx.Param(_init(rngs, (f, e), e, dtype))  # [F, E]
+        gate, up = _init(rngs, (f, e), e, dtype), _init(rngs, (f, e), e, dtype)  # [F, E] each
+        self.gate_up_proj = nnx.Param(jnp.stack([gate, up]))  # [2, F, E]: gate, up
         self.down_proj = nnx.Param(_init(rngs, (e, f), f, dtype))  # [E, F]
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, E] -> [B, T, E]
-        gate = jnp.einsum("BTE,FE->BTF", x, self.gate_proj[...])
-        up = jnp.einsum("BTE,FE->BTF", x, self.up_proj[...])
-        return jnp.einsum("BTF,EF->BTE", jax.nn.silu(gate) * up, self.down_proj[...])
+        gu = jnp.einsum("BTE,CFE->BTCF", x, self.gate_up_proj[...])  # [B, T, 2, F]
+        return jnp.einsum("BTF,EF->BTE", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], self.down_proj[...])
 
 
 class DecoderLayer(nnx.Module):

@@ -89,8 +89,8 @@ def _hf_weights(model: models.LlamaModel) -> dict[str, np.ndarray]:
         if a.q_bias is not None:
             for n in "qkv":
                 out[p + f"self_attn.{n}_proj.bias"] = np.asarray(getattr(a, f"{n}_bias")[...]).reshape(-1)
-        out[p + "mlp.gate_proj.weight"] = np.asarray(layer.mlp.gate_proj[...])
-        out[p + "mlp.up_proj.weight"] = np.asarray(layer.mlp.up_proj[...])
+        out[p + "mlp.gate_proj.weight"] = np.asarray(layer.mlp.gate_up_proj[0])
+        out[p + "mlp.up_proj.weight"] = np.asarray(layer.mlp.gate_up_proj[1])
         out[p + "mlp.down_proj.weight"] = np.asarray(layer.mlp.down_proj[...])
     return out
 
@@ -145,11 +145,11 @@ def test_quantized_types_dequantize_like_gguf(tmp_path, qtype):
     _write_model(tmp_path / "m.gguf", model, qtypes={"blk.0.attn_q.weight": qtype, "blk.0.ffn_up.weight": qtype})
     loaded = models.from_pretrained(tmp_path / "m.gguf", dtype=jnp.float32)
     up = gguf.quants.dequantize(gguf.quants.quantize(hf["model.layers.0.mlp.up_proj.weight"], qtype), qtype)
-    np.testing.assert_array_equal(np.asarray(loaded.layers[0].mlp.up_proj[...]), up)
+    np.testing.assert_array_equal(np.asarray(loaded.layers[0].mlp.gate_up_proj[1]), up)
     q_perm = gguf_writer.permute(hf["model.layers.0.self_attn.q_proj.weight"], 4)
     q = gguf_loader.unpermute_rotary(gguf.quants.dequantize(gguf.quants.quantize(q_perm, qtype), qtype), 4)
     np.testing.assert_array_equal(np.asarray(loaded.layers[0].self_attn.q_proj[...]).reshape(q.shape), q)
-    assert loaded.layers[0].mlp.up_proj.dtype == jnp.float32
+    assert loaded.layers[0].mlp.gate_up_proj.dtype == jnp.float32
 
 
 def test_unpermute_inverts_permute():

@@ -170,6 +170,18 @@ def test_validation():
         models.get_preset("gpt-5")
 
 
+def stacked_gate_up(mapped: dict) -> dict:
+    """Tensor-map shapes as the model holds them: each MLP's gate_proj and up_proj [F, E] as gate_up_proj
+    [2, F, E] (hf_loader.fuse_gate_up)."""
+    out = {}
+    for path, shape in mapped.items():
+        if path[-1] in ("gate_proj", "up_proj"):
+            out[(*path[:-1], "gate_up_proj")] = (2, *shape)
+        else:
+            out[path] = shape
+    return out
+
+
 @pytest.mark.parametrize("name", list(models.PRESETS))
 def test_presets_round_trip_and_shapes(name):
     config = models.get_preset(name)
@@ -180,14 +192,14 @@ def test_presets_round_trip_and_shapes(name):
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     assert sum(math.prod(v.shape) for v in flat.values()) == config.num_params()
     # The HF name map targets exactly the model's params with their shapes (the loader relies on it).
-    mapped = {path: shape for path, _, shape in hf_tensor_map(config).values()}
+    mapped = stacked_gate_up({path: shape for path, _, shape in hf_tensor_map(config).values()})
     assert mapped == {path: tuple(v.shape) for path, v in flat.items()}
 
 
 def test_hf_tensor_map_with_out_bias():
     config = models.get_preset("tiny").replace(attention_bias=True, attention_out_bias=True, tie_word_embeddings=True)
     flat = dict(nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: LlamaModel(config)))))
-    mapped = {path: shape for path, _, shape in hf_tensor_map(config).values()}
+    mapped = stacked_gate_up({path: shape for path, _, shape in hf_tensor_map(config).values()})
     assert mapped == {path: tuple(v.shape) for path, v in flat.items()}
     assert "model.layers.1.self_attn.o_proj.bias" in hf_tensor_map(config)
 

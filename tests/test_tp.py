@@ -502,7 +502,7 @@ def test_param_specs_split_heads_and_mlp_width():
     params = nnx.split(LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0)))[1]
     specs = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(tp_mod.param_specs(params))}
     want = {"q_proj": P("tp"), "k_proj": P("tp"), "v_proj": P("tp"), "o_proj": P(None, "tp"),
-            "gate_proj": P("tp"), "up_proj": P("tp"), "down_proj": P(None, "tp")}
+            "gate_up_proj": P(None, "tp"), "down_proj": P(None, "tp")}
     for path, spec in specs.items():
         name = next((n for n in want if f"'{n}'" in path), None)
         assert spec == (want[name] if name else P()), path

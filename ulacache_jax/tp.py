@@ -170,8 +170,10 @@ def tp_graphdef(model) -> nnx.GraphDef:
     return nnx.split(shell)[0]
 
 
+# gate_proj / up_proj: the checkpoint tensors as a loader places them, before fuse_gate_up stacks them into
+# gate_up_proj [2, F, E] (F on axis 1)
 _COLUMN = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "q_bias": 0, "k_bias": 0, "v_bias": 0, "gate_proj": 0,
-           "up_proj": 0}
+           "up_proj": 0, "gate_up_proj": 1}
 _ROW = {"o_proj": 1, "down_proj": 1}
 _KV = ("k_proj", "v_proj", "k_bias", "v_bias")
 
@@ -183,7 +185,8 @@ def _param_name(path) -> str:
 
 def param_spec(name: str) -> P:
     """The PartitionSpec of a param by its name (the last step of its state path): column-parallel
-    q/k/v/gate/up and their biases, row-parallel o/down, everything else replicated."""
+    q/k/v and their biases, gate_up (F on axis 1; gate/up as a loader places them), row-parallel o/down,
+    everything else replicated."""
     axis = {**_COLUMN, **_ROW}.get(name)
     return P() if axis is None else P(*([None] * axis + [TP_AXIS]))
 
