@@ -75,7 +75,7 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
 
 def load(path: str | os.PathLike, *, dtype=None, shardings: Shardings | None = None) -> LlamaModel:
     """Restores a model written by `save`. `dtype=None` keeps the saved param dtype; otherwise orbax casts.
-    `shardings`: a function from each param's state path (e.g. ("layers", 0, "mlp", "up_proj")) to the Sharding
+    `shardings`: a function from each param's state path (e.g. ("layers", 0, "mlp", "gate_up_proj")) to the Sharding
     it is restored into; None restores onto the default device."""
     folder = pathlib.Path(path).absolute()
     config, saved_dtype, fmt = _meta(folder)

@@ -166,9 +166,13 @@ def fuse_gate_up(params: dict, device=None, shardings: Shardings | None = None) 
     Sharding). A gate_proj without its up_proj is left alone (the caller's missing-tensor error names it)."""
     for path in [p for p in params if p[-1] == "gate_proj" and (*p[:-1], "up_proj") in params]:
         where = placement(device, shardings, (*path[:-1], "gate_up_proj"))
-        sharded = where if isinstance(where, jax.sharding.Sharding) else None
-        stack = jax.jit(lambda g, u: jnp.stack([g, u]), out_shardings=sharded)  # [2, F, E]
+        sharded = where if isinstance(where, jax.sharding.Sharding) else None   # a Device: already there
+        stack = jax.jit(_stack_pair, out_shardings=sharded)  # one compile for all layers: same function and shapes
         params[(*path[:-1], "gate_up_proj")] = stack(params.pop(path), params.pop((*path[:-1], "up_proj")))
+
+
+def _stack_pair(a, b):  # [F, E] x 2 -> [2, F, E]
+    return jnp.stack([a, b])
 
 
 def assemble(config: ModelConfig, dtype, params: dict, *, where, unexpected, missing, source: str, device=None,

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from checkpoint_v1 import save_format1
 from ulacache_jax import models
 from ulacache_jax.models import CheckpointError, LlamaModel
 
@@ -219,26 +220,9 @@ def test_orbax_round_trip_bf16_preset_and_cast(tmp_path):
 
 def test_format_1_checkpoint_loads_with_gate_and_up_stacked(tmp_path):
     """A checkpoint of format 1 (each MLP's gate_proj and up_proj stored apart) loads into gate_up_proj [2, F, E]:
-    written here in that layout (orbax tree + model.json), restored equal to the model it came from, logits too."""
-    import json
-    import orbax.checkpoint as ocp
+    written in that layout (checkpoint_v1), restored equal to the model it came from, logits too."""
     model = LlamaModel(models.get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(5))
-    tree = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    old = {"layers": {}}
-    for key, x in tree.items():
-        if key != "layers":
-            old[key] = x
-    for i, layer in tree["layers"].items():
-        mlp = dict(layer["mlp"])
-        gu = mlp.pop("gate_up_proj")
-        old["layers"][str(i)] = {**layer, "mlp": {**mlp, "gate_proj": gu[0], "up_proj": gu[1]}}
-    folder = tmp_path / "v1"
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(folder / "params", old)
-        ckptr.wait_until_finished()
-    (folder / "model.json").write_text(json.dumps({"format": 1, "dtype": "float32",
-                                                   "config": model.config.to_dict()}))
-    restored = models.load(folder)
+    restored = models.load(save_format1(model, tmp_path / "v1"))
     _assert_same_model(model, restored)
     ids = jnp.asarray([[1, 5, 9, 2]])
     np.testing.assert_array_equal(restored(ids), model(ids))

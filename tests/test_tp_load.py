@@ -33,13 +33,15 @@ def run_checks() -> dict:
     from jax.sharding import NamedSharding
     from ulacache_jax import tp as tp_mod
     from ulacache_jax.models import LlamaModel, from_pretrained, get_preset, load, save
+    from checkpoint_v1 import save_format1
 
     out = {"devices": jax.device_count()}
     tmp = pathlib.Path(tempfile.mkdtemp())
     save(from_pretrained(FIXTURES / "tiny_llama", jnp.float32), tmp / "ck")
+    save_format1(from_pretrained(FIXTURES / "tiny_llama", jnp.float32), tmp / "ck1")   # gate / up stored apart
     sources = {"hf": (FIXTURES / "tiny_llama", lambda p: from_pretrained(p, jnp.float32)),
                "gguf": (FIXTURES / "tiny_gguf" / "qwen2.gguf", lambda p: from_pretrained(p, jnp.float32)),
-               "orbax": (tmp / "ck", lambda p: load(p))}
+               "orbax": (tmp / "ck", lambda p: load(p)), "orbax_format1": (tmp / "ck1", lambda p: load(p))}
     puts = []
     real_put = jax.device_put
 
@@ -112,7 +114,7 @@ def checks():
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf", "orbax"])
+@pytest.mark.parametrize("source", ["hf", "gguf", "orbax", "orbax_format1"])
 def test_loaded_into_tp_sharding_equals_unsharded_load(checks, source):
     r = checks[source]
     assert checks["devices"] == NUM_DEVICES
