@@ -126,6 +126,15 @@ def sieve_geometry(num_frames: int, num_requests: int) -> tuple[int, int]:
     return b, -(-num_frames // b)
 
 
+def scanned_slots(num_buckets: int, slots_per_bucket: int, num_requests: int) -> int:
+    """The slots a bucket's scan covers under `choose_config`: `slots_per_bucket` rounded up to whole slot chunks
+    (T, a power of two; the kernel masks the lanes past the bucket's end). The sieve's time follows those lanes, not
+    the bucket's slots (docs/BENCHMARKS.md, the decode's sieve by bucket count), so a pool may take the slots up to
+    this count for no sieve time."""
+    t = choose_config(num_requests, num_buckets, slots_per_bucket).slot_chunk
+    return -(-slots_per_bucket // t) * t
+
+
 def _barrier(interpret: bool):
     if not interpret:  # interpret mode runs one thread: nothing to order
         plgpu.debug_barrier()

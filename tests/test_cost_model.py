@@ -171,6 +171,7 @@ def test_fit_reproduces_the_constants():
 
 def test_hit_curve_and_auto_pool():
     from ulacache_jax.generation import default_cache_config
+    from ulacache_jax.pallas_kernels.pb_lru_sieve import choose_config
     mc, costs = get_preset("llama-3.1-8b"), CostModel()
     shape = dict(batch=2, context=65536, token_budget=2048, page_size=64)
     step = costs.step_frames(mc, batch=2, token_budget=2048, page_size=64)
@@ -181,7 +182,14 @@ def test_hit_curve_and_auto_pool():
     assert cm.pool_headroom("auto") == 1.5 and cm.pool_headroom("sparse") == cm.pool_headroom("dense") == 1.0
     one = default_cache_config(mc, num_seqs=2, max_tokens=65536, dtype="bfloat16")
     auto = default_cache_config(mc, num_seqs=2, max_tokens=65536, dtype="bfloat16", pool_headroom=1.5)
-    assert one.num_frames >= step and 1.5 * step <= auto.num_frames < 1.5 * step + auto.num_buckets
+    # the pool takes the slots the sieve scans anyway (whole slot chunks): 1.5 x 16384 frames = 64 x 384 slots,
+    # scanned as 512, so 64 x 512 = 2 x step
+    requests = 2 * 8 * 2048 // 64
+    t = choose_config(requests, auto.num_buckets, auto.slots_per_bucket).slot_chunk
+    assert auto.slots_per_bucket % t == 0 and 1.5 * step <= auto.num_frames < 1.5 * step + auto.num_buckets * t
+    assert (auto.num_buckets, auto.slots_per_bucket) == (64, 512) and hit(auto.num_frames) == pytest.approx(0.993)
+    assert one.num_frames >= step and one.slots_per_bucket == choose_config(requests, one.num_buckets,
+                                                                            one.slots_per_bucket).slot_chunk
     whole = default_cache_config(mc, num_seqs=1, max_tokens=2048, dtype="bfloat16", pool_headroom=1.5)
     assert whole.num_frames <= whole.host_pages + whole.num_buckets    # never more than one frame per page
 

@@ -294,3 +294,14 @@ def test_sieve_geometry_fewest_buckets_on_the_fast_path():
     assert sv.sieve_geometry(65536, 65536) == (1024, 64)
     with pytest.raises(ValueError, match="num_frames = 0"):
         sv.sieve_geometry(0, 8)
+
+
+def test_scanned_slots_are_whole_slot_chunks():
+    """A bucket is scanned in whole slot chunks: 288 slots as 512 lanes, 1536 as two chunks of 1024; a power of
+    two up to the chunk is its own scan. Those are the slots the default pool takes (generator)."""
+    assert sv.scanned_slots(128, 288, 768) == 512 and sv.scanned_slots(64, 384, 512) == 512
+    assert sv.scanned_slots(256, 1536, 768) == 2048 and sv.scanned_slots(64, 256, 512) == 256
+    for b, s, n in ((128, 288, 768), (16, 270, 96), (512, 768, 768), (1024, 384, 8192)):
+        got = sv.scanned_slots(b, s, n)
+        assert got >= s and got % sv.choose_config(n, b, s).slot_chunk == 0
+        assert sv.choose_config(n, b, got) == sv.choose_config(n, b, s)      # the same launch: no sieve cost

@@ -22,7 +22,7 @@ from .backends import DenseCache, make_backend
 from .config import CacheConfig
 from .cost_model import resolve_attention
 from .decode_layer import DecodeOptions, LayerStats
-from .pallas_kernels.pb_lru_sieve import sieve_geometry
+from .pallas_kernels.pb_lru_sieve import scanned_slots, sieve_geometry
 from .prefix_cache import prefix_bucket
 from .program import layer_graphdef, program
 from .tp import TP_AXIS, make_mesh, param_specs, shard_params, tp_graphdef
@@ -53,7 +53,8 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
     for every sequence's whole token budget and host pages for every token (per rank: a rank caches only its own
     KV-head groups). page_size None: 64, or 16 when max_tokens <= 512 (short contexts keep more pages to choose
     from). pool_headroom: HBM frames per frame of one step's selections, at most one per page
-    (cost_model.pool_headroom: PB-LRU's buckets hit only with headroom). `overrides` replace any CacheConfig field."""
+    (cost_model.pool_headroom: PB-LRU's buckets hit only with headroom), rounded up to the slots the sieve scans
+    anyway (`scanned_slots`). `overrides` replace any CacheConfig field."""
     mc = model_config
     if page_size is None:
         page_size = 64 if max_tokens > 512 else 16
@@ -65,10 +66,15 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
                          f"{mc.num_kv_heads}); with more ranks than KV heads replicate them first "
                          "(tp.prepare_model)")
     groups = num_groups // tp
+    every_page = num_seqs * mc.num_layers * groups * pages
     frames_needed = min(math.ceil(pool_headroom * num_seqs * mc.num_layers * groups * (budget // page_size)),
-                        num_seqs * mc.num_layers * groups * pages)
+                        every_page)
     # one sieve call = one layer of a decode step: the largest buckets that keep the Pallas sieve on its fast path
-    buckets, slots = sieve_geometry(frames_needed, num_seqs * groups * (budget // page_size))
+    requests = num_seqs * groups * (budget // page_size)
+    buckets, slots = sieve_geometry(frames_needed, requests)
+    # the sieve scans a bucket in whole slot chunks (a power of two), so the slots up to the chunk's end cost it
+    # nothing: the pool takes them (more hits for HBM alone), at most one frame per page
+    slots = max(slots, min(scanned_slots(buckets, slots, requests), -(-every_page // buckets)))
     kw = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
               kv_heads_per_group=mc.num_kv_heads // num_groups,
               max_seqs=num_seqs, max_pages_per_seq=pages, page_size=page_size,
