@@ -79,7 +79,7 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
               kv_heads_per_group=mc.num_kv_heads // num_groups,
               max_seqs=num_seqs, max_pages_per_seq=pages, page_size=page_size,
               dtype=jnp.dtype(dtype or "float32").name, num_buckets=buckets, slots_per_bucket=slots,
-              host_pages=num_seqs * mc.num_layers * groups * pages, token_budget=budget,
+              host_pages=every_page, token_budget=budget,
               sink_pages=min(1, budget // page_size), recent_pages=min(2, max(0, budget // page_size - 1)), tp=tp)
     kw.update(overrides)
     return CacheConfig(**kw)
