@@ -18,6 +18,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 
@@ -40,6 +41,58 @@ def _op_name(e: dict) -> str:
     layers' copies of one op add up. The kernel name, not the event's `hlo_op`: with XLA's command buffers (on by
     default) the hlo_op of every captured kernel is just "command_buffer"."""
     return re.sub(r"[._]\d+$", "", e["name"])
+
+
+def hlo_sources(text: str) -> dict[str, str]:
+    """Optimized HLO text (a dump's *after_optimizations.txt, or `Compiled.as_text()`) -> {instruction name:
+    "root op @ file:line (function) [ops fused in it]"} for every instruction that calls a computation (fusions):
+    what a profiled kernel named e.g. loop_select_fusion_65 (HLO: loop_select_fusion.65) computes, and where in our
+    code, read off the instructions' metadata (op_name; stack_frame_id into the module's StackFrames /
+    FileLocations / FileNames / FunctionNames tables)."""
+    tables = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
+    section, comp = None, None
+    ops_in: dict[str, list[str]] = {}                  # computation -> the short op names of its instructions
+    calls: dict[str, tuple[str, str | None, str]] = {}  # instruction -> (root op name, stack frame id, callee)
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line in tables:
+            section = line
+            continue
+        if section is not None:
+            m = re.match(r"(\d+) (.*)", line)
+            if m:
+                tables[section][m[1]] = m[2]
+                continue
+            section = None
+        head = re.match(r"(?:ENTRY )?%([\w.\-]+) \(.*\{$", line)
+        if head:
+            comp = head[1]
+            ops_in[comp] = []
+            continue
+        inst = re.match(r"(?:ROOT )?%([\w.\-]+) = ", line)
+        if inst is None or comp is None:
+            continue
+        md = re.search(r'op_name="([^"]*)"(?: stack_frame_id=(\d+))?', line)
+        if md:
+            ops_in[comp].append(md[1].rsplit("/", 1)[-1])
+        callee = re.search(r"calls=%([\w.\-]+)", line)
+        if callee and md:
+            calls[inst[1]] = (md[1].rsplit("/", 1)[-1], md[2], callee[1])
+
+    def field(entry: str, key: str) -> str | None:
+        m = re.search(key + r"=(\d+)", entry)
+        return m[1] if m else None
+
+    def where(frame: str | None) -> str:
+        loc = tables["FileLocations"].get(field(tables["StackFrames"].get(frame or "", ""), "file_location_id") or "")
+        if loc is None:
+            return "?"
+        file = tables["FileNames"].get(field(loc, "file_name_id") or "", "?").strip('"')
+        fn = tables["FunctionNames"].get(field(loc, "function_name_id") or "", "?").strip('"')
+        return f"{os.path.basename(file)}:{field(loc, 'line')} ({fn})"
+
+    return {name: f"{root} @ {where(frame)} [{' '.join(sorted(set(ops_in.get(callee, []))))}]"
+            for name, (root, frame, callee) in calls.items()}
 
 
 def summarize(events: list[dict], *, steps: int, layers: int) -> dict:
@@ -73,14 +126,19 @@ def summarize(events: list[dict], *, steps: int, layers: int) -> dict:
         lo, hi = idx[mid - 1] + 1 if mid > 0 else 0, idx[mid] + 1
         prev_end = ev[lo - 1]["ts"] + ev[lo - 1]["dur"] if lo > 0 else ev[lo]["ts"]
         for e in ev[lo:hi]:
-            layer.append(dict(name=_op_name(e), us=e["dur"], gap_before_us=max(0.0, e["ts"] - prev_end)))
+            layer.append(dict(name=_op_name(e), kernel=e["name"], hlo_op=e.get("args", {}).get("hlo_op"),
+                              us=e["dur"], gap_before_us=max(0.0, e["ts"] - prev_end)))
             prev_end = max(prev_end, e["ts"] + e["dur"])
     return dict(ops=ops, layer=layer, busy_us=busy, idle_us=span - busy, span_us=span,
                 layer_us=sum(r["us"] + r["gap_before_us"] for r in layer))
 
 
 def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
-    """Build the row's cache as bench_decode does, warm up, trace one chunk, summarise."""
+    """Build the row's cache as bench_decode does, warm up, trace one chunk, summarise; each launch of the
+    summarised layer gets the `source` of its fusion (`hlo_sources` over XLA's optimized-HLO dump of the traced
+    module, written for this row before the backend starts)."""
+    dump = tempfile.mkdtemp(prefix="profile_hlo_")
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_decode as bd
     import dataclasses
@@ -111,6 +169,7 @@ def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
             jax.block_until_ready(gen.decode_chunk(tok, done, rem, keys(1), sampling, stops))
         events = load_device_events(tmp)
     res = summarize(events, steps=cfg.page_size, layers=mc.num_layers)
+    attach_sources(res["layer"], events, dump)
     mid = len(events) // 2
     res["sample_events"] = sorted(events, key=lambda e: e["ts"])[mid:mid + 40]   # raw, for reading the names
     res.update(attention=attention, context=ctx, batch=batch, budget=args.budget, layers=mc.num_layers,
@@ -118,6 +177,27 @@ def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
                device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                step_ms=res["span_us"] / cfg.page_size / 1e3)
     return res
+
+
+def attach_sources(layer: list[dict], events: list[dict], dump: str) -> None:
+    """Adds `source` (hlo_sources) to each launch of `layer` whose kernel is a fusion of the events' module (found
+    by the event's hlo_op, else by its kernel name: fusion_12 is HLO's fusion.12), read from the largest
+    optimized-HLO dump of that module in `dump` (the decode chunk's program); then removes the dump. A kernel of
+    our own (Pallas) gets no source: its name is ours."""
+    try:
+        module = collections.Counter(e["args"]["hlo_module"] for e in events
+                                     if e.get("args", {}).get("hlo_module")).most_common(1)[0][0]
+        files = sorted(glob.glob(os.path.join(dump, f"*.{module}.*after_optimizations.txt")), key=os.path.getsize)
+        if files:
+            with open(files[-1]) as f:
+                src = hlo_sources(f.read())
+            for x in layer:
+                found = (src.get(x.get("hlo_op") or "") or src.get(re.sub(r"_(\d+)$", r".\1", x["kernel"]))
+                         or src.get(x["kernel"]))
+                if found:
+                    x["source"] = found
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
 
 
 def print_row(r: dict, top: int = 12) -> None:
@@ -128,6 +208,9 @@ def print_row(r: dict, top: int = 12) -> None:
     for o in r["ops"][:top]:
         print(f"{o['name'][:48]:48s} {o['launches_per_layer_step']:9.2f} {o['us_per_layer_step']:8.2f} "
               f"{100 * o['share']:5.1f}%")
+    print("one middle layer, in launch order (us, fusion source):")
+    for x in r["layer"]:
+        print(f"  {x['us']:7.2f} {x['name'][:34]:34s} {x.get('source', '')[:150]}")
 
 
 def main(argv=None):

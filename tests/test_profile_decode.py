@@ -47,3 +47,39 @@ def test_overlapping_streams_count_once(prof):
     ev = [dict(ph="X", pid=1, ts=0.0, dur=10.0, name="a"), dict(ph="X", pid=1, ts=5.0, dur=10.0, name="b")]
     r = prof.summarize(ev, steps=1, layers=1)
     assert r["busy_us"] == pytest.approx(15.0) and r["idle_us"] == pytest.approx(0.0)
+
+
+def _compiled_text():
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, y):
+        z = jnp.where(x > 0, x * 2, y)
+        return jnp.sum(z ** 2, axis=0) + jnp.concatenate([x, y])[:4].sum()
+    return jax.jit(f).lower(jnp.ones((8, 4)), jnp.ones((8, 4))).compile().as_text()
+
+
+def test_hlo_sources_name_each_fusion_root_place_and_ops(prof):
+    src = prof.hlo_sources(_compiled_text())
+    assert src, "no fusion found in the compiled module"
+    fused = " ".join(src.values())
+    assert "test_profile_decode.py:" in fused and ".f)" in fused      # our file, line and function
+    assert "select_n" in fused and "integer_pow" in fused                # the ops fused, by jax name
+    for name, s in src.items():
+        assert " @ " in s and s.endswith("]"), (name, s)
+
+
+def test_attach_sources_maps_kernel_names_and_removes_the_dump(prof, tmp_path):
+    text = _compiled_text()
+    src = prof.hlo_sources(text)
+    name = next(n for n in src if "." not in n) if any("." not in n for n in src) else next(iter(src))
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "module_0007.jit_f.cpu_after_optimizations.txt").write_text(text)
+    (dump / "module_0001.jit_other.cpu_after_optimizations.txt").write_text("HloModule jit_other\n")
+    kernel = name.replace(".", "_")                                        # fusion.12 is launched as fusion_12
+    layer = [dict(name="x", kernel=kernel), dict(name="page_top_k", kernel="page_top_k")]
+    events = [dict(args=dict(hlo_module="jit_f"))] * 3 + [dict(args=dict(hlo_module="jit_other"))]
+    prof.attach_sources(layer, events, str(dump))
+    assert layer[0]["source"] == src[name] and "source" not in layer[1]
+    assert not dump.exists()
