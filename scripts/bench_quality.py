@@ -353,6 +353,18 @@ def trace_lids(sel, page_size):
     return lids.reshape(steps * L, W * G * K), (sel >= 0).reshape(steps * L, W * G * K)
 
 
+def load_selection_trace(path):
+    """A `--save-trace` file -> (sel [steps, L, W, G, K] page ids, its cache config (dict), one step's selection
+    frames, the warm-up rows a replay skips (a quarter of the steps, at most 16, times the layers), the KV pages at
+    its end). Shared by the probes that replay a trace through PB-LRU."""
+    z = np.load(path)
+    sel = z["sel"]
+    cc = json.loads(str(z["meta"]))["cache_config"]
+    steps, L, W, G, _ = sel.shape
+    step = W * L * G * cc["token_budget"] // cc["page_size"]
+    return sel, cc, step, min(steps // 4, 16) * L, int(z["total_pages"])
+
+
 def pblru_hits(lids, valid, num_buckets, slots, warmup_rows):
     """Hit rate of PB-LRU (num_buckets x slots, the library's reference access) replaying the rows, one clock tick
     per row (the library ticks once per sieve call), counted after warmup_rows."""

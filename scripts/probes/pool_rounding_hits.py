@@ -22,20 +22,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
-    from bench_quality import pblru_hits, trace_lids
+    from bench_quality import load_selection_trace, pblru_hits, trace_lids
     from ulacache_jax.pallas_kernels.pb_lru_sieve import scanned_slots, sieve_geometry
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    z = np.load(a.trace)
-    sel = z["sel"]                                                     # [steps, L, W, G, K]
-    cc = json.loads(str(z["meta"]))["cache_config"]
+    sel, cc, step, warm, every = load_selection_trace(a.trace)          # sel [steps, L, W, G, K]
     steps, L, W, G, K = sel.shape
-    step = W * L * G * cc["token_budget"] // cc["page_size"]           # one step's selection frames
     requests = W * G * K
-    every = int(z["total_pages"])                                      # the KV pages at the trace's end
-    warm = min(steps // 4, 16) * L
     lids, valid = trace_lids(sel, cc["page_size"])
     rows = []
     print("| headroom | before: frames (buckets x slots) | hit | after: frames | hit |")

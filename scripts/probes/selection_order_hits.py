@@ -30,18 +30,14 @@ def page_order(sel):
 
 
 def main(argv=None):
-    from bench_quality import pblru_hits, trace_lids
+    from bench_quality import load_selection_trace, pblru_hits, trace_lids
     from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    z = np.load(a.trace)
-    sel = z["sel"]                                                     # [steps, L, W, G, K]
-    cc = json.loads(str(z["meta"]))["cache_config"]
+    sel, cc, lib, warm, _ = load_selection_trace(a.trace)              # sel [steps, L, W, G, K]
     steps, L, W, G, K = sel.shape
-    lib = W * L * G * cc["token_budget"] // cc["page_size"]
-    warm = min(steps // 4, 16) * L
     rows = []
     for name, frames in [("default", lib)] + [(f"default x{m}", int(lib * m)) for m in (1.25, 1.5, 2)]:
         nb, ns = sieve_geometry(frames, W * G * K)
