@@ -28,14 +28,3 @@ def pick_impl(impl: str) -> str:
 def next_pow2(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1): Triton block shapes are powers of two."""
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-def pow2_parts(n: int) -> list[tuple[int, int]]:
-    """(start, size) pieces of [0, n) with power-of-two sizes, largest first (binary decomposition)."""
-    parts, start = [], 0
-    for bit in reversed(range(n.bit_length())):
-        size = 1 << bit
-        if n & size:
-            parts.append((start, size))
-            start += size
-    return parts

@@ -38,12 +38,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from . import on_gpu, pick_impl, pow2_parts
+from . import on_gpu, pick_impl
 
 PAGES_PER_PROGRAM = 1      # entries per program: 1, 2, 4, 8 copy at one rate (PCIe bound)
 NUM_WARPS = 4              # 128 threads move a 16 KiB tile as 8 x 16-byte loads each
 MAX_TILE_BYTES = 16384     # a larger page is split into several power-of-two tiles of at most this size
 _ANY = pl.BlockSpec(memory_space=pl.ANY)
+
+
+def _pow2_parts(n: int) -> list[tuple[int, int]]:
+    """(start, size) pieces of [0, n) with power-of-two sizes, largest first (binary decomposition)."""
+    parts, start = [], 0
+    for bit in reversed(range(n.bit_length())):
+        size = 1 << bit
+        if n & size:
+            parts.append((start, size))
+            start += size
+    return parts
 
 
 def page_tiles(page_shape: tuple[int, ...], itemsize: int, max_tile_bytes: int = MAX_TILE_BYTES):
@@ -52,12 +63,12 @@ def page_tiles(page_shape: tuple[int, ...], itemsize: int, max_tile_bytes: int =
     rows, heads, dim = page_shape
     max_elems = max(1, max_tile_bytes // itemsize)
     tiles = []
-    for h0, hs in pow2_parts(heads):
-        for d0, ds in pow2_parts(dim):
+    for h0, hs in _pow2_parts(heads):
+        for d0, ds in _pow2_parts(dim):
             # rows per tile: the largest power of two with rs * hs * ds <= max_elems (at least 1)
             rs_cap = max(1, max_elems // (hs * ds))
             rs_cap = 1 << (rs_cap.bit_length() - 1)
-            for r0, rn in pow2_parts(rows):
+            for r0, rn in _pow2_parts(rows):
                 rs = min(rn, rs_cap)
                 for r in range(r0, r0 + rn, rs):
                     tiles.append(((r, rs), (h0, hs), (d0, ds)))

@@ -74,7 +74,7 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
     buckets, slots = sieve_geometry(frames_needed, requests)
     # the sieve scans a bucket in whole slot chunks (a power of two), so the slots up to the chunk's end cost it
     # nothing: the pool takes them (more hits for HBM alone), at most one frame per page
-    slots = max(slots, min(scanned_slots(buckets, slots, requests), -(-every_page // buckets)))
+    slots = min(scanned_slots(buckets, slots, requests), -(-every_page // buckets))   # >= slots: frames <= pages
     kw = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
               kv_heads_per_group=mc.num_kv_heads // num_groups,
               max_seqs=num_seqs, max_pages_per_seq=pages, page_size=page_size,
