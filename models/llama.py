@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..pallas_kernels.rms_norm import add_rms_norm, ref_add_rms_norm
 from .attention import AttnFn, Cache, dense_attention
 from .config import ModelConfig, rope_inv_freq
 
@@ -38,12 +37,9 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:  # x [..., E] -> [..., E] in x's dtype
         # Like transformers: normalize in float32, cast back, then scale (the order matters in bf16).
-        return ref_add_rms_norm(x, None, self.weight[...], self.eps)[1]
-
-    def add_norm(self, x: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        """(x + delta, this norm of it), x and delta [..., E] (delta None: (x, norm(x))): one kernel launch on GPU
-        at decode's few rows, where XLA takes three (pallas_kernels/rms_norm.py)."""
-        return add_rms_norm(x, delta, self.weight[...], self.eps)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
 
 
 def apply_rope(
@@ -143,26 +139,6 @@ class DecoderLayer(nnx.Module):
         cache, attn_out = attn_fn(cache, q, k, v, meta, layer_idx)
         return cache, self.finish(x, attn_out)
 
-    def step(
-        self,
-        cache: Cache,
-        x: jax.Array,  # [B, T, E]
-        delta: jax.Array | None,  # [B, T, E] or None
-        meta: Any,
-        *,
-        positions: jax.Array,  # [B, T] int
-        attn_fn: AttnFn,
-        layer_idx: int,
-    ) -> tuple[Cache, jax.Array, jax.Array]:  # (cache, h [B, T, E], mlp_out [B, T, E])
-        """The layer on input x + delta (x when delta is None), its output left as the sum h + mlp_out: each
-        residual add runs inside the norm that follows it (`RMSNorm.add_norm`, this layer's two and the next
-        layer's first), one launch each instead of XLA's three. Computes what `__call__` computes."""
-        x, normed = self.input_layernorm.add_norm(x, delta)
-        q, k, v = self.self_attn.qkv(normed, positions)
-        cache, attn_out = attn_fn(cache, q, k, v, meta, layer_idx)
-        h, normed = self.post_attention_layernorm.add_norm(x, self.self_attn.out(attn_out))
-        return cache, h, self.mlp(normed)
-
 
 class LlamaModel(nnx.Module):
     """Decoder-only LM. `model(input_ids)` -> logits [B, T, V] (float32) with dense causal attention."""
@@ -200,10 +176,9 @@ class LlamaModel(nnx.Module):
         meta: Any,
         attn_fn: AttnFn,
     ) -> tuple[Cache, jax.Array]:  # (cache, h [B, T, E] before the final norm)
-        delta = None  # the last layer's MLP output, added to x inside the next norm (DecoderLayer.step)
         for i, layer in enumerate(self.layers):
-            cache, x, delta = layer.step(cache, x, delta, meta, positions=positions, attn_fn=attn_fn, layer_idx=i)
-        return cache, x if delta is None else x + delta
+            cache, x = layer(cache, x, meta, positions=positions, attn_fn=attn_fn, layer_idx=i)
+        return cache, x
 
     def forward_with_cache(
         self,

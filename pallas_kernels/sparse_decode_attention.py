@@ -21,8 +21,7 @@ Two kernels (their times and bandwidth against the copy ceiling: docs/BENCHMARKS
   (skipped slots and tokens past the length make no memory traffic), one `dot` for the M query rows, online
   softmax. It is the one that reads a `pinned_host` operand in place, so it serves misses (page_src 2/3, the
   fused fill), fp32, g > 1 and long drafts.
-Both write per-split partials, merged by log-sum-exp (about 1-3% of the bytes): the Mosaic kernel's in one Pallas
-launch (split_merge.py), the Triton kernel's in XLA.
+Both write per-split partials, merged by log-sum-exp in XLA (about 1-3% of the bytes).
 
 `ref_sparse_decode_attention` is the same function in plain jnp (gather the pages, mask, softmax), obvious
 rather than fast. `impl="auto"` runs the Triton kernel on GPU and the reference elsewhere (the plain default of
@@ -44,7 +43,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 from . import next_pow2, on_gpu, on_hopper
-from .split_merge import merge_splits
 
 
 ANY = pl.BlockSpec(memory_space=None)  # the whole array, left where it is (HBM or pinned_host)
@@ -376,8 +374,7 @@ def _mosaic_partials(q4, pk, pv, frame, start, seq_len, *, nq, r, scale, softcap
 
     q4 [B, KV, 64, D] (query rows, zero-padded); pk, pv [F, t, D] pool (g = 1); frame, start [B, KV, Kp] int32
     (Kp = S * steps; frames clipped in range); seq_len [B]. Returns o [B, KV, S, 64, D] (normalised partial, q dtype)
-    and lse [B, KV, S, 64] f32 (-inf where a row saw nothing), S padded to a power of two (the merge kernel's
-    block: the padding splits are never written). Pages stream through shared memory by TMA
+    and lse [B, KV, S, 64] f32 (-inf where a row saw nothing). Pages stream through shared memory by TMA
     (emit_pipeline over the frame table, `max_concurrent_steps` deep); per page S = q @ K^T and O += P @ V on the
     tensor cores (wgmma), online softmax in registers. V rows past the length (and of skipped slots) are zeroed in
     shared memory first, since garbage there may be NaN and 0 * NaN would poison P @ V."""
@@ -448,10 +445,9 @@ def _mosaic_partials(q4, pk, pv, frame, start, seq_len, *, nq, r, scale, softcap
         plgpu.copy_smem_to_gmem(lse_s, lse_g.at[bi, hi, si])
         plgpu.wait_smem_to_gmem(0)
 
-    sp = next_pow2(num_splits)   # the merge kernel's block; splits past num_splits are never written
     return plgpu.kernel(
-        body, out_type=(jax.ShapeDtypeStruct((b, kv, sp, mrows, d), dtype),
-                        jax.ShapeDtypeStruct((b, kv, sp, mrows), jnp.float32)),
+        body, out_type=(jax.ShapeDtypeStruct((b, kv, num_splits, mrows, d), dtype),
+                        jax.ShapeDtypeStruct((b, kv, num_splits, mrows), jnp.float32)),
         grid=(b, kv, num_splits), grid_names=("b", "h", "s"),
         scratch_types=[plgpu.SMEM((mrows, d), dtype, transforms=tr), plgpu.SMEM((mrows,), jnp.float32),
                        plgpu.Barrier(num_arrivals=1, num_barriers=1)],
@@ -486,10 +482,7 @@ def _ref_mosaic_partials(q4, pk, pv, frame, start, seq_len, *, nq, r, scale, sof
     o = jnp.einsum("bhsmjt,bhsjtd->bhsmd", p, vv, precision=lax.Precision.HIGHEST)
     o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-    # the kernel's padding splits up to a power of two are never written: NaN here, which the merge must ignore
-    pad = ((0, 0), (0, 0), (0, next_pow2(num_splits) - num_splits))
-    return (jnp.pad(o.astype(q4.dtype), pad + ((0, 0), (0, 0)), constant_values=jnp.nan),
-            jnp.pad(lse, pad + ((0, 0),), constant_values=jnp.nan))
+    return o.astype(q4.dtype), lse
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "num_splits", "max_concurrent_steps", "use_ref"))
@@ -512,9 +505,16 @@ def _mosaic_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, *, sca
     fn = _ref_mosaic_partials if use_ref else _mosaic_partials
     o, lse = fn(q4, pool_k.reshape(nf, page, d), pool_v.reshape(nf, page, d), frame, start, seq_len.astype(jnp.int32),
                 nq=nq, r=r, scale=scale, softcap=softcap, num_splits=num_splits,
-                max_concurrent_steps=max_concurrent_steps)      # [B, KV, SP, 64, D], [B, KV, SP, 64]
-    # log-sum-exp merge over the splits, of the real query rows only, in one launch (split_merge.py)
-    return merge_splits(o, lse, splits=num_splits, nq=nq, r=r, impl="pallas")
+                max_concurrent_steps=max_concurrent_steps)
+    # log-sum-exp merge over the splits, of the real query rows only (the padding rows up to MOSAIC_ROWS are
+    # dropped first: the merge reads m_rows of each split's 64 rows, not all of them)
+    o, lse = o[:, :, :, :m_rows], lse[:, :, :, :m_rows]                  # [B, KV, splits, M, D], [B, KV, splits, M]
+    top = jnp.max(lse, axis=2, keepdims=True)
+    w = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))               # -inf (nothing seen) -> 0
+    den = jnp.sum(w, axis=2)                                               # [B, KV, M]
+    num = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * o.astype(jnp.float32), 0.0), axis=2)
+    out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    return out.reshape(b, kv, nq, r, d).transpose(0, 2, 1, 3, 4).reshape(b, nq, h, d).astype(q.dtype)
 
 
 def _mosaic_applies(q, pool_k, num_kv: int, host_k, store_misses) -> bool:
