@@ -61,6 +61,8 @@ BIG = 2**31 - 1           # "no request index"
 TILE_ELEMS = 16384        # largest [C, T], [C, C] or [C, D] compare tile (8 warps: 64 elements per thread)
 GROUPINGS = ("scan", "sort")
 SCAN_MAX_WORK = 1 << 23  # "scan" grouping while N * B <= 2**23 (8K requests x 1024 buckets): each program reads all N
+MIN_BUCKETS = 128        # sieve_geometry's fewest buckets: about one program per SM of the H200 (132)
+MIN_SLOTS = 32           # ... unless a bucket would hold fewer slots than this (small pools keep larger buckets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +110,20 @@ def choose_config(num_requests: int, num_buckets: int, slots_per_bucket: int, *,
 
 def sieve_geometry(num_frames: int, num_requests: int) -> tuple[int, int]:
     """(num_buckets, slots_per_bucket) for a pool of about `num_frames` frames accessed `num_requests` at a time:
-    the fewest buckets (the largest, so the closest to a global LRU in hit rate) with which an access stays on
-    the kernel's fast path (a bucket's load, mean + 4 sigma of a Poisson, fits one request chunk and its slots
-    one slot chunk) and groups requests inside the kernel (N * B <= SCAN_MAX_WORK). When no bucket count
-    satisfies both, buckets of 64 slots (the general path handles any load)."""
+    the fewest buckets, from `MIN_BUCKETS` up (fewer while a bucket would hold under MIN_SLOTS slots), with which
+    an access stays on the kernel's fast path (a bucket's load, mean + 4 sigma of a Poisson, fits one request chunk
+    and its slots one slot chunk) and groups requests inside the kernel (N * B <= SCAN_MAX_WORK). When no bucket
+    count satisfies both, buckets of 64 slots (the general path handles any load).
+    Why not fewer, larger buckets (closer to a global LRU): a program's compare tiles grow with its bucket, and
+    below about one program per SM the launch takes longer, not shorter (256 requests into 16384 frames: 32 buckets
+    15.9 us, 128 buckets 4.2 us on the H200), while on SmolLM2's selection trace PB-LRU's hit rate barely moves
+    with the bucket count at a fixed pool (97.9% at 8 buckets, 97.4% at 128: docs/BENCHMARKS.md, the sieve's
+    bucket count)."""
     if num_frames < 1 or num_requests < 1:
         raise ValueError(f"num_frames = {num_frames} and num_requests = {num_requests} must be >= 1")
     b = 1
+    while b * 2 <= MIN_BUCKETS and b * 2 * MIN_SLOTS <= num_frames:
+        b *= 2
     while b <= num_frames:
         s = -(-num_frames // b)
         cfg = choose_config(num_requests, b, s)

@@ -182,12 +182,12 @@ def test_hit_curve_and_auto_pool():
     assert cm.pool_headroom("auto") == 1.5 and cm.pool_headroom("sparse") == cm.pool_headroom("dense") == 1.0
     one = default_cache_config(mc, num_seqs=2, max_tokens=65536, dtype="bfloat16")
     auto = default_cache_config(mc, num_seqs=2, max_tokens=65536, dtype="bfloat16", pool_headroom=1.5)
-    # the pool takes the slots the sieve scans anyway (whole slot chunks): 1.5 x 16384 frames = 64 x 384 slots,
-    # scanned as 512, so 64 x 512 = 2 x step
+    # the pool takes the slots the sieve scans anyway (whole slot chunks): 1.5 x 16384 frames = 128 x 192 slots,
+    # scanned as 256, so 128 x 256 = 2 x step
     requests = 2 * 8 * 2048 // 64
     t = choose_config(requests, auto.num_buckets, auto.slots_per_bucket).slot_chunk
     assert auto.slots_per_bucket % t == 0 and 1.5 * step <= auto.num_frames < 1.5 * step + auto.num_buckets * t
-    assert (auto.num_buckets, auto.slots_per_bucket) == (64, 512) and hit(auto.num_frames) == pytest.approx(0.993)
+    assert (auto.num_buckets, auto.slots_per_bucket) == (128, 256) and hit(auto.num_frames) == pytest.approx(0.993)
     assert one.num_frames >= step and one.slots_per_bucket == choose_config(requests, one.num_buckets,
                                                                             one.slots_per_bucket).slot_chunk
     whole = default_cache_config(mc, num_seqs=1, max_tokens=2048, dtype="bfloat16", pool_headroom=1.5)

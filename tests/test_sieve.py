@@ -285,11 +285,20 @@ def test_sieve_geometry_fewest_buckets_on_the_fast_path():
         return (s <= c.slot_chunk and int(mean + 4 * np.sqrt(mean) + 1) <= c.req_chunk
                 and c.req_chunk * max(c.req_chunk, c.slot_chunk) <= sv.TILE_ELEMS and c.grouping == "scan")
 
-    for frames, n in [(8192, 256), (262144, 8192), (917504, 1792), (32768, 8192), (100, 3)]:
+    for frames, n in [(8192, 256), (262144, 8192), (917504, 1792), (32768, 8192), (100, 3), (262144, 256),
+                      (393216, 768), (4320, 96)]:
         b, s = sv.sieve_geometry(frames, n)
         assert b & (b - 1) == 0 and b * s >= frames and (b - 1) * s < frames + b
         assert fast(n, b, s), (frames, n, b, s)
-        assert b == 1 or not fast(n, b // 2, -(-frames // (b // 2))), (frames, n, b)  # fewest such buckets
+        # the floor: MIN_BUCKETS, fewer only while a bucket would hold under MIN_SLOTS slots
+        floor = min(sv.MIN_BUCKETS, max(1, 1 << (frames // sv.MIN_SLOTS).bit_length() - 1))
+        assert b >= floor, (frames, n, b)
+        assert b == floor or not fast(n, b // 2, -(-frames // (b // 2))), (frames, n, b)  # fewest such buckets
+    # the decode's pools: the 8B's auto pool at B = 1 (1.5 x 8192 frames) in 128 buckets, not 32 (the sieve took
+    # 4.2 us there against 15.9 on the H200); pools of 1/4 of the KV keep the fast path's own count
+    assert sv.sieve_geometry(12288, 256) == (128, 96)
+    assert sv.sieve_geometry(262144, 256) == (256, 1024) and sv.sieve_geometry(393216, 768) == (512, 768)
+    assert sv.sieve_geometry(100, 3) == (2, 50)                       # 32-slot buckets at least
     # no bucket count keeps both (65536 requests exceed the scan's N x B bound): 64-slot buckets
     assert sv.sieve_geometry(65536, 65536) == (1024, 64)
     with pytest.raises(ValueError, match="num_frames = 0"):
