@@ -1,0 +1,67 @@
+"""Probe (issue 21): PB-LRU's hit rate on a model's selection trace against the bucket count, at a fixed pool.
+
+Why: `sieve_geometry` used to take the fewest buckets on the sieve's fast path (the closest to a global LRU), which
+made a small pool's sieve slow (fewer programs, larger compare tiles: docs/BENCHMARKS.md, the sieve's bucket
+count). This replays the trace (`bench_quality.py --tasks ppl,trace --save-trace`) through the reference access
+at the library's pool for headrooms 1, 1.5 and 2 (`default_cache_config`'s frames: sieve_geometry, slots rounded
+to the scanned slots, at most one frame per page) split into 1, 2, 4, 8 and 16 times the old geometry's buckets;
+hit rates counted after the same warm-up rows as the other replay probes.
+
+    python scripts/probes/sieve_bucket_hits.py TRACE.npz [--out JSON]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def old_geometry(frames: int, requests: int) -> tuple[int, int]:
+    """The fewest fast-path buckets (sieve_geometry before bbb1589), to name the starting point of the rows."""
+    from ulacache_jax.pallas_kernels import pb_lru_sieve as sv
+    b = 1
+    while True:
+        s = -(-frames // b)
+        c = sv.choose_config(requests, b, s)
+        if (s <= c.slot_chunk and sv._bucket_load_chunk(requests, b) <= c.req_chunk
+                and c.req_chunk * max(c.req_chunk, c.slot_chunk) <= sv.TILE_ELEMS and c.grouping == "scan"):
+            return b, s
+        b *= 2
+
+
+def main(argv=None):
+    from bench_quality import load_selection_trace, pblru_hits, trace_lids
+    from ulacache_jax.pallas_kernels.pb_lru_sieve import scanned_slots
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    sel, cc, step, warm, every = load_selection_trace(a.trace)          # sel [steps, L, W, G, K]
+    steps, L, W, G, K = sel.shape
+    requests = W * G * K
+    lids, valid = trace_lids(sel, cc["page_size"])
+    rows = []
+    print("| headroom | pool frames | buckets x slots | hit |")
+    for h in (1.0, 1.5, 2.0):
+        nb, ns = old_geometry(int(np.ceil(h * step)), requests)
+        frames = nb * min(scanned_slots(nb, ns, requests), -(-every // nb))
+        for f in (1, 2, 4, 8, 16):
+            b = nb * f
+            s = -(-frames // b)
+            r = dict(headroom=h, frames=frames, buckets=b, slots=s, hit=pblru_hits(lids, valid, b, s, warm))
+            rows.append(r)
+            print(f"| {h} | {frames} | {b} x {s} | {r['hit']:.4f} |", flush=True)
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(dict(trace=os.path.basename(a.trace), steps=steps, layers=L, windows=W, groups=G, k=K,
+                           step_frames=step, every_page=every, rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
