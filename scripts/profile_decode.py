@@ -52,6 +52,7 @@ def hlo_sources(text: str) -> dict[str, str]:
     tables = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
     section, comp = None, None
     ops_in: dict[str, list[str]] = {}                  # computation -> the short op names of its instructions
+    frames_in: dict[str, list[str]] = {}               # computation -> its instructions' stack frames, ROOT first
     calls: dict[str, tuple[str, str | None, str]] = {}  # instruction -> (root op name, stack frame id, callee)
     for raw in text.splitlines():
         line = raw.strip()
@@ -67,7 +68,7 @@ def hlo_sources(text: str) -> dict[str, str]:
         head = re.match(r"(?:ENTRY )?%([\w.\-]+) \(.*\{$", line)
         if head:
             comp = head[1]
-            ops_in[comp] = []
+            ops_in[comp], frames_in[comp] = [], []
             continue
         inst = re.match(r"(?:ROOT )?%([\w.\-]+) = ", line)
         if inst is None or comp is None:
@@ -75,6 +76,8 @@ def hlo_sources(text: str) -> dict[str, str]:
         md = re.search(r'op_name="([^"]*)"(?: stack_frame_id=(\d+))?', line)
         if md:
             ops_in[comp].append(md[1].rsplit("/", 1)[-1])
+            if md[2]:
+                frames_in[comp].insert(0 if line.startswith("ROOT") else len(frames_in[comp]), md[2])
         callee = re.search(r"calls=%([\w.\-]+)", line)
         if callee and md:
             calls[inst[1]] = (md[1].rsplit("/", 1)[-1], md[2], callee[1])
@@ -91,7 +94,9 @@ def hlo_sources(text: str) -> dict[str, str]:
         fn = tables["FunctionNames"].get(field(loc, "function_name_id") or "", "?").strip('"')
         return f"{os.path.basename(file)}:{field(loc, 'line')} ({fn})"
 
-    return {name: f"{root} @ {where(frame)} [{' '.join(sorted(set(ops_in.get(callee, []))))}]"
+    # a fusion made by a GPU pass may carry no stack frame of its own: then its fused instructions' (ROOT first)
+    return {name: f"{root} @ {where(frame or next(iter(frames_in.get(callee, [])), None))} "
+                  f"[{' '.join(sorted(set(ops_in.get(callee, []))))}]"
             for name, (root, frame, callee) in calls.items()}
 
 

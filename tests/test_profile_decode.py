@@ -69,6 +69,16 @@ def test_hlo_sources_name_each_fusion_root_place_and_ops(prof):
         assert " @ " in s and s.endswith("]"), (name, s)
 
 
+def test_hlo_sources_fall_back_to_the_fused_instructions_frames(prof):
+    """A fusion instruction without a stack frame of its own is placed where its fused instructions are."""
+    import re
+    text = _compiled_text()
+    bare = re.sub(r"(calls=%[\w.\-]+.*?) stack_frame_id=\d+", r"\1", text)   # strip the fusions' own frames
+    assert bare != text
+    src = prof.hlo_sources(bare)
+    assert src and any("test_profile_decode.py:" in s for s in src.values())
+
+
 def test_attach_sources_maps_kernel_names_and_removes_the_dump(prof, tmp_path):
     text = _compiled_text()
     src = prof.hlo_sources(text)
