@@ -195,7 +195,13 @@ def attach_sources(layer: list[dict], events: list[dict], dump: str) -> None:
         files = sorted(glob.glob(os.path.join(dump, f"*.{module}.*after_optimizations.txt")), key=os.path.getsize)
         if files:
             with open(files[-1]) as f:
-                src = hlo_sources(f.read())
+                text = f.read()
+            src = hlo_sources(text)
+            if src and all(" @ ? " in v for v in src.values()):
+                # no place resolved: show what a fusion's metadata and the module's tables look like, to fix it
+                sample = next((ln.strip() for ln in text.splitlines() if "calls=%" in ln and "metadata" in ln), "")
+                print(f"hlo_sources: no file:line for any fusion; tables present: "
+                      f"{[t for t in ('FileNames', 'StackFrames') if t in text]}; a fusion: {sample[-400:]}")
             for x in layer:
                 found = (src.get(x.get("hlo_op") or "") or src.get(re.sub(r"_(\d+)$", r".\1", x["kernel"]))
                          or src.get(x["kernel"]))
