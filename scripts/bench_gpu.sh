@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks on a GPU machine (written for an H200), one step per name, each within one 600 s device call:
-#   bash scripts/bench_gpu.sh [select sieve sieve-decode tiers ingest attention layer decode profile e2e quality-passkey16
+#   bash scripts/bench_gpu.sh [select sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e quality-passkey16
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
 #                              decode-prefill
@@ -39,6 +39,11 @@ for b in "${names[@]}"; do
                     step sieve-decode 400 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --name sieve_decode \
                       --requests 256 768 --pools 262144 393216 --buckets 256 512 1024 2048 4096 --budget-s 0.2 \
                       --max-seconds 300 ;;
+    sieve-buckets)  # the bucket floor (issue 21, sieve_geometry >= 128 buckets): the auto pools' frames at B = 1
+                    # and 3 (256 / 768 requests) split into 32 to 256 buckets, the sieve alone
+                    step sieve-buckets 400 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --name sieve_buckets \
+                      --requests 256 768 --pools 8192 16384 32768 65536 --buckets 32 64 128 256 --kernel-only \
+                      --budget-s 0.2 --max-seconds 300 ;;
     tiers)      step tiers 300 scripts/bench_tiers.py --out "$OUT" ;;
     ingest)     step ingest 200 scripts/bench_ingest.py --out "$OUT" "${C[@]}" ;;
     attention)  step attention 560 scripts/bench_attention.py --out "$OUT" "${C[@]}" --deadline 420 ;;
@@ -101,7 +106,7 @@ for b in "${names[@]}"; do
                   --row-timeout 560 --out "$OUT" "${C[@]}" ;;
     prefix-smollm2) step prefix-smollm2 580 scripts/bench_prefix.py --rows smollm2:8192 --append --row-timeout 280 \
                   --model "${MODEL:-smollm2-135m}" --out "$OUT" "${C[@]}" ;;
-    *) echo "unknown benchmark '$b' (select sieve sieve-decode tiers ingest attention layer decode profile e2e" \
+    *) echo "unknown benchmark '$b' (select sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e" \
             "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2)"; exit 2 ;;

@@ -124,6 +124,14 @@ def test_bench_sieve_small_run_checks_and_writes(tmp_path):
     assert d["meta"]["commit"] == "test" and (tmp_path / "sieve.png").exists()
     kern = [r for r in d["rows"] if r["impl"] == "pallas"]
     assert kern and all(r["check_ok"] for r in kern) and all("scan_us" in r for r in d["rows"])
+    # --kernel-only: the sieve's rows alone, still checked against the reference, no reference or LRU timings
+    out = subprocess.run([_sys.executable, script, "--requests", "64", "--pools", "256", "--buckets", "4", "8",
+                          "--budget-s", "0.01", "--out", str(tmp_path), "--name", "k", "--kernel-only"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "k.json").read_text())["rows"]
+    assert [(r["impl"], r["B"]) for r in rows] == [("pallas", 4), ("pallas", 8)]
+    assert all(r["check_ok"] and "scan_us" not in r for r in rows)
 
 
 # ----------------------------------------------------------------------------------------------------------------
