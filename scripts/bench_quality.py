@@ -365,6 +365,24 @@ def load_selection_trace(path):
     return sel, cc, step, min(steps // 4, 16) * L, int(z["total_pages"])
 
 
+def replay_probe_args(argv, doc: str):
+    """The replay probes' command line: the trace file (`--save-trace`) and an optional JSON output."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--out", default=None)
+    return ap.parse_args(argv)
+
+
+def replay_rows(path):
+    """`load_selection_trace` plus what a PB-LRU replay feeds the sieve: (sel, cc, step, warm, every, requests, lids,
+    valid) with requests = W * G * K a sieve call and lids / valid from `trace_lids`."""
+    sel, cc, step, warm, every = load_selection_trace(path)
+    _, _, W, G, K = sel.shape
+    lids, valid = trace_lids(sel, cc["page_size"])
+    return sel, cc, step, warm, every, W * G * K, lids, valid
+
+
 def pblru_hits(lids, valid, num_buckets, slots, warmup_rows):
     """Hit rate of PB-LRU (num_buckets x slots, the library's reference access) replaying the rows, one clock tick
     per row (the library ticks once per sieve call), counted after warmup_rows."""

@@ -10,7 +10,6 @@ same warm-up rows as selection_order_hits.py.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,16 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
-    from bench_quality import load_selection_trace, pblru_hits, trace_lids
+    from bench_quality import pblru_hits, replay_probe_args, replay_rows
     from ulacache_jax.pallas_kernels.pb_lru_sieve import scanned_slots, sieve_geometry
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
-    sel, cc, step, warm, every = load_selection_trace(a.trace)          # sel [steps, L, W, G, K]
+    a = replay_probe_args(argv, __doc__)
+    sel, cc, step, warm, every, requests, lids, valid = replay_rows(a.trace)    # sel [steps, L, W, G, K]
     steps, L, W, G, K = sel.shape
-    requests = W * G * K
-    lids, valid = trace_lids(sel, cc["page_size"])
     rows = []
     print("| headroom | before: frames (buckets x slots) | hit | after: frames | hit |")
     for h in (1.0, 1.25, 1.5, 2.0):

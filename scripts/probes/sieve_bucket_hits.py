@@ -11,7 +11,6 @@ hit rates counted after the same warm-up rows as the other replay probes.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -36,16 +35,10 @@ def old_geometry(frames: int, requests: int) -> tuple[int, int]:
 
 
 def main(argv=None):
-    from bench_quality import load_selection_trace, pblru_hits, trace_lids
+    from bench_quality import pblru_hits, replay_probe_args, replay_rows
     from ulacache_jax.pallas_kernels.pb_lru_sieve import scanned_slots
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
-    sel, cc, step, warm, every = load_selection_trace(a.trace)          # sel [steps, L, W, G, K]
-    steps, L, W, G, K = sel.shape
-    requests = W * G * K
-    lids, valid = trace_lids(sel, cc["page_size"])
+    a = replay_probe_args(argv, __doc__)
+    sel, cc, step, warm, every, requests, lids, valid = replay_rows(a.trace)    # sel [steps, L, W, G, K]
     rows = []
     print("| headroom | pool frames | buckets x slots | hit |")
     for h in (1.0, 1.5, 2.0):
@@ -59,7 +52,7 @@ def main(argv=None):
             print(f"| {h} | {frames} | {b} x {s} | {r['hit']:.4f} |", flush=True)
     if a.out:
         with open(a.out, "w") as fh:
-            json.dump(dict(trace=os.path.basename(a.trace), steps=steps, layers=L, windows=W, groups=G, k=K,
+            json.dump(dict(trace=os.path.basename(a.trace), shape_steps_layers_windows_groups_k=list(sel.shape),
                            step_frames=step, every_page=every, rows=rows), fh, indent=1)
 
 
