@@ -11,14 +11,13 @@ Device command (repo root): PYTHONPATH=$PWD python3 scripts/probes/proj_layout.p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax.bench_meta import device_events, read_ceiling
+from ulacache_jax.bench_meta import Results, device_events, run_meta, read_ceiling
 
 E, H, KV, D, F = 4096, 32, 8, 128, 14336   # Llama-3.1-8B
 
@@ -56,11 +55,13 @@ def variants(key):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--commit", default=None, help="git commit of the code (the device copy has no .git)")
     ap.add_argument("--reps", type=int, default=50)
     a = ap.parse_args()
     ceiling = read_ceiling()
     fns, nbytes = variants(jax.random.PRNGKey(0))
-    res = []
+    res = Results(os.path.join(a.out, "proj_layout.json"), run_meta(a.commit),   # rewritten after every row
+                  read_ceiling_tb_s=ceiling / 1e12)
     for b in (1, 3):
         x = (jax.random.normal(jax.random.PRNGKey(b), (b, 1, E), jnp.float32)).astype(jnp.bfloat16)
         for part, (sep, cat) in fns.items():
@@ -77,13 +78,10 @@ def main():
                            of_read_ceiling=nbytes[part] / us / 1e6 / (ceiling / 1e12),
                            kernels={k: v / 1e3 for k, v in times[0].by_name.items()})
                 print(row, flush=True)
-                res.append(row)
-    os.makedirs(a.out, exist_ok=True)
-    json.dump(dict(device=str(jax.devices()[0]), jax=jax.__version__, read_ceiling_tb_s=ceiling / 1e12, rows=res),
-              open(os.path.join(a.out, "proj_layout.json"), "w"), indent=1)
+                res.add(row)
     print(f"read ceiling {ceiling / 1e12:.2f} TB/s")
     print(f"{'B':>2s} {'part':4s} {'layout':13s} {'us':>7s} {'launch':>6s} {'TB/s':>6s} {'x ceil':>6s} {'err':>8s}")
-    for r in res:
+    for r in res.rows:
         print(f"{r['batch']:2d} {r['part']:4s} {r['layout']:13s} {r['device_us']:7.2f} {r['launches']:6d} "
               f"{r['tb_s']:6.2f} {r['of_read_ceiling']:6.2f} {r['max_abs_err']:8.2e}")
 

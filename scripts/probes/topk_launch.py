@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 
@@ -18,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import page_topk
-from ulacache_jax.bench_meta import device_events
+from ulacache_jax.bench_meta import Results, device_events, run_meta
 
 ROWS = ((8, 4224, 32, "256K x 1"), (24, 2112, 32, "128K x 3"))   # (rows, pages, k, decode shape)
 
@@ -26,11 +25,12 @@ ROWS = ((8, 4224, 32, "256K x 1"), (24, 2112, 32, "128K x 3"))   # (rows, pages,
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--commit", default=None, help="git commit of the code (the device copy has no .git)")
     ap.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--reps", type=int, default=200)
     a = ap.parse_args()
     rng = np.random.default_rng(0)
-    res = []
+    res = Results(os.path.join(a.out, "topk_launch.json"), run_meta(a.commit))   # rewritten after every row
     for r, p, k, shape in ROWS:
         groups = 8
         s = jnp.asarray(rng.standard_normal((r, p)).astype(np.float32))
@@ -48,12 +48,9 @@ def main():
             except Exception as e:  # noqa: BLE001  (a variant that does not compile is a result too)
                 row["error"] = repr(e)[:300]
             print(row, flush=True)
-            res.append(row)
-    os.makedirs(a.out, exist_ok=True)
-    json.dump(dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=res),
-              open(os.path.join(a.out, "topk_launch.json"), "w"), indent=1)
+            res.add(row)
     print(f"{'shape':10s} {'warps':>5s} {'exact':>6s} {'kernel us':>10s}")
-    for x in res:
+    for x in res.rows:
         print(f"{x['shape']:10s} {x['warps']:5d} {str(x.get('exact', '-')):>6s} "
               f"{x.get('kernel_us', float('nan')):10.2f}")
 
