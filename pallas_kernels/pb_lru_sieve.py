@@ -108,9 +108,9 @@ def choose_config(num_requests: int, num_buckets: int, slots_per_bucket: int, *,
     return SieveConfig(req_chunk=c, slot_chunk=t, num_warps=num_warps, grouping=grouping)
 
 
-def sieve_geometry(num_frames: int, num_requests: int) -> tuple[int, int]:
+def sieve_geometry(num_frames: int, num_requests: int, *, min_buckets: int = MIN_BUCKETS) -> tuple[int, int]:
     """(num_buckets, slots_per_bucket) for a pool of about `num_frames` frames accessed `num_requests` at a time:
-    the fewest buckets, from `MIN_BUCKETS` up (fewer while a bucket would hold under MIN_SLOTS slots), with which
+    the fewest buckets, from `min_buckets` up (fewer while a bucket would hold under MIN_SLOTS slots), with which
     an access stays on the kernel's fast path (a bucket's load, mean + 4 sigma of a Poisson, fits one request chunk
     and its slots one slot chunk) and groups requests inside the kernel (N * B <= SCAN_MAX_WORK). When no bucket
     count satisfies both, buckets of 64 slots (the general path handles any load).
@@ -122,7 +122,7 @@ def sieve_geometry(num_frames: int, num_requests: int) -> tuple[int, int]:
     if num_frames < 1 or num_requests < 1:
         raise ValueError(f"num_frames = {num_frames} and num_requests = {num_requests} must be >= 1")
     b = 1
-    while b * 2 <= MIN_BUCKETS and b * 2 * MIN_SLOTS <= num_frames:
+    while b * 2 <= min_buckets and b * 2 * MIN_SLOTS <= num_frames:
         b *= 2
     while b <= num_frames:
         s = -(-num_frames // b)
@@ -142,6 +142,12 @@ def scanned_slots(num_buckets: int, slots_per_bucket: int, num_requests: int) ->
     this count for no sieve time."""
     t = choose_config(num_requests, num_buckets, slots_per_bucket).slot_chunk
     return -(-slots_per_bucket // t) * t
+
+
+def pool_slots(num_buckets: int, slots_per_bucket: int, num_requests: int, max_frames: int) -> int:
+    """The slots a bucket of a pool gets: `scanned_slots` (the slot chunks the sieve scans anyway), but no more
+    than `max_frames` frames in all (a pool never needs more than one frame per KV page)."""
+    return min(scanned_slots(num_buckets, slots_per_bucket, num_requests), -(-max_frames // num_buckets))
 
 
 def _barrier(interpret: bool):

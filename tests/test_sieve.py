@@ -294,6 +294,8 @@ def test_sieve_geometry_fewest_buckets_on_the_fast_path():
         floor = min(sv.MIN_BUCKETS, max(1, 1 << (frames // sv.MIN_SLOTS).bit_length() - 1))
         assert b >= floor, (frames, n, b)
         assert b == floor or not fast(n, b // 2, -(-frames // (b // 2))), (frames, n, b)  # fewest such buckets
+        b1, s1 = sv.sieve_geometry(frames, n, min_buckets=1)          # no floor: the fewest on the fast path
+        assert fast(n, b1, s1) and (b1 == 1 or not fast(n, b1 // 2, -(-frames // (b1 // 2)))), (frames, n, b1)
     # the decode's pools: the 8B's auto pool at B = 1 (1.5 x 8192 frames) in 128 buckets, not 32 (the sieve took
     # 4.2 us there against 15.9 on the H200); pools of 1/4 of the KV keep the fast path's own count
     assert sv.sieve_geometry(12288, 256) == (128, 96)

@@ -22,7 +22,7 @@ from .backends import DenseCache, make_backend
 from .config import CacheConfig
 from .cost_model import resolve_attention
 from .decode_layer import DecodeOptions, LayerStats
-from .pallas_kernels.pb_lru_sieve import scanned_slots, sieve_geometry
+from .pallas_kernels.pb_lru_sieve import pool_slots, sieve_geometry
 from .prefix_cache import prefix_bucket
 from .program import layer_graphdef, program
 from .tp import TP_AXIS, make_mesh, param_specs, shard_params, tp_graphdef
@@ -74,7 +74,7 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
     buckets, slots = sieve_geometry(frames_needed, requests)
     # the sieve scans a bucket in whole slot chunks (a power of two), so the slots up to the chunk's end cost it
     # nothing: the pool takes them (more hits for HBM alone), at most one frame per page
-    slots = min(scanned_slots(buckets, slots, requests), -(-every_page // buckets))   # >= slots: frames <= pages
+    slots = pool_slots(buckets, slots, requests, every_page)   # >= slots: frames_needed <= every_page
     kw = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
               kv_heads_per_group=mc.num_kv_heads // num_groups,
               max_seqs=num_seqs, max_pages_per_seq=pages, page_size=page_size,

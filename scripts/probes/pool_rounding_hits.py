@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv=None):
     from bench_quality import pblru_hits, replay_probe_args, replay_rows
-    from ulacache_jax.pallas_kernels.pb_lru_sieve import scanned_slots, sieve_geometry
+    from ulacache_jax.pallas_kernels.pb_lru_sieve import pool_slots, sieve_geometry
     a = replay_probe_args(argv, __doc__)
     sel, cc, step, warm, every, requests, lids, valid = replay_rows(a.trace)    # sel [steps, L, W, G, K]
     steps, L, W, G, K = sel.shape
@@ -30,7 +30,7 @@ def main(argv=None):
     print("| headroom | before: frames (buckets x slots) | hit | after: frames | hit |")
     for h in (1.0, 1.25, 1.5, 2.0):
         nb, ns = sieve_geometry(int(np.ceil(h * step)), requests)
-        ns2 = max(ns, min(scanned_slots(nb, ns, requests), -(-every // nb)))   # at most one frame per page
+        ns2 = max(ns, pool_slots(nb, ns, requests, every))   # frames here are not capped at the pages first
         r = dict(headroom=h, buckets=nb, slots_before=ns, slots_after=ns2,
                  hit_before=pblru_hits(lids, valid, nb, ns, warm),
                  hit_after=pblru_hits(lids, valid, nb, ns2, warm) if ns2 != ns else None)

@@ -11,7 +11,6 @@ library's geometry and the pools of bench_quality's trace study, and prints both
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -30,12 +29,9 @@ def page_order(sel):
 
 
 def main(argv=None):
-    from bench_quality import load_selection_trace, pblru_hits, trace_lids
+    from bench_quality import load_selection_trace, pblru_hits, replay_probe_args, trace_lids
     from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
+    a = replay_probe_args(argv, __doc__)
     sel, cc, lib, warm, _ = load_selection_trace(a.trace)              # sel [steps, L, W, G, K]
     steps, L, W, G, K = sel.shape
     rows = []

@@ -21,29 +21,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def old_geometry(frames: int, requests: int) -> tuple[int, int]:
-    """The fewest fast-path buckets (sieve_geometry before bbb1589), to name the starting point of the rows."""
-    from ulacache_jax.pallas_kernels import pb_lru_sieve as sv
-    b = 1
-    while True:
-        s = -(-frames // b)
-        c = sv.choose_config(requests, b, s)
-        if (s <= c.slot_chunk and sv._bucket_load_chunk(requests, b) <= c.req_chunk
-                and c.req_chunk * max(c.req_chunk, c.slot_chunk) <= sv.TILE_ELEMS and c.grouping == "scan"):
-            return b, s
-        b *= 2
-
-
 def main(argv=None):
     from bench_quality import pblru_hits, replay_probe_args, replay_rows
-    from ulacache_jax.pallas_kernels.pb_lru_sieve import scanned_slots
+    from ulacache_jax.pallas_kernels.pb_lru_sieve import pool_slots, sieve_geometry
     a = replay_probe_args(argv, __doc__)
     sel, cc, step, warm, every, requests, lids, valid = replay_rows(a.trace)    # sel [steps, L, W, G, K]
     rows = []
     print("| headroom | pool frames | buckets x slots | hit |")
     for h in (1.0, 1.5, 2.0):
-        nb, ns = old_geometry(int(np.ceil(h * step)), requests)
-        frames = nb * min(scanned_slots(nb, ns, requests), -(-every // nb))
+        # the fewest fast-path buckets, as sieve_geometry chose before its 128-bucket floor (bbb1589)
+        nb, ns = sieve_geometry(int(np.ceil(h * step)), requests, min_buckets=1)
+        frames = nb * pool_slots(nb, ns, requests, every)
         for f in (1, 2, 4, 8, 16):
             b = nb * f
             s = -(-frames // b)
