@@ -227,3 +227,25 @@ def test_appended_runs_keep_earlier_rows_commands_and_commits(tmp_path):
     assert rows == [dict(r=1)] and meta == dict(commit="old1", command="x.py --rows a", device="H200")
     assert bm.appended_meta(meta, "new2", "x.py --rows b", run="L") == dict(
         command="x.py --rows a; run L: x.py --rows b", commit="old1 / new2")
+
+
+def test_pair_report_pairs_rows_and_names_the_commits(tmp_path):
+    """probes/pair_report.py: rows of the two trees paired by (attention, context, batch); a row that failed on one
+    side stays in the report with None there (not dropped); the real commits replace the trees' old / new labels."""
+    import json
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "probes"))
+    import pair_report
+    row = dict(attention="sparse", context=32768, batch=1, hit_rate=0.9)
+    for side, rows in (("old", [dict(row, tokens_per_s=100.0), dict(row, context=262144, tokens_per_s=50.0)]),
+                       ("new", [dict(row, tokens_per_s=110.0), dict(row, context=262144, error="timeout")])):
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "decode.json").write_text(json.dumps(dict(device="H200", jax="0.11.2", rows=rows)))
+    pair_report.main([str(tmp_path), "--old-commit", "aaaa", "--new-commit", "bbbb", "--name", "pair"])
+    out = json.loads((tmp_path / "pair.json").read_text())
+    by_ctx = {p["context"]: p for p in out["pairs"]}
+    assert abs(by_ctx[32768]["change"] - 0.1) < 1e-12
+    assert by_ctx[262144]["old_tokens_per_s"] == 50.0 and by_ctx[262144]["new_tokens_per_s"] is None
+    assert by_ctx[262144]["change"] is None
+    assert sorted(r["commit"] for r in out["rows"]) == ["aaaa", "aaaa", "bbbb"]
+    assert out["meta"]["commit"] == "aaaa (old) / bbbb (new)" and out["meta"]["device"] == "H200"
+    assert (tmp_path / "pair.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -2,7 +2,8 @@
 # Same-call decode rows of two source trees (issue 20 part 8: the one program against ea0d433): for each row,
 # the old tree's bench_decode.py, then the new tree's, each a process of its own with its own tree on PYTHONPATH,
 # alternating so that both commits see the same machine state; rows that no longer fit the call's budget are
-# skipped and named. Then a table of tokens/s per row and the change, and $OUT/regression_pair.json.
+# skipped and named. Then scripts/probes/pair_report.py: a table of tokens/s per row and the change, and
+# $OUT/regression_pair.json + .png (OLD_COMMIT / NEW_COMMIT name the trees there; default old / new).
 # Device command (repo root; carry .base and .snap = `git archive` exports of the old commit and the new one):
 #   bash scripts/probes/regression_pair.sh .base .snap sparse:262144:1 sparse:131072:3
 # Env: OUT (default out/regression_pair), PYTHON (default python3), BUDGET_S (whole call, default 560),
@@ -32,24 +33,6 @@ for row in "$@"; do
             || { echo "$side $row FAILED rc=$? (124 = timeout); log tail:"; tail -n 8 "$OUTD/$side.log"; }
     done
 done
-"$PY" - "$OUTD" <<'EOF'
-import json, os, sys
-out = sys.argv[1]
-rows = {}
-for side in ("old", "new"):
-    path = os.path.join(out, side, "decode.json")
-    for r in (json.load(open(path)).get("rows", []) if os.path.exists(path) else []):
-        if "tokens_per_s" in r:
-            rows.setdefault((r["attention"], r["context"], r["batch"]), {})[side] = r["tokens_per_s"]
-pairs = [dict(attention=a, context=c, batch=b, old_tokens_per_s=v.get("old"), new_tokens_per_s=v.get("new"),
-              change=(v["new"] / v["old"] - 1) if "old" in v and "new" in v else None)
-         for (a, c, b), v in sorted(rows.items())]
-json.dump(dict(pairs=pairs), open(os.path.join(out, "regression_pair.json"), "w"), indent=1)
-print(f"{'row':22s} {'old tok/s':>10s} {'new tok/s':>10s} {'change':>8s}")
-for p in pairs:
-    fmt = lambda x: "-" if x is None else f"{x:.1f}"
-    ch = "-" if p["change"] is None else f"{100 * p['change']:+.1f}%"
-    print(f"{p['attention'] + ' ' + str(p['context']) + ' x ' + str(p['batch']):22s} "
-          f"{fmt(p['old_tokens_per_s']):>10s} {fmt(p['new_tokens_per_s']):>10s} {ch:>8s}")
-EOF
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/probes/pair_report.py "$OUTD" \
+    --old-commit "${OLD_COMMIT:-old}" --new-commit "${NEW_COMMIT:-new}"
 echo "total $SECONDS s"
