@@ -236,7 +236,6 @@ def section_kernel(ctx: BenchContext):
 
 
 def section_sweep(ctx: BenchContext):
-    a = ctx.args
     grid = []
     for npb in (1, 2, 4):                      # B=32, budget 4096: the 3.0 TB/s target row
         for ns in (2, 4, 8):

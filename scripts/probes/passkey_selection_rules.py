@@ -42,7 +42,6 @@ over the page's tokens and the group's heads):
     python scripts/probes/passkey_selection_rules.py CONTEXT DEPTHS KEYS BUDGETS [RULES]
     e.g. 4096 10,25,50 3 512,1024 quest_sum,quest_maxnorm,oracle
 """
-import functools
 import json
 import os
 import sys
