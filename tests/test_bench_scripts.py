@@ -235,17 +235,21 @@ def test_pair_report_pairs_rows_and_names_the_commits(tmp_path):
     import json
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "probes"))
     import pair_report
-    row = dict(attention="sparse", context=32768, batch=1, hit_rate=0.9)
-    for side, rows in (("old", [dict(row, tokens_per_s=100.0), dict(row, context=262144, tokens_per_s=50.0)]),
-                       ("new", [dict(row, tokens_per_s=110.0), dict(row, context=262144, error="timeout")])):
+    row = dict(attention="sparse", context=32768, batch=1, hit_rate=0.9, kv_fraction=0.25)
+    small_pool = dict(row, kv_fraction=0.0625)  # the same shape at another pool is its own pair
+    for side, rows in (("old", [dict(row, tokens_per_s=100.0), dict(row, context=262144, tokens_per_s=50.0),
+                                dict(small_pool, tokens_per_s=70.0)]),
+                       ("new", [dict(row, tokens_per_s=110.0), dict(row, context=262144, error="timeout"),
+                                dict(small_pool, tokens_per_s=77.0)])):
         (tmp_path / side).mkdir()
         (tmp_path / side / "decode.json").write_text(json.dumps(dict(device="H200", jax="0.11.2", rows=rows)))
     pair_report.main([str(tmp_path), "--old-commit", "aaaa", "--new-commit", "bbbb", "--name", "pair"])
     out = json.loads((tmp_path / "pair.json").read_text())
-    by_ctx = {p["context"]: p for p in out["pairs"]}
-    assert abs(by_ctx[32768]["change"] - 0.1) < 1e-12
+    assert [(p["context"], p["kv_fraction"]) for p in out["pairs"]] == [(32768, 0.0625), (32768, 0.25), (262144, 0.25)]
+    by_ctx = {p["context"]: p for p in out["pairs"] if p["kv_fraction"] == 0.25}
+    assert abs(by_ctx[32768]["change"] - 0.1) < 1e-12 and abs(out["pairs"][0]["change"] - 0.1) < 1e-12
     assert by_ctx[262144]["old_tokens_per_s"] == 50.0 and by_ctx[262144]["new_tokens_per_s"] is None
     assert by_ctx[262144]["change"] is None
-    assert sorted(r["commit"] for r in out["rows"]) == ["aaaa", "aaaa", "bbbb"]
+    assert sorted(r["commit"] for r in out["rows"]) == ["aaaa"] * 3 + ["bbbb"] * 2
     assert out["meta"]["commit"] == "aaaa (old) / bbbb (new)" and out["meta"]["device"] == "H200"
     assert (tmp_path / "pair.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -28,27 +28,35 @@ def load_rows(out: str, side: str) -> tuple[dict, list[dict]]:
 
 
 def pairs_of(old: list[dict], new: list[dict]) -> list[dict]:
-    """One entry per (attention, context, batch) row, with either side None where that tree's row failed."""
+    """One entry per (attention, context, batch, kv_fraction) row, with either side None where that tree's row
+    failed (kept, not dropped: a pair where one commit fails is the finding)."""
     by_row: dict[tuple, dict] = {}
     for side, rows in (("old", old), ("new", new)):
         for r in rows:
-            by_row.setdefault((r["attention"], r["context"], r["batch"]), {})[side] = r
+            by_row.setdefault((r["attention"], r["context"], r["batch"], r.get("kv_fraction")), {})[side] = r
     pairs = []
-    for (attention, context, batch), v in sorted(by_row.items()):
+    for (attention, context, batch, kv_fraction), v in sorted(by_row.items(),
+                                                              key=lambda kv: kv[0][:3] + (kv[0][3] or 0.0,)):
         o, n = v.get("old"), v.get("new")
-        pairs.append(dict(attention=attention, context=context, batch=batch,
+        pairs.append(dict(attention=attention, context=context, batch=batch, kv_fraction=kv_fraction,
                           old_tokens_per_s=o and o["tokens_per_s"], new_tokens_per_s=n and n["tokens_per_s"],
                           old_hit_rate=o and o.get("hit_rate"), new_hit_rate=n and n.get("hit_rate"),
                           change=(n["tokens_per_s"] / o["tokens_per_s"] - 1) if o and n else None))
     return pairs
 
 
+def label(p: dict) -> str:
+    """'sparse 256K x 1 pool 0.0156': the row's side, shape and HBM pool fraction (dense rows have none)."""
+    pool = "" if p.get("kv_fraction") in (None, 1.0) else f" pool {p['kv_fraction']:.3g}"
+    return f"{p['attention']} {p['context'] // 1024}K x {p['batch']}{pool}"
+
+
 def table(pairs: list[dict]) -> str:
     fmt = lambda x: "-" if x is None else f"{x:.1f}"
-    lines = [f"{'row':22s} {'old tok/s':>10s} {'new tok/s':>10s} {'change':>8s}"]
+    lines = [f"{'row':30s} {'old tok/s':>10s} {'new tok/s':>10s} {'change':>8s}"]
     for p in pairs:
         ch = "-" if p["change"] is None else f"{100 * p['change']:+.1f}%"
-        lines.append(f"{p['attention'] + ' ' + str(p['context']) + ' x ' + str(p['batch']):22s} "
+        lines.append(f"{label(p):30s} "
                      f"{fmt(p['old_tokens_per_s']):>10s} {fmt(p['new_tokens_per_s']):>10s} {ch:>8s}")
     return "\n".join(lines)
 
@@ -58,8 +66,10 @@ def plot(pairs: list[dict], old_commit: str, new_commit: str, path: str) -> str:
     fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(pairs), 3.6))
     xs = range(len(pairs))
     for off, side, commit in ((-0.2, "old", old_commit), (0.2, "new", new_commit)):
-        ax.bar([x + off for x in xs], [p[f"{side}_tokens_per_s"] or 0.0 for p in pairs], width=0.4, label=commit)
-    ax.set_xticks(list(xs), [f"{p['attention']} {p['context'] // 1024}K x {p['batch']}" for p in pairs])
+        # a side whose row failed is NaN: no bar, rather than a bar of zero tokens/s
+        ax.bar([x + off for x in xs], [p[f"{side}_tokens_per_s"] or float("nan") for p in pairs], width=0.4,
+               label=commit)
+    ax.set_xticks(list(xs), [label(p).replace(" pool", "\npool") for p in pairs])
     ax.set_ylabel("decode tokens/s")
     ax.set_title("same-call decode pair (median of the chunks)")
     ax.legend()
