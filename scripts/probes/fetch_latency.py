@@ -15,6 +15,7 @@ Device command (repo root): PYTHONPATH=$PWD python3 scripts/probes/fetch_latency
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import numpy as np
@@ -59,6 +60,24 @@ def index_sets(rng, mode: str, calls: int, misses: int, entries: int, host_pages
     return out
 
 
+def plot(rows: list[dict], path: str) -> str:
+    """Fetch us against misses, a line per (pool size, mode): whether the pool size or the pages' spread moves it."""
+    from ulacache_jax import bench_meta
+    plt = bench_meta.pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for gib in sorted({r["pool_gib"] for r in rows}):
+        for mode, style in zip(MODES, ("-", "--", ":")):
+            pts = sorted((r["misses"], r["fetch_us"]) for r in rows
+                         if r["pool_gib"] == gib and (r["mode"] == mode or r["misses"] == 0) and r["fetch_us"])
+            if len(pts) > 1:
+                ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{gib:g} GiB {mode}")
+    ax.set_xlabel("misses in one fetch call (of 256 entries; K + V pages of 16 KiB each)")
+    ax.set_ylabel("fetch_pages GPU time (us)")
+    ax.set_title("miss fetch from pinned host memory")
+    ax.legend(fontsize=7, ncol=3)
+    return bench_meta.save_figure(fig, path)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -69,7 +88,13 @@ def main():
     ap.add_argument("--entries", type=int, default=256, help="index vector length (the decode's requests a layer)")
     ap.add_argument("--frames", type=int, default=16384)
     ap.add_argument("--calls", type=int, default=64)
+    ap.add_argument("--png", default=None, help="only draw the PNG of an existing fetch_latency.json (where the GPU "
+                                                "image lacks matplotlib)")
     a = ap.parse_args()
+    if a.png:
+        with open(a.png) as f:
+            print(plot(json.load(f)["rows"], os.path.splitext(a.png)[0] + ".png"))
+        return
     raise_host_limit()
     rng = np.random.default_rng(0)
     res = Results(os.path.join(a.out, "fetch_latency.json"), run_meta(a.commit))
@@ -102,8 +127,8 @@ def main():
                 dt = device_events(run, a.calls)
                 pool = st["p"]
                 us = None if dt is None else dt.by_name.get("fetch_pages", dt.busy_ns) / 1e3
-                row = res.add(dict(pool_gib=gib, host_pages=pages, misses=misses, mode=mode, entries=a.entries,
-                                   check_ok=ok, fetch_us=us, kib=2 * misses * page_bytes / 1024))
+                res.add(dict(pool_gib=gib, host_pages=pages, misses=misses, mode=mode, entries=a.entries,
+                             check_ok=ok, fetch_us=us, kib=2 * misses * page_bytes / 1024))
                 print(f"{gib:6.1f} GiB {misses:4d} misses {mode:9s} {us if us is None else round(us, 2)!s:>8} us"
                       f"  check {ok}", flush=True)
         del host
@@ -113,6 +138,10 @@ def main():
             cells = {r["mode"]: r["fetch_us"] for r in res.rows if r["pool_gib"] == gib and r["misses"] == misses}
             print(f"{gib:8.1f} {misses:6d} " + " ".join(f"{cells[m]:10.2f}" if cells.get(m) is not None
                                                          else f"{'-':>10}" for m in MODES))
+    try:
+        plot(res.rows, os.path.join(a.out, "fetch_latency.png"))
+    except ImportError as e:
+        print(f"no PNG ({e}): rerun with --png {res.path} where matplotlib is installed")
 
 
 if __name__ == "__main__":
