@@ -253,3 +253,16 @@ def test_pair_report_pairs_rows_and_names_the_commits(tmp_path):
     assert sorted(r["commit"] for r in out["rows"]) == ["aaaa"] * 3 + ["bbbb"] * 2
     assert out["meta"]["commit"] == "aaaa (old) / bbbb (new)" and out["meta"]["device"] == "H200"
     assert (tmp_path / "pair.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fetch_latency_probe_checks_every_mode(tmp_path):
+    """probes/fetch_latency.py on CPU (the kernel in interpret mode, no profiler so no times): every mode's fetched
+    frames hold their host pages' values, and the rows name pool, misses and mode."""
+    import json
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "probes"))
+    import fetch_latency
+    fetch_latency.main(["--out", str(tmp_path), "--pool-gib", "0.004", "--misses", "0", "3", "--calls", "5",
+                        "--frames", "16", "--entries", "8"])
+    rows = json.loads((tmp_path / "fetch_latency.json").read_text())["rows"]
+    assert [(r["misses"], r["mode"]) for r in rows] == [(0, "fresh"), (3, "fresh"), (3, "repeat"), (3, "clustered")]
+    assert all(r["check_ok"] for r in rows) and rows[0]["host_pages"] == int(0.004 * 2**30) // (2 * 16384)
