@@ -26,7 +26,6 @@ read-only argument and write it once per call (donated in, aliased out).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from functools import partial
 
@@ -209,29 +208,7 @@ def init(config: CacheConfig, *, device=None, check: bool = True) -> tuple[Cache
         clock=jnp.zeros((), jnp.int32))
     # committed to the device from the start, so the first donated call compiles the same program as later ones
     state = jax.device_put(state, jax.sharding.SingleDeviceSharding(device or jax.devices()[0]))
-    return state, _pin_host_pool(c, (r, c.host_pages) + page_shape, dt, device)
-
-
-def _pin_host_pool(config: CacheConfig, shape: tuple[int, ...], dtype, device=None) -> HostPool:
-    """K and V host pools of `shape` in pinned host memory (plain device memory on CPU).
-
-    check_fits passes a pool that MemAvailable and XLA's limit allow, yet pinning can still fail near the RAM size
-    (XLA's pinned allocator grows in doubling regions, and pinned pages must be resident): on the one-GPU H200,
-    256K x 3 of the 8B (96 GiB of 125.9) fails there. XLA's RESOURCE_EXHAUSTED does not say which pool or what to
-    change, so it is re-raised as a MemoryError with the numbers; nothing stays allocated (a K pool pinned before
-    V failed is dropped with this frame)."""
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=host_sharding(device))
-    try:
-        return HostPool(k=make(), v=make())
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        need = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize
-        avail = _pinnable_host_bytes()
-        raise MemoryError(
-            f"could not pin the host pool: {need / 2**30:.1f} GiB (K and V, {config.host_pages} pages of "
-            f"{config.page_bytes} B x {config.tp} ranks, max_seqs = {config.max_seqs} x max_context = "
-            f"{config.max_context}) with {'?' if avail is None else f'{avail / 2**30:.1f}'} GiB of host memory "
-            f"available and XLA's pinned limit at {xla_host_limit_bytes() / 2**30:.0f} GiB ({HOST_LIMIT_ENV}); "
-            "pinned memory must stay resident and is reserved in growing regions, so a pool near the RAM size can "
-            "fail with RAM still free: lower max_seqs or max_context") from e
+    hs = host_sharding(device)
+    host_shape = (r, c.host_pages) + page_shape
+    make = jax.jit(lambda: jnp.zeros(host_shape, dt), out_shardings=hs)
+    return state, HostPool(k=make(), v=make())
