@@ -230,8 +230,8 @@ def test_appended_runs_keep_earlier_rows_commands_and_commits(tmp_path):
 
 
 def test_pair_report_pairs_rows_and_names_the_commits(tmp_path):
-    """probes/pair_report.py: rows of the two trees paired by (attention, context, batch); a row that failed on one
-    side stays in the report with None there (not dropped); the real commits replace the trees' old / new labels."""
+    """probes/pair_report.py: rows of the two trees paired by (attention, context, batch, pool); a row that failed
+    on one side stays in the report with None there (not dropped); the real commits replace the old / new labels."""
     import json
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "probes"))
     import pair_report

@@ -23,10 +23,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import page_copy
+from ulacache_jax import bench_meta
 from ulacache_jax.bench_meta import Results, device_events, run_meta
 from ulacache_jax.cache_state import host_sharding, raise_host_limit
 
-PAGE = (64, 1, 128)   # tokens, kv heads in a group, head dim: the 8B's page (16 KiB in bf16)
+PAGE = (64, 1, 128)   # tokens, kv heads in a group, head dim: the 8B's page
+PAGE_BYTES = 64 * 1 * 128 * 2   # one K (or V) page in bf16: 16 KiB
 MODES = ("fresh", "repeat", "clustered")
 
 
@@ -40,7 +42,7 @@ def host_pool(pages: int):
 
 def index_sets(rng, mode: str, calls: int, misses: int, entries: int, host_pages: int, frames: int):
     """`calls` (host_idx, frame_idx) pairs [entries] int32, the first `misses` entries valid, the rest -1."""
-    per_2mib = (2 << 20) // (int(np.prod(PAGE)) * 2)
+    per_2mib = (2 << 20) // PAGE_BYTES
     out, first = [], None
     for _ in range(calls):
         if mode == "repeat" and first is not None:
@@ -63,7 +65,6 @@ def index_sets(rng, mode: str, calls: int, misses: int, entries: int, host_pages
 
 def plot(rows: list[dict], path: str) -> str:
     """Fetch us against misses, a line per (pool size, mode): whether the pool size or the pages' spread moves it."""
-    from ulacache_jax import bench_meta
     plt = bench_meta.pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for gib in sorted({r["pool_gib"] for r in rows}):
@@ -102,10 +103,9 @@ def main(argv: list[str] | None = None):
     raise_host_limit()
     rng = np.random.default_rng(0)
     res = Results(os.path.join(a.out, "fetch_latency.json"), run_meta(a.commit))
-    page_bytes = int(np.prod(PAGE)) * 2
     pool = [jnp.zeros((1, a.frames) + PAGE, jnp.bfloat16) for _ in range(2)]
     for gib in a.pool_gib:
-        pages = int(gib * 2**30) // (2 * page_bytes)
+        pages = int(gib * 2**30) // (2 * PAGE_BYTES)
         if pages < max(a.misses):
             ap.error(f"--pool-gib {gib}: {pages} host pages, fewer than --misses {max(a.misses)}")
         host = [host_pool(pages), host_pool(pages)]
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None):
                 pool = st["p"]
                 us = None if dt is None else dt.by_name.get("fetch_pages", dt.busy_ns) / 1e3
                 res.add(dict(pool_gib=gib, host_pages=pages, misses=misses, mode=mode, entries=a.entries,
-                             check_ok=ok, fetch_us=us, kib=2 * misses * page_bytes / 1024))
+                             check_ok=ok, fetch_us=us, kib=2 * misses * PAGE_BYTES / 1024))
                 print(f"{gib:6.1f} GiB {misses:4d} misses {mode:9s} {us if us is None else round(us, 2)!s:>8} us"
                       f"  check {ok}", flush=True)
         del host

@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     pairs = pairs_of(old, new)
     print(table(pairs))
     meta_src = new_meta or old_meta
-    for side, commit in (("old", args.old_commit), ("new", args.new_commit)):
-        for r in old if side == "old" else new:
+    for rows, commit in ((old, args.old_commit), (new, args.new_commit)):
+        for r in rows:
             r["commit"] = commit
     meta = dict(device=meta_src.get("device"), jax=meta_src.get("jax"),
                 commit=f"{args.old_commit} (old) / {args.new_commit} (new)", date=meta_src.get("date"),
