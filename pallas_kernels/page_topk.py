@@ -18,7 +18,7 @@ over the same candidate scores, its winners sorted by page: the kernel's result 
 Axis alphabet: R rows, P pages (Pp: the row padded to a power of two; the load masks the padding), k winners (kp:
 padded to a power of two; stores past k are masked).
 A row lives in one program's registers: which row lengths the decode sends here (and which to `lax.top_k`) is
-decided by ulacache_jax/kernel_choice.py.
+decided by ulacache_jax/cache/kernel_choice.py.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 `access(slots, hi, lo, valid, now)` equals `ref_access` (sort based, below) bit for bit: same frames, hit flags,
 evictions and new slots (DESIGN.md section 5). Arrays in, arrays out: `slots` is one rank's (tag_hi, tag_lo,
 stamp), each [B, S] (uint32, uint32, int32; stamp -1 = empty), and an access returns (new slots, (frame, hit,
-evicted, evicted_hi, evicted_lo, fill)), each [N]; `ulacache_jax.pb_lru` wraps them in its state types and checks
+evicted, evicted_hi, evicted_lo, fill)), each [N]; `ulacache_jax.cache.pb_lru` wraps them in its state types and checks
 arguments. The per-bucket work needs no locks or atomics:
 requests are grouped by bucket first, so every slot and every request is written by exactly one program.
 
@@ -534,7 +534,7 @@ def sieve_call(slots: Slots, requests, now, cfg: SieveConfig, interpret: bool) -
 @partial(jax.jit, static_argnames=("config", "interpret"))
 def access(slots: Slots, hi, lo, valid, now, *, config: SieveConfig | None = None,
            interpret: bool | None = None) -> tuple[Slots, Access]:
-    """Batched PB-LRU access by the kernel (no argument checks; `ulacache_jax.pb_lru.access` checks).
+    """Batched PB-LRU access by the kernel (no argument checks; `ulacache_jax.cache.pb_lru.access` checks).
     slots: (tag_hi, tag_lo, stamp) [B, S]; hi, lo [N] uint32, valid [N] bool, now int32 scalar. Returns (new
     slots, (frame [N] int32, hit [N] bool, evicted [N] bool, evicted_hi, evicted_lo [N] uint32, fill [N] bool)).
     Compiled on GPU, interpret mode elsewhere (or as `interpret` says). The slots are updated in place when the

@@ -1,7 +1,7 @@
 """Sparse decode attention over a paged KV pool (DESIGN.md section 2, step 4).
 
 Each (sequence, KV-head group) attends over its own list of pages, named by frame id in ONE page pool (the
-PB-LRU frames and the tail ring live in the same pool, see `ulacache_jax.cache_state`). A page missing from HBM
+PB-LRU frames and the tail ring live in the same pool, see `ulacache_jax.cache.state`). A page missing from HBM
 can instead be read zero-copy from the host pool (`pinned_host` on GPU) and, optionally, stored into its new
 frame in the same pass (the fused fill), so a miss crosses PCIe exactly once.
 
@@ -11,7 +11,7 @@ G groups, g kv heads per group (KV = G * g), r query heads per kv head (H = KV *
 kv head.
 
 Two kernels (their times and bandwidth against the copy ceiling: docs/BENCHMARKS.md, sparse decode attention):
-- Mosaic GPU (`impl="mosaic"`, the library's choice on Hopper where it applies: ulacache_jax/kernel_choice.py):
+- Mosaic GPU (`impl="mosaic"`, the library's choice on Hopper where it applies: ulacache_jax/cache/kernel_choice.py):
   one CTA per (b, kv head, split);
   the split's K and V pages stream into shared memory by TMA (`emit_pipeline` over the frame table, 2 deep), and
   per page S = q @ K^T and O += P @ V run on the tensor cores (wgmma, the kv head's Q * r query rows padded to 64),
@@ -25,7 +25,7 @@ Both write per-split partials, merged by log-sum-exp in XLA (about 1-3% of the b
 
 `ref_sparse_decode_attention` is the same function in plain jnp (gather the pages, mask, softmax), obvious
 rather than fast. `impl="auto"` runs the Triton kernel on GPU and the reference elsewhere (the plain default of
-direct calls; which kernel the decode runs is decided by ulacache_jax/kernel_choice.py); `impl="pallas"` forces
+direct calls; which kernel the decode runs is decided by ulacache_jax/cache/kernel_choice.py); `impl="pallas"` forces
 the Triton kernel (interpret mode on CPU). The Mosaic kernel has no CPU interpreter (jax's Mosaic GPU interpreter has
 no wgmma); its jnp stand-in `_ref_mosaic_partials` tests its packing and merge on CPU, and it is checked against
 the reference on the GPU (tests marked gpu, and the benchmark before timing).

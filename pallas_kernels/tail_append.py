@@ -7,7 +7,7 @@ BENCHMARKS.md, decode profile). Here one program owns one (sequence, row, group)
 sub-page as scalars and writes the [g, D] rows in place (every output is aliased to its input, so only the
 addressed rows are written, never a whole pool).
 
-Layouts (the cache state's, ulacache_jax/cache_state.py; R = the rank axis, indexed 0 here: each rank's state
+Layouts (the cache state's, ulacache_jax/cache/state.py; R = the rank axis, indexed 0 here: each rank's state
 is local under shard_map):
 - pool_k, pool_v [R, F, page, g, D]; kmin, kmax [R, S, L, G, nsub, g, D].
 - k, v [S, Q, G, g, D] (Q rows per sequence: 1 for a decode step, K + 1 for speculative leases);

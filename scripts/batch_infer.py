@@ -5,7 +5,7 @@
 """
 import sys
 
-from ulacache_jax.cli import main
+from ulacache_jax.app.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["generate", *sys.argv[1:]]))

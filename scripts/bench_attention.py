@@ -29,7 +29,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax.bench_meta import median_seconds, pyplot, run_meta, save_figure, time_chain
+from scripts.bench_meta import median_seconds, pyplot, run_meta, save_figure, time_chain
 from ulacache_jax.pallas_kernels import page_copy
 from ulacache_jax.pallas_kernels import sparse_decode_attention as sda
 
@@ -373,7 +373,7 @@ def section_cudnn(ctx: BenchContext):
 
 
 def section_miss(ctx: BenchContext):
-    from ulacache_jax.cache_state import host_sharding
+    from ulacache_jax.cache.state import host_sharding
     hs = host_sharding()
     a = ctx.args
     for b, budget in a.miss_configs:

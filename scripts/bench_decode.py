@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from flax import nnx
 
-from ulacache_jax.bench_meta import appended_meta, copy_ceiling, earlier_run, git_commit, read_ceiling, utc_now
+from scripts.bench_meta import appended_meta, copy_ceiling, earlier_run, git_commit, read_ceiling, utc_now
 
 
 def copy_bandwidth(nbytes=4 << 30) -> float:
@@ -76,7 +76,7 @@ def synthetic_fill_dense(gen, batch, ctx, seed):
         return lax.dynamic_update_slice(old, jnp.tile(b, (1, -(-T // blk), 1, 1))[:, :T], (0, 0, 0, 0))
 
     fill = jax.jit(make, donate_argnums=0)
-    from ulacache_jax.generation import DenseCache
+    from ulacache_jax.runtime.generation import DenseCache
     key = lambda l, i: jax.random.key(seed * 1_000_003 + 2 * l + i)
     gen.dense = DenseCache(tuple(fill(x, key(l, 0)) for l, x in enumerate(gen.dense.k)),
                            tuple(fill(x, key(l, 1)) for l, x in enumerate(gen.dense.v)))
@@ -118,7 +118,7 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1, ke
     pool is sized to the context, not to a power of two); dense: exactly the tokens needed (HBM). tp > 1 (sparse
     only): frames and host pages are per rank (a rank holds its own KV-head groups' pages only). key_channels
     (sparse only): CacheConfig.key_channels."""
-    from ulacache_jax.generation import default_cache_config
+    from ulacache_jax.runtime.generation import default_cache_config
     from ulacache_jax.pallas_kernels.page_scores import pad_page_count
     from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
     need = (ctx + (args.chunks + 1) * page) // page + 1
@@ -159,8 +159,8 @@ def score_launch(args):
 def attention_kernel(impl: str, mc, cfg, platform=None) -> str:
     """The kernel the sparse decode's attention resolves to ('mosaic', 'triton' or 'ref'), recorded in each row:
     what 'auto' means depends on the GPU and on the commit (kernel_choice.resolve; platform: the current one)."""
-    from ulacache_jax.decode_layer import DecodeOptions
-    from ulacache_jax.kernel_choice import Platform, resolve
+    from ulacache_jax.cache.decode_layer import DecodeOptions
+    from ulacache_jax.cache.kernel_choice import Platform, resolve
     got = resolve(DecodeOptions(attention=impl), cfg, platform or Platform.current(), query_dtype=cfg.dtype,
                   query_heads_per_kv=mc.num_queries_per_kv).attention
     return {"pallas": "triton"}.get(got, got)
@@ -191,7 +191,7 @@ def parse_rows(spec: str) -> list[tuple]:
 def auto_decision(mc, batch, ctx, args, kv_fraction, tp=1, key_channels=0):
     """attention='auto' for one row, resolved as a Generator resolves it (cost_model.resolve_attention, against
     this device's memory), on the cache this shape's sparse row gets (its pool of kv_fraction of the KV)."""
-    from ulacache_jax.cost_model import resolve_attention
+    from ulacache_jax.runtime.cost_model import resolve_attention
     return resolve_attention("auto", mc, bench_config(mc, "sparse", batch, ctx, args, kv_fraction, tp=tp,
                                                       key_channels=key_channels))
 
@@ -199,7 +199,7 @@ def auto_decision(mc, batch, ctx, args, kv_fraction, tp=1, key_channels=0):
 def predicted_tokens_per_s(mc, kind, batch, ctx, cfg, hit_rate=None) -> float:
     """The cost model's tokens/s for a row of `kind` on cache `cfg` at `ctx` tokens (sparse: its pool and
     `hit_rate`, None = the model's expected one)."""
-    from ulacache_jax.cost_model import CostModel
+    from ulacache_jax.runtime.cost_model import CostModel
     sparse = kind == "sparse"
     return CostModel().tokens_per_s(kind, mc, batch=batch, context=ctx, token_budget=cfg.token_budget,
                                     page_size=cfg.page_size, itemsize=cfg.jnp_dtype.itemsize, tp=cfg.tp,
@@ -210,8 +210,8 @@ def predicted_tokens_per_s(mc, kind, batch, ctx, cfg, hit_rate=None) -> float:
 
 
 def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None, read_bw=None):
-    from ulacache_jax.generation import Generator
-    from ulacache_jax.sampling import SamplingArrays, row_keys
+    from ulacache_jax.runtime.generation import Generator
+    from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
     page = 64
     kv_fraction = args.kv_fraction if kv_fraction is None else kv_fraction
     sieve = sieve or args.sieve
@@ -223,7 +223,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     if tp > 1 and attention != "sparse":
         raise ValueError(f"--tp {tp}: only the sparse side runs head-sharded; got {attention}")
     cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction, tp=tp, key_channels=args.key_channels)
-    from ulacache_jax.decode_layer import DecodeOptions
+    from ulacache_jax.cache.decode_layer import DecodeOptions
     if attention == "dense":
         check_dense_fits(cfg, model)
     t_setup = time.perf_counter()
@@ -340,7 +340,7 @@ def write_json(out, res):
 
 
 def main(argv=None):
-    from ulacache_jax.cache_state import raise_host_limit
+    from ulacache_jax.cache.state import raise_host_limit
     raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default
     # XLA takes 75% of HBM by default: the largest dense batches (112 GiB of K/V at 128K x 7 + 15 GiB of weights)
     # were refused on the H200 with 90 GiB free; the row processes inherit this

@@ -85,8 +85,8 @@ def main(argv=None):
         (k, t, a), = specs
         print("ROW " + json.dumps(run_row(k, t, a, args)), flush=True)
         return
-    from ulacache_jax.bench_meta import git_commit, row_in_child
-    from ulacache_jax.cache_state import raise_host_limit
+    from scripts.bench_meta import git_commit, row_in_child
+    from ulacache_jax.cache.state import raise_host_limit
     raise_host_limit()
     commit = args.commit or git_commit()
     os.makedirs(args.out, exist_ok=True)

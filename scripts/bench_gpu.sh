@@ -20,10 +20,11 @@ C=()
 mkdir -p "$OUT"
 status=0
 
-step() {  # step NAME SECONDS SCRIPT ARGS...
-  local name=$1 limit=$2; shift 2
-  echo "== $name: $*"
-  timeout "$limit" "$PY" "$@" || { echo "!! $name exited $?"; status=1; }
+step() {  # step NAME SECONDS SCRIPT ARGS...: SCRIPT (scripts/x.py) runs as the module scripts.x
+  local name=$1 limit=$2 mod=${3%.py}; shift 3
+  mod=${mod//\//.}
+  echo "== $name: -m $mod $*"
+  timeout "$limit" "$PY" -m "$mod" "$@" || { echo "!! $name exited $?"; status=1; }
 }
 
 names=("$@")
@@ -51,7 +52,7 @@ for b in "${names[@]}"; do
     decode)     # the regression rows (issue 20): sparse and dense at 128K x 3 and 256K x 1, each row its own process;
                 # the score launch and top-k that select.json measured fastest, when this run has one
                 step decode 580 scripts/bench_decode.py --out "$OUT" "${C[@]}" --chunks 4 --row-timeout 250 \
-                  $("$PY" scripts/pick_launch.py "$OUT/select.json") \
+                  $("$PY" -m scripts.pick_launch "$OUT/select.json") \
                   --rows sparse:131072:3,dense:131072:3,sparse:262144:1,dense:262144:1 ;;
     profile)    step profile 560 scripts/profile_decode.py --out "$OUT" "${C[@]}" --row-timeout 130 \
                   --rows sparse:131072:1,sparse:131072:3,dense:131072:1,sparse:262144:1 ;;

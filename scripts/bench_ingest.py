@@ -18,11 +18,11 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax.bench_meta import Results, pyplot, run_meta, save_figure
-from ulacache_jax.config import CacheConfig
-from ulacache_jax.sequences import CacheManager
+from scripts.bench_meta import Results, pyplot, run_meta, save_figure
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.runtime.sequences import CacheManager
 
-from bench_tiers import measure  # scripts/ is on sys.path when a script runs
+from scripts.bench_tiers import measure
 
 
 def make_manager(layers: int, kv: int, d: int, page: int, context: int) -> CacheManager:
@@ -47,7 +47,7 @@ def check_first_chunk(m: CacheManager, slot: int, k, chunk: int) -> bool:
 
 
 def main(argv=None):
-    from ulacache_jax.cache_state import raise_host_limit
+    from ulacache_jax.cache.state import raise_host_limit
     raise_host_limit()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=32)

@@ -39,19 +39,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ulacache_jax.bench_meta import median_seconds, pyplot, run_meta, save_figure
-from ulacache_jax.cache_state import CacheState
-from ulacache_jax.config import CacheConfig
-from ulacache_jax import selection
-from ulacache_jax.decode_layer import DecodeOptions, LayerStats, attend_layer, attend_pages, flush_tail, plan_layer
+from scripts.bench_meta import median_seconds, pyplot, run_meta, save_figure
+from ulacache_jax.cache.state import CacheState
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.cache.select import quest as selection
+from ulacache_jax.cache.decode_layer import DecodeOptions, LayerStats, attend_layer, attend_pages, flush_tail, plan_layer
 from ulacache_jax.pallas_kernels import on_gpu
 from ulacache_jax.pallas_kernels.page_scores import pad_page_count, page_scores
 from ulacache_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
 from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
-from ulacache_jax.pb_lru import EMPTY_TAG
-from ulacache_jax.sequences import CacheManager
+from ulacache_jax.cache.pb_lru import EMPTY_TAG
+from ulacache_jax.runtime.sequences import CacheManager
 
-from bench_decode import synthetic_fill_sparse  # scripts/ is on sys.path when a script runs
+from scripts.bench_decode import synthetic_fill_sparse
 
 H, KV, D, PAGE = 64, 8, 128, 64
 DT = jnp.bfloat16
@@ -250,7 +250,7 @@ def cudnn_time(batch: int, ctx: int, reps: int) -> dict:
 
 
 def main(argv=None):
-    from ulacache_jax.cache_state import raise_host_limit
+    from ulacache_jax.cache.state import raise_host_limit
     raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=32)

@@ -52,7 +52,6 @@ def _document(kind: str, tokens: int, args):
     from flax import nnx
     rng = np.random.default_rng(0)
     if kind == "smollm2":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_e2e import real_text_ids
         from ulacache_jax.models import from_pretrained, load_tokenizer
         dtype = jnp.float32 if args.small else jnp.bfloat16
@@ -74,8 +73,8 @@ def _document(kind: str, tokens: int, args):
 
 def run_mode(kind: str, tokens: int, attention: str, share: bool, args) -> dict:
     import jax
-    from ulacache_jax.engine import Engine, SamplingParams
-    from ulacache_jax.generation import Generator, default_cache_config
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.generation import Generator, default_cache_config
     model, docs, qs = _document(kind, tokens, args)
     doc = docs[0]
     longest = max(len(doc) + len(q) for q in qs) + args.max_new
@@ -174,7 +173,7 @@ def plot(rows: list[dict], path: str) -> str | None:
     a new document, hatched) and prompt tokens computed, with and without sharing, per (model, document,
     attention). None where matplotlib is missing (the GPU machine): `--png` draws it later."""
     try:
-        from ulacache_jax.bench_meta import pyplot, save_figure
+        from scripts.bench_meta import pyplot, save_figure
         plt = pyplot()
     except ImportError:
         return None
@@ -245,8 +244,8 @@ def main(argv=None):
         kind, tokens, attention, share = args.one.split(":")
         print("ROW " + json.dumps(run_mode(kind, int(tokens), attention, share == "on", args)), flush=True)
         return
-    from ulacache_jax.bench_meta import Results, git_commit, row_in_child, run_meta
-    from ulacache_jax.cache_state import raise_host_limit
+    from scripts.bench_meta import Results, git_commit, row_in_child, run_meta
+    from ulacache_jax.cache.state import raise_host_limit
     raise_host_limit()
     commit = args.commit or git_commit()
     path = os.path.join(args.out, "prefix.json")

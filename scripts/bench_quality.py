@@ -8,7 +8,7 @@ top-1 agreement / KL to dense, and hit rates on the model's own selection traces
 
 Every answer and every scored token comes from the library's sparse decode path:
 - passkey: `ulacache_jax.generate(..., attention="sparse" | "dense")`, greedy, chat template, batched prompts;
-- ppl: `ulacache_jax.scoring.TeacherForcedScorer` (the decode step of generate, fed the text's tokens);
+- ppl: `scripts.scoring.TeacherForcedScorer` (the decode step of generate, fed the text's tokens);
 - trace: the pages that scorer's sieve calls received at one (budget, page size), replayed through PB-LRU
   (`pb_lru.ref_access`, bit-identical to the Pallas sieve) at the library's geometry and with one bucket (global
   LRU), and through Belady's MIN, at HBM pools of several fractions of the KV pages.
@@ -24,7 +24,7 @@ context is 8K).
 scoring the max of its sub-pages' Quest bounds); every row records it as summary_split, and it is part of a row's
 cell (row_id), so runs with different splits combine side by side.
 --key-channels C[,C2,...] builds every sparse cell with CacheConfig.key_channels = C, then C2, ... (pages scored by
-attention mass from an HBM copy of C channels of every key, ulacache_jax/key_copy.py; the "topchan" rule of
+attention mass from an HBM copy of C channels of every key, ulacache_jax/cache/select/key_copy.py; the "topchan" rule of
 scripts/probes/passkey_selection_rules.py; 0 = Quest summaries), all against one dense run; rows record it as
 key_channels, part of a row's cell too.
 """
@@ -44,7 +44,6 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
@@ -157,14 +156,14 @@ def decode_options(args):
     """--kernels ref runs the jnp references of the decode kernels (attention, scores, top-k, sieve; not the page
     copy) where 'auto' would pick a Pallas kernel: on the GPU, a sparse cell that differs between the two points at
     a kernel."""
-    from ulacache_jax.decode_layer import DecodeOptions
+    from ulacache_jax.cache.decode_layer import DecodeOptions
     if args.kernels == "ref":
         return DecodeOptions(attention="ref", sieve="ref", scores="ref", topk="ref")
     return DecodeOptions()
 
 
 def make_config(mc, *, grid, max_tokens, budget, page, dtype, **overrides):
-    from ulacache_jax.generation import default_cache_config
+    from ulacache_jax.runtime.generation import default_cache_config
     return default_cache_config(mc, num_seqs=grid.batch, max_tokens=max_tokens, page_size=page,
                                 token_budget=budget, dtype=dtype, **overrides)
 
@@ -292,7 +291,7 @@ def ppl_windows(tok, text_ids, grid):
 
 
 def run_ppl(model, tok, grid, args, meta, common, variants):
-    from ulacache_jax.scoring import TeacherForcedScorer
+    from scripts.scoring import TeacherForcedScorer
     wins = ppl_windows(tok, common["text_ids"], grid)
     T, prefix = grid.ppl_window, grid.ppl_prefix
     mkey = "ppl_variants" if variants else "ppl"
@@ -388,7 +387,7 @@ def pblru_hits(lids, valid, num_buckets, slots, warmup_rows):
     per row (the library ticks once per sieve call), counted after warmup_rows."""
     import jax
     import jax.numpy as jnp
-    from ulacache_jax import pb_lru
+    from ulacache_jax.cache import pb_lru
     hi = jnp.asarray((lids >> np.uint64(32)).astype(np.uint32))
     lo = jnp.asarray((lids & np.uint64(0xFFFFFFFF)).astype(np.uint32))
 
@@ -407,7 +406,7 @@ def run_trace(trace, grid, args, meta, common):
     """HBM hit rate vs pool fraction on the model's selections: PB-LRU at the library's geometry
     (pallas_kernels.pb_lru_sieve.sieve_geometry, as default_cache_config picks it), global LRU (one bucket),
     Belady. Pool fractions are of the KV cache's pages at the end of the traced steps."""
-    from ulacache_jax import pb_lru
+    from ulacache_jax.cache import pb_lru
     from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
     sel, cc = trace
     steps, L, W, G, K = sel.shape
@@ -763,7 +762,7 @@ def main(argv=None):
     args.pools = tuple(int(x) for x in args.pools.split(","))
 
     import jax
-    from ulacache_jax.bench_meta import git_commit
+    from scripts.bench_meta import git_commit
     t0 = time.time()
     model, tok, label = load_model(args)
     text, provenance = stdlib_text()

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ulacache_jax.bench_meta import Results, copy_ceiling, median_seconds, pyplot, run_meta, save_figure
+from scripts.bench_meta import Results, copy_ceiling, median_seconds, pyplot, run_meta, save_figure
 from ulacache_jax.pallas_kernels import on_gpu, page_scores as ps
 from ulacache_jax.pallas_kernels.page_topk import select_pages_pallas
-from ulacache_jax.selection import fold_queries
+from ulacache_jax.cache.select.quest import fold_queries
 
 KV, H, D = 8, 64, 128
 

@@ -44,7 +44,6 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def doc_ids(tokenizer, n: int, offset: int) -> list[int]:
@@ -97,7 +96,7 @@ def run_engine(gen, prompts, max_new: int, tokenizer, spec, per_step: bool = Fal
     """One Engine run over `gen` -> (token lists, decode tokens, decode s, wall s, spec counters or None).
     temperature > 0: request i is sampled with seed i (the same draws in every run of a task)."""
     import inspect
-    from ulacache_jax.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
     # every run prefills its prompts whole: attached shared prefixes round differently from a prefill in bf16
     kw = {"prefix_cache": False} if "prefix_cache" in inspect.signature(Engine).parameters else {}
     eng = Engine(generator=gen, tokenizer=tokenizer, speculative=spec, **kw)
@@ -135,7 +134,7 @@ def plain_step_ms(gen, live, chunks: int):
     (the first compiles) / page_size, host sync included -> (ms, the SamplingArrays used)."""
     import numpy as np
     import jax.numpy as jnp
-    from ulacache_jax.sampling import SamplingArrays, row_keys
+    from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
     S = gen.config.max_seqs
     tok, done = jnp.zeros(S, jnp.int32), jnp.asarray(~live)
     rem, sampling, stops = jnp.full(S, 1 << 30, jnp.int32), SamplingArrays.fill(S), jnp.asarray([-1], jnp.int32)
@@ -155,11 +154,11 @@ def step_cost(args, res) -> None:
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from bench_decode import bench_config, synthetic_fill_sparse
-    from ulacache_jax.generator import Generator
+    from scripts.bench_decode import bench_config, synthetic_fill_sparse
+    from ulacache_jax.runtime.generator import Generator
     from ulacache_jax.models import LlamaModel, get_preset
-    from ulacache_jax.sampling import row_keys
-    from ulacache_jax.speculative import next_flush
+    from ulacache_jax.runtime.sampling import row_keys
+    from ulacache_jax.runtime.speculative.rules import next_flush
     preset = "tiny" if args.small else "llama-3.1-8b"
     mc = get_preset(preset)
     model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -207,7 +206,7 @@ def plot(rows: list[dict], path: str) -> str | None:
     verification a step), acceptance printed on each bar. None where matplotlib is missing (the GPU machine):
     `--png` draws it later. Step-cost rows are not drawn."""
     try:
-        from ulacache_jax.bench_meta import pyplot, save_figure
+        from scripts.bench_meta import pyplot, save_figure
         plt = pyplot()
     except ImportError:
         return None
@@ -302,13 +301,13 @@ def main(argv=None):
     args.max_new = args.max_new or 256
     args.reps = args.reps or 3
 
-    from ulacache_jax.cache_state import raise_host_limit
+    from ulacache_jax.cache.state import raise_host_limit
     raise_host_limit()
     import jax.numpy as jnp
     from flax import nnx
-    from ulacache_jax.bench_meta import Results, run_meta
-    from ulacache_jax.generator import Generator, default_cache_config
-    from ulacache_jax.speculative import SpecConfig
+    from scripts.bench_meta import Results, run_meta
+    from ulacache_jax.runtime.generator import Generator, default_cache_config
+    from ulacache_jax.runtime.speculative.rules import SpecConfig
 
     if args.step_cost:
         res = Results(args.out, run_meta(args.commit, kind="step_cost", token_budget=args.token_budget))

@@ -23,7 +23,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax.bench_meta import device_events, median_seconds, pyplot, run_meta, save_figure
+from scripts.bench_meta import device_events, median_seconds, pyplot, run_meta, save_figure
 from ulacache_jax.pallas_kernels import page_copy as pc
 
 PAGE_SHAPE = (64, 1, 128)

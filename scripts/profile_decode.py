@@ -144,16 +144,15 @@ def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
     module, written for this row before the backend starts)."""
     dump = tempfile.mkdtemp(prefix="profile_hlo_")
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench_decode as bd
+    from scripts import bench_decode as bd
     import dataclasses
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from ulacache_jax.decode_layer import DecodeOptions
-    from ulacache_jax.generation import Generator
+    from ulacache_jax.cache.decode_layer import DecodeOptions
+    from ulacache_jax.runtime.generation import Generator
     from ulacache_jax.models import LlamaModel, get_preset
-    from ulacache_jax.sampling import SamplingArrays, row_keys
+    from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
     mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
     model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     ns = argparse.Namespace(chunks=2, budget=args.budget)
@@ -244,10 +243,10 @@ def main(argv=None):
         print("ROW " + json.dumps(profile_row(a, c, b, args)), flush=True)
         return
     os.makedirs(args.out, exist_ok=True)
-    from ulacache_jax.cache_state import raise_host_limit
+    from ulacache_jax.cache.state import raise_host_limit
     raise_host_limit()          # the row processes inherit it: XLA's pinned-host pool is 64 GiB by default
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    from ulacache_jax.bench_meta import appended_meta, earlier_run, git_commit, row_in_child
+    from scripts.bench_meta import appended_meta, earlier_run, git_commit, row_in_child
     commit = args.commit or git_commit()
     path = os.path.join(args.out, "decode_profile.json")
     earlier, rows = earlier_run(path, args.append)

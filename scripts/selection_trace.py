@@ -26,7 +26,7 @@ Trace layout (what `eviction_study.py --trace` reads): `lids` uint64 [rows, N] a
 per sieve call, i.e. per (decode step, layer) in execution order (`--rows layer`, the default, N = seqs x groups x
 K), or one row per decode step with every layer's requests concatenated (`--rows step`, the synthetic trace's
 convention). Within a row: sequence-major, then group, then the selection's K pages (by score). LIDs are
-`seq << 44 | layer << 36 | group << 32 | page * page_size` (ulacache_jax/lid.py). Also stored: `total_pages`
+`seq << 44 | layer << 36 | group << 32 | page * page_size` (ulacache_jax/cache/lid.py). Also stored: `total_pages`
 (the KV cache's complete pages at the end of decoding, over every (sequence, layer, group): the denominator of
 the study's pool fractions), `clock` [rows] (the cache clock the library stamped each sieve call with: it ticks
 once per call; with `--rows step`, the stamp of the step's first layer), `lib_hits`/`lib_requests` [steps, L],
@@ -51,18 +51,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ulacache_jax import pb_lru  # noqa: E402
-from ulacache_jax.backends import SparseOps  # noqa: E402
-from ulacache_jax.bench_meta import git_commit  # noqa: E402
-from ulacache_jax.decode_layer import DecodeOptions, attend_pages, plan_layer  # noqa: E402
-from ulacache_jax.demo_prompts import demo_prompts  # noqa: E402
-from ulacache_jax.engine import Engine, SamplingParams  # noqa: E402
-from ulacache_jax.generator import Generator, default_cache_config  # noqa: E402
+from ulacache_jax.cache import pb_lru# noqa: E402
+from ulacache_jax.runtime.backends import SparseOps  # noqa: E402
+from scripts.bench_meta import git_commit  # noqa: E402
+from ulacache_jax.cache.decode_layer import DecodeOptions, attend_pages, plan_layer  # noqa: E402
+from ulacache_jax.app.demo_prompts import demo_prompts  # noqa: E402
+from ulacache_jax.runtime.engine import Engine, SamplingParams  # noqa: E402
+from ulacache_jax.runtime.generator import Generator, default_cache_config  # noqa: E402
 from ulacache_jax.models import (BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer, LlamaModel,  # noqa: E402
                                  ModelConfig)
-from ulacache_jax.program import DecodeMeta, decode_layers  # noqa: E402
-from ulacache_jax.sampling import SamplingArrays, row_keys, sample  # noqa: E402
+from ulacache_jax.runtime.program import DecodeMeta, decode_layers  # noqa: E402
+from ulacache_jax.runtime.sampling import SamplingArrays, row_keys, sample  # noqa: E402
 
 
 # ---- model and prompts ------------------------------------------------------------------------------------------
@@ -87,7 +86,7 @@ def build_model(args):
 def build_prompts(args, tokenizer, vocab_size):
     """-> (list of token-id lists of exactly --prompt-len tokens, description).
 
-    demo: sequence i is the six built-in demo prompts (ulacache_jax/demo_prompts.py: a ledger, a service log, a
+    demo: sequence i is the six built-in demo prompts (ulacache_jax/app/demo_prompts.py: a ledger, a service log, a
     manual, a story) concatenated starting from the i-th, cut to its last tokens (so it ends with a question),
     behind a BOS. random: uniformly random byte tokens."""
     n = args.prompt_len

@@ -6,8 +6,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax.decode_layer import attend_layer, flush_tail
-from ulacache_jax.sequences import CacheManager
+from ulacache_jax.cache.decode_layer import attend_layer, flush_tail
+from ulacache_jax.runtime.sequences import CacheManager
 
 
 def ingest_and_decode(c, lengths, steps, rng, *, qpk: int = 2, key_scale=None):
@@ -56,7 +56,7 @@ def tiny_model():
 def assert_covering_budget_equals_dense(model, **overrides):
     """generate() with a sparse cache whose budget covers every prompt (overrides: CacheConfig fields, e.g. a
     selection option) gives dense attention's tokens: every page is attended, whatever the selection rule."""
-    from ulacache_jax.generation import default_cache_config, generate
+    from ulacache_jax.runtime.generation import default_cache_config, generate
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(0, 256, n))) for n in (70, 5)]
     cfg = default_cache_config(model.config, num_seqs=2, max_tokens=128, page_size=16, **overrides)

@@ -1,4 +1,4 @@
-"""A plain-Python model of the shared-prefix bookkeeping (ulacache_jax/prefix_cache.py + the HostAllocator's
+"""A plain-Python model of the shared-prefix bookkeeping (ulacache_jax/runtime/prefix_cache.py + the HostAllocator's
 reference counts), for tests/test_cache_stateful.py.
 
 Stored prefixes are keyed by the token tuple they cover (no hashing: the model is the obvious version of the

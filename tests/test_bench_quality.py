@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import ulacache_jax
-from ulacache_jax.generation import default_cache_config
+from ulacache_jax.runtime.generation import default_cache_config
 from ulacache_jax.models import LlamaModel, get_preset
-from ulacache_jax.scoring import TeacherForcedScorer
+from scripts.scoring import TeacherForcedScorer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

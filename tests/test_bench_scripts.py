@@ -1,4 +1,4 @@
-"""The benchmark scripts' own helpers (scripts/ is not a package: imported by path)."""
+"""The benchmark scripts' own helpers (scripts/ is a package: imported as scripts.<name>)."""
 import os
 import sys
 
@@ -6,11 +6,10 @@ import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
-from bench_decode import synthetic_fill_dense  # noqa: E402
-from pick_launch import pick  # noqa: E402
-from ulacache_jax.generator import Generator, default_cache_config  # noqa: E402
+from scripts.bench_decode import synthetic_fill_dense  # noqa: E402
+from scripts.pick_launch import pick  # noqa: E402
+from ulacache_jax.runtime.generator import Generator, default_cache_config  # noqa: E402
 from ulacache_jax.models import LlamaModel, get_preset  # noqa: E402
 
 
@@ -36,7 +35,7 @@ def test_dense_fill_consumes_the_zero_cache():
 def test_dense_fill_keeps_one_decode_program():
     """After the fill, decode chunks reuse one compiled program: an uncommitted dense_len once made the first
     timed chunk compile it again (the H200 dense rows' p99)."""
-    from ulacache_jax.sampling import SamplingArrays, row_keys
+    from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
     gen = tiny_dense_generator()
     synthetic_fill_dense(gen, 2, 100, seed=1)
     S = gen.config.max_seqs
@@ -62,7 +61,7 @@ def test_pick_launch_takes_the_fastest_checked_variant():
 
 
 def test_bench_ingest_checks_and_reports(tmp_path):
-    from bench_ingest import main
+    from scripts.bench_ingest import main
     res = main(["--layers", "2", "--context", "1024", "--chunks", "256", "--reps", "1", "--out", str(tmp_path)])
     row = res["rows"][0]
     assert "error" not in row and row["check_first_chunk"] is True
@@ -72,8 +71,8 @@ def test_bench_ingest_checks_and_reports(tmp_path):
 
 def test_rows_record_the_attention_kernel_that_ran(monkeypatch):
     """'auto' changed meaning (Triton, then Mosaic on Hopper): each decode row records the resolved kernel."""
-    from bench_decode import attention_kernel
-    from ulacache_jax.kernel_choice import Platform
+    from scripts.bench_decode import attention_kernel
+    from ulacache_jax.cache.kernel_choice import Platform
     mc = get_preset("llama-3.1-8b")
     cfg = default_cache_config(mc, num_seqs=2, max_tokens=4096, dtype="bfloat16")
     tiny = get_preset("tiny")
@@ -86,12 +85,12 @@ def test_rows_record_the_attention_kernel_that_ran(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the shared harness (ulacache_jax/bench_meta.py) and the scripts built on it, in small shapes
+# the shared harness (scripts/bench_meta.py) and the scripts built on it, in small shapes
 # ----------------------------------------------------------------------------------------------------------------
 def test_harness_timing_and_results(tmp_path):
     import json
     import jax
-    from ulacache_jax import bench_meta as bm
+    from scripts import bench_meta as bm
     calls = []
     t = bm.median_seconds(lambda x: calls.append(x) or jnp.ones(3) * x, 5, warmup=2, prepare=lambda: len(calls),
                           per_call=4)
@@ -115,19 +114,20 @@ def test_bench_sieve_small_run_checks_and_writes(tmp_path):
     import json
     import subprocess
     import sys as _sys
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_sieve.py")
-    out = subprocess.run([_sys.executable, script, "--requests", "64", "--pools", "256", "--buckets", "4",
+    root = os.path.join(os.path.dirname(__file__), "..")
+    script = ["-m", "scripts.bench_sieve"]   # scripts/ is a package run from the repo root
+    out = subprocess.run([_sys.executable, *script, "--requests", "64", "--pools", "256", "--buckets", "4",
                           "--budget-s", "0.01", "--out", str(tmp_path), "--commit", "test"],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
     d = json.loads((tmp_path / "sieve.json").read_text())
     assert d["meta"]["commit"] == "test" and (tmp_path / "sieve.png").exists()
     kern = [r for r in d["rows"] if r["impl"] == "pallas"]
     assert kern and all(r["check_ok"] for r in kern) and all("scan_us" in r for r in d["rows"])
     # --kernel-only: the sieve's rows alone, still checked against the reference, no reference or LRU timings
-    out = subprocess.run([_sys.executable, script, "--requests", "64", "--pools", "256", "--buckets", "4", "8",
+    out = subprocess.run([_sys.executable, *script, "--requests", "64", "--pools", "256", "--buckets", "4", "8",
                           "--budget-s", "0.01", "--out", str(tmp_path), "--name", "k", "--kernel-only"],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "k.json").read_text())["rows"]
     assert [(r["impl"], r["B"]) for r in rows] == [("pallas", 4), ("pallas", 8)]
@@ -141,7 +141,7 @@ def test_selection_trace_records_what_the_sieve_sees(tmp_path):
     """selection_trace.py decodes through program.decode_layers with a recording backend: its replay check (the
     recorded pages reproduce the backend's hits) and its Engine check (same tokens) must both hold, and the trace
     carries what scripts/studies/eviction_study.py --trace reads."""
-    from selection_trace import main
+    from scripts.selection_trace import main
     out = tmp_path / "trace.npz"
     meta = main(["--out", str(out), "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
                  "--hidden", "32", "--num-seqs", "2", "--prompt-len", "48", "--steps", "16", "--page-size", "16",
@@ -156,9 +156,8 @@ def test_selection_trace_records_what_the_sieve_sees(tmp_path):
 def test_decode_memory_probe_compiles_the_generators_program():
     """probes/decode_memory.py builds, without allocating, the very Program a Generator of that shape gets, and
     the tiny decode aliases the whole cache input -> output."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "probes"))
-    from decode_memory import abstract_program, main
-    from ulacache_jax.decode_layer import DecodeOptions
+    from scripts.probes.decode_memory import abstract_program, main
+    from ulacache_jax.cache.decode_layer import DecodeOptions
     mc = get_preset("tiny")
     model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     shape_only = nnx.eval_shape(lambda: LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
@@ -176,7 +175,7 @@ def test_bench_prefix_plot_from_rows(tmp_path):
     """bench_prefix's PNG (drawn beside the JSON, or later with --png where the GPU machine has no matplotlib): one
     pair of bars per (model, document, attention); an errored row is left out, not drawn as zero time."""
     import json
-    import bench_prefix
+    from scripts import bench_prefix
     row = dict(model="tiny", doc_tokens=480, attention="sparse", questions=4, time_to_last_answer_s=2.0,
                prefill_tokens_computed=590)
     rows = [dict(row, sharing=True), dict(row, sharing=False, time_to_last_answer_s=9.0, prefill_tokens_computed=2030),
@@ -193,7 +192,7 @@ def test_real_prefill_rows_take_generates_path():
     prompts (sparse and dense), the compiling prompt's slot is released, and a row records the time to first
     token beside its decode rate (run_side end to end on the tiny model)."""
     import argparse
-    import bench_decode as bd
+    from scripts import bench_decode as bd
     from ulacache_jax import generate
     model = LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
     for attention in ("sparse", "dense"):
@@ -216,7 +215,7 @@ def test_appended_runs_keep_earlier_rows_commands_and_commits(tmp_path):
     """bench_decode.py and profile_decode.py --append: the rows already in the JSON stay, its command and commit
     fields gain this run's; without --append (or without a file) the run starts empty."""
     import json
-    from ulacache_jax import bench_meta as bm
+    from scripts import bench_meta as bm
     path = str(tmp_path / "decode_profile.json")
     assert bm.earlier_run(path, True) == ({}, [])
     assert bm.appended_meta({}, "abc", "x.py --rows a") == dict(command="x.py --rows a", commit="abc")
@@ -233,8 +232,7 @@ def test_pair_report_pairs_rows_and_names_the_commits(tmp_path):
     """probes/pair_report.py: rows of the two trees paired by (attention, context, batch, pool); a row that failed
     on one side stays in the report with None there (not dropped); the real commits replace the old / new labels."""
     import json
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "probes"))
-    import pair_report
+    from scripts.probes import pair_report
     row = dict(attention="sparse", context=32768, batch=1, hit_rate=0.9, kv_fraction=0.25)
     small_pool = dict(row, kv_fraction=0.0625)  # the same shape at another pool is its own pair
     for side, rows in (("old", [dict(row, tokens_per_s=100.0), dict(row, context=262144, tokens_per_s=50.0),
@@ -259,8 +257,7 @@ def test_fetch_latency_probe_checks_every_mode(tmp_path):
     """probes/fetch_latency.py on CPU (the kernel in interpret mode, no profiler so no times): every mode's fetched
     frames hold their host pages' values, and the rows name pool, misses and mode."""
     import json
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "probes"))
-    import fetch_latency
+    from scripts.probes import fetch_latency
     fetch_latency.main(["--out", str(tmp_path), "--pool-gib", "0.004", "--misses", "0", "3", "--calls", "5",
                         "--frames", "16", "--entries", "8"])
     rows = json.loads((tmp_path / "fetch_latency.json").read_text())["rows"]

@@ -6,11 +6,11 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax.config import CacheConfig
-from ulacache_jax.cache_state import tail_frame, check_fits
-from ulacache_jax import cache_state
-from ulacache_jax.sequences import CacheManager, CapacityError
-from ulacache_jax.decode_layer import flush_tail
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.cache.state import tail_frame, check_fits
+from ulacache_jax.cache import state as cache_state
+from ulacache_jax.runtime.sequences import CacheManager, CapacityError
+from ulacache_jax.cache.decode_layer import flush_tail
 from ulacache_jax.pallas_kernels import page_copy
 
 

@@ -45,13 +45,15 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from pb_lru_model import PyPBLRU
 from prefix_model import PrefixModel, library_nodes
-from ulacache_jax import lid as lid_mod, pb_lru, vtlb as vtlb_mod
-from ulacache_jax.backends import make_backend
-from ulacache_jax.config import CacheConfig
-from ulacache_jax.generator import bucket_length
-from ulacache_jax.prefix_cache import max_shared_pages, page_keys, prefix_bucket
-from ulacache_jax.sequences import CapacityError
-from ulacache_jax.tp import make_mesh
+from ulacache_jax.cache import lid as lid_mod
+from ulacache_jax.cache import pb_lru
+from ulacache_jax.cache import vtlb as vtlb_mod
+from ulacache_jax.runtime.backends import make_backend
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.runtime.generator import bucket_length
+from ulacache_jax.runtime.prefix_cache import max_shared_pages, page_keys, prefix_bucket
+from ulacache_jax.runtime.sequences import CapacityError
+from ulacache_jax.runtime.tp import make_mesh
 
 CFG = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=4, kv_heads_per_group=1, max_seqs=3, max_pages_per_seq=6,
                   page_size=4, num_buckets=2, slots_per_bucket=2, host_pages=40, token_budget=16, dtype="float32")

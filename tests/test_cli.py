@@ -11,8 +11,8 @@ import pytest
 
 from device_env import forced_devices
 
-from ulacache_jax import cli
-from ulacache_jax.engine import SamplingParams
+from ulacache_jax.app import cli
+from ulacache_jax.runtime.engine import SamplingParams
 from ulacache_jax.models import ByteTokenizer
 
 # page 16, budget 64 (4 pages), context 256: the 90-150 byte prompts go through sparse selection
@@ -158,12 +158,12 @@ def test_tp_needs_the_tp_module(tmp_path, monkeypatch):
 
 def test_tp_cli_matches_tp1(tmp_path):
     if cli.find_tp_module() is None:
-        pytest.skip("no ulacache_jax.tp in this install")
+        pytest.skip("no ulacache_jax.runtime.tp in this install")
     (tmp_path / "in.jsonl").write_text(json.dumps(GOOD[2]) + "\n" + json.dumps(GOOD[1]) + "\n")
     env = forced_devices(2)
     # one process (2 CPU devices) runs the command with --tp 1 and --tp 2 (the dense cache's TP = 2 equality is
     # tests/test_tp.py's; here the CLI's --tp plumbing)
-    script = ("import sys; from ulacache_jax.cli import main\n"
+    script = ("import sys; from ulacache_jax.app.cli import main\n"
               "for tp in ('1', '2'):\n"
               "    rc = main(['generate', '--input', sys.argv[1], '--output', sys.argv[2] + tp, '--tp', tp,"
               " '--quiet', *sys.argv[3:]])\n"
@@ -207,7 +207,7 @@ def test_module_entry_point_and_bench(tmp_path):
 
 
 def test_demo_prompts_are_long():
-    from ulacache_jax.demo_prompts import demo_prompts
+    from ulacache_jax.app.demo_prompts import demo_prompts
     ps = demo_prompts()
     assert len({p["id"] for p in ps}) == len(ps) >= 4
     lens = [len(p["prompt"].encode()) for p in ps]

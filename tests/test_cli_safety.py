@@ -3,7 +3,7 @@ in whole lines, repaired and keyed by settings on --resume; bad text fails its o
 broken model folders are refused before any work with a clear message; SIGTERM and Ctrl-C stop gracefully.
 
 The CLI cases run the real `ulacache` command in a subprocess (the tiny preset, tiny shapes); the file helpers
-of ulacache_jax/jsonl_io.py are also tested directly."""
+of ulacache_jax/app/jsonl_io.py are also tested directly."""
 import errno
 import json
 import os
@@ -16,9 +16,10 @@ import time
 
 import pytest
 
-from ulacache_jax import cli, jsonl_io
-from ulacache_jax.text import apply_stop
-from ulacache_jax.engine import SamplingParams
+from ulacache_jax.app import cli
+from ulacache_jax.app import jsonl_io
+from ulacache_jax.runtime.text import apply_stop
+from ulacache_jax.runtime.engine import SamplingParams
 from ulacache_jax.models import ByteTokenizer
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"

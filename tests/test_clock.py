@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ulacache_jax.cache_state import CLOCK_REBASE_AT, rebase_clock
-from ulacache_jax.engine import Engine, SamplingParams
-from ulacache_jax.generation import Generator, default_cache_config
+from ulacache_jax.cache.state import CLOCK_REBASE_AT, rebase_clock
+from ulacache_jax.runtime.engine import Engine, SamplingParams
+from ulacache_jax.runtime.generation import Generator, default_cache_config
 from ulacache_jax.models import LlamaModel, get_preset
 
 

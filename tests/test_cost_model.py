@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from ulacache_jax import cost_model as cm
-from ulacache_jax.cost_model import CostModel, Decision, choose_attention
+from ulacache_jax.runtime import cost_model as cm
+from ulacache_jax.runtime.cost_model import CostModel, Decision, choose_attention
 from ulacache_jax.models import get_preset
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -170,7 +170,7 @@ def test_fit_reproduces_the_constants():
 
 
 def test_hit_curve_and_auto_pool():
-    from ulacache_jax.generation import default_cache_config
+    from ulacache_jax.runtime.generation import default_cache_config
     from ulacache_jax.pallas_kernels.pb_lru_sieve import choose_config
     mc, costs = get_preset("llama-3.1-8b"), CostModel()
     shape = dict(batch=2, context=65536, token_budget=2048, page_size=64)
@@ -214,8 +214,8 @@ def tiny():
 
 
 def test_generator_engine_generate_resolve_auto(tiny, monkeypatch):
-    from ulacache_jax.engine import Engine
-    from ulacache_jax.generation import Generator, default_cache_config, generate
+    from ulacache_jax.runtime.engine import Engine
+    from ulacache_jax.runtime.generation import Generator, default_cache_config, generate
     model, prompts = tiny
     cfg = default_cache_config(model.config, num_seqs=2, max_tokens=256, page_size=16, token_budget=64)
     gen = Generator(model, cfg, attention="auto")
@@ -242,7 +242,7 @@ def test_generator_engine_generate_resolve_auto(tiny, monkeypatch):
 def test_cli_prints_and_reports_the_path(tmp_path):
     import contextlib
     import io
-    from ulacache_jax import cli
+    from ulacache_jax.app import cli
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": 1, "prompt_ids": list(range(60, 160))}) + "\n")
     argv = ["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
             "--report", str(tmp_path / "rep.json"), "--model", "tiny", "--page-size", "16", "--token-budget", "64",
@@ -258,8 +258,7 @@ def test_cli_prints_and_reports_the_path(tmp_path):
 
 
 def test_bench_decode_rows_take_auto():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_decode as bd
+    from scripts import bench_decode as bd
     assert bd.parse_rows("sparse:32768:1,auto:8192:8:0.25,dense:131072:3::ref") == [
         ("sparse", 32768, 1, None, None), ("auto", 8192, 8, 0.25, None), ("dense", 131072, 3, None, "ref")]
     for bad in ("fast:1:1", "auto:1", "auto:x:1"):

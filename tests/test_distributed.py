@@ -1,4 +1,4 @@
-"""Data-parallel replicas across processes (ulacache_jax/distributed.py): two CPU processes on this machine, each
+"""Data-parallel replicas across processes (ulacache_jax/app/distributed.py): two CPU processes on this machine, each
 with two forced host devices running a TP = 2 replica over its half of the prompts, joined by
 jax.distributed.initialize (coordinator on localhost, a free port). Process 0's output must equal greedy decoding
 of each prompt by the model's full forward (the cache covers the context, so sparse attention is exact)."""
@@ -14,7 +14,7 @@ import pytest
 
 from device_env import forced_devices
 
-from ulacache_jax.distributed import shard_range
+from ulacache_jax.app.distributed import shard_range
 
 NUM_PROCESSES, DEVICES_PER_PROCESS, MAX_NEW = 2, 2, 12
 
@@ -58,7 +58,7 @@ def test_two_processes_each_run_their_own_replica(tmp_path):
     out = tmp_path / "out.jsonl"
     port = _free_port()
     env = forced_devices(DEVICES_PER_PROCESS)
-    procs = [subprocess.Popen([sys.executable, "-m", "ulacache_jax.distributed", "--coordinator", f"localhost:{port}",
+    procs = [subprocess.Popen([sys.executable, "-m", "ulacache_jax.app.distributed", "--coordinator", f"localhost:{port}",
                                "--num-processes", str(NUM_PROCESSES), "--process-id", str(i), "--tp", "2",
                                "--model", "tiny", "--dtype", "float32", "--input", str(inp), "--output", str(out),
                                "--max-new-tokens", str(MAX_NEW)],
@@ -75,7 +75,7 @@ def test_two_processes_each_run_their_own_replica(tmp_path):
     for i, (_, err) in enumerate(results):
         assert f"process {i}/{NUM_PROCESSES}: 2 of 4 prompts on 2 local device(s)" in err
 
-    from ulacache_jax.cli import load_model
+    from ulacache_jax.app.cli import load_model
     model = load_model("tiny", "float32", 0).model
     stops = set(model.config.eos_token_ids)
     lines = [json.loads(line) for line in out.read_text().splitlines()]

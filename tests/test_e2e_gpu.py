@@ -22,7 +22,7 @@ def _on_gpu() -> bool:
 
 
 def _first_token_seconds(model, prompt, t0) -> tuple[float, list[int]]:
-    from ulacache_jax.generation import generate
+    from ulacache_jax.runtime.generation import generate
     out = generate(model, [prompt], max_new_tokens=1, token_budget=2048, page_size=64, attention="sparse")
     return time.perf_counter() - t0, out[0]
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ulacache_jax.engine import Engine, SamplingParams
-from ulacache_jax.generation import Generator, default_cache_config, generate
+from ulacache_jax.runtime.engine import Engine, SamplingParams
+from ulacache_jax.runtime.generation import Generator, default_cache_config, generate
 from ulacache_jax.models import LlamaModel, get_preset
 
 LENS = (40, 100, 50, 120, 70)   # prefill buckets 64 and 128 only

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ulacache_jax import checkpoint
-from ulacache_jax.engine import Engine, SamplingParams
-from ulacache_jax.generation import Generator, default_cache_config
+from ulacache_jax.runtime import checkpoint
+from ulacache_jax.runtime.engine import Engine, SamplingParams
+from ulacache_jax.runtime.generation import Generator, default_cache_config
 from ulacache_jax.models import LlamaModel, get_preset
 
 LENS = (40, 100, 70)            # 3 requests, 2 slots: one waits in the queue
@@ -213,7 +213,7 @@ def test_speculative_engine_restores(setup, tmp_path):
     prompt's end); greedy tokens equal the uninterrupted run's where the sequence stays within the token budget
     (checkpoint.py says why past it they may differ)."""
     import dataclasses
-    from ulacache_jax.speculative import SpecConfig
+    from ulacache_jax.runtime.speculative.rules import SpecConfig
     model, cfg, _, prompts, _ = setup
     gen = Generator(model, dataclasses.replace(cfg, verify_rows=4), attention="sparse")   # overflow frames: K + 1 rows
     short = [prompts[0][:30], prompts[2][:20]]                      # 30 + 33, 20 + 33 tokens <= budget 64
@@ -237,8 +237,8 @@ def test_speculative_engine_restores(setup, tmp_path):
 _SAVER = r'''
 import sys, types, collections
 import numpy as np
-from ulacache_jax import checkpoint
-from ulacache_jax.engine import Request, SamplingParams
+from ulacache_jax.runtime import checkpoint
+from ulacache_jax.runtime.engine import Request, SamplingParams
 d = sys.argv[1]
 eng = types.SimpleNamespace(_slot_req={}, _pending=[], _seed=np.zeros(1, np.uint32), _chunk_of=np.zeros(1, np.uint32),
                             _remaining=np.zeros(1, np.int32), _queue=collections.deque(), _next_id=200,

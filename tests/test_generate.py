@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ulacache_jax.engine import Engine, SamplingParams
-from ulacache_jax.generation import Generator, generate, default_cache_config
+from ulacache_jax.runtime.engine import Engine, SamplingParams
+from ulacache_jax.runtime.generation import Generator, generate, default_cache_config
 from ulacache_jax.models import LlamaModel, get_preset
 
 
@@ -93,7 +93,7 @@ def test_prompt_lengths_are_bucketed_no_recompilation(model, attention):
 def test_later_chunks_compile_nothing(model, caplog):
     # the chunk's stats are added in a small jitted function: zeros placed unlike the programs' outputs compiled it
     # again inside the first timed chunks (seen on the H200 as slow chunks after the compiling one)
-    from ulacache_jax.sampling import SamplingArrays, row_keys
+    from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
     cfg = default_cache_config(model.config, num_seqs=1, max_tokens=256, page_size=16)
     gen = Generator(model, cfg)
     slot = gen.admit(200)
@@ -146,7 +146,7 @@ def test_decode_step_memory_has_no_cache_copies(model):
     gen = Generator(model, cfg)
     m = gen.cache
     S = cfg.max_seqs
-    from ulacache_jax.sampling import SamplingArrays, row_keys
+    from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
     args = (gen.params, m.state, m.host, jnp.zeros(S, jnp.int32), jnp.ones(S, bool), jnp.zeros(S, jnp.int32),
             row_keys(jnp.zeros(S, jnp.uint32), jnp.zeros(S, jnp.uint32)), SamplingArrays.fill(S),
             jnp.asarray([-1], jnp.int32))
@@ -193,7 +193,7 @@ def test_decode_near_int32_clock_overflow_rebases_and_matches(model, prompts):
 
 
 def test_bucket_pages_bounds_waste_and_keeps_score_blocks():
-    from ulacache_jax.generation import bucket_pages
+    from ulacache_jax.runtime.generation import bucket_pages
     assert [bucket_pages(n) for n in (1, 3, 100, 128)] == [1, 4, 128, 128]
     for n in (129, 1000, 2054, 4102, 8200, 70000):
         b = bucket_pages(n)

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax._src import mesh as mesh_lib
 
-from ulacache_jax import kernel_choice, pb_lru
+from ulacache_jax.cache import kernel_choice
+from ulacache_jax.cache import pb_lru
 from ulacache_jax.pallas_kernels import page_copy, pb_lru_sieve
 from ulacache_jax.pallas_kernels import sparse_decode_attention as sda
 from ulacache_jax.pallas_kernels.page_scores import page_scores_pallas
@@ -95,9 +96,9 @@ def test_sparse_attention_triton_lowers(store_misses):
 ])
 def test_decode_layer_lowers_with_gpu_dispatch(monkeypatch, options, triton, mosaic):
     """One layer's decode as the GPU runs it (impl="auto" picks the kernels), default and forced kernels."""
-    from ulacache_jax.cache_state import init as init_state
-    from ulacache_jax.config import CacheConfig
-    from ulacache_jax.decode_layer import DecodeOptions, attend_layer, flush_tail
+    from ulacache_jax.cache.state import init as init_state
+    from ulacache_jax.cache.config import CacheConfig
+    from ulacache_jax.cache.decode_layer import DecodeOptions, attend_layer, flush_tail
 
     cfg = CacheConfig(num_layers=2, num_kv_heads=8, head_dim=128, max_seqs=2, max_pages_per_seq=256, page_size=64,
                       kv_heads_per_group=1, dtype="bfloat16", num_buckets=16, slots_per_bucket=64,
@@ -166,9 +167,9 @@ def test_ingest_passes_the_host_pool_to_the_flush_kernel_only(monkeypatch, tp):
     """Prefill ingestion writes complete pages through with one flush launch per rank that indexes the rank inside
     the kernel: no XLA slice, reshape or stack of the pinned_host pool (XLA may run those as host copies of the
     whole pool; the ingest once sliced and stacked it)."""
-    from ulacache_jax.cache_state import init as init_state
-    from ulacache_jax.config import CacheConfig
-    from ulacache_jax.sequences import ingest_chunk
+    from ulacache_jax.cache.state import init as init_state
+    from ulacache_jax.cache.config import CacheConfig
+    from ulacache_jax.runtime.sequences import ingest_chunk
 
     cfg = CacheConfig(num_layers=2, num_kv_heads=8, head_dim=128, max_seqs=2, max_pages_per_seq=64, page_size=64,
                       kv_heads_per_group=1, dtype="bfloat16", num_buckets=16, slots_per_bucket=64,

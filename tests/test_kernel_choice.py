@@ -1,4 +1,4 @@
-"""The one resolver of kernel choices (ulacache_jax/kernel_choice.py) against its table (docs/KERNELS.md): every
+"""The one resolver of kernel choices (ulacache_jax/cache/kernel_choice.py) against its table (docs/KERNELS.md): every
 cell of the table, on CPU and for simulated GPU platforms (Hopper and not, bf16 and fp32), the conditions listed
 under the table, and that a backend resolves once, at construction, and its program runs what was resolved."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ulacache_jax.decode_layer import DecodeOptions
-from ulacache_jax.generator import default_cache_config
-from ulacache_jax.kernel_choice import (TOPK_MAX_PAGES, Platform, ResolvedKernels, is_resolved, resolve,
+from ulacache_jax.cache.decode_layer import DecodeOptions
+from ulacache_jax.runtime.generator import default_cache_config
+from ulacache_jax.cache.kernel_choice import (TOPK_MAX_PAGES, Platform, ResolvedKernels, is_resolved, resolve,
                                         resolved_options)
 from ulacache_jax.models import get_preset
 
@@ -138,8 +138,9 @@ def test_a_backend_resolves_once_at_construction(monkeypatch):
     """Generator -> make_backend resolves the kernels for the mesh's platform, once; the program's ops carry them
     (prefill and dense attention included), and decoding does not resolve again."""
     from flax import nnx
-    from ulacache_jax import backends, kernel_choice
-    from ulacache_jax.generator import Generator
+    from ulacache_jax.runtime import backends
+    from ulacache_jax.cache import kernel_choice
+    from ulacache_jax.runtime.generator import Generator
     from ulacache_jax.models import LlamaModel
 
     calls = []

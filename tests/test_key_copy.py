@@ -12,9 +12,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax import key_copy, selection
-from ulacache_jax.config import CacheConfig
-from ulacache_jax.decode_layer import plan_layer
+from ulacache_jax.cache.select import key_copy
+from ulacache_jax.cache.select import quest as selection
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.cache.decode_layer import plan_layer
 from cache_steps import assert_covering_budget_equals_dense, ingest_and_decode, tiny_model
 
 QPK = 2          # query heads per KV head
@@ -35,7 +36,7 @@ def test_config_checks_and_footprint():
 def test_no_copy_no_leaves():
     """key_channels = 0: the state holds no key-copy arrays at all (not zero-size ones), so a cache without the
     copy compiles and donates exactly the buffers it did before the option existed."""
-    from ulacache_jax import cache_state
+    from ulacache_jax.cache import state as cache_state
     st, _ = cache_state.init(CacheConfig.preset("tiny"))
     assert st.kc is None and st.chan is None
     assert all(x.size > 0 for x in jax.tree.leaves(st))
@@ -146,7 +147,7 @@ def test_selection_is_the_top_mass_pages_of_the_copy(built):
 
 
 def test_a_released_slot_forgets_its_channels(built):
-    from ulacache_jax.sequences import release_device
+    from ulacache_jax.runtime.sequences import release_device
     c, state, host, ks, lengths, rng = built
     st = release_device(state, 1)
     assert (np.asarray(st.chan[:, 1]) == np.arange(C)).all()
@@ -168,9 +169,9 @@ def test_engine_small_budget_and_speculative(model):
     speculative decoding (verification scores each row from the copy) gives the plain run's tokens. Shared prefixes
     are off by default with a key copy and refused when asked for (an attached prefix would change the block a
     sequence picks its channels from)."""
-    from ulacache_jax.engine import Engine, SamplingParams
-    from ulacache_jax.generation import Generator, default_cache_config
-    from ulacache_jax.speculative import SpecConfig
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.generation import Generator, default_cache_config
+    from ulacache_jax.runtime.speculative.rules import SpecConfig
     rng = np.random.default_rng(2)
     doc = [int(t) for t in rng.integers(0, 256, 100)]
     prompts = [doc + [int(t) for t in rng.integers(0, 256, n)] for n in (5, 23)]

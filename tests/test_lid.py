@@ -3,7 +3,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax import lid
+from ulacache_jax.cache import lid
 
 GOLDEN = np.uint64(11400714819323198485)
 

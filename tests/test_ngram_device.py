@@ -6,8 +6,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax.ngram_device import append, propose, ref_propose
-from ulacache_jax.speculative import NgramIndex, backoff, next_flush, ngram_propose, spec_bounds
+from ulacache_jax.runtime.speculative.ngram import append, propose, ref_propose
+from ulacache_jax.runtime.speculative.rules import NgramIndex, backoff, next_flush, ngram_propose, spec_bounds
 
 K, NMAX = 4, 3
 

@@ -3,7 +3,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax import selection
+from ulacache_jax.cache.select import quest as selection
 from ulacache_jax.pallas_kernels.page_scores import page_scores, ref_page_scores
 
 

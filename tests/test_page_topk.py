@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
-from ulacache_jax import selection
+from ulacache_jax.cache.select import quest as selection
 from ulacache_jax.pallas_kernels import on_gpu
 from ulacache_jax.pallas_kernels.page_topk import ref_select_pages, select_pages_pallas, select_top_pages
 

@@ -3,7 +3,9 @@ import pytest
 import jax.numpy as jnp
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from ulacache_jax import lid, pb_lru, vtlb
+from ulacache_jax.cache import lid
+from ulacache_jax.cache import pb_lru
+from ulacache_jax.cache import vtlb
 from pb_lru_model import PyPBLRU
 
 PAGE = 4
@@ -173,7 +175,7 @@ def test_rebase_keeps_recent_order_and_empties():
 def test_trace_from_a_rebased_clock_equals_trace_from_zero():
     # the same trace at clock t and at clock t + 2**31 - 64 with the cache's rebase before every step: every
     # output and the final tags are identical (stamps differ by the constant offset the rebase leaves)
-    from ulacache_jax import cache_state
+    from ulacache_jax.cache import state as cache_state
     rng = np.random.default_rng(3)
     universe = rng.integers(0, 2**40, 300, dtype=np.uint64)
     a = b = pb_lru.init(8, 4)

@@ -9,13 +9,13 @@ import pytest
 import jax.numpy as jnp
 from flax import nnx
 
-from ulacache_jax.config import CacheConfig
-from ulacache_jax.engine import Engine, SamplingParams
-from ulacache_jax.generation import Generator, default_cache_config
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.runtime.engine import Engine, SamplingParams
+from ulacache_jax.runtime.generation import Generator, default_cache_config
 from ulacache_jax.models import LlamaModel, get_preset
 from ulacache_jax.models.attention import dense_attention
-from ulacache_jax.prefix_cache import PrefixIndex, max_shared_pages, page_keys, prefix_attention
-from ulacache_jax.sequences import CapacityError, HostAllocator
+from ulacache_jax.runtime.prefix_cache import PrefixIndex, max_shared_pages, page_keys, prefix_attention
+from ulacache_jax.runtime.sequences import CapacityError, HostAllocator
 
 P = 16
 MAX_NEW = 16
@@ -127,7 +127,7 @@ def test_allocator_reclaims_stored_prefixes_before_refusing():
 @pytest.mark.parametrize("impl", ["xla", "masked"])
 @pytest.mark.parametrize("chunked", [False, True])
 def test_prefix_attention_equals_causal_attention_over_the_whole_prompt(impl, chunked, monkeypatch):
-    from ulacache_jax import prefix_cache
+    from ulacache_jax.runtime import prefix_cache
     if chunked:                                    # query rows in chunks of 4 (lax.map), both paths
         monkeypatch.setattr(prefix_cache, "PREFIX_Q_CHUNK", 4)
         monkeypatch.setattr(prefix_cache, "PREFIX_SCORE_BYTES", 4 * 4 * 4 * (64 + 16))
@@ -236,7 +236,7 @@ def test_budget_and_reclaim_bound_the_stored_prefixes(model, prompts):
 # ---- the CLI ---------------------------------------------------------------------------------------------------------
 def test_cli_reports_and_turns_off_sharing(tmp_path):
     import contextlib, io, json
-    from ulacache_jax import cli
+    from ulacache_jax.app import cli
     doc = "The keeper of the north light kept two logbooks, one for ships and one for weather. " * 2
     rows = [{"id": i, "prompt": doc + q} for i, q in enumerate(["Who kept them?", "How many?", "Which light?"])]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from device_env import forced_devices
-from ulacache_jax import lid as lid_mod
-from ulacache_jax.engine import Engine, SamplingParams
-from ulacache_jax.generation import Generator, default_cache_config
+from ulacache_jax.cache import lid as lid_mod
+from ulacache_jax.runtime.engine import Engine, SamplingParams
+from ulacache_jax.runtime.generation import Generator, default_cache_config
 from ulacache_jax.models import LlamaModel, get_preset
 
 P = 16
@@ -164,8 +164,8 @@ def _tp_main():
     """Run in a subprocess with 2 forced CPU devices: one prompt, two sharers, at TP = 1 without sharing and TP = 2
     with and without; prints a JSON report (tokens, per-rank frames tagged by prefix ids and their groups)."""
     import json
-    from ulacache_jax.generation import default_cache_config as dcc
-    from ulacache_jax.tp import prepare_model
+    from ulacache_jax.runtime.generation import default_cache_config as dcc
+    from ulacache_jax.runtime.tp import prepare_model
 
     base = LlamaModel(get_preset("tiny"), rngs=nnx.Rngs(0))
     prompt = _doc(0) + _doc(1, 12)

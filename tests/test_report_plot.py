@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ulacache_jax.engine import Engine, SamplingParams
-from ulacache_jax.generation import Generator, default_cache_config
+from ulacache_jax.runtime.engine import Engine, SamplingParams
+from ulacache_jax.runtime.generation import Generator, default_cache_config
 from ulacache_jax.models import LlamaModel, get_preset
-from ulacache_jax.report import break_gaps, build_report, plot_timeline
+from ulacache_jax.app.report import break_gaps, build_report, plot_timeline
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

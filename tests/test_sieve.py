@@ -7,7 +7,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax import pb_lru
+from ulacache_jax.cache import pb_lru
 from ulacache_jax.pallas_kernels import pb_lru_sieve as sv
 from pb_lru_model import py_bucket
 

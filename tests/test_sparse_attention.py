@@ -306,7 +306,7 @@ def test_gpu_realistic(nq, dtype):
 @gpu
 @needs_gpu
 def test_gpu_fused_fill_from_pinned_host():
-    from ulacache_jax.cache_state import host_sharding
+    from ulacache_jax.cache.state import host_sharding
     c = host_case(41, dtype=jnp.bfloat16)
     a = args_of(c)
     hs = host_sharding()

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ulacache_jax.engine import Engine, SamplingParams
-from ulacache_jax.generation import Generator, default_cache_config, generate
+from ulacache_jax.runtime.engine import Engine, SamplingParams
+from ulacache_jax.runtime.generation import Generator, default_cache_config, generate
 from ulacache_jax.models import LlamaModel, get_preset
-from ulacache_jax.sampling import SamplingArrays, row_keys, sample
-from ulacache_jax.speculative import SpecConfig, accept, gate_rows, next_flush, ngram_propose, token_probs
+from ulacache_jax.runtime.sampling import SamplingArrays, row_keys, sample
+from ulacache_jax.runtime.speculative.rules import SpecConfig, accept, gate_rows, next_flush, ngram_propose, token_probs
 
 K = 3
 MAX_NEW = 40
@@ -244,7 +244,8 @@ def test_chunk_without_drafts_runs_plain_steps_to_the_flush_point(setup, repetit
     but runs on to the slots' flush points, and the tokens equal plain decoding's (sparse: the backend with flush
     points). A config of its own, so the chunk program is traced with the altered proposals."""
     attention = "sparse"
-    from ulacache_jax import ngram_device, program as program_module
+    from ulacache_jax.runtime.speculative import ngram as ngram_device
+    from ulacache_jax.runtime import program as program_module
     model, _, _ = setup
     prompts, refs = repetitive
     cfg = default_cache_config(model.config, num_seqs=2, max_tokens=288, page_size=16, token_budget=64,
@@ -343,7 +344,7 @@ def _committed_view(gen, slot=0):
     entries, the host pool, and the tail ring's committed tokens."""
     st, host, c = gen.backend.cache, gen.backend.host, gen.config
     L, f = int(st.seqs.length[slot]), int(st.seqs.flushed[slot])
-    from ulacache_jax.cache_state import tail_frame
+    from ulacache_jax.cache.state import tail_frame
     npages = -(-L // c.page_size)
     ring = []
     for p in range(f, npages):
@@ -412,7 +413,7 @@ def test_rejected_draft_leaves_the_cache_of_a_run_that_never_drafted(setup):
 
     # poison A's ring past the committed length (the rejected leases): later steps never read it
     st = gens[0].backend.cache
-    from ulacache_jax.cache_state import tail_frame
+    from ulacache_jax.cache.state import tail_frame
     Lc = int(st.seqs.length[0])
     pk, pv = st.pool_k, st.pool_v
     for pos in range(Lc, Lc + K + 1):
@@ -534,7 +535,7 @@ def test_ngram_propose_and_flush_points():
     assert ngram_propose([4, 5, 4], 3, 3) == [5, 4]            # falls back to a 1-gram
     assert ngram_propose(h, 0, 3) == []
     rng = np.random.default_rng(5)
-    from ulacache_jax.speculative import NgramIndex
+    from ulacache_jax.runtime.speculative.rules import NgramIndex
     for _ in range(30):
         seq = [int(t) for t in rng.integers(0, 4, 60)]
         idx = NgramIndex(3)
@@ -549,7 +550,7 @@ def test_ngram_propose_and_flush_points():
 def test_ngram_index_bulk_and_token_by_token_agree_with_the_scan():
     # a prompt is indexed with numpy windows (>= NgramIndex._BULK new tokens), decode tokens one by one: both write
     # the same keys, so proposals across the switch (and for ids past 32 bits, negative ids) equal the scan's
-    from ulacache_jax.speculative import NgramIndex
+    from ulacache_jax.runtime.speculative.rules import NgramIndex
     rng = np.random.default_rng(11)
     for trial in range(60):
         nmax, n = int(rng.integers(1, 5)), int(rng.integers(1, 300))
@@ -605,7 +606,7 @@ def test_verify_rows_sized_for_the_drafts(setup):
 
 
 def test_cli_flags():
-    from ulacache_jax import cli
+    from ulacache_jax.app import cli
     p = cli.build_parser()
     base = ["generate", "--input", "in.jsonl", "--output", "out.jsonl"]
     assert cli._spec_config(p.parse_args(base)) is None
@@ -624,8 +625,7 @@ def test_bench_speculative_small(tmp_path):
     import json
     import os
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-    import bench_speculative
+    from scripts import bench_speculative
     out = tmp_path / "spec.json"
     bench_speculative.main(["--small", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]

@@ -12,9 +12,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax import selection
-from ulacache_jax.config import CacheConfig
-from ulacache_jax.decode_layer import DecodeOptions, append_leases, append_token, commit_summaries, plan_layer
+from ulacache_jax.cache.select import quest as selection
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.cache.decode_layer import DecodeOptions, append_leases, append_token, commit_summaries, plan_layer
 from cache_steps import assert_covering_budget_equals_dense, ingest_and_decode, tiny_model
 
 QPK = 2          # query heads per KV head
@@ -199,9 +199,9 @@ def test_engine_small_budget_shared_prefix_and_speculative(model):
     """Budget 4 pages of 16 (prompts of 100+ tokens select pages): split 2 runs; shared prefixes on (the attach
     writes the stored pages' sub-page summaries) give the tokens of a run without them; greedy speculative decoding
     (commit_summaries per sub-page) gives the plain run's tokens."""
-    from ulacache_jax.engine import Engine, SamplingParams
-    from ulacache_jax.generation import Generator, default_cache_config
-    from ulacache_jax.speculative import SpecConfig
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.generation import Generator, default_cache_config
+    from ulacache_jax.runtime.speculative.rules import SpecConfig
     rng = np.random.default_rng(2)
     doc = [int(t) for t in rng.integers(0, 256, 100)]
     prompts = [doc + [int(t) for t in rng.integers(0, 256, n)] for n in (5, 23)]
@@ -223,7 +223,7 @@ def test_engine_small_budget_shared_prefix_and_speculative(model):
 
 def test_attached_prefix_summaries_equal_ingested_ones(model):
     """A prompt that attaches a stored prefix holds the same sub-page summaries as the slot that ingested it."""
-    from ulacache_jax.generation import Generator, default_cache_config
+    from ulacache_jax.runtime.generation import Generator, default_cache_config
     rng = np.random.default_rng(3)
     doc = [int(t) for t in rng.integers(0, 256, 70)]                # 4 complete pages of 16
     cfg = default_cache_config(model.config, num_seqs=2, max_tokens=128, page_size=16, token_budget=64,

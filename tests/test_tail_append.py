@@ -88,9 +88,9 @@ def test_bad_shapes_are_refused():
 @pytest.mark.gpu
 def test_append_token_kernel_equals_reference():
     """The decode's append (decode_layer.append_token) through the kernel and through the scatters: equal state."""
-    from ulacache_jax import cache_state
-    from ulacache_jax.config import CacheConfig
-    from ulacache_jax.decode_layer import append_token
+    from ulacache_jax.cache import state as cache_state
+    from ulacache_jax.cache.config import CacheConfig
+    from ulacache_jax.cache.decode_layer import append_token
     c = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, page_size=8, max_seqs=3, max_pages_per_seq=8,
                     num_buckets=2, slots_per_bucket=4, host_pages=64, token_budget=32, dtype="bfloat16")
     state, _ = cache_state.init(c)

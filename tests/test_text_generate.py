@@ -6,8 +6,8 @@ import pytest
 import jax.numpy as jnp
 from flax import nnx
 
-from ulacache_jax.engine import Engine, SamplingParams
-from ulacache_jax.generation import Generator, default_cache_config, generate
+from ulacache_jax.runtime.engine import Engine, SamplingParams
+from ulacache_jax.runtime.generation import Generator, default_cache_config, generate
 from ulacache_jax.models import ByteTokenizer, LlamaModel, get_preset
 
 PROMPT = "The pages of a long context live in host memory"

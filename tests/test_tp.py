@@ -1,4 +1,4 @@
-"""Head-sharded tensor parallelism (ulacache_jax/tp.py) on CPU with forced host devices.
+"""Head-sharded tensor parallelism (ulacache_jax/runtime/tp.py) on CPU with forced host devices.
 
 The main pytest process has already started jax with one CPU device, so the multi-device checks run this file
 as a script in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8 set before jax starts, and
@@ -33,7 +33,7 @@ MAX_NEW = 20
 def _setup():
     import jax.numpy as jnp
     from flax import nnx
-    from ulacache_jax.config import CacheConfig
+    from ulacache_jax.cache.config import CacheConfig
     from ulacache_jax.models import LlamaModel, ModelConfig
 
     # 8 KV heads of 16 dims (TP = 8 gives one head per rank), GQA 2; 2 layers.
@@ -61,7 +61,7 @@ def _drive(gen, prompts, cfg):
     """admit + prefill + one decode chunk + next-token logits, without releasing (so the cache can be read)."""
     import jax
     import jax.numpy as jnp
-    from ulacache_jax.sampling import SamplingArrays
+    from ulacache_jax.runtime.sampling import SamplingArrays
 
     S = cfg.max_seqs
     slots = [gen.admit(len(p) + MAX_NEW) for p in prompts]
@@ -100,7 +100,7 @@ def _collectives(text: str) -> dict[str, int]:
 
 def _ownership(gen) -> dict:
     """Per rank: held PB-LRU pages, whether every held LID's group is the rank's own, vTLB <-> tag agreement."""
-    from ulacache_jax import lid as lid_mod
+    from ulacache_jax.cache import lid as lid_mod
 
     st, c = gen.cache.state, gen.config
     G = c.groups_per_rank
@@ -133,7 +133,7 @@ def _ownership(gen) -> dict:
 
 def run_checks(tps: list[int]) -> dict:
     import jax
-    from ulacache_jax.generation import Generator, generate
+    from ulacache_jax.runtime.generation import Generator, generate
 
     model, cfg, prompts = _setup()
     res: dict = {"devices": len(jax.devices()), "tp": {}}
@@ -184,7 +184,8 @@ class _OneDevice:
 
     def __init__(self, cfg):
         import jax
-        from ulacache_jax import cache_state, sequences
+        from ulacache_jax.cache import state as cache_state
+        from ulacache_jax.runtime import sequences
 
         self.state, self.host = cache_state.init(cfg)
         self.alloc = sequences.HostAllocator(cfg)
@@ -216,8 +217,9 @@ def run_cache_manager(tp: int) -> dict:
     `init_sharded`."""
     import jax
     import jax.numpy as jnp
-    from ulacache_jax import cache_state, tp as tp_mod
-    from ulacache_jax.sequences import CacheManager
+    from ulacache_jax.cache import state as cache_state
+    from ulacache_jax.runtime import tp as tp_mod
+    from ulacache_jax.runtime.sequences import CacheManager
 
     _, cfg, _ = _setup()
     cfg = dataclasses.replace(cfg, tp=tp)
@@ -256,7 +258,7 @@ def run_init_model(tp: int) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from ulacache_jax import tp as tp_mod
+    from ulacache_jax.runtime import tp as tp_mod
     from ulacache_jax.models import LlamaModel
 
     model, _, _ = _setup()
@@ -273,9 +275,9 @@ def run_replicated(tps: list[int]) -> dict:
     """More ranks than KV heads: 2 KV heads at each TP in tps (at TP = 8 each head on 4 ranks), context within budget."""
     import jax.numpy as jnp
     from flax import nnx
-    from ulacache_jax import tp as tp_mod
-    from ulacache_jax.config import CacheConfig
-    from ulacache_jax.generation import generate
+    from ulacache_jax.runtime import tp as tp_mod
+    from ulacache_jax.cache.config import CacheConfig
+    from ulacache_jax.runtime.generation import generate
     from ulacache_jax.models import LlamaModel, ModelConfig
 
     mc = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -409,7 +411,7 @@ def test_70b_shape_per_device_bytes_at_tp8():
     """The Llama-3.1-70B shape, abstractly (nothing allocated): what init_model / TP = 8 puts on each device."""
     import jax.numpy as jnp
     from flax import nnx
-    from ulacache_jax import tp as tp_mod
+    from ulacache_jax.runtime import tp as tp_mod
     from ulacache_jax.models import LlamaModel, get_preset
 
     mc = get_preset("llama-3.1-70b")
@@ -457,8 +459,8 @@ def test_tp_on_real_gpus():
 
 # ---- single-process unit checks (no mesh needed) -----------------------------------------------------------------
 def test_num_groups_not_divisible_is_a_clear_error():
-    from ulacache_jax import tp as tp_mod
-    from ulacache_jax.config import CacheConfig
+    from ulacache_jax.runtime import tp as tp_mod
+    from ulacache_jax.cache.config import CacheConfig
 
     cfg = CacheConfig(num_layers=2, num_kv_heads=8, head_dim=16, kv_heads_per_group=4, page_size=8,
                       token_budget=32)
@@ -472,7 +474,7 @@ def test_num_groups_not_divisible_is_a_clear_error():
 def test_prepare_model_checks_and_replicates():
     import jax.numpy as jnp
     from flax import nnx
-    from ulacache_jax import tp as tp_mod
+    from ulacache_jax.runtime import tp as tp_mod
     from ulacache_jax.models import LlamaModel, ModelConfig
 
     mc = ModelConfig(architecture="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -496,7 +498,7 @@ def test_param_specs_split_heads_and_mlp_width():
     import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import PartitionSpec as P
-    from ulacache_jax import tp as tp_mod
+    from ulacache_jax.runtime import tp as tp_mod
     from ulacache_jax.models import LlamaModel, get_preset
 
     params = nnx.split(LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0)))[1]

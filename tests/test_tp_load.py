@@ -31,7 +31,7 @@ def run_checks() -> dict:
     import numpy as np
     from flax import nnx
     from jax.sharding import NamedSharding
-    from ulacache_jax import tp as tp_mod
+    from ulacache_jax.runtime import tp as tp_mod
     from ulacache_jax.models import LlamaModel, from_pretrained, get_preset, load, save
     from checkpoint_v1 import save_format1
 

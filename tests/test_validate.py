@@ -1,9 +1,9 @@
-"""Python API argument checks (ulacache_jax/validate.py): the cases of issue 23 that generate() coerced or let
+"""Python API argument checks (ulacache_jax/runtime/validate.py): the cases of issue 23 that generate() coerced or let
 fail inside jax, each now a clear error naming the value and the limit."""
 import numpy as np
 import pytest
 
-from ulacache_jax import validate as v
+from ulacache_jax.runtime import validate as v
 
 V = 258
 

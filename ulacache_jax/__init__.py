@@ -11,9 +11,10 @@ import importlib
 __all__ = ["lid", "pb_lru", "vtlb", "generate", "Engine", "SamplingParams", "SpecConfig"]
 
 # public name -> (module, attribute or None for the module itself)
-_LAZY = {"lid": ("lid", None), "pb_lru": ("pb_lru", None), "vtlb": ("vtlb", None),
-         "generate": ("generation", "generate"), "Engine": ("engine", "Engine"),
-         "SamplingParams": ("engine", "SamplingParams"), "SpecConfig": ("speculative", "SpecConfig")}
+_LAZY = {"lid": ("cache.lid", None), "pb_lru": ("cache.pb_lru", None), "vtlb": ("cache.vtlb", None),
+         "generate": ("runtime.generation", "generate"), "Engine": ("runtime.engine", "Engine"),
+         "SamplingParams": ("runtime.engine", "SamplingParams"),
+         "SpecConfig": ("runtime.speculative.rules", "SpecConfig")}
 
 
 def __getattr__(name):

@@ -1,6 +1,6 @@
 """`python -m ulacache_jax ...` is the `ulacache` command."""
 import sys
 
-from .cli import main
+from ulacache_jax.app.cli import main
 
 sys.exit(main())

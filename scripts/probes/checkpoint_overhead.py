@@ -19,7 +19,6 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 
 def load(name: str):
@@ -50,7 +49,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--every", type=int, nargs="*", default=[1, 4, 8, 16])
     a = ap.parse_args()
-    from ulacache_jax.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
 
     model = load(a.model)
     ctx = a.prompt + a.new

@@ -54,9 +54,11 @@ def abstract_program(model, cfg, attention: str, options, mesh):
     the cache or the weights (`model` may be an `nnx.eval_shape` model). The backend's own `specs`/`view_specs`
     are called on stand-ins holding only the abstract cache's specs, so their logic is not copied here."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from ulacache_jax import backends, cache_state, tp
-    from ulacache_jax.kernel_choice import Platform
-    from ulacache_jax.program import layer_graphdef, program
+    from ulacache_jax.runtime import backends
+    from ulacache_jax.cache import state as cache_state
+    from ulacache_jax.runtime import tp
+    from ulacache_jax.cache.kernel_choice import Platform
+    from ulacache_jax.runtime.program import layer_graphdef, program
 
     graphdef = tp.tp_graphdef(model)
     params = nnx.split(model)[1]
@@ -111,12 +113,11 @@ def main(argv=None):
     p.add_argument("--chunks", type=int, default=3, help="decode chunks the cache has room for, as in bench_decode")
     p.add_argument("--out", default=os.environ.get("OUT"))
     a = p.parse_args(argv)
-    from ulacache_jax.decode_layer import DecodeOptions
-    from ulacache_jax.tp import make_mesh
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/: bench_decode
-    from bench_decode import bench_config
+    from ulacache_jax.cache.decode_layer import DecodeOptions
+    from ulacache_jax.runtime.tp import make_mesh
+    from scripts.bench_decode import bench_config
     from ulacache_jax.models import LlamaModel, get_preset
-    from ulacache_jax.sampling import SamplingArrays, row_keys
+    from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
 
     mc = dataclasses.replace(get_preset(a.preset), num_layers=a.layers)
     model = nnx.eval_shape(lambda: LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))

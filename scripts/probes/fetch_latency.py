@@ -22,10 +22,10 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import page_copy
-from ulacache_jax import bench_meta
-from ulacache_jax.bench_meta import Results, device_events, run_meta
-from ulacache_jax.cache_state import host_sharding, raise_host_limit
+from ulacache_jax.pallas_kernels import page_copy
+from scripts import bench_meta
+from scripts.bench_meta import Results, device_events, run_meta
+from ulacache_jax.cache.state import host_sharding, raise_host_limit
 
 PAGE = (64, 1, 128)   # tokens, kv heads in a group, head dim: the 8B's page
 PAGE_BYTES = 64 * 1 * 128 * 2   # one K (or V) page in bf16: 16 KiB

@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 
-from ulacache_jax import bench_meta
+from scripts import bench_meta
 
 
 def load_rows(out: str, side: str) -> tuple[dict, list[dict]]:

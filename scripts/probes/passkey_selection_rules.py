@@ -52,8 +52,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import bench_quality as bq  # noqa: E402
 from ulacache_jax.models import from_pretrained, load_tokenizer  # noqa: E402
 from ulacache_jax.models.attention import dense_attention  # noqa: E402

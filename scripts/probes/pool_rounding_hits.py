@@ -16,12 +16,10 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
-    from bench_quality import pblru_hits, replay_probe_args, replay_rows
+    from scripts.bench_quality import pblru_hits, replay_probe_args, replay_rows
     from ulacache_jax.pallas_kernels.pb_lru_sieve import pool_slots, sieve_geometry
     a = replay_probe_args(argv, __doc__)
     sel, cc, step, warm, every, requests, lids, valid = replay_rows(a.trace)    # sel [steps, L, W, G, K]

@@ -36,11 +36,10 @@ def big_copies(hlo: str, min_elems: int = 1 << 20) -> list[str]:
 def run(attention: str, args) -> dict:
     import jax
     import jax.numpy as jnp
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from bench_e2e import real_text_ids
-    from profile_decode import load_device_events
-    from ulacache_jax.engine import Engine, SamplingParams
-    from ulacache_jax.generation import Generator, default_cache_config
+    from scripts.profile_decode import load_device_events
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.generation import Generator, default_cache_config
     from ulacache_jax.models import from_pretrained, load_tokenizer
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     if args.preset:
@@ -91,7 +90,7 @@ def run(attention: str, args) -> dict:
             eng.run(prompts[:2], SamplingParams(max_new_tokens=2, stop_ids=()))
             warm = time.perf_counter() - t
         ev = load_device_events(d)
-    from regression_diff import op_name          # this folder's probe: one kernel's name across instances
+    from scripts.probes.regression_diff import op_name          # this folder's probe: one kernel's name across instances
     ops = collections.Counter()
     for e in ev:
         ops[op_name(e["name"])] += float(e["dur"])

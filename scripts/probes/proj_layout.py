@@ -17,7 +17,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax.bench_meta import Results, device_events, run_meta, read_ceiling
+from scripts.bench_meta import Results, device_events, run_meta, read_ceiling
 
 E, H, KV, D, F = 4096, 32, 8, 128, 14336   # Llama-3.1-8B
 

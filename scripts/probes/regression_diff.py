@@ -33,8 +33,7 @@ def op_name(name: str) -> str:
 def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
     """(name, ts_us, dur_us) of the device events of a jax.profiler perfetto trace (profile_decode's reader, this
     checkout's: it imports nothing from the library, so it serves both trees), sorted by start."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from profile_decode import load_device_events
+    from scripts.profile_decode import load_device_events
     ev = [(e["name"], float(e["ts"]), float(e["dur"])) for e in load_device_events(trace_dir)]
     return sorted(ev, key=lambda e: e[1])
 
@@ -69,24 +68,23 @@ def summarize(ev: list[tuple[str, float, float]], steps: int, layers: int) -> di
 
 def trace(args) -> dict:
     tree = os.path.abspath(args.tree)
-    sys.path.insert(0, os.path.join(tree, "scripts"))
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     import ulacache_jax
     if not os.path.abspath(ulacache_jax.__file__).startswith(tree + os.sep):
         raise SystemExit(f"ulacache_jax imported from {ulacache_jax.__file__}, not from --tree {tree}: "
                          "run with PYTHONPATH=<tree>")
-    from ulacache_jax.cache_state import raise_host_limit
+    from ulacache_jax.cache.state import raise_host_limit
     if not args.tiny:
         raise_host_limit()      # before JAX starts: bench_decode's main does the same
     import dataclasses
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    import bench_decode as bd
-    from ulacache_jax.decode_layer import DecodeOptions
-    from ulacache_jax.generation import Generator
+    from scripts import bench_decode as bd
+    from ulacache_jax.cache.decode_layer import DecodeOptions
+    from ulacache_jax.runtime.generation import Generator
     from ulacache_jax.models import LlamaModel, get_preset
-    from ulacache_jax.sampling import SamplingArrays, row_keys
+    from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
     if args.tiny:
         mc, ctx, budget = get_preset("tiny"), 1024, 256
     else:

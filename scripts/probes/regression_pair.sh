@@ -33,6 +33,6 @@ for row in "$@"; do
             || { echo "$side $row FAILED rc=$? (124 = timeout); log tail:"; tail -n 8 "$OUTD/$side.log"; }
     done
 done
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/probes/pair_report.py "$OUTD" \
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m scripts.probes.pair_report "$OUTD" \
     --old-commit "${OLD_COMMIT:-old}" --new-commit "${NEW_COMMIT:-new}"
 echo "total $SECONDS s"

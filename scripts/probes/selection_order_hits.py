@@ -17,8 +17,6 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def page_order(sel):
@@ -29,7 +27,7 @@ def page_order(sel):
 
 
 def main(argv=None):
-    from bench_quality import load_selection_trace, pblru_hits, replay_probe_args, trace_lids
+    from scripts.bench_quality import load_selection_trace, pblru_hits, replay_probe_args, trace_lids
     from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
     a = replay_probe_args(argv, __doc__)
     sel, cc, lib, warm, _ = load_selection_trace(a.trace)              # sel [steps, L, W, G, K]

@@ -17,7 +17,6 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 
 def main():
@@ -38,11 +37,11 @@ def main():
     import numpy as np
     import jax.numpy as jnp
     from flax import nnx
-    from ulacache_jax import ngram_device
-    from ulacache_jax.engine import Engine, SamplingParams
-    from ulacache_jax.generation import Generator, default_cache_config
+    from ulacache_jax.runtime.speculative import ngram as ngram_device
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.generation import Generator, default_cache_config
     from ulacache_jax.models import LlamaModel, from_pretrained, get_preset
-    from ulacache_jax.speculative import SpecConfig
+    from ulacache_jax.runtime.speculative.rules import SpecConfig
 
     real = ngram_device.propose
 

@@ -46,8 +46,7 @@ def meminfo() -> dict:
 def _setup():
     import jax
     import jax.numpy as jnp
-    sys.path.insert(0, SCRIPTS)
-    import bench_tiers as bt
+    from scripts import bench_tiers as bt
     from ulacache_jax.pallas_kernels import page_copy as pc
     s_host, s_dev = bt.shardings()
     return jax, jnp, bt, pc, s_host, s_dev
@@ -412,8 +411,7 @@ RUNNERS = {
 def child(names: list[str], path: str):
     """Runs the probes in order, rewriting the JSON after each (a crash keeps what came before)."""
     import jax
-    sys.path.insert(0, SCRIPTS)
-    import bench_tiers as bt
+    from scripts import bench_tiers as bt
     data = json.load(open(path)) if os.path.exists(path) else {}
     data.setdefault("info", bt.device_info())
     data.setdefault("meminfo", meminfo())

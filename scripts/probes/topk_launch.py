@@ -16,8 +16,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import page_topk
-from ulacache_jax.bench_meta import Results, device_events, run_meta
+from ulacache_jax.pallas_kernels import page_topk
+from scripts.bench_meta import Results, device_events, run_meta
 
 ROWS = ((8, 4224, 32, "256K x 1"), (24, 2112, 32, "128K x 3"))   # (rows, pages, k, decode shape)
 

@@ -15,8 +15,6 @@ import re
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 
 def main():
@@ -31,18 +29,18 @@ def main():
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from bench_decode import bench_config, synthetic_fill_sparse
-    from bench_speculative import plain_step_ms
-    from ulacache_jax import decode_layer
+    from scripts.bench_decode import bench_config, synthetic_fill_sparse
+    from scripts.bench_speculative import plain_step_ms
+    from ulacache_jax.cache import decode_layer
     if args.patched:
         src = inspect.getsource(decode_layer.verify_batched)
         new = src.replace("jax.lax.cond(fits, once, row_by_row, ", "once(")
         assert new != src, "cond not found"
         exec(compile(new, decode_layer.__file__, "exec"), decode_layer.__dict__)
-    from ulacache_jax.generator import Generator
+    from ulacache_jax.runtime.generator import Generator
     from ulacache_jax.models import LlamaModel, get_preset
-    from ulacache_jax.sampling import row_keys
-    from ulacache_jax.speculative import next_flush
+    from ulacache_jax.runtime.sampling import row_keys
+    from ulacache_jax.runtime.speculative.rules import next_flush
     mc = dataclasses.replace(get_preset(args.preset), num_layers=args.layers)
     model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     ctx, page, K = args.context, 64, args.k

@@ -21,15 +21,13 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
     import jax
-    import bench_quality as bq
+    from scripts import bench_quality as bq
     import ulacache_jax
-    from ulacache_jax.generation import default_cache_config
+    from ulacache_jax.runtime.generation import default_cache_config
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--context", type=int, default=4096)

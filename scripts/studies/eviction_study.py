@@ -35,7 +35,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax import pb_lru
+from ulacache_jax.cache import pb_lru
 
 
 def synthetic_trace(seed=0, seqs=16, layers=2, groups=2, pages=256, clusters=12, dim=32, budget=32, sink=1,

@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ulacache_jax import selection
-from ulacache_jax.bench_meta import git_commit
+from ulacache_jax.cache.select import quest as selection
+from scripts.bench_meta import git_commit
 from ulacache_jax.models import LlamaModel, ModelConfig
 from ulacache_jax.models.attention import dense_attention
 
@@ -96,7 +96,7 @@ def load_trace_model(args, rng):
                          rope_theta=10000.0, max_position_embeddings=T)
         model, tok, label = LlamaModel(mc, dtype=jnp.float32, rngs=nnx.Rngs(args.seed)), None, "model (random weights)"
     else:
-        from ulacache_jax.cli import load_model
+        from ulacache_jax.app.cli import load_model
         loaded = load_model(args.model, "auto", args.seed)
         model, tok = loaded.model, loaded.tokenizer
         label = f"model {loaded.label}"

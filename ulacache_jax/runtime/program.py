@@ -20,14 +20,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import ngram_device
-from .config import CacheConfig
-from .decode_layer import LayerStats
-from .models.attention import dense_attention
-from .prefix_cache import prefix_attention
-from .sampling import sample
-from .speculative import accept, backoff, draw, gate_rows, spec_bounds, token_probs
-from .tp import TP_AXIS, per_rank
+from ulacache_jax.runtime.speculative import ngram as ngram_device
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.cache.decode_layer import LayerStats
+from ulacache_jax.models.attention import dense_attention
+from ulacache_jax.runtime.prefix_cache import prefix_attention
+from ulacache_jax.runtime.sampling import sample
+from ulacache_jax.runtime.speculative.rules import accept, backoff, draw, gate_rows, spec_bounds, token_probs
+from ulacache_jax.runtime.tp import TP_AXIS, per_rank
 
 PREFILL_CHUNK = 4096  # tokens of per-token prefill work (projections, MLP) at a time
 

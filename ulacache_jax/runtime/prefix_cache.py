@@ -32,8 +32,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from .lid import FIELD_LIMITS
-from .models.attention import dense_attention
+from ulacache_jax.cache.lid import FIELD_LIMITS
+from ulacache_jax.models.attention import dense_attention
 
 _ROOT = b""
 
@@ -434,8 +434,8 @@ class DensePrefixes:
 # ---- traced halves: the shared prefix inside one layer's prefill -------------------------------------------------
 def _gather_host(host, ids, impl: str):
     """Host pages -> device: host [R, H, page, g, D] (K, V), ids [R, N] (-1: zeros) -> two [R, N, page, g, D]."""
-    from .pallas_kernels import pick_impl
-    from .pallas_kernels.page_copy import copy_pages_pallas, ref_copy_pages
+    from ulacache_jax.pallas_kernels import pick_impl
+    from ulacache_jax.pallas_kernels.page_copy import copy_pages_pallas, ref_copy_pages
     R, N = ids.shape
     outs = []
     for r in range(R):

@@ -8,8 +8,8 @@ import dataclasses
 
 import numpy as np
 
-from .sampling import check_sampling
-from .text import check_stop_strings
+from ulacache_jax.runtime.sampling import check_sampling
+from ulacache_jax.runtime.text import check_stop_strings
 
 STOP = "stop"
 LENGTH = "length"

@@ -46,7 +46,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from .sampling import SamplingArrays, row_keys, truncated_sorted
+from ulacache_jax.runtime.sampling import SamplingArrays, row_keys, truncated_sorted
 
 METHODS = ("ngram", "draft")
 _DRAFT_KEY = 0x5bd1e995   # folded into a step's keys for the draft model's own draws
@@ -555,11 +555,11 @@ class SpecDecoder:
 
 def make_draft_generator(gen, spec: SpecConfig):
     """A Generator for spec.draft_model with the target's slots, context, page size and token budget."""
-    from .generator import Generator, default_cache_config
-    from .tp import prepare_model
+    from ulacache_jax.runtime.generator import Generator, default_cache_config
+    from ulacache_jax.runtime.tp import prepare_model
     model = spec.draft_model
     if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
-        from .models import from_pretrained
+        from ulacache_jax.models import from_pretrained
         model = from_pretrained(model, dtype=gen.config.jnp_dtype)
     c = gen.config
     model = prepare_model(model, c.tp)

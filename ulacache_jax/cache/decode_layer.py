@@ -1,7 +1,7 @@
 """One layer's decode attention over the cache: append -> select -> sieve -> fetch -> attend.
 
 All functions here work on ONE rank's view of the state (leading rank axis of size 1): directly without TP, or
-per rank inside `jax.shard_map` (ulacache_jax/tp.py), where `rank` is the mesh axis index. The decode batch is
+per rank inside `jax.shard_map` (ulacache_jax/runtime/tp.py), where `rank` is the mesh axis index. The decode batch is
 every sequence slot (inactive slots are masked), so shapes never depend on how many requests are running.
 """
 from __future__ import annotations
@@ -12,14 +12,18 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from . import key_copy, lid as lid_mod, pb_lru, selection, vtlb as vtlb_mod
-from .cache_state import CacheState, HostPool, overflow_frame, tail_frame
-from .config import TAIL_PAGES
-from .kernel_choice import resolved_options
-from .pallas_kernels import page_copy
-from .pallas_kernels.page_scores import page_scores
-from .pallas_kernels.sparse_decode_attention import sparse_decode_attention
-from .pallas_kernels.tail_append import tail_append
+from ulacache_jax.cache.select import key_copy
+from ulacache_jax.cache import lid as lid_mod
+from ulacache_jax.cache import pb_lru
+from ulacache_jax.cache.select import quest as selection
+from ulacache_jax.cache import vtlb as vtlb_mod
+from ulacache_jax.cache.state import CacheState, HostPool, overflow_frame, tail_frame
+from ulacache_jax.cache.config import TAIL_PAGES
+from ulacache_jax.cache.kernel_choice import resolved_options
+from ulacache_jax.pallas_kernels import page_copy
+from ulacache_jax.pallas_kernels.page_scores import page_scores
+from ulacache_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
+from ulacache_jax.pallas_kernels.tail_append import tail_append
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["hits", "misses", "overflow", "fetched"], meta_fields=[])

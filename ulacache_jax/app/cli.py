@@ -48,8 +48,8 @@ import subprocess
 import sys
 import time
 
-from . import jsonl_io
-from .jsonl_io import OutputError
+from ulacache_jax.app import jsonl_io
+from ulacache_jax.app.jsonl_io import OutputError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 SAMPLING_FIELDS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_ids")
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto = chosen when the engine is built, from the batch, context, model and device memory "
                         "(dense where it is predicted faster and fits, else sparse; printed, and in the report); "
                         "sparse = UlaCache; dense = every K/V in HBM (the baseline)")
-    g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks (needs ulacache_jax.tp)")
+    g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks (needs ulacache_jax.runtime.tp)")
     g.add_argument("--speculative", choices=("ngram", "draft"), default=None,
                    help="speculative decoding: ngram = prompt lookup (drafts copied from the prompt and the text so "
                         "far), draft = a smaller model of the same tokenizer (--draft-model); greedy output is "
@@ -259,13 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM stops like Ctrl-C (graceful, finished results kept, exit 143)
     args.stop_signals = signals = StopSignals().install()
     try:
-        from .cache_state import raise_host_limit
+        from ulacache_jax.cache.state import raise_host_limit
         raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default, whatever the RAM
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "bench":
             return cmd_bench(args)
-        from . import demo
+        from ulacache_jax.app import demo
         return demo.main(["--out-dir", args.out_dir] if args.out_dir else [])
     except (UsageError, OutputError) as e:
         print(f"ulacache {args.command}: error: {e}", file=sys.stderr)
@@ -303,11 +303,11 @@ def _model_error(spec: str, e: BaseException) -> UsageError:
 
 
 def load_model(spec: str | None, dtype: str, seed: int, tp_mod=None, tp: int = 1) -> LoadedModel:
-    """The model `spec` names; with tp > 1 (tp_mod: ulacache_jax.tp) made or loaded directly into its TP sharding
+    """The model `spec` names; with tp > 1 (tp_mod: ulacache_jax.runtime.tp) made or loaded directly into its TP sharding
     over tp devices (tp.init_model, tp.load_model), so no device ever holds the whole model."""
     import jax.numpy as jnp
     from flax import nnx
-    from . import models
+    from ulacache_jax import models
 
     jdt = jnp.dtype(resolve_dtype(dtype))
     mesh = tp_mod.make_mesh(tp) if tp_mod is not None and tp > 1 else None
@@ -415,7 +415,7 @@ def parse_input(lines, *, tokenizer, vocab_size: int, limit: int, defaults, resu
     """-> (records, errors, skipped, skipped_errors). `lines`: InputLines (or str, numbered from 1); `defaults`:
     engine.SamplingParams from the command line. With `resume`: ids that already have a result are skipped; a
     line that fails again as already reported in the output is not reported twice (counted in skipped_errors)."""
-    from .engine import RequestError
+    from ulacache_jax.runtime.engine import RequestError
 
     resume = resume or ResumeState()
     records: list[Record] = []
@@ -495,7 +495,7 @@ def _chat_ids(messages, tokenizer, fail) -> list[int]:
 def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab_size: int, limit: int, defaults,
                 default_stop: tuple[str, ...] = ()):
     """One input line -> Record, or None if its id already has a result. Raises RequestError(message, id)."""
-    from .engine import RequestError
+    from ulacache_jax.runtime.engine import RequestError
 
     rid = None
 
@@ -591,16 +591,16 @@ def _spec_config(args):
     if args.num_speculative_tokens >= args.page_size:
         raise UsageError(f"--num-speculative-tokens {args.num_speculative_tokens} must be < --page-size "
                          f"{args.page_size}")
-    from .speculative import SpecConfig
+    from ulacache_jax.runtime.speculative.rules import SpecConfig
     return SpecConfig(args.speculative, args.num_speculative_tokens, draft_model=args.draft_model)
 
 
 def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     """The cache for this run: generator.default_cache_config (with tp = --tp: frames and
     host pages per rank), then --hbm-pages / --host-gb."""
-    from .config import CacheConfig
-    from .cost_model import pool_headroom
-    from .generation import default_cache_config
+    from ulacache_jax.cache.config import CacheConfig
+    from ulacache_jax.runtime.cost_model import pool_headroom
+    from ulacache_jax.runtime.generation import default_cache_config
 
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
@@ -637,7 +637,7 @@ def device_memory_bytes(device=None) -> tuple[int | None, str]:
         limit = None
     if limit:
         return int(limit), f"{device.device_kind} memory"
-    from .cache_state import _pinnable_host_bytes
+    from ulacache_jax.cache.state import _pinnable_host_bytes
     avail = _pinnable_host_bytes()
     return avail, "available host memory (MemAvailable; the CPU backend's device memory)"
 
@@ -647,7 +647,7 @@ def check_device_memory(args, cfg, param_bytes: int, limit: int | None, what: st
     """Refuse, before allocating, a cache (frame pool, tail ring, summaries, or the dense KV) that with the weights
     exceeds the device's memory; with --hbm-pages, name it and the largest value that fits. attention: the kind
     that will run (default --attention)."""
-    from . import backends
+    from ulacache_jax.runtime import backends
     backend = backends.backend_class(attention or args.attention)   # the one place that reads the kind
     if limit is None:
         return
@@ -669,10 +669,10 @@ def check_device_memory(args, cfg, param_bytes: int, limit: int | None, what: st
 
 
 def find_tp_module():
-    """ulacache_jax.tp if this install has it (head-sharded tensor parallelism), else None."""
-    if importlib.util.find_spec("ulacache_jax.tp") is None:
+    """ulacache_jax.runtime.tp if this install has it (head-sharded tensor parallelism), else None."""
+    if importlib.util.find_spec("ulacache_jax.runtime.tp") is None:
         return None
-    return importlib.import_module("ulacache_jax.tp")
+    return importlib.import_module("ulacache_jax.runtime.tp")
 
 
 def _tp_module(args):
@@ -680,11 +680,11 @@ def _tp_module(args):
         return None
     tp = find_tp_module()
     if tp is None:
-        raise UsageError(f"--tp {args.tp} needs the TP module (ulacache_jax.tp, head-sharded tensor parallelism), "
+        raise UsageError(f"--tp {args.tp} needs the TP module (ulacache_jax.runtime.tp, head-sharded tensor parallelism), "
                          "which this install does not have; run with --tp 1")
     missing = [n for n in ("prepare_model",) if not hasattr(tp, n)]
     if missing:
-        raise UsageError(f"--tp {args.tp}: ulacache_jax.tp lacks {', '.join(missing)}, which the CLI drives")
+        raise UsageError(f"--tp {args.tp}: ulacache_jax.runtime.tp lacks {', '.join(missing)}, which the CLI drives")
     return tp
 
 
@@ -823,7 +823,7 @@ def _finish_resume(args) -> None:
 def _read_checkpoint(args, fingerprint: str):
     """--resume with --checkpoint-dir, before the model loads: the checkpoint to continue, or None (none there, or
     --force over one made with other settings)."""
-    from . import checkpoint
+    from ulacache_jax.runtime import checkpoint
     try:
         ck = checkpoint.read(args.checkpoint_dir)
     except checkpoint.CheckpointError as e:
@@ -854,7 +854,7 @@ def _checkpoint_fits(args, ck, longest: int) -> bool:
 def _restore_checkpoint(engine, ck, records) -> dict:
     """Restore the checkpoint's queued and running requests whose input line is unchanged and not yet done ->
     {engine request id: Record}; the other records are added afresh by the caller."""
-    from . import checkpoint
+    from ulacache_jax.runtime import checkpoint
     by_key = {_id_key(r.id): r for r in records}
     ids = ck.meta.get("ids") or {}
     restored, skip = {}, []
@@ -908,8 +908,8 @@ def _generate_locked(args, t_start: float) -> int:
     lines = read_input(args.input)
     setup_compile_cache(args.compile_cache)
 
-    from .engine import Engine, SamplingParams
-    from . import report as report_mod
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.app import report as report_mod
 
     tp_mod = _tp_module(args)
     loaded = load_model(args.model, args.dtype, args.seed, tp_mod, args.tp)
@@ -963,7 +963,7 @@ def _generate_locked(args, t_start: float) -> int:
         cfg = (ckpt.cache_config if ckpt is not None
                else _cache_config(args, mc, loaded.model.dtype, num_seqs, longest, tp_mod))
         # --attention resolved once, here: the memory check, the Engine (given the Decision) and the report agree
-        from .cost_model import resolve_attention
+        from ulacache_jax.runtime.cost_model import resolve_attention
         decision = resolve_attention(args.attention, mc, cfg)
         print(f"ulacache: attention {decision.summary()}", file=sys.stderr)
         check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes(), attention=decision.kind)
@@ -1119,7 +1119,7 @@ def find_bench_scripts(scripts_dir: str | None = None) -> list[pathlib.Path]:
     if scripts_dir is not None:
         dirs = [pathlib.Path(scripts_dir)]
     else:
-        dirs = [pathlib.Path(__file__).resolve().parent.parent / "scripts", pathlib.Path.cwd() / "scripts"]
+        dirs = [pathlib.Path(__file__).resolve().parents[2] / "scripts", pathlib.Path.cwd() / "scripts"]
     for d in dirs:
         found = sorted(d.glob("bench_*.py"))
         if found:
@@ -1142,7 +1142,9 @@ def cmd_bench(args) -> int:
     for s in scripts:
         print(f"== {s.name}", flush=True)
         t0 = time.perf_counter()
-        rc = subprocess.run([sys.executable, str(s)], cwd=s.parent.parent).returncode
+        root = str(s.parent.parent)   # scripts/ is a package: its modules import each other as scripts.<name>
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        rc = subprocess.run([sys.executable, str(s)], cwd=root, env=env).returncode
         print(f"== {s.name}: exit {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
         if rc:
             failed.append(s.name)

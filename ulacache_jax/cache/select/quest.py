@@ -12,8 +12,8 @@ pages are always attended from the tail ring).
 """
 from __future__ import annotations
 
-from .pallas_kernels import page_scores, page_topk
-from .pallas_kernels.page_scores import fold_queries
+from ulacache_jax.pallas_kernels import page_scores, page_topk
+from ulacache_jax.pallas_kernels.page_scores import fold_queries
 
 
 def ref_page_scores(q, kmin, kmax, split: int = 1):

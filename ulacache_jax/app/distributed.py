@@ -5,7 +5,7 @@ during decoding: a replica's step touches only its own devices, so replicas neve
 
 Launch on a cluster, one process per host (host 0 runs the coordinator; any free port):
 
-    python -m ulacache_jax.distributed --coordinator HOST0:12345 --num-processes 4 --process-id $RANK \\
+    python -m ulacache_jax.app.distributed --coordinator HOST0:12345 --num-processes 4 --process-id $RANK \\
         --tp 8 --model /models/Llama-3.1-70B-Instruct --input prompts.jsonl --output results.jsonl
 
 Under SLURM (srun, one task per node) or another environment that jax.distributed.initialize() detects, leave out
@@ -27,8 +27,9 @@ import sys
 import numpy as np
 import jax
 
-from . import generation, tp as tp_mod
-from .cli import load_model
+from ulacache_jax.runtime import generation
+from ulacache_jax.runtime import tp as tp_mod
+from ulacache_jax.app.cli import load_model
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -107,7 +108,7 @@ def _read_prompts(path: str, tokenizer) -> tuple[list, list[list[int]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ulacache_jax.distributed", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m ulacache_jax.app.distributed", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (omit where jax detects it)")
     ap.add_argument("--num-processes", type=int, default=None)

@@ -9,14 +9,14 @@ from __future__ import annotations
 import dataclasses
 
 
-from .config import CacheConfig
-from .cost_model import pool_headroom
-from .decode_layer import DecodeOptions
-from .engine import Engine, SamplingParams
-from .generator import DenseCache, Generator, bucket_length, bucket_pages, default_cache_config  # noqa: F401
-from . import validate
-from .text import check_stop_strings, encode_prompt, is_text
-from .tp import check_tp, prepare_model
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.runtime.cost_model import pool_headroom
+from ulacache_jax.cache.decode_layer import DecodeOptions
+from ulacache_jax.runtime.engine import Engine, SamplingParams
+from ulacache_jax.runtime.generator import DenseCache, Generator, bucket_length, bucket_pages, default_cache_config  # noqa: F401
+from ulacache_jax.runtime import validate
+from ulacache_jax.runtime.text import check_stop_strings, encode_prompt, is_text
+from ulacache_jax.runtime.tp import check_tp, prepare_model
 
 MAX_BATCH = 8   # default cache slots of generate(): prompts beyond it queue (continuous batching)
 

@@ -37,18 +37,18 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from . import checkpoint
-from .config import CacheConfig
-from .cost_model import pool_headroom
-from .decode_layer import DecodeOptions
-from .generator import Generator, bucket_length, default_cache_config
-from .validate import check_seed
-from .requests import ERROR, LENGTH, STOP, Request, RequestError, SamplingParams, StepOutput, StepRecord
-from .sampling import SamplingArrays, row_keys, sample
-from .sequences import CapacityError
-from .speculative import SpecDecoder
-from .text import apply_stop, encode_prompt
-from .tp import prepare_model
+from ulacache_jax.runtime import checkpoint
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.runtime.cost_model import pool_headroom
+from ulacache_jax.cache.decode_layer import DecodeOptions
+from ulacache_jax.runtime.generator import Generator, bucket_length, default_cache_config
+from ulacache_jax.runtime.validate import check_seed
+from ulacache_jax.runtime.requests import ERROR, LENGTH, STOP, Request, RequestError, SamplingParams, StepOutput, StepRecord
+from ulacache_jax.runtime.sampling import SamplingArrays, row_keys, sample
+from ulacache_jax.runtime.sequences import CapacityError
+from ulacache_jax.runtime.speculative.rules import SpecDecoder
+from ulacache_jax.runtime.text import apply_stop, encode_prompt
+from ulacache_jax.runtime.tp import prepare_model
 
 _NO_STOPS = 8  # the chunk's stop-id array: all -1 (never sampled), stops are matched on the host
 _sample_first = jax.jit(sample)   # a request's first token, from its prefill logits [1, V]

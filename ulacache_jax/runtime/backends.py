@@ -24,15 +24,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .cache_state import CacheState, HostPool, rebase_clock
-from .config import CacheConfig
-from .decode_layer import (DecodeOptions, LayerStats, attend_layer, commit_rows, commit_summaries, flush_tail,
+from ulacache_jax.cache.state import CacheState, HostPool, rebase_clock
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.cache.decode_layer import (DecodeOptions, LayerStats, attend_layer, commit_rows, commit_summaries, flush_tail,
                            verify_layer)
-from .kernel_choice import Platform, ResolvedKernels, resolve
-from .models.attention import dense_attention
-from .prefix_cache import DensePrefixes, SparsePrefixes, dense_attach, sparse_attach
-from .sequences import CacheManager, CapacityError, ingest_chunk
-from .tp import HOST_SPECS, TP_AXIS
+from ulacache_jax.cache.kernel_choice import Platform, ResolvedKernels, resolve
+from ulacache_jax.models.attention import dense_attention
+from ulacache_jax.runtime.prefix_cache import DensePrefixes, SparsePrefixes, dense_attach, sparse_attach
+from ulacache_jax.runtime.sequences import CacheManager, CapacityError, ingest_chunk
+from ulacache_jax.runtime.tp import HOST_SPECS, TP_AXIS
 
 ATTENTION_KINDS = ("sparse", "dense")
 

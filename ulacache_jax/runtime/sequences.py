@@ -16,11 +16,14 @@ import jax.numpy as jnp
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import key_copy, lid as lid_mod, pb_lru, vtlb as vtlb_mod
-from .cache_state import CacheState, HostPool, tail_frame
-from .config import CacheConfig
-from .pallas_kernels import page_copy
-from .tp import HOST_SPECS, TP_AXIS, init_sharded, make_mesh, per_rank, state_specs
+from ulacache_jax.cache.select import key_copy
+from ulacache_jax.cache import lid as lid_mod
+from ulacache_jax.cache import pb_lru
+from ulacache_jax.cache import vtlb as vtlb_mod
+from ulacache_jax.cache.state import CacheState, HostPool, tail_frame
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.pallas_kernels import page_copy
+from ulacache_jax.runtime.tp import HOST_SPECS, TP_AXIS, init_sharded, make_mesh, per_rank, state_specs
 
 
 class CapacityError(ValueError):

@@ -14,7 +14,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from .pallas_kernels.lid_hash import GOLDEN, bucket_bits, mulhi_u32  # noqa: F401  (re-exported)
+from ulacache_jax.pallas_kernels.lid_hash import GOLDEN, bucket_bits, mulhi_u32  # noqa: F401  (re-exported)
 
 # field: (bits, shift inside hi); tok is the whole lo word.
 SEQ_BITS, LAYER_BITS, GROUP_BITS, TOK_BITS = 20, 8, 4, 32

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .pallas_kernels.page_lse import page_lse
+from ulacache_jax.pallas_kernels.page_lse import page_lse
 
 
 def pick_channels(k, live, num_channels: int):

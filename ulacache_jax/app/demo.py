@@ -18,8 +18,8 @@ import sys
 import textwrap
 import time
 
-from . import demo_tasks
-from .demo_tasks import Task
+from ulacache_jax.app import demo_tasks
+from ulacache_jax.app.demo_tasks import Task
 
 DEFAULT_MODEL = "smollm2-135m"
 WIDTH = 100
@@ -77,7 +77,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel
     `tiny` preset with the byte tokenizer when name is "tiny" or the preset's package is not installed."""
     import jax.numpy as jnp
     from flax import nnx
-    from . import models
+    from ulacache_jax import models
 
     note = ""
     if name != "tiny":
@@ -101,7 +101,7 @@ def prompt_ids(tokenizer, tasks: list[Task]) -> list[list[int]]:
 def run_mode(model, tokenizer, prompts: list[list[int]], attention: str, settings: DemoSettings) -> ModeResult:
     """Every prompt through one Engine (continuous batching, one slot each), greedy, stopping at the model's
     end-of-turn ids."""
-    from .engine import Engine, SamplingParams
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
 
     s = settings
     t0 = time.perf_counter()
@@ -183,7 +183,7 @@ def format_stats(sparse: ModeResult, dense: ModeResult) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ulacache_jax.demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ulacache_jax.app.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL,
                     help="a pretrained preset, a .gguf file or a model folder; 'tiny' = random weights "
                          f"(default {DEFAULT_MODEL})")

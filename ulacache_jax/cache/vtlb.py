@@ -21,8 +21,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from . import lid as lid_mod
-from .pb_lru import AccessOut
+from ulacache_jax.cache import lid as lid_mod
+from ulacache_jax.cache.pb_lru import AccessOut
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["frame", "host_page"], meta_fields=["page_size"])

@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from .config import CacheConfig
+from ulacache_jax.cache.config import CacheConfig
 
 
 def _pct(xs, q) -> float | None:
@@ -207,7 +207,7 @@ def format_report(rep: dict) -> str:
 
 def write_json(rep: dict, path: str | os.PathLike) -> None:
     """Written to a temp file beside `path` and renamed over it: a crash leaves the old report or the new one."""
-    from .jsonl_io import atomic_write_bytes
+    from ulacache_jax.app.jsonl_io import atomic_write_bytes
     atomic_write_bytes(path, (json.dumps(rep, indent=1, default=str) + "\n").encode())
 
 
@@ -295,7 +295,7 @@ def plot_timeline(rep: dict, path: str | os.PathLike, *, max_gantt_rows: int = 6
     ax_h.set_xlim(0, 1.02 * t_max)
     ax_h.set_xlabel("seconds since engine start")
     fig.tight_layout()
-    from .jsonl_io import atomic_write
+    from ulacache_jax.app.jsonl_io import atomic_write
     try:
         atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     finally:

@@ -27,13 +27,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .backends import SparseOps
-from .config import CacheConfig
-from .decode_layer import DecodeOptions, LayerStats, attend_pages, plan_layer
-from .kernel_choice import Platform
-from .models.attention import dense_attention
-from .program import DecodeMeta, decode_layers
-from .sequences import CacheManager
+from ulacache_jax.runtime.backends import SparseOps
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.cache.decode_layer import DecodeOptions, LayerStats, attend_pages, plan_layer
+from ulacache_jax.cache.kernel_choice import Platform
+from ulacache_jax.models.attention import dense_attention
+from ulacache_jax.runtime.program import DecodeMeta, decode_layers
+from ulacache_jax.runtime.sequences import CacheManager
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,12 +51,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import cache_state as cache_state_mod
-from .cache_state import CacheState, HostPool, host_memory_kind
-from .config import CacheConfig
-from .models import checkpoint as model_checkpoint, gguf_loader, hf_loader
-from .models.llama import MLP, Attention, LlamaModel
-from .models.pretrained import resolve_model_path
+from ulacache_jax.cache import state as cache_state_mod
+from ulacache_jax.cache.state import CacheState, HostPool, host_memory_kind
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.models import checkpoint as model_checkpoint, gguf_loader, hf_loader
+from ulacache_jax.models.llama import MLP, Attention, LlamaModel
+from ulacache_jax.models.pretrained import resolve_model_path
 
 TP_AXIS = "tp"
 

@@ -30,8 +30,8 @@ import pathlib
 import numpy as np
 import jax
 
-from .config import CacheConfig
-from .requests import ERROR, Request, SamplingParams, StepOutput
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.runtime.requests import ERROR, Request, SamplingParams, StepOutput
 
 FORMAT = 1
 _ITEMS = ("arrays", "meta")

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import jax.numpy as jnp
 
-from . import lid as lid_mod
+from ulacache_jax.cache import lid as lid_mod
 
 TAIL_PAGES = 2  # ring pages per (seq, layer, group): a decode chunk of page_size steps crosses <= 1 page boundary
 

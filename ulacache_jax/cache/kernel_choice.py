@@ -20,9 +20,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .config import CacheConfig
-from .pallas_kernels import next_pow2
-from .pallas_kernels.sparse_decode_attention import mosaic_applies
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.pallas_kernels import next_pow2
+from ulacache_jax.pallas_kernels.sparse_decode_attention import mosaic_applies
 
 # Choices a caller may force, per step ('auto' = decided here).
 ATTENTION_IMPLS = ("auto", "mosaic", "pallas", "ref")

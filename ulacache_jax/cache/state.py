@@ -32,8 +32,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from . import pb_lru, vtlb as vtlb_mod
-from .config import CacheConfig, TAIL_PAGES
+from ulacache_jax.cache import pb_lru
+from ulacache_jax.cache import vtlb as vtlb_mod
+from ulacache_jax.cache.config import CacheConfig, TAIL_PAGES
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["length", "flushed", "active", "owner"], meta_fields=[])
@@ -177,7 +178,7 @@ def check_fits(config: CacheConfig, device=None, host_bytes: int | None = None) 
     if host_bytes is None and host_memory_kind(device) and host_need > xla_host_limit_bytes():
         raise ValueError(f"host pool needs {host_need / 2**30:.2f} GiB but XLA's pinned host allocator is limited "
                          f"to {xla_host_limit_bytes() / 2**30:.0f} GiB: set {HOST_LIMIT_ENV} (GiB) before JAX "
-                         "starts, or call ulacache_jax.cache_state.raise_host_limit() first")
+                         "starts, or call ulacache_jax.cache.state.raise_host_limit() first")
     return fp
 
 

@@ -23,9 +23,9 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from . import lid as lid_mod
-from .pallas_kernels import pb_lru_sieve
-from .pallas_kernels.pb_lru_sieve import EMPTY_STAMP, EMPTY_TAG  # noqa: F401  (part of this module's API)
+from ulacache_jax.cache import lid as lid_mod
+from ulacache_jax.pallas_kernels import pb_lru_sieve
+from ulacache_jax.pallas_kernels.pb_lru_sieve import EMPTY_STAMP, EMPTY_TAG  # noqa: F401  (part of this module's API)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["tag_hi", "tag_lo", "stamp"], meta_fields=[])

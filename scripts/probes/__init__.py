@@ -1,0 +1,1 @@
+"""One-question probes run on the H200 (`python -m scripts.probes.<name>`)."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft rules, acceptance, and the device n-gram drafter."""
