@@ -31,7 +31,7 @@ from ulacache_jax.runtime.backends import SparseOps
 from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.cache.decode_layer import DecodeOptions, LayerStats, attend_pages, plan_layer
 from ulacache_jax.cache.kernel_choice import Platform
-from ulacache_jax.models.attention import dense_attention
+from ulacache_jax.models.attention import blocked_attention
 from ulacache_jax.runtime.program import DecodeMeta, decode_layers
 from ulacache_jax.runtime.sequences import CacheManager
 
@@ -74,7 +74,7 @@ class _RecordingOps:
 def _causal(q, k, v):
     """q [1, T, H, D], k/v [1, T, KV, D] -> causal attention [1, T, H, D] (scores and softmax in float32)."""
     pos = jnp.arange(q.shape[1])[None]
-    return dense_attention(q, k, v, pos, pos)
+    return blocked_attention(q, k, v, pos, pos)
 
 
 class _DensePrograms:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ulacache_jax.cache.lid import FIELD_LIMITS
-from ulacache_jax.models.attention import dense_attention
+from ulacache_jax.models.attention import blocked_attention
 
 _ROOT = b""
 
@@ -494,7 +494,6 @@ def dense_attach(ck, cv, slot, src, start):
 
 
 PREFIX_Q_CHUNK = 1024        # query rows per cuDNN call over [prefix | rest]: its mask is [rows, Tp + Ts]
-PREFIX_SCORE_BYTES = 1 << 30  # the jnp reference's float32 scores per query chunk [H, rows, Tp + Ts]
 
 
 def prefix_attention(q, k, v, kp, vp, start, impl: str):
@@ -516,16 +515,10 @@ def prefix_attention(q, k, v, kp, vp, start, impl: str):
             ok = (j[None] < start) | ((j[None] >= Tp) & (j[None] - Tp <= i[:, None]))          # [C, S]
             return jax.nn.dot_product_attention(qc, keys, vals, mask=ok[None, None],
                                                 implementation="cudnn" if impl == "cudnn" else None)
-    else:
-        C = Ts
-        while C > 1 and H * C * S * 4 > PREFIX_SCORE_BYTES:
-            C //= 2
+    else:   # the blocked jnp attention: memory linear in S, so no query chunks
         kpos = jnp.where(j < Tp, j, start + j - Tp)[None]
         valid = ((j < start) | (j >= Tp))[None]
-
-        def rows(qc, i0):
-            qpos = (start + i0 + jnp.arange(qc.shape[1]))[None]
-            return dense_attention(qc, keys, vals, qpos, kpos, k_valid=valid)
+        return blocked_attention(q, keys, vals, (start + jnp.arange(Ts))[None], kpos, k_valid=valid)
     if C == Ts:
         return rows(q, 0)
     n = Ts // C

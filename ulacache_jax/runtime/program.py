@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ulacache_jax.runtime.speculative import ngram as ngram_device
 from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.cache.decode_layer import LayerStats
-from ulacache_jax.models.attention import dense_attention
+from ulacache_jax.models.attention import blocked_attention
 from ulacache_jax.runtime.prefix_cache import prefix_attention
 from ulacache_jax.runtime.sampling import sample
 from ulacache_jax.runtime.speculative.rules import accept, backoff, draw, gate_rows, spec_bounds, token_probs
@@ -89,12 +89,13 @@ def verify_layers(model, ops, cache, x, meta: VerifyMeta):
 
 def prefill_attention(q, k, v, length, impl: str):
     """Causal attention over one prompt; q [1, T, H, D], k/v [1, T, KV, D]. impl (the backend's resolved
-    prefill_attention): 'cudnn' (flash attention, O(T) memory) or 'xla' (the jnp reference). Padding past `length`
-    only sees earlier tokens, so it cannot leak."""
+    prefill_attention): 'cudnn' (flash attention, O(T) memory) or 'xla' (the blocked jnp attention, also O(T):
+    the whole score matrix of a 32K float32 prompt would be 56 GiB). Padding past `length` only sees earlier tokens,
+    so it cannot leak."""
     if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     pos = jnp.arange(q.shape[1])[None]
-    return dense_attention(q, k, v, pos, pos)
+    return blocked_attention(q, k, v, pos, pos)
 
 
 def _token_chunks(fn, chunk: int, *xs):
