@@ -33,12 +33,37 @@ def _lse_kernel(kc_ref, q_ref, out_ref, *, g: int, rows: int):
     c = gc // g
     for i in range(g):
         k = kc_ref[:, :, pl.ds(i * c, c)].astype(jnp.float32)                          # [p, T, C]
-        for x in range(rows):
-            r = i * rows + x
-            q = q_ref[pl.ds(r, 1), :].reshape(1, 1, c)                                  # [1, 1, C]
-            logit = jnp.sum(k * q, axis=2)                                              # [p, T]
-            m = jnp.max(logit, axis=1)                                                  # [p]
-            out_ref[pl.ds(r, 1), :] = (m + jnp.log(jnp.sum(jnp.exp(logit - m[:, None]), axis=1))).reshape(1, p)
+        _rows_lse([(k, 0)], q_ref, out_ref, i, rows)
+
+
+def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int):
+    # kc_ref [p, T, g * Cs] label codes (int8, or uint8 two channels a byte at 4 bits); sc_ref [p, g * C] float32
+    # scales per page and channel; q_ref, out_ref as _lse_kernel's. Dequantised in registers: codes are read once.
+    # At 4 bits the low nibbles are channels [0, C/2) and the high ones [C/2, C): two halves, no interleave.
+    p, t, gcs = kc_ref.shape
+    cs = gcs // g
+    c = cs * 2 if bits == 4 else cs
+    for i in range(g):
+        raw = kc_ref[:, :, pl.ds(i * cs, cs)]
+        if bits == 8:
+            halves = [(raw.astype(jnp.float32), 0)]
+        else:
+            b = raw.astype(jnp.int32)
+            halves = [(((b & 15) - 8).astype(jnp.float32), 0), (((b >> 4) - 8).astype(jnp.float32), cs)]
+        parts = [(k * sc_ref[:, pl.ds(i * c + c0, cs)].reshape(p, 1, cs), c0) for k, c0 in halves]
+        _rows_lse(parts, q_ref, out_ref, i, rows)
+
+
+def _rows_lse(parts, q_ref, out_ref, i: int, rows: int):
+    """parts: (k [p, T, w] float32, c0) slices of KV head i's keys over channels [c0, c0 + w) -> out_ref rows
+    i * rows + x: each query row's page log-sum-exps."""
+    p = parts[0][0].shape[0]
+    for x in range(rows):
+        r = i * rows + x
+        logit = sum(jnp.sum(k * q_ref[pl.ds(r, 1), pl.ds(c0, k.shape[2])].reshape(1, 1, k.shape[2]), axis=2)
+                    for k, c0 in parts)                                                 # [p, T]
+        m = jnp.max(logit, axis=1)                                                      # [p]
+        out_ref[pl.ds(r, 1), :] = (m + jnp.log(jnp.sum(jnp.exp(logit - m[:, None]), axis=1))).reshape(1, p)
 
 
 def _block_pages(num_pages: int, page: int, channels: int) -> int:
@@ -49,8 +74,9 @@ def _block_pages(num_pages: int, page: int, channels: int) -> int:
     return b
 
 
-def _check(kc, qc, *, pow2: bool):
-    S, L, G, P, T, g, C = kc.shape
+def _check(kc, qc, *, pow2: bool, bits: int = 0):
+    S, L, G, P, T, g, Cs = kc.shape
+    C = Cs * 2 if bits == 4 else Cs
     if qc.ndim != 5 or qc.shape[:3] != (S, G, g) or qc.shape[4] != C:
         raise ValueError(f"qc shape {qc.shape} must be [S, G, g, H, C] = [{S}, {G}, {g}, H, {C}] for kc {kc.shape}")
     for name, v in (("page size", T), ("copy channels", C)):
@@ -58,14 +84,16 @@ def _check(kc, qc, *, pow2: bool):
             raise ValueError(f"{name} = {v} must be a power of two for the page-lse kernel (Triton blocks)")
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "interpret", "block_pages", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("layer", "interpret", "block_pages", "num_warps", "bits"))
 def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages: int | None = None,
-                    num_warps: int | None = None):
+                    num_warps: int | None = None, scale=None, bits: int = 0):
     """kc [S, L, G, P, T, g, C] the key copy (any float dtype); qc [S, G, g, H, C] float32 query rows at the copy's
     channels, already scaled -> lse [S, G, g * H, P] float32 for `layer`. block_pages: a power of two dividing P
-    (default: the largest within BLOCK_ELEMS)."""
-    _check(kc, qc, pow2=True)
-    S, L, G, P, T, g, C = kc.shape
+    (default: the largest within BLOCK_ELEMS). Labels (bits 8 / 4): kc [S, L, G, P, T, g, Cs] codes and scale
+    [S, G, P, g, C] (this layer's) scales per page and channel (select/labels.py)."""
+    _check(kc, qc, pow2=True, bits=bits)
+    S, L, G, P, T, g, Cs = kc.shape
+    C = qc.shape[4]
     H = qc.shape[3]
     Hp = next_pow2(H)    # Triton blocks are powers of two: padded rows are zeros, their lse is dropped below
     qp = jnp.pad(qc.astype(jnp.float32), ((0, 0),) * 3 + ((0, Hp - H), (0, 0))).reshape(S, G, g * Hp, C)
@@ -75,30 +103,50 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     kwargs = {}
     if not interpret:
         kwargs["compiler_params"] = pltr.CompilerParams(num_warps=num_warps or DEFAULT_WARPS)
-    view = kc.reshape(S, L, G, P, T, g * C)                                             # row-major: free
-    out = pl.pallas_call(
-        functools.partial(_lse_kernel, g=g, rows=Hp), grid=(S, G, P // bp), interpret=interpret,
-        in_specs=[pl.BlockSpec((None, None, None, bp, T, g * C), lambda s, j, b: (s, layer, j, b, 0, 0)),
-                  pl.BlockSpec((None, None, g * Hp, C), lambda s, j, b: (s, j, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, g * Hp, bp), lambda s, j, b: (s, j, 0, b)),
-        out_shape=jax.ShapeDtypeStruct((S, G, g * Hp, P), jnp.float32),
-        name="key_copy_page_lse", **kwargs)(view, qp)
+    view = kc.reshape(S, L, G, P, T, g * Cs)                                            # row-major: free
+    kspec = pl.BlockSpec((None, None, None, bp, T, g * Cs), lambda s, j, b: (s, layer, j, b, 0, 0))
+    qspec = pl.BlockSpec((None, None, g * Hp, C), lambda s, j, b: (s, j, 0, 0))
+    common = dict(grid=(S, G, P // bp), interpret=interpret,
+                  out_specs=pl.BlockSpec((None, None, g * Hp, bp), lambda s, j, b: (s, j, 0, b)),
+                  out_shape=jax.ShapeDtypeStruct((S, G, g * Hp, P), jnp.float32), **kwargs)
+    if bits:
+        sc = scale.astype(jnp.float32).reshape(S, G, P, g * C)
+        out = pl.pallas_call(
+            functools.partial(_label_kernel, g=g, rows=Hp, bits=bits),
+            in_specs=[kspec, pl.BlockSpec((None, None, bp, g * C), lambda s, j, b: (s, j, b, 0)), qspec],
+            name="label_page_lse", **common)(view, sc, qp)
+    else:
+        out = pl.pallas_call(functools.partial(_lse_kernel, g=g, rows=Hp), in_specs=[kspec, qspec],
+                             name="key_copy_page_lse", **common)(view, qp)
     return out.reshape(S, G, g, Hp, P)[:, :, :, :H].reshape(S, G, g * H, P)
 
 
-def ref_page_lse(kc, qc, *, layer: int):
+def ref_dequant(codes, scale, bits: int):
+    """codes [..., P, T, g, Cs], scale [..., P, g, C] -> [..., P, T, g, C] float32: the labels' values (int8, or
+    two int4 a byte: channel j low nibble, j + C/2 high, each stored + 8)."""
+    if bits == 8:
+        v = codes.astype(jnp.float32)
+    else:
+        b = codes.astype(jnp.int32)
+        v = jnp.concatenate([(b & 15) - 8, (b >> 4) - 8], axis=-1).astype(jnp.float32)
+    return v * scale.astype(jnp.float32)[..., None, :, :]
+
+
+def ref_page_lse(kc, qc, *, layer: int, scale=None, bits: int = 0):
     """Plain jnp reference of `page_lse_pallas` (float32 products at full precision)."""
-    S, L, G, P, T, g, C = kc.shape
-    logit = jnp.einsum("sjptic,sjihc->sjihpt", kc[:, layer].astype(jnp.float32), qc.astype(jnp.float32),
+    S, L, G, P, T, g, _ = kc.shape
+    k = ref_dequant(kc[:, layer], scale, bits) if bits else kc[:, layer].astype(jnp.float32)
+    logit = jnp.einsum("sjptic,sjihc->sjihpt", k, qc.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST)                             # [S, G, g, H, P, T]
     return jax.nn.logsumexp(logit, axis=-1).reshape(S, G, g * qc.shape[3], P)
 
 
-def page_lse(kc, qc, *, layer: int, impl: str = "auto"):
+def page_lse(kc, qc, *, layer: int, impl: str = "auto", scale=None, bits: int = 0):
     """impl: 'auto' (kernel on GPU, reference elsewhere), 'pallas' (kernel; interpret mode off GPU) or 'ref'.
-    A copy whose page size or channel count is not a power of two takes the reference."""
-    _check(kc, qc, pow2=False)
-    T, C = kc.shape[4], kc.shape[6]
-    if pick_impl(impl) == "ref" or T & (T - 1) or C & (C - 1):
-        return ref_page_lse(kc, qc, layer=layer)
-    return page_lse_pallas(kc, qc, layer=layer, interpret=not on_gpu())
+    A copy whose page size or channel count is not a power of two takes the reference. bits 8 / 4: kc holds
+    label codes and scale [S, G, P, g, C] their scales (the layer's)."""
+    _check(kc, qc, pow2=False, bits=bits)
+    T, C, Cs = kc.shape[4], qc.shape[4], kc.shape[6]
+    if pick_impl(impl) == "ref" or T & (T - 1) or C & (C - 1) or Cs & (Cs - 1):
+        return ref_page_lse(kc, qc, layer=layer, scale=scale, bits=bits)
+    return page_lse_pallas(kc, qc, layer=layer, interpret=not on_gpu(), scale=scale, bits=bits)

@@ -39,6 +39,11 @@ class CacheConfig:
                                      # scores the max of its sub-pages' Quest bounds, selection stays per page
     key_channels: int = 0            # 0: Quest selection. C > 0: an HBM copy of C channels of every flushed key
                                      # scores pages by approximate attention mass instead (key_copy.py)
+    label_bits: int = 0              # 0: the copy in the model's dtype, channels of largest key energy (key copy).
+                                     # 8 or 4: label channels (select/labels.py): whole rotary pairs, int8 / int4
+                                     # codes with a scale per page and channel
+    channel_table: tuple | None = None  # labels' offline calibration: [num_layers][num_kv_heads][C] channel ids
+                                        # (scripts/calibrate_labels.py); None: each sequence's first prefill block
 
     def __post_init__(self):
         def need(ok, msg):
@@ -69,6 +74,21 @@ class CacheConfig:
         kc = self.key_channels
         need(isinstance(kc, (int, np.integer)) and not isinstance(kc, bool) and 0 <= kc <= self.head_dim,
              f"key_channels = {kc!r} must be an int in [0, head_dim = {self.head_dim}]")
+        lb = self.label_bits
+        need(lb in (0, 4, 8) and not isinstance(lb, bool), f"label_bits = {lb!r} must be 0, 4 or 8")
+        need(not lb or (kc >= 2 and kc % 2 == 0 and self.head_dim % 2 == 0),
+             f"label_bits = {lb} needs an even key_channels >= 2 (whole rotary pairs; it is {kc})")
+        need(self.channel_table is None or lb, "channel_table is the labels' calibration: it needs label_bits 4 or 8")
+        if self.channel_table is not None:
+            tab = np.asarray(self.channel_table)
+            if tab.ndim == 3:   # hashable and immutable, whatever sequence type it came as (a static jit field)
+                object.__setattr__(self, "channel_table", tuple(tuple(tuple(int(c) for c in h) for h in l)
+                                                                for l in tab.tolist()))
+            need(tab.shape == (self.num_layers, self.num_kv_heads, kc) and tab.dtype.kind == "i"
+                 and tab.min() >= 0 and tab.max() < self.head_dim,
+                 f"channel_table shape {tab.shape} must be [num_layers, num_kv_heads, key_channels] = "
+                 f"[{self.num_layers}, {self.num_kv_heads}, {kc}] of channel ids in [0, {self.head_dim})")
+            need(self.tp == 1, f"channel_table needs tp = 1 (it is {self.tp}): per-rank tables are not built yet")
         need(self.max_pages_per_seq * self.page_size <= 2**31 - 1,
              f"max_pages_per_seq * page_size = {self.max_pages_per_seq * self.page_size} tokens exceeds 2**31 - 1")
         lid_mod.log2_buckets(self.num_buckets)
@@ -85,6 +105,16 @@ class CacheConfig:
              f"num_groups = {self.num_groups} % tp = {self.tp} != 0: replicate heads (kv_heads_per_group) first")
 
     # derived sizes
+    @property
+    def label_bytes(self) -> float:
+        """Bytes of one channel of one token in the key copy: the model dtype's, or label_bits / 8."""
+        return self.label_bits / 8 if self.label_bits else self.jnp_dtype.itemsize
+
+    @property
+    def rule(self) -> str:
+        """The page-selection rule: 'quest', 'key_copy' or 'labels' (the row vocabulary of the benchmarks)."""
+        return "labels" if self.label_bits else "key_copy" if self.key_channels else "quest"
+
     @property
     def num_groups(self) -> int:
         return self.num_kv_heads // self.kv_heads_per_group
@@ -141,7 +171,8 @@ class CacheConfig:
             "tail": 2 * per_pg * TAIL_PAGES * self.page_bytes,
             "overflow": 2 * self.overflow_frames * self.page_bytes,
             "summaries": 2 * per_pg * self.summary_pages * self.kv_heads_per_group * self.head_dim * isz,
-            "key_copy": per_pg * self.kv_heads_per_group * (self.max_context * isz + 4) * self.key_channels,
+            "key_copy": int(per_pg * self.kv_heads_per_group * self.key_channels * (
+                self.max_context * self.label_bytes + 4 + (2 * self.max_pages_per_seq if self.label_bits else 0))),
             "vtlb": 2 * 4 * per_pg * self.max_pages_per_seq,
             "pb_lru": 12 * self.num_frames,
             "host": 2 * self.host_pages * self.page_bytes,

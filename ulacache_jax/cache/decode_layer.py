@@ -101,7 +101,8 @@ def _scores(state: CacheState, layer: int, q, flushed, options: DecodeOptions):
     c = state.config
     if c.key_channels:
         return key_copy.page_mass(state.kc[0], state.chan[0, :, layer], q, flushed, layer=layer,
-                                  impl=options.scores)
+                                  impl=options.scores, bits=c.label_bits,
+                                  ksc=None if state.ksc is None else state.ksc[0, :, layer])
     return page_scores(state.kmin[0], state.kmax[0], q, layer=layer, impl=options.scores,
                        launch=options.score_launch, split=c.summary_split)
 
@@ -252,12 +253,14 @@ def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto") -> tupl
     hk, hv = page_copy.flush([host.k[0], host.v[0]], [state.pool_k[0], state.pool_v[0]], src, dst.astype(jnp.int32),
                              impl=impl)   # K and V in one launch
     seqs = dataclasses.replace(state.seqs, flushed=jnp.where(state.seqs.active, length // P, flushed))
-    kc = state.kc
+    kc, ksc = state.kc, state.ksc
     if c.key_channels:   # the flushed pages join the key copy (read from their ring frames)
         pages = jnp.where(done[:, None, None, :], pp, c.max_pages_per_seq)            # [S, 1, 1, T]; P: dropped
-        kc = key_copy.write_pages(kc[0], state.chan[0], s, l, g, pages, state.pool_k[0, tail_frame(c, s, l, g, pp)]
-                                  )[None]
-    return dataclasses.replace(state, seqs=seqs, kc=kc), HostPool(k=hk[None], v=hv[None])
+        kc, ksc = key_copy.write_pages(kc[0], state.chan[0], s, l, g, pages,
+                                       state.pool_k[0, tail_frame(c, s, l, g, pp)], bits=c.label_bits,
+                                       ksc=None if ksc is None else ksc[0])
+        kc, ksc = kc[None], None if ksc is None else ksc[None]
+    return dataclasses.replace(state, seqs=seqs, kc=kc, ksc=ksc), HostPool(k=hk[None], v=hv[None])
 
 
 # ---- speculative verification (speculative.py; DESIGN.md section 7) --------------------------------------------

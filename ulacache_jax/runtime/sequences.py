@@ -20,7 +20,7 @@ from ulacache_jax.cache.select import key_copy
 from ulacache_jax.cache import lid as lid_mod
 from ulacache_jax.cache import pb_lru
 from ulacache_jax.cache import vtlb as vtlb_mod
-from ulacache_jax.cache.state import CacheState, HostPool, tail_frame
+from ulacache_jax.cache.state import CacheState, HostPool, initial_channels, tail_frame
 from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.pallas_kernels import page_copy
 from ulacache_jax.runtime.tp import HOST_SPECS, TP_AXIS, init_sharded, make_mesh, per_rank, state_specs
@@ -157,7 +157,7 @@ def release_device(state: CacheState, slot) -> CacheState:
                                 kmin=state.kmin.at[:, slot].set(0), kmax=state.kmax.at[:, slot].set(0))
     if state.config.key_channels:   # the copy itself needs no clearing: a sequence reads only its flushed pages
         state = dataclasses.replace(state, chan=state.chan.at[:, slot].set(
-            jnp.arange(state.config.key_channels, dtype=jnp.int32)))
+            initial_channels(state.config, state.chan.shape[0])[:, 0]))
     return state
 
 
@@ -245,10 +245,11 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
                                             mode="drop")
     seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(end),
                                flushed=state.seqs.flushed.at[slot].set(end // page))
-    kc, chan = state.kc, state.chan
-    if c.key_channels:   # the key copy; a sequence's first block (start 0) picks its channels
-        kc, chan = key_copy.write_block(kc, chan, slot, layer0, p0, kp, tok < end, jnp.asarray(start) == 0)
-    state = dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, seqs=seqs, kc=kc, chan=chan,
+    kc, chan, ksc = state.kc, state.chan, state.ksc
+    if c.key_channels:   # the key copy; a sequence's first block (start 0) picks its channels (or the table's)
+        kc, chan, ksc = key_copy.write_block(kc, chan, slot, layer0, p0, kp, tok < end, jnp.asarray(start) == 0,
+                                             ksc=ksc, bits=c.label_bits, fixed=c.channel_table is not None)
+    state = dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, seqs=seqs, kc=kc, chan=chan, ksc=ksc,
                                 kmin=jax.lax.dynamic_update_slice(state.kmin, new_kmin, summ_at),
                                 kmax=jax.lax.dynamic_update_slice(state.kmax, new_kmax, summ_at))
     return state, host

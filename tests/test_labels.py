@@ -1,0 +1,150 @@
+"""Label channels (CacheConfig.label_bits, select/labels.py; issue 48): whole rotary pairs, int8 / int4 codes with a
+scale per page and channel, scored by the page-lse kernel that dequantises in registers.
+
+Checked against references written from the raw keys: the codes a cache holds after ingest + decode steps (and
+flushes) dequantise to each flushed token's key at its sequence's pair channels within half a quantisation step;
+the channels are whole pairs of largest key energy over the first block, or an offline table's, kept for life and
+restored on release; the kernel equals its jnp reference on random and adversarial codes (all-zero channels, the
+extreme codes); generate with a covering budget gives dense's tokens at 8 and 4 bits."""
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.cache.select import labels
+from ulacache_jax.pallas_kernels import page_lse as pk
+from cache_steps import assert_covering_budget_equals_dense, ingest_and_decode, tiny_model
+
+PAGE, C, D = 8, 4, 16
+
+
+def test_config_checks_and_footprint():
+    base = CacheConfig.preset("tiny", key_channels=8)
+    c8 = CacheConfig.preset("tiny", key_channels=8, label_bits=8)
+    c4 = CacheConfig.preset("tiny", key_channels=8, label_bits=4)
+    assert (base.rule, c8.rule, c4.rule) == ("key_copy", "labels", "labels")
+    assert c4.footprint()["key_copy"] < c8.footprint()["key_copy"] < base.footprint()["key_copy"]
+    for bad, msg in ((dict(label_bits=2), r"label_bits = 2 must be 0, 4 or 8"),
+                     (dict(key_channels=3, label_bits=8), r"even key_channels >= 2 .* it is 3"),
+                     (dict(key_channels=0, label_bits=8), r"even key_channels >= 2 .* it is 0"),
+                     (dict(key_channels=4, channel_table=((0, 1, 8, 9),)), r"channel_table .* needs label_bits"),
+                     (dict(key_channels=4, label_bits=8, channel_table=[[[0, 1, 8, 9]]]), r"channel_table shape")):
+        with pytest.raises(ValueError, match=msg):
+            CacheConfig.preset("tiny", **bad)
+
+
+def test_quantize_roundtrip_and_adversarial_values():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, PAGE, 2, 6)).astype(np.float32) * rng.uniform(0.01, 30, 6).astype(np.float32)
+    x[1, :, :, 2] = 0.0                                        # an all-zero channel: scale 0, codes 0, value 0
+    x[2, 0, 0, 0] = 1e4                                        # one outlier sets its page-channel's scale
+    for bits in (8, 4):
+        codes, scale = labels.quantize(jnp.asarray(x), bits)
+        assert codes.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
+        assert codes.shape == (3, PAGE, 2, 6 if bits == 8 else 3) and scale.shape == (3, 2, 6)
+        back = np.asarray(labels.dequantize(codes, scale, bits))
+        step = np.asarray(scale, np.float32)[:, None]                                   # [3, 1, 2, 6]
+        # half a step of rounding, plus the bf16 scale's relative error (2^-8) on the largest code
+        assert (np.abs(back - x) <= step * (0.5 + labels.QMAX[bits] * 2 ** -8) + 1e-6).all()
+        assert (back[1, :, :, 2] == 0).all()
+        np.testing.assert_array_equal(np.asarray(pk.ref_dequant(codes, scale, bits)), back)
+
+
+def test_pair_channels_keep_whole_rotary_pairs():
+    score = jnp.asarray([[0, 5, 1, 0, 0, 0, 4, 0],              # pairs (d, d+4): 0, 5, 5, 0 -> tie: pair 1 first
+                         [9, 0, 0, 0, 0, 0, 0, 1]], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(labels.pair_channels(score, 2)), [[1, 5], [0, 4]])
+    np.testing.assert_array_equal(np.asarray(labels.pair_channels(score, 4)), [[1, 2, 5, 6], [0, 3, 4, 7]])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("g,H", [(1, 3), (2, 2)])
+def test_kernel_equals_reference(bits, g, H):
+    """The Pallas kernel (interpret mode here, compiled in the GPU test) against the jnp reference: random codes
+    including the extreme ones, zero scales, every layer index."""
+    rng = np.random.default_rng(bits + g)
+    S, L, G, P, T, Cc = 2, 3, 2, 8, PAGE, 8
+    cs = Cc if bits == 8 else Cc // 2
+    if bits == 8:
+        codes = jnp.asarray(rng.integers(-127, 128, (S, L, G, P, T, g, cs)), jnp.int8)
+    else:
+        codes = jnp.asarray(rng.integers(0, 256, (S, L, G, P, T, g, cs)), jnp.uint8)
+    scale = rng.uniform(0, 0.3, (S, G, P, g, Cc)).astype(np.float32)
+    scale[0, 0, 3] = 0.0
+    scale = jnp.asarray(scale, jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32)
+    for layer in range(L):
+        want = pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=bits)
+        got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits, block_pages=4)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def build(bits, *, table=None, lengths=(37, 61, 8), steps=13):
+    c = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=D, max_seqs=len(lengths), max_pages_per_seq=32,
+                    page_size=PAGE, num_buckets=4, slots_per_bucket=8, host_pages=512, token_budget=32,
+                    dtype="float32", sink_pages=1, recent_pages=1, key_channels=C, label_bits=bits,
+                    channel_table=table)
+    rng = np.random.default_rng(1)
+    _, state, host, ks = ingest_and_decode(c, list(lengths), steps, rng, qpk=2,
+                                           key_scale=rng.uniform(0.2, 3.0, D).astype(np.float32))
+    return c, state, ks, list(lengths)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cache_holds_every_flushed_key_as_labels_of_the_first_blocks_pairs(bits):
+    c, state, ks, lengths = build(bits)
+    assert state.ksc.shape == (1, 3, 2, 2, 32, 1, C) and state.kc.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
+    for s, (k, n0) in enumerate(zip(ks, lengths)):
+        fl = int(state.seqs.flushed[s])
+        for l in range(2):
+            for gi in range(2):
+                kb = k[l, :n0, gi]                                                     # the first block's keys
+                energy = (kb ** 2).sum(0)
+                pair = energy[:D // 2] + energy[D // 2:]
+                top = np.argsort(-pair, kind="stable")[:C // 2]
+                want_ch = np.sort(np.concatenate([top, top + D // 2]))
+                ch = np.asarray(state.chan[0, s, l, gi, 0])
+                assert ch.tolist() == want_ch.tolist()
+                got = np.asarray(labels.dequantize(state.kc[0, s, l, gi, :fl], state.ksc[0, s, l, gi, :fl], bits))
+                want = k[l, :fl * PAGE, gi][:, ch].reshape(fl, PAGE, 1, C)
+                step = np.asarray(state.ksc[0, s, l, gi, :fl], np.float32)[:, None]
+                assert (np.abs(got - want) <= step * (0.5 + labels.QMAX[bits] * 2 ** -8) + 1e-5).all()
+
+
+def test_offline_table_fixes_the_channels_for_life():
+    from ulacache_jax.runtime.sequences import release_device
+    table = [[[1, 3, 9, 11], [0, 2, 8, 10]], [[5, 6, 13, 14], [4, 7, 12, 15]]]       # [L][KV][C]
+    c, state, ks, lengths = build(8, table=table)
+    for s in range(len(lengths)):
+        np.testing.assert_array_equal(np.asarray(state.chan[0, s, :, :, 0]), np.asarray(table))
+    st = release_device(state, 1)
+    np.testing.assert_array_equal(np.asarray(st.chan[0, 1, :, :, 0]), np.asarray(table))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_generate_covering_budget_equals_dense(model, bits):
+    assert_covering_budget_equals_dense(model, key_channels=8, label_bits=bits)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_kernel_equals_reference():
+    """Compiled on the GPU: the label kernel at the 8B shape's group (g = 1, 4 query rows, C = 16, page 64)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(0)
+    S, L, G, P, T, g, H, Cc = 2, 2, 8, 256, 64, 1, 4, 16
+    for bits in (8, 4):
+        cs = Cc if bits == 8 else Cc // 2
+        codes = jnp.asarray(rng.integers(-127 if bits == 8 else 0, 128 if bits == 8 else 256,
+                                         (S, L, G, P, T, g, cs)), jnp.int8 if bits == 8 else jnp.uint8)
+        scale = jnp.asarray(rng.uniform(0, 0.1, (S, G, P, g, Cc)), jnp.bfloat16)
+        q = jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32)
+        want = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits)
+        got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
