@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 -q
 
-.PHONY: demo test test-gpu bench-gpu clean fixtures
+.PHONY: demo test test-gpu bench-gpu clean fixtures fetch-model
 
 $(PY):
 	"$$(sh scripts/find_python.sh)" -m venv $(VENV)
@@ -47,6 +47,12 @@ test-gpu:
 BENCH ?=
 bench-gpu:
 	OUT=$(or $(OUT),out/gpu) PY=$(GPU_PY) bash scripts/bench_gpu.sh $(BENCH)
+
+# A split-GGUF preset into the model cache folder ($XDG_CACHE_HOME/ulacache_jax/models):
+#   make fetch-model NAME=qwen2.5-coder-0.5b
+NAME ?= qwen2.5-coder-0.5b
+fetch-model: $(VENV)/.installed
+	$(PY) -m ulacache_jax fetch-model $(NAME)
 
 # Regenerates the transformers parity fixtures in a Python 3.11 side venv (torch never enters .venv).
 fixtures:

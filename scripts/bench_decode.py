@@ -112,12 +112,12 @@ def real_prefill(gen, batch: int, ctx: int, reserve: int, vocab: int):
     return first, running, dict(first_prefill_s=cold, ttft_s=med, prefill_tok_s=ctx / med)
 
 
-def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1, key_channels=0):
+def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1, key_channels=0, label_bits=None):
     """The cache of one row: room for ctx + (chunks + 1) pages per sequence; sparse: an HBM frame pool of
     kv_fraction of the KV pages (at least one step's selection) and pages padded by `pad_page_count` (the host
     pool is sized to the context, not to a power of two); dense: exactly the tokens needed (HBM). tp > 1 (sparse
     only): frames and host pages are per rank (a rank holds its own KV-head groups' pages only). key_channels
-    (sparse only): CacheConfig.key_channels."""
+    (sparse only): CacheConfig.key_channels; label_bits (None: --label-bits): CacheConfig.label_bits."""
     from ulacache_jax.runtime.generation import default_cache_config
     from ulacache_jax.pallas_kernels.page_scores import pad_page_count
     from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
@@ -129,7 +129,9 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1, ke
         frames = max(step_pages * mc.num_layers, int(kv_pages * kv_fraction))
         nb, ns = sieve_geometry(frames, step_pages)
         pages = pad_page_count(need)
-        kw = dict(num_buckets=nb, slots_per_bucket=ns, max_pages_per_seq=pages, key_channels=key_channels)
+        kw = dict(num_buckets=nb, slots_per_bucket=ns, max_pages_per_seq=pages, key_channels=key_channels,
+                  label_bits=(getattr(args, "label_bits", 0) if label_bits is None else label_bits)
+                  if key_channels else 0)
     else:
         kw = dict(max_pages_per_seq=need)
     cfg = default_cache_config(mc, num_seqs=batch, max_tokens=need * page, page_size=page,
@@ -206,7 +208,8 @@ def predicted_tokens_per_s(mc, kind, batch, ctx, cfg, hit_rate=None) -> float:
                                     pool_frames=cfg.num_frames if sparse else None,
                                     hit_rate=hit_rate if sparse else None,
                                     summary_split=cfg.summary_split if sparse else 1,
-                                    key_channels=cfg.key_channels if sparse else 0)
+                                    key_channels=cfg.key_channels if sparse else 0,
+                                    label_bits=cfg.label_bits if sparse else 0)
 
 
 def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None, read_bw=None):
@@ -290,6 +293,8 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                attention_kernel=attention_kernel(args.attention_impl, mc, cfg) if attention == "sparse" else None,
                score_launch=score_launch(args) if attention == "sparse" else None,
                key_channels=cfg.key_channels if attention == "sparse" else None,
+               label_bits=cfg.label_bits if attention == "sparse" else None,
+               rule=cfg.rule if attention == "sparse" else None,
                scores=args.scores if attention == "sparse" else None,
                setup_s=setup_s,
                tokens_per_s=batch / float(np.median(per_tok)), p50_token_ms=1e3 * float(np.median(per_tok)),
@@ -371,6 +376,9 @@ def main(argv=None):
     p.add_argument("--key-channels", type=int, default=0,
                    help="sparse rows: CacheConfig.key_channels (pages scored from an HBM copy of this many channels of "
                         "every key; 0 = Quest summaries)")
+    p.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8),
+                   help="sparse rows with --key-channels: CacheConfig.label_bits (label channels: int8 / int4 codes "
+                        "of whole rotary pairs; 0 = the copy in the model's dtype)")
     p.add_argument("--scores", default="auto", choices=("auto", "ref", "pallas"),
                    help="sparse rows: page-score kernel (Quest bounds or the key copy's page mass): auto (the Pallas "
                         "kernel on GPU), ref (XLA) or pallas")

