@@ -148,3 +148,28 @@ def test_on_the_gpu_kernel_equals_reference():
         want = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits)
         got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_offline_calibration_writes_a_table_the_lookup_finds(tmp_path):
+    """scripts/calibrate_labels.py (tiny model): the table holds whole pairs per layer and KV head, named by the
+    digest; models.calibration finds a GGUF's table by the file's sha256 and names the Cs it has."""
+    import json
+    from scripts import calibrate_labels
+    from ulacache_jax.models import calibration
+    assert calibrate_labels.main(["--tiny", "--windows", "1", "--tokens", "32", "--channels", "4",
+                                  "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "tiny-random-seed.json").read_text())
+    tab = np.asarray(data["channels"]["4"])                                            # [L, KV, C]
+    D = len(data["score"][0][0])
+    assert tab.shape[2] == 4 and ((tab[..., :2] + D // 2) == tab[..., 2:]).all()       # pairs (d, d + D/2)
+    score = np.asarray(data["score"])
+    pair = score[..., :D // 2] + score[..., D // 2:]
+    assert (np.sort(pair, -1)[..., -2:].sum(-1) <= np.take_along_axis(pair, tab[..., :2], -1).sum(-1) + 1e-6).all()
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF fake model bytes")
+    digest = calibration.file_digest(gguf)
+    (tmp_path / f"{digest[:16]}.json").write_text(json.dumps(dict(data, model_digest=digest)))
+    assert calibration.channel_table(str(gguf), 4, folder=tmp_path) == data["channels"]["4"]
+    with pytest.raises(ValueError, match=r"tables for C = \[4\], not 8"):
+        calibration.channel_table(str(gguf), 8, folder=tmp_path)
+    assert calibration.channel_table(str(tmp_path / "missing.gguf"), 4, folder=tmp_path) is None

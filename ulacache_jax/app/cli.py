@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --key-channels C (even): keep the C channels as whole rotary pairs in int8 (8) or "
                         "int4 (4) with a scale per page and channel, so the scorer reads C * bits / 8 bytes a token "
                         "(label channels); 0 = the copy in the model's dtype")
+    g.add_argument("--channel-table", default="auto",
+                   help="with --label-bits: 'auto' (the table shipped for the model's file, found by its sha256, "
+                        "else online calibration from each prompt), 'online', or a JSON file written by "
+                        "scripts/calibrate_labels.py")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole (default: prompts that start with the complete pages of an "
                         "earlier prompt of the run, e.g. many questions over one document, attach those pages "
@@ -607,6 +611,25 @@ def _spec_config(args):
     return SpecConfig(args.speculative, args.num_speculative_tokens, draft_model=args.draft_model)
 
 
+def _channel_table(args):
+    """--channel-table for the labels (None without --label-bits, or online)."""
+    if not args.label_bits or args.channel_table == "online":
+        return None
+    from ulacache_jax.models import calibration
+    if args.channel_table == "auto":
+        try:
+            return calibration.channel_table(args.model or DEFAULT_MODEL, args.key_channels)
+        except ValueError as e:
+            raise UsageError(f"--channel-table auto: {e}") from None
+    path = pathlib.Path(args.channel_table)
+    try:
+        data = json.loads(path.read_text())
+        return data["channels"][str(args.key_channels)]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--channel-table {args.channel_table!r}: not a calibration file with a table for "
+                         f"--key-channels {args.key_channels} ({type(e).__name__}: {e})") from None
+
+
 def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     """The cache for this run: generator.default_cache_config (with tp = --tp: frames and
     host pages per rank), then --hbm-pages / --host-gb."""
@@ -616,7 +639,8 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
 
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
-                  dtype=dtype, key_channels=args.key_channels, label_bits=args.label_bits)
+                  dtype=dtype, key_channels=args.key_channels, label_bits=args.label_bits,
+                  channel_table=_channel_table(args))
         return default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
 
     try:

@@ -1,0 +1,83 @@
+"""scripts/bench_longctx.py on the tiny random model: prompts made to a file and answered from it, dense and sparse
+rules on the same prompts, the row vocabulary, and the rule / budget parsing."""
+import json
+import os
+
+import pytest
+
+from scripts import bench_longctx as bl
+
+VOCAB = {"model", "attention", "rule", "channels", "label_bits", "kv_dtype", "task", "context", "prompt_tokens",
+         "depth", "batch", "budget", "page_size", "accuracy", "same_as_dense", "n", "tokens_per_s", "device",
+         "commit"}
+PROMPT_ARGS = ["--tiny", "--tasks", "niah_single,niah_multikey", "--contexts", "1024", "--depths", "0.5",
+               "--num-prompts", "2", "--haystack", "noise", "--max-new", "8"]   # 8 new tokens: one decode program
+
+
+def test_prompts_file_then_dense_and_sparse(tmp_path):
+    pfile = str(tmp_path / "prompts.json")
+    assert bl.main(["--make-prompts", pfile, *PROMPT_ARGS]) is None
+    with open(pfile) as fh:
+        made = json.load(fh)["prompts"]
+    assert len(made) == 4 and {p["task"] for p in made} == {"niah_single", "niah_multikey"}
+    assert all(p["chat_tokens"] + p["max_new_tokens"] <= 1024 and p["chat_tokens"] > 950 for p in made)
+    # the file holds what the same arguments make in-process
+    again, _ = bl.make_prompts(bl.load_tokenizer("tiny"), tasks=["niah_single", "niah_multikey"], contexts=[1024],
+                               depths=[0.5], num_prompts=2, haystack="noise", seed=0, max_new=8)
+    assert again == made
+
+    with pytest.raises(SystemExit, match="no prompts left"):      # a subset of the file: here none
+        bl.main(["--prompts", pfile, "--tiny", "--contexts", "2048", "--out", str(tmp_path / "none")])
+
+    out = str(tmp_path / "out")
+    res = bl.main(["--prompts", pfile, "--tiny", "--dtype", "float32", "--rules", "dense,quest,key_copy:4",
+                   "--budgets", "256", "--batch", "4", "--out", out, "--commit", "test"])
+    with open(os.path.join(out, "longctx.json")) as fh:
+        data = json.load(fh)
+    assert os.path.exists(os.path.join(out, "longctx.png"))
+    rows = data["rows"]
+    assert len(rows) == 3 * 2                                  # (dense, quest, key_copy) x 2 tasks, one depth
+    for r in rows:
+        assert VOCAB <= set(r), VOCAB - set(r)
+        assert r["attention"] in ("dense", "sparse") and r["rule"] in ("dense", "quest", "key_copy", "labels")
+        assert 0.0 <= r["same_as_dense"] <= 1.0 and 0.0 <= r["accuracy"] <= 1.0 and r["n"] == 2
+        assert r["context"] == 1024 and r["depth"] == 0.5 and r["commit"] == "test" and r["batch"] == 4
+    dense = [r for r in rows if r["rule"] == "dense"]
+    assert dense and all(r["same_as_dense"] == 1.0 and r["budget"] is None for r in dense)
+    kc = [r for r in rows if r["rule"] == "key_copy"]
+    assert kc and all(r["channels"] == 4 and r["budget"] == 256 and r["attention"] == "sparse" for r in kc)
+    # the per-prompt outputs recompute same_as_dense
+    outs = data["outputs"]
+    assert len(outs) == 3 * 4
+    dense_text = {o["id"]: o["output"] for o in outs if o["spec"] == "dense"}
+    for r in rows:
+        ids = [p["id"] for p in data["prompts"] if p["task"] == r["task"]]
+        got = {o["id"]: o["output"] for o in outs if o["spec"] == r["spec"] and o["id"] in ids}
+        assert r["same_as_dense"] == sum(got[i] == dense_text[i] for i in ids) / len(ids)
+    assert all("text" not in p for p in data["prompts"])       # haystack text stays out of the results
+    assert [p["id"] for p in data["prompts"]] == [p["id"] for p in made]
+
+    # in-process prompts (no file) give the same prompts and the same dense answers
+    out2 = str(tmp_path / "out2")
+    res2 = bl.main([*PROMPT_ARGS, "--dtype", "float32", "--rules", "dense", "--batch", "4", "--out", out2])
+    assert res2["meta"]["prompts_digest"] == res["meta"]["prompts_digest"]
+    assert {o["id"]: o["output"] for o in res2["outputs"]} == dense_text
+
+
+def test_rules_and_budgets(tmp_path):
+    from ulacache_jax.cache.config import CacheConfig
+    table = str(tmp_path / "table.json")
+    with open(table, "w") as fh:
+        json.dump({"model_digest": "x", "channels": [[[0, 1, 2, 3]] * 2] * 2}, fh)
+    rules = bl.parse_rules(f"quest,labels:4:8:{table},dense,key_copy:6,labels:4:4")
+    assert [r.spec for r in rules][0] == "dense"                       # dense runs first
+    lab = next(r for r in rules if r.table_path)
+    cc = lab.cache_config(CacheConfig.preset("tiny"))
+    assert (cc.key_channels, cc.label_bits, cc.rule) == (4, 8, "labels") and len(cc.channel_table) == 2
+    kc = next(r for r in rules if r.rule == "key_copy").cache_config(CacheConfig.preset("tiny"))
+    assert (kc.key_channels, kc.label_bits, kc.rule) == (6, 0, "key_copy")
+    with pytest.raises(SystemExit):
+        bl.parse_rules("labels:4:3")
+    with pytest.raises(SystemExit):
+        bl.parse_rules("topk")
+    assert bl.budgets_for(16384, [512, 1000, 16384], [0.0078125, 0.03125], 64) == ([128, 512, 1024], [16384])
