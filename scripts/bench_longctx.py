@@ -102,6 +102,8 @@ def parse_rule(spec: str) -> Rule:
             with open(parts[3]) as fh:
                 tab = json.load(fh)
             channels = tab["channels"]
+            if isinstance(channels, dict):   # scripts/calibrate_labels.py's file: one table per C
+                channels = channels[str(int(parts[1]))]
             return Rule(spec, name, channels=int(parts[1]), label_bits=bits, table_path=parts[3],
                         table=channels, table_digest=tab.get("model_digest"))
     except (ValueError, OSError, KeyError, TypeError) as e:
