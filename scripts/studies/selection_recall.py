@@ -1,0 +1,224 @@
+"""How much of the true attention each page-selection rule keeps, on a trained model's real queries and keys.
+
+    python -m scripts.studies.selection_recall --model qwen2.5-coder-0.5b --contexts 4096 --prompts 3 \
+        --out docs/benchmarks
+    python -m scripts.studies.selection_recall --tiny --contexts 256 --prompts 1 --out /tmp/r   # tests
+
+A CPU-sized stand-in for the decode-path harness (scripts/bench_longctx.py) where no GPU is at hand: one dense
+forward per prompt (a RULER-style needle prompt, chat-templated, scripts/ruler_tasks.py) records every layer's
+post-RoPE keys and the query of the position that generates the answer's first token. For every layer and KV head
+the true attention of that query (softmax over all keys, summed over the group's query heads) gives each page its
+mass; each rule scores the flushed pages as the library does (the same functions: Quest's bound over the page
+min/max, the key copy's and the labels' page mass through pallas_kernels.page_lse's reference, labels quantised by
+select/labels.quantize), keeps the sink page, the recent pages and the top pages up to the budget, and its
+**recall** is the true mass of the pages it attends (selected + the unflushed tail) over the total. Rows per
+(rule, budget): mean recall over layers, heads and prompts, its 10th percentile, and the worst layer's mean.
+Bytes a decode step's scorer reads per token of context (one KV head) are beside each rule: Quest 2 * D * 2 / page,
+a key copy C * 2, labels C * bits / 8 + 2 * C * 2 / page (the bf16 scales).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def record(model, ids):
+    """ids [T] -> (keys [L, T, KV, D] float32, query [L, H, D] float32 of the last position), post-RoPE."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from ulacache_jax.models.attention import blocked_attention
+    L, KV = model.config.num_layers, model.config.num_kv_heads
+    H, D = model.config.num_heads, model.config.head_dim
+    T = len(ids)
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def run(params, ids):
+        m = nnx.merge(graphdef, params)
+        pos = jnp.arange(T, dtype=jnp.int32)[None]
+
+        def attn(cache, q, k, v, meta, layer):
+            cache = (cache[0].at[layer].set(k[0].astype(jnp.float32)), cache[1].at[layer].set(q[0, -1].astype(jnp.float32)))
+            return cache, blocked_attention(q, k, v, meta, meta)
+
+        zero = (jnp.zeros((L, T, KV, D), jnp.float32), jnp.zeros((L, H, D), jnp.float32))
+        (ks, qs), _ = m.forward_with_cache(zero, ids, pos, pos, attn)
+        return ks, qs
+
+    ks, qs = run(params, jnp.asarray(ids, jnp.int32)[None])
+    return np.asarray(ks), np.asarray(qs)
+
+
+def page_truth(k, q, page: int):
+    """k [T, D], q [h, D] (one KV head, its h query heads) -> (mass of each whole page [P], tail mass): the
+    softmax over all T keys of each query head, summed over the heads / h."""
+    D = k.shape[1]
+    logits = (q @ k.T) / np.sqrt(D)                                                    # [h, T]
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p = (p / p.sum(1, keepdims=True)).mean(0)                                          # [T]
+    P = k.shape[0] // page
+    return p[:P * page].reshape(P, page).sum(1), p[P * page:].sum()
+
+
+def rule_scores(rule, k, q, page: int, table_ch=None):
+    """Page scores [P] of one KV head's flushed pages, as the library computes them. rule: ('quest',),
+    ('key_copy', C) or ('labels', C, bits, 'online' | 'table'); k [T, D]; q [h, D]."""
+    import jax.numpy as jnp
+    from ulacache_jax.cache.select import key_copy, labels
+    from ulacache_jax.pallas_kernels.page_lse import ref_page_lse
+    T, D = k.shape
+    P = T // page
+    kp = k[:P * page].reshape(P, page, D)
+    if rule[0] == "quest":
+        lo, hi = kp.min(1), kp.max(1)                                                  # [P, D]
+        return np.maximum(q[:, None] * lo[None], q[:, None] * hi[None]).sum((0, 2))
+    C = rule[1]
+    kk = jnp.asarray(k[:P * page])[:, None]                                            # [T', 1, D]
+    live = jnp.ones(P * page, bool)
+    if rule[0] == "key_copy":
+        ch = key_copy.pick_channels(kk, live, C)[0]
+    elif rule[3] == "table":
+        ch = jnp.asarray(table_ch, jnp.int32)
+    else:
+        ch = labels.pick_pairs(kk, live, C)[0]
+    x = np.asarray(k[:P * page][:, np.asarray(ch)]).reshape(1, 1, 1, P, page, 1, C)     # [S, L, G, P, T, g, C]
+    qc = (q[:, np.asarray(ch)] / np.sqrt(D)).reshape(1, 1, 1, q.shape[0], C)
+    if rule[0] == "key_copy":
+        lse = ref_page_lse(jnp.asarray(x), jnp.asarray(qc), layer=0)
+    else:
+        codes, scale = labels.quantize(jnp.asarray(x), rule[2])
+        lse = ref_page_lse(codes, jnp.asarray(qc), layer=0, scale=scale[:, 0], bits=rule[2])
+    lse = np.asarray(lse)[0, 0]                                                        # [h, P]
+    w = np.exp(lse - lse.max(1, keepdims=True))
+    return (w / w.sum(1, keepdims=True)).sum(0)
+
+
+def select(scores, budget_pages: int, sink: int = 1, recent: int = 2):
+    """The library's rule (quest.select_pages): sink pages, the last `recent` flushed pages, then the top scores
+    (ties: lower page) up to budget_pages - 1 (the unflushed tail page is among the recent pages it counts)."""
+    P = len(scores)
+    keep = max(0, budget_pages - 1)          # the tail page takes one of the budget's pages
+    if P <= keep:
+        return np.arange(P)
+    forced = set(range(min(sink, P))) | set(range(max(0, P - (recent - 1)), P))
+    rest = [p for p in np.argsort(-scores, kind="stable") if p not in forced]
+    return np.array(sorted(forced | set(rest[:max(0, keep - len(forced))])))
+
+
+def scorer_bytes(rule, D: int, page: int) -> float:
+    """Bytes the scorer reads per context token and KV head each decode step."""
+    if rule[0] == "quest":
+        return 2 * D * 2 / page
+    if rule[0] == "key_copy":
+        return rule[1] * 2
+    return rule[1] * rule[2] / 8 + 2 * rule[1] * 2 / page
+
+
+def parse_rule(s: str):
+    parts = s.split(":")
+    if parts[0] == "quest":
+        return ("quest",)
+    if parts[0] == "key_copy":
+        return ("key_copy", int(parts[1]))
+    if parts[0] == "labels":
+        return ("labels", int(parts[1]), int(parts[2]), parts[3] if len(parts) > 3 else "online")
+    raise SystemExit(f"--rules {s!r}: quest, key_copy:C or labels:C:BITS[:online|table]")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--tiny", action="store_true", help="the tiny random model and byte tokenizer (tests)")
+    ap.add_argument("--task", default="niah_single")
+    ap.add_argument("--haystack", default="essays")
+    ap.add_argument("--contexts", default="4096")
+    ap.add_argument("--prompts", type=int, default=3, help="prompts per context (depths spread over 0.1-0.9)")
+    ap.add_argument("--budgets", default="256,512,1024")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--rules", default="quest,key_copy:16,key_copy:8,labels:8:8,labels:8:4,labels:8:4:table,"
+                                       "labels:16:4,labels:16:4:table,labels:4:4:table")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--name", default="selection_recall")
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args(argv)
+    import jax.numpy as jnp
+    from flax import nnx
+    from scripts import bench_meta, haystacks, ruler_tasks
+    from ulacache_jax import models
+    rules = [parse_rule(s) for s in args.rules.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if any(b % args.page_size for b in budgets):
+        ap.error(f"--budgets {args.budgets} must be multiples of --page-size {args.page_size}")
+    if args.tiny:
+        model = models.LlamaModel(models.get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+        tok, label, tables = models.ByteTokenizer(), "tiny", None
+        hay = haystacks.haystack_fn("noise", tok)
+    else:
+        path = models.resolve_model_path(args.model)
+        model, tok = models.from_pretrained(str(path), dtype=jnp.float32), models.load_tokenizer(str(path))
+        label = args.model
+        from ulacache_jax.models import calibration
+        tables = {r[1]: calibration.channel_table(args.model, r[1]) for r in rules if r[-1] == "table"}
+        hay = haystacks.haystack_fn(args.haystack, tok)
+    if any(r[-1] == "table" for r in rules) and not tables:
+        rules = [r for r in rules if r[-1] != "table"]
+    D, KV, H = model.config.head_dim, model.config.num_kv_heads, model.config.num_heads
+    page = args.page_size
+    res = bench_meta.Results(os.path.join(args.out, f"{args.name}.json"),
+                             bench_meta.run_meta(args.commit, model=label, task=args.task, haystack=args.haystack,
+                                                 page_size=page))
+    recalls = {}                                                  # (rule, budget, context) -> [recall per layer/head]
+    worst = {}
+    t0 = time.perf_counter()
+    for ctx in contexts:
+        for i in range(args.prompts):
+            depth = 0.1 + 0.8 * i / max(1, args.prompts - 1)
+            pr = ruler_tasks.make(args.task, haystack_text_fn=hay, num_tokens=ctx - 64, depth=depth,
+                                  seed=ruler_tasks.prompt_seed(0, args.task, ctx, i), tokenizer=tok)
+            msgs = [{"role": "user", "content": pr.text}]
+            ids = (list(tok.apply_chat_template(msgs, add_generation_prompt=True))
+                   if hasattr(tok, "apply_chat_template") else list(tok.encode(pr.text)))
+            ks, qs = record(model, ids)
+            print(f"context {ctx} prompt {i}: {len(ids)} tokens recorded at {time.perf_counter() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+            for layer in range(model.config.num_layers):
+                for g in range(KV):
+                    k = ks[layer, :, g]
+                    q = qs[layer, g * (H // KV):(g + 1) * (H // KV)]
+                    mass, tail = page_truth(k, q, page)
+                    total = mass.sum() + tail
+                    for rule in rules:
+                        tab = None if rule[-1] != "table" else tables[rule[1]][layer][g]
+                        sc = rule_scores(rule, k, q, page, tab)
+                        for b in budgets:
+                            sel = select(sc, b // page)
+                            r = (mass[sel].sum() + tail) / total
+                            recalls.setdefault((rule, b, ctx), []).append(r)
+                            worst.setdefault((rule, b, ctx, layer), []).append(r)
+    for (rule, b, ctx), rs in recalls.items():
+        per_layer = [np.mean(v) for (r2, b2, c2, _), v in worst.items() if (r2, b2, c2) == (rule, b, ctx)]
+        res.add(dict(model=label, rule=rule[0], channels=rule[1] if len(rule) > 1 else None,
+                     label_bits=rule[2] if rule[0] == "labels" else None,
+                     calibration=rule[3] if rule[0] == "labels" else None, task=args.task, context=ctx,
+                     budget=b, budget_ratio=b / ctx, page_size=page, prompts=args.prompts,
+                     recall=float(np.mean(rs)), recall_p10=float(np.percentile(rs, 10)),
+                     recall_worst_layer=float(min(per_layer)), scorer_bytes_per_token=scorer_bytes(rule, D, page)))
+    res.save()
+    print(f"{'rule':<26}{'ctx':>6}{'budget':>7}{'recall':>8}{'p10':>7}{'worst L':>8}{'B/tok':>7}")
+    for r in res.rows:
+        name = r["rule"] + (f":{r['channels']}" if r["channels"] else "") + \
+            (f":{r['label_bits']}:{r['calibration']}" if r["label_bits"] else "")
+        print(f"{name:<26}{r['context']:>6}{r['budget']:>7}{r['recall']:>8.3f}{r['recall_p10']:>7.3f}"
+              f"{r['recall_worst_layer']:>8.3f}{r['scorer_bytes_per_token']:>7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
