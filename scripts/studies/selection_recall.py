@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="256,512,1024")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--rules", default="quest,key_copy:16,key_copy:8,labels:8:8,labels:8:4,labels:8:4:table,"
-                                       "labels:16:4,labels:16:4:table,labels:4:4:table")
+                                       "labels:16:4,labels:16:4:table,labels:4:4")
     ap.add_argument("--out", required=True)
     ap.add_argument("--name", default="selection_recall")
     ap.add_argument("--commit", default=None)
