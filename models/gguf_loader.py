@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig, RopeScaling, rope_inv_freq
-from .hf_loader import CheckpointError, Shardings, assemble, placement
 from .llama import LlamaModel
+from .weights import CheckpointError, Shardings, assemble, placement
 
 GGUF_SUFFIX = ".gguf"
 # GGUF `general.architecture` -> our architecture name.
