@@ -63,7 +63,7 @@ def main():
     for i in range(5):
         tokens = rng.integers(0, mc.vocab_size, (S, K + 1)).astype(np.int32)
         keys = row_keys(jnp.arange(S, dtype=jnp.uint32), jnp.full(S, 100 + i, jnp.uint32))
-        a = jax.device_put((tokens, rows, np.full(S, b, np.int32), keys, sampling, jnp.zeros(())), gen._replicated)
+        a = jax.device_put((tokens, rows, np.full(S, b, np.int32), keys, sampling, jnp.zeros(())), gen.replicated)
         if i == 0:
             txt = gen.program.verify(K + 1).lower(gen.params, bk.cache, bk.host, *a).compile().as_text()
         t = time.perf_counter()
