@@ -42,7 +42,7 @@ from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.runtime.cost_model import pool_headroom
 from ulacache_jax.cache.decode_layer import DecodeOptions
 from ulacache_jax.runtime.generator import Generator, bucket_length, default_cache_config
-from ulacache_jax.runtime.validate import check_seed
+from ulacache_jax.runtime import validate
 from ulacache_jax.runtime.requests import ERROR, LENGTH, STOP, Request, RequestError, SamplingParams, StepOutput, StepRecord
 from ulacache_jax.runtime.sampling import SamplingArrays, row_keys, sample
 from ulacache_jax.runtime.sequences import CapacityError
@@ -109,7 +109,7 @@ class Engine:
         if max_prefill_tokens_per_step is not None and max_prefill_tokens_per_step < 1:
             raise ValueError(f"max_prefill_tokens_per_step = {max_prefill_tokens_per_step} must be >= 1")
         self.max_prefill_tokens_per_step = max_prefill_tokens_per_step or c.max_context
-        self.seed = check_seed(seed)
+        self.seed = validate.check_seed(seed)
         self.clock = clock
         self.t0 = clock()
         self.requests: dict[int, Request] = {}
@@ -170,21 +170,12 @@ class Engine:
         return rid
 
     def _check_prompt(self, prompt_ids) -> list[int]:
-        if isinstance(prompt_ids, (str, bytes)):
-            raise RequestError("prompt_ids must be a sequence of token ids, not a string (tokenize it first, or give "
-                               "the engine a tokenizer)")
+        """validate.check_prompt (the one prompt check of generate, the Engine and the CLI), its TypeError or
+        ValueError as this request's RequestError."""
         try:
-            arr = np.asarray(prompt_ids)
-        except Exception as e:  # ragged or odd objects
-            raise RequestError(f"prompt_ids is not a sequence of token ids ({e})") from None
-        if arr.size == 0:
-            raise RequestError("empty prompt")
-        if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer)):
-            raise RequestError(f"prompt_ids must be a flat sequence of ints (got dtype {arr.dtype}, shape {arr.shape})")
-        bad = arr[(arr < 0) | (arr >= self.vocab_size)]
-        if bad.size:
-            raise RequestError(f"token id {int(bad[0])} outside [0, vocab_size = {self.vocab_size})")
-        return [int(t) for t in arr]
+            return validate.check_prompt(prompt_ids, self.vocab_size, name="prompt_ids")
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e)) from None
 
     def _fit(self, n_prompt: int, max_new: int) -> tuple[int, bool]:
         """-> (effective max_new_tokens, capped). The cache holds prompt + max_new_tokens tokens per sequence."""
