@@ -23,7 +23,7 @@ from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.runtime.cost_model import resolve_attention
 from ulacache_jax.cache.decode_layer import DecodeOptions, LayerStats
 from ulacache_jax.pallas_kernels.pb_lru_sieve import pool_slots, sieve_geometry
-from ulacache_jax.runtime.prefix_cache import prefix_bucket
+from ulacache_jax.runtime.prefix_cache import PrefixStats, prefix_bucket
 from ulacache_jax.runtime.program import layer_graphdef, program
 from ulacache_jax.runtime.tp import TP_AXIS, make_mesh, param_specs, shard_params, tp_graphdef
 
@@ -168,7 +168,6 @@ class Generator:
 
     def prefix_stats(self):
         """prefix_cache.PrefixStats of this generator's shared prefixes (zeros when off)."""
-        from ulacache_jax.runtime.prefix_cache import PrefixStats
         return dataclasses.replace(self.prefixes.index.stats) if self.prefixes is not None else PrefixStats()
 
     @property
