@@ -15,10 +15,11 @@ from .config import (
     get_preset,
 )
 from .gguf_loader import find_gguf, from_gguf, gguf_config, open_gguf
-from .hf_loader import CheckpointError, from_pretrained, read_hf_config
+from .hf_loader import from_pretrained, read_hf_config
 from .llama import DecoderLayer, LlamaModel
 from .pretrained import PRETRAINED, resolve_model_path, resolve_pretrained
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from .weights import CheckpointError
 
 __all__ = [
     "AttnFn",

@@ -24,8 +24,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from .config import ModelConfig
-from .hf_loader import CheckpointError, Shardings, fuse_gate_up
 from .llama import LlamaModel
+from .weights import CheckpointError, Shardings, fuse_gate_up
 
 META_FILE = "model.json"
 PARAMS_DIR = "params"
@@ -115,7 +115,7 @@ def _format1_tree(abstract, shardings: Shardings | None):
 
 
 def _stack_gate_up(node, path: tuple, shardings: Shardings | None) -> None:
-    """In place over a restored format-1 tree: gate_proj and up_proj -> gate_up_proj (hf_loader.fuse_gate_up)."""
+    """In place over a restored format-1 tree: gate_proj and up_proj -> gate_up_proj (weights.fuse_gate_up)."""
     if not isinstance(node, dict):
         return
     if "gate_proj" in node and "up_proj" in node:

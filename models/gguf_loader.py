@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig, RopeScaling, rope_inv_freq
-from .hf_loader import CheckpointError, Shardings, assemble, placement
+from .gguf_tokenizer import gguf_eos_ids  # the tokenizer module decides what ends a turn
 from .llama import LlamaModel
+from .weights import CheckpointError, Shardings, assemble, placement
 
 GGUF_SUFFIX = ".gguf"
 # GGUF `general.architecture` -> our architecture name.
@@ -119,7 +120,6 @@ def gguf_config(reader) -> ModelConfig:
     rope_scaling = _rope_scaling(reader, gguf_arch, rope_theta, head_dim, names)
     sliding = m("attention.sliding_window", None) if arch == "mistral" else None
     bos = metadata(reader, "tokenizer.ggml.bos_token_id", None)
-    from .gguf_tokenizer import gguf_eos_ids  # the tokenizer module decides what ends a turn
 
     return ModelConfig(
         architecture=arch,

@@ -13,16 +13,17 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig
+from .gguf_loader import find_gguf, from_gguf
 from .llama import LlamaModel
+from .pretrained import resolve_model_path
+from .weights import CheckpointError, Shardings, assemble, placement  # noqa: F401 (CheckpointError, placement: re-exported)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -30,24 +31,9 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
-    """A model folder that cannot be loaded: missing/corrupt files, missing or misshapen tensors."""
-
-
 # One HF tensor: where it goes in the model state (a path of attribute names / layer indices), the shape the
 # file must hold, and how to reshape it into the param's shape.
 _Target = tuple[tuple[str | int, ...], tuple[int, ...], tuple[int, ...]]
-StatePath = tuple[str | int, ...]  # a param's place in the model state, e.g. ("layers", 0, "mlp", "up_proj")
-Shardings = Callable[[StatePath], jax.sharding.Sharding]
-
-
-def placement(device, shardings: Shardings | None, path: StatePath):
-    """Where the param at `path` goes: `shardings(path)` when given (then `device` must be None), else `device`."""
-    if shardings is None:
-        return device
-    if device is not None:
-        raise ValueError("pass device or shardings, not both")
-    return shardings(path)
 
 
 def hf_tensor_map(config: ModelConfig) -> dict[str, _Target]:
@@ -138,9 +124,6 @@ def from_pretrained(
     CheckpointError naming the file or tensor for missing/corrupt shards, missing or unexpected tensors and shape
     mismatches, and ValueError naming an unsupported architecture.
     """
-    from .gguf_loader import find_gguf, from_gguf  # gguf_loader imports this module
-    from .pretrained import resolve_model_path
-
     folder = resolve_model_path(path)
     gguf_file = find_gguf(folder)
     if gguf_file is not None:
@@ -158,44 +141,6 @@ def from_pretrained(
 
     return assemble(config, dtype, params, where=folder, unexpected=unexpected, missing=sorted(set(expected) - loaded),
                     source="hf_tensor_map", device=device, shardings=shardings)
-
-
-def fuse_gate_up(params: dict, device=None, shardings: Shardings | None = None) -> None:
-    """In place: each MLP's loaded gate_proj and up_proj [F, E] -> its gate_up_proj [2, F, E] (llama.MLP reads
-    both with one matmul), placed where `gate_up_proj` goes (`placement`: with `shardings`, straight into its
-    Sharding). A gate_proj without its up_proj is left alone (the caller's missing-tensor error names it)."""
-    for path in [p for p in params if p[-1] == "gate_proj" and (*p[:-1], "up_proj") in params]:
-        where = placement(device, shardings, (*path[:-1], "gate_up_proj"))
-        sharded = where if isinstance(where, jax.sharding.Sharding) else None   # a Device: already there
-        stack = jax.jit(_stack_pair, out_shardings=sharded)  # one compile for all layers: same function and shapes
-        params[(*path[:-1], "gate_up_proj")] = stack(params.pop(path), params.pop((*path[:-1], "up_proj")))
-
-
-def _stack_pair(a, b):  # [F, E] x 2 -> [2, F, E]
-    return jnp.stack([a, b])
-
-
-def assemble(config: ModelConfig, dtype, params: dict, *, where, unexpected, missing, source: str, device=None,
-             shardings: Shardings | None = None) -> LlamaModel:
-    """The loaded params (flat state path -> array) as a LlamaModel: unexpected or missing checkpoint tensors are
-    a CheckpointError naming them (up to 8) and `where`; gate and up are stacked (`fuse_gate_up`, placed per
-    `device` / `shardings` as the loader placed the rest); an abstract model (shapes only, nothing allocated) then
-    gets its params replaced by the loaded ones. Shared by the Hugging Face and GGUF loaders."""
-    def named(xs):
-        return ", ".join(sorted(xs)[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
-
-    if unexpected:
-        raise CheckpointError(f"unexpected tensors in {where} for {config.architecture}: {named(unexpected)}")
-    if missing:
-        raise CheckpointError(f"missing tensors in {where}: {named(missing)}")
-    fuse_gate_up(params, device, shardings)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: LlamaModel(config, dtype=dtype, rngs=nnx.Rngs(0))))
-    model_shapes = {path: tuple(var.shape) for path, var in nnx.to_flat_state(state)}
-    loaded_shapes = {path: tuple(x.shape) for path, x in params.items()}
-    if model_shapes != loaded_shapes:  # the tensor map disagrees with LlamaModel: a bug here, not bad input
-        raise AssertionError(f"{source} does not match LlamaModel params: {model_shapes} vs {loaded_shapes}")
-    nnx.replace_by_pure_dict(state, _nest(params))
-    return nnx.merge(graphdef, state)
 
 
 def _load_file(
@@ -238,14 +183,3 @@ def _load_file(
 def _is_tied_head(name: str, expected: dict[str, _Target]) -> bool:
     # Some tied checkpoints still store lm_head.weight (a copy of the embedding); the model ignores it.
     return name == "lm_head.weight" and "lm_head.weight" not in expected
-
-
-def _nest(flat: dict[tuple[str | int, ...], jax.Array]) -> dict:
-    """{("layers", 0, "mlp", "up_proj"): x} -> {"layers": {0: {"mlp": {"up_proj": x}}}} (nnx pure-dict form)."""
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        for step in path[:-1]:
-            node = node.setdefault(step, {})
-        node[path[-1]] = value
-    return out

@@ -184,7 +184,7 @@ def step_cost(args, res) -> None:
                 tokens = rng.integers(0, mc.vocab_size, (S, K + 1)).astype(np.int32)
                 keys = row_keys(jnp.arange(S, dtype=jnp.uint32), jnp.full(S, 100 + i, jnp.uint32))
                 a = jax.device_put((tokens, rows, np.full(S, b, np.int32), keys, sampling, jnp.zeros(())),
-                                   gen._replicated)
+                                   gen.replicated)
                 t = time.perf_counter()
                 bk = gen.backend
                 bk.cache, bk.host, out, n_new, *_ = gen.program.verify(K + 1)(gen.params, bk.cache, bk.host, *a)

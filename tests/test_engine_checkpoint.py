@@ -235,17 +235,18 @@ def test_speculative_engine_restores(setup, tmp_path):
 
 
 _SAVER = r'''
-import sys, types, collections
+import sys, types
 import numpy as np
 from ulacache_jax.runtime import checkpoint
 from ulacache_jax.runtime.engine import Request, SamplingParams
 d = sys.argv[1]
-eng = types.SimpleNamespace(_slot_req={}, _pending=[], _seed=np.zeros(1, np.uint32), _chunk_of=np.zeros(1, np.uint32),
-                            _remaining=np.zeros(1, np.int32), _queue=collections.deque(), _next_id=200,
-                            _checkpoint_identity={"model_config": {}, "cache_config": {}, "attention": "x"})
+slots = types.SimpleNamespace(request_of={}, seed=np.zeros(1, np.uint32), chunk=np.zeros(1, np.uint32),
+                              remaining=np.zeros(1, np.int32))
+eng = types.SimpleNamespace(slots=slots, pending_ids=[], queued_ids=[], next_id=200,
+                            identity={"model_config": {}, "cache_config": {}, "attention": "x"})
 for n in range(10**6):                        # every save holds 200 queued requests whose tokens all equal n
     eng.requests = {i: Request(i, [1] * 500, SamplingParams(), tokens=[n] * 300) for i in range(200)}
-    eng._queue = collections.deque(range(200))
+    eng.queued_ids = list(range(200))
     checkpoint.save(eng, d, meta={"n": n})
 '''
 

@@ -333,7 +333,7 @@ def _verify(gen, tokens, nrows, bound, step):
     keys = row_keys(jnp.zeros(S, jnp.uint32), jnp.full(S, step, jnp.uint32))
     args = jax.device_put((jnp.asarray(tokens, jnp.int32), jnp.asarray(nrows, jnp.int32),
                            jnp.asarray(bound, jnp.int32), keys, SamplingArrays.fill(S), jnp.zeros((), jnp.float32)),
-                          gen._replicated)
+                          gen.replicated)
     b = gen.backend
     b.cache, b.host, out, n_new, length, flush, _ = gen.program.verify(K + 1)(gen.params, b.cache, b.host, *args)
     return np.asarray(out), np.asarray(n_new)
@@ -517,7 +517,7 @@ def test_sampled_verification_follows_the_model(setup):
     for i in range(rounds):
         keys = row_keys(jnp.asarray([11, 12], jnp.uint32), jnp.full(S, i, jnp.uint32))
         args = jax.device_put((jnp.asarray(tokens), jnp.asarray([K + 1] * S, jnp.int32),
-                               jnp.asarray([10**6] * S, jnp.int32), keys, params, jnp.zeros(())), gen._replicated)
+                               jnp.asarray([10**6] * S, jnp.int32), keys, params, jnp.zeros(())), gen.replicated)
         b.cache, b.host, out, n, _, _, _ = gen.program.verify(K + 1)(gen.params, b.cache, b.host, *args)
         for t in np.asarray(out)[:, 0]:
             counts[t] += 1

@@ -511,6 +511,7 @@ def _chat_ids(messages, tokenizer, fail) -> list[int]:
 def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab_size: int, limit: int, defaults,
                 default_stop: tuple[str, ...] = ()):
     """One input line -> Record, or None if its id already has a result. Raises RequestError(message, id)."""
+    from ulacache_jax.runtime import validate
     from ulacache_jax.runtime.engine import RequestError
 
     rid = None
@@ -546,9 +547,7 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
         fail("give exactly one of 'messages' (chat), 'prompt' (text) and 'prompt_ids' (token ids)"
              + (f"; got {', '.join(given)}" if given else ""))
     if "messages" in obj:
-        ids = _chat_ids(obj["messages"], tokenizer, fail)
-        if not ids:
-            fail("empty prompt (the chat template rendered nothing)")
+        ids, name = _chat_ids(obj["messages"], tokenizer, fail), "prompt (the chat template's tokens)"
     elif "prompt" in obj:
         text = _text_field(obj, "prompt", fail)
         if not text.strip():
@@ -559,15 +558,17 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
             ids = tokenizer.encode(text)
         except Exception as e:   # noqa: BLE001 - a tokenizer failure fails this line only
             fail(f"tokenizer failed on 'prompt': {type(e).__name__}: {e}")
+        name = "prompt (as tokens)"
     else:
-        ids = obj["prompt_ids"]
-        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        ids, name = obj["prompt_ids"], "prompt_ids"
+        if not isinstance(ids, list):      # JSON: a list, not a string or an object (which would iterate)
             fail("'prompt_ids' must be a list of ints")
-        if not ids:
-            fail("empty prompt")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        fail(f"token id {bad[0]} outside [0, vocab_size = {vocab_size})")
+    try:                                   # the prompt check of generate() and the Engine (runtime/validate.py)
+        ids = validate.check_prompt(ids, vocab_size, name=name)
+    except TypeError as e:
+        fail(f"'{name}' must be a list of ints: {e}" if name == "prompt_ids" else str(e))
+    except ValueError as e:
+        fail(str(e))
     over = {k: obj[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed") if k in obj}
     if "max_tokens" in obj:
         if "max_new_tokens" in obj and obj["max_new_tokens"] != obj["max_tokens"]:

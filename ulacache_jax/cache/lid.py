@@ -25,7 +25,7 @@ def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def _check_field(name: str, x) -> None:
+def check_field(name: str, x) -> None:
     """ValueError naming the field and its range when a concrete value is out of range."""
     if not _is_concrete(x):
         return
@@ -53,7 +53,7 @@ def _as_u32(name: str, x) -> jax.Array:
 def pack(seq, layer, group, tok) -> tuple[jax.Array, jax.Array]:
     """Fields (broadcastable integer arrays) -> (hi, lo) uint32 arrays of the broadcast shape."""
     for name, v in (("seq", seq), ("layer", layer), ("group", group), ("tok", tok)):
-        _check_field(name, v)
+        check_field(name, v)
     s, l, g, t = (_as_u32(n, v) for n, v in (("seq", seq), ("layer", layer), ("group", group), ("tok", tok)))
     hi = (s << np.uint32(12)) | (l << np.uint32(4)) | g
     lo = t

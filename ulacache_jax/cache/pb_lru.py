@@ -132,12 +132,13 @@ def rebase(state: PBLRUState, offset) -> PBLRUState:
 def release(state: PBLRUState, seq) -> PBLRUState:
     """Empty every slot whose tag belongs to sequence `seq` (an int or int32 scalar)."""
     if not isinstance(seq, jax.core.Tracer):
-        lid_mod._check_field("seq", np.asarray(seq))
-    return _release(state, jnp.asarray(seq, jnp.uint32))
+        lid_mod.check_field("seq", np.asarray(seq))
+    return release_traced(state, jnp.asarray(seq, jnp.uint32))
 
 
 @jax.jit
-def _release(state: PBLRUState, seq) -> PBLRUState:
+def release_traced(state: PBLRUState, seq) -> PBLRUState:
+    """`release` without its range check, for a traced uint32 `seq` (vmapped over ranks: sequences.release_device)."""
     mine = (state.stamp >= 0) & ((state.tag_hi >> np.uint32(12)) == seq)
     return PBLRUState(tag_hi=jnp.where(mine, EMPTY_TAG, state.tag_hi),
                       tag_lo=jnp.where(mine, EMPTY_TAG, state.tag_lo),

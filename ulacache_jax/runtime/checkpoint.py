@@ -100,14 +100,7 @@ def weights_digest(params) -> str:
 
 def engine_identity(engine) -> dict:
     """What decides an engine's tokens, JSON-able: model config, weight digest, cache config, attention kind.
-    Computed once per engine (none of it changes over an engine's life) and kept on it."""
-    cached = getattr(engine, "_checkpoint_identity", None)
-    if cached is None:
-        cached = engine._checkpoint_identity = _identity(engine)
-    return cached
-
-
-def _identity(engine) -> dict:
+    Engine.identity computes it once per engine and keeps it (none of it changes over an engine's life)."""
     gen = engine.gen
     mc = gen.model_config
     model = mc.to_dict() if hasattr(mc, "to_dict") else dataclasses.asdict(mc)
@@ -153,8 +146,9 @@ def _unragged(flat: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
 
 def saved_requests(engine) -> list[SavedRequest]:
     """The engine's requests as SavedRequests (host state only: nothing is read from the device)."""
-    slot_of = {rid: slot for slot, rid in engine._slot_req.items()}
-    pending = {ev.request_id for ev in engine._pending}
+    slots = engine.slots
+    slot_of = {rid: slot for slot, rid in slots.request_of.items()}
+    pending = set(engine.pending_ids)
     out = []
     for rid, req in engine.requests.items():
         slot = slot_of.get(rid)
@@ -162,9 +156,9 @@ def saved_requests(engine) -> list[SavedRequest]:
         out.append(SavedRequest(
             request_id=rid, prompt_ids=list(req.prompt_ids), tokens=list(req.tokens),
             sampling=dataclasses.asdict(req.sampling), status=req.status, max_new_tokens=int(req.max_new_tokens),
-            capped=bool(req.capped), seed=int(engine._seed[slot]) if running else -1,
-            chunk=int(engine._chunk_of[slot]) if running else 0,
-            remaining=int(engine._remaining[slot]) if running else 0, finish_reason=req.finish_reason,
+            capped=bool(req.capped), seed=int(slots.seed[slot]) if running else -1,
+            chunk=int(slots.chunk[slot]) if running else 0,
+            remaining=int(slots.remaining[slot]) if running else 0, finish_reason=req.finish_reason,
             error=req.error, text=req.text, stop_reason=req.stop_reason, pending=rid in pending))
     return out
 
@@ -184,8 +178,8 @@ def save(engine, directory, *, meta: dict | None = None) -> pathlib.Path:
                        for r in reqs] + [[-1] * 7], np.int64)
     arrays = {"prompts": prompts, "prompt_offsets": p_off, "tokens": tokens, "token_offsets": t_off,
               "columns": cols}
-    info = {"format": FORMAT, "identity": engine_identity(engine), "next_id": engine._next_id,
-            "queue": list(engine._queue), "meta": meta or {},
+    info = {"format": FORMAT, "identity": engine.identity, "next_id": engine.next_id,
+            "queue": engine.queued_ids, "meta": meta or {},
             "requests": [{"sampling": r.sampling, "status": r.status, "finish_reason": r.finish_reason,
                           "error": r.error, "text": r.text, "stop_reason": r.stop_reason} for r in reqs]}
     info = json.loads(json.dumps(info))   # tuples -> lists; fails here, not half-way through a write
@@ -252,13 +246,13 @@ def restore(engine, directory, *, skip=()) -> Checkpoint:
     whose results were written after the checkpoint). CheckpointMismatch if the checkpoint's model, weights,
     cache config or attention differ from the engine's. -> the Checkpoint read."""
     ck = read(directory)
-    if engine.requests or engine._queue or engine._slot_req:
+    if engine.requests or engine.num_queued or engine.slots.request_of:
         raise ValueError(f"restore needs an engine without requests (this one holds {len(engine.requests)})")
-    diff = identity_differences(ck.identity, engine_identity(engine))
+    diff = identity_differences(ck.identity, engine.identity)
     if diff:
         raise CheckpointMismatch(f"checkpoint {ck.path} was made with another model or cache: " + "; ".join(diff))
     skip = set(skip)
-    now = engine._clock()
+    now = engine.clock()
     by_id = {}
     for r in ck.requests:
         if r.request_id in skip:
@@ -267,35 +261,33 @@ def restore(engine, directory, *, skip=()) -> Checkpoint:
                       tokens=list(r.tokens), status=r.status, finish_reason=r.finish_reason, error=r.error,
                       capped=r.capped, text=r.text, stop_reason=r.stop_reason, t_added=now)
         by_id[r.request_id] = (r, req)
-    engine._next_id = max(engine._next_id, ck.next_id)
+    engine.reserve_ids(ck.next_id)
     # running requests first, into slots, so queued ones wait behind them as before
     for rid, (r, req) in by_id.items():
         engine.requests[rid] = req
         if r.status == "finished":
             if r.pending:
-                engine._pending.append(StepOutput(rid, (), True, r.finish_reason, r.error))
+                engine.report(StepOutput(rid, (), True, r.finish_reason, r.error))
             continue
         if r.status != "running":
             continue
         ids = r.prompt_ids + r.tokens[:-1]          # the cache held these; the last token is the next input
         slot = engine.gen.admit(len(r.prompt_ids) + r.max_new_tokens, ids)   # (shared prefixes attach by ids)
         req.slot, req.t_admitted, req.t_first_token = slot, now, now
-        engine._slot_req[slot] = rid
+        engine.slots.request_of[slot] = rid
         try:
             engine.gen.prefill(slot, ids)
             if engine.spec is not None:   # speculative: its draft cache, and flush points from the prompt's end
                 engine.spec.prefill(slot, ids, len(r.prompt_ids) + r.max_new_tokens)
                 engine.spec.prompt_len[slot] = len(r.prompt_ids)
         except Exception as e:  # noqa: BLE001 - as a failed prefill in Engine.step: this request alone fails
-            engine._release(slot)
-            engine._finish(req, ERROR, error=f"restore prefill failed: {type(e).__name__}: {e}")
-            engine._pending.append(StepOutput(rid, (), True, ERROR, req.error))
+            engine.release(slot)
+            engine.finish(req, ERROR, error=f"restore prefill failed: {type(e).__name__}: {e}")
+            engine.report(StepOutput(rid, (), True, ERROR, req.error))
             continue
-        sp = req.sampling
-        engine._tok[slot], engine._done[slot], engine._remaining[slot] = r.tokens[-1], False, r.remaining
-        engine._temp[slot], engine._top_p[slot], engine._top_k[slot] = sp.temperature, sp.top_p, sp.top_k
-        engine._seed[slot], engine._chunk_of[slot] = r.seed, r.chunk
+        engine.slots.start(slot, r.tokens[-1], r.remaining, req.sampling)
+        engine.slots.seed[slot], engine.slots.chunk[slot] = r.seed, r.chunk
     for rid in ck.queue:
         if rid in by_id and by_id[rid][0].status == "queued":
-            engine._queue.append(rid)
+            engine.enqueue(rid)
     return ck

@@ -42,11 +42,12 @@ from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.runtime.cost_model import pool_headroom
 from ulacache_jax.cache.decode_layer import DecodeOptions
 from ulacache_jax.runtime.generator import Generator, bucket_length, default_cache_config
-from ulacache_jax.runtime.validate import check_seed
+from ulacache_jax.runtime import validate
 from ulacache_jax.runtime.requests import ERROR, LENGTH, STOP, Request, RequestError, SamplingParams, StepOutput, StepRecord
 from ulacache_jax.runtime.sampling import SamplingArrays, row_keys, sample
 from ulacache_jax.runtime.sequences import CapacityError
-from ulacache_jax.runtime.speculative.rules import SpecDecoder
+from ulacache_jax.runtime.slots import SlotTable
+from ulacache_jax.runtime.speculative.decoder import SpecDecoder
 from ulacache_jax.runtime.text import apply_stop, encode_prompt
 from ulacache_jax.runtime.tp import prepare_model
 
@@ -108,29 +109,23 @@ class Engine:
         if max_prefill_tokens_per_step is not None and max_prefill_tokens_per_step < 1:
             raise ValueError(f"max_prefill_tokens_per_step = {max_prefill_tokens_per_step} must be >= 1")
         self.max_prefill_tokens_per_step = max_prefill_tokens_per_step or c.max_context
-        self.seed = check_seed(seed)
-        self._clock = clock
+        self.seed = validate.check_seed(seed)
+        self.clock = clock
         self.t0 = clock()
         self.requests: dict[int, Request] = {}
         self._queue: collections.deque[int] = collections.deque()
-        self._slot_req: dict[int, int] = {}           # slot -> request id
         self._pending: list[StepOutput] = []          # requests that failed at add_request, reported next step
         self._next_id = 0
-        # per-slot decode inputs, host side
-        self._tok = np.zeros(S, np.int32)
-        self._done = np.ones(S, bool)
-        self._remaining = np.zeros(S, np.int32)
-        self._temp = np.zeros(S, np.float32)
-        self._top_p = np.ones(S, np.float32)
-        self._top_k = np.zeros(S, np.int32)
-        self._seed = np.zeros(S, np.uint32)           # the running request's seed, and its decode-chunk count
-        self._chunk_of = np.zeros(S, np.uint32)
+        # per-slot decode inputs and the request holding each slot, host side (slots.py; public: the speculative
+        # step and the checkpoint use it)
+        self.slots = SlotTable.empty(S)
         self._chunks = 0
         self._seen_buckets: set[int] = set()
         self._seen_steps: set[int] = set()
-        self._no_stops = jnp.full(_NO_STOPS, -1, jnp.int32)
+        self.no_stops = jnp.full(_NO_STOPS, -1, jnp.int32)   # the chunk's stop ids: none (matched on the host)
         self.timeline: list[StepRecord] = []
         self._stats0 = self._stats_now()
+        self._identity: dict | None = None
 
     @property
     def attention(self) -> str:
@@ -147,7 +142,7 @@ class Engine:
             sampling = dataclasses.replace(sampling, stop_ids=self.default_stop_ids)
         rid = self._next_id
         self._next_id += 1
-        now = self._clock()
+        now = self.clock()
         try:
             try:
                 prompt_ids = encode_prompt(prompt_ids, self.tokenizer)
@@ -168,28 +163,19 @@ class Engine:
             except RequestError as e:
                 err = str(e)
         if err is not None:
-            self._finish(req, ERROR, error=err)
-            self._pending.append(StepOutput(rid, (), True, ERROR, err))
+            self.finish(req, ERROR, error=err)
+            self.report(StepOutput(rid, (), True, ERROR, err))
         else:
             self._queue.append(rid)
         return rid
 
     def _check_prompt(self, prompt_ids) -> list[int]:
-        if isinstance(prompt_ids, (str, bytes)):
-            raise RequestError("prompt_ids must be a sequence of token ids, not a string (tokenize it first, or give "
-                               "the engine a tokenizer)")
+        """validate.check_prompt (the one prompt check of generate, the Engine and the CLI), its TypeError or
+        ValueError as this request's RequestError."""
         try:
-            arr = np.asarray(prompt_ids)
-        except Exception as e:  # ragged or odd objects
-            raise RequestError(f"prompt_ids is not a sequence of token ids ({e})") from None
-        if arr.size == 0:
-            raise RequestError("empty prompt")
-        if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer)):
-            raise RequestError(f"prompt_ids must be a flat sequence of ints (got dtype {arr.dtype}, shape {arr.shape})")
-        bad = arr[(arr < 0) | (arr >= self.vocab_size)]
-        if bad.size:
-            raise RequestError(f"token id {int(bad[0])} outside [0, vocab_size = {self.vocab_size})")
-        return [int(t) for t in arr]
+            return validate.check_prompt(prompt_ids, self.vocab_size, name="prompt_ids")
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e)) from None
 
     def _fit(self, n_prompt: int, max_new: int) -> tuple[int, bool]:
         """-> (effective max_new_tokens, capped). The cache holds prompt + max_new_tokens tokens per sequence."""
@@ -221,29 +207,56 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self._slot_req)
+        return len(self.slots.request_of)
+
+    @property
+    def queued_ids(self) -> list[int]:
+        """The queued requests' ids, first to be admitted first."""
+        return list(self._queue)
+
+    @property
+    def pending_ids(self) -> list[int]:
+        """Ids of requests that finished outside a step (errors at add_request, aborts), reported by the next step."""
+        return [ev.request_id for ev in self._pending]
+
+    @property
+    def next_id(self) -> int:
+        """The id the next add_request gives."""
+        return self._next_id
+
+    def reserve_ids(self, next_id: int) -> None:
+        """Ids below `next_id` are taken (a restored checkpoint's): add_request gives none of them."""
+        self._next_id = max(self._next_id, next_id)
+
+    def enqueue(self, request_id: int) -> None:
+        """Queue a request already in `requests` (a restored one) behind those queued."""
+        self._queue.append(request_id)
+
+    def report(self, event: StepOutput) -> None:
+        """A request that finished outside a step: the next step reports it."""
+        self._pending.append(event)
 
     def has_unfinished(self) -> bool:
-        return bool(self._queue or self._slot_req or self._pending)
+        return bool(self._queue or self.slots.request_of or self._pending)
 
     # ---- the step ------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Admit + prefill queued requests into free slots, then one decode chunk for everything running.
         -> one StepOutput per request that produced tokens or finished in this step."""
-        rec = StepRecord(len(self.timeline), self._clock() - self.t0)
+        rec = StepRecord(len(self.timeline), self.clock() - self.t0)
         new: dict[int, list[int]] = collections.OrderedDict()
         ended: dict[int, None] = {}
         for ev in self._pending:
             ended[ev.request_id] = None
         self._pending = []
         self._admit_and_prefill(rec, new, ended)
-        if any(not self._done[s] for s in self._slot_req):
+        if self.slots.any_running():
             if self.spec is not None:
                 self.spec.decode(self, rec, new, ended)
             else:
                 self._decode(rec, new, ended)
-        rec.t_end = self._clock() - self.t0
-        rec.queued, rec.running = len(self._queue), len(self._slot_req)
+        rec.t_end = self.clock() - self.t0
+        rec.queued, rec.running = len(self._queue), len(self.slots.request_of)
         rec.finished = len(ended)
         if rec.prefills or rec.decode_steps or ended:
             self.timeline.append(rec)
@@ -255,17 +268,15 @@ class Engine:
                                    req.error if fin else None))
         return outs
 
-    def _release(self, slot: int) -> None:
-        self._slot_req.pop(slot, None)
-        self._done[slot] = True
-        self._remaining[slot] = 0
-        self._temp[slot], self._top_p[slot], self._top_k[slot] = 0.0, 1.0, 0
+    def release(self, slot: int) -> None:
+        """Free `slot` (its request has ended or failed): its slot-table row, draft slot and cache pages."""
+        self.slots.clear(slot)
         if self.spec is not None:
             self.spec.release(slot)
         self.gen.release(slot)
 
     def _admit_and_prefill(self, rec: StepRecord, new, ended) -> None:
-        decoding = any(not self._done[s] for s in self._slot_req)
+        decoding = self.slots.any_running()
         used = 0
         while self._queue:
             req = self.requests[self._queue[0]]
@@ -274,17 +285,17 @@ class Engine:
             try:
                 slot = self.gen.admit(len(req.prompt_ids) + req.max_new_tokens, req.prompt_ids)
             except CapacityError as e:
-                if not self._slot_req:   # nothing will free anything: add_request's checks should prevent this
+                if not self.slots.request_of:   # nothing will free anything: add_request's checks should prevent this
                     raise RuntimeError(f"request {req.request_id} cannot be admitted into an empty cache: {e}") from e
                 break                                   # wait for a slot / host pages to be released
             self._queue.popleft()
-            req.slot, req.status, req.t_admitted = slot, "running", self._clock()
-            self._slot_req[slot] = req.request_id
+            req.slot, req.status, req.t_admitted = slot, "running", self.clock()
+            self.slots.request_of[slot] = req.request_id
             used += len(req.prompt_ids)
             bucket = bucket_length(len(req.prompt_ids), self.config.page_size)
             rec.prefill_compiled |= bucket not in self._seen_buckets
             self._seen_buckets.add(bucket)
-            t0 = self._clock()
+            t0 = self.clock()
             try:
                 logits = self.gen.prefill(slot, req.prompt_ids)
                 if self.spec is not None:
@@ -293,18 +304,18 @@ class Engine:
                 # a request's draws depend only on its own seed: the first from counter 2**31 - 1, decode chunk n
                 # from counter n (sampling.row_keys), whatever else shares the batch
                 seed = (int(sp.seed) if sp.seed is not None else self.seed * 1_000_003 + req.request_id) % 2**32
-                self._seed[slot], self._chunk_of[slot] = seed, 0
+                self.slots.seed[slot], self.slots.chunk[slot] = seed, 0
                 key = row_keys(jnp.asarray([seed], jnp.uint32), jnp.asarray([2**31 - 1], jnp.uint32))
                 first = int(_sample_first(logits[None], key,
                                                SamplingArrays.fill(1, float(sp.temperature), float(sp.top_p),
                                                                    int(sp.top_k)))[0])
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
-                rec.prefill_s += self._clock() - t0
-                self._release(slot)
-                self._finish(req, ERROR, error=f"prefill failed: {type(e).__name__}: {e}")
+                rec.prefill_s += self.clock() - t0
+                self.release(slot)
+                self.finish(req, ERROR, error=f"prefill failed: {type(e).__name__}: {e}")
                 ended[req.request_id] = None
                 continue
-            now = self._clock()
+            now = self.clock()
             rec.prefill_s += now - t0
             rec.prefills += 1
             rec.prefill_tokens += len(req.prompt_ids)
@@ -313,14 +324,13 @@ class Engine:
             req.deliveries.append((now, 1, rec.index))
             new.setdefault(req.request_id, []).append(first)
             if first in req.sampling.stop_ids or self._stop_string(req, [])[1]:
-                self._finish(req, STOP)
+                self.finish(req, STOP)
             elif req.max_new_tokens <= 1:
-                self._finish(req, LENGTH)
+                self.finish(req, LENGTH)
             else:
-                self._tok[slot], self._done[slot], self._remaining[slot] = first, False, req.max_new_tokens - 1
-                self._temp[slot], self._top_p[slot], self._top_k[slot] = sp.temperature, sp.top_p, sp.top_k
+                self.slots.start(slot, first, req.max_new_tokens - 1, sp)
                 continue
-            self._release(slot)
+            self.release(slot)
             ended[req.request_id] = None
 
     def _stats_now(self) -> tuple[int, int, int, int]:
@@ -328,43 +338,51 @@ class Engine:
         return int(st.hits), int(st.misses), int(st.overflow), int(st.fetched)
 
     def _decode(self, rec: StepRecord, new, ended) -> None:
-        c = self.config
-        rec.live_slots = int((~self._done).sum())
-        sampling = SamplingArrays(jnp.asarray(self._temp), jnp.asarray(self._top_p), jnp.asarray(self._top_k))
-        keys = row_keys(jnp.asarray(self._seed), jnp.asarray(self._chunk_of))
+        c, sl = self.config, self.slots
+        rec.live_slots = int((~sl.done).sum())
+        sampling = sl.sampling_arrays()
+        keys = sl.keys()
         # a last chunk runs only the steps its requests can use: the longest remaining, up to a power of two
-        steps = min(c.page_size, bucket_length(int(self._remaining[~self._done].max()), 1))
+        steps = min(c.page_size, bucket_length(int(sl.remaining[~sl.done].max()), 1))
         rec.decode_compiled = steps not in self._seen_steps
         self._seen_steps.add(steps)
-        before = self._stats0
-        t0 = self._clock()
+        t0 = self.clock()
         try:
-            out, done, remaining = self.gen.decode_chunk(jnp.asarray(self._tok), jnp.asarray(self._done),
-                                                         jnp.asarray(self._remaining), keys, sampling, self._no_stops,
+            out, done, remaining = self.gen.decode_chunk(jnp.asarray(sl.tok), jnp.asarray(sl.done),
+                                                         jnp.asarray(sl.remaining), keys, sampling, self.no_stops,
                                                          steps=steps)
             out = np.asarray(out)
             done, remaining = np.asarray(done).copy(), np.asarray(remaining).copy()
         except Exception as e:
             # the cache state was donated to the failed call: every running request is lost with it
             msg = f"decode failed: {type(e).__name__}: {e}"
-            for slot, rid in list(self._slot_req.items()):
-                self._finish(self.requests[rid], ERROR, error=msg)
+            for slot, rid in list(sl.request_of.items()):
+                self.finish(self.requests[rid], ERROR, error=msg)
                 ended[rid] = None
-                self._slot_req.pop(slot)
+                sl.request_of.pop(slot)
             raise
-        now = self._record_chunk(rec, before, t0, steps)
-        for slot, rid in list(self._slot_req.items()):
-            if self._done[slot]:
+        now = self.record_chunk(rec, t0, steps)
+        for slot, rid in list(sl.request_of.items()):
+            if sl.done[slot]:
                 continue
-            req = self.requests[rid]
-            self._remaining[slot] = remaining[slot]
-            reason = self._deliver(rec, req, slot, [int(t) for t in out[slot] if t >= 0], new, now)
-            if reason is None:
-                self._done[slot] = False              # only a stop id (matched here) or the length ends a slot
-                continue
-            self._finish(req, reason)
-            self._release(slot)
-            ended[rid] = None
+            sl.remaining[slot] = remaining[slot]
+            # only a stop id (matched here) or the length ends a slot
+            self.deliver(rec, slot, [int(t) for t in out[slot] if t >= 0], new, ended, now)
+
+    def deliver(self, rec: StepRecord, slot: int, got: list[int], new, ended, now: float) -> bool:
+        """A slot's new tokens `got` (a decode chunk's, or a verification's accepted ones) to the request holding
+        it (`_deliver`: cut at a stop id or stop string, recorded in the step's `new`); where that ends the request
+        (STOP, LENGTH) it finishes, its slot is released and its id goes into the step's `ended` -> whether it
+        ended. The slot's remaining budget must already count these tokens."""
+        rid = self.slots.request_of[slot]
+        req = self.requests[rid]
+        reason = self._deliver(rec, req, slot, got, new, now)
+        if reason is None:
+            return False
+        self.finish(req, reason)
+        self.release(slot)
+        ended[rid] = None
+        return True
 
     def _deliver(self, rec: StepRecord, req: Request, slot: int, got: list[int], new, now: float) -> str | None:
         """Commit a slot's new tokens `got` (a decode chunk's, or a verification's accepted ones) to its request:
@@ -382,10 +400,10 @@ class Engine:
             req.tokens.extend(got)
             req.deliveries.append((now, len(got), rec.index))
             new.setdefault(req.request_id, []).extend(got)
-            self._tok[slot] = got[-1]
+            self.slots.tok[slot] = got[-1]
         if stop is not None:
             return STOP
-        return LENGTH if self._remaining[slot] <= 0 else None
+        return LENGTH if self.slots.remaining[slot] <= 0 else None
 
     def _stop_string(self, req: Request, got: list[int]) -> tuple[list[int], bool]:
         """New tokens `got` of a request with stop strings -> (those kept, whether a stop string ended it): the
@@ -400,9 +418,11 @@ class Engine:
             del req.tokens[len(kept):]
         return kept[len(req.tokens):], True
 
-    def _finish(self, req: Request, reason: str, *, error: str | None = None) -> None:
+    def finish(self, req: Request, reason: str, *, error: str | None = None) -> None:
+        """End `req` with `reason` (and `error`); its text is decoded where the engine has a tokenizer. Its slot,
+        if it holds one, is the caller's to release."""
         req.status, req.finish_reason, req.error = "finished", reason, error
-        req.t_finished = self._clock()
+        req.t_finished = self.clock()
         req.slot = None
         if self.tokenizer is not None and req.text is None and reason != ERROR:
             req.text = self.tokenizer.decode(req.tokens)
@@ -415,9 +435,9 @@ class Engine:
         if req.status == "queued":
             self._queue.remove(request_id)
         else:
-            self._release(req.slot)
-        self._finish(req, STOP)
-        self._pending.append(StepOutput(request_id, (), True, STOP, None))
+            self.release(req.slot)
+        self.finish(req, STOP)
+        self.report(StepOutput(request_id, (), True, STOP, None))
 
     # ---- driving loops ------------------------------------------------------------------------------------
     def stream(self) -> Iterator[tuple[int, int]]:
@@ -453,6 +473,14 @@ class Engine:
         return [self.requests[i] for i in ids]
 
     # ---- checkpoint ------------------------------------------------------------------------------------------
+    @property
+    def identity(self) -> dict:
+        """What decides this engine's tokens (checkpoint.engine_identity: model config, weight digest, cache
+        config, attention kind), computed on first use and kept: none of it changes over an engine's life."""
+        if self._identity is None:
+            self._identity = checkpoint.engine_identity(self)
+        return self._identity
+
     def save(self, directory, *, meta: dict | None = None):
         """Checkpoint every request this engine holds (prompts, tokens, sampling, RNG state; not the cache) as a
         new step under `directory`, atomically (checkpoint.py) -> the step's folder. Call between steps."""
@@ -466,23 +494,24 @@ class Engine:
 
     # ---- accounting ------------------------------------------------------------------------------------------
     def elapsed(self) -> float:
-        return self._clock() - self.t0
+        return self.clock() - self.t0
 
     def prefix_stats(self):
         """prefix_cache.PrefixStats of this engine's run: prompt tokens attached instead of prefilled, prompt tokens
         prefilled, host pages not allocated (zeros with prefix_cache=False)."""
         return self.gen.prefix_stats().minus(self._prefix0)
 
-    def _record_chunk(self, rec, before, t0, steps: int) -> float:
-        """A decode chunk's timeline entry (cache counters since `before`, time since t0, decode steps); the chunk
-        counters advance (a sampled request's key is its seed and its chunk count) -> now."""
-        now = self._clock()
+    def record_chunk(self, rec, t0, steps: int) -> float:
+        """A decode chunk's timeline entry (cache counters since the last chunk's, time since t0, decode steps);
+        the chunk counters advance (a sampled request's key is its seed and its chunk count) -> now."""
+        now = self.clock()
+        before = self._stats0
         self._stats0 = self._stats_now()
         rec.hits, rec.misses, rec.overflow, rec.fetched = (a - b for a, b in zip(self._stats0, before))
         rec.decode_s = now - t0
         rec.decode_steps = steps
         self._chunks += 1
-        self._chunk_of += 1
+        self.slots.chunk += 1
         return now
 
     def stats_totals(self) -> dict[str, int]:

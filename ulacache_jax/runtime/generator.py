@@ -23,7 +23,7 @@ from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.runtime.cost_model import resolve_attention
 from ulacache_jax.cache.decode_layer import DecodeOptions, LayerStats
 from ulacache_jax.pallas_kernels.pb_lru_sieve import pool_slots, sieve_geometry
-from ulacache_jax.runtime.prefix_cache import prefix_bucket
+from ulacache_jax.runtime.prefix_cache import PrefixStats, prefix_bucket
 from ulacache_jax.runtime.program import layer_graphdef, program
 from ulacache_jax.runtime.tp import TP_AXIS, make_mesh, param_specs, shard_params, tp_graphdef
 
@@ -135,7 +135,7 @@ class Generator:
         self.program = program(graphdef, layer_graphdef(graphdef, self.params), self.backend.ops, c, mesh, specs,
                                specs["layers"][0], cache_spec, host_spec, host_sh, view_spec, view_sh)
         self._decode = self.program.decode
-        self._replicated = NamedSharding(mesh, P())
+        self.replicated = NamedSharding(mesh, P())   # where host-made inputs go (the speculative step places its own)
         self.reset_stats()
         self.prefixes = None     # shared prefixes (prefix_cache.py): off here, on by default in the Engine
 
@@ -144,7 +144,7 @@ class Generator:
         mesh), so that `add_stats` compiles once: zeros of another placement would compile it again on the next
         chunk, ~40 ms of host time inside the first timed chunks."""
         R = self.config.tp
-        self.stats = jax.device_put(LayerStats.zeros(), self._replicated)
+        self.stats = jax.device_put(LayerStats.zeros(), self.replicated)
         self.rank_stats = jax.device_put(jax.tree.map(lambda z: jnp.zeros(R, jnp.int32), LayerStats.zeros()),
                                          NamedSharding(self.mesh, P(TP_AXIS)))
 
@@ -168,7 +168,6 @@ class Generator:
 
     def prefix_stats(self):
         """prefix_cache.PrefixStats of this generator's shared prefixes (zeros when off)."""
-        from ulacache_jax.runtime.prefix_cache import PrefixStats
         return dataclasses.replace(self.prefixes.index.stats) if self.prefixes is not None else PrefixStats()
 
     @property
@@ -250,8 +249,8 @@ class Generator:
             per_tok = np.zeros(Tp, np.int32)
             if src is not None:
                 per_tok[:start] = np.repeat(src, c.page_size)
-            ids = jax.device_put(np.pad(np.asarray(prompt[start:], np.int32), (0, T - (n - start))), self._replicated)
-            args = jax.device_put((np.int32(start), per_tok), self._replicated)
+            ids = jax.device_put(np.pad(np.asarray(prompt[start:], np.int32), (0, T - (n - start))), self.replicated)
+            args = jax.device_put((np.int32(start), per_tok), self.replicated)
             prog, b = self.program, self.backend
             x = prog.embed(self.params, ids)
             for l, lp in enumerate(self.layer_params):
@@ -261,7 +260,7 @@ class Generator:
             return prog.logits(self.params, x, n - start)
         T = bucket_length(len(prompt), self.config.page_size)
         # committed like the layers' outputs, so every layer call hits the one compiled program
-        ids = jax.device_put(np.pad(np.asarray(prompt, np.int32), (0, T - len(prompt))), self._replicated)
+        ids = jax.device_put(np.pad(np.asarray(prompt, np.int32), (0, T - len(prompt))), self.replicated)
         prog, b, n = self.program, self.backend, len(prompt)
         x = prog.embed(self.params, ids)
         for l, lp in enumerate(self.layer_params):
@@ -276,7 +275,7 @@ class Generator:
         nothing, done, remaining)."""
         decode = self.program.decode if steps is None else self.program.decode_steps(steps)
         # host-made inputs replicated on the mesh like the previous chunk's outputs: one compile, not two
-        args = jax.device_put((tok, done, remaining, keys, sampling, stop_ids), self._replicated)
+        args = jax.device_put((tok, done, remaining, keys, sampling, stop_ids), self.replicated)
         b = self.backend
         b.cache, b.host, out, done, remaining, stats = decode(self.params, b.cache, b.host, *args)
         self.add_stats(stats)
@@ -286,5 +285,5 @@ class Generator:
         """Logits [S, V] of the token after `tok` [S] (each slot's last token) for every active slot, exactly as a
         decode step computes them; the cache is not advanced (checks, scoring)."""
         b = self.backend
-        tok = jax.device_put(jnp.asarray(tok, jnp.int32), self._replicated)
+        tok = jax.device_put(jnp.asarray(tok, jnp.int32), self.replicated)
         return self.program.next_logits(self.params, b.cache, b.host, tok)

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 
 from ulacache_jax.cache.lid import FIELD_LIMITS
 from ulacache_jax.models.attention import blocked_attention
+from ulacache_jax.pallas_kernels import pick_impl
+from ulacache_jax.pallas_kernels.page_copy import copy_pages_pallas, ref_copy_pages
 
 _ROOT = b""
 
@@ -355,7 +357,7 @@ class SparsePrefixes:
         fills no PB-LRU frame, so no frame is left under the slot's own LIDs; where one is, as when this runs later,
         it only holds the same host page's bytes until it is evicted or the slot released.)"""
         c = self.config
-        pages = self.manager.alloc.pages_of[slot]                                          # [L, G, n]
+        pages = self.manager.host_pages(slot)                                              # [L, G, n]
         n = len(prompt) // c.page_size
         self.index.insert(prompt, n, lambda i: pages[:, :, i].copy(), size=c.num_layers * c.groups_per_rank)
         ids = []
@@ -434,8 +436,6 @@ class DensePrefixes:
 # ---- traced halves: the shared prefix inside one layer's prefill -------------------------------------------------
 def _gather_host(host, ids, impl: str):
     """Host pages -> device: host [R, H, page, g, D] (K, V), ids [R, N] (-1: zeros) -> two [R, N, page, g, D]."""
-    from ulacache_jax.pallas_kernels import pick_impl
-    from ulacache_jax.pallas_kernels.page_copy import copy_pages_pallas, ref_copy_pages
     R, N = ids.shape
     outs = []
     for r in range(R):

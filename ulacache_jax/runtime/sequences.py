@@ -148,7 +148,7 @@ def release_device(state: CacheState, slot) -> CacheState:
     """Free a slot's frames (PB-LRU slots and vTLB entries), host page table, summaries and sequence row. Frames
     of shared prefix pages (LIDs whose seq field is a stored id, not the slot) are not the slot's: they stay, for
     the other sharers (`release_owner_device` clears them when the id is given up)."""
-    pb = jax.vmap(pb_lru._release, in_axes=(0, None))(state.pb, jnp.asarray(slot, jnp.uint32))
+    pb = jax.vmap(pb_lru.release_traced, in_axes=(0, None))(state.pb, jnp.asarray(slot, jnp.uint32))
     table = jax.vmap(vtlb_mod.release, in_axes=(0, None))(state.vtlb, slot)
     seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(0),
                                flushed=state.seqs.flushed.at[slot].set(0), active=state.seqs.active.at[slot].set(False),
@@ -170,7 +170,7 @@ def release_owner_device(state: CacheState, ident) -> CacheState:
     """Empty every PB-LRU frame tagged with LID seq field `ident` (a stored prefix page's id), on every rank: run
     before the id names another page, so no stale tag can hand a new page an old page's bytes. The vTLB holds no
     entry for such LIDs (they lie outside its slots), so only the tags change."""
-    pb = jax.vmap(pb_lru._release, in_axes=(0, None))(state.pb, jnp.asarray(ident, jnp.uint32))
+    pb = jax.vmap(pb_lru.release_traced, in_axes=(0, None))(state.pb, jnp.asarray(ident, jnp.uint32))
     return dataclasses.replace(state, pb=pb)
 
 
@@ -308,6 +308,11 @@ class CacheManager:
                                  f"{c.max_pages_per_seq} LID seq fields in [0, {lid_mod.FIELD_LIMITS['seq'] - 1}]")
             row[:len(ids)] = ids
         return row
+
+    def host_pages(self, slot: int) -> np.ndarray:
+        """The host page ids of an admitted slot [L, G, n] (its shared prefix pages first), as the allocator holds
+        them: callers copy what they keep."""
+        return self.alloc.pages_of[slot]
 
     def set_owner(self, slot: int, owner) -> None:
         """Name the first len(owner) pages of an admitted slot by the LID seq fields `owner` (the rest by the slot)."""

@@ -1,1 +1,2 @@
-"""Speculative decoding: draft rules, acceptance, and the device n-gram drafter."""
+"""Speculative decoding: the rules (config, acceptance, bounds, back-off, host ngram drafter: rules.py), the device
+ngram drafter (ngram.py), and the Engine's speculative step over a Generator (decoder.py)."""

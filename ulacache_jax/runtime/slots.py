@@ -1,0 +1,62 @@
+"""The Engine's slot table: each sequence slot's decode inputs, host side, and the request that holds it.
+
+Public (DESIGN.md section 8: the Engine over a public slot table) so that the speculative step
+(speculative/decoder.py) and the checkpoint (checkpoint.py) read and write a slot's state through it instead of
+reaching into the Engine. Plain numpy arrays of one entry a slot, handed to the compiled decode chunk and
+verification as they are: a slot that no request decodes in has done = True, remaining = 0 and greedy sampling.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import jax.numpy as jnp
+
+from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
+
+
+@dataclasses.dataclass(eq=False)
+class SlotTable:
+    tok: np.ndarray               # [S] int32: the slot's last token, its next decode input
+    done: np.ndarray              # [S] bool: no request decodes in the slot (free, or its request just ended)
+    remaining: np.ndarray         # [S] int32: tokens its request may still generate
+    temperature: np.ndarray       # [S] float32
+    top_p: np.ndarray             # [S] float32
+    top_k: np.ndarray             # [S] int32
+    seed: np.ndarray              # [S] uint32: the running request's effective seed
+    chunk: np.ndarray             # [S] uint32: its decode chunks so far (with seed, its RNG state: row_keys)
+    request_of: dict[int, int] = dataclasses.field(default_factory=dict)   # slot -> id of the request holding it
+
+    @classmethod
+    def empty(cls, num_slots: int) -> "SlotTable":
+        S = num_slots
+        return cls(tok=np.zeros(S, np.int32), done=np.ones(S, bool), remaining=np.zeros(S, np.int32),
+                   temperature=np.zeros(S, np.float32), top_p=np.ones(S, np.float32), top_k=np.zeros(S, np.int32),
+                   seed=np.zeros(S, np.uint32), chunk=np.zeros(S, np.uint32))
+
+    def running(self) -> list[tuple[int, int]]:
+        """(slot, request id) of every slot whose request is decoding, in admission order."""
+        return [(s, r) for s, r in self.request_of.items() if not self.done[s]]
+
+    def any_running(self) -> bool:
+        return any(not self.done[s] for s in self.request_of)
+
+    def start(self, slot: int, tok: int, remaining: int, sampling) -> None:
+        """The slot decodes from `tok` with `remaining` tokens to go under `sampling` (engine.SamplingParams)."""
+        self.tok[slot], self.done[slot], self.remaining[slot] = tok, False, remaining
+        self.temperature[slot], self.top_p[slot], self.top_k[slot] = sampling.temperature, sampling.top_p, sampling.top_k
+
+    def clear(self, slot: int) -> None:
+        """The slot is free: no request, not decoding, greedy."""
+        self.request_of.pop(slot, None)
+        self.done[slot] = True
+        self.remaining[slot] = 0
+        self.temperature[slot], self.top_p[slot], self.top_k[slot] = 0.0, 1.0, 0
+
+    def sampling_arrays(self) -> SamplingArrays:
+        """Every slot's sampling parameters as device arrays [S] (the compiled programs' per-slot input)."""
+        return SamplingArrays(jnp.asarray(self.temperature), jnp.asarray(self.top_p), jnp.asarray(self.top_k))
+
+    def keys(self):
+        """Every slot's key for its next decode chunk [S] (sampling.row_keys of its seed and chunk count)."""
+        return row_keys(jnp.asarray(self.seed), jnp.asarray(self.chunk))
