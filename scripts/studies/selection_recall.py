@@ -120,6 +120,28 @@ def scorer_bytes(rule, D: int, page: int) -> float:
     return rule[1] * rule[2] / 8 + 2 * rule[1] * 2 / page
 
 
+def plot(rows, path: str) -> str:
+    """Recall vs the scorer's bytes per token, one panel per context, one marker per budget, a line per budget."""
+    from scripts import bench_meta
+    plt = bench_meta.pyplot()
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
+    for ax, ctx in zip(axes[0], contexts):
+        for b in sorted({r["budget"] for r in rows if r["context"] == ctx}):
+            rs = sorted((r for r in rows if r["context"] == ctx and r["budget"] == b),
+                        key=lambda r: r["scorer_bytes_per_token"])
+            ax.plot([r["scorer_bytes_per_token"] for r in rs], [r["recall"] for r in rs], "o", label=f"budget {b}")
+            for r in rs:
+                name = r["rule"] + (f" {r['channels']}" if r["channels"] else "") + \
+                    (f"@{r['label_bits']}b{' T' if r['calibration'] == 'table' else ''}" if r["label_bits"] else "")
+                ax.annotate(name, (r["scorer_bytes_per_token"], r["recall"]), fontsize=5)
+        ax.set_xscale("log")
+        ax.set(title=f"{rows[0]['model']}, {ctx} tokens", xlabel="scorer bytes / token / KV head",
+               ylabel="attention recall")
+        ax.legend(fontsize=7)
+    return bench_meta.save_figure(fig, path)
+
+
 def parse_rule(s: str):
     parts = s.split(":")
     if parts[0] == "quest":
@@ -211,6 +233,7 @@ def main(argv=None) -> int:
                      recall=float(np.mean(rs)), recall_p10=float(np.percentile(rs, 10)),
                      recall_worst_layer=float(min(per_layer)), scorer_bytes_per_token=scorer_bytes(rule, D, page)))
     res.save()
+    plot(res.rows, os.path.join(args.out, f"{args.name}.png"))
     print(f"{'rule':<26}{'ctx':>6}{'budget':>7}{'recall':>8}{'p10':>7}{'worst L':>8}{'B/tok':>7}")
     for r in res.rows:
         name = r["rule"] + (f":{r['channels']}" if r["channels"] else "") + \
