@@ -86,7 +86,8 @@ def test_save_keeps_the_previous_step_and_ignores_a_partial_one(setup, tmp_path)
     eng.step()
     p3 = eng.save(d)
     assert [p.name for p in (p1, p2, p3)] == ["1", "2", "3"]
-    assert sorted(os.listdir(d)) == ["2", "3"]             # the newest and the one before it
+    assert sorted(os.listdir(d)) == [checkpoint.MARKER, "2", "3"]   # the newest and the one before it (and the
+    #                                                                   marker saying the folder is ours)
     # a save killed half-way leaves orbax's temporary folder: it is not a checkpoint
     (d / "4.orbax-checkpoint-tmp-1700000000").mkdir()
     (d / "4.orbax-checkpoint-tmp-1700000000" / "junk").write_text("torn")
