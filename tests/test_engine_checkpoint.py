@@ -99,6 +99,30 @@ def test_save_keeps_the_previous_step_and_ignores_a_partial_one(setup, tmp_path)
     assert checkpoint.read(d).requests == [] and checkpoint.read(d).next_id == 0
 
 
+def test_save_refuses_a_folder_it_did_not_write(setup, tmp_path):
+    """orbax takes integer-named entries for steps and prunes all but two: Engine.save writes only into an empty,
+    new or marked folder, and never into one holding an integer-named entry it did not write (issue 51)."""
+    _, _, gen, _, _ = setup
+    eng = Engine(generator=gen)
+    d = tmp_path / "runs"
+    (d / "2023").mkdir(parents=True)
+    (d / "2023" / "notes.txt").write_text("notes\n")
+    with pytest.raises(checkpoint.CheckpointError, match="it holds 2023"):
+        eng.save(d)
+    assert os.listdir(d) == ["2023"] and (d / "2023" / "notes.txt").read_text() == "notes\n"
+    ours = tmp_path / "ours"
+    eng.save(ours)
+    eng.save(ours)
+    (ours / "7").mkdir()                                    # someone's folder put into ours
+    with pytest.raises(checkpoint.CheckpointError, match="it holds 7"):
+        eng.save(ours)
+    assert sorted(os.listdir(ours)) == [checkpoint.MARKER, "1", "2", "7"]
+    legacy = tmp_path / "legacy"                            # written before the marker existed: only our steps
+    eng.save(legacy)
+    (legacy / checkpoint.MARKER).unlink()
+    assert eng.save(legacy).name == "2" and (legacy / checkpoint.MARKER).is_file()
+
+
 def test_foreign_checkpoints_are_refused(setup, tmp_path):
     model, cfg, gen, prompts, params = setup
     a = Engine(generator=gen)

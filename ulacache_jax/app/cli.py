@@ -10,7 +10,10 @@ a line with invalid UTF-8 or a lone surrogate fails alone, by line number; a UTF
 
 Output: one JSON object a line, {"id", "line", "text", "token_ids", "finish_reason" (stop | length | error),
 "prompt_tokens", "completion_tokens", "settings"} or {"id", "line", "finish_reason": "error", "error",
-"settings"}. "settings" is a fingerprint of the run's model, dtype, sampling defaults and limits. The output is
+"settings"}. "settings" is a fingerprint of every option that changes tokens (run_settings: the model loaded,
+dtype, sampling defaults, limits, selection, speculative decoding; NOT_IN_FINGERPRINT names the others). The output,
+its lock and the checkpoint folder are the real files paths resolve to (a symlink to a running output is refused;
+repairs, report and plot write through a symlink); devices, FIFOs and folders are refused as files. The output is
 locked for the run (a second run on it fails at once, naming the holder's pid), written in whole lines, fsynced
 after each batch of results; an interrupted run (Ctrl-C or SIGTERM) keeps what finished. `--resume` continues
 it: a torn last line is dropped, ids already done with the same settings are skipped (other settings are
@@ -24,7 +27,9 @@ the last save's duration after it (so saving takes at most ~5% of the run whatev
 comes after ~20 s), and once more, empty, when the run completes (if it saved, or D held a checkpoint). A killed
 run rerun with `--resume` and the same D continues its in-flight requests from their last checkpoint (re-prefilled
 and decoding on) instead of starting them over; a checkpoint made with other settings is refused (--force:
-ignored, those requests start over).
+ignored, those requests start over). D must be empty, new, or a folder of ulacache checkpoints (its marker file,
+runtime/checkpoint.MARKER): orbax takes integer-named entries for steps and prunes them, so a folder holding other
+things is refused before any work.
 
 Exit code: 0 if every request succeeded, 1 if any line failed (bad input or a failed request) or the output
 could not be written, 2 for bad options or unusable paths, 130 when interrupted by SIGINT (Ctrl-C), 143 by
