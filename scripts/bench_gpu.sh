@@ -103,12 +103,12 @@ for b in "${names[@]}"; do
     # speculative decoding (issue 22): SmolLM2 with and without drafts, one batch size a call; then the
     # verification step's cost at the 8B shape
     speculative-b1) step speculative-b1 580 scripts/bench_speculative.py --model "${MODEL:-smollm2-135m}" \
-                  --batches 1 --out "$OUT/speculative.json" "${C[@]}" ;;
+                  --batches 1 --out "$OUT" "${C[@]}" ;;
     speculative-b4) step speculative-b4 580 scripts/bench_speculative.py --model "${MODEL:-smollm2-135m}" \
-                  --batches 4 --tasks continue,quote,sampled --append --out "$OUT/speculative.json" \
+                  --batches 4 --tasks continue,quote,sampled --append --out "$OUT" \
                   "${C[@]}" ;;
     speculative-step) step speculative-step 580 scripts/bench_speculative.py --step-cost \
-                  --out "$OUT/speculative_step.json" "${C[@]}" ;;
+                  --out "$OUT" "${C[@]}" ;;
     # shared prefixes (issue 24): 16 questions over one 128K document with and without sharing, then SmolLM2 at 8K
     prefix-8b-on)   step prefix-8b-on 580 scripts/bench_prefix.py --rows 8b:130816 --modes on --row-timeout 560 \
                   --out "$OUT" "${C[@]}" ;;

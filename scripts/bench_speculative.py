@@ -14,8 +14,8 @@ Per (task, batch, method): greedy outputs are compared with the plain run's firs
 `match_tokens`: the share of tokens before the first difference; float32 matches exactly, bfloat16 rounds K + 1-row
 matmuls differently), then `--reps` timed runs: decode tok/s (the Engine timeline's decode tokens / decode seconds;
 prefill excluded), wall tok/s (the whole run, prefill included), speedup over plain, acceptance rate (accepted /
-proposed drafts) and tokens per verification. Medians over the reps. Rows go to --out (JSON, one row at a time,
-bench_meta.Results) as they finish.
+proposed drafts) and tokens per verification. Medians over the reps. Rows go to --out (a folder: speculative.json,
+one row at a time, bench_meta.Results) as they finish.
 
 --step-cost: the cost of one verification of K + 1 rows against one plain decode step, on the Llama-3.1-8B shape
 (random bf16 weights, a synthetic --step-context cache filled through the real ingestion path, drafts random so
@@ -29,8 +29,8 @@ script; with --step-cost, the tiny shape at 1K).
 chunk (Program.spec_chunk), to compare the two.
 `verifications` counts every verification (one-row steps of a chunk where no slot drafted included);
 `verifications_per_chunk` = verifications / device chunks.
-On the H200: python scripts/bench_speculative.py --out docs/benchmarks/speculative.json
-         and: python scripts/bench_speculative.py --step-cost --out docs/benchmarks/speculative_step.json
+On the H200: python scripts/bench_speculative.py --out docs/benchmarks     (-> speculative.json)
+         and: python scripts/bench_speculative.py --step-cost --out docs/benchmarks  (-> speculative_step.json)
 """
 from __future__ import annotations
 
@@ -273,11 +273,19 @@ def main(argv=None):
     p.add_argument("--step-batches", default="1,4")
     p.add_argument("--per-step", action="store_true", help="ngram: one verification per step, not device chunks")
     p.add_argument("--small", action="store_true", help="tiny random model, short prompts, float32 (CPU check)")
-    p.add_argument("--out", default="docs/benchmarks/speculative.json")
+    p.add_argument("--out", default="docs/benchmarks",
+                   help="output folder, as every benchmark's: speculative.json (--step-cost: speculative_step.json) "
+                        "and its PNG, the JSON rewritten after every row")
     p.add_argument("--commit", default=None)
     p.add_argument("--append", action="store_true", help="keep the rows already in --out (one call per batch size)")
     p.add_argument("--png", default=None, metavar="JSON", help="draw JSON's PNG beside it (no run) and exit")
     args = p.parse_args(argv)
+    if args.out.endswith(".json") and not os.path.isdir(args.out):
+        p.error(f"--out {args.out}: --out is a folder (the rows go to speculative.json or speculative_step.json "
+                "inside it)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out} is not a folder")
+    out_json = os.path.join(args.out, "speculative_step.json" if args.step_cost else "speculative.json")
     if args.png:
         with open(args.png) as f:
             print(plot(json.load(f)["rows"], os.path.splitext(args.png)[0] + ".png"))
@@ -310,9 +318,9 @@ def main(argv=None):
     from ulacache_jax.runtime.speculative.rules import SpecConfig
 
     if args.step_cost:
-        res = Results(args.out, run_meta(args.commit, kind="step_cost", token_budget=args.token_budget))
-        if args.append and os.path.exists(args.out):
-            with open(args.out) as f:
+        res = Results(out_json, run_meta(args.commit, kind="step_cost", token_budget=args.token_budget))
+        if args.append and os.path.exists(out_json):
+            with open(out_json) as f:
                 res.rows = json.load(f).get("rows", [])
         step_cost(args, res)
         return
@@ -332,11 +340,11 @@ def main(argv=None):
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.num_tokens.split(",")]
     gates = [None] if args.min_drafts is None else [float(g) for g in args.min_drafts.split(",")]
-    res = Results(args.out, run_meta(args.commit, model="tiny" if args.small else args.model, dtype=args.dtype,
+    res = Results(out_json, run_meta(args.commit, model="tiny" if args.small else args.model, dtype=args.dtype,
                                      attention=args.attention, doc_tokens=args.doc_tokens, max_new=args.max_new,
                                      page_size=args.page_size, token_budget=args.token_budget, reps=args.reps))
-    if args.append and os.path.exists(args.out):
-        with open(args.out) as f:
+    if args.append and os.path.exists(out_json):
+        with open(out_json) as f:
             res.rows = json.load(f).get("rows", [])
     for B in batches:
         longest = args.doc_tokens + args.echo + 256 + args.max_new
@@ -384,7 +392,7 @@ def main(argv=None):
                            new_tokens=sum(map(len, out)))
                 res.add(row)
                 print(json.dumps(row), flush=True)
-    plot(res.rows, os.path.splitext(args.out)[0] + ".png")
+    plot(res.rows, os.path.splitext(out_json)[0] + ".png")
     print(f"\n{'task':9s} {'B':>3s} {'method':7s} {'K':>2s} {'dec tok/s':>10s} {'speedup':>7s} "
           f"{'accept':>6s} {'v/call':>6s} {'match':>6s} {'gate':>4s}")
     for r in res.rows:

@@ -86,7 +86,8 @@ def test_save_keeps_the_previous_step_and_ignores_a_partial_one(setup, tmp_path)
     eng.step()
     p3 = eng.save(d)
     assert [p.name for p in (p1, p2, p3)] == ["1", "2", "3"]
-    assert sorted(os.listdir(d)) == ["2", "3"]             # the newest and the one before it
+    assert sorted(os.listdir(d)) == [checkpoint.MARKER, "2", "3"]   # the newest and the one before it (and the
+    #                                                                   marker saying the folder is ours)
     # a save killed half-way leaves orbax's temporary folder: it is not a checkpoint
     (d / "4.orbax-checkpoint-tmp-1700000000").mkdir()
     (d / "4.orbax-checkpoint-tmp-1700000000" / "junk").write_text("torn")
@@ -96,6 +97,30 @@ def test_save_keeps_the_previous_step_and_ignores_a_partial_one(setup, tmp_path)
     empty = Engine(generator=gen)
     empty.save(d)                                          # nothing held: still a checkpoint (of nothing)
     assert checkpoint.read(d).requests == [] and checkpoint.read(d).next_id == 0
+
+
+def test_save_refuses_a_folder_it_did_not_write(setup, tmp_path):
+    """orbax takes integer-named entries for steps and prunes all but two: Engine.save writes only into an empty,
+    new or marked folder, and never into one holding an integer-named entry it did not write (issue 51)."""
+    _, _, gen, _, _ = setup
+    eng = Engine(generator=gen)
+    d = tmp_path / "runs"
+    (d / "2023").mkdir(parents=True)
+    (d / "2023" / "notes.txt").write_text("notes\n")
+    with pytest.raises(checkpoint.CheckpointError, match="it holds 2023"):
+        eng.save(d)
+    assert os.listdir(d) == ["2023"] and (d / "2023" / "notes.txt").read_text() == "notes\n"
+    ours = tmp_path / "ours"
+    eng.save(ours)
+    eng.save(ours)
+    (ours / "7").mkdir()                                    # someone's folder put into ours
+    with pytest.raises(checkpoint.CheckpointError, match="it holds 7"):
+        eng.save(ours)
+    assert sorted(os.listdir(ours)) == [checkpoint.MARKER, "1", "2", "7"]
+    legacy = tmp_path / "legacy"                            # written before the marker existed: only our steps
+    eng.save(legacy)
+    (legacy / checkpoint.MARKER).unlink()
+    assert eng.save(legacy).name == "2" and (legacy / checkpoint.MARKER).is_file()
 
 
 def test_foreign_checkpoints_are_refused(setup, tmp_path):

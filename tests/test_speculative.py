@@ -626,14 +626,16 @@ def test_bench_speculative_small(tmp_path):
     import os
     import sys
     from scripts import bench_speculative
-    out = tmp_path / "spec.json"
-    bench_speculative.main(["--small", "--out", str(out)])
+    bench_speculative.main(["--small", "--out", str(tmp_path / "bench")])   # --out is a folder, made if missing
+    out = tmp_path / "bench" / "speculative.json"
     rows = json.loads(out.read_text())["rows"]
     assert [r["method"] for r in rows] == ["plain", "ngram"]
     assert rows[1]["match"] and rows[1]["match_tokens"] == 1.0 and rows[1]["decode_tok_s"] > 0
     # the plot beside the JSON (one bar per speculative row), and again from the JSON alone (--png)
-    png = tmp_path / "spec.png"
+    png = tmp_path / "bench" / "speculative.png"
     assert png.stat().st_size > 0
     png.unlink()
     bench_speculative.main(["--png", str(out)])
     assert png.stat().st_size > 0
+    with pytest.raises(SystemExit):                          # a file name for --out: refused before any work
+        bench_speculative.main(["--small", "--out", str(tmp_path / "spec.json")])

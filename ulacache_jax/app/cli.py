@@ -10,7 +10,10 @@ a line with invalid UTF-8 or a lone surrogate fails alone, by line number; a UTF
 
 Output: one JSON object a line, {"id", "line", "text", "token_ids", "finish_reason" (stop | length | error),
 "prompt_tokens", "completion_tokens", "settings"} or {"id", "line", "finish_reason": "error", "error",
-"settings"}. "settings" is a fingerprint of the run's model, dtype, sampling defaults and limits. The output is
+"settings"}. "settings" is a fingerprint of every option that changes tokens (run_settings: the model loaded,
+dtype, sampling defaults, limits, selection, speculative decoding; NOT_IN_FINGERPRINT names the others). The output,
+its lock and the checkpoint folder are the real files paths resolve to (a symlink to a running output is refused;
+repairs, report and plot write through a symlink); devices, FIFOs and folders are refused as files. The output is
 locked for the run (a second run on it fails at once, naming the holder's pid), written in whole lines, fsynced
 after each batch of results; an interrupted run (Ctrl-C or SIGTERM) keeps what finished. `--resume` continues
 it: a torn last line is dropped, ids already done with the same settings are skipped (other settings are
@@ -24,7 +27,9 @@ the last save's duration after it (so saving takes at most ~5% of the run whatev
 comes after ~20 s), and once more, empty, when the run completes (if it saved, or D held a checkpoint). A killed
 run rerun with `--resume` and the same D continues its in-flight requests from their last checkpoint (re-prefilled
 and decoding on) instead of starting them over; a checkpoint made with other settings is refused (--force:
-ignored, those requests start over).
+ignored, those requests start over). D must be empty, new, or a folder of ulacache checkpoints (its marker file,
+runtime/checkpoint.MARKER): orbax takes integer-named entries for steps and prunes them, so a folder holding other
+things is refused before any work.
 
 Exit code: 0 if every request succeeded, 1 if any line failed (bad input or a failed request) or the output
 could not be written, 2 for bad options or unusable paths, 130 when interrupted by SIGINT (Ctrl-C), 143 by
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -759,17 +765,53 @@ def setup_compile_cache(choice: str | None) -> str | None:
     return str(p)
 
 
+# generate's options that cannot change a run's tokens, each with why: every other option is in run_settings (a
+# test derives the list from the parser, so a new option is either fingerprinted or named here)
+NOT_IN_FINGERPRINT = {
+    "input": "where the prompts come from (each record keeps its id and line)",
+    "output": "where results go", "report": "a side file", "plot": "a side file",
+    "resume": "how the output is opened", "force": "--resume's override", "overwrite": "how the output is opened",
+    "checkpoint_dir": "where the batch is saved", "checkpoint_every": "when the batch is saved",
+    "compile_cache": "where compiled programs are kept", "no_progress": "the progress bar", "quiet": "the report",
+    "hbm_pages": "the HBM tier's size: which pages are resident, not which are selected",
+    "host_gb": "the host tier's size", "max_seqs": "how many requests decode together (each keeps its own seed)",
+    "tp": "how the model is split over devices", "max_prefill_tokens": "how a prefill is split over steps",
+    "no_prefix_cache": "whether a shared prefix's K/V is reused or computed again",
+}
+# options fingerprinted only when not at their default, so files written before they were fingerprinted (at the
+# default, the only case that was right then) still resume
+_FINGERPRINTED_WHEN_SET = {"key_channels": 0, "label_bits": 0, "channel_table": "auto", "speculative": None,
+                           "num_speculative_tokens": 4, "draft_model": None}
+
+
+def _file_identity(spec: str | None) -> str | None:
+    """A model, draft model or table given as a path -> its real path (the same file named two ways is one
+    setting); a preset's name as it is."""
+    if spec is not None and pathlib.Path(spec).exists():
+        return os.path.realpath(spec)
+    return spec
+
+
 def run_settings(args) -> dict:
-    """What decides a run's outputs, for the --resume fingerprint: the model, dtype, sampling defaults, limits.
-    (Pool sizes, slots and --tp change speed, not tokens: they are left out.)"""
-    model = args.model or "tiny"
-    if pathlib.Path(model).exists():
-        model = os.path.realpath(model)
-    return {"model": model, "dtype": resolve_dtype(args.dtype), "seed": args.seed,
-            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "stop_ids": args.stop_ids, "stop": list(args.stop),
-            "max_context": args.max_context, "token_budget": args.token_budget, "page_size": args.page_size,
-            "attention": args.attention}
+    """What decides a run's outputs, for the --resume fingerprint: the model (the one loaded: the default resolved),
+    dtype, sampling defaults, limits, the cache's selection (budget, page, key channels, labels), attention and
+    speculative decoding. NOT_IN_FINGERPRINT lists the options left out and why."""
+    settings = {"model": _file_identity(args.model or DEFAULT_MODEL), "dtype": resolve_dtype(args.dtype),
+                "seed": args.seed, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "top_p": args.top_p, "top_k": args.top_k, "stop_ids": args.stop_ids, "stop": list(args.stop),
+                "max_context": args.max_context, "token_budget": args.token_budget, "page_size": args.page_size,
+                "attention": args.attention}
+    for name, default in _FINGERPRINTED_WHEN_SET.items():
+        v = getattr(args, name)
+        if v != default:
+            if name == "channel_table" and v != "online":
+                p = pathlib.Path(v)
+                try:   # the table, not its name
+                    v = hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.is_file() else v
+                except OSError:
+                    pass   # unreadable: _channel_table names the error
+            settings[name] = _file_identity(v) if name == "draft_model" else v
+    return settings
 
 
 def check_tier_flags(args) -> None:
@@ -797,6 +839,11 @@ def check_paths(args) -> None:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if args.checkpoint_dir is not None:
         jsonl_io.check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
+        from ulacache_jax.runtime import checkpoint
+        try:   # a folder of other things: saving there would prune its integer-named entries as steps
+            checkpoint.check_directory(args.checkpoint_dir)
+        except checkpoint.CheckpointError as e:
+            raise UsageError(f"--checkpoint-dir {e}") from None
     if args.input != "-":
         inp = pathlib.Path(args.input)
         if not inp.exists():
@@ -834,7 +881,7 @@ def _prepare_resume(args, fingerprint: str) -> ResumeState:
         raise UsageError(f"--resume: {len(other)} of the {len(existing.records)} records in {args.output} were made "
                          f"with other settings (fingerprint {', '.join(fps[:3])}; this run's is {fingerprint}: "
                          "model, dtype, sampling defaults, --max-context, --token-budget, --page-size, "
-                         "--attention): rerun with the same options, or --force to mix them")
+                         "--attention, key channels, labels, speculative decoding): rerun with the same options, or --force to mix them")
     kept = jsonl_io.compact(existing.records)
     if existing.torn_tail or existing.bad_lines or len(kept) != len(existing.records):
         jsonl_io.rewrite_output(args.output, kept)
@@ -1028,6 +1075,7 @@ def _generate_locked(args, t_start: float) -> int:
     ck_stats = {"saves": 0, "seconds": 0.0, "last_s": 1.0, "last_end": time.perf_counter()}
     # a completed run leaves an empty checkpoint only where one is there to supersede (or it saved one itself)
     ck_old = bool(args.checkpoint_dir) and any(p.name.isdigit() for p in pathlib.Path(args.checkpoint_dir).iterdir())
+    # (the folder passed checkpoint.check_directory: its integer-named entries are steps Engine.save wrote)
     writer = jsonl_io.ResultWriter(args.output, append=args.resume)
     try:
         writer.write_batch([stamp(e.as_output()) for e in errors])

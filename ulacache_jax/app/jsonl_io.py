@@ -24,6 +24,7 @@ import json
 import os
 import pathlib
 import signal
+import stat
 import tempfile
 
 BOM = b"\xef\xbb\xbf"
@@ -95,18 +96,50 @@ def _probe_writable(folder: pathlib.Path, name: str) -> None:
         raise OutputError(f"{name} is not writable ({e.strerror})") from None
 
 
+def real_path(path: str | os.PathLike) -> pathlib.Path:
+    """The file `path` names, through symlinks and `..`: what is locked, written and replaced (a symlink to the
+    output locks and writes its target, and a repair or a report replaces the target, not the link)."""
+    return pathlib.Path(os.path.realpath(path))
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_regular_target(path: str | os.PathLike, what: str) -> None:
+    """Refuse an existing target (through symlinks) that is not a regular file: a device, FIFO, socket or folder
+    would be replaced by a regular file (atomic rename) or block / stop the run. A dangling symlink passes: its
+    target is created."""
+    p = pathlib.Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise OutputError(f"{what} {path}: cannot stat it ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        real = real_path(p)
+        via = f" (through the symlink, {real})" if str(real) != os.path.abspath(p) else ""
+        raise OutputError(f"{what} {path} is {_kind(st.st_mode)}{via}, not a regular file: name a file to write")
+
+
 def check_writable_file(path: str | os.PathLike, what: str) -> pathlib.Path:
     """Refuse, before any work, a file path that cannot be written: its folder missing or not a folder, the folder
-    or an existing file not writable, the path a folder. Probes by creating a temp file (permission bits say
-    nothing to root or on a read-only mount)."""
-    p = pathlib.Path(path)
-    parent = p.parent if str(p.parent) else pathlib.Path(".")
+    or an existing file not writable, the path a folder, a device, a FIFO or a socket. Symlinks are followed (the
+    target is what gets written). Probes by creating a temp file (permission bits say nothing to root or on a
+    read-only mount)."""
+    check_regular_target(path, what)
+    p = real_path(path)
+    parent = p.parent
     if not parent.exists():
         raise OutputError(f"{what} {path}: folder {parent} does not exist")
     if not parent.is_dir():
         raise OutputError(f"{what} {path}: {parent} is not a folder")
-    if p.is_dir():
-        raise OutputError(f"{what} {path} is a folder, not a file")
     _probe_writable(parent, f"{what} {path}: folder {parent}")
     if p.exists() and not os.access(p, os.W_OK):
         raise OutputError(f"{what} {path} exists and is not writable")
@@ -144,8 +177,10 @@ def _fsync_dir(folder: pathlib.Path) -> None:
 
 def atomic_write(path: str | os.PathLike, write) -> None:
     """Write a file through `write(tmp_path)` into a temp file beside `path`, fsync it, rename it over `path`:
-    a reader (or a crash) sees the old file or the new one, never half of one."""
-    p = pathlib.Path(path)
+    a reader (or a crash) sees the old file or the new one, never half of one. A symlink is written through (its
+    target replaced, the link kept); an existing target that is not a regular file is refused (OutputError)."""
+    check_regular_target(path, "the target")
+    p = real_path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp" + p.suffix, dir=p.parent or ".")
     os.close(fd)
     try:
@@ -183,9 +218,10 @@ class OutputLock:
     path came from in errors (the output file, or a checkpoint folder)."""
 
     def __init__(self, output: str | os.PathLike, flag: str = "--output"):
-        out = pathlib.Path(output)
-        self.path = out.with_name(out.name + ".lock")
-        self.output = out
+        # keyed by the real file: a run on `out.jsonl` and one on a symlink to it (or `d/../out.jsonl`) share a lock
+        real = real_path(output)
+        self.path = real.with_name(real.name + ".lock")
+        self.output = pathlib.Path(output)
         self.flag = flag
         self._fd: int | None = None
 
@@ -353,6 +389,7 @@ class ResultWriter:
 
     def __init__(self, path: str | os.PathLike, *, append: bool):
         self.path = pathlib.Path(path)
+        check_regular_target(path, "--output")
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
         try:
             self._fd = os.open(self.path, flags, 0o666)

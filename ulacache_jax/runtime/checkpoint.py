@@ -18,7 +18,10 @@ differs in any of them raises CheckpointMismatch naming each difference.
 
 Layout: `directory/<step>/` through orbax's CheckpointManager: a step is written to a temporary folder and renamed
 when complete, and the previous step is kept until the new one is, so a kill during a save leaves the last
-complete checkpoint readable (a leftover temporary folder is ignored).
+complete checkpoint readable (a leftover temporary folder is ignored). orbax takes every integer-named entry for a
+step and prunes all but the newest two, so save only writes into a folder that is ours: one holding our marker file
+(MARKER, written by the first save), or empty, or (written before the marker existed) holding nothing but our step
+folders; anything else is refused with CheckpointError naming what is there, and nothing in it is touched.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import re
 
 import numpy as np
 import jax
@@ -37,6 +41,8 @@ FORMAT = 1
 _ITEMS = ("arrays", "meta")
 _KEEP = 2                                 # the newest step and the one before it (a kill during a save)
 _DIGEST_VALUES = 64                       # leading values of each parameter array in the weight digest
+MARKER = ".ulacache-checkpoints"          # in a folder Engine.save writes: its integer-named entries are our steps
+_TMP_STEP = re.compile(r"^\d+\.orbax-checkpoint-tmp-\d+$")   # a step a killed save left half-written
 
 
 class CheckpointError(ValueError):
@@ -124,6 +130,48 @@ def identity_differences(saved: dict, current: dict) -> list[str]:
     return out
 
 
+# ---- the folder -------------------------------------------------------------------------------------------------
+def _our_step(p: pathlib.Path) -> bool:
+    """A step folder Engine.save wrote (orbax's layout with our two items), or one a killed save left behind."""
+    if _TMP_STEP.match(p.name):
+        return p.is_dir()
+    return p.name.isdigit() and p.is_dir() and all((p / item).is_dir() for item in _ITEMS)
+
+
+def foreign_entries(directory) -> list[str]:
+    """The entries of `directory` that Engine.save did not write and that orbax would take for steps (and prune),
+    or, in a folder without our marker, every entry that is not one of our steps: [] when saving there is safe
+    (missing, empty, ours)."""
+    d = pathlib.Path(directory)
+    if not d.is_dir():
+        return []
+    entries = sorted(d.iterdir())
+    if (d / MARKER).is_file():
+        return [p.name for p in entries if p.name.isdigit() and not _our_step(p)]
+    return [p.name for p in entries if not _our_step(p)]
+
+
+def check_directory(directory) -> None:
+    """CheckpointError when `directory` holds things Engine.save did not write (foreign_entries): saving there would
+    take integer-named folders for steps and delete all but the newest two."""
+    foreign = foreign_entries(directory)
+    if foreign:
+        shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        raise CheckpointError(f"{directory} is not a checkpoint folder written by ulacache (no {MARKER} marker, or "
+                              f"entries it did not write): it holds {shown}; choose an empty or new folder (saving "
+                              "here would take integer-named folders for checkpoint steps and delete them)")
+
+
+def _claim_directory(directory) -> None:
+    """Before a save: refuse a folder that is not ours (check_directory), create it if missing, mark it ours."""
+    check_directory(directory)
+    d = pathlib.Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    marker = d / MARKER
+    if not marker.is_file():
+        marker.write_text("ulacache_jax Engine checkpoints (orbax steps): integer-named folders here are pruned\n")
+
+
 # ---- save -------------------------------------------------------------------------------------------------------
 def _manager(directory, *, create: bool):
     import orbax.checkpoint as ocp
@@ -183,6 +231,7 @@ def save(engine, directory, *, meta: dict | None = None) -> pathlib.Path:
             "requests": [{"sampling": r.sampling, "status": r.status, "finish_reason": r.finish_reason,
                           "error": r.error, "text": r.text, "stop_reason": r.stop_reason} for r in reqs]}
     info = json.loads(json.dumps(info))   # tuples -> lists; fails here, not half-way through a write
+    _claim_directory(directory)
     mngr = _manager(directory, create=True)
     try:
         step = (mngr.latest_step() or 0) + 1

@@ -83,6 +83,11 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
     if longest > cache_config.max_context:
         raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the cache's max context "
                          f"{cache_config.max_context} (max_pages_per_seq x page_size)")
+    if speculative is not None:
+        # as the Engine does for a model: a verification attends 1 + K rows per sequence in one call, whose
+        # overflow pages the cache stages too (a user never sizes the cache for an option of generate)
+        cache_config = dataclasses.replace(cache_config, verify_rows=max(cache_config.verify_rows,
+                                                                         speculative.num_tokens + 1))
     engine = Engine(generator=Generator(model, cache_config, attention=attention, options=options, mesh=mesh),
                     seed=seed, tokenizer=tokenizer, speculative=speculative)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
