@@ -7,6 +7,8 @@ import numpy as np
 import jax.numpy as jnp
 
 from ulacache_jax.cache import lid as lid_mod
+from ulacache_jax.cache.select import registry
+from ulacache_jax.cache.select.rule import SelectionRule
 
 TAIL_PAGES = 2  # ring pages per (seq, layer, group): a decode chunk of page_size steps crosses <= 1 page boundary
 
@@ -44,6 +46,8 @@ class CacheConfig:
                                      # codes with a scale per page and channel
     channel_table: tuple | None = None  # labels' offline calibration: [num_layers][num_kv_heads][C] channel ids
                                         # (scripts/calibrate_labels.py); None: each sequence's first prefill block
+    selection: SelectionRule | None = None  # None: the built-in rule the fields above name (quest / key_copy /
+                                            # labels); a rule object (select/rule.py): that rule (select/registry.py)
 
     def __post_init__(self):
         def need(ok, msg):
@@ -89,6 +93,16 @@ class CacheConfig:
                  f"channel_table shape {tab.shape} must be [num_layers, num_kv_heads, key_channels] = "
                  f"[{self.num_layers}, {self.num_kv_heads}, {kc}] of channel ids in [0, {self.head_dim})")
             need(self.tp == 1, f"channel_table needs tp = 1 (it is {self.tp}): per-rank tables are not built yet")
+        if self.selection is not None:
+            need(isinstance(self.selection, SelectionRule),
+                 f"selection = {self.selection!r} must be a SelectionRule (ulacache_jax/cache/select/rule.py)")
+            try:
+                hash(self.selection)
+            except TypeError as e:
+                raise ValueError(f"CacheConfig: selection {self.selection!r} must be hashable (a frozen dataclass): "
+                                 f"it is a static jit field ({e})") from None
+            need(not kc, f"selection = {self.selection!r} replaces the built-in rules: leave key_channels at 0")
+            self.selection.check(self)
         need(self.max_pages_per_seq * self.page_size <= 2**31 - 1,
              f"max_pages_per_seq * page_size = {self.max_pages_per_seq * self.page_size} tokens exceeds 2**31 - 1")
         lid_mod.log2_buckets(self.num_buckets)
@@ -111,9 +125,15 @@ class CacheConfig:
         return self.label_bits / 8 if self.label_bits else self.jnp_dtype.itemsize
 
     @property
+    def selection_rule(self) -> SelectionRule:
+        """The page-selection rule object (select/registry.resolve): `selection`, or the one the fields name."""
+        return registry.resolve(self)
+
+    @property
     def rule(self) -> str:
-        """The page-selection rule: 'quest', 'key_copy' or 'labels' (the row vocabulary of the benchmarks)."""
-        return "labels" if self.label_bits else "key_copy" if self.key_channels else "quest"
+        """The page-selection rule's name: 'quest', 'key_copy' or 'labels' for the built-in rules (the row
+        vocabulary of the benchmarks), a given rule's own `name` otherwise."""
+        return self.selection_rule.name
 
     @property
     def num_groups(self) -> int:
