@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 from ulacache_jax.cache import lid as lid_mod
@@ -183,10 +184,15 @@ class CacheConfig:
         return self.page_size * self.kv_heads_per_group * self.head_dim * self.jnp_dtype.itemsize
 
     def footprint(self) -> dict[str, int]:
-        """Bytes per rank of each pool, for capacity checks before anything is allocated."""
+        """Bytes per rank of each pool, for capacity checks before anything is allocated. A given selection rule's
+        state (`selection`) is counted under 'selection', from its `init` traced for shapes only."""
         isz = self.jnp_dtype.itemsize
         per_pg = self.num_layers * self.groups_per_rank * self.max_seqs
-        return {
+        extra = {}
+        if self.selection is not None:
+            shapes = jax.eval_shape(lambda: self.selection.init(self, 1))
+            extra["selection"] = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
+        return extra | {
             "frames": 2 * self.num_frames * self.page_bytes,
             "tail": 2 * per_pg * TAIL_PAGES * self.page_bytes,
             "overflow": 2 * self.overflow_frames * self.page_bytes,

@@ -8,9 +8,9 @@ a sequence's life; every hook takes the state and returns a new one, and a rule 
 rule (the tail-append kernel updates them in the same launch as the ring write, and they are the first stage of a
 two-stage selection).
 
-Views: hooks marked "one rank" see the leading rank axis of size 1 (the decode inside `shard_map`, index it 0);
-hooks marked "all ranks" see [R, ...] (admission, release, ingestion: the host-side entry points of
-runtime/sequences.py run them once for every rank). Shapes: S slots, L layers, G groups per rank, P
+Every hook runs traced, inside the cache's jitted programs. Views: hooks marked "one rank" index the leading
+rank axis at 0 (decode code written for one rank's view); hooks marked "all ranks" handle every rank of the state
+they get, [R, ...] (prefill code: R = config.tp, which is 1 inside the `shard_map` the runtime runs them in). Shapes: S slots, L layers, G groups per rank, P
 max_pages_per_seq, T the tail ring's pages (config.TAIL_PAGES), page tokens a page, g KV heads a group, D
 head_dim, Hr query heads of a rank.
 
@@ -34,12 +34,15 @@ stays hashable; `init` turns them into arrays.
 
 Two-stage: `quest.TwoStage(second, keep_pages)` lets Quest's bound (the key summaries every cache keeps) shortlist
 `keep_pages` pages per (sequence, group) for another rule, which scores only those.
+
+Adding a rule: one file with a SelectionRule subclass (its kernel and resolver row, if it has one) and a config
+value, `CacheConfig(..., selection=MyRule(...))`; no other file changes (tests/test_select_protocol.py does it
+from the test file alone).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
-
 
 
 @dataclasses.dataclass(frozen=True)
