@@ -38,10 +38,10 @@ def test_no_copy_no_leaves():
     copy compiles and donates exactly the buffers it did before the option existed."""
     from ulacache_jax.cache import state as cache_state
     st, _ = cache_state.init(CacheConfig.preset("tiny"))
-    assert st.kc is None and st.chan is None
+    assert st.sel is None
     assert all(x.size > 0 for x in jax.tree.leaves(st))
     st4, _ = cache_state.init(CacheConfig.preset("tiny", key_channels=4))
-    assert st4.kc.shape[-1] == 4 and len(jax.tree.leaves(st4)) == len(jax.tree.leaves(st)) + 2
+    assert st4.sel.kc.shape[-1] == 4 and len(jax.tree.leaves(st4)) == len(jax.tree.leaves(st)) + 2
 
 
 def test_pick_channels_and_compress():
@@ -110,16 +110,16 @@ def built():
 
 def test_copy_holds_every_flushed_key_at_the_first_blocks_channels(built):
     c, state, host, ks, lengths, rng = built
-    assert state.kc.shape == (1, 3, 2, 2, 32, PAGE, 1, C) and state.chan.shape == (1, 3, 2, 2, 1, C)
+    assert state.sel.kc.shape == (1, 3, 2, 2, 32, PAGE, 1, C) and state.sel.chan.shape == (1, 3, 2, 2, 1, C)
     for s, (k, n0) in enumerate(zip(ks, lengths)):
         fl = int(state.seqs.flushed[s])
         assert fl == k.shape[1] // PAGE
         for l in range(2):
             for gi in range(2):
                 energy = (k[l, :n0, gi] ** 2).sum(0)                                  # the ingested block's keys
-                ch = np.asarray(state.chan[0, s, l, gi, 0])
+                ch = np.asarray(state.sel.chan[0, s, l, gi, 0])
                 assert ch.tolist() == np.argsort(-energy, kind="stable")[:C].tolist()
-                copy = np.asarray(state.kc[0, s, l, gi, :fl, :, 0]).reshape(fl * PAGE, C)
+                copy = np.asarray(state.sel.kc[0, s, l, gi, :fl, :, 0]).reshape(fl * PAGE, C)
                 np.testing.assert_array_equal(copy, k[l, :fl * PAGE, gi][:, ch])  # ingested and flushed pages
 
 
@@ -138,7 +138,7 @@ def test_selection_is_the_top_mass_pages_of_the_copy(built):
         for s in range(S):
             fl = int(state.seqs.flushed[s])
             for gi in range(2):
-                ch = np.asarray(state.chan[0, s, 0, gi, 0])
+                ch = np.asarray(state.sel.chan[0, s, 0, gi, 0])
                 qh = np.asarray(q[s, 0, gi * QPK:(gi + 1) * QPK])[:, ch] * np.sqrt(C / D)   # logits / sqrt(D)
                 scores[s, gi, :fl] = np_page_mass(qh, ks[s][0, :, gi][:, ch], fl, PAGE)
         sel = np.asarray(selection.select_pages(jnp.asarray(scores), state.seqs.flushed, select_pages=K,
@@ -150,8 +150,8 @@ def test_a_released_slot_forgets_its_channels(built):
     from ulacache_jax.runtime.sequences import release_device
     c, state, host, ks, lengths, rng = built
     st = release_device(state, 1)
-    assert (np.asarray(st.chan[:, 1]) == np.arange(C)).all()
-    np.testing.assert_array_equal(np.asarray(st.chan[:, 0]), np.asarray(state.chan[:, 0]))
+    assert (np.asarray(st.sel.chan[:, 1]) == np.arange(C)).all()
+    np.testing.assert_array_equal(np.asarray(st.sel.chan[:, 0]), np.asarray(state.sel.chan[:, 0]))
 
 
 # ---- end to end: generate / Engine, tiny model ----------------------------------------------------------------------

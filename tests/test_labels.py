@@ -94,7 +94,7 @@ def build(bits, *, table=None, lengths=(37, 61, 8), steps=13):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_cache_holds_every_flushed_key_as_labels_of_the_first_blocks_pairs(bits):
     c, state, ks, lengths = build(bits)
-    assert state.ksc.shape == (1, 3, 2, 2, 32, 1, C) and state.kc.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
+    assert state.sel.ksc.shape == (1, 3, 2, 2, 32, 1, C) and state.sel.kc.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
     for s, (k, n0) in enumerate(zip(ks, lengths)):
         fl = int(state.seqs.flushed[s])
         for l in range(2):
@@ -104,11 +104,11 @@ def test_cache_holds_every_flushed_key_as_labels_of_the_first_blocks_pairs(bits)
                 pair = energy[:D // 2] + energy[D // 2:]
                 top = np.argsort(-pair, kind="stable")[:C // 2]
                 want_ch = np.sort(np.concatenate([top, top + D // 2]))
-                ch = np.asarray(state.chan[0, s, l, gi, 0])
+                ch = np.asarray(state.sel.chan[0, s, l, gi, 0])
                 assert ch.tolist() == want_ch.tolist()
-                got = np.asarray(labels.dequantize(state.kc[0, s, l, gi, :fl], state.ksc[0, s, l, gi, :fl], bits))
+                got = np.asarray(labels.dequantize(state.sel.kc[0, s, l, gi, :fl], state.sel.ksc[0, s, l, gi, :fl], bits))
                 want = k[l, :fl * PAGE, gi][:, ch].reshape(fl, PAGE, 1, C)
-                step = np.asarray(state.ksc[0, s, l, gi, :fl], np.float32)[:, None]
+                step = np.asarray(state.sel.ksc[0, s, l, gi, :fl], np.float32)[:, None]
                 assert (np.abs(got - want) <= step * (0.5 + labels.QMAX[bits] * 2 ** -8) + 1e-5).all()
 
 
@@ -117,9 +117,9 @@ def test_offline_table_fixes_the_channels_for_life():
     table = [[[1, 3, 9, 11], [0, 2, 8, 10]], [[5, 6, 13, 14], [4, 7, 12, 15]]]       # [L][KV][C]
     c, state, ks, lengths = build(8, table=table)
     for s in range(len(lengths)):
-        np.testing.assert_array_equal(np.asarray(state.chan[0, s, :, :, 0]), np.asarray(table))
+        np.testing.assert_array_equal(np.asarray(state.sel.chan[0, s, :, :, 0]), np.asarray(table))
     st = release_device(state, 1)
-    np.testing.assert_array_equal(np.asarray(st.chan[0, 1, :, :, 0]), np.asarray(table))
+    np.testing.assert_array_equal(np.asarray(st.sel.chan[0, 1, :, :, 0]), np.asarray(table))
 
 
 @pytest.fixture(scope="module")

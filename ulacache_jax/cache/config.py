@@ -4,9 +4,12 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 from ulacache_jax.cache import lid as lid_mod
+from ulacache_jax.cache.select import registry
+from ulacache_jax.cache.select.rule import SelectionRule
 
 TAIL_PAGES = 2  # ring pages per (seq, layer, group): a decode chunk of page_size steps crosses <= 1 page boundary
 
@@ -44,6 +47,8 @@ class CacheConfig:
                                      # codes with a scale per page and channel
     channel_table: tuple | None = None  # labels' offline calibration: [num_layers][num_kv_heads][C] channel ids
                                         # (scripts/calibrate_labels.py); None: each sequence's first prefill block
+    selection: SelectionRule | None = None  # None: the built-in rule the fields above name (quest / key_copy /
+                                            # labels); a rule object (select/rule.py): that rule (select/registry.py)
 
     def __post_init__(self):
         def need(ok, msg):
@@ -89,6 +94,16 @@ class CacheConfig:
                  f"channel_table shape {tab.shape} must be [num_layers, num_kv_heads, key_channels] = "
                  f"[{self.num_layers}, {self.num_kv_heads}, {kc}] of channel ids in [0, {self.head_dim})")
             need(self.tp == 1, f"channel_table needs tp = 1 (it is {self.tp}): per-rank tables are not built yet")
+        if self.selection is not None:
+            need(isinstance(self.selection, SelectionRule),
+                 f"selection = {self.selection!r} must be a SelectionRule (ulacache_jax/cache/select/rule.py)")
+            try:
+                hash(self.selection)
+            except TypeError as e:
+                raise ValueError(f"CacheConfig: selection {self.selection!r} must be hashable (a frozen dataclass): "
+                                 f"it is a static jit field ({e})") from None
+            need(not kc, f"selection = {self.selection!r} replaces the built-in rules: leave key_channels at 0")
+            self.selection.check(self)
         need(self.max_pages_per_seq * self.page_size <= 2**31 - 1,
              f"max_pages_per_seq * page_size = {self.max_pages_per_seq * self.page_size} tokens exceeds 2**31 - 1")
         lid_mod.log2_buckets(self.num_buckets)
@@ -111,9 +126,15 @@ class CacheConfig:
         return self.label_bits / 8 if self.label_bits else self.jnp_dtype.itemsize
 
     @property
+    def selection_rule(self) -> SelectionRule:
+        """The page-selection rule object (select/registry.resolve): `selection`, or the one the fields name."""
+        return registry.resolve(self)
+
+    @property
     def rule(self) -> str:
-        """The page-selection rule: 'quest', 'key_copy' or 'labels' (the row vocabulary of the benchmarks)."""
-        return "labels" if self.label_bits else "key_copy" if self.key_channels else "quest"
+        """The page-selection rule's name: 'quest', 'key_copy' or 'labels' for the built-in rules (the row
+        vocabulary of the benchmarks), a given rule's own `name` otherwise."""
+        return self.selection_rule.name
 
     @property
     def num_groups(self) -> int:
@@ -163,10 +184,15 @@ class CacheConfig:
         return self.page_size * self.kv_heads_per_group * self.head_dim * self.jnp_dtype.itemsize
 
     def footprint(self) -> dict[str, int]:
-        """Bytes per rank of each pool, for capacity checks before anything is allocated."""
+        """Bytes per rank of each pool, for capacity checks before anything is allocated. A given selection rule's
+        state (`selection`) is counted under 'selection', from its `init` traced for shapes only."""
         isz = self.jnp_dtype.itemsize
         per_pg = self.num_layers * self.groups_per_rank * self.max_seqs
-        return {
+        extra = {}
+        if self.selection is not None:
+            shapes = jax.eval_shape(lambda: self.selection.init(self, 1))
+            extra["selection"] = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
+        return extra | {
             "frames": 2 * self.num_frames * self.page_bytes,
             "tail": 2 * per_pg * TAIL_PAGES * self.page_bytes,
             "overflow": 2 * self.overflow_frames * self.page_bytes,

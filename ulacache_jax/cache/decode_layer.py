@@ -12,16 +12,15 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax.cache.select import key_copy
 from ulacache_jax.cache import lid as lid_mod
 from ulacache_jax.cache import pb_lru
 from ulacache_jax.cache.select import quest as selection
+from ulacache_jax.cache.select.registry import kept_rules
 from ulacache_jax.cache import vtlb as vtlb_mod
 from ulacache_jax.cache.state import CacheState, HostPool, overflow_frame, tail_frame
 from ulacache_jax.cache.config import TAIL_PAGES
 from ulacache_jax.cache.kernel_choice import resolved_options
 from ulacache_jax.pallas_kernels import page_copy
-from ulacache_jax.pallas_kernels.page_scores import page_scores
 from ulacache_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
 from ulacache_jax.pallas_kernels.tail_append import tail_append
 
@@ -60,7 +59,8 @@ class DecodeOptions:
 
 
 def append_token(state: CacheState, layer: int, k_new, v_new, pos, live, *, impl: str = "ref") -> CacheState:
-    """Write one token's K/V per sequence into its tail-ring page and update that page's key summary.
+    """Write one token's K/V per sequence into its tail-ring page, update that page's key summary (Quest's, kept
+    for every rule: in the same kernel launch) and run the selection rule's `append`.
     k_new, v_new [S, KVr, D] (this rank's KV heads); pos [S] int32 token index; live [S] bool. impl: the tail
     append's implementation (pallas_kernels/tail_append.py: one kernel, or 'ref' = four XLA scatters); the decode
     passes its `copy` choice (the append writes pool pages as the copies do)."""
@@ -72,11 +72,13 @@ def append_token(state: CacheState, layer: int, k_new, v_new, pos, live, *, impl
     page, off = pos // P, pos % P
     frame = tail_frame(c, jnp.arange(S)[:, None], layer, jnp.arange(G)[None, :], page[:, None])   # [S, G]
     frame = jnp.where(live[:, None], frame, -1)[:, None, :]                          # [S, 1, G], -1 = skipped
-    sp, soff = pos // c.summary_size, pos % c.summary_size                            # split 1: page, off
-    sub = jnp.where(live, sp, -1)                                                     # [S] sub-page, -1 = skipped
+    sub, first = selection.append_operands(c, pos, live)                             # [S] each
     pool_k, pool_v, kmin, kmax = tail_append(state.pool_k, state.pool_v, kg, vg, frame, off[:, None],
-                                             state.kmin, state.kmax, sub, soff == 0, layer=layer, impl=impl)
-    return dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, kmin=kmin, kmax=kmax)
+                                             state.kmin, state.kmax, sub, first, layer=layer, impl=impl)
+    state = dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, kmin=kmin, kmax=kmax)
+    for rule in kept_rules(c):
+        state = rule.append(state, layer, kg[:, 0], pos, live)
+    return state
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["frame", "start", "src", "host_page", "seq_len"],
@@ -96,15 +98,9 @@ class PagePlan:
 
 def _scores(state: CacheState, layer: int, q, flushed, options: DecodeOptions):
     """Page scores of one query row per sequence: q [S, 1, Hr, D]; flushed [S] candidate pages -> [S, G, P]
-    float32. Quest's bound over the key summaries, or with config.key_channels the attention mass from the key
-    copy (key_copy.py; a config field, so the choice is static). options.scores picks the kernel of either."""
-    c = state.config
-    if c.key_channels:
-        return key_copy.page_mass(state.kc[0], state.chan[0, :, layer], q, flushed, layer=layer,
-                                  impl=options.scores, bits=c.label_bits,
-                                  ksc=None if state.ksc is None else state.ksc[0, :, layer])
-    return page_scores(state.kmin[0], state.kmax[0], q, layer=layer, impl=options.scores,
-                       launch=options.score_launch, split=c.summary_split)
+    float32, by the config's selection rule (select/registry.py; a static config field, so the choice is static):
+    Quest's bound over the key summaries, the key copy's attention mass, ... options.scores picks the kernel."""
+    return state.config.selection_rule.score(state, layer, q, flushed, options)
 
 
 def _sieve_pages(state: CacheState, layer: int, sel, row_live, row_seq, rank, options: DecodeOptions):
@@ -253,14 +249,12 @@ def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto") -> tupl
     hk, hv = page_copy.flush([host.k[0], host.v[0]], [state.pool_k[0], state.pool_v[0]], src, dst.astype(jnp.int32),
                              impl=impl)   # K and V in one launch
     seqs = dataclasses.replace(state.seqs, flushed=jnp.where(state.seqs.active, length // P, flushed))
-    kc, ksc = state.kc, state.ksc
-    if c.key_channels:   # the flushed pages join the key copy (read from their ring frames)
-        pages = jnp.where(done[:, None, None, :], pp, c.max_pages_per_seq)            # [S, 1, 1, T]; P: dropped
-        kc, ksc = key_copy.write_pages(kc[0], state.chan[0], s, l, g, pages,
-                                       state.pool_k[0, tail_frame(c, s, l, g, pp)], bits=c.label_bits,
-                                       ksc=None if ksc is None else ksc[0])
-        kc, ksc = kc[None], None if ksc is None else ksc[None]
-    return dataclasses.replace(state, seqs=seqs, kc=kc, ksc=ksc), HostPool(k=hk[None], v=hv[None])
+    # the selection rules see the completed pages (read from their ring frames; unused reads are compiled away)
+    pages = jnp.where(done[:, None, None, :], pp, c.max_pages_per_seq)                # [S, 1, 1, T]; P: dropped
+    kp = state.pool_k[0, tail_frame(c, s, l, g, pp)]                                  # [S, L, G, T, page, g, D]
+    for rule in kept_rules(c):
+        state = rule.flush(state, kp, pages)
+    return dataclasses.replace(state, seqs=seqs), HostPool(k=hk[None], v=hv[None])
 
 
 # ---- speculative verification (speculative.py; DESIGN.md section 7) --------------------------------------------
@@ -388,30 +382,19 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
 
 
 def commit_summaries(state: CacheState, length) -> CacheState:
-    """The key summaries of the tail pages recomputed from their committed tokens (length [S]: the new committed
-    length): min/max over the ring's first min(P, length - page start) tokens of each unflushed page holding
-    committed tokens; other pages untouched. Min and max are exact, so this equals `append_token`'s token-by-token
-    updates for the same tokens, whatever rejected leases the ring holds past the length. With summary_split > 1
-    the same per sub-page: a sub-page without committed tokens is untouched, as `append_token` leaves it."""
+    """The tail pages' selection state recomputed from their committed tokens (length [S]: the new committed
+    length), by every kept rule's `commit` (Quest: the key summaries, min/max over each unflushed page's committed
+    tokens, which equals `append_token`'s token-by-token updates whatever rejected leases the ring holds)."""
     c = state.config
     S, L, G = c.max_seqs, c.num_layers, c.groups_per_rank
-    split, sub, TS = c.summary_split, c.summary_size, TAIL_PAGES * c.summary_split   # split 1: sub = page_size
     tp = state.seqs.flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                # [S, T]
-    tsp = (tp[:, :, None] * split + jnp.arange(split)).reshape(S, TS)                # [S, T*split] sub-pages
-    n = jnp.clip(length[:, None] - tsp * sub, 0, sub)                                 # [S, TS] committed tokens
-    has = state.seqs.active[:, None] & (n > 0)
     s = jnp.arange(S)[:, None, None, None]
     l = jnp.arange(L)[None, :, None, None]
     g = jnp.arange(G)[None, None, :, None]
-    tpp = tp[:, None, None, :]                                                        # [S, 1, 1, T]
-    kp = state.pool_k[0, tail_frame(c, s, l, g, tpp)]                                 # [S, L, G, T, page, g, D]
-    kp = kp.reshape(S, L, G, TS, sub, c.kv_heads_per_group, c.head_dim)              # [S, L, G, TS, sub, g, D]
-    ok = (jnp.arange(sub)[None, None, :] < n[:, :, None])[:, None, None, :, :, None, None]
-    kmin = jnp.where(ok, kp, jnp.inf).min(axis=4).astype(kp.dtype)                   # [S, L, G, TS, g, D]
-    kmax = jnp.where(ok, kp, -jnp.inf).max(axis=4).astype(kp.dtype)
-    page = jnp.broadcast_to(jnp.where(has[:, None, None, :], tsp[:, None, None, :], c.summary_pages), (S, L, G, TS))
-    return dataclasses.replace(state, kmin=state.kmin.at[0, s, l, g, page].set(kmin, mode="drop"),
-                               kmax=state.kmax.at[0, s, l, g, page].set(kmax, mode="drop"))
+    kp = state.pool_k[0, tail_frame(c, s, l, g, tp[:, None, None, :])]               # [S, L, G, T, page, g, D]
+    for rule in kept_rules(c):
+        state = rule.commit(state, kp, length)
+    return state
 
 
 def commit_rows(state: CacheState, host: HostPool, length, flush, *, impl: str = "auto"):

@@ -9,11 +9,14 @@ P = max_pages_per_seq; F = PB-LRU frames; T = TAIL_PAGES; page = page_size; g = 
 - kmin, kmax [R, S, L, G, P * split, g, D]: per-dim min and max of K over each sub-page of page_size // split
   tokens (split = config.summary_split, 1 by default: one summary per page, the Quest summaries); sub-page
   p * split + h is the h-th sub-page of page p, so split = 1 is the plain per-page layout.
-- kc [R, S, L, G, P, page, g, C] and chan [R, S, L, G, g, C] int32: the compressed key copy and its channels
-  (key_copy.py; C = config.key_channels). None when C is 0 (Quest's selection): no leaf at all, so the programs
-  of a cache without the copy are the ones they were before it existed (no zero-size buffers donated). With
-  config.label_bits the copy holds int8 / packed int4 codes (select/labels.py) and ksc [R, S, L, G, P, g, C]
-  bfloat16 their scales per page and channel (None otherwise).
+- kmin, kmax are kept for every selection rule (quest.py says why); every other write of them is a hook of
+  select/quest.Quest.
+- sel: the page-selection rule's own state (select/rule.py; CacheConfig.selection_rule): a pytree of [R, ...]
+  arrays, or None for Quest, whose state is the summaries. None is no leaf at all, so the programs of a cache
+  without a rule state are the ones they were before it existed (no zero-size buffers donated). The key copy's
+  (and the labels') is a key_copy.KeyCopyState: kc [R, S, L, G, P, page, g, Cs] the copy (int8 / packed int4
+  codes with labels), chan [R, S, L, G, g, C] int32 its channels, ksc [R, S, L, G, P, g, C] bfloat16 the labels'
+  scales (None otherwise).
 - vtlb (frame, host_page) [R, S, L, G, P]; pb (tag_hi, tag_lo, stamp) [R, B, slots].
 - seqs: length, flushed (pages with a host copy), active, each [S], and owner [S, P]: the same on every rank.
   owner[s, p] is the seq field of the LID naming page p of slot s: the slot itself, or the id of a stored shared
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 from ulacache_jax.cache import pb_lru
 from ulacache_jax.cache import vtlb as vtlb_mod
 from ulacache_jax.cache.config import CacheConfig, TAIL_PAGES
-from ulacache_jax.cache.select import labels
+from ulacache_jax.cache.select import quest
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["length", "flushed", "active", "owner"], meta_fields=[])
@@ -55,8 +58,7 @@ def own_rows(max_seqs: int, max_pages_per_seq: int) -> jax.Array:
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["pb", "vtlb", "pool_k", "pool_v", "kmin", "kmax", "kc", "chan", "ksc", "seqs",
-                      "clock"], meta_fields=["config"])
+         data_fields=["pb", "vtlb", "pool_k", "pool_v", "kmin", "kmax", "sel", "seqs", "clock"], meta_fields=["config"])
 @dataclasses.dataclass(frozen=True)
 class CacheState:
     config: CacheConfig
@@ -66,9 +68,7 @@ class CacheState:
     pool_v: jax.Array       # [R, F + S*L*G*T, page, g, D]
     kmin: jax.Array         # [R, S, L, G, P * split, g, D]
     kmax: jax.Array         # [R, S, L, G, P * split, g, D]
-    kc: jax.Array | None    # [R, S, L, G, P, page, g, C] key copy (C = key_channels; None when 0)
-    chan: jax.Array | None  # [R, S, L, G, g, C] int32 its channels (None when key_channels is 0)
-    ksc: jax.Array | None   # [R, S, L, G, P, g, C] bfloat16 label scales per page and channel (None unless label_bits)
+    sel: object             # the selection rule's state: a pytree of [R, ...] arrays, or None (Quest)
     seqs: SeqTable
     clock: jax.Array        # [] int32
 
@@ -186,17 +186,6 @@ def check_fits(config: CacheConfig, device=None, host_bytes: int | None = None) 
     return fp
 
 
-def initial_channels(c: CacheConfig, ranks: int = 1) -> jax.Array:
-    """[R, S, L, G, g, C] int32: a free slot's channels. The offline table's (c.channel_table [L][KV][C], one rank)
-    where there is one, else 0..C-1 until a sequence's first prefill block picks its own."""
-    shape = (ranks, c.max_seqs, c.num_layers, c.groups_per_rank, c.kv_heads_per_group, c.key_channels)
-    if c.channel_table is None:
-        return jnp.broadcast_to(jnp.arange(c.key_channels, dtype=jnp.int32), shape)
-    tab = jnp.asarray(c.channel_table, jnp.int32).reshape(c.num_layers, c.groups_per_rank, c.kv_heads_per_group,
-                                                          c.key_channels)
-    return jnp.broadcast_to(tab[None, None], shape)
-
-
 def init(config: CacheConfig, *, device=None, check: bool = True) -> tuple[CacheState, HostPool]:
     """A fresh cache (device state and host pool) for one device; `tp.shard_cache` spreads ranks over a mesh."""
     if check:
@@ -209,17 +198,11 @@ def init(config: CacheConfig, *, device=None, check: bool = True) -> tuple[Cache
     pb = jax.tree.map(lambda a: jnp.broadcast_to(a, (r,) + a.shape), one)
     table = vtlb_mod.init(c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq, c.page_size)
     table = jax.tree.map(lambda a: jnp.broadcast_to(a, (r,) + a.shape), table)
-    summ = (r, c.max_seqs, c.num_layers, c.groups_per_rank, c.summary_pages, c.kv_heads_per_group, c.head_dim)
+    kmin, kmax = quest.init_summaries(c, r)
     state = CacheState(
         config=c, pb=pb, vtlb=table,
         pool_k=jnp.zeros((r, num_pool) + page_shape, dt), pool_v=jnp.zeros((r, num_pool) + page_shape, dt),
-        kmin=jnp.zeros(summ, dt), kmax=jnp.zeros(summ, dt),
-        kc=jnp.zeros((r, c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq) + page_shape[:2]
-                     + (labels.code_channels(c.key_channels, c.label_bits),), labels.code_dtype(c.label_bits, dt))
-        if c.key_channels else None,
-        chan=initial_channels(c, r) if c.key_channels else None,
-        ksc=jnp.zeros((r, c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq, c.kv_heads_per_group,
-                       c.key_channels), jnp.bfloat16) if c.label_bits else None,
+        kmin=kmin, kmax=kmax, sel=c.selection_rule.init(c, r),
         seqs=SeqTable(length=jnp.zeros(c.max_seqs, jnp.int32), flushed=jnp.zeros(c.max_seqs, jnp.int32),
                       active=jnp.zeros(c.max_seqs, bool), owner=own_rows(c.max_seqs, c.max_pages_per_seq)),
         clock=jnp.zeros((), jnp.int32))

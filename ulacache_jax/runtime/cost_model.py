@@ -24,6 +24,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ulacache_jax.cache.select.key_copy import KeyCopy
+from ulacache_jax.cache.select.labels import Labels
+from ulacache_jax.cache.select.quest import Quest
+
 KINDS = ("sparse", "dense")
 CHOICES = ("auto",) + KINDS
 TAIL_TOKENS_PAGES = 2     # tail pages a sparse step attends beside the budget (config.TAIL_PAGES)
@@ -97,13 +101,14 @@ class CostModel:
     def step_terms(self, kind: str, mc, *, batch: int, context: int, token_budget: int, page_size: int,
                    itemsize: int, tp: int = 1, pool_frames: int | None = None,
                    hit_rate: float | None = None, summary_split: int = 1,
-                   key_channels: int = 0, label_bits: int = 0) -> dict[str, float]:
+                   key_channels: int = 0, label_bits: int = 0, rule=None) -> dict[str, float]:
         """The step model's terms (module docstring) in the units their constants multiply: 'hbm' bytes, 'pcie'
         bytes, 'layer' (L), 'page' (L * B * G * P), 'frame' (L * F). pool_frames None: the auto pool; hit_rate
         None: `expected_hit_rate` of that pool; summary_split: key summaries per page (CacheConfig.summary_split),
         whose bytes the scores read every step; key_channels: CacheConfig.key_channels, whose per-token key copy
         the scores read instead; label_bits (CacheConfig.label_bits): that copy at 8 / 4 bits a channel plus a
-        2-byte scale per page and channel."""
+        2-byte scale per page and channel. rule: a selection rule object (CacheConfig.selection_rule), whose
+        `step_bytes` replaces the three fields above (None: the built-in rule they name)."""
         L, B, T = mc.num_layers, batch, context
         kv_heads = mc.num_kv_heads / tp
         kv_tok = 2 * L * kv_heads * mc.head_dim * itemsize
@@ -121,10 +126,11 @@ class CostModel:
             hit_rate = self.expected_hit_rate(mc, batch=B, context=T, token_budget=token_budget, page_size=page_size,
                                               pool_frames=pool_frames, tp=tp)
         attended = min(T, token_budget + TAIL_TOKENS_PAGES * page_size)
-        summ = math.ceil(T / page_size) * summary_split * 2 * L * kv_heads * mc.head_dim * itemsize
-        if key_channels:
-            per_chan = label_bits / 8 + 2 / page_size if label_bits else itemsize
-            summ = T * L * kv_heads * key_channels * per_chan
+        if rule is None:
+            rule = (Labels(channels=key_channels, bits=label_bits) if label_bits else
+                    KeyCopy(channels=key_channels) if key_channels else Quest(split=summary_split))
+        summ = rule.step_bytes(context=T, num_layers=L, kv_heads=kv_heads, head_dim=mc.head_dim, itemsize=itemsize,
+                               page_size=page_size)                         # what the scores read every step
         page_kv = 2 * page_size * (kv_heads / G) * mc.head_dim * itemsize          # K + V of one group's page
         return {"hbm": w + B * (attended * kv_tok + summ), "pcie": (1.0 - hit_rate) * B * L * G * P * page_kv,
                 "layer": L, "page": L * B * G * P, "frame": L * pool_frames}
@@ -225,7 +231,7 @@ def itemsize(dtype) -> int:
 def choose_attention(model_config, *, max_seqs: int, max_context: int, token_budget: int, page_size: int, dtype,
                      hbm_bytes: int, tp: int = 1, pool_frames: int | None = None, requested: str = "auto",
                      hbm_source: str = "given", summary_split: int = 1, key_channels: int = 0,
-                     label_bits: int = 0, costs: CostModel = CostModel()) -> Decision:
+                     label_bits: int = 0, rule=None, costs: CostModel = CostModel()) -> Decision:
     """The attention for a Generator of max_seqs slots of up to max_context tokens (a full batch at the max
     context: the decision holds for its whole life). Dense when its cache fits in `hbm_bytes` and it is predicted
     no slower (within `costs.dense_margin`), or when every page would be attended anyway (max_context <=
@@ -248,7 +254,7 @@ def choose_attention(model_config, *, max_seqs: int, max_context: int, token_bud
     hit = costs.expected_hit_rate(mc, batch=S, context=T, token_budget=budget, page_size=page,
                                   pool_frames=pool_frames, tp=tp)
     sparse = costs.tokens_per_s("sparse", mc, pool_frames=pool_frames, hit_rate=hit, summary_split=summary_split,
-                                key_channels=key_channels, label_bits=label_bits, **shape)
+                                key_channels=key_channels, label_bits=label_bits, rule=rule, **shape)
     need = costs.dense_hbm_bytes(mc, max_seqs=S, max_context=T, itemsize=isz, tp=tp)
     usable = costs.hbm_usable * hbm
     fits = need <= usable
@@ -318,4 +324,4 @@ def resolve_attention(attention, model_config, cache_config, device=None, costs:
                             token_budget=c.token_budget, page_size=c.page_size, dtype=c.dtype, hbm_bytes=hbm,
                             tp=c.tp, pool_frames=c.num_frames, requested=attention, hbm_source=source,
                             summary_split=c.summary_split, key_channels=c.key_channels,
-                            label_bits=c.label_bits, costs=costs)
+                            label_bits=c.label_bits, rule=c.selection_rule, costs=costs)

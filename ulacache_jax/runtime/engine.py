@@ -88,11 +88,12 @@ class Engine:
                                                                                  speculative.num_tokens + 1))
             generator = Generator(model, cache_config, attention=attention, options=options)
         self.gen = generator
-        # shared prefixes (prefix_cache.py), on by default (None) unless the cache keeps a key copy, which they
-        # would change (Generator.set_prefix_cache): prompts that start with the complete pages of a stored prompt
-        # attach them instead of prefilling them; prefix_cache=False prefills every prompt whole
+        # shared prefixes (prefix_cache.py), on by default (None) unless the selection rule refuses them (the key
+        # copy: they would change its channels; Generator.set_prefix_cache): prompts that start with the complete
+        # pages of a stored prompt attach them instead of prefilling them; prefix_cache=False prefills every
+        # prompt whole
         if prefix_cache is None:
-            prefix_cache = not generator.config.key_channels
+            prefix_cache = generator.config.selection_rule.prefix_sharing(generator.config) is None
         if bool(prefix_cache) != (generator.prefixes is not None):
             generator.set_prefix_cache(bool(prefix_cache))
         self._prefix0 = generator.prefix_stats()

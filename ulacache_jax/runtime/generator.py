@@ -155,13 +155,13 @@ class Generator:
     def set_prefix_cache(self, on: bool, budget_pages: int | None = None) -> None:
         """Turn shared prefixes on (prompts sharing complete pages with a stored prompt attach them instead of
         prefilling them; stored prompts keep at most `budget_pages` host pages, None = as long as the pool has
-        room) or off (the stored prefixes are dropped). Call it with no sequence admitted. Refused with a key copy
-        (CacheConfig.key_channels > 0): a sequence's channels are picked from its first prefill block, which an
-        attached prefix would change, so outputs would depend on what other prompts stored."""
-        kc = self.config.key_channels
-        if on and kc:
-            raise ValueError(f"shared prefixes need cache_config.key_channels = 0 (it is {kc}): each sequence picks "
-                             "its key-copy channels from its own first prefill block; turn prefix_cache off")
+        room) or off (the stored prefixes are dropped). Call it with no sequence admitted. Refused where the
+        selection rule says so (SelectionRule.prefix_sharing): the key copy picks a sequence's channels from its
+        first prefill block, which an attached prefix would change, so outputs would depend on what other prompts
+        stored."""
+        why = self.config.selection_rule.prefix_sharing(self.config)
+        if on and why:
+            raise ValueError(why)
         if self.prefixes is not None:
             self.prefixes.close()
         self.prefixes = self.backend.prefixes(budget_pages) if on else None

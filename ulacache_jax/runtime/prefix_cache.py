@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ulacache_jax.cache.lid import FIELD_LIMITS
+from ulacache_jax.cache.select.registry import kept_rules
 from ulacache_jax.models.attention import blocked_attention
 from ulacache_jax.pallas_kernels import pick_impl
 from ulacache_jax.pallas_kernels.page_copy import copy_pages_pallas, ref_copy_pages
@@ -450,8 +451,9 @@ def _gather_host(host, ids, impl: str):
 
 def sparse_attach(state, host, layer, slot, start, num_tokens: int, *, impl: str = "auto"):
     """One layer of a sequence's attached prefix (its first `start` tokens, whole pages): its K/V read from the host
-    pool through the sequence's vTLB rows, and its page summaries (min/max of K, as ingestion computes them) filled
-    in. num_tokens: static length of the prefix operand (a multiple of page_size >= start).
+    pool through the sequence's vTLB rows, and its selection state filled in by every kept rule's `attach` (the
+    page summaries, min/max of K, as ingestion computes them; the rule's own). num_tokens: static length of the
+    prefix operand (a multiple of page_size >= start).
     -> (state, k, v [num_tokens, KVr, D]; rows at or past `start` are zeros)."""
     c = state.config
     R, G, P = c.tp, c.groups_per_rank, c.page_size
@@ -464,17 +466,8 @@ def sparse_attach(state, host, layer, slot, start, num_tokens: int, *, impl: str
     kp, vp = _gather_host(host, ids, impl)                                                     # [R, G*n, P, g, D]
     kp = kp.reshape(R, G, n, P, c.kv_heads_per_group, c.head_dim)
     vp = vp.reshape(R, G, n, P, c.kv_heads_per_group, c.head_dim)
-    split, ns = c.summary_split, n * c.summary_split                  # sub-page summaries (whole pages: all live)
-    sel = jnp.repeat(live, split)[None, None, :, None, None]
-    summ_at = at + (zero, zero)
-    size = (R, 1, 1, G, ns, c.kv_heads_per_group, c.head_dim)
-    old_min = jax.lax.dynamic_slice(state.kmin, summ_at, size)[:, 0, 0]                      # [R, G, ns, g, D]
-    old_max = jax.lax.dynamic_slice(state.kmax, summ_at, size)[:, 0, 0]
-    ks = kp.reshape(R, G, ns, c.summary_size, c.kv_heads_per_group, c.head_dim)
-    kmin = jnp.where(sel, ks.min(axis=3), old_min)[:, None, None]
-    kmax = jnp.where(sel, ks.max(axis=3), old_max)[:, None, None]
-    state = dataclasses.replace(state, kmin=jax.lax.dynamic_update_slice(state.kmin, kmin, summ_at),
-                                kmax=jax.lax.dynamic_update_slice(state.kmax, kmax, summ_at))
+    for rule in kept_rules(c):    # the summaries (as ingestion computes them), the selection rule's own state
+        state = rule.attach(state, slot, layer, kp, live)
 
     def tokens(x):    # [R, G, n, P, g, D] -> [n * P, R * G * g, D] (KV heads in split_groups order)
         return x.transpose(2, 3, 0, 1, 4, 5).reshape(n * P, R * G * c.kv_heads_per_group, c.head_dim)

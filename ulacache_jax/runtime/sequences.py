@@ -16,11 +16,11 @@ import jax.numpy as jnp
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ulacache_jax.cache.select import key_copy
+from ulacache_jax.cache.select.registry import kept_rules
 from ulacache_jax.cache import lid as lid_mod
 from ulacache_jax.cache import pb_lru
 from ulacache_jax.cache import vtlb as vtlb_mod
-from ulacache_jax.cache.state import CacheState, HostPool, initial_channels, tail_frame
+from ulacache_jax.cache.state import CacheState, HostPool, tail_frame
 from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.pallas_kernels import page_copy
 from ulacache_jax.runtime.tp import HOST_SPECS, TP_AXIS, init_sharded, make_mesh, per_rank, state_specs
@@ -153,11 +153,9 @@ def release_device(state: CacheState, slot) -> CacheState:
     seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(0),
                                flushed=state.seqs.flushed.at[slot].set(0), active=state.seqs.active.at[slot].set(False),
                                owner=state.seqs.owner.at[slot].set(slot))
-    state = dataclasses.replace(state, pb=pb, vtlb=table, seqs=seqs,
-                                kmin=state.kmin.at[:, slot].set(0), kmax=state.kmax.at[:, slot].set(0))
-    if state.config.key_channels:   # the copy itself needs no clearing: a sequence reads only its flushed pages
-        state = dataclasses.replace(state, chan=state.chan.at[:, slot].set(
-            initial_channels(state.config, state.chan.shape[0])[:, 0]))
+    state = dataclasses.replace(state, pb=pb, vtlb=table, seqs=seqs)
+    for rule in kept_rules(state.config):    # the summaries, the rule's own state
+        state = rule.release(state, slot)
     return state
 
 
@@ -201,26 +199,10 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
     vp = split_groups(c, v.astype(dt).reshape(L, n, page, c.num_kv_heads, c.head_dim)).transpose(3, 0, 4, 1, 2, 5, 6)
     end = jnp.minimum(length, start + C)
     tok = start + jnp.arange(C).reshape(n, page)                                     # [n, page]
-    live = (tok < end)[None, None, None, :, :, None, None]
-    big = jnp.asarray(jnp.finfo(dt).max, dt)
-    split, ns = c.summary_split, n * c.summary_split                                  # ns sub-pages (split 1: n)
-    # sub-pages of page_size // split tokens [R, L, G, ns, sub, g, D]; one without live tokens gets (big, -big),
-    # whose bound is about -big: it never wins its page's max
-    subs = lambda x: x.reshape(R, L, G, ns, c.summary_size, c.kv_heads_per_group, c.head_dim)
-    kmin = subs(jnp.where(live, kp, big)).min(axis=4)                                 # [R, L, G, ns, g, D]
-    kmax = subs(jnp.where(live, kp, -big)).max(axis=4)
     page_ids = p0 + jnp.arange(n)
     has_tok = page_ids * page < end                                                  # [n]
-    # summaries of pages [p0, p0 + n) of layers [layer0, layer0 + L): one dynamic slice in, one update out
     zero = jnp.zeros((), jnp.int32)
     at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer0, jnp.int32), zero, jnp.asarray(p0, jnp.int32))
-    summ_at = at[:4] + (jnp.asarray(p0 * split, jnp.int32), zero, zero)
-    summ_size = (R, 1, L, G, ns, c.kv_heads_per_group, c.head_dim)
-    old_min = jax.lax.dynamic_slice(state.kmin, summ_at, summ_size)[:, 0]             # [R, L, G, ns, g, D]
-    old_max = jax.lax.dynamic_slice(state.kmax, summ_at, summ_size)[:, 0]
-    sel = jnp.repeat(has_tok, split)[None, None, None, :, None, None]
-    new_kmin = jnp.where(sel, kmin, old_min)[:, None]
-    new_kmax = jnp.where(sel, kmax, old_max)[:, None]
 
     complete = (page_ids + 1) * page <= end                                          # [n]
     partial = has_tok & ~complete
@@ -245,13 +227,10 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
                                             mode="drop")
     seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(end),
                                flushed=state.seqs.flushed.at[slot].set(end // page))
-    kc, chan, ksc = state.kc, state.chan, state.ksc
-    if c.key_channels:   # the key copy; a sequence's first block (start 0) picks its channels (or the table's)
-        kc, chan, ksc = key_copy.write_block(kc, chan, slot, layer0, p0, kp, tok < end, jnp.asarray(start) == 0,
-                                             ksc=ksc, bits=c.label_bits, fixed=c.channel_table is not None)
-    state = dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, seqs=seqs, kc=kc, chan=chan, ksc=ksc,
-                                kmin=jax.lax.dynamic_update_slice(state.kmin, new_kmin, summ_at),
-                                kmax=jax.lax.dynamic_update_slice(state.kmax, new_kmax, summ_at))
+    state = dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, seqs=seqs)
+    # the summaries of every page touched, the rule's own state (a sequence's first block: start 0)
+    for rule in kept_rules(c):
+        state = rule.ingest(state, slot, layer0, p0, kp, tok < end, jnp.asarray(start) == 0)
     return state, host
 
 

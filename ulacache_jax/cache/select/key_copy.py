@@ -1,6 +1,6 @@
 """A compressed copy of every flushed key, resident in HBM, and the page selection that scores it.
 
-Quest's per-page min/max bound (selection.py) ranks pages by an upper bound of one logit; on a trained model it
+Quest's per-page min/max bound (quest.py) ranks pages by an upper bound of one logit; on a trained model it
 misses needles whose page is otherwise unremarkable (docs/BENCHMARKS.md, "A compressed copy of every key"). With
 CacheConfig.key_channels = C > 0 the cache also keeps, for every token of every flushed page, C of its key's D
 channels: those of largest energy (sum of k_d^2 over the keys the sequence's first prefill block holds), chosen
@@ -9,17 +9,22 @@ attention mass it would get: each query head's softmax over the approximate logi
 every flushed token, summed over the page's tokens and the group's query heads. The copy costs C / (2 D) of the
 context's K + V bytes in HBM (16 of 128 channels: 6.25%) and is read in full every step.
 
-Arrays (one rank's view inside the decode; the state holds a leading rank axis):
+Arrays (`CacheState.sel`, a `KeyCopyState`; one rank's view inside the decode, the state holds a leading rank axis):
 - kc [S, L, G, P, page, g, C]: the copy, page-major so a flush writes whole pages; tokens of pages at or past a
   sequence's `flushed` count are stale and never read (masked).
 - chan [S, L, G, g, C] int32: the channel indices of each (sequence, layer, KV head).
+- ksc: None here; the label rule's scales (labels.py).
 """
 from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax.cache.select import labels
+from ulacache_jax.cache.select.rule import SelectionRule
 from ulacache_jax.pallas_kernels.page_lse import page_lse
 
 
@@ -64,46 +69,117 @@ def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None,
     return jnp.where(ok[:, :, 0], w.sum(axis=2), -jnp.inf)                              # [S, G, P]
 
 
-def write_block(kc, chan, slot, layer0, page0, kp, live, first, *, ksc=None, bits: int = 0, fixed: bool = False):
-    """The copy of a block of whole pages of one sequence, all ranks, at prefill ingestion.
-
-    kc [R, S, L, G, P, page, g, C], chan [R, S, L, G, g, C] (the state's); kp [R, Lb, G, n, page, g, D] keys of
-    pages [page0, page0 + n) of layers [layer0, layer0 + Lb) of `slot`; live [n, page] bool tokens that exist;
-    first: traced bool, the sequence's first block: its channels are picked from this block's live keys (else the
-    sequence's stored channels are kept). -> (kc, chan, ksc). Dead tokens' copies are written too: they lie at or
-    past the sequence's length, in pages that are not flushed yet, and are never read before a flush rewrites them.
-    Labels (bits 8 / 4): the channels are whole rotary pairs (labels.pick_pairs), the copy is quantised per page
-    and channel, ksc [R, S, L, G, P, g, C] takes the scales. fixed: the channels come from an offline table and are
-    never re-picked."""
-    R, Lb, G, n, page, g, D = kp.shape
-    C = chan.shape[-1]
-    zero = jnp.zeros((), jnp.int32)
-    at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer0, jnp.int32), zero)
-    flat = kp.reshape(R, Lb, G, n * page, g, D)
-    old = jax.lax.dynamic_slice(chan, at + (zero, zero), (R, 1, Lb, G, g, C))[:, 0]      # [R, Lb, G, g, C]
-    if fixed:
-        ch = old
-    else:
-        pick = labels.pick_pairs if bits else pick_channels
-        ch = jnp.where(first, pick(flat, live.reshape(-1), C), old)
-    block = compress(flat, ch).reshape(R, 1, Lb, G, n, page, g, C)
-    at_page = at + (jnp.asarray(page0, jnp.int32), zero, zero)
-    if bits:
-        codes, scale = labels.quantize(block, bits)                   # [R, 1, Lb, G, n, page, g, Cs], [.., n, g, C]
-        kc = jax.lax.dynamic_update_slice(kc, codes, at_page + (zero,))
-        ksc = jax.lax.dynamic_update_slice(ksc, scale, at_page)
-    else:
-        kc = jax.lax.dynamic_update_slice(kc, block.astype(kc.dtype), at_page + (zero,))
-    return kc, jax.lax.dynamic_update_slice(chan, ch[:, None], at + (zero, zero)), ksc
+@partial(jax.tree_util.register_dataclass, data_fields=["kc", "chan", "ksc"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KeyCopyState:
+    """The key copy's leaves in CacheState.sel (all ranks: a leading R axis)."""
+    kc: jax.Array            # [R, S, L, G, P, page, g, Cs] the copy (Cs = C; labels: codes, C / 2 bytes at 4 bits)
+    chan: jax.Array          # [R, S, L, G, g, C] int32 its channels
+    ksc: jax.Array | None    # [R, S, L, G, P, g, C] bfloat16 label scales per page and channel (None: no labels)
 
 
-def write_pages(kc, chan, s, l, g, page, kp, *, ksc=None, bits: int = 0):
-    """The copy of single pages, one rank: tail pages at their flush. kc [S, L, G, P, page, g, Cs], chan
-    [S, L, G, g, C]; s, l, g, page broadcastable index arrays (page = P: dropped) of shape I; kp [*I, page, g, D]
-    -> (kc, ksc); labels (bits 8 / 4) quantise each page and write its scales into ksc [S, L, G, P, g, C]."""
-    ch = chan[s, l, g]                                                                  # [*I, g, C]
-    x = compress(kp, ch)                                                                # [*I, page, g, C]
-    if not bits:
-        return kc.at[s, l, g, page].set(x.astype(kc.dtype), mode="drop"), ksc
-    codes, scale = labels.quantize(x, bits)
-    return kc.at[s, l, g, page].set(codes, mode="drop"), ksc.at[s, l, g, page].set(scale, mode="drop")
+@dataclasses.dataclass(frozen=True)
+class KeyCopy(SelectionRule):
+    """C = `channels` channels of every flushed key in the model's dtype, picked per (sequence, layer, KV head)
+    from the first prefill block's key energy, or fixed by `table` ([L][KV][C] channel ids, nested tuples: an
+    offline calibration, kept for the cache's life). Pages score the attention mass the copy predicts."""
+    channels: int
+    table: tuple | None = None
+    name: ClassVar[str] = "key_copy"
+    bits: ClassVar[int] = 0        # the stored copy's bits a channel; 0: the model's dtype (labels.py: 8 / 4)
+
+    @classmethod
+    def from_config(cls, config) -> "KeyCopy":
+        return cls(channels=config.key_channels, table=config.channel_table)
+
+    def check(self, config):
+        if not 0 < self.channels <= config.head_dim:
+            raise ValueError(f"{type(self).__name__}: channels = {self.channels} must be in [1, head_dim = "
+                             f"{config.head_dim}]")
+
+    # ---- what differs between the copy and the labels (labels.Labels overrides these three) -------------------
+    def pick(self, k, live, num_channels: int):
+        """k [..., T, g, D]; live [..., T] -> [..., g, C] int32: a sequence's channels from its first block."""
+        return pick_channels(k, live, num_channels)
+
+    def encode(self, x, dtype):
+        """x [..., T, g, C] one page's copy -> (stored [..., T, g, Cs], scales [..., g, C] or None)."""
+        return x.astype(dtype), None
+
+    def code_shape_dtype(self, config):
+        """(Cs, dtype) of the stored copy's last axis."""
+        return self.channels, config.jnp_dtype
+
+    def initial_channels(self, config, ranks: int = 1):
+        """[R, S, L, G, g, C] int32: a free slot's channels. The offline table's (one rank) where there is one,
+        else 0..C-1 until a sequence's first prefill block picks its own."""
+        c, C = config, self.channels
+        shape = (ranks, c.max_seqs, c.num_layers, c.groups_per_rank, c.kv_heads_per_group, C)
+        if self.table is None:
+            return jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), shape)
+        tab = jnp.asarray(self.table, jnp.int32).reshape(c.num_layers, c.groups_per_rank, c.kv_heads_per_group, C)
+        return jnp.broadcast_to(tab[None, None], shape)
+
+    def init(self, config, ranks):
+        c = config
+        cs, dt = self.code_shape_dtype(c)
+        lead = (ranks, c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq)
+        return KeyCopyState(
+            kc=jnp.zeros(lead + (c.page_size, c.kv_heads_per_group, cs), dt),
+            chan=self.initial_channels(c, ranks),
+            ksc=jnp.zeros(lead + (c.kv_heads_per_group, self.channels), jnp.bfloat16) if self.bits else None)
+
+    # ---- hooks -------------------------------------------------------------------------------------------------
+    def ingest(self, state, slot, layer0, page0, kp, live, first):
+        """The copy of a block of whole pages of one sequence, all ranks, at prefill ingestion: first (traced bool,
+        the sequence's first block) picks its channels from this block's live keys (else the stored channels are
+        kept; with a table never re-picked). Dead tokens' copies are written too: they lie at or past the
+        sequence's length, in pages that are not flushed yet, and are never read before a flush rewrites them."""
+        sel = state.sel
+        R, Lb, G, n, page, g, D = kp.shape
+        C = self.channels
+        zero = jnp.zeros((), jnp.int32)
+        at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer0, jnp.int32), zero)
+        flat = kp.reshape(R, Lb, G, n * page, g, D)
+        old = jax.lax.dynamic_slice(sel.chan, at + (zero, zero), (R, 1, Lb, G, g, C))[:, 0]   # [R, Lb, G, g, C]
+        ch = old if self.table is not None else jnp.where(first, self.pick(flat, live.reshape(-1), C), old)
+        block = compress(flat, ch).reshape(R, 1, Lb, G, n, page, g, C)
+        at_page = at + (jnp.asarray(page0, jnp.int32), zero, zero)
+        codes, scale = self.encode(block, sel.kc.dtype)              # [R, 1, Lb, G, n, page, g, Cs], [.., n, g, C]
+        kc = jax.lax.dynamic_update_slice(sel.kc, codes, at_page + (zero,))
+        ksc = sel.ksc if scale is None else jax.lax.dynamic_update_slice(sel.ksc, scale, at_page)
+        chan = jax.lax.dynamic_update_slice(sel.chan, ch[:, None], at + (zero, zero))
+        return dataclasses.replace(state, sel=KeyCopyState(kc=kc, chan=chan, ksc=ksc))
+
+    def flush(self, state, kp, page):
+        """The completed tail pages join the copy (read from their ring frames), one rank."""
+        sel = state.sel
+        S, L, G = kp.shape[:3]
+        s = jnp.arange(S)[:, None, None, None]
+        l = jnp.arange(L)[None, :, None, None]
+        g = jnp.arange(G)[None, None, :, None]
+        x = compress(kp, sel.chan[0][s, l, g])                                          # [S, L, G, T, page, g, C]
+        codes, scale = self.encode(x, sel.kc.dtype)
+        kc = sel.kc[0].at[s, l, g, page].set(codes, mode="drop")[None]
+        ksc = sel.ksc if scale is None else sel.ksc[0].at[s, l, g, page].set(scale, mode="drop")[None]
+        return dataclasses.replace(state, sel=dataclasses.replace(sel, kc=kc, ksc=ksc))
+
+    def release(self, state, slot):
+        """A freed slot's channels go back to the initial ones; the copy itself needs no clearing: a sequence reads
+        only its flushed pages."""
+        sel = state.sel
+        chan = sel.chan.at[:, slot].set(self.initial_channels(state.config, sel.chan.shape[0])[:, 0])
+        return dataclasses.replace(state, sel=dataclasses.replace(sel, chan=chan))
+
+    def score(self, state, layer, q, flushed, options):
+        sel = state.sel
+        return page_mass(sel.kc[0], sel.chan[0, :, layer], q, flushed, layer=layer, impl=options.scores,
+                         bits=self.bits, ksc=None if sel.ksc is None else sel.ksc[0, :, layer])
+
+    def step_bytes(self, *, context, num_layers, kv_heads, head_dim, itemsize, page_size):
+        """The whole copy, every step: C channels of every token."""
+        return context * num_layers * kv_heads * self.channels * itemsize
+
+    def prefix_sharing(self, config):
+        return (f"shared prefixes need cache_config.key_channels = 0 (it is {self.channels}): each sequence picks "
+                "its key-copy channels from its own first prefill block; turn prefix_cache off")

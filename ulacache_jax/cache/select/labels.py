@@ -15,11 +15,18 @@ with two changes that cut the bytes the scorer reads each step (Double Sparsity,
 Arrays (one rank's view; the state holds a leading rank axis):
 - codes [S, L, G, P, page, g, Cs]: int8 (Cs = C) at 8 bits, uint8 (Cs = C / 2) at 4 bits.
 - scale [S, L, G, P, g, C] bfloat16: each page's step per channel (0 for an all-zero channel).
+Both live in `CacheState.sel` (a key_copy.KeyCopyState: kc the codes, ksc the scales); the rule is `Labels`, the
+key copy's rule with these three differences (channels, codes, scales).
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
+
+from ulacache_jax.cache.select.key_copy import KeyCopy
 
 QMAX = {8: 127, 4: 7}
 
@@ -77,3 +84,33 @@ def dequantize(codes, scale, bits: int):
         b = codes.astype(jnp.int32)
         v = jnp.concatenate([(b & 15) - 8, (b >> 4) - 8], axis=-1).astype(jnp.float32)
     return v * scale.astype(jnp.float32)[..., None, :, :]
+
+
+@dataclasses.dataclass(frozen=True)
+class Labels(KeyCopy):
+    """The key copy at `bits` 8 / 4 with whole rotary pairs (module docstring); `table` as the key copy's."""
+    bits: int = 8
+    name: ClassVar[str] = "labels"
+
+    @classmethod
+    def from_config(cls, config) -> "Labels":
+        return cls(channels=config.key_channels, table=config.channel_table, bits=config.label_bits)
+
+    def check(self, config):
+        super().check(config)
+        if self.bits not in (4, 8) or self.channels % 2 or config.head_dim % 2:
+            raise ValueError(f"Labels: bits = {self.bits} must be 4 or 8 with an even channels = {self.channels} "
+                             f"(whole rotary pairs)")
+
+    def pick(self, k, live, num_channels):
+        return pick_pairs(k, live, num_channels)
+
+    def encode(self, x, dtype):
+        return quantize(x, self.bits)
+
+    def code_shape_dtype(self, config):
+        return code_channels(self.channels, self.bits), code_dtype(self.bits, config.jnp_dtype)
+
+    def step_bytes(self, *, context, num_layers, kv_heads, head_dim, itemsize, page_size):
+        """bits / 8 bytes a channel and token, plus a 2-byte scale per page and channel."""
+        return context * num_layers * kv_heads * self.channels * (self.bits / 8 + 2 / page_size)

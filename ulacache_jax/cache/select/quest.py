@@ -9,9 +9,23 @@ tokens each) and score[p] is the max of its sub-pages' bounds (2 * split / page_
 and transfer stay per page. The first
 `sink_pages` and last `recent_pages` flushed pages always win; only flushed pages are candidates (unflushed tail
 pages are always attended from the tail ring).
+
+The summaries kmin, kmax [R, S, L, G, P * split, g, D] are top-level CacheState fields kept for EVERY rule (not in
+`CacheState.sel`): the tail-append kernel (pallas_kernels/tail_append.py) updates them in the same launch as the
+ring write of a decode step (two scatters a layer fewer), and they are the first stage of a two-stage selection
+(`TwoStage`). Every other write of them is a hook of the `Quest` rule below (ingest, prefix attach, speculative
+commit, release), which the cache runs whatever rule scores (registry.kept_rules).
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from ulacache_jax.cache.select.rule import SelectionRule
 from ulacache_jax.pallas_kernels import page_scores, page_topk
 from ulacache_jax.pallas_kernels.page_scores import fold_queries
 
@@ -32,3 +46,169 @@ def select_pages(scores, flushed, *, select_pages: int, sink_pages: int, recent_
     masking and the top-k: the same result)."""
     return page_topk.select_top_pages(scores, flushed, min(select_pages, scores.shape[-1]), sink=sink_pages,
                                       recent=recent_pages, impl=impl)
+
+
+def init_summaries(config, ranks: int):
+    """(kmin, kmax) of a fresh cache: zeros [R, S, L, G, P * split, g, D] in the cache's dtype."""
+    c = config
+    shape = (ranks, c.max_seqs, c.num_layers, c.groups_per_rank, c.summary_pages, c.kv_heads_per_group, c.head_dim)
+    return jnp.zeros(shape, c.jnp_dtype), jnp.zeros(shape, c.jnp_dtype)
+
+
+def append_operands(config, pos, live):
+    """What the tail-append kernel needs to update the summaries of a decode step: pos [S] int32 token positions,
+    live [S] bool -> (sub [S] the sub-page, -1 = skipped; first [S] bool: the token starts its sub-page, so the
+    summary resets to it)."""
+    sp, soff = pos // config.summary_size, pos % config.summary_size                  # split 1: page, offset
+    return jnp.where(live, sp, -1), soff == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Quest(SelectionRule):
+    """Quest's bound over the per-(sub-)page min/max key summaries (module docstring). split: summaries per page
+    (CacheConfig.summary_split; the layout the hooks write is the state's config's, `check` makes them agree)."""
+    split: int = 1
+    name: ClassVar[str] = "quest"
+
+    @classmethod
+    def from_config(cls, config) -> "Quest":
+        return cls(split=config.summary_split)
+
+    def check(self, config):
+        if self.split != config.summary_split:
+            raise ValueError(f"Quest(split = {self.split}) needs CacheConfig.summary_split = {self.split} (it is "
+                             f"{config.summary_split})")
+
+    def ingest(self, state, slot, layer0, page0, kp, live, first):
+        """The summaries of a prefill block: min/max over each sub-page's live tokens; a sub-page without live
+        tokens gets (big, -big), whose bound is about -big: it never wins its page's max. Pages with no live token
+        keep their old summaries."""
+        c = state.config
+        R, L, G, n, page, g, D = kp.shape
+        dt = kp.dtype
+        big = jnp.asarray(jnp.finfo(dt).max, dt)
+        split, ns = c.summary_split, n * c.summary_split                              # ns sub-pages (split 1: n)
+        lv = live[None, None, None, :, :, None, None]
+        subs = lambda x: x.reshape(R, L, G, ns, c.summary_size, g, D)
+        kmin = subs(jnp.where(lv, kp, big)).min(axis=4)                               # [R, L, G, ns, g, D]
+        kmax = subs(jnp.where(lv, kp, -big)).max(axis=4)
+        has_tok = live[:, 0]                                                          # [n] a page's first token
+        # summaries of pages [page0, page0 + n) of layers [layer0, layer0 + L): one dynamic slice in, one update out
+        zero = jnp.zeros((), jnp.int32)
+        at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer0, jnp.int32), zero,
+              jnp.asarray(page0 * split, jnp.int32), zero, zero)
+        size = (R, 1, L, G, ns, g, D)
+        old_min = jax.lax.dynamic_slice(state.kmin, at, size)[:, 0]                   # [R, L, G, ns, g, D]
+        old_max = jax.lax.dynamic_slice(state.kmax, at, size)[:, 0]
+        sel = jnp.repeat(has_tok, split)[None, None, None, :, None, None]
+        return dataclasses.replace(
+            state, kmin=jax.lax.dynamic_update_slice(state.kmin, jnp.where(sel, kmin, old_min)[:, None], at),
+            kmax=jax.lax.dynamic_update_slice(state.kmax, jnp.where(sel, kmax, old_max)[:, None], at))
+
+    def attach(self, state, slot, layer, kp, live):
+        """The summaries of an attached prefix's whole pages, as ingestion computes them (every token live)."""
+        c = state.config
+        R, G, n, P, g, D = kp.shape
+        split, ns = c.summary_split, n * c.summary_split
+        sel = jnp.repeat(live, split)[None, None, :, None, None]
+        zero = jnp.zeros((), jnp.int32)
+        at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer, jnp.int32), zero, zero, zero, zero)
+        size = (R, 1, 1, G, ns, g, D)
+        old_min = jax.lax.dynamic_slice(state.kmin, at, size)[:, 0, 0]                # [R, G, ns, g, D]
+        old_max = jax.lax.dynamic_slice(state.kmax, at, size)[:, 0, 0]
+        ks = kp.reshape(R, G, ns, c.summary_size, g, D)
+        kmin = jnp.where(sel, ks.min(axis=3), old_min)[:, None, None]
+        kmax = jnp.where(sel, ks.max(axis=3), old_max)[:, None, None]
+        return dataclasses.replace(state, kmin=jax.lax.dynamic_update_slice(state.kmin, kmin, at),
+                                   kmax=jax.lax.dynamic_update_slice(state.kmax, kmax, at))
+
+    def commit(self, state, tail_k, length):
+        """The tail pages' summaries from their committed tokens: min/max over the ring's first min(P, length -
+        page start) tokens of each unflushed page holding committed tokens; other pages untouched. Min and max are
+        exact, so this equals the token-by-token appends of the same tokens, whatever rejected leases the ring
+        holds past the length. With summary_split > 1 the same per sub-page: a sub-page without committed tokens
+        is untouched, as the append leaves it."""
+        c = state.config
+        S, L, G, T = tail_k.shape[:4]
+        split, sub, TS = c.summary_split, c.summary_size, T * c.summary_split       # split 1: sub = page_size
+        tp = state.seqs.flushed[:, None] + jnp.arange(T)[None, :]                      # [S, T]
+        tsp = (tp[:, :, None] * split + jnp.arange(split)).reshape(S, TS)             # [S, T*split] sub-pages
+        n = jnp.clip(length[:, None] - tsp * sub, 0, sub)                              # [S, TS] committed tokens
+        has = state.seqs.active[:, None] & (n > 0)
+        s = jnp.arange(S)[:, None, None, None]
+        l = jnp.arange(L)[None, :, None, None]
+        g = jnp.arange(G)[None, None, :, None]
+        kp = tail_k.reshape(S, L, G, TS, sub, c.kv_heads_per_group, c.head_dim)       # [S, L, G, TS, sub, g, D]
+        ok = (jnp.arange(sub)[None, None, :] < n[:, :, None])[:, None, None, :, :, None, None]
+        kmin = jnp.where(ok, kp, jnp.inf).min(axis=4).astype(kp.dtype)                # [S, L, G, TS, g, D]
+        kmax = jnp.where(ok, kp, -jnp.inf).max(axis=4).astype(kp.dtype)
+        page = jnp.broadcast_to(jnp.where(has[:, None, None, :], tsp[:, None, None, :], c.summary_pages),
+                                (S, L, G, TS))
+        return dataclasses.replace(state, kmin=state.kmin.at[0, s, l, g, page].set(kmin, mode="drop"),
+                                   kmax=state.kmax.at[0, s, l, g, page].set(kmax, mode="drop"))
+
+    def release(self, state, slot):
+        return dataclasses.replace(state, kmin=state.kmin.at[:, slot].set(0), kmax=state.kmax.at[:, slot].set(0))
+
+    def score(self, state, layer, q, flushed, options):
+        """Quest's bound of every page (pallas_kernels/page_scores.py; options.scores picks the kernel)."""
+        return page_scores.page_scores(state.kmin[0], state.kmax[0], q, layer=layer, impl=options.scores,
+                                       launch=options.score_launch, split=state.config.summary_split)
+
+    def step_bytes(self, *, context, num_layers, kv_heads, head_dim, itemsize, page_size):
+        """Both summaries of every (sub-)page: 2 * split / page_size of the K bytes."""
+        return math.ceil(context / page_size) * self.split * 2 * num_layers * kv_heads * head_dim * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoStage(SelectionRule):
+    """Quest's bound shortlists, `second` ranks the shortlist (the protocol's two-stage option): per (sequence,
+    group) the `keep_pages` flushed pages of the highest Quest bound keep `second`'s score, the others score -inf,
+    so they are chosen only after every shortlisted page. The state and every hook are `second`'s; the summaries
+    the first stage reads are kept for every rule. keep_pages >= the pages a sequence has: `second` alone."""
+    second: SelectionRule
+    keep_pages: int
+    name: ClassVar[str] = "two_stage"
+
+    def check(self, config):
+        if isinstance(self.keep_pages, bool) or not isinstance(self.keep_pages, int) or \
+                self.keep_pages < config.select_pages:
+            raise ValueError(f"TwoStage: keep_pages = {self.keep_pages!r} must be an int >= token_budget // "
+                             f"page_size = {config.select_pages}")
+        self.second.check(config)
+
+    def init(self, config, ranks):
+        return self.second.init(config, ranks)
+
+    def ingest(self, state, *args):
+        return self.second.ingest(state, *args)
+
+    def attach(self, state, *args):
+        return self.second.attach(state, *args)
+
+    def append(self, state, *args):
+        return self.second.append(state, *args)
+
+    def flush(self, state, *args):
+        return self.second.flush(state, *args)
+
+    def commit(self, state, *args):
+        return self.second.commit(state, *args)
+
+    def release(self, state, *args):
+        return self.second.release(state, *args)
+
+    def score(self, state, layer, q, flushed, options):
+        first = Quest(state.config.summary_split).score(state, layer, q, flushed, options)     # [S, G, P]
+        S, G, P = first.shape
+        ok = jnp.arange(P)[None, None, :] < flushed[:, None, None]
+        _, top = jax.lax.top_k(jnp.where(ok, first, -jnp.inf), min(self.keep_pages, P))       # [S, G, k]
+        short = jnp.zeros((S, G, P), bool).at[jnp.arange(S)[:, None, None], jnp.arange(G)[None, :, None],
+                                              top].set(True)
+        return jnp.where(short, self.second.score(state, layer, q, flushed, options), -jnp.inf)
+
+    def step_bytes(self, **shape):
+        return Quest().step_bytes(**shape) + self.second.step_bytes(**shape)
+
+    def prefix_sharing(self, config):
+        return self.second.prefix_sharing(config)
