@@ -7,23 +7,14 @@ found without hashing the file; any other file is hashed once (about 1 s per GB)
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
 
+from .fetch import sha256_file as file_digest
 from .pretrained import PRETRAINED, resolve_model_path
 
 FOLDER = pathlib.Path(__file__).resolve().parent / "calibration"
-
-
-def file_digest(path: str | os.PathLike) -> str:
-    """sha256 hex digest of a file."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def model_digest(model: str | os.PathLike) -> str | None:

@@ -16,7 +16,6 @@ finds the file by the model's digest).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import pathlib
@@ -24,15 +23,6 @@ import sys
 import time
 
 import numpy as np
-
-
-def model_digest(path: str | os.PathLike) -> str:
-    """sha256 of a model file (a GGUF), the key its calibration table is filed under."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def channel_stats(model, windows):
@@ -96,6 +86,7 @@ def main(argv=None) -> int:
         ap.error(f"--windows {args.windows} must be >= 1 and --tokens {args.tokens} >= 16")
     import jax.numpy as jnp
     from ulacache_jax import models
+    from ulacache_jax.models import calibration
     dt = jnp.dtype(args.dtype)
     rng = np.random.default_rng(0)
     if args.tiny:
@@ -113,7 +104,7 @@ def main(argv=None) -> int:
             ids = tok.encode(fn(args.tokens + 64, seed=1000 + i))
             ids = getattr(ids, "ids", ids)[:args.tokens]
             windows.append(ids)
-        digest, label, text = model_digest(path), str(args.model), args.text
+        digest, label, text = calibration.file_digest(path), str(args.model), args.text
     if any(c > model.config.head_dim for c in channels):
         ap.error(f"--channels {args.channels}: C must be <= head_dim = {model.config.head_dim}")
     t0 = time.perf_counter()

@@ -10,7 +10,7 @@ post-RoPE keys and the query of the position that generates the answer's first t
 the true attention of that query (softmax over all keys, summed over the group's query heads) gives each page its
 mass; each rule scores the flushed pages as the library does (the same functions: Quest's bound over the page
 min/max, the key copy's and the labels' page mass through pallas_kernels.page_lse's reference, labels quantised by
-select/labels.quantize), keeps the sink page, the recent pages and the top pages up to the budget, and its
+select/labels.quantize), selects with quest.select_pages (the budget here also pays for the tail page), and its
 **recall** is the true mass of the pages it attends (selected + the unflushed tail) over the total. Rows per
 (rule, budget): mean recall over layers, heads and prompts, its 10th percentile, and the worst layer's mean.
 Bytes a decode step's scorer reads per token of context (one KV head) are beside each rule: Quest 2 * D * 2 / page,
@@ -100,15 +100,18 @@ def rule_scores(rule, k, q, page: int, table_ch=None):
 
 
 def select(scores, budget_pages: int, sink: int = 1, recent: int = 2):
-    """The library's rule (quest.select_pages): sink pages, the last `recent` flushed pages, then the top scores
-    (ties: lower page) up to budget_pages - 1 (the unflushed tail page is among the recent pages it counts)."""
-    P = len(scores)
-    keep = max(0, budget_pages - 1)          # the tail page takes one of the budget's pages
-    if P <= keep:
-        return np.arange(P)
-    forced = set(range(min(sink, P))) | set(range(max(0, P - (recent - 1)), P))
-    rest = [p for p in np.argsort(-scores, kind="stable") if p not in forced]
-    return np.array(sorted(forced | set(rest[:max(0, keep - len(forced))])))
+    """Page ids [<= K] the library's selection (quest.select_pages) keeps from scores [P] of the flushed pages.
+    Here the budget also pays for the unflushed tail page (the decode attends it beside its K = budget pages), so K =
+    budget_pages - 1 and one of the `recent` pages is that tail: every rule gets one page less than in the decode."""
+    import jax.numpy as jnp
+    from ulacache_jax.cache.select import quest
+    keep = budget_pages - 1
+    if keep < sink + recent - 1:
+        raise ValueError(f"budget of {budget_pages} pages is below sink {sink} + recent {recent} (the tail among them)")
+    ids = quest.select_pages(jnp.asarray(scores, jnp.float32)[None, None], jnp.asarray([len(scores)], jnp.int32),
+                             select_pages=keep, sink_pages=sink, recent_pages=recent - 1)
+    ids = np.asarray(ids)[0, 0]
+    return np.sort(ids[ids >= 0])
 
 
 def scorer_bytes(rule, D: int, page: int) -> float:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ulacache_jax.cache.select.key_copy import KeyCopy
+from ulacache_jax.pallas_kernels.page_lse import ref_dequant
 
 QMAX = {8: 127, 4: 7}
 
@@ -77,13 +78,8 @@ def quantize(x, bits: int):
 
 def dequantize(codes, scale, bits: int):
     """codes [..., T, g, Cs], scale [..., g, C] -> [..., T, g, C] float32 (the inverse of quantize up to
-    rounding)."""
-    if bits == 8:
-        v = codes.astype(jnp.float32)
-    else:
-        b = codes.astype(jnp.int32)
-        v = jnp.concatenate([(b & 15) - 8, (b >> 4) - 8], axis=-1).astype(jnp.float32)
-    return v * scale.astype(jnp.float32)[..., None, :, :]
+    rounding): the kernel file's reference, so the cache and the kernel's check read codes one way."""
+    return ref_dequant(codes, scale, bits)
 
 
 @dataclasses.dataclass(frozen=True)
