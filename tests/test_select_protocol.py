@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.cache.select import registry
-from ulacache_jax.cache.select.quest import Quest, TwoStage
+from ulacache_jax.cache.select.quest import Quest
+from ulacache_jax.cache.select.two_stage import TwoStage
 from ulacache_jax.cache.select.rule import SelectionRule
 from cache_steps import ingest_and_decode, tiny_model
 

@@ -42,7 +42,7 @@ def compress(k, chan):
     return jnp.take_along_axis(k, idx, axis=-1)
 
 
-def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None, bits: int = 0):
+def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None, bits: int = 0, valid=None):
     """Page scores of one layer from the key copy: the attention mass each flushed page would receive.
 
     kc [S, L, G, P, page, g, C] (the rank's copy, every layer); chan [S, G, g, C] int32 (this layer's channels);
@@ -52,7 +52,8 @@ def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None,
     tokens and the group's heads. The per-page log-sum-exp of the logits is pallas_kernels/page_lse.py (impl:
     'auto' = kernel on GPU); each head's normaliser over the pages and the sum are [.., P]-sized XLA ops.
     Labels (bits 8 or 4): kc holds codes and ksc [S, L, G, P, g, C] their scales (select/labels.py); the kernel
-    dequantises in registers, so a step reads C * bits / 8 bytes a token."""
+    dequantises in registers, so a step reads C * bits / 8 bytes a token. valid [S, G, P] bool, instead of
+    `flushed`: the pages that take part (a two-stage shortlist, kc then holds only those pages)."""
     S, L, G, P, page, g, _ = kc.shape
     C = chan.shape[-1]
     Q, Hr, D = q.shape[1], q.shape[2], q.shape[3]
@@ -62,7 +63,10 @@ def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None,
     qc = jnp.take_along_axis(qg, idx, axis=-1) / jnp.sqrt(jnp.float32(D))              # [S, Q, G, g, h, C]
     qc = qc.transpose(0, 2, 3, 1, 4, 5).reshape(S, G, g, Q * h, C)                      # rows: (Q, h)
     lse = page_lse(kc, qc, layer=layer, impl=impl, scale=ksc, bits=bits)                # [S, G, g * Q * h, P]
-    ok = jnp.arange(P)[None, None, None, :] < flushed[:, None, None, None]             # [S, 1, 1, P]
+    if valid is None:
+        ok = jnp.arange(P)[None, None, None, :] < flushed[:, None, None, None]         # [S, 1, 1, P]
+    else:
+        ok = valid[:, :, None, :]                                                       # [S, G, 1, P]
     lse = jnp.where(ok, lse, -jnp.inf)
     total = jax.nn.logsumexp(lse, axis=-1, keepdims=True)                              # each row's normaliser
     w = jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0))                       # 0 on masked pages
@@ -175,6 +179,18 @@ class KeyCopy(SelectionRule):
         sel = state.sel
         return page_mass(sel.kc[0], sel.chan[0, :, layer], q, flushed, layer=layer, impl=options.scores,
                          bits=self.bits, ksc=None if sel.ksc is None else sel.ksc[0, :, layer])
+
+    def score_pages(self, state, layer, q, flushed, pages, ok, options):
+        """The listed pages' mass, normalised over them: their codes (and scales) gathered by page id, so a step
+        reads the shortlist's copy only."""
+        sel = state.sel
+        S, G, K = pages.shape
+        s = jnp.arange(S)[:, None, None]
+        g = jnp.arange(G)[None, :, None]
+        kc = sel.kc[0, s, layer, g, pages][:, None]                                     # [S, 1, G, K, page, g, Cs]
+        ksc = None if sel.ksc is None else sel.ksc[0, s, layer, g, pages]             # [S, G, K, g, C]
+        return page_mass(kc, sel.chan[0, :, layer], q, flushed, layer=0, impl=options.scores, bits=self.bits,
+                         ksc=ksc, valid=ok)
 
     def step_bytes(self, *, context, num_layers, kv_heads, head_dim, itemsize, page_size):
         """The whole copy, every step: C channels of every token."""

@@ -13,7 +13,7 @@ pages are always attended from the tail ring).
 The summaries kmin, kmax [R, S, L, G, P * split, g, D] are top-level CacheState fields kept for EVERY rule (not in
 `CacheState.sel`): the tail-append kernel (pallas_kernels/tail_append.py) updates them in the same launch as the
 ring write of a decode step (two scatters a layer fewer), and they are the first stage of a two-stage selection
-(`TwoStage`). Every other write of them is a hook of the `Quest` rule below (ingest, prefix attach, speculative
+(two_stage.py, group_pages 1). Every other write of them is a hook of the `Quest` rule below (ingest, prefix attach, speculative
 commit, release), which the cache runs whatever rule scores (registry.kept_rules).
 """
 from __future__ import annotations
@@ -155,60 +155,18 @@ class Quest(SelectionRule):
         return page_scores.page_scores(state.kmin[0], state.kmax[0], q, layer=layer, impl=options.scores,
                                        launch=options.score_launch, split=state.config.summary_split)
 
+    def score_pages(self, state, layer, q, flushed, pages, ok, options):
+        """The listed pages' bounds from their summaries alone, gathered by page id."""
+        c = state.config
+        S, G, K = pages.shape
+        sub = (pages[..., None] * c.summary_split + jnp.arange(c.summary_split)).reshape(S, G, -1)   # [S, G, K*split]
+        s = jnp.arange(S)[:, None, None]
+        g = jnp.arange(G)[None, :, None]
+        kmin = state.kmin[0, s, layer, g, sub][:, None]                               # [S, 1, G, K*split, g, D]
+        kmax = state.kmax[0, s, layer, g, sub][:, None]
+        return page_scores.ref_page_scores(kmin, kmax, *fold_queries(q, G, c.kv_heads_per_group), layer=0,
+                                           split=c.summary_split)
+
     def step_bytes(self, *, context, num_layers, kv_heads, head_dim, itemsize, page_size):
         """Both summaries of every (sub-)page: 2 * split / page_size of the K bytes."""
         return math.ceil(context / page_size) * self.split * 2 * num_layers * kv_heads * head_dim * itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class TwoStage(SelectionRule):
-    """Quest's bound shortlists, `second` ranks the shortlist (the protocol's two-stage option): per (sequence,
-    group) the `keep_pages` flushed pages of the highest Quest bound keep `second`'s score, the others score -inf,
-    so they are chosen only after every shortlisted page. The state and every hook are `second`'s; the summaries
-    the first stage reads are kept for every rule. keep_pages >= the pages a sequence has: `second` alone."""
-    second: SelectionRule
-    keep_pages: int
-    name: ClassVar[str] = "two_stage"
-
-    def check(self, config):
-        if isinstance(self.keep_pages, bool) or not isinstance(self.keep_pages, int) or \
-                self.keep_pages < config.select_pages:
-            raise ValueError(f"TwoStage: keep_pages = {self.keep_pages!r} must be an int >= token_budget // "
-                             f"page_size = {config.select_pages}")
-        self.second.check(config)
-
-    def init(self, config, ranks):
-        return self.second.init(config, ranks)
-
-    def ingest(self, state, *args):
-        return self.second.ingest(state, *args)
-
-    def attach(self, state, *args):
-        return self.second.attach(state, *args)
-
-    def append(self, state, *args):
-        return self.second.append(state, *args)
-
-    def flush(self, state, *args):
-        return self.second.flush(state, *args)
-
-    def commit(self, state, *args):
-        return self.second.commit(state, *args)
-
-    def release(self, state, *args):
-        return self.second.release(state, *args)
-
-    def score(self, state, layer, q, flushed, options):
-        first = Quest(state.config.summary_split).score(state, layer, q, flushed, options)     # [S, G, P]
-        S, G, P = first.shape
-        ok = jnp.arange(P)[None, None, :] < flushed[:, None, None]
-        _, top = jax.lax.top_k(jnp.where(ok, first, -jnp.inf), min(self.keep_pages, P))       # [S, G, k]
-        short = jnp.zeros((S, G, P), bool).at[jnp.arange(S)[:, None, None], jnp.arange(G)[None, :, None],
-                                              top].set(True)
-        return jnp.where(short, self.second.score(state, layer, q, flushed, options), -jnp.inf)
-
-    def step_bytes(self, **shape):
-        return Quest().step_bytes(**shape) + self.second.step_bytes(**shape)
-
-    def prefix_sharing(self, config):
-        return self.second.prefix_sharing(config)

@@ -26,14 +26,18 @@ Hooks (defaults: do nothing), in the order a sequence meets them:
 - `release(state, slot)` all ranks: the slot was freed.
 - `score(state, layer, q, flushed, options)` one rank -> [S, G, P] float32: higher = attend first; pages at or
   past `flushed` are never chosen (the caller masks them), the first `sink_pages` and last `recent_pages` always.
+- `score_pages(state, layer, q, flushed, pages, ok, options)` one rank -> [S, G, K] float32: the scores of the listed pages
+  only (a two-stage rule's second stage, two_stage.py); the default scores every page and gathers, a rule that
+  can read just the listed pages' state overrides it.
 - `step_bytes(...)` -> bytes the score reads per sequence and decode step (the cost model's term).
 - `prefix_sharing(config)` -> None where a sharer may attach another prompt's pages, else the reason why not.
 - `check(config)`: raise ValueError for a config the rule cannot serve.
 Static per-model arrays (a calibrated channel table) are fields of the rule object, as nested tuples so the rule
 stays hashable; `init` turns them into arrays.
 
-Two-stage: `quest.TwoStage(second, keep_pages)` lets Quest's bound (the key summaries every cache keeps) shortlist
-`keep_pages` pages per (sequence, group) for another rule, which scores only those.
+Two-stage: `two_stage.TwoStage(second, keep_pages, group_pages)` lets Quest's bound over page-group summaries (or
+the page summaries every cache keeps) shortlist `keep_pages` pages per (sequence, group) for another rule, which
+scores only those (`score_pages`).
 
 Adding a rule: one file with a SelectionRule subclass (its kernel and resolver row, if it has one) and a config
 value, `CacheConfig(..., selection=MyRule(...))`; no other file changes (tests/test_select_protocol.py does it
@@ -43,6 +47,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
+
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +100,13 @@ class SelectionRule:
     def score(self, state, layer, q, flushed, options):
         """One rank. q [S, 1, Hr, D]; flushed [S] int32 candidate pages -> [S, G, P] float32."""
         raise NotImplementedError(f"{type(self).__name__}.score")
+
+    def score_pages(self, state, layer, q, flushed, pages, ok, options):
+        """One rank. flushed [S] int32; pages [S, G, K] int32 page ids, ok [S, G, K] bool (the listed page is a
+        flushed page) -> [S, G, K] float32 their scores (any value where not ok). This default scores every page and
+        gathers (right for any rule, no bytes saved); rules whose state is per page read only the listed pages."""
+        full = self.score(state, layer, q, flushed, options)                          # [S, G, P]
+        return jnp.take_along_axis(full, jnp.clip(pages, 0, full.shape[-1] - 1), axis=-1)
 
     def step_bytes(self, *, context: int, num_layers: int, kv_heads: float, head_dim: int, itemsize: int,
                    page_size: int) -> float:
