@@ -9,9 +9,9 @@ from scripts.studies import selection_recall as sr
 
 def test_recall_rows(tmp_path):
     assert sr.main(["--tiny", "--contexts", "512", "--prompts", "1", "--budgets", "128,256,1024", "--page-size", "16",
-                    "--rules", "quest,key_copy:4,labels:4:8,labels:4:4", "--out", str(tmp_path)]) == 0
+                    "--rules", "quest,key_copy:4,labels:4:8,labels:4:4,two:2:2:labels:4:4", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "selection_recall.json").read_text())["rows"]
-    assert len(rows) == 12
+    assert len(rows) == 15
     by = {(r["rule"], r["label_bits"], r["budget"]): r for r in rows}
     for r in rows:
         assert 0 < r["recall_worst_layer"] <= r["recall"] <= 1 + 1e-6 and r["recall_p10"] <= r["recall"] + 1e-9
@@ -20,6 +20,11 @@ def test_recall_rows(tmp_path):
         assert rec[0] <= rec[1] + 1e-9 and abs(rec[2] - 1) < 1e-5          # 1024 covers every page of 512
     bytes_ = {k[:2]: by[k]["scorer_bytes_per_token"] for k in by}
     assert bytes_[("labels", 4)] < bytes_[("labels", 8)] < bytes_[("key_copy", None)]
+    # the two-stage rule: groups of 2 pages (2 * D * 2 / 32 bytes a token) + the labels over 2 x the budget
+    two = {b: by[("two_stage/labels", 4, b)] for b in (128, 256, 1024)}
+    assert two[128]["group_pages"] == 2 and two[128]["shortlist_mult"] == 2
+    assert abs(two[128]["scorer_bytes_per_token"] - (2 * 16 * 2 / 32 + bytes_[("labels", 4)] * 0.5)) < 1e-9
+    assert abs(two[1024]["scorer_bytes_per_token"] - (2 * 16 * 2 / 32 + bytes_[("labels", 4)])) < 1e-9
 
 
 def test_select_keeps_sink_recent_and_top_pages():

@@ -66,18 +66,41 @@ def page_truth(k, q, page: int):
     return p[:P * page].reshape(P, page).sum(1), p[P * page:].sum()
 
 
-def rule_scores(rule, k, q, page: int, table_ch=None):
+def shortlist_mask(k, q, page: int, group_pages: int, keep_pages: int):
+    """The first stage of a two-stage rule (select/two_stage.py), one KV head: Quest's bound over groups of
+    `group_pages` flushed pages (the min / max of their keys) -> [P] bool the pages of the keep_pages // group_pages
+    (rounded up) groups of highest bound."""
+    import jax.numpy as jnp
+    from ulacache_jax.cache.select import two_stage
+    T, D = k.shape
+    P = T // page
+    NG = -(-P // group_pages)
+    kp = np.concatenate([k[:P * page], np.repeat(k[P * page - page:P * page], NG * group_pages - P, axis=0)
+                         .reshape(-1, D)]).reshape(NG, group_pages * page, D)           # pad with a copy of the last
+    lo, hi = kp.min(1), kp.max(1)                                                      # [NG, D]
+    bound = np.maximum(q[:, None] * lo[None], q[:, None] * hi[None]).sum((0, 2))       # [NG]
+    pages, ok = two_stage.shortlist(jnp.asarray(bound, jnp.float32)[None, None], jnp.asarray([P], jnp.int32),
+                                    group_pages=group_pages, keep_groups=-(-keep_pages // group_pages))
+    mask = np.zeros(P, bool)
+    mask[np.asarray(pages)[0, 0][np.asarray(ok)[0, 0]]] = True
+    return mask
+
+
+def rule_scores(rule, k, q, page: int, table_ch=None, cand=None):
     """Page scores [P] of one KV head's flushed pages, as the library computes them. rule: ('quest',),
-    ('key_copy', C) or ('labels', C, bits, 'online' | 'table'); k [T, D]; q [h, D]."""
+    ('key_copy', C) or ('labels', C, bits, 'online' | 'table'); k [T, D]; q [h, D]. cand [P] bool: a two-stage
+    shortlist, the only pages scored (-inf elsewhere; the page mass is normalised over them, as score_pages
+    does)."""
     import jax.numpy as jnp
     from ulacache_jax.cache.select import key_copy, labels
     from ulacache_jax.pallas_kernels.page_lse import ref_page_lse
     T, D = k.shape
     P = T // page
     kp = k[:P * page].reshape(P, page, D)
+    cand = np.ones(P, bool) if cand is None else cand
     if rule[0] == "quest":
         lo, hi = kp.min(1), kp.max(1)                                                  # [P, D]
-        return np.maximum(q[:, None] * lo[None], q[:, None] * hi[None]).sum((0, 2))
+        return np.where(cand, np.maximum(q[:, None] * lo[None], q[:, None] * hi[None]).sum((0, 2)), -np.inf)
     C = rule[1]
     kk = jnp.asarray(k[:P * page])[:, None]                                            # [T', 1, D]
     live = jnp.ones(P * page, bool)
@@ -94,9 +117,9 @@ def rule_scores(rule, k, q, page: int, table_ch=None):
     else:
         codes, scale = labels.quantize(jnp.asarray(x), rule[2])
         lse = ref_page_lse(codes, jnp.asarray(qc), layer=0, scale=scale[:, 0], bits=rule[2])
-    lse = np.asarray(lse)[0, 0]                                                        # [h, P]
+    lse = np.where(cand[None], np.asarray(lse)[0, 0], -np.inf)                         # [h, P]
     w = np.exp(lse - lse.max(1, keepdims=True))
-    return (w / w.sum(1, keepdims=True)).sum(0)
+    return np.where(cand, (w / w.sum(1, keepdims=True)).sum(0), -np.inf)
 
 
 def select(scores, budget_pages: int, sink: int = 1, recent: int = 2):
@@ -114,8 +137,11 @@ def select(scores, budget_pages: int, sink: int = 1, recent: int = 2):
     return np.sort(ids[ids >= 0])
 
 
-def scorer_bytes(rule, D: int, page: int) -> float:
-    """Bytes the scorer reads per context token and KV head each decode step."""
+def scorer_bytes(rule, D: int, page: int, shortlist: float = 1.0) -> float:
+    """Bytes the scorer reads per context token and KV head each decode step; a two-stage rule reads its group
+    summaries and its second stage over the `shortlist` fraction of the context."""
+    if rule[0] == "two":
+        return 2 * D * 2 / (page * rule[1]) + scorer_bytes(rule[3], D, page) * shortlist
     if rule[0] == "quest":
         return 2 * D * 2 / page
     if rule[0] == "key_copy":
@@ -136,7 +162,8 @@ def plot(rows, path: str) -> str:
             ax.plot([r["scorer_bytes_per_token"] for r in rs], [r["recall"] for r in rs], "o", label=f"budget {b}")
             for r in rs:
                 name = r["rule"] + (f" {r['channels']}" if r["channels"] else "") + \
-                    (f"@{r['label_bits']}b{' T' if r['calibration'] == 'table' else ''}" if r["label_bits"] else "")
+                    (f"@{r['label_bits']}b{' T' if r['calibration'] == 'table' else ''}" if r["label_bits"] else "") + \
+                    (f" g{r['group_pages']}x{r['shortlist_mult']}" if r.get("group_pages") else "")
                 ax.annotate(name, (r["scorer_bytes_per_token"], r["recall"]), fontsize=5)
         ax.set_xscale("log")
         ax.set(title=f"{rows[0]['model']}, {ctx} tokens", xlabel="scorer bytes / token / KV head",
@@ -147,13 +174,16 @@ def plot(rows, path: str) -> str:
 
 def parse_rule(s: str):
     parts = s.split(":")
+    if parts[0] == "two":
+        return ("two", int(parts[1]), int(parts[2]), parse_rule(":".join(parts[3:])))
     if parts[0] == "quest":
         return ("quest",)
     if parts[0] == "key_copy":
         return ("key_copy", int(parts[1]))
     if parts[0] == "labels":
         return ("labels", int(parts[1]), int(parts[2]), parts[3] if len(parts) > 3 else "online")
-    raise SystemExit(f"--rules {s!r}: quest, key_copy:C or labels:C:BITS[:online|table]")
+    raise SystemExit(f"--rules {s!r}: quest, key_copy:C, labels:C:BITS[:online|table] or two:GROUP:MULT:<rule> "
+                     "(groups of GROUP pages shortlist MULT x the budget for <rule>)")
 
 
 def main(argv=None) -> int:
@@ -220,27 +250,37 @@ def main(argv=None) -> int:
                     mass, tail = page_truth(k, q, page)
                     total = mass.sum() + tail
                     for rule in rules:
-                        tab = None if rule[-1] != "table" else tables[rule[1]][layer][g]
-                        sc = rule_scores(rule, k, q, page, tab)
+                        inner = rule[3] if rule[0] == "two" else rule
+                        tab = None if inner[-1] != "table" else tables[inner[1]][layer][g]
+                        sc = None if rule[0] == "two" else rule_scores(rule, k, q, page, tab)
                         for b in budgets:
+                            if rule[0] == "two":
+                                cand = shortlist_mask(k, q, page, rule[1], rule[2] * (b // page - 1))
+                                sc = rule_scores(inner, k, q, page, tab, cand)
                             sel = select(sc, b // page)
                             r = (mass[sel].sum() + tail) / total
                             recalls.setdefault((rule, b, ctx), []).append(r)
                             worst.setdefault((rule, b, ctx, layer), []).append(r)
     for (rule, b, ctx), rs in recalls.items():
         per_layer = [np.mean(v) for (r2, b2, c2, _), v in worst.items() if (r2, b2, c2) == (rule, b, ctx)]
-        res.add(dict(model=label, rule=rule[0], channels=rule[1] if len(rule) > 1 else None,
-                     label_bits=rule[2] if rule[0] == "labels" else None,
-                     calibration=rule[3] if rule[0] == "labels" else None, task=args.task, context=ctx,
+        inner = rule[3] if rule[0] == "two" else rule
+        two = dict(group_pages=rule[1], shortlist_mult=rule[2]) if rule[0] == "two" else {}
+        frac = min(1.0, rule[2] * b / ctx) if rule[0] == "two" else 1.0
+        res.add(dict(model=label, rule=("two_stage/" if two else "") + inner[0],
+                     channels=inner[1] if len(inner) > 1 else None,
+                     label_bits=inner[2] if inner[0] == "labels" else None,
+                     calibration=inner[3] if inner[0] == "labels" else None, **two, task=args.task, context=ctx,
                      budget=b, budget_ratio=b / ctx, page_size=page, prompts=args.prompts,
                      recall=float(np.mean(rs)), recall_p10=float(np.percentile(rs, 10)),
-                     recall_worst_layer=float(min(per_layer)), scorer_bytes_per_token=scorer_bytes(rule, D, page)))
+                     recall_worst_layer=float(min(per_layer)),
+                     scorer_bytes_per_token=scorer_bytes(rule, D, page, frac)))
     res.save()
     plot(res.rows, os.path.join(args.out, f"{args.name}.png"))
     print(f"{'rule':<26}{'ctx':>6}{'budget':>7}{'recall':>8}{'p10':>7}{'worst L':>8}{'B/tok':>7}")
     for r in res.rows:
         name = r["rule"] + (f":{r['channels']}" if r["channels"] else "") + \
-            (f":{r['label_bits']}:{r['calibration']}" if r["label_bits"] else "")
+            (f":{r['label_bits']}:{r['calibration']}" if r["label_bits"] else "") + \
+            (f" g{r['group_pages']}x{r['shortlist_mult']}" if r.get("group_pages") else "")
         print(f"{name:<26}{r['context']:>6}{r['budget']:>7}{r['recall']:>8.3f}{r['recall_p10']:>7.3f}"
               f"{r['recall_worst_layer']:>8.3f}{r['scorer_bytes_per_token']:>7.2f}")
     return 0
