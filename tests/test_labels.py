@@ -6,6 +6,7 @@ flushes) dequantise to each flushed token's key at its sequence's pair channels 
 the channels are whole pairs of largest key energy over the first block, or an offline table's, kept for life and
 restored on release; the kernel equals its jnp reference on random and adversarial codes (all-zero channels, the
 extreme codes); generate with a covering budget gives dense's tokens at 8 and 4 bits."""
+import dataclasses
 import numpy as np
 import pytest
 import jax
@@ -173,3 +174,37 @@ def test_offline_calibration_writes_a_table_the_lookup_finds(tmp_path):
     with pytest.raises(ValueError, match=r"tables for C = \[4\], not 8"):
         calibration.channel_table(str(gguf), 8, folder=tmp_path)
     assert calibration.channel_table(str(tmp_path / "missing.gguf"), 4, folder=tmp_path) is None
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_offline_table_shares_prefixes(model, bits):
+    """With an offline channel table the channels are fixed, so shared prefixes are allowed: an attached prefix holds
+    the labels (codes and scales) the ingesting slot wrote, and the Engine's tokens with the prefix cache on equal
+    those with it off (budget 4 pages of 16: pages are selected). Online channels still refuse them."""
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.generation import Generator, default_cache_config
+    table = (((0, 1, 8, 9), (2, 3, 10, 11)), ((4, 5, 12, 13), (6, 7, 14, 15)))       # [L][KV][C], whole pairs
+    rng = np.random.default_rng(5)
+    doc = [int(t) for t in rng.integers(0, 256, 100)]
+    prompts = [doc + [int(t) for t in rng.integers(0, 256, n)] for n in (5, 23)]
+    cfg = default_cache_config(model.config, num_seqs=2, max_tokens=192, page_size=16, token_budget=64,
+                               key_channels=4, label_bits=bits, channel_table=table)
+    gen = Generator(model, cfg, attention="sparse")
+    gen.set_prefix_cache(True)
+    a, b = prompts
+    sa = gen.admit(len(a) + 8, a)
+    gen.prefill(sa, a)
+    sb = gen.admit(len(b) + 8, b)
+    gen.prefill(sb, b)
+    assert gen.prefix_stats().hit_tokens == 6 * 16
+    sel = gen.cache.state.sel
+    for x in (sel.kc, sel.ksc):
+        np.testing.assert_array_equal(np.asarray(x[:, sb, :, :, :6]), np.asarray(x[:, sa, :, :, :6]))
+        assert np.asarray(x[:, sb, :, :, :6]).any()
+    params = SamplingParams(max_new_tokens=12)
+    outs = [[r.tokens for r in Engine(generator=Generator(model, cfg, attention="sparse"), prefix_cache=on)
+             .run(prompts, params)] for on in (False, True)]
+    assert outs[0] == outs[1]
+    online = dataclasses.replace(cfg, channel_table=None)
+    with pytest.raises(ValueError, match="or give a channel table"):
+        Generator(model, online, attention="sparse").set_prefix_cache(True)

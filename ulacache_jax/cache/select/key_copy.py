@@ -155,6 +155,27 @@ class KeyCopy(SelectionRule):
         chan = jax.lax.dynamic_update_slice(sel.chan, ch[:, None], at + (zero, zero))
         return dataclasses.replace(state, sel=KeyCopyState(kc=kc, chan=chan, ksc=ksc))
 
+    def attach(self, state, slot, layer, kp, live):
+        """An attached shared prefix's pages [0, n) of one layer join the copy, as ingestion writes them: only with
+        fixed channels (`table`), the one case `prefix_sharing` allows (online channels come from a sequence's own
+        first block, which an attached prefix would replace)."""
+        sel = state.sel
+        R, G, n, P, g, D = kp.shape
+        C = self.channels
+        zero = jnp.zeros((), jnp.int32)
+        at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer, jnp.int32), zero)
+        ch = jax.lax.dynamic_slice(sel.chan, at + (zero, zero), (R, 1, 1, G, g, C))[:, 0, 0]    # [R, G, g, C]
+        x = compress(kp.reshape(R, G, n * P, g, D), ch).reshape(R, 1, 1, G, n, P, g, C)
+        codes, scale = self.encode(x, sel.kc.dtype)                 # [R, 1, 1, G, n, P, g, Cs], [.., n, g, C]
+        size = codes.shape
+        old = jax.lax.dynamic_slice(sel.kc, at + (zero,) * 4, size)
+        kc = jax.lax.dynamic_update_slice(sel.kc, jnp.where(live[:, None, None, None], codes, old), at + (zero,) * 4)
+        ksc = sel.ksc
+        if scale is not None:
+            old = jax.lax.dynamic_slice(sel.ksc, at + (zero,) * 3, scale.shape)
+            ksc = jax.lax.dynamic_update_slice(sel.ksc, jnp.where(live[:, None, None], scale, old), at + (zero,) * 3)
+        return dataclasses.replace(state, sel=dataclasses.replace(sel, kc=kc, ksc=ksc))
+
     def flush(self, state, kp, page):
         """The completed tail pages join the copy (read from their ring frames), one rank."""
         sel = state.sel
@@ -197,5 +218,9 @@ class KeyCopy(SelectionRule):
         return context * num_layers * kv_heads * self.channels * itemsize
 
     def prefix_sharing(self, config):
-        return (f"shared prefixes need cache_config.key_channels = 0 (it is {self.channels}): each sequence picks "
-                "its key-copy channels from its own first prefill block; turn prefix_cache off")
+        """Shared prefixes need fixed channels: an offline table (`attach` writes the copy as ingestion would)."""
+        if self.table is not None:
+            return None
+        return (f"shared prefixes need cache_config.key_channels = 0 (it is {self.channels}) or a channel table: "
+                "each sequence picks its key-copy channels from its own first prefill block; turn prefix_cache off "
+                "or give a channel table")
