@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import struct
 from typing import Any
 
 import jax
@@ -62,8 +63,12 @@ def open_gguf(file: str | os.PathLike):
 
     try:
         return gguf.GGUFReader(file, "r")
-    except (OSError, ValueError, KeyError) as err:
-        raise CheckpointError(f"cannot read GGUF file {file}: {err!r}") from err
+    except (OSError, ValueError, KeyError, IndexError, EOFError, struct.error) as err:
+        # the reader walks the header by offsets: a file cut short (a partial download) or not GGUF at all fails
+        # as an index past the end, a bad reshape or a bad struct read
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        raise CheckpointError(f"cannot read GGUF file {file} ({size} bytes): {err!r}; is it cut short (a partial "
+                              "download) or not a GGUF file?") from err
 
 
 def metadata(reader, key: str, default: Any = _REQUIRED) -> Any:

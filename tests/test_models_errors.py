@@ -130,3 +130,15 @@ def test_orbax_checkpoint_file_problems(saved_checkpoint, tmp_path):
     shutil.rmtree(d / "params")
     with pytest.raises(FileNotFoundError, match="params"):
         models.load(d)
+
+
+@pytest.mark.parametrize("fraction", [0.002, 0.01, 0.05, 0.5, 0.9])
+def test_gguf_cut_short_is_a_clear_error(tmp_path, fraction):
+    """A GGUF cut anywhere (a partial download: inside the header, the metadata or the tensor data) is a
+    CheckpointError naming the file and its size, never an IndexError or a reshape error from the reader."""
+    src = pathlib.Path(__file__).parent / "fixtures" / "tiny_gguf" / "llama.gguf"
+    data = src.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:max(8, int(len(data) * fraction))])
+    with pytest.raises(CheckpointError, match=r"cut\.gguf \(\d+ bytes\).*cut short"):
+        models.from_pretrained(str(cut))
