@@ -6,10 +6,10 @@ copy, for 8..8192 pages of 64 x 1 x 128 bf16 (16 KiB) at random indices of a 655
 Every kernel result is checked against the truth before it is timed. Times: device time per call from the JAX
 profiler (sum of the call's device events: kernels and memcpys, CUPTI), and the wall-clock latency of one blocking
 call (dispatch + device + sync, median). GB/s counts the page bytes moved once. A variant table compares pages per
-program, warps and K+V in one launch at a few sizes. Writes tiers.json and tiers.png to --out (default
-$OUT or out/) and prints a short table last.
+program, warps and K+V in one launch at a few sizes. Writes tiers.json (after every row) and tiers.png
+to --out (default docs/benchmarks) and prints a short table last.
 
-Usage: python scripts/bench_tiers.py [--out DIR] [--pool-pages 65536] [--reps 20]
+Usage: python -m scripts.bench_tiers [--out DIR] [--commit SHA] [--pool-pages 65536] [--reps 20]
 """
 from __future__ import annotations
 

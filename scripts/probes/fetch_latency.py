@@ -10,7 +10,7 @@ sizes and miss counts, with the misses' host pages drawn three ways:
 - clustered: new pages at every call, but consecutive ones (one 2 MiB-aligned stretch of host memory).
 Each call's result is checked first: the host pool holds page p's index mod 127 in every element, so every
 fetched frame must hold its host page's value.
-Device command (repo root): PYTHONPATH=$PWD python3 scripts/probes/fetch_latency.py --out $OUT --commit X
+Device command (repo root): python3 -m scripts.probes.fetch_latency --out DIR --commit X (default --out: out)
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What bucketing costs in hit rate: PB-LRU (B buckets of S slots) against a global LRU (B = 1, the same code)
 and Belady's optimal policy (fully associative, capacity = pool, clairvoyant), on page-selection traces.
 
-    python scripts/studies/eviction_study.py [--out docs/benchmarks] [--trace TRACE.npz] [--name eviction] [--clock row]
+    python -m scripts.studies.eviction_study [--out docs/benchmarks] [--trace TRACE.npz] [--name eviction] [--clock row]
 
 Pools hold 1/4, 1/8 and 1/16 of the trace's distinct pages; slots per bucket sweep from 8 upward to the whole
 pool (B = 1). Hit rates are over all requests after a warm-up (--warmup steps). Runs on CPU with the jnp
