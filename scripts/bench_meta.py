@@ -9,7 +9,8 @@ it compares against, its JSON written row by row, and its plot.
 - `Results(path, meta)`: `.add(row)` rewrites `{"meta": ..., "rows": [...]}` after every row, so a run cut by a
   timeout keeps what it measured; `write_json(path, obj)` is the one writer (whole file or nothing: a run killed
   mid-write leaves the previous rows, never a torn file).
-- `add_common_args(parser, ...)`: the one spelling of `--out` (a folder, created; an existing file refused),
+- `add_common_args(parser, ...)`: the one spelling of `--out` (a folder, made when the first result is written; an
+  existing file refused before any work),
   `--commit`, and where a script loads a model or picks a dtype, `--model` / `--dtype`.
 - `pyplot()`: matplotlib on the Agg backend; `save_figure(fig, path)`.
 Medians, not means: a GPU call's first repetitions and the odd host hiccup are outliers, not signal.
@@ -91,9 +92,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 OUT_HELP = "output folder, made if missing (the files inside it are named by the benchmark: {files})"
 COMMIT_HELP = ("the measured commit recorded in the JSON, for a tree without a usable .git (the GPU machine's copy); "
                "default: read from git")
-
-
-OUT_FILE_SUFFIXES = (".json", ".npz", ".png", ".jsonl")
+OUT_FILE_SUFFIXES = (".json", ".npz", ".png", ".jsonl")   # a missing --out named so is a file name, not a folder
 
 
 def out_folder(text: str) -> str:
@@ -125,12 +124,12 @@ def add_common_args(parser: argparse.ArgumentParser, *, out_default: str | None 
                     files: str = "NAME.json, NAME.png", commit: bool = True,
                     model: str | None | bool = False, model_default_help: str | None = None,
                     dtype: str | bool = False) -> argparse.ArgumentParser:
-    """Adds `--out` (a folder: `out_folder`; made when the first result is written), `--commit`, and with `model` (its default: a string, or None with
+    """Adds `--out` (a folder: `out_folder`), `--commit`, and with `model` (its default: a string, or None with
     `model_default_help` saying what None loads) `--model`, with `dtype` (its default) `--dtype`: every benchmark
     script spells, documents and checks them the same way. `files` names what the script writes inside --out;
     `out_default_help` says what a default of None means; `commit=False` only where the JSON's commits come from
-    elsewhere (a report over two trees' rows).
-    `False` (the default) leaves --model / --dtype out: not every script loads a model."""
+    elsewhere (a report over two trees' rows). `model` / `dtype` left False (the default) add no --model /
+    --dtype: not every script loads a model."""
     if out_required:
         parser.add_argument("--out", required=True, type=out_folder, help=OUT_HELP.format(files=files))
     else:

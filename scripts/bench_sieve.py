@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scripts.bench_meta import Results, add_common_args, block, device_events, median_seconds, pyplot, run_meta, save_figure
+from scripts.bench_meta import (Results, add_common_args, block, device_events,
+                                median_seconds, pyplot, run_meta, save_figure)
 from ulacache_jax.cache import pb_lru
 from ulacache_jax.pallas_kernels import pb_lru_sieve as sv
 from ulacache_jax.pallas_kernels.lid_hash import GOLDEN
