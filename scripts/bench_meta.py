@@ -365,6 +365,8 @@ def appended_meta(earlier: dict, commit: str, command: str, run: str | None = No
 
 
 def _jsonable(x):
+    if hasattr(x, "tolist") and getattr(x, "size", 1) != 1:   # numpy / jax arrays (writers that used str() got text)
+        return x.tolist()
     if hasattr(x, "item"):  # numpy / jax scalars
         return x.item()
     if dataclasses.is_dataclass(x):
