@@ -29,7 +29,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from scripts.bench_meta import median_seconds, pyplot, run_meta, save_figure, time_chain
+from scripts.bench_meta import (add_common_args, median_seconds, pyplot, run_meta, save_figure, time_chain,
+                                write_json)
 from ulacache_jax.pallas_kernels import page_copy
 from ulacache_jax.pallas_kernels import sparse_decode_attention as sda
 
@@ -136,13 +137,12 @@ class BenchContext:
         row = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}
         self.results.setdefault(section, []).append(row)
         print(f"[{section}] " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        self.save()   # after every row: a section cut by the call's time limit keeps the rows it measured
         return row
 
     def save(self):
         if self.args.out:
-            os.makedirs(self.args.out, exist_ok=True)
-            with open(os.path.join(self.args.out, "attention.json"), "w") as f:
-                json.dump(self.results, f, indent=1)
+            write_json(os.path.join(self.args.out, "attention.json"), self.results)
 
 
 def attn_step(tuning=None, impl="pallas"):
@@ -612,10 +612,9 @@ def summary(results):
     return "\n".join(lines)
 
 
-def parse(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "docs/benchmarks"))
-    p.add_argument("--commit", default=None, help="commit id to record (the device copy has no .git)")
+    add_common_args(p, files="attention.json, attention.png")
     p.add_argument("--only", nargs="*", default=None, choices=SECTIONS, help="sections to run (default: all)")
     p.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
     p.add_argument("--batches", nargs="*", type=int, default=[8, 32])
@@ -628,7 +627,11 @@ def parse(argv=None):
     p.add_argument("--resume", default=None, help="a results JSON to extend (its skipped rows are dropped)")
     p.add_argument("--kernel-rows", nargs="*", default=None,
                    help="BxBUDGETxCONTEXT triples: only these kernel rows (default: every batch x budget x context)")
-    a = p.parse_args(argv)
+    return p
+
+
+def parse(argv=None):
+    a = build_parser().parse_args(argv)
     a.miss_configs = [tuple(int(x) for x in s.split("x")) for s in a.miss_configs]
     if a.kernel_rows is not None:
         a.kernel_rows = {tuple(int(x) for x in s.split("x")) for s in a.kernel_rows}

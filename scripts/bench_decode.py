@@ -36,7 +36,9 @@ import jax.numpy as jnp
 from jax import lax
 from flax import nnx
 
-from scripts.bench_meta import appended_meta, copy_ceiling, earlier_run, git_commit, read_ceiling, utc_now
+from scripts import bench_meta
+from scripts.bench_meta import (add_common_args, appended_meta, child_env, copy_ceiling, earlier_run, git_commit,
+                                read_ceiling, utc_now)
 
 
 def copy_bandwidth(nbytes=4 << 30) -> float:
@@ -325,7 +327,7 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
             cmd += ["--score-launch", *map(str, args.score_launch)]
         proc = None
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout, env=child_env())
             with open(os.path.join(tmp, "decode.json")) as f:
                 return json.load(f)["rows"][-1]
         except Exception as e:  # a crash or timeout of one row must not lose the others
@@ -340,16 +342,10 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
 
 
 def write_json(out, res):
-    with open(os.path.join(out, "decode.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    bench_meta.write_json(os.path.join(out, "decode.json"), res)
 
 
-def main(argv=None):
-    from ulacache_jax.cache.state import raise_host_limit
-    raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default
-    # XLA takes 75% of HBM by default: the largest dense batches (112 GiB of K/V at 128K x 7 + 15 GiB of weights)
-    # were refused on the H200 with 90 GiB free; the row processes inherit this
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--contexts", default="32768,131072")
     p.add_argument("--batches", default="1,4")
@@ -385,12 +381,19 @@ def main(argv=None):
     p.add_argument("--append", action="store_true", help="keep the rows of an existing decode.json in --out")
     p.add_argument("--run", default=None, help="label recorded as each new row's 'run' (with --append, which run "
                                               "of the JSON a row belongs to; the command is added to the JSON's)")
-    p.add_argument("--commit", default=None, help="commit id to record (git may be unavailable on the device)")
-    p.add_argument("--out", default="docs/benchmarks")
     p.add_argument("--no-isolate", dest="isolate", action="store_false",
                    help="run every row in this process (default: one child process per row)")
     p.add_argument("--row-timeout", type=float, default=900, help="seconds one isolated row may take")
-    args = p.parse_args(argv)
+    return add_common_args(p, files="decode.json, decode.png")
+
+
+def main(argv=None):
+    from ulacache_jax.cache.state import raise_host_limit
+    raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default
+    # XLA takes 75% of HBM by default: the largest dense batches (112 GiB of K/V at 128K x 7 + 15 GiB of weights)
+    # were refused on the H200 with 90 GiB free; the row processes inherit this
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    args = build_parser().parse_args(argv)
     from ulacache_jax.models import LlamaModel, get_preset
     mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
     rows = []

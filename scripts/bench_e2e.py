@@ -20,6 +20,8 @@ import pathlib
 import sys
 import time
 
+from scripts.bench_meta import add_common_args
+
 
 def real_text_ids(tokenizer, n: int) -> list[int]:
     """n token ids of real text: this Python's own standard-library sources, concatenated in a fixed order."""
@@ -69,27 +71,28 @@ def run_row(kind: str, tokens: int, attention: str, args) -> dict:
                 device=str(jax.devices()[0].device_kind), jax=jax.__version__)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="smollm2:8192,8b:131072", help="kind:tokens list (kind: smollm2, 8b or tiny)")
     p.add_argument("--attention", default="sparse,dense")
-    p.add_argument("--model", default="smollm2-135m", help="the SmolLM2 model: a preset, GGUF file or folder")
     p.add_argument("--page", type=int, default=64, help="decode steps per chunk of the default cache")
-    p.add_argument("--out", default="docs/benchmarks")
-    p.add_argument("--commit", default=None)
     p.add_argument("--row-timeout", type=float, default=300)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    # --model is the smollm2 rows' model (the 8b and tiny rows are presets with random weights)
+    return add_common_args(p, files="e2e.json", model="smollm2-135m")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     specs = [(k, int(t), a) for k, t in (r.split(":") for r in args.rows.split(",")) for a in args.attention.split(",")]
     if args.one:
         (k, t, a), = specs
         print("ROW " + json.dumps(run_row(k, t, a, args)), flush=True)
         return
-    from scripts.bench_meta import git_commit, row_in_child
+    from scripts.bench_meta import git_commit, row_in_child, write_json
     from ulacache_jax.cache.state import raise_host_limit
     raise_host_limit()
     commit = args.commit or git_commit()
-    os.makedirs(args.out, exist_ok=True)
     rows = []
     for k, t, a in specs:
         cmd = [sys.executable, os.path.abspath(__file__), "--one", "--rows", f"{k}:{t}", "--attention", a,
@@ -98,8 +101,7 @@ def main(argv=None):
         row["commit"] = commit
         rows.append(row)
         print(json.dumps(row), flush=True)
-        with open(os.path.join(args.out, "e2e.json"), "w") as f:
-            json.dump(dict(commit=commit, rows=rows), f, indent=1)
+        write_json(os.path.join(args.out, "e2e.json"), dict(commit=commit, rows=rows))
     print(f"\n{'model':8s} {'prompt':>7s} {'attn':6s} {'load s':>7s} {'1st tok s':>9s} {'prefill s':>9s} {'dec tok/s':>9s}")
     for r in rows:
         if "error" in r:

@@ -45,7 +45,7 @@ for b in "${names[@]}"; do
                     step sieve-buckets 400 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --name sieve_buckets \
                       --requests 256 768 --pools 8192 16384 32768 65536 --buckets 32 64 128 256 --kernel-only \
                       --budget-s 0.2 --max-seconds 300 ;;
-    tiers)      step tiers 300 scripts/bench_tiers.py --out "$OUT" ;;
+    tiers)      step tiers 300 scripts/bench_tiers.py --out "$OUT" "${C[@]}" ;;
     ingest)     step ingest 200 scripts/bench_ingest.py --out "$OUT" "${C[@]}" ;;
     attention)  step attention 560 scripts/bench_attention.py --out "$OUT" "${C[@]}" --deadline 420 ;;
     layer)      step layer 560 scripts/bench_layer.py --out "$OUT" "${C[@]}" ;;

@@ -18,7 +18,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from scripts.bench_meta import Results, pyplot, run_meta, save_figure
+from scripts.bench_meta import Results, add_common_args, pyplot, run_meta, save_figure
 from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.runtime.sequences import CacheManager
 
@@ -46,18 +46,19 @@ def check_first_chunk(m: CacheManager, slot: int, k, chunk: int) -> bool:
     return ok
 
 
-def main(argv=None):
-    from ulacache_jax.cache.state import raise_host_limit
-    raise_host_limit()
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--chunks", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--commit", default=None)
-    p.add_argument("--out", default=os.environ.get("OUT", "docs/benchmarks"))
-    a = p.parse_args(argv)
-    os.makedirs(a.out, exist_ok=True)
+    return add_common_args(p, files="ingest.json, ingest.png")
+
+
+def main(argv=None):
+    from ulacache_jax.cache.state import raise_host_limit
+    raise_host_limit()
+    a = build_parser().parse_args(argv)
     KV, D, PAGE = 8, 128, 64
     m = make_manager(a.layers, KV, D, PAGE, a.context)
     slot = m.admit(a.context)

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scripts.bench_meta import median_seconds, pyplot, run_meta, save_figure
+from scripts.bench_meta import add_common_args, median_seconds, pyplot, run_meta, save_figure, write_json
 from ulacache_jax.cache.state import CacheState
 from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.cache.select import quest as selection
@@ -249,9 +249,7 @@ def cudnn_time(batch: int, ctx: int, reps: int) -> dict:
     return dict(us=sec * 1e6, kv_gb=nbytes / 1e9, tb_s=nbytes / sec / 1e12, rel_err_vs_xla_8k=err, impl=impl)
 
 
-def main(argv=None):
-    from ulacache_jax.cache.state import raise_host_limit
-    raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=262144)
@@ -270,9 +268,13 @@ def main(argv=None):
                    help="score kernel launch shape for every variant (scripts/pick_launch.py reads bench_select's)")
     p.add_argument("--topk", default="auto", help="page top-k of every row but resident-lax-topk: auto "
                    "(the radix kernel on GPU), ref (lax.top_k) or pallas")
-    p.add_argument("--commit", default=None)
-    p.add_argument("--out", default=os.environ.get("OUT", "docs/benchmarks"))
-    a = p.parse_args(argv)
+    return add_common_args(p, files="NAME.json, NAME.png (--name)")
+
+
+def main(argv=None):
+    from ulacache_jax.cache.state import raise_host_limit
+    raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default
+    a = build_parser().parse_args(argv)
     launch = tuple(a.score_launch) if a.score_launch else None
     os.makedirs(a.out, exist_ok=True)
     res = run_meta(a.commit, shapes=dict(B=a.batch, H=H, KV=KV, D=D, page=PAGE, context=a.context),
@@ -283,8 +285,7 @@ def main(argv=None):
         row = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(path, res)
 
     t0 = time.perf_counter()
     cd = cudnn_time(a.batch, a.context, a.reps)
@@ -366,8 +367,7 @@ def main(argv=None):
                 row["error"] = repr(e)[:400]
             add(row)
     res["total_s"] = round(time.perf_counter() - t0, 1)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(path, res)
     plot(res, os.path.join(a.out, f"{a.name}.png"))
     print(f"\ncuDNN dense decode B={a.batch} ctx={a.context}: {cd['us']:.1f} us ({cd['tb_s']:.2f} TB/s)")
     print("| kind | budget | sieve | fused fetch | miss % | us/call | PCIe GB/s | x cuDNN | check |")

@@ -48,6 +48,7 @@ import time
 import numpy as np
 
 from scripts import ruler_tasks
+from scripts.bench_meta import add_common_args
 
 # answer lengths (new tokens) per task: 7-digit numbers are 7 tokens in Qwen's / Llama-3's tokenizers
 MAX_NEW = {"niah_single": 24, "niah_multikey": 24, "niah_multivalue": 48, "niah_multiquery": 64, "vt": 64, "cwe": 64}
@@ -415,10 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="make the prompts with the model's tokenizer, write them to FILE (never commit it), exit")
     mode.add_argument("--prompts", metavar="FILE", default=None,
                       help="answer the prompts of FILE (from --make-prompts; needs no haystack source)")
-    ap.add_argument("--model", default=None, help=f"preset / pretrained name, GGUF file or folder "
-                                                  f"(default {DEFAULT_MODEL})")
     ap.add_argument("--tiny", action="store_true", help="the tiny random preset and the byte tokenizer (tests)")
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tasks", default=None, help=f"comma list of {', '.join(ruler_tasks.TASKS)} (default "
                     f"{DEFAULTS['tasks']}); with --prompts: only these of the file's")
     ap.add_argument("--contexts", default=None,
@@ -433,11 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget-ratios", default="", help="comma list of budget / context ratios")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8, help="cache slots (prompts decoded together)")
-    ap.add_argument("--out", default=None, help="output folder (NAME.json, NAME.png)")
     ap.add_argument("--name", default="longctx")
-    ap.add_argument("--commit", default=None, help="the measured commit, where the tree has no usable .git")
     ap.add_argument("--deadline", type=float, default=None, help="start no generate call after this many seconds")
-    return ap
+    # no default --out: --make-prompts writes no results, and a run's rows go where the caller means them to
+    return add_common_args(ap, out_default=None, out_default_help="none (needed to run the prompts)",
+                           files="NAME.json, NAME.png (--name)", model=None, model_default_help=DEFAULT_MODEL,
+                           dtype="bfloat16")
 
 
 def main(argv=None) -> dict | None:

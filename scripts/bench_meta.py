@@ -7,12 +7,17 @@ it compares against, its JSON written row by row, and its plot.
   (dispatch paid once per chain); `device_events(run, reps)`: the GPU's own busy time per call from the profiler.
 - `copy_ceiling(nbytes)`: device-to-device copy bandwidth measured in the same run (bytes/s, read + write).
 - `Results(path, meta)`: `.add(row)` rewrites `{"meta": ..., "rows": [...]}` after every row, so a run cut by a
-  timeout keeps what it measured.
+  timeout keeps what it measured; `write_json(path, obj)` is the one writer (whole file or nothing: a run killed
+  mid-write leaves the previous rows, never a torn file).
+- `add_common_args(parser, ...)`: the one spelling of `--out` (a folder, made when the first result is written; an
+  existing file refused before any work),
+  `--commit`, and where a script loads a model or picks a dtype, `--model` / `--dtype`.
 - `pyplot()`: matplotlib on the Agg backend; `save_figure(fig, path)`.
 Medians, not means: a GPU call's first repetitions and the odd host hiccup are outliers, not signal.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -21,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -75,6 +81,74 @@ def run_meta(commit: str | None = None, **extra) -> dict:
     dev = jax.devices()[0]
     return dict(device=dev.device_kind, platform=dev.platform, num_devices=jax.device_count(), jax=jax.__version__,
                 commit=commit or git_commit(), date=utc_now(), command=" ".join(sys.argv), **extra)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the shared command line
+# ----------------------------------------------------------------------------------------------------------------
+MODEL_HELP = ("the model: a pretrained name (smollm2-135m, qwen2.5-coder-0.5b), a GGUF file or a folder holding "
+              "one, or a Hugging Face folder")
+DTYPES = ("float32", "bfloat16", "float16")
+OUT_HELP = "output folder, made if missing (the files inside it are named by the benchmark: {files})"
+COMMIT_HELP = ("the measured commit recorded in the JSON, for a tree without a usable .git (the GPU machine's copy); "
+               "default: read from git")
+OUT_FILE_SUFFIXES = (".json", ".npz", ".png", ".jsonl")   # a missing --out named so is a file name, not a folder
+
+
+def out_folder(text: str) -> str:
+    """argparse type of `--out`: a folder path, checked before any work so a run never ends in IsADirectoryError
+    after its first row or replaces a file the user pointed at. Refused, by name: an existing non-folder, a path
+    under one, and a missing path named like a result file (`x.json`: the old file-valued --out of some scripts).
+    The folder is created when the first result is written (`write_json`, `save_figure`), not here: parsing
+    `--help` or a `--png`/`--report` redraw must not leave folders behind."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path is not a folder")
+    if os.path.exists(text):
+        if not os.path.isdir(text):
+            raise argparse.ArgumentTypeError(f"{text!r} exists and is not a folder: --out takes a folder (the JSON "
+                                             "and PNG are written inside it under the benchmark's name)")
+        return text
+    if text.lower().endswith(OUT_FILE_SUFFIXES):
+        raise argparse.ArgumentTypeError(f"{text!r} names a file: --out takes a folder (the JSON and PNG are "
+                                         "written inside it under the benchmark's name)")
+    parent = os.path.dirname(os.path.abspath(text))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be a folder: {parent!r} is a file")
+    return text
+
+
+def add_common_args(parser: argparse.ArgumentParser, *, out_default: str | None = "docs/benchmarks",
+                    out_required: bool = False, out_default_help: str | None = None,
+                    files: str = "NAME.json, NAME.png", commit: bool = True,
+                    model: str | None | bool = False, model_default_help: str | None = None,
+                    dtype: str | bool = False) -> argparse.ArgumentParser:
+    """Adds `--out` (a folder: `out_folder`), `--commit`, and with `model` (its default: a string, or None with
+    `model_default_help` saying what None loads) `--model`, with `dtype` (its default) `--dtype`: every benchmark
+    script spells, documents and checks them the same way. `files` names what the script writes inside --out;
+    `out_default_help` says what a default of None means; `commit=False` only where the JSON's commits come from
+    elsewhere (a report over two trees' rows). `model` / `dtype` left False (the default) add no --model /
+    --dtype: not every script loads a model."""
+    if out_required:
+        parser.add_argument("--out", required=True, type=out_folder, help=OUT_HELP.format(files=files))
+    else:
+        parser.add_argument("--out", default=out_default, type=out_folder,
+                            help=OUT_HELP.format(files=files) + f"; default: {out_default_help or out_default}")
+    if commit:
+        parser.add_argument("--commit", default=None, help=COMMIT_HELP)
+    if model is not False:
+        if model is True:
+            raise ValueError("add_common_args(model=...) takes the default model (a string or None), not True")
+        shown = model if model is not None else model_default_help
+        if shown is None:
+            raise ValueError("add_common_args(model=None) needs model_default_help: what runs without --model")
+        parser.add_argument("--model", default=model, help=f"{MODEL_HELP}; default: {shown}")
+    if dtype is not False:
+        if dtype not in DTYPES:
+            raise ValueError(f"add_common_args(dtype={dtype!r}): the default dtype must be one of {DTYPES}")
+        parser.add_argument("--dtype", default=dtype, choices=DTYPES, help=f"model and cache dtype; default: {dtype}")
+    return parser
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,8 +306,44 @@ class Results:
         return row
 
     def save(self) -> None:
-        with open(self.path, "w") as fh:
-            json.dump(dict(meta=self.meta, rows=self.rows, **self.extra), fh, indent=1, default=_jsonable)
+        write_json(self.path, dict(meta=self.meta, rows=self.rows, **self.extra))
+
+
+def write_json(path: str, obj, *, indent: int = 1) -> str:
+    """Writes `obj` as JSON to `path` whole or not at all: into a temporary file beside it, then renamed over it,
+    so a run killed or interrupted mid-write keeps the previous complete file (the rows measured so far)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, indent=indent, default=_jsonable)
+        os.chmod(tmp, 0o644)   # mkstemp's 0600 would make the results unreadable to the group that reads them
+        os.replace(tmp, path)
+    except BaseException:   # KeyboardInterrupt included: no temporary file is left behind
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_npz(path: str, **arrays) -> str:
+    """`np.savez_compressed(path, **arrays)` whole or not at all (a temporary file renamed over `path`, as
+    `write_json`): a trace cut by a timeout or Ctrl-C never leaves a truncated archive under the final name."""
+    import numpy as np
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:   # a file object: savez would append ".npz" to a name
+            np.savez_compressed(fh, **arrays)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
 
 
 def earlier_run(path: str, append: bool) -> tuple[dict, list]:
@@ -255,6 +365,8 @@ def appended_meta(earlier: dict, commit: str, command: str, run: str | None = No
 
 
 def _jsonable(x):
+    if hasattr(x, "tolist") and getattr(x, "size", 1) != 1:   # numpy / jax arrays (writers that used str() got text)
+        return x.tolist()
     if hasattr(x, "item"):  # numpy / jax scalars
         return x.item()
     if dataclasses.is_dataclass(x):
@@ -271,19 +383,26 @@ def pyplot():
 
 
 def save_figure(fig, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
     return path
 
 
+def child_env() -> dict:
+    """The environment of a row's child process: this one's, with the repository root on PYTHONPATH, because a
+    child started as `python scripts/x.py` has scripts/ (not the root) first on sys.path and must still import
+    `scripts.bench_meta` like its parent did under `python -m scripts.x`."""
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=repo_root() + (os.pathsep + path if path else ""))
+
+
 def row_in_child(cmd: list[str], timeout: float, **labels) -> dict:
     """Run one benchmark row in a fresh process (its compiles, HBM and pinned host memory are its own) and return
     the JSON it printed on a line starting "ROW "; on a crash or a timeout, `labels` plus the error."""
-    import json
-    import subprocess
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env())
     except subprocess.TimeoutExpired:
         return dict(labels, error=f"timeout after {timeout:.0f} s")
     line = [x for x in res.stdout.splitlines() if x.startswith("ROW ")]

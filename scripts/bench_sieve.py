@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scripts.bench_meta import Results, block, device_events, median_seconds, pyplot, run_meta, save_figure
+from scripts.bench_meta import (Results, add_common_args, block, device_events,
+                                median_seconds, pyplot, run_meta, save_figure)
 from ulacache_jax.cache import pb_lru
 from ulacache_jax.pallas_kernels import pb_lru_sieve as sv
 from ulacache_jax.pallas_kernels.lid_hash import GOLDEN
@@ -236,10 +237,9 @@ def plot(records, path):
     save_figure(fig, path)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="docs/benchmarks")
-    ap.add_argument("--commit", default=None, help="git commit of the code (the device copy has no .git)")
+    add_common_args(ap, files="NAME.json, NAME.png (--name)")
     ap.add_argument("--requests", type=int, nargs="+", default=[8192, 65536, 262144])
     ap.add_argument("--pools", type=int, nargs="+", default=[65536, 1048576])
     ap.add_argument("--buckets", type=int, nargs="+", default=[16, 64, 128, 256, 1024])
@@ -251,8 +251,11 @@ def main():
                     help="time the sieve alone (profiled device time): no reference or global-LRU timings and no "
                          "scan wall time, so a short device call reaches every configuration (each is still "
                          "checked against the reference)")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     t_begin = time.perf_counter()
     meta = run_meta(args.commit, steps_per_measurement=STEPS, churn=CHURN, target_us=TARGET_US,
                     workload="synthetic decode-like: hot set of N distinct LIDs, 10% churn per step, full pool",

@@ -44,6 +44,7 @@ import statistics
 import sys
 import time
 
+from scripts.bench_meta import Results, add_common_args, run_meta
 
 
 def doc_ids(tokenizer, n: int, offset: int) -> list[int]:
@@ -247,9 +248,11 @@ def plot(rows: list[dict], path: str) -> str | None:
     return save_figure(fig, path)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m", help="a preset name, GGUF file or folder")
+    # bfloat16: the serving dtype the speedups are quoted in (--small switches to float32 for exact CPU checks)
+    add_common_args(p, files="speculative.json (--step-cost: speculative_step.json) and its PNG",
+                    model="smollm2-135m", dtype="bfloat16")
     p.add_argument("--tasks", default=None, help="continue, quote, fresh, sampled (default: all four; --small: "
                    "continue)")
     p.add_argument("--batches", default=None, help="batch sizes, comma separated (default 1,4,16; --small: 1)")
@@ -262,7 +265,6 @@ def main(argv=None):
     p.add_argument("--echo", type=int, default=64, help="tokens of the document repeated at its end (continue)")
     p.add_argument("--max-new", type=int, default=None, help="new tokens a request (default 256; --small: 24)")
     p.add_argument("--attention", default=None, help="sparse or dense (default: sparse; --small: dense)")
-    p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--token-budget", type=int, default=2048)
     p.add_argument("--reps", type=int, default=None, help="timed runs (default 3; --small: 1)")
@@ -273,18 +275,14 @@ def main(argv=None):
     p.add_argument("--step-batches", default="1,4")
     p.add_argument("--per-step", action="store_true", help="ngram: one verification per step, not device chunks")
     p.add_argument("--small", action="store_true", help="tiny random model, short prompts, float32 (CPU check)")
-    p.add_argument("--out", default="docs/benchmarks",
-                   help="output folder, as every benchmark's: speculative.json (--step-cost: speculative_step.json) "
-                        "and its PNG, the JSON rewritten after every row")
-    p.add_argument("--commit", default=None)
     p.add_argument("--append", action="store_true", help="keep the rows already in --out (one call per batch size)")
     p.add_argument("--png", default=None, metavar="JSON", help="draw JSON's PNG beside it (no run) and exit")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
-    if args.out.endswith(".json") and not os.path.isdir(args.out):
-        p.error(f"--out {args.out}: --out is a folder (the rows go to speculative.json or speculative_step.json "
-                "inside it)")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        p.error(f"--out {args.out} is not a folder")
     out_json = os.path.join(args.out, "speculative_step.json" if args.step_cost else "speculative.json")
     if args.png:
         with open(args.png) as f:
@@ -313,7 +311,6 @@ def main(argv=None):
     raise_host_limit()
     import jax.numpy as jnp
     from flax import nnx
-    from scripts.bench_meta import Results, run_meta
     from ulacache_jax.runtime.generator import Generator, default_cache_config
     from ulacache_jax.runtime.speculative.rules import SpecConfig
 

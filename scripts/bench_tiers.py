@@ -6,10 +6,10 @@ copy, for 8..8192 pages of 64 x 1 x 128 bf16 (16 KiB) at random indices of a 655
 Every kernel result is checked against the truth before it is timed. Times: device time per call from the JAX
 profiler (sum of the call's device events: kernels and memcpys, CUPTI), and the wall-clock latency of one blocking
 call (dispatch + device + sync, median). GB/s counts the page bytes moved once. A variant table compares pages per
-program, warps and K+V in one launch at a few sizes. Writes tiers.json and tiers.png to --out (default
-$OUT or out/) and prints a short table last.
+program, warps and K+V in one launch at a few sizes. Writes tiers.json (after every row) and tiers.png
+to --out (default docs/benchmarks) and prints a short table last.
 
-Usage: python scripts/bench_tiers.py [--out DIR] [--pool-pages 65536] [--reps 20]
+Usage: python -m scripts.bench_tiers [--out DIR] [--commit SHA] [--pool-pages 65536] [--reps 20]
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from scripts.bench_meta import device_events, median_seconds, pyplot, run_meta, save_figure
+from scripts.bench_meta import (add_common_args, device_events, median_seconds, pyplot, run_meta, save_figure,
+                                write_json)
 from ulacache_jax.pallas_kernels import page_copy as pc
 
 PAGE_SHAPE = (64, 1, 128)
@@ -54,8 +55,8 @@ def measure(run, reps: int, nbytes: int, warmup: int = 2) -> dict:
     return res
 
 
-def device_info() -> dict:
-    return run_meta(memory_kinds=sorted(m.kind for m in jax.devices()[0].addressable_memories()))
+def device_info(commit: str | None = None) -> dict:
+    return run_meta(commit, memory_kinds=sorted(m.kind for m in jax.devices()[0].addressable_memories()))
 
 
 def shardings():
@@ -79,21 +80,24 @@ def _pages_equal(a, a_idx, b, b_idx):
 
 # ---------------------------------------------------------------- the benchmark
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    add_common_args(ap, files="tiers.json, tiers.png")
     ap.add_argument("--pool-pages", type=int, default=65536)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list, or 'none'")
     ap.add_argument("--budget-s", type=float, default=150.0, help="skip the variant table past this many seconds")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
-    os.makedirs(args.out, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(",")]
     P = args.pool_pages
     page_bytes = int(np.prod(PAGE_SHAPE)) * jnp.dtype(DTYPE).itemsize
-    info = device_info()
+    info = device_info(args.commit)
     print(json.dumps(info))
     s_host, s_dev = shardings()
     on_gpu = jax.default_backend() == "gpu"
@@ -184,6 +188,12 @@ def main():
 
     rows, variant_rows = [], []
     default_kw = {}
+
+    def save_partial():
+        """Every row so far, rewritten after each (a run cut by its time limit keeps them); the whole JSON at the
+        end replaces it."""
+        write_json(os.path.join(args.out, "tiers.json"), {**info, "partial": True, "rows": rows,
+                                                          "variants": variant_rows})
     for n in sizes:
         sets = index_sets(n)
         h2d, d2h = bench_bulk(n)
@@ -192,8 +202,7 @@ def main():
         row = {"pages": n, "bytes": n * page_bytes, "fetch": f, "flush": w, "bulk_h2d": h2d, "bulk_d2h": d2h,
                "fetch_vs_bulk": f["gbps"] / h2d["gbps"], "flush_vs_bulk": w["gbps"] / d2h["gbps"]}
         rows.append(row)
-        with open(os.path.join(args.out, "tiers.json"), "w") as fh:   # partial, rewritten at the end
-            json.dump({**info, "partial": True, "rows": rows}, fh, indent=1, default=str)
+        save_partial()
         print(f"{n:5d} pages: fetch {f['gbps']:.1f} GB/s ({f['device_us'] or 0:.1f} us dev, {f['wall_us']:.1f} us "
               f"wall) ok={f['ok']} | h2d {h2d['gbps']:.1f} | flush {w['gbps']:.1f} GB/s ({w['wall_us']:.1f} us wall)"
               f" ok={w['ok']} | d2h {d2h['gbps']:.1f}", flush=True)
@@ -220,6 +229,7 @@ def main():
             except Exception as e:  # noqa: BLE001
                 variant_rows.append({"pages": n, "variant": name, "kw": kw, "error": repr(e)[:500]})
                 print(f"variant {name} {n}: FAILED {repr(e)[:300]}", flush=True)
+            save_partial()
 
     big = [r for r in rows if r["pages"] >= 1024]
     summary = {
@@ -237,8 +247,7 @@ def main():
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "rows": rows, "variants": variant_rows, "summary": summary,
               "elapsed_s": time.perf_counter() - t_start}
-    with open(os.path.join(args.out, "tiers.json"), "w") as fh:
-        json.dump(result, fh, indent=1, default=str)
+    write_json(os.path.join(args.out, "tiers.json"), result)
     try:
         plot(rows, os.path.join(args.out, "tiers.png"), info)
     except Exception as e:  # noqa: BLE001

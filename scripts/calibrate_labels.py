@@ -16,13 +16,13 @@ finds the file by the model's digest).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import pathlib
 import sys
 import time
 
 import numpy as np
+
+from scripts.bench_meta import add_common_args, git_commit, write_json
 
 
 def channel_stats(model, windows):
@@ -68,16 +68,21 @@ def tables(score, channels):
     return {str(c): np.asarray(labels.pair_channels(jnp.asarray(score, jnp.float32), c)).tolist() for c in channels}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="a preset name or a GGUF path")
     ap.add_argument("--tiny", action="store_true", help="the tiny random-weight preset (tests)")
     ap.add_argument("--channels", default="8,16", help="comma list of C (even) to write tables for")
     ap.add_argument("--text", default="austen", help="haystack source of the windows (scripts/haystacks.py)")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens a window")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--out", required=True, help="folder for <digest16>.json")
+    # --out required: the shipped tables live in models/calibration/, a test's in its scratch folder; the model is
+    # the 32K model the tables ship for; float32: channel statistics, not decoding, so no bf16 rounding in them
+    return add_common_args(ap, out_required=True, files="<model digest16>.json", model="qwen2.5-coder-0.5b",
+                           dtype="float32")
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     channels = [int(c) for c in args.channels.split(",")]
     if any(c < 2 or c % 2 for c in channels):
@@ -111,13 +116,9 @@ def main(argv=None) -> int:
     qm, km = channel_stats(model, windows)
     score = qm * km
     out = dict(model_digest=digest, model=label, text=text, windows=len(windows), tokens=args.tokens,
-               score=score.round(6).tolist(), channels=tables(score, channels))
-    folder = pathlib.Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
-    dest = folder / f"{digest[:16]}.json"
-    tmp = dest.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out))
-    os.replace(tmp, dest)
+               commit=args.commit or git_commit(), score=score.round(6).tolist(), channels=tables(score, channels))
+    dest = pathlib.Path(args.out) / f"{digest[:16]}.json"
+    write_json(str(dest), out, indent=None)   # one result, written whole (the shipped tables are compact)
     print(f"{label}: {len(windows)} windows x {args.tokens} tokens in {time.perf_counter() - t0:.1f} s -> {dest}",
           file=sys.stderr)
     print(dest)

@@ -22,6 +22,8 @@ import shutil
 import sys
 import tempfile
 
+from scripts.bench_meta import add_common_args
+
 
 def load_device_events(trace_dir: str) -> list[dict]:
     """The complete ('X') events of the first accelerator in a jax.profiler perfetto trace; the host's events on
@@ -223,30 +225,31 @@ def print_row(r: dict, top: int = 12) -> None:
         print(f"  {x['us']:7.2f} {x['name'][:34]:34s} {x.get('source', '')[:150]}")
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="sparse:131072:1,dense:131072:1,sparse:262144:1,dense:262144:1",
                    help="attention:context:batch list")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--kv-fraction", type=float, default=0.25)
-    p.add_argument("--out", default="docs/benchmarks")
-    p.add_argument("--commit", default=None)
     p.add_argument("--row-timeout", type=float, default=300)
     p.add_argument("--append", action="store_true", help="keep the rows (and commands) of an existing "
                    "decode_profile.json in --out")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # child: run the single row
-    args = p.parse_args(argv)
+    return add_common_args(p, files="decode_profile.json")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     specs = [(a, int(c), int(b)) for a, c, b in (r.split(":") for r in args.rows.split(","))]
     if args.one:
         (a, c, b), = specs
         print("ROW " + json.dumps(profile_row(a, c, b, args)), flush=True)
         return
-    os.makedirs(args.out, exist_ok=True)
     from ulacache_jax.cache.state import raise_host_limit
     raise_host_limit()          # the row processes inherit it: XLA's pinned-host pool is 64 GiB by default
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    from scripts.bench_meta import appended_meta, earlier_run, git_commit, row_in_child
+    from scripts.bench_meta import appended_meta, earlier_run, git_commit, row_in_child, write_json
     commit = args.commit or git_commit()
     path = os.path.join(args.out, "decode_profile.json")
     earlier, rows = earlier_run(path, args.append)
@@ -258,8 +261,7 @@ def main(argv=None):
         row = row_in_child(cmd, args.row_timeout, attention=a, context=c, batch=b)
         row["commit"] = commit
         rows.append(row)
-        with open(path, "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=1)
+        write_json(path, dict(meta, rows=rows))
         if "error" in row:
             print(f"{a} {c} {b}: ERROR {row['error'][-300:]}")
         else:

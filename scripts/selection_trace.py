@@ -1,12 +1,13 @@
 """Record the page selections of a model decoding through UlaCache, as an eviction-study trace (issue 3).
 
-    python scripts/selection_trace.py [--out docs/benchmarks/eviction_model_trace.npz] [--steps 128] ...
-    python scripts/studies/eviction_study.py --trace docs/benchmarks/eviction_model_trace.npz --name eviction_model ...
+    python -m scripts.selection_trace [--out docs/benchmarks] [--name eviction_model_trace] [--steps 128] ...
+        (writes OUT/NAME.npz)
+    python -m scripts.studies.eviction_study --trace docs/benchmarks/eviction_model_trace.npz --name eviction_model ...
 
 Model: by default a Llama-shaped decoder with RANDOM weights (4 layers, 32 query heads, 8 KV heads of dim 32,
 byte vocab). Random weights give real Quest selections over real key summaries, but WITHOUT the attention
 structure of a trained model (no retrieval heads, no topic locality learned from data), so the trace is labelled
-"random-weight model trace" everywhere. `--model PATH` loads a real Hugging Face checkpoint instead
+"random-weight model trace" everywhere. `--model PATH` loads a real checkpoint instead
 (`ulacache_jax.models.from_pretrained`; its tokenizer.json, if present, encodes the prompts), and the label says so.
 
 Path: the library's own. `Generator.prefill`, then decode token by token through `program.decode_layers` (the one
@@ -53,7 +54,7 @@ from flax import nnx
 
 from ulacache_jax.cache import pb_lru# noqa: E402
 from ulacache_jax.runtime.backends import SparseOps  # noqa: E402
-from scripts.bench_meta import git_commit  # noqa: E402
+from scripts.bench_meta import add_common_args, git_commit, write_npz  # noqa: E402
 from ulacache_jax.cache.decode_layer import DecodeOptions, attend_pages, plan_layer  # noqa: E402
 from ulacache_jax.app.demo_prompts import demo_prompts  # noqa: E402
 from ulacache_jax.runtime.engine import Engine, SamplingParams  # noqa: E402
@@ -190,12 +191,23 @@ def repeat_fraction(pages, valid):
 
 
 def main(argv=None) -> dict:
-    """Record the trace, run the checks, write --out -> the trace's meta (its checks under replay_matches_library
+    """Record the trace, run the checks, write OUT/NAME.npz -> the trace's meta (its checks under replay_matches_library
     and generate_tokens_match)."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.steps % args.page_size:
+        ap.error(f"--steps {args.steps} must be a multiple of --page-size {args.page_size}")
+    return record_trace(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="docs/benchmarks/eviction_model_trace.npz")
-    ap.add_argument("--model", default=None, help="Hugging Face folder (trained weights); default: RANDOM weights")
-    ap.add_argument("--dtype", default="float32")
+    # float32: the dtype of the kept trace (docs/benchmarks/eviction_model_trace.npz); bf16 scores would rank
+    # near-tied pages differently and so record another trace
+    add_common_args(ap, files="NAME.npz (--name)", model=None,
+                    model_default_help="RANDOM weights (a Llama of --layers, --heads, ... with the byte tokenizer)",
+                    dtype="float32")
+    ap.add_argument("--name", default="eviction_model_trace", help="stem of the trace file, NAME.npz")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -213,9 +225,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     ap.add_argument("--check-generate", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the Engine (generate()'s path) and require the same tokens")
-    args = ap.parse_args(argv)
-    if args.steps % args.page_size:
-        ap.error(f"--steps {args.steps} must be a multiple of --page-size {args.page_size}")
+    return ap
+
+
+def record_trace(args) -> dict:
+    """The run behind `main`: record, check, write OUT/NAME.npz -> the trace's meta."""
     t0 = time.time()
     options = DecodeOptions()
 
@@ -329,13 +343,13 @@ def main(argv=None) -> dict:
                 repeat_fraction_vs_previous_step=rep_frac, library_hit_rate=lib_hit_rate,
                 replay_matches_library=replay_ok, generate_tokens_match=gen_ok,
                 prefill_s=round(prefill_s, 1), decode_s=round(decode_s, 1), seconds=round(time.time() - t0, 1),
-                jax=jax.__version__, device=jax.devices()[0].device_kind, commit=git_commit(),
+                jax=jax.__version__, device=jax.devices()[0].device_kind, commit=args.commit or git_commit(),
                 command=" ".join(sys.argv))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    np.savez_compressed(args.out, lids=row_lids, valid=row_valid, total_pages=np.int64(total_pages),
-                        clock=row_clock, lib_hits=hits, lib_requests=req.reshape(steps, L), tokens=toks,
-                        label=np.str_(label), meta=np.str_(json.dumps(meta)))
-    print(f"wrote {args.out}: {row_lids.shape[0]} rows x {row_lids.shape[1]} requests, {total_pages} KV pages, "
+    path = os.path.join(args.out, f"{args.name}.npz")
+    write_npz(path, lids=row_lids, valid=row_valid, total_pages=np.int64(total_pages), clock=row_clock,
+              lib_hits=hits, lib_requests=req.reshape(steps, L), tokens=toks, label=np.str_(label),
+              meta=np.str_(json.dumps(meta)))
+    print(f"wrote {path}: {row_lids.shape[0]} rows x {row_lids.shape[1]} requests, {total_pages} KV pages, "
           f"{distinct} distinct selected, {100 * rep_frac:.1f}% of selections repeat the previous step's "
           f"({meta['seconds']} s)")
     return meta

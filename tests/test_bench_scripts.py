@@ -142,9 +142,9 @@ def test_selection_trace_records_what_the_sieve_sees(tmp_path):
     recorded pages reproduce the backend's hits) and its Engine check (same tokens) must both hold, and the trace
     carries what scripts/studies/eviction_study.py --trace reads."""
     from scripts.selection_trace import main
-    out = tmp_path / "trace.npz"
-    meta = main(["--out", str(out), "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
-                 "--hidden", "32", "--num-seqs", "2", "--prompt-len", "48", "--steps", "16", "--page-size", "16",
+    out = tmp_path / "trace.npz"                     # --out is a folder: OUT/NAME.npz inside it
+    meta = main(["--out", str(tmp_path), "--name", "trace", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+                 "--head-dim", "16", "--hidden", "32", "--num-seqs", "2", "--prompt-len", "48", "--steps", "16", "--page-size", "16",
                  "--token-budget", "32"])
     assert meta["replay_matches_library"] is True and meta["generate_tokens_match"] is True
     d = np.load(out)

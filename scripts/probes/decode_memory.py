@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import re
@@ -29,6 +28,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from scripts.bench_meta import add_common_args, run_meta, write_json
 
 SIZES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
 
@@ -101,7 +102,7 @@ def abstract_program(model, cfg, attention: str, options, mesh):
     return prog, params, cache, host
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--batch", type=int, default=7)
@@ -111,8 +112,13 @@ def main(argv=None):
     p.add_argument("--sides", nargs="+", default=["dense", "sparse"])
     p.add_argument("--kv-fraction", type=float, default=0.25, help="sparse HBM frame pool, as in bench_decode")
     p.add_argument("--chunks", type=int, default=3, help="decode chunks the cache has room for, as in bench_decode")
-    p.add_argument("--out", default=os.environ.get("OUT"))
-    a = p.parse_args(argv)
+    # no default folder: a probe run to read on the console writes nothing
+    return add_common_args(p, out_default=None, out_default_help="none (print only)",
+                           files="decode_memory.json, decode_memory_SIDE.hlo.txt")
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
     from ulacache_jax.cache.decode_layer import DecodeOptions
     from ulacache_jax.runtime.tp import make_mesh
     from scripts.bench_decode import bench_config
@@ -154,12 +160,11 @@ def main(argv=None):
                                          for k, v in rec.items() if k not in ("big_buffers", "entry_alias")))
         for b in rec["big_buffers"]:
             print(f"   {b['bytes'] / 2**30:8.2f} GiB {b['op']:12s} {b['hlo'][:160]}")
-        if a.out:
+        if a.out:   # after every side: a side that fails to compile keeps the ones before it
+            os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, f"decode_memory_{side}.hlo.txt"), "w") as f:
                 f.write(hlo)
-    if a.out:
-        with open(os.path.join(a.out, "decode_memory.json"), "w") as f:
-            json.dump(report, f, indent=1, default=str)
+            write_json(os.path.join(a.out, "decode_memory.json"), dict(report, meta=run_meta(a.commit)))
     return report
 
 

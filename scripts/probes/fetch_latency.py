@@ -10,7 +10,7 @@ sizes and miss counts, with the misses' host pages drawn three ways:
 - clustered: new pages at every call, but consecutive ones (one 2 MiB-aligned stretch of host memory).
 Each call's result is checked first: the host pool holds page p's index mod 127 in every element, so every
 fetched frame must hold its host page's value.
-Device command (repo root): PYTHONPATH=$PWD python3 scripts/probes/fetch_latency.py --out $OUT --commit X
+Device command (repo root): python3 -m scripts.probes.fetch_latency --out DIR --commit X (default --out: out)
 """
 from __future__ import annotations
 
@@ -81,10 +81,10 @@ def plot(rows: list[dict], path: str) -> str:
     return bench_meta.save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--commit", default=None, help="git commit of the code (the device copy has no .git)")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # default "out", not docs/benchmarks: a probe's rows are read once, not kept with the docs
+    bench_meta.add_common_args(ap, out_default="out", files="fetch_latency.json, fetch_latency.png")
     ap.add_argument("--pool-gib", type=float, nargs="+", default=[1.0, 8.0, 32.0],
                     help="host pool size, K and V together (the 8B at 256K x 1: 32 GiB)")
     ap.add_argument("--misses", type=int, nargs="+", default=[0, 4, 11, 32, 128])
@@ -93,6 +93,11 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--png", default=None, help="only draw the PNG of an existing fetch_latency.json (where the GPU "
                                                 "image lacks matplotlib)")
+    return ap
+
+
+def main(argv: list[str] | None = None):
+    ap = build_parser()
     a = ap.parse_args(argv)
     if a.png:
         with open(a.png) as f:

@@ -5,7 +5,7 @@ the two commits, date, command; the pairs; both trees' full rows) and `<name>.pn
 The pair script labels its rows "old" / "new" (each tree is a `git archive` export without history); the real
 commits come in here (`--old-commit`, `--new-commit`) so that the JSON cites them.
   python3 scripts/probes/pair_report.py OUT --old-commit 737bd7b --new-commit 1a56825 --name decode_sieve_floor \
-      --dest docs/benchmarks
+      --out docs/benchmarks
 """
 from __future__ import annotations
 
@@ -76,18 +76,23 @@ def plot(pairs: list[dict], old_commit: str, new_commit: str, path: str) -> str:
     return bench_meta.save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", help="regression_pair.sh's OUT (holds old/decode.json and new/decode.json)")
+    ap.add_argument("pairs", metavar="OUT", help="regression_pair.sh's OUT (holds old/decode.json and new/decode.json)")
     ap.add_argument("--old-commit", default="old")
     ap.add_argument("--new-commit", default="new")
     ap.add_argument("--name", default="regression_pair")
-    ap.add_argument("--dest", default=None, help="where the JSON and PNG go (default: OUT)")
-    args = ap.parse_args(argv)
-    old_meta, old = load_rows(args.out, "old")
-    new_meta, new = load_rows(args.out, "new")
+    # no --commit: the rows' commits are the two trees', --old-commit and --new-commit
+    return bench_meta.add_common_args(ap, out_default=None, out_default_help="OUT, beside the two trees' rows",
+                                      files="NAME.json, NAME.png (--name)", commit=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    old_meta, old = load_rows(args.pairs, "old")
+    new_meta, new = load_rows(args.pairs, "new")
     if not (old or new):
-        raise SystemExit(f"no decode rows with tokens_per_s under {args.out}/old or {args.out}/new")
+        raise SystemExit(f"no decode rows with tokens_per_s under {args.pairs}/old or {args.pairs}/new")
     pairs = pairs_of(old, new)
     print(table(pairs))
     meta_src = new_meta or old_meta
@@ -98,14 +103,12 @@ def main(argv: list[str] | None = None) -> None:
                 commit=f"{args.old_commit} (old) / {args.new_commit} (new)", date=meta_src.get("date"),
                 model=meta_src.get("model"), kv=meta_src.get("kv"),
                 command=f"old: {old_meta.get('command', '-')}; new: {new_meta.get('command', '-')}")
-    dest = args.dest or args.out
-    os.makedirs(dest, exist_ok=True)
-    with open(os.path.join(dest, f"{args.name}.json"), "w") as f:
-        json.dump(dict(meta=meta, pairs=pairs, rows=old + new), f, indent=1)
+    dest = args.out or args.pairs
+    bench_meta.write_json(os.path.join(dest, f"{args.name}.json"), dict(meta=meta, pairs=pairs, rows=old + new))
     try:
         plot(pairs, args.old_commit, args.new_commit, os.path.join(dest, f"{args.name}.png"))
     except ImportError as e:  # the GPU image may lack matplotlib: rerun this script on the JSON's machine
-        print(f"no PNG ({e}); the JSON is written: rerun pair_report.py on {args.out} where matplotlib is installed")
+        print(f"no PNG ({e}); the JSON is written: rerun pair_report.py on {args.pairs} where matplotlib is installed")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What bucketing costs in hit rate: PB-LRU (B buckets of S slots) against a global LRU (B = 1, the same code)
 and Belady's optimal policy (fully associative, capacity = pool, clairvoyant), on page-selection traces.
 
-    python scripts/studies/eviction_study.py [--out docs/benchmarks] [--trace TRACE.npz] [--name eviction] [--clock row]
+    python -m scripts.studies.eviction_study [--out docs/benchmarks] [--trace TRACE.npz] [--name eviction] [--clock row]
 
 Pools hold 1/4, 1/8 and 1/16 of the trace's distinct pages; slots per bucket sweep from 8 upward to the whole
 pool (B = 1). Hit rates are over all requests after a warm-up (--warmup steps). Runs on CPU with the jnp
@@ -27,7 +27,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -35,6 +34,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from scripts.bench_meta import add_common_args, git_commit, write_json
 from ulacache_jax.cache import pb_lru
 
 
@@ -90,19 +90,23 @@ def pblru_hit_rate(trace, valid, nb, ns, warmup, clock=None):
     return hits / max(total, 1)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="docs/benchmarks")
+    add_common_args(ap, files="NAME.json, NAME.png (--name)")
     ap.add_argument("--trace", default=None, help=".npz with lids [steps, N] uint64 (and valid); default synthetic")
     ap.add_argument("--warmup", type=int, default=40)
     ap.add_argument("--min-slots", type=int, default=8)
     ap.add_argument("--name", default="eviction", help="stem of the output files (NAME.json, NAME.png)")
     ap.add_argument("--clock", choices=("row", "trace"), default="row",
                     help="PB-LRU stamps: the row index, or the trace's own `clock` (needs --trace)")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if args.clock == "trace" and not args.trace:
         ap.error("--clock trace needs --trace")
-    os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     if args.trace:
         data = np.load(args.trace)
@@ -126,7 +130,15 @@ def main():
         clock = np.arange(trace.shape[0])
     # pools hold 1/4, 1/8, 1/16 of the KV cache's pages (rounded down to a power of two so B = pool / S is one)
     pools = {frac: 1 << max(3, int(np.floor(np.log2(total_pages / frac)))) for frac in (4, 8, 16)}
+    meta = dict(source=source, steps=int(trace.shape[0]), requests_per_step=int(trace.shape[1]),
+                total_pages=int(total_pages), distinct_pages_requested=int(distinct), warmup_steps=args.warmup,
+                clock=args.clock, jax=jax.__version__,
+                device=jax.devices()[0].device_kind, commit=args.commit or git_commit(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=" ".join(sys.argv))
+    if args.trace and "meta" in data:
+        meta["trace_meta"] = json.loads(str(data["meta"]))
     results = []
+    path = os.path.join(args.out, f"{args.name}.json")
     for frac, pool in pools.items():
         glob = pblru_hit_rate(trace, valid, 1, pool, args.warmup, clock)
         opt = pb_lru.belady_hit_rate(trace, valid, pool, args.warmup)
@@ -143,23 +155,11 @@ def main():
                    smallest_slots_within_1pt=None if best is None else best["slots"],
                    buckets_at_that=None if best is None else best["buckets"])
         results.append(res)
+        write_json(path, dict(meta=meta, results=results))   # after every pool: a cut run keeps the pools done
         print(f"pool 1/{frac} ({pool} frames): global LRU {glob:.4f}, Belady {opt:.4f}, "
               + ", ".join(f"S={r['slots']}:{r['hit_rate']:.4f}" for r in rows), flush=True)
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL,
-                                         cwd=os.path.dirname(os.path.abspath(__file__))).decode().strip()
-    except Exception:
-        commit = "unknown"
-    meta = dict(source=source, steps=int(trace.shape[0]), requests_per_step=int(trace.shape[1]),
-                total_pages=int(total_pages), distinct_pages_requested=int(distinct), warmup_steps=args.warmup,
-                clock=args.clock, jax=jax.__version__,
-                device=jax.devices()[0].device_kind, commit=commit,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=" ".join(sys.argv),
-                seconds=round(time.time() - t0, 1))
-    if args.trace and "meta" in data:
-        meta["trace_meta"] = json.loads(str(data["meta"]))
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
-        json.dump(dict(meta=meta, results=results), fh, indent=1)
+    meta["seconds"] = round(time.time() - t0, 1)
+    write_json(path, dict(meta=meta, results=results))
     plot(results, meta, os.path.join(args.out, f"{args.name}.png"))
     print(f"\nTrace: {source}; {meta['steps']} steps x {meta['requests_per_step']} requests over a KV cache of "
           f"{total_pages} pages ({distinct} ever selected); hit rates after {args.warmup} warm-up steps.\n")

@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from scripts import bench_meta
+
 
 def record(model, ids):
     """ids [T] -> (keys [L, T, KV, D] float32, query [L, H, D] float32 of the last position), post-RoPE."""
@@ -186,9 +188,8 @@ def parse_rule(s: str):
                      "(groups of GROUP pages shortlist MULT x the budget for <rule>)")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--tiny", action="store_true", help="the tiny random model and byte tokenizer (tests)")
     ap.add_argument("--task", default="niah_single")
     ap.add_argument("--haystack", default="essays")
@@ -198,13 +199,19 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--rules", default="quest,key_copy:16,key_copy:8,labels:8:8,labels:8:4,labels:8:4:table,"
                                        "labels:16:4,labels:16:4:table,labels:4:4")
-    ap.add_argument("--out", required=True)
     ap.add_argument("--name", default="selection_recall")
-    ap.add_argument("--commit", default=None)
+    # --out required: a study's rows go where the caller means them to (docs/benchmarks only when kept); the
+    # default model is the 32K model whose label-channel tables ship (the rules ending in :table need one)
+    return bench_meta.add_common_args(ap, out_required=True, files="NAME.json, NAME.png (--name)",
+                                      model="qwen2.5-coder-0.5b")
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     import jax.numpy as jnp
     from flax import nnx
-    from scripts import bench_meta, haystacks, ruler_tasks
+    from scripts import haystacks, ruler_tasks
     from ulacache_jax import models
     rules = [parse_rule(s) for s in args.rules.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]

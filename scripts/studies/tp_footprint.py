@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -43,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ulacache_jax.cache.select import quest as selection
-from scripts.bench_meta import git_commit
+from scripts.bench_meta import add_common_args, git_commit, write_json
 from ulacache_jax.models import LlamaModel, ModelConfig
 from ulacache_jax.models.attention import dense_attention
 
@@ -255,9 +254,11 @@ def plot(results: dict, path: str, windows) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="docs/benchmarks")
+    add_common_args(ap, files="tp_footprint.json, tp_footprint.png", model=None,
+                    model_default_help="RANDOM weights (--model-layers layers); a --model's KV heads must be a "
+                                       "multiple of 8 (kv_heads_per_group 1)")
     ap.add_argument("--context", type=int, default=65536, help="tokens of context (synthetic traces)")
     ap.add_argument("--page", type=int, default=64, help="page size (synthetic traces)")
     ap.add_argument("--model-context", type=int, default=8192, help="tokens of context (model trace)")
@@ -270,42 +271,45 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=256, help="decode steps traced (the last positions)")
     ap.add_argument("--windows", default="1,16")
     ap.add_argument("--model-layers", type=int, default=2, help="layers of the default random-weight model")
-    ap.add_argument("--model", default=None, help="a real model instead (HF folder, checkpoint folder or preset); "
-                    "its KV heads must be a multiple of 8 / kv_heads_per_group 1")
     ap.add_argument("--text", default=None, help="a text file to run the --model over (default: random ids)")
     ap.add_argument("--synthetic-layers", type=int, default=4)
     ap.add_argument("--topics", type=int, default=64)
     ap.add_argument("--switch", type=float, default=0.05, help="per-step probability a head picks a new topic")
     ap.add_argument("--shared", default="0,0.5,1", help="fractions of heads tracking one global topic (a sweep)")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    path = os.path.join(args.out, "tp_footprint.json")
     windows = [int(w) for w in args.windows.split(",")]
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
-    label, trace = model_trace(args, rng)
-    traces = {label: trace}
-    for s in (float(x) for x in args.shared.split(",")):
-        traces[f"synthetic shared={s:g}"] = synthetic_trace(args, rng, s)
     results = {
-        "script": "scripts/studies/tp_footprint.py", "commit": git_commit(),
+        "script": "scripts/studies/tp_footprint.py", "commit": args.commit or git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": f"{jax.default_backend()} (footprints are counts, not timings)",
-        "params": {k: v for k, v in vars(args).items() if k != "out"},
+        "params": {k: v for k, v in vars(args).items() if k not in ("out", "commit")},
         "claim": {"reduction": CLAIM, "source": "reference/ulacache-breakdown.txt, Table 2 (unverified, see "
                   "SEED-ERRATA)"},
         "units": "group-pages (one page_size x kv_heads_per_group x head_dim page of K, and one of V) per rank: the "
                  "per-rank maximum, averaged over windows and layers",
-        "traces": {n: summarize(tr, windows) for n, tr in traces.items()},
+        "traces": {},
     }
-    sweep = {}
+    # the JSON is rewritten after every trace and every budget of the sweep: a run cut short keeps what it counted
+    label, trace = model_trace(args, rng)
+    results["traces"][label] = summarize(trace, windows)
+    write_json(path, results, indent=2)
+    for s in (float(x) for x in args.shared.split(",")):
+        results["traces"][f"synthetic shared={s:g}"] = summarize(synthetic_trace(args, rng, s), windows)
+        write_json(path, results, indent=2)
+    sweep = results["budget_sweep"] = {}   # synthetic, shared = 0.5, window 1
     for b in (int(x) for x in args.budget_sweep.split(",")):
         tr = synthetic_trace(args, rng, 0.5, budget=b, layers=2)
         sweep[str(b)] = {"selected_fraction": b / (args.context // args.page),
                          **{f"TP{tp}": summarize(tr, [1])[f"W1_TP{tp}"] for tp in TPS}}
-    results["budget_sweep"] = sweep   # synthetic, shared = 0.5, window 1
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tp_footprint.json"), "w") as f:
-        json.dump(results, f, indent=2)
+        write_json(path, results, indent=2)
     plot(results, os.path.join(args.out, "tp_footprint.png"), windows)
     print(f"{'trace':26s} {'W':>3s} {'TP':>3s} {'replicated':>10s} {'rank-sliced':>11s} {'per-group':>9s} "
           f"{'saved(rank)':>11s} {'saved(group)':>12s}")
