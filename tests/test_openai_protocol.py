@@ -43,12 +43,13 @@ def test_chat_fields_map_to_sampling():
 
 
 def test_openai_nulls_are_defaults():
-    d = proto.Defaults(max_tokens=33, stop_ids=(9,))
+    d = proto.Defaults(base=SamplingParams(max_new_tokens=33, stop_ids=(9,), stop=("END",)))
     r = proto.parse_body({"messages": CHAT, "max_tokens": None, "temperature": None, "top_p": None, "stop": None,
                           "seed": None, "n": None, "logprobs": None, "top_logprobs": None, "stream": None,
                           "presence_penalty": None, "min_p": None, "attention": None, "token_budget": None},
                          proto.CHAT, d, vocab_size=258)
-    assert r.sampling == SamplingParams(max_new_tokens=33, stop_ids=(9,))
+    assert r.sampling == SamplingParams(max_new_tokens=33, stop_ids=(9,), stop=("END",))
+    assert proto.parse_body({"messages": CHAT, "ignore_eos": True}, proto.CHAT, d).sampling.stop_ids == ()
     assert (r.n, r.stream, r.logprobs) == (1, False, None)
 
 

@@ -59,7 +59,15 @@ from ulacache_jax.app.jsonl_io import OutputError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 SAMPLING_FIELDS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_ids")
-KNOWN_FIELDS = ("id", "messages", "prompt", "prompt_ids") + SAMPLING_FIELDS
+# the per-request fields shared with the server (openai_protocol.extra_sampling; passed where the engine has them)
+CONTRACT_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "token_budget",
+                   "attention")
+# OpenAI body fields that change nothing in a line: model and user any value, stream only false, n only 1
+HARMLESS_FIELDS = ("model", "user", "stream", "n")
+KNOWN_FIELDS = ("id", "messages", "prompt", "prompt_ids") + SAMPLING_FIELDS + CONTRACT_FIELDS + HARMLESS_FIELDS
+# an OpenAI Batch API input line (https://platform.openai.com/docs/guides/batch): its fields and urls
+BATCH_FIELDS = ("custom_id", "method", "url", "body")
+BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
 CHECKPOINT_SHARE = 0.05         # default checkpoint interval: saving takes at most this share of the run's time
@@ -412,10 +420,12 @@ def load_model(spec: str | None, dtype: str, seed: int, tp_mod=None, tp: int = 1
 @dataclasses.dataclass
 class Record:
     line: int
-    id: object
+    id: object                 # the line's "id" (the library's format) or "custom_id" (an OpenAI batch line)
     prompt_ids: list[int]
     sampling: object           # engine.SamplingParams
     capped_from: int | None = None
+    api_kind: str | None = None     # an OpenAI batch line's endpoint ("chat" / "completion"); None: own format
+    logprobs: int | None = None     # top-k alternatives asked per token (None: no logprobs)
 
 
 @dataclasses.dataclass
@@ -423,9 +433,18 @@ class InputError:
     line: int
     id: object
     error: str
+    batch: bool = False        # the input is an OpenAI batch file: the record is in its output format
 
     def as_output(self) -> dict:
+        if self.batch:
+            return {"id": _batch_id("batch_req"), "custom_id": self.id, "response": None,
+                    "error": {"code": "invalid_request", "message": self.error}, "line": self.line}
         return {"id": self.id, "line": self.line, "finish_reason": "error", "error": self.error}
+
+
+def _batch_id(prefix: str) -> str:
+    import uuid
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _id_key(x) -> str:
@@ -439,14 +458,16 @@ class ResumeState:
 
 
 def resume_state(records: list[dict]) -> ResumeState:
+    """Records of either output format (jsonl_io.record_id / record_ok) -> what --resume skips."""
     st = ResumeState()
     for obj in records:
-        if "id" not in obj:
+        rid = jsonl_io.record_id(obj)
+        if rid is None:
             continue
-        if obj.get("finish_reason") == "error":
-            st.reported.add((obj.get("line"), _id_key(obj["id"])))
+        if not jsonl_io.record_ok(obj):
+            st.reported.add((obj.get("line"), _id_key(rid)))
         else:
-            st.done_ids.add(_id_key(obj["id"]))
+            st.done_ids.add(_id_key(rid))
     return st
 
 
@@ -461,12 +482,16 @@ def read_input(path: str) -> list[jsonl_io.InputLine]:
 
 def parse_input(lines, *, tokenizer, vocab_size: int, limit: int, defaults, resume: ResumeState | None = None,
                 default_stop: tuple[str, ...] = ()):
-    """-> (records, errors, skipped, skipped_errors). `lines`: InputLines (or str, numbered from 1); `defaults`:
+    """-> (records, errors, skipped, skipped_errors). `lines`: InputLines (or str, numbered from 1), all in the
+    library's format or all OpenAI batch lines (is_batch_input: decided by the file's first JSON object); `defaults`:
     engine.SamplingParams from the command line. With `resume`: ids that already have a result are skipped; a
     line that fails again as already reported in the output is not reported twice (counted in skipped_errors)."""
     from ulacache_jax.runtime.engine import RequestError
 
     resume = resume or ResumeState()
+    lines = list(lines)
+    batch = is_batch_input(lines)
+    parse = _parse_batch_line if batch else _parse_line
     records: list[Record] = []
     errors: list[InputError] = []
     seen: dict[str, int] = {}
@@ -480,14 +505,14 @@ def parse_input(lines, *, tokenizer, vocab_size: int, limit: int, defaults, resu
         try:
             if line.error is not None:
                 raise RequestError(line.error, None)
-            rec = _parse_line(line.text, n, seen, resume.done_ids, tokenizer=tokenizer, vocab_size=vocab_size,
-                              limit=limit, defaults=defaults, default_stop=default_stop)
+            rec = parse(line.text, n, seen, resume.done_ids, tokenizer=tokenizer, vocab_size=vocab_size,
+                        limit=limit, defaults=defaults, default_stop=default_stop)
         except RequestError as e:
             rid = e.args[1] if len(e.args) > 1 else None
             if (n, _id_key(rid)) in resume.reported:
                 skipped_errors += 1
             else:
-                errors.append(InputError(n, rid, e.args[0]))
+                errors.append(InputError(n, rid, e.args[0], batch))
             continue
         if rec is None:
             skipped += 1
@@ -558,6 +583,9 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
         fail(f"malformed JSON: {e.msg} at column {e.colno}")
     if not isinstance(obj, dict):
         fail(f"expected a JSON object, got {type(obj).__name__}")
+    if "custom_id" in obj:
+        fail("an OpenAI batch line (custom_id) in a file whose first line is in the library's format: one format "
+             "a file")
     rid = obj.get("id")
     if isinstance(rid, str) and jsonl_io.lone_surrogate(rid):
         rid = None
@@ -565,6 +593,16 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
     unknown = sorted(set(obj) - set(KNOWN_FIELDS))
     if unknown:
         fail(f"unknown field(s) {', '.join(map(repr, unknown))} (known: {', '.join(KNOWN_FIELDS)})")
+    obj = {k: v for k, v in obj.items() if v is not None or k == "id"}    # OpenAI's null: the default
+    if obj.get("stream", False) is not False:
+        fail(f"'stream' = {obj['stream']!r}: a line's result is written whole (false or null only)")
+    if obj.get("n", 1) != 1 or isinstance(obj.get("n"), bool):
+        fail(f"'n' = {obj['n']!r}: one answer a line (1 or null only; repeat the line with other ids for more)")
+    from ulacache_jax.app import openai_protocol
+    try:
+        extra, logprobs = openai_protocol.extra_sampling(obj, openai_protocol.LINE)
+    except openai_protocol.ApiError as e:
+        fail(e.message)
     if "id" not in obj:
         fail("missing field 'id'")
     if isinstance(rid, bool) or not isinstance(rid, (str, int)):
@@ -613,7 +651,14 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
             fail("'stop_ids' must be a list of ints")
         over["stop_ids"] = tuple(obj["stop_ids"])
     stop = _stop_strings(obj["stop"], fail) if "stop" in obj else default_stop
-    sp = dataclasses.replace(defaults, stop=stop, **over)   # the Engine ends a request at its stop strings
+    sp = dataclasses.replace(defaults, stop=stop, **over, **extra)   # the Engine ends a request at its stop strings
+    return _record(n, rid, ids, sp, vocab_size=vocab_size, limit=limit, fail=fail, logprobs=logprobs)
+
+
+def _record(n: int, rid, ids: list[int], sp, *, vocab_size: int, limit: int, fail, api_kind: str | None = None,
+            logprobs: int | None = None) -> Record:
+    """A parsed line's Record: its sampling checked, a prompt past the context refused, max_new_tokens capped to
+    the room left."""
     try:
         sp.check(vocab_size)
     except ValueError as e:
@@ -621,11 +666,99 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
     if len(ids) + 1 > limit:
         fail(f"prompt of {len(ids)} tokens is longer than the context limit of {limit} tokens (with room for one "
              "generated token; --max-context)")
-    rec = Record(n, rid, [int(t) for t in ids], sp)
+    rec = Record(n, rid, [int(t) for t in ids], sp, api_kind=api_kind, logprobs=logprobs)
     if len(ids) + sp.max_new_tokens > limit:
         rec.capped_from = sp.max_new_tokens
         rec.sampling = dataclasses.replace(sp, max_new_tokens=limit - len(ids))
     return rec
+
+
+def is_batch_input(lines) -> bool:
+    """Whether an input file is in the OpenAI Batch API format: its first line that is a JSON object has a
+    "custom_id" (the library's own lines have an "id")."""
+    for item in lines:
+        text = item.text if isinstance(item, jsonl_io.InputLine) else item
+        if text is None or not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            return "custom_id" in obj
+    return False
+
+
+def _parse_batch_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab_size: int, limit: int,
+                      defaults, default_stop: tuple[str, ...] = ()):
+    """One OpenAI batch line ({"custom_id", "method": "POST", "url", "body"}) -> Record, or None if its custom_id
+    already has a result. The body is parsed as the server parses it (openai_protocol.parse_body; its model name
+    is not checked: a file written for another server runs unchanged); the command line's sampling options are
+    the defaults where the body is silent. Raises RequestError(message, custom_id)."""
+    from ulacache_jax.app import openai_protocol as proto
+    from ulacache_jax.runtime import validate
+    from ulacache_jax.runtime.engine import RequestError
+
+    rid = None
+
+    def fail(msg):
+        raise RequestError(msg, rid)
+
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        fail(f"malformed JSON: {e.msg} at column {e.colno}")
+    if not isinstance(obj, dict):
+        fail(f"expected a JSON object, got {type(obj).__name__}")
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid or jsonl_io.lone_surrogate(cid):
+        fail(f"'custom_id' = {json.dumps(cid) if isinstance(cid, (str, int, type(None))) else '...'} must be a "
+             "non-empty string (every line of an OpenAI batch file has one)")
+    rid = cid
+    unknown = sorted(set(obj) - set(BATCH_FIELDS))
+    if unknown:
+        fail(f"unknown field(s) {', '.join(map(repr, unknown))} (a batch line has {', '.join(BATCH_FIELDS)})")
+    if obj.get("method") != "POST":
+        fail(f"'method' = {json.dumps(obj.get('method'))} must be \"POST\"")
+    kind = BATCH_URLS.get(obj.get("url"))
+    if kind is None:
+        fail(f"'url' = {json.dumps(obj.get('url'))} must be one of {', '.join(BATCH_URLS)}")
+    key = _id_key(rid)
+    if key in seen:
+        fail(f"duplicate custom_id (first on line {seen[key]})")
+    seen[key] = n
+    if key in done_ids:
+        return None
+    base = dataclasses.replace(defaults, stop=default_stop)
+    try:
+        api = proto.parse_body(obj.get("body"), kind, proto.Defaults(base=base), vocab_size=vocab_size)
+    except proto.ApiError as e:
+        fail(f"body: {e.message}")
+    if api.n != 1:
+        fail(f"body: 'n' = {api.n}: one answer a line in a batch file (repeat the line with other custom_ids)")
+    if len(api.prompts) != 1:
+        fail(f"body: 'prompt' holds {len(api.prompts)} prompts: one a line in a batch file")
+    if api.stream:
+        fail("body: 'stream' must be false in a batch file")
+    prompt = api.prompts[0]
+    if kind == "chat":
+        ids, name = _chat_ids(prompt, tokenizer, fail), "prompt (the chat template's tokens)"
+    elif isinstance(prompt, str):
+        if tokenizer is None:
+            fail("this model has no tokenizer (no tokenizer.json): give 'prompt' as token ids")
+        try:
+            ids = tokenizer.encode(prompt)
+        except Exception as e:   # noqa: BLE001 - a tokenizer failure fails this line only
+            fail(f"tokenizer failed on 'prompt': {type(e).__name__}: {e}")
+        name = "prompt (as tokens)"
+    else:
+        ids, name = prompt, "prompt"
+    try:
+        ids = validate.check_prompt(ids, vocab_size, name=name)
+    except (TypeError, ValueError) as e:
+        fail(str(e))
+    return _record(n, rid, ids, api.sampling, vocab_size=vocab_size, limit=limit, fail=fail, api_kind=kind,
+                   logprobs=api.logprobs)
 
 
 # ---- stop strings -----------------------------------------------------------------------------------------------
@@ -1153,7 +1286,8 @@ def _generate_locked(args, t_start: float) -> int:
                             continue
                         req = engine.pop(ev.request_id)
                         finished.append(req)
-                        batch.append(stamp(_result_line(rec, req)))
+                        batch.append(stamp(_result_line(rec, req, model=args.model or DEFAULT_MODEL,
+                                                        tokenizer=loaded.tokenizer)))
                         if req.finish_reason == "error":
                             engine_failed += 1
                             print(f"{args.input}:{rec.line}: id {json.dumps(rec.id)}: {req.error}", file=sys.stderr)
@@ -1226,8 +1360,11 @@ def _generate_locked(args, t_start: float) -> int:
     return EXIT_FAILED if errors or skipped_errors or engine_failed or write_error else EXIT_OK
 
 
-def _result_line(rec: Record, req) -> dict:
-    """A finished request's output line: the Engine has cut its tokens and text at a stop string (stop_reason)."""
+def _result_line(rec: Record, req, *, model: str = "", tokenizer=None) -> dict:
+    """A finished request's output line: the Engine has cut its tokens and text at a stop string (stop_reason).
+    model, tokenizer: an OpenAI batch line's answer names the model and spells its logprobs' tokens."""
+    if rec.api_kind is not None:
+        return _batch_result_line(rec, req, model, tokenizer)
     if req.finish_reason == "error":
         return {"id": rec.id, "line": rec.line, "finish_reason": "error", "error": req.error}
     out = {"id": rec.id, "line": rec.line, "text": req.text, "token_ids": list(req.tokens),
@@ -1237,7 +1374,42 @@ def _result_line(rec: Record, req) -> dict:
         out["stop_reason"] = req.stop_reason
     if rec.capped_from is not None or req.capped:
         out["max_new_tokens_capped_to"] = req.max_new_tokens
+    if rec.logprobs is not None:
+        out["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                           for lp in getattr(req, "logprobs", ())]
     return out
+
+
+def _batch_result_line(rec: Record, req, model: str, tokenizer) -> dict:
+    """A finished request of an OpenAI batch line -> its Batch API output line: {"id", "custom_id", "response":
+    {"status_code", "request_id", "body"}, "error"}; the body is what the server answers (a chat.completion or
+    text_completion, or the error object with status 400 for a request the engine refused before running it and
+    500 for one that failed while running). "line" (and the run's "settings") are the library's additions, for
+    --resume."""
+    from ulacache_jax.app import openai_protocol as proto
+    rid = _batch_id("req")
+    if req.finish_reason == "error":
+        status = 500 if req.t_admitted is not None else 400
+        body = proto.ApiError(req.error or "the request failed", status=status,
+                              type="server_error" if status == 500 else "invalid_request_error").body()
+    else:
+        lp = None
+        if rec.logprobs is not None:
+            entries = [(_token_text(tokenizer, t.token_id), float(t.logprob),
+                        [(_token_text(tokenizer, a), float(alp)) for a, alp in t.top])
+                       for t in getattr(req, "logprobs", ())]
+            lp = proto.logprobs_chat(entries) if rec.api_kind == "chat" else proto.logprobs_completion(entries)
+        choice = {"index": 0, "text": req.text or "", "finish_reason": req.finish_reason, "logprobs": lp}
+        shaped = proto.chat_response if rec.api_kind == "chat" else proto.completion_response
+        body = shaped(("chatcmpl-" if rec.api_kind == "chat" else "cmpl-") + rid.removeprefix("req_"),
+                      int(time.time()), model, [choice], proto.usage(len(req.prompt_ids), len(req.tokens)))
+        status = 200
+    return {"id": _batch_id("batch_req"), "custom_id": rec.id,
+            "response": {"status_code": status, "request_id": rid, "body": body}, "error": None, "line": rec.line}
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([int(token_id)]) if tokenizer is not None else str(int(token_id))
 
 
 # ---- serve ------------------------------------------------------------------------------------------------------
@@ -1260,6 +1432,7 @@ def cmd_serve(args) -> int:
     _spec_config(args)                 # its option errors before anything loads
     setup_compile_cache(args.compile_cache)
     from ulacache_jax.app import openai_protocol, server
+    from ulacache_jax.runtime.requests import SamplingParams
 
     def build() -> server.Built:
         loaded, tp_mod = load_engine_model(args)
@@ -1273,7 +1446,8 @@ def cmd_serve(args) -> int:
 
     config = server.ServeConfig(
         model_name=args.served_model_name or args.model or DEFAULT_MODEL, max_queue=args.max_queue,
-        defaults=openai_protocol.Defaults(max_tokens=args.max_new_tokens, max_token_budget=args.token_budget))
+        defaults=openai_protocol.Defaults(base=SamplingParams(max_new_tokens=args.max_new_tokens),
+                                          max_token_budget=args.token_budget))
     # uvicorn handles SIGINT / SIGTERM itself (graceful shutdown): ours would raise in the middle of its loop
     args.stop_signals.restore()
     return server.serve(build, config, host=args.host, port=args.port, log_level=args.log_level,

@@ -26,6 +26,7 @@ from typing import Any
 from ulacache_jax.runtime.requests import RequestError, SamplingParams
 
 CHAT, COMPLETION = "chat", "completion"
+LINE = "line"                   # a `ulacache generate` JSONL line in the library's own format
 MAX_N = 128                     # choices per request: each is an engine request (vLLM has no cap; 128 bounds abuse)
 MAX_TOP_LOGPROBS_CHAT = 20      # OpenAI's limits
 MAX_LOGPROBS_COMPLETION = 5
@@ -258,10 +259,10 @@ def parse_completion_prompt(v) -> tuple:
 # ---- the body ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Defaults:
-    """What the server (or batch run) fills in where a body is silent: max_tokens, stop ids (the model's end of
-    turn), and the engine's cap on a request's token_budget (None: no cap known here)."""
-    max_tokens: int = 256
-    stop_ids: tuple[int, ...] | None = None
+    """What the server (or a batch run) fills in where a body is silent: `base` holds every sampling default
+    (max_new_tokens, temperature, ..., stop ids: None = the engine's end-of-turn ids, stop strings), and
+    `max_token_budget` caps a request's token_budget (None: no cap known here)."""
+    base: SamplingParams = SamplingParams(max_new_tokens=256)
     max_token_budget: int | None = None
 
 
@@ -303,7 +304,7 @@ def _sampling(body: dict, kind: str, defaults: Defaults, vocab_size: int | None)
     if mt is not None and mct is not None and mt != mct:
         raise ApiError(f"'max_tokens' = {mt} and 'max_completion_tokens' = {mct} disagree (one setting: give one)",
                        param="max_completion_tokens")
-    kw: dict[str, Any] = {"max_new_tokens": mct or mt or defaults.max_tokens}
+    kw: dict[str, Any] = {"max_new_tokens": mct or mt or defaults.base.max_new_tokens}
     temperature = _num(body, "temperature", 0.0, 2.0)
     if temperature is not None:
         kw["temperature"] = temperature
@@ -322,9 +323,28 @@ def _sampling(body: dict, kind: str, defaults: Defaults, vocab_size: int | None)
         if not _is_int(seed):
             raise ApiError(f"'seed' = {seed!r} must be an integer", param="seed")
         kw["seed"] = seed % 2**32        # OpenAI takes any int64; the engine keys on 32 bits
-    kw["stop"] = _stop(body)
-    ignore_eos = _bool(body, "ignore_eos")
-    kw["stop_ids"] = () if ignore_eos else defaults.stop_ids
+    if body.get("stop") is not None:
+        kw["stop"] = _stop(body)
+    if _bool(body, "ignore_eos"):
+        kw["stop_ids"] = ()
+    extra, logprobs = extra_sampling(body, kind, defaults.max_token_budget)
+    kw.update(extra)
+    sp = dataclasses.replace(defaults.base, **kw)
+    if vocab_size is not None:
+        try:
+            sp.check(vocab_size)
+        except RequestError as e:
+            msg = str(e)
+            name = msg.split(" ", 1)[0]
+            raise ApiError(msg, param=name if name in body else None) from None
+    return sp, logprobs
+
+
+def extra_sampling(body: dict, kind: str, max_token_budget: int | None = None) -> tuple[dict[str, Any], int | None]:
+    """The contract's sampling fields of a body (min_p, penalties, logprobs, attention, token_budget) -> (those to
+    pass to SamplingParams: only fields the engine has, defaults left out; the logprobs top-k or None). A field
+    the engine lacks at a value other than its default is refused naming it. kind: CHAT (logprobs: bool +
+    top_logprobs), COMPLETION (logprobs: 0..5) or LINE (a `ulacache generate` JSONL line: logprobs 0..20)."""
     extra: dict[str, Any] = {}
     v = _num(body, "min_p", 0.0, 1.0)
     if v is not None:
@@ -344,25 +364,17 @@ def _sampling(body: dict, kind: str, defaults: Defaults, vocab_size: int | None)
         if v not in ("sparse", "dense"):
             raise ApiError(f"'attention' = {_short(v)} must be \"sparse\", \"dense\" or null", param="attention")
         extra["attention"] = v
-    cap = defaults.max_token_budget
-    v = _int(body, "token_budget", 1, cap)
+    v = _int(body, "token_budget", 1, max_token_budget)
     if v is not None:
         extra["token_budget"] = v
     have = engine_sampling_fields()
+    out = {}
     for name, value in extra.items():
         if name in have:
-            kw[name] = value
+            out[name] = value
         elif value != CONTRACT_DEFAULTS[name]:
             raise ApiError(f"'{name}' is not supported by this engine", param=name)
-    sp = SamplingParams(**kw)
-    if vocab_size is not None:
-        try:
-            sp.check(vocab_size)
-        except RequestError as e:
-            msg = str(e)
-            name = msg.split(" ", 1)[0]
-            raise ApiError(msg, param=name if name in body else None) from None
-    return sp, logprobs
+    return out, logprobs
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -375,7 +387,7 @@ def _logprobs(body: dict, kind: str) -> int | None:
         return (top or 0) if on else None
     if body.get("top_logprobs") is not None:
         raise ApiError("'top_logprobs' is a chat field; completions take 'logprobs': k", param="top_logprobs")
-    return _int(body, "logprobs", 0, MAX_LOGPROBS_COMPLETION)
+    return _int(body, "logprobs", 0, MAX_LOGPROBS_COMPLETION if kind == COMPLETION else MAX_TOP_LOGPROBS_CHAT)
 
 
 # ---- responses -----------------------------------------------------------------------------------------------
