@@ -461,9 +461,9 @@ def resume_state(records: list[dict]) -> ResumeState:
     """Records of either output format (jsonl_io.record_id / record_ok) -> what --resume skips."""
     st = ResumeState()
     for obj in records:
-        rid = jsonl_io.record_id(obj)
-        if rid is None:
+        if "id" not in obj and not jsonl_io.is_batch_record(obj):
             continue
+        rid = jsonl_io.record_id(obj)     # None: a line that was not even JSON (reported by its line number)
         if not jsonl_io.record_ok(obj):
             st.reported.add((obj.get("line"), _id_key(rid)))
         else:
