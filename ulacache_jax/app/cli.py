@@ -235,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id clients send and /v1/models lists (default: --model as given)")
     s.add_argument("--max-new-tokens", type=_positive_int, default=256,
                    help="a request's max_tokens when its body gives none (default 256; capped to the context)")
+    s.add_argument("--warmup", choices=("full", "basic", "off"), default="full",
+                   help="before /health says ready: full = compile every decode-chunk length (powers of two up to "
+                        "--page-size) and a short prompt's prefill; basic = the prefill and the whole chunk only; "
+                        "off = nothing (the first requests pay for compiling)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     add_engine_args(s)
@@ -1446,6 +1450,7 @@ def cmd_serve(args) -> int:
 
     config = server.ServeConfig(
         model_name=args.served_model_name or args.model or DEFAULT_MODEL, max_queue=args.max_queue,
+        warmup=args.warmup,
         defaults=openai_protocol.Defaults(base=SamplingParams(max_new_tokens=args.max_new_tokens),
                                           max_token_budget=args.token_budget))
     # uvicorn handles SIGINT / SIGTERM itself (graceful shutdown): ours would raise in the middle of its loop

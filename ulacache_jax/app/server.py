@@ -37,13 +37,18 @@ from ulacache_jax.app.metrics import CONTENT_TYPE, CacheSnapshot, ServingMetrics
 _TIMELINE_KEEP = 256
 
 
+WARMUPS = ("full", "basic", "off")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    """What the server needs besides the engine: names, limits, defaults."""
+    """What the server needs besides the engine: names, limits, defaults, and the warm-up before /health says
+    ready: "full" compiles every decode-chunk length (the powers of two up to page_size: a request's last chunk
+    runs only the steps it needs), "basic" one short prompt and one whole chunk, "off" nothing (tests)."""
     model_name: str
     max_queue: int = 256
     defaults: proto.Defaults = proto.Defaults()
-    warmup: bool = True
+    warmup: str = "full"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +102,7 @@ class Choice:
 class EngineWorker:
     """The engine thread: builds the Engine (build() -> Built), warms it up, then serves the inbox."""
 
-    def __init__(self, build: Callable[[], Built], metrics: ServingMetrics, *, warmup: bool = True,
+    def __init__(self, build: Callable[[], Built], metrics: ServingMetrics, *, warmup: str = "full",
                  on_fatal: Callable[[str], None] | None = None, expected: tuple[type, ...] = ()):
         self.build = build
         self.expected = expected                 # build errors reported by their message alone (bad options)
@@ -135,8 +140,8 @@ class EngineWorker:
     def _main(self) -> None:
         try:
             self.built = self.build()
-            if self.warmup:
-                self._warm_up()
+            if self.warmup != "off":
+                self._warm_up(full=self.warmup == "full")
             self._update_snapshot()
         except BaseException as e:   # noqa: BLE001 - a failed load is reported by /health and ends the server
             self.failed_expected = isinstance(e, self.expected)
@@ -159,20 +164,26 @@ class EngineWorker:
             if self.on_fatal is not None:
                 self.on_fatal(self.failed)
 
-    def _warm_up(self) -> None:
-        """One request that prefills a short prompt and decodes one whole chunk (page_size steps), so the first
-        client does not pay for compiling the prefill bucket and the full decode chunk."""
+    def _warm_up(self, full: bool) -> None:
+        """Requests that compile what serving runs before any client pays for it: a short prompt's prefill and
+        the whole decode chunk (page_size steps); with `full`, one request per shorter chunk length too (a
+        request's last chunk runs the next power of two >= the tokens it still needs), one at a time, since
+        requests decoding together run one chunk length."""
         from ulacache_jax.runtime.requests import SamplingParams
         eng = self.built.engine
         tok = self.built.tokenizer
         prompt = list(tok.encode("Hello")) if tok is not None else [1, 2, 3, 4]
-        n = min(eng.config.page_size + 1, self.built.max_context - len(prompt))
-        rid = eng.add_request(prompt, SamplingParams(max_new_tokens=max(1, n), stop_ids=()))
-        while not eng.get(rid).finished:
-            eng.step()
-        req = eng.pop(rid)
-        if req.finish_reason == "error":
-            raise RuntimeError(f"the warm-up request failed: {req.error}")
+        room = self.built.max_context - len(prompt)
+        lengths = [eng.config.page_size]
+        while full and lengths[-1] > 1:
+            lengths.append(lengths[-1] // 2)
+        for steps in lengths:
+            rid = eng.add_request(prompt, SamplingParams(max_new_tokens=max(1, min(steps + 1, room)), stop_ids=()))
+            while not eng.get(rid).finished:
+                eng.step()
+            req = eng.pop(rid)
+            if req.finish_reason == "error":
+                raise RuntimeError(f"the warm-up request failed: {req.error}")
 
     def _serve(self) -> None:
         eng = self.built.engine
@@ -339,13 +350,9 @@ class Server:
                                  code="context_length_exceeded")
         return ids
 
-    def _accept(self, api: proto.ApiRequest, request_id: str):
-        """Queue the request's choices -> (choices, sink, prompt token counts), or ApiError (400 / 404 / 429)."""
+    def _accept(self, api: proto.ApiRequest, prompts: list[list[int]]):
+        """Queue the request's choices (prompts: its prompts' token ids) -> (choices, sink), or ApiError (429)."""
         cfg = self.config
-        if api.model is not None and api.model != cfg.model_name:
-            raise proto.ApiError(f"the model {api.model!r} does not exist; this server serves {cfg.model_name!r}",
-                                 status=404, param="model", code="model_not_found")
-        prompts = [self._encode(api, p) for p in api.prompts]
         k = len(prompts) * api.n
         eng = self.worker.built.engine
         cap = eng.config.max_seqs + cfg.max_queue
@@ -366,7 +373,7 @@ class Server:
         self.outstanding += k
         for c in choices:
             self.worker.submit(c)
-        return choices, sink, [len(ids) for ids in prompts]
+        return choices, sink
 
     def _abort_unfinished(self, choices) -> None:
         for c in choices:
@@ -421,8 +428,14 @@ class Server:
             except (ValueError, UnicodeDecodeError) as e:
                 raise proto.ApiError(f"the body is not valid JSON ({e})") from None
             api = proto.parse_body(body, kind, self.config.defaults, vocab_size=self.worker.built.engine.vocab_size)
+            if api.model is not None and api.model != self.config.model_name:
+                raise proto.ApiError(f"the model {api.model!r} does not exist; this server serves "
+                                     f"{self.config.model_name!r}", status=404, param="model", code="model_not_found")
+            # tokenizing (a chat template, a long document) off the event loop, so other streams keep flowing
+            prompts = await asyncio.to_thread(lambda: [self._encode(api, p) for p in api.prompts])
             rid = ("chatcmpl-" if kind == proto.CHAT else "cmpl-") + uuid.uuid4().hex
-            choices, sink, prompt_lens = self._accept(api, rid)
+            choices, sink = self._accept(api, prompts)
+            prompt_lens = [len(ids) for ids in prompts]
         except proto.ApiError as e:
             return self._error(e)
         created = int(time.time())
@@ -467,7 +480,7 @@ class Server:
         out = []
         for c in choices:
             u = final[c.index]
-            text = u.text if u.text is not None else ""
+            text = u.text if u.text is not None else _ids_text(toks[c.index])
             lp = None
             if api.logprobs is not None and u.finish_reason != "error":
                 entries = self._logprob_entries(lps[c.index])
@@ -485,6 +498,7 @@ class Server:
         tok = self.worker.built.tokenizer
         detok = {c.index: Detokenizer(tok, c.sampling.stop) if tok is not None else None for c in choices}
         offsets = {c.index: 0 for c in choices}
+        completion_tokens_of = {c.index: 0 for c in choices}
         completion_tokens = 0
         left = len(choices)
         usage_field = api.include_usage
@@ -501,7 +515,8 @@ class Server:
                     if upd.finished and upd.finish_reason != "error":
                         text += d.finish(upd.text)
                 else:
-                    text = " ".join(map(str, upd.tokens))
+                    text = _ids_text(upd.tokens, lead=completion_tokens_of[idx] > 0)
+                completion_tokens_of[idx] += len(upd.tokens)
                 lp = None
                 if api.logprobs is not None and upd.logprobs:
                     entries = self._logprob_entries(upd.logprobs)
@@ -566,6 +581,13 @@ class Server:
     async def _internal(self, request, exc):
         return self._error(proto.ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500,
                                           type="server_error"))
+
+
+def _ids_text(ids, lead: bool = False) -> str:
+    """A model without a tokenizer answers its token ids as text, space-separated (lead: a space before, for a
+    stream's later pieces)."""
+    text = " ".join(str(int(t)) for t in ids)
+    return (" " + text) if lead and text else text
 
 
 def _event(obj: dict) -> str:
