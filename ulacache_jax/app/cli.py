@@ -1,12 +1,24 @@
-"""`ulacache`: batch offline inference (`generate`), the benchmark scripts (`bench`) and the demo (`demo`).
+"""`ulacache`: batch offline inference (`generate`), the OpenAI-compatible server (`serve`, app/server.py), the
+benchmark scripts (`bench`), model download (`fetch-model`) and the demo (`demo`).
 
     ulacache generate --input prompts.jsonl --output results.jsonl [--model PATH_OR_PRESET] [--report r.json]
+    ulacache serve [--model PATH_OR_PRESET] [--host 127.0.0.1] [--port 8000]
 
 Input: one JSON object a line, with an "id" and exactly one of "messages" (a chat: [{"role", "content"}, ...],
 rendered by the model's chat template), "prompt" (text) or "prompt_ids" (token ids); optionally "max_new_tokens"
 (or OpenAI's "max_tokens"), "temperature", "top_p", "top_k", "seed", "stop" (strings, matched on the decoded
-text; the text is cut before the stop string) and "stop_ids". The file is read as bytes and decoded line by line:
-a line with invalid UTF-8 or a lone surrogate fails alone, by line number; a UTF-8 BOM is ignored.
+text; the text is cut before the stop string) and "stop_ids", and the per-request fields the server takes too
+("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "token_budget",
+"attention": passed where the engine's SamplingParams has them, else refused unless at their default); OpenAI
+nulls mean the default, and "model", "user", "stream": false and "n": 1 are accepted. The file is read as bytes
+and decoded line by line: a line with invalid UTF-8 or a lone surrogate fails alone, by line number; a UTF-8 BOM
+is ignored.
+
+OpenAI batch files: an input whose first JSON object has a "custom_id" is read as the Batch API's format
+({"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}; each body parsed by
+app/openai_protocol.py as the server parses it, the command line's sampling options as defaults) and its results
+are written in the Batch output format ({"id", "custom_id", "response": {"status_code", "request_id", "body"},
+"error"}, plus "line" and "settings" for --resume, which goes by custom_id).
 
 Output: one JSON object a line, {"id", "line", "text", "token_ids", "finish_reason" (stop | length | error),
 "prompt_tokens", "completion_tokens", "settings"} or {"id", "line", "finish_reason": "error", "error",
