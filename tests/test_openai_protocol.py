@@ -167,6 +167,16 @@ def test_detokenizer_holds_back_a_possible_stop_string():
     assert d.push(list(b"x")) == "STx"                 # not the stop string after all: released
 
 
+def test_detokenizer_last_tokens_completing_a_stop_string_are_not_sent():
+    """The Engine's last delivery can hold the whole stop string at once: finish() sends only the Engine's text."""
+    tok = ByteTokenizer()
+    d = Detokenizer(tok, ["VT"])
+    assert d.push(list(b"ab")) == "ab"
+    assert d.finish("abx$", list(b"x$VT")) == "x$"
+    d = Detokenizer(tok, ["VT"])
+    assert d.push(list(b"abVTc")) == "ab"              # a whole stop string is never passed, even mid-stream
+
+
 def test_held_suffix():
     assert held_suffix("abc ST", ["STOP", "Tx"]) == 2
     assert held_suffix("abc", ["STOP"]) == 0

@@ -167,6 +167,48 @@ def test_async_streaming_matches_the_offline_engine(server, offline):
     assert "".join(text) == offline[("text", 1)][0]
 
 
+def _stop_in(text: str) -> str | None:
+    """Two printable ASCII characters from the middle of `text` (a random model's bytes), to use as a stop string."""
+    for i in range(2, len(text) - 2):
+        if all(c.isascii() and c.isprintable() and not c.isspace() for c in text[i:i + 2]):
+            return text[i:i + 2]
+    return None
+
+
+def test_stop_string_text_is_never_streamed(server, offline):
+    """A stop string taken from the greedy answer: the stream's text, the whole answer's and the offline Engine's
+    all end just before it (the characters that might start it are held back until it is decided)."""
+    found = next(((i, s) for i in range(len(LOAD)) if (s := _stop_in(offline[("text", 2 + i)][0]))), None)
+    assert found is not None, "no printable pair in any greedy answer"
+    i, stop = found
+    full = offline[("text", 2 + i)][0]
+    want = full[:full.find(stop)]
+    client = _client(server)
+    r = client.completions.create(model=MODEL, prompt=LOAD[i], max_tokens=MAX_TOKENS, stop=[stop])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt=LOAD[i], stream=True,
+                                                                    max_tokens=MAX_TOKENS, stop=[stop])]
+    assert "".join(pieces) == want
+
+
+def test_n_choices_stream_with_their_own_seeds(server):
+    client = _client(server)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHATS[1], max_tokens=MAX_TOKENS, n=2,
+                                                 temperature=1.0, seed=7, stream=True))
+    text = {0: "", 1: ""}
+    done = {}
+    for ch in chunks:
+        for c in ch.choices:
+            text[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                done[c.index] = c.finish_reason
+    assert set(done) == {0, 1}
+    r = client.chat.completions.create(model=MODEL, messages=CHATS[1], max_tokens=MAX_TOKENS, n=2, temperature=1.0,
+                                       seed=7)
+    assert [c.message.content for c in r.choices] == [text[0], text[1]]   # the same seeds, the same draws
+    assert text[0] != text[1]                                             # distinct seeds per choice
+
+
 def test_concurrent_streams_all_complete(server, offline):
     """32 streams at once over 4 slots (the rest queue): every one completes with the offline Engine's text."""
     async def one(client, i):

@@ -10,12 +10,15 @@ window, `prefix_offset..len(tokens)` decoded is the candidate, and only a candid
 
 Stop strings: the Engine ends a request at the token that completes a stop string and cuts its text before it.
 Text that could still be the start of a stop string (the longest suffix of the text that is a proper prefix of
-one) is held back until the next token shows it is not; `finish(final_text)` emits the rest of the Engine's own
-final text, so the concatenated deltas equal the non-streaming answer.
+one) is held back until the next token shows it is not, and nothing is sent from a whole stop string on. The
+last delivery can complete a stop string at once, so its tokens go to `finish(final_text, tokens)`, which emits
+the rest of the Engine's own final text: the concatenated deltas equal the non-streaming answer.
 """
 from __future__ import annotations
 
 from typing import Sequence
+
+from ulacache_jax.runtime.text import find_stop
 
 _INCOMPLETE = "\ufffd"
 
@@ -52,15 +55,20 @@ class Detokenizer:
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         safe = len(self.text) - held_suffix(self.text, self.stops)
+        hit = find_stop(self.text, self.stops) if self.stops else None
+        if hit is not None:              # never past a whole stop string (the Engine ends the request there)
+            safe = min(safe, hit[0])
         if safe <= self.sent:
             return ""
         out = self.text[self.sent:safe]
         self.sent = safe
         return out
 
-    def finish(self, final_text: str | None) -> str:
-        """The rest of the answer once the request has ended: `final_text` is the Engine's (cut before a stop
-        string); None (no text known) flushes what decoding the tokens gives."""
+    def finish(self, final_text: str | None, new_tokens: Sequence[int] = ()) -> str:
+        """The rest of the answer once the request has ended: `new_tokens` are its last ones (not pushed: the
+        Engine's text decides what they add), `final_text` the Engine's whole text (cut before a stop string);
+        None (no text known) flushes what decoding the tokens gives."""
+        self.tokens.extend(int(t) for t in new_tokens)
         if final_text is None:
             final_text = self.tokenizer.decode(self.tokens)
         emitted = self.text[:self.sent]

@@ -511,9 +511,9 @@ class Server:
                 idx, upd = await sink.get()
                 d = detok[idx]
                 if d is not None:
-                    text = d.push(upd.tokens)
-                    if upd.finished and upd.finish_reason != "error":
-                        text += d.finish(upd.text)
+                    # the last update's tokens may complete a stop string: the Engine's final text says what stays
+                    text = (d.finish(upd.text, upd.tokens) if upd.finished and upd.finish_reason != "error"
+                            else d.push(upd.tokens))
                 else:
                     text = _ids_text(upd.tokens, lead=completion_tokens_of[idx] > 0)
                 completion_tokens_of[idx] += len(upd.tokens)
