@@ -117,6 +117,8 @@ def offline():
     engine, _ = cli.make_engine(args, loaded, cfg, 0)
     prompts = [("chat", i, m) for i, m in enumerate(CHATS)] + [("text", i, t) for i, t in enumerate(TEXTS + LOAD)]
     reqs = engine.run([p for _, _, p in prompts], SamplingParams(max_new_tokens=MAX_TOKENS))
+    occ = engine.occupancy()              # every request finished: no slot and no host page is theirs any more
+    assert occ["slots_used"] == occ["host_pages_of_requests"] == 0 and occ["hbm_frames_used"] > 0, occ
     return {(kind, i): (r.text, len(r.tokens), r.finish_reason) for (kind, i, _), r in zip(prompts, reqs)}
 
 
@@ -310,6 +312,8 @@ def test_metrics_report_cache_figures(server):
                  "ulacache_time_to_first_token_seconds_bucket", "ulacache_inter_token_latency_seconds_bucket",
                  "ulacache_host_pages_total", "ulacache_spec_accepted_tokens_total"):
         assert name in text, name
+    used, total = (_metric(server["base"], f"ulacache_hbm_frames_{k}") for k in ("used", "total"))
+    assert 0 < used <= total
     hits, misses = _metric(server["base"], "ulacache_hbm_hits_total"), _metric(server["base"],
                                                                                "ulacache_hbm_misses_total")
     assert hits + misses > 0          # the prompts are longer than the 64-token budget: pages were selected

@@ -4,7 +4,7 @@ Two kinds of figures:
 - request figures (running / queued requests, time to first token, inter-token latency, end-to-end latency,
   prompt and generated tokens, finish reasons), observed by the engine thread as requests progress;
 - cache figures (HBM hits and misses, so the hit rate; selected and fetched pages; PCIe bytes each way; host
-  pool and slot occupancy; prefix-cache hit tokens; speculative drafts proposed and accepted), read from the
+  pool, HBM frame pool and slot occupancy; prefix-cache hit tokens; speculative drafts proposed and accepted), read from the
   Engine after each step into a snapshot that a custom collector reports on each scrape.
 
 The cache figures mean what the run report's do (app/report.py): hits and misses count selected, flushed pages
@@ -46,6 +46,8 @@ class CacheSnapshot:
     host_pages_used: int = 0
     host_pages_total: int = 0
     host_pages_of_requests: int = 0
+    hbm_frames_used: int = 0
+    hbm_frames_total: int = 0
 
 
 class _CacheCollector:
@@ -90,6 +92,10 @@ class _CacheCollector:
         yield gauge("host_pages_used", "host pool pages in use (requests and stored prefixes)", s.host_pages_used)
         yield gauge("host_pages_of_requests", "host pool pages held by running requests", s.host_pages_of_requests)
         yield gauge("host_pages_total", "host pool pages (0: the dense cache has no host tier)", s.host_pages_total)
+        yield gauge("hbm_frames_used", "HBM frames holding a page (all ranks; pages stay until evicted)",
+                    s.hbm_frames_used)
+        yield gauge("hbm_frames_total", "HBM frames (all ranks; 0: the dense cache has no frame pool)",
+                    s.hbm_frames_total)
 
 
 class ServingMetrics:

@@ -289,7 +289,7 @@ class EngineWorker:
             s.d2h_bytes = max(s.d2h_bytes, (self._written_pages - attached) * c.page_bytes * 2)
         occ = eng.occupancy()
         for k in ("slots_used", "slots_total", "host_pages_used", "host_pages_total", "host_pages_of_requests",
-                  "spec_proposed", "spec_accepted"):
+                  "hbm_frames_used", "hbm_frames_total", "spec_proposed", "spec_accepted"):
             setattr(s, k, occ[k])
         self._snap = s
         self.metrics.set_snapshot(s)
