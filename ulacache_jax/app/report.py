@@ -141,6 +141,8 @@ def build_report(engine, requests=None, *, wall_s: float | None = None, model_la
         "timeline": timeline,
         "request_timeline": request_timeline(reqs, engine.t0),
     }
+    if hasattr(engine, "occupancy"):   # the pools' use at the end (serve exports it live: app/metrics.py)
+        rep["occupancy_at_end"] = engine.occupancy()
     spec = getattr(engine, "spec", None)
     if spec is not None:   # the figures `ulacache serve` exports as spec_*_tokens (app/metrics.py)
         rep["speculative"] = {"proposed_tokens": int(spec.proposed), "accepted_tokens": int(spec.accepted),
