@@ -274,32 +274,40 @@ def _slots_and_pages_free(base, timeout=60.0) -> bool:
 
 
 def test_disconnect_aborts_and_frees_slot_and_pages(server):
+    """A stream holds every slot (n = MAX_SEQS); a streaming and a non-streaming request queue behind it and their
+    clients hang up: both are aborted (they cannot have finished: no slot was free); then the holder hangs up too.
+    Afterwards no request, slot or host page is held."""
     base = server["base"]
     host, port = base.removeprefix("http://").split(":")
     aborts = 'ulacache_requests_total{finish_reason="abort"}'
     before = _metric(base, aborts, default=0.0)
-    body = json.dumps({"model": MODEL, "prompt": "a long answer please", "max_tokens": 200, "ignore_eos": True,
-                       "stream": True}).encode()
-    # streaming: hang up after the first text chunk
-    conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
+
+    def body(**kw):
+        return json.dumps({"model": MODEL, "prompt": "a long answer please", "max_tokens": 200, "ignore_eos": True,
+                           **kw}).encode()
+
+    holder = http.client.HTTPConnection(host, int(port), timeout=120)
+    holder.request("POST", "/v1/completions", body(stream=True, n=MAX_SEQS), {"Content-Type": "application/json"})
+    resp = holder.getresponse()
     assert resp.status == 200
     line = b""
-    while not line.startswith(b"data: "):     # the first event carries the first text
+    while not line.startswith(b"data: "):     # the first event carries the first text: the slots are held
         line = resp.fp.readline()
         assert line, "the stream ended before any text"
-    conn.sock.shutdown(socket.SHUT_RDWR)
-    conn.close()
-    # not streaming: hang up while it runs
-    raw = json.dumps({"model": MODEL, "prompt": "another long one", "max_tokens": 200, "ignore_eos": True}).encode()
-    with socket.create_connection((host, int(port))) as s:
+    socks = []
+    for raw in (body(stream=True), body()):
+        s = socket.create_connection((host, int(port)))
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
-        time.sleep(0.3)
+        socks.append(s)
+    time.sleep(0.3)                           # the server reads both bodies and queues them
+    for s in socks:
+        s.close()
+    holder.sock.shutdown(socket.SHUT_RDWR)
+    holder.close()
     assert _slots_and_pages_free(base)
     assert _metric(base, aborts) >= before + 2
-    # the server still answers after both
+    # the server still answers
     r = _client(server).chat.completions.create(model=MODEL, messages=CHATS[1], max_tokens=3)
     assert r.choices[0].finish_reason in ("stop", "length")
 
