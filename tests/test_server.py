@@ -274,9 +274,10 @@ def _slots_and_pages_free(base, timeout=60.0) -> bool:
 
 
 def test_disconnect_aborts_and_frees_slot_and_pages(server):
-    """A stream holds every slot (n = MAX_SEQS); a streaming and a non-streaming request queue behind it and their
-    clients hang up: both are aborted (they cannot have finished: no slot was free); then the holder hangs up too.
-    Afterwards no request, slot or host page is held."""
+    """A stream holds every slot (n = MAX_SEQS choices of 200 tokens); two streaming and two non-streaming requests
+    of as many choices queue behind it and their clients hang up after 0.3 s: all 16 choices are aborted (before
+    them, the holder's 13 decode chunks and their own 52 must run; ~50 ms a chunk here); then the holder hangs up
+    too. Afterwards no request, slot or host page is held."""
     base = server["base"]
     host, port = base.removeprefix("http://").split(":")
     aborts = 'ulacache_requests_total{finish_reason="abort"}'
@@ -295,7 +296,7 @@ def test_disconnect_aborts_and_frees_slot_and_pages(server):
         line = resp.fp.readline()
         assert line, "the stream ended before any text"
     socks = []
-    for raw in (body(stream=True), body()):
+    for raw in (body(stream=True, n=MAX_SEQS), body(n=MAX_SEQS)) * 2:
         s = socket.create_connection((host, int(port)))
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
@@ -306,7 +307,7 @@ def test_disconnect_aborts_and_frees_slot_and_pages(server):
     holder.sock.shutdown(socket.SHUT_RDWR)
     holder.close()
     assert _slots_and_pages_free(base)
-    assert _metric(base, aborts) >= before + 2
+    assert _metric(base, aborts) >= before + 4 * MAX_SEQS
     # the server still answers
     r = _client(server).chat.completions.create(model=MODEL, messages=CHATS[1], max_tokens=3)
     assert r.choices[0].finish_reason in ("stop", "length")
