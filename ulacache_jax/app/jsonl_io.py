@@ -332,9 +332,37 @@ def _parse_record(raw: bytes) -> dict | None:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if not isinstance(obj, dict) or "finish_reason" not in obj:
+    if not isinstance(obj, dict) or not ("finish_reason" in obj or is_batch_record(obj)):
         return None
     return obj
+
+
+def is_batch_record(r: dict) -> bool:
+    """An OpenAI Batch API output line ({"id", "custom_id", "response", "error"}), written for a batch input."""
+    return "custom_id" in r and "response" in r and "error" in r
+
+
+def record_id(r: dict):
+    """The input id a result record answers: "custom_id" of a batch record, else "id"."""
+    return r.get("custom_id") if is_batch_record(r) else r.get("id")
+
+
+def record_ok(r: dict) -> bool:
+    """Whether a record is a success: a batch record whose response has status 200, else finish_reason not error."""
+    if is_batch_record(r):
+        resp = r.get("response")
+        return r.get("error") is None and isinstance(resp, dict) and resp.get("status_code") == 200
+    return r.get("finish_reason") != "error"
+
+
+def record_error(r: dict) -> str:
+    """A failed record's message ("" for a success)."""
+    if not is_batch_record(r):
+        return str(r.get("error") or "")
+    if isinstance(r.get("error"), dict):
+        return str(r["error"].get("message") or "")
+    body = (r.get("response") or {}).get("body") or {}
+    return str((body.get("error") or {}).get("message") or "") if isinstance(body, dict) else ""
 
 
 def compact(records: list[dict]) -> list[dict]:
@@ -343,9 +371,9 @@ def compact(records: list[dict]) -> list[dict]:
     which concerns its own line), or a later error of the same id and line; an id-less error (a line that was not
     even JSON) gives way to any later record of its line."""
     def key(r):
-        return json.dumps(r.get("id"), sort_keys=True)
+        return json.dumps(record_id(r), sort_keys=True)
 
-    ok = [r.get("finish_reason") != "error" for r in records]
+    ok = [record_ok(r) for r in records]
     success_lines: dict[str, set] = {}
     last_of_line: dict = {}                 # line -> index of its last record
     last_error: dict = {}                   # (id, line) -> index of its last error record
@@ -361,12 +389,12 @@ def compact(records: list[dict]) -> list[dict]:
             if key(r) in seen_ok:
                 continue
             seen_ok.add(key(r))
-        elif r.get("id") is None:
+        elif record_id(r) is None:
             if last_of_line[r.get("line")] > i:
                 continue
         else:
             lines = success_lines.get(key(r), set())
-            if r.get("line") in lines or (lines and not str(r.get("error", "")).startswith("duplicate id")):
+            if r.get("line") in lines or (lines and not record_error(r).startswith("duplicate")):
                 continue
             if last_error[(key(r), r.get("line"))] > i:
                 continue

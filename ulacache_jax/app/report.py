@@ -141,6 +141,12 @@ def build_report(engine, requests=None, *, wall_s: float | None = None, model_la
         "timeline": timeline,
         "request_timeline": request_timeline(reqs, engine.t0),
     }
+    if hasattr(engine, "occupancy"):   # the pools' use at the end (serve exports it live: app/metrics.py)
+        rep["occupancy_at_end"] = engine.occupancy()
+    spec = getattr(engine, "spec", None)
+    if spec is not None:   # the figures `ulacache serve` exports as spec_*_tokens (app/metrics.py)
+        rep["speculative"] = {"proposed_tokens": int(spec.proposed), "accepted_tokens": int(spec.accepted),
+                              "acceptance_rate": spec.acceptance_rate if spec.proposed else None}
     if extra:
         rep.update(extra)
     return rep
@@ -199,6 +205,10 @@ def format_report(rep: dict) -> str:
         lines.append(f"  shared prefixes: prefix_cache_hit_tokens {pc['prefix_cache_hit_tokens']} (prompt tokens "
                      f"attached, not prefilled; {pc['prefill_tokens']} prefilled), host memory saved "
                      f"{_fmt_bytes(pc['host_bytes_saved'])}")
+    sp = rep.get("speculative")
+    if sp:
+        lines.append(f"  speculative: {sp['accepted_tokens']} of {sp['proposed_tokens']} draft tokens accepted "
+                     f"(rate {_f(sp['acceptance_rate'], '{:.3f}')})")
     if rep.get("input_errors"):
         lines.append(f"  input errors: {len(rep['input_errors'])} lines (see stderr / the output file)")
     lines.append("=" * 78)

@@ -515,6 +515,29 @@ class Engine:
         self.slots.chunk += 1
         return now
 
+    def occupancy(self) -> dict[str, int]:
+        """What the cache holds now: sequence slots in use and in all; host pool pages in use (by requests and
+        stored prefixes), held by requests (shared pages counted per holder), in all and at most so far; HBM
+        frames holding a page (the PB-LRU pool, all ranks; a finished sequence's pages stay until evicted) and in
+        all (host pages and frames: 0 with the dense cache, which has neither); speculative draft tokens proposed
+        and accepted so far (0 without speculation). A server's metrics read it between steps (the frame count is
+        one small device read)."""
+        c = self.config
+        out = {"slots_used": len(self.slots.request_of), "slots_total": c.max_seqs, "host_pages_used": 0,
+               "host_pages_of_requests": 0, "host_pages_total": 0, "host_pages_peak": 0, "hbm_frames_used": 0,
+               "hbm_frames_total": 0, "spec_proposed": 0, "spec_accepted": 0}
+        manager = getattr(self.gen.backend, "manager", None)      # the sparse cache's host tier
+        if manager is not None:
+            alloc = manager.alloc
+            out.update(host_pages_used=int(c.host_pages - alloc.num_free), host_pages_total=int(c.host_pages),
+                       host_pages_of_requests=int(sum(p.size for p in alloc.pages_of.values())),
+                       host_pages_peak=int(alloc.peak_used))
+            stamp = np.asarray(jax.device_get(manager.state.pb.stamp))     # [R, B, slots], -1 = empty
+            out.update(hbm_frames_used=int((stamp >= 0).sum()), hbm_frames_total=int(stamp.size))
+        if self.spec is not None:
+            out.update(spec_proposed=int(self.spec.proposed), spec_accepted=int(self.spec.accepted))
+        return out
+
     def stats_totals(self) -> dict[str, int]:
         h, m, o, f = (sum(getattr(r, k) for r in self.timeline) for k in ("hits", "misses", "overflow", "fetched"))
         return {"hits": h, "misses": m, "overflow": o, "fetched": f}
