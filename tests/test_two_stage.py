@@ -142,3 +142,27 @@ def test_bad_values_and_bytes():
     assert two <= quest / 4, (two, quest)
     groups = 262144 // 64 // 16 * 2 * 32 * 8 * 128 * 2
     assert two == groups + Labels(channels=16, bits=4).step_bytes(**dict(shape, context=512 * 64))
+
+
+def test_cli_two_stage(tmp_path, capsys):
+    """`ulacache generate --two-stage GROUP:MULT` wraps the configured rule (here labels) in the two-stage rule:
+    its results are fingerprinted apart from the single-stage run's, a bad value is a one-line usage error."""
+    import json
+    from ulacache_jax.app import cli, jsonl_io
+    inp = tmp_path / "p.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt_ids": list(range(1 + i, 150 + i))}) + "\n" for i in range(2)))
+    args = ["--model", "tiny", "--page-size", "16", "--token-budget", "64", "--max-seqs", "2", "--max-context", "256",
+            "--max-new-tokens", "4", "--no-progress", "--stop-ids", "none", "--compile-cache", "off", "--quiet",
+            "--attention", "sparse", "--key-channels", "4", "--label-bits", "4", "--channel-table", "online"]
+    out = tmp_path / "o.jsonl"
+    assert cli.main(["generate", "--input", str(inp), "--output", str(out), "--two-stage", "2:2", *args]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["finish_reason"] for r in rows] == ["length", "length"] and all(len(r["token_ids"]) == 4 for r in rows)
+    parser = cli.build_parser()
+    two = cli.run_settings(parser.parse_args(["generate", "--input", "i", "--output", "o", "--two-stage", "2:2", *args]))
+    one = cli.run_settings(parser.parse_args(["generate", "--input", "i", "--output", "o", *args]))
+    assert two["two_stage"] == "2:2" and jsonl_io.settings_fingerprint(two) != jsonl_io.settings_fingerprint(one)
+    for bad in ("8", "0:4", "a:b", "8:4:2"):
+        assert cli.main(["generate", "--input", str(inp), "--output", str(tmp_path / f"x{bad}.jsonl"),
+                         "--two-stage", bad, *args]) == 2
+        assert f"--two-stage {bad!r} must be GROUP:MULT" in capsys.readouterr().err

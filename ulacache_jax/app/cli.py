@@ -164,6 +164,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --label-bits: 'auto' (the table shipped for the model's file, found by its sha256, "
                         "else online calibration from each prompt), 'online', or a JSON file written by "
                         "scripts/calibrate_labels.py")
+    p.add_argument("--two-stage", default=None, metavar="GROUP:MULT",
+                   help="two-stage selection for long contexts: Quest's bound over groups of GROUP pages shortlists "
+                        "MULT x the budget's pages, the selection rule (Quest's page bound, the key copy or the "
+                        "labels) ranks only those, so the scorer reads a fraction of its bytes (e.g. 8:4)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole (default: prompts that start with the complete pages of an "
                         "earlier prompt of the run, e.g. many questions over one document, attach those pages "
@@ -813,18 +817,38 @@ def _channel_table(args):
                          f"--key-channels {args.key_channels} ({type(e).__name__}: {e})") from None
 
 
+def _two_stage(spec: str) -> tuple[int, int]:
+    """--two-stage GROUP:MULT -> (group pages, shortlist multiple of the budget), both ints >= 1."""
+    parts = spec.split(":")
+    try:
+        group, mult = (int(x) for x in parts)
+    except ValueError:
+        group = mult = 0
+    if len(parts) != 2 or group < 1 or mult < 1:
+        raise ValueError(f"--two-stage {spec!r} must be GROUP:MULT, two ints >= 1 (e.g. 8:4: groups of 8 pages "
+                         "shortlist 4x the budget)")
+    return group, mult
+
+
 def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     """The cache for this run: generator.default_cache_config (with tp = --tp: frames and
     host pages per rank), then --hbm-pages / --host-gb."""
-    from ulacache_jax.cache.config import CacheConfig
     from ulacache_jax.runtime.cost_model import pool_headroom
     from ulacache_jax.runtime.generation import default_cache_config
+    from ulacache_jax.cache.select import registry
+    from ulacache_jax.cache.select.two_stage import TwoStage
 
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
                   dtype=dtype, key_channels=args.key_channels, label_bits=args.label_bits,
                   channel_table=_channel_table(args))
-        return default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
+        cfg = default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
+        if args.two_stage is None:
+            return cfg
+        group, mult = _two_stage(args.two_stage)
+        rule = TwoStage(registry.resolve(cfg), keep_pages=mult * cfg.select_pages, group_pages=group)
+        # the rule object carries the channels / bits / table now: the config's own fields would describe a second
+        return dataclasses.replace(cfg, key_channels=0, label_bits=0, channel_table=None, selection=rule)
 
     try:
         if args.token_budget % args.page_size:
@@ -839,7 +863,7 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
         if args.host_gb is not None:
             over["host_pages"] = max(1, int(args.host_gb * 2**30) // (2 * cfg.page_bytes))
         if over:
-            cfg = CacheConfig(**{**dataclasses.asdict(cfg), **over})
+            cfg = dataclasses.replace(cfg, **over)       # not asdict: a selection rule object stays one
     except ValueError as e:
         raise UsageError(f"cache settings: {e}") from None
     return cfg
@@ -956,8 +980,8 @@ NOT_IN_FINGERPRINT = {
 }
 # options fingerprinted only when not at their default, so files written before they were fingerprinted (at the
 # default, the only case that was right then) still resume
-_FINGERPRINTED_WHEN_SET = {"key_channels": 0, "label_bits": 0, "channel_table": "auto", "speculative": None,
-                           "num_speculative_tokens": 4, "draft_model": None}
+_FINGERPRINTED_WHEN_SET = {"key_channels": 0, "label_bits": 0, "channel_table": "auto", "two_stage": None,
+                           "speculative": None, "num_speculative_tokens": 4, "draft_model": None}
 
 
 def _file_identity(spec: str | None) -> str | None:
