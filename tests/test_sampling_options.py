@@ -278,3 +278,25 @@ def test_checkpoint_restores_penalties_and_logprobs(setup, tmp_path):
     assert b.get(ids[0]).tokens == ref[0].tokens
     assert b.get(ids[1]).tokens == ref[1].tokens
     assert_same_logprobs(b.get(ids[1]).logprobs, ref[1].logprobs)
+
+
+def test_jsonl_lines_take_the_options():
+    from ulacache_jax.app import cli
+    from ulacache_jax.models import ByteTokenizer
+    import json
+    good = {"id": 1, "prompt": "hello", "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "repetition_penalty": 1.2, "logprobs": 2, "token_budget": 32, "attention": "sparse"}
+    lines = [json.dumps(good), json.dumps({"id": 2, "prompt": "x", "min_p": 3}),
+             json.dumps({"id": 3, "prompt": "x", "logprobs": 99}),
+             json.dumps({"id": 4, "prompt": "x", "attention": "everything"})]
+    recs, errs, _, _ = cli.parse_input(lines, tokenizer=ByteTokenizer(), vocab_size=258, limit=64,
+                                       defaults=SamplingParams(max_new_tokens=4))
+    sp = recs[0].sampling
+    assert (sp.min_p, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.logprobs,
+            sp.token_budget, sp.attention) == (0.1, 0.5, -0.5, 1.2, 2, 32, "sparse")
+    msgs = {e.line: e.error for e in errs}
+    assert "min_p = 3" in msgs[2] and "logprobs = 99" in msgs[3] and "attention = 'everything'" in msgs[4]
+    args = cli.build_parser().parse_args(["generate", "--input", "i", "--output", "o", "--min-p", "0.2",
+                                          "--repetition-penalty", "1.1", "--logprobs", "1"])
+    assert (args.min_p, args.repetition_penalty, args.logprobs) == (0.2, 1.1, 1)
+    assert cli.run_settings(args)["min_p"] == 0.2

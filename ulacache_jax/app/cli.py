@@ -5,7 +5,9 @@
 Input: one JSON object a line, with an "id" and exactly one of "messages" (a chat: [{"role", "content"}, ...],
 rendered by the model's chat template), "prompt" (text) or "prompt_ids" (token ids); optionally "max_new_tokens"
 (or OpenAI's "max_tokens"), "temperature", "top_p", "top_k", "seed", "stop" (strings, matched on the decoded
-text; the text is cut before the stop string) and "stop_ids". The file is read as bytes and decoded line by line:
+text; the text is cut before the stop string), "stop_ids", "min_p", "presence_penalty", "frequency_penalty",
+"repetition_penalty", "logprobs" (k: the output line's "logprobs" holds each token's raw model logprob and the k
+best alternatives), "token_budget" and "attention" ("sparse" | "dense"), as SamplingParams takes them. The file is read as bytes and decoded line by line:
 a line with invalid UTF-8 or a lone surrogate fails alone, by line number; a UTF-8 BOM is ignored.
 
 Output: one JSON object a line, {"id", "line", "text", "token_ids", "finish_reason" (stop | length | error),
@@ -58,7 +60,10 @@ from ulacache_jax.app import jsonl_io
 from ulacache_jax.app.jsonl_io import OutputError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
-SAMPLING_FIELDS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_ids")
+SAMPLING_FIELDS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_ids",
+                   "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+                   "token_budget", "attention")
+_OVERRIDES = tuple(f for f in SAMPLING_FIELDS if f not in ("max_tokens", "stop", "stop_ids"))   # taken as given
 KNOWN_FIELDS = ("id", "messages", "prompt", "prompt_ids") + SAMPLING_FIELDS
 COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
@@ -129,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * p_max; 0 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's (prompt + output), > 0; 1 = off")
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="k: each output token's raw model logprob and the k best alternatives (default off)")
     g.add_argument("--seed", type=int, default=0, help="engine sampling seed (and the random weights of a preset)")
     g.add_argument("--stop-ids", default=None,
                    help="comma-separated stop token ids (default: the model's EOS ids; 'none' for no stop ids)")
@@ -575,7 +586,7 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
         fail(f"'{name}' must be a list of ints: {e}" if name == "prompt_ids" else str(e))
     except ValueError as e:
         fail(str(e))
-    over = {k: obj[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed") if k in obj}
+    over = {k: obj[k] for k in _OVERRIDES if k in obj}
     if "max_tokens" in obj:
         if "max_new_tokens" in obj and obj["max_new_tokens"] != obj["max_tokens"]:
             fail(f"max_tokens = {obj['max_tokens']!r} and max_new_tokens = {obj['max_new_tokens']!r} disagree "
@@ -781,7 +792,8 @@ NOT_IN_FINGERPRINT = {
 # options fingerprinted only when not at their default, so files written before they were fingerprinted (at the
 # default, the only case that was right then) still resume
 _FINGERPRINTED_WHEN_SET = {"key_channels": 0, "label_bits": 0, "channel_table": "auto", "speculative": None,
-                           "num_speculative_tokens": 4, "draft_model": None}
+                           "num_speculative_tokens": 4, "draft_model": None, "min_p": 0.0, "presence_penalty": 0.0,
+                           "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": None}
 
 
 def _file_identity(spec: str | None) -> str | None:
@@ -1021,7 +1033,9 @@ def _generate_locked(args, t_start: float) -> int:
     if stop_strings and loaded.tokenizer is None:
         raise UsageError("--stop needs a tokenizer to decode the text; this model has none (use --stop-ids)")
     defaults = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=None, stop_ids=stops)
+                              top_k=args.top_k, seed=None, stop_ids=stops, min_p=args.min_p,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              repetition_penalty=args.repetition_penalty, logprobs=args.logprobs)
     try:
         defaults.check(mc.vocab_size)
     except ValueError as e:
@@ -1194,6 +1208,9 @@ def _result_line(rec: Record, req) -> dict:
            "completion_tokens": len(req.tokens)}
     if req.stop_reason is not None:
         out["stop_reason"] = req.stop_reason
+    if req.sampling.logprobs is not None:
+        out["logprobs"] = [{"token_id": t.token_id, "logprob": t.logprob, "top": [list(a) for a in t.top]}
+                           for t in req.logprobs]
     if rec.capped_from is not None or req.capped:
         out["max_new_tokens_capped_to"] = req.max_new_tokens
     return out
