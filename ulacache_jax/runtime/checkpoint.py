@@ -340,7 +340,7 @@ def restore(engine, directory, *, skip=()) -> Checkpoint:
             engine.finish(req, ERROR, error=f"restore prefill failed: {type(e).__name__}: {e}")
             engine.report(StepOutput(rid, (), True, ERROR, req.error))
             continue
-        engine.slots.start(slot, r.tokens[-1], r.remaining, req.sampling)
+        engine.slots.start(slot, r.tokens[-1], r.remaining, req.sampling, engine.budget_pages(req.sampling))
         engine.slots.seed[slot], engine.slots.chunk[slot] = r.seed, r.chunk
         if req.sampling.penalized:           # the counts are not saved: the prompt and tokens decide them
             engine.seed_penalties(slot, r.prompt_ids, r.tokens)

@@ -175,6 +175,7 @@ class Engine:
                 sampling.check(self.vocab_size)
                 self._check_engine_options(sampling)
                 req.max_new_tokens, req.capped = self._fit(len(prompt), int(sampling.max_new_tokens))
+                self._check_budget(sampling, len(prompt), req.max_new_tokens)
             except RequestError as e:
                 err = str(e)
         if err is not None:
@@ -198,6 +199,45 @@ class Engine:
             if sp.logprobs is not None:
                 raise RequestError(f"logprobs = {sp.logprobs} is not supported with speculative decoding (this "
                                    "engine has speculative=...): build the engine without it")
+
+    def budget_pages(self, sp: SamplingParams) -> int:
+        """Pages a step the request selects: its token_budget // page_size, 0 for the engine's budget (None, or
+        attention 'sparse' / 'dense' without a budget: dense is the engine's budget covering the context)."""
+        return 0 if sp.token_budget is None else int(sp.token_budget) // self.config.page_size
+
+    def _check_budget(self, sp: SamplingParams, n_prompt: int, max_new: int) -> None:
+        """A request's token_budget and attention against this engine: a budget is a multiple of page_size between
+        the always-attended sink + recent pages and the engine's token_budget (the cap: the pool and the top-k are
+        sized for it); 'dense' needs the cap to cover the request's whole context (then every page is selected);
+        both need a sparse engine (a dense one attends every token; 'dense' is what it does), and a budget below
+        the cap is refused with speculative decoding (its verifications select with the engine's budget)."""
+        c = self.config
+        cap, P = c.token_budget, c.page_size
+        tb, kind = sp.token_budget, sp.attention
+        if tb is None and kind is None:
+            return
+        if self.attention != "sparse":
+            if kind == "dense" and tb is None:
+                return
+            raise RequestError(f"{'token_budget = %d' % tb if tb is not None else 'attention = %r' % kind} needs a "
+                               f"sparse engine: this engine attends every token (attention = {self.attention!r})")
+        if kind == "dense":
+            ctx = n_prompt + max_new
+            if cap < ctx:
+                raise RequestError(f"attention = 'dense' needs the engine's token_budget ({cap}) >= the request's "
+                                   f"context ({ctx} tokens: prompt {n_prompt} + max_new_tokens {max_new})")
+            return
+        if tb is None:
+            return
+        lo = (c.sink_pages + c.recent_pages) * P
+        if tb > cap:
+            raise RequestError(f"token_budget = {tb} exceeds the engine's token_budget {cap} (the cap)")
+        if tb % P or tb < lo:
+            raise RequestError(f"token_budget = {tb} must be a multiple of page_size = {P} and >= {lo} (the sink and "
+                               f"recent pages, {c.sink_pages} + {c.recent_pages}, always attended)")
+        if self.spec is not None and tb < cap:
+            raise RequestError(f"token_budget = {tb} below the engine's {cap} is not supported with speculative "
+                               "decoding (its verifications select with the engine's budget)")
 
     def _check_prompt(self, prompt_ids) -> list[int]:
         """validate.check_prompt (the one prompt check of generate, the Engine and the CLI), its TypeError or
@@ -374,7 +414,7 @@ class Engine:
             elif req.max_new_tokens <= 1:
                 self.finish(req, LENGTH)
             else:
-                self.slots.start(slot, first, req.max_new_tokens - 1, sp)
+                self.slots.start(slot, first, req.max_new_tokens - 1, sp, self.budget_pages(sp))
                 if sp.penalized:
                     self.seed_penalties(slot, req.prompt_ids, req.tokens)
                 continue
@@ -415,7 +455,7 @@ class Engine:
             self.penalties = None if pen is not None else self.penalties   # donated to the chunk
             out, done, remaining, pen, lp = self.gen.decode_chunk_with(
                 jnp.asarray(sl.tok), jnp.asarray(sl.done), jnp.asarray(sl.remaining), keys, sampling, self.no_stops,
-                steps=steps, penalties=pen, logprobs=want_lp)
+                steps=steps, penalties=pen, logprobs=want_lp, budget=sl.budgets(c.select_pages))
             if pen is not None:
                 self.penalties = pen
             out = np.asarray(out)

@@ -34,20 +34,24 @@ PREFILL_CHUNK = 4096  # tokens of per-token prefill work (projections, MLP) at a
 
 class DecodeMeta(NamedTuple):
     """What every layer of one decode step shares: pos [S] int32 (the new token's position = committed length),
-    live [S] bool, the rank (global group offset under TP) and the host pool (read, never carried)."""
+    live [S] bool, the rank (global group offset under TP), the host pool (read, never carried) and budget [S]
+    int32 pages each sequence selects (None: the cache config's select_pages for all)."""
     pos: jax.Array
     live: jax.Array
     rank: jax.Array | int
     host: object
+    budget: jax.Array | None = None
 
 
 def decode_layers(model, ops, cache, x, meta: DecodeMeta):
     """One decode step through every layer: x [S, 1, E] embedded tokens -> (cache, y [S, 1, E] before the final
     norm, LayerStats summed over layers). `ops` is a backend's traced half (backends.SparseOps / DenseOps);
     works on one rank's view (inside shard_map) or directly on a single-device cache (rank 0)."""
+    kw = {} if meta.budget is None else {"budget": meta.budget}    # ops without budgets (scripts) take none
+
     def attn_fn(carry, q, k, v, meta, layer):
         cache, stats = carry
-        cache, o, s = ops.attend(cache, meta.host, layer, q, k[:, 0], v[:, 0], meta.pos, meta.live, meta.rank)
+        cache, o, s = ops.attend(cache, meta.host, layer, q, k[:, 0], v[:, 0], meta.pos, meta.live, meta.rank, **kw)
         return (cache, stats + s), o
 
     (cache, stats), y = model.run_layers((cache, LayerStats.zeros()), x, meta.pos[:, None], meta, attn_fn)
@@ -161,15 +165,17 @@ class Program:
                                  donate_argnums=(1, 2))
         self.prefill_layer_from = jit(self._prefill_layer_from, (lps, vs) + (r,) * 6, (vs, r), (view_sh, None),
                                       donate_argnums=(1, 2))
-        def decode(steps, penalties, num_top):
-            # the penalty state (arg 9) is carried through the chunk and donated; logprobs are an extra output
-            extra_in, extra_out = (r,) * penalties, (r,) * (penalties + (num_top > 0))
-            return jit(functools.partial(self._decode, steps=steps, penalties=penalties, num_top=num_top),
+        def decode(steps, penalties, num_top, budgets):
+            # the penalty state (arg 9) is carried through the chunk and donated, the budgets follow it; logprobs
+            # are an extra output
+            extra_in, extra_out = (r,) * (penalties + budgets), (r,) * (penalties + (num_top > 0))
+            return jit(functools.partial(self._decode, steps=steps, penalties=penalties, num_top=num_top,
+                                         budgets=budgets),
                        (ps, cs, hs) + (r,) * 6 + extra_in, (cs, hs, r, r, r, stats_spec) + extra_out,
                        (None, host_sh, None, None, None, None) + (None,) * len(extra_out),
                        donate_argnums=(1, 2) + (9,) * penalties)
         self._decode_for = functools.lru_cache(maxsize=None)(decode)
-        self.decode = self._decode_for(config.page_size, False, 0)
+        self.decode = self._decode_for(config.page_size, False, 0, False)
         self.next_logits = jit(self._next_logits, (ps, cs, hs, r), r)
         # one row of the ngram chunk's device history (speculative.SpecDecoder): built here, once per program,
         # so a new Engine over the same Generator does not compile it again
@@ -189,17 +195,18 @@ class Program:
             (ps, cs, hs) + (r,) * 9, (cs, hs) + (r,) * 8 + (stats_spec,), (None, host_sh) + (None,) * 9,
             donate_argnums=(1, 2, 3)))
 
-    def decode_steps(self, steps: int, *, penalties: bool = False, logprobs: bool = False):
+    def decode_steps(self, steps: int, *, penalties: bool = False, logprobs: bool = False, budgets: bool = False):
         """The decode program of a chunk of `steps` steps (a power of two up to page_size: a request's last chunk
         runs only the steps it needs, and only log2(page_size) + 1 programs exist). penalties: the program takes
         a sampling.PenaltyState after stop_ids (donated, returned updated after the stats); logprobs: it returns
         (logprob [S, steps], top_ids [S, steps, MAX_LOGPROBS], top_lp [S, steps, MAX_LOGPROBS]) last (the raw
-        model logprobs: sampling.token_logprobs). A batch that uses neither runs the plain program, so the
-        options cost nothing where no request asks for them."""
+        model logprobs: sampling.token_logprobs); budgets: it takes budget [S] int32 (pages each slot selects,
+        at most select_pages) after the penalty state, if any. A batch that uses none of them runs the plain
+        program, so the options cost nothing where no request asks for them."""
         page = self.config.page_size
         if steps < 1 or steps > page or steps & (steps - 1):
             raise ValueError(f"steps = {steps} must be a power of two in [1, page_size = {page}]")
-        return self._decode_for(steps, bool(penalties), MAX_LOGPROBS if logprobs else 0)
+        return self._decode_for(steps, bool(penalties), MAX_LOGPROBS if logprobs else 0, bool(budgets))
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def _embed(self, params, ids):
@@ -243,12 +250,14 @@ class Program:
         return view, _token_chunks(block.finish, C, x, attn)
 
     # ---- decode --------------------------------------------------------------------------------------------
-    def _decode(self, params, cache, host, tok, done, remaining, keys, sampling, stop_ids, pen=None, *, steps: int,
-                penalties: bool, num_top: int):
+    def _decode(self, params, cache, host, tok, done, remaining, keys, sampling, stop_ids, *extra, steps: int,
+                penalties: bool, num_top: int, budgets: bool):
         """`steps` decode steps for every slot. tok [S] last token, done [S], remaining [S] tokens still
         allowed, keys [S] one PRNG key per slot for this chunk. Tokens [S, steps] are -1 where nothing was
         produced. penalties: pen (sampling.PenaltyState) penalizes each step's logits and counts its tokens;
-        num_top: each step's raw logprobs are returned (`decode_steps`)."""
+        num_top: each step's raw logprobs are returned; budgets: budget [S] pages a slot selects (`decode_steps`)."""
+        pen = extra[0] if penalties else None
+        budget = extra[penalties] if budgets else None
         ops, model = self.ops, nnx.merge(self.graphdef, params)
         rank = jax.lax.axis_index(TP_AXIS)
         S = tok.shape[0]
@@ -257,7 +266,7 @@ class Program:
         def body(i, carry):
             cache, tok, done, remaining, length, out, stats, pen, lps = carry
             live = ~done
-            cache, nxt, st, lp = decode_step(model, ops, cache, tok, DecodeMeta(length, live, rank, host),
+            cache, nxt, st, lp = decode_step(model, ops, cache, tok, DecodeMeta(length, live, rank, host, budget),
                                              jax.vmap(jax.random.fold_in, (0, None))(keys, i), sampling, pen, num_top)
             if pen is not None:
                 pen = pen.add(nxt, live)
