@@ -14,8 +14,12 @@ fit (prompt + max_new_tokens past the context limit, more host pages than the wh
 token outside the vocabulary, bad sampling parameters) finishes at once with finish_reason "error" and a message;
 the other requests are not affected.
 
-Sampling parameters are per request (temperature, top_p, top_k, max_new_tokens, stop ids): the compiled decode
-chunk takes per-slot SamplingArrays and per-slot remaining counts. Stop ids are matched on the host, per
+Sampling parameters are per request (temperature, top_p, top_k, min_p, the penalties, max_new_tokens, stop ids,
+logprobs, token_budget): the compiled decode chunk takes per-slot SamplingArrays and per-slot remaining counts.
+The options that need more than that have programs of their own, run only for a chunk where some running request
+uses them: penalties carry per-slot token counts [S, V] through the chunk (seeded from the prompt at admission),
+logprobs return each step's raw model logprobs, token budgets below the engine's pass per-slot page budgets to the
+selection (Program.decode_steps). Stop ids are matched on the host, per
 request, when the chunk's tokens come back: the chunk itself is given no stop ids, so a request that stops
 mid-chunk keeps decoding until the chunk ends (the fixed-length chunk computes every slot anyway) and its
 tokens past the stop are dropped. (Giving the chunk the union of the running requests' stop ids would halt a request
