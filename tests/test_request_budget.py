@@ -5,6 +5,8 @@ numbers.
 
 Tiny preset, float32, page 16, context 256, cap 128 tokens (8 pages: sink 1 + recent 2 + 5 by score); prompts of
 90-150 tokens go through selection at a budget of 64 (4 pages)."""
+import re
+
 import numpy as np
 import pytest
 import jax.numpy as jnp
@@ -86,7 +88,7 @@ def test_bad_budgets_are_refused_naming_the_numbers(setup):
     for sp, msg in cases.items():
         r = eng.get(eng.add_request(prompts[0], sp))
         assert r.finish_reason == "error", sp
-        assert __import__("re").search(msg, r.error), r.error
+        assert re.search(msg, r.error), r.error
     spec = Engine(generator=gen, speculative=SpecConfig("ngram", 2))
     r = spec.get(spec.add_request(prompts[1], SamplingParams(token_budget=64)))
     assert "not supported with speculative decoding" in r.error
@@ -95,3 +97,7 @@ def test_bad_budgets_are_refused_naming_the_numbers(setup):
     spec.abort(ok)
     spec.step()
     eng.step()
+    dense = Engine(generator=Generator(model, cfg, attention="dense"))
+    r = dense.get(dense.add_request(prompts[1], SamplingParams(token_budget=64)))
+    assert "token_budget = 64 needs a sparse engine: this engine attends every token" in r.error
+    assert dense.get(dense.add_request(prompts[1], SamplingParams(attention="dense"))).status == "queued"

@@ -7,8 +7,9 @@ rendered by the model's chat template), "prompt" (text) or "prompt_ids" (token i
 (or OpenAI's "max_tokens"), "temperature", "top_p", "top_k", "seed", "stop" (strings, matched on the decoded
 text; the text is cut before the stop string), "stop_ids", "min_p", "presence_penalty", "frequency_penalty",
 "repetition_penalty", "logprobs" (k: the output line's "logprobs" holds each token's raw model logprob and the k
-best alternatives), "token_budget" and "attention" ("sparse" | "dense"), as SamplingParams takes them. The file is read as bytes and decoded line by line:
-a line with invalid UTF-8 or a lone surrogate fails alone, by line number; a UTF-8 BOM is ignored.
+best alternatives), "token_budget" and "attention" ("sparse" | "dense"), as SamplingParams takes them. The file
+is read as bytes and decoded line by line: a line with invalid UTF-8 or a lone surrogate fails alone, by line
+number; a UTF-8 BOM is ignored.
 
 Output: one JSON object a line, {"id", "line", "text", "token_ids", "finish_reason" (stop | length | error),
 "prompt_tokens", "completion_tokens", "settings"} or {"id", "line", "finish_reason": "error", "error",

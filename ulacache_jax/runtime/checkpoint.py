@@ -1,12 +1,12 @@
 """Checkpoint and restore of a running Engine (Engine.save / Engine.restore), with orbax.
 
 What is saved, always: every request the engine still holds (queued, running, finished but not popped): its
-prompt, generated tokens (and their logprobs, where asked for), sampling parameters, effective seed and decode-chunk count (its RNG state: a request's
-draws are `sampling.row_keys(seed, chunk)`), remaining token count and status; the queue order; the engine's next
-request id. The cache itself is not saved: a running request is restored by admitting it again and prefilling
-its prompt plus every generated token but the last, which is the next decode input; its penalty counts, if it
-uses a penalty, are recomputed from its prompt and tokens. Its decode chunks then start
-where they started before (a request's chunks are full page_size chunks from its prefill, except its last), so a
+prompt, generated tokens (and their logprobs, where asked for), sampling parameters, effective seed and
+decode-chunk count (its RNG state: a request's draws are `sampling.row_keys(seed, chunk)`), remaining token count
+and status; the queue order; the engine's next request id. The cache itself is not saved: a running request is
+restored by admitting it again and prefilling its prompt plus every generated token but the last, which is the
+next decode input; its penalty counts, if it uses a penalty, are recomputed from its prompt and tokens. Its decode
+chunks then start where they started before (a request's chunks are full page_size chunks from its prefill, except its last), so a
 greedy continuation is the uninterrupted one (up to the rounding difference between a prefill and decode steps
 writing the same K/V). A speculative engine's requests stop between flush points: restored, the pages completed
 since the last flush point are flushed by the prefill instead of read from the tail ring, so past the token

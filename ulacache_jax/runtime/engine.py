@@ -61,7 +61,7 @@ _NO_STOPS = 8  # the chunk's stop-id array: all -1 (never sampled), stops are ma
 _sample_first = jax.jit(sample_step, static_argnames="num_top")
 
 
-def token_logprobs(tokens, lp, top_ids, top_lp, k: int) -> list[TokenLogprob]:
+def as_token_logprobs(tokens, lp, top_ids, top_lp, k: int) -> list[TokenLogprob]:
     """One slot's tokens [n] and the program's raw logprobs (lp [n], top_ids / top_lp [n, MAX_LOGPROBS], host
     arrays) -> TokenLogprobs with the k best alternatives."""
     return [TokenLogprob(int(t), float(lp[j]), tuple((int(top_ids[j, i]), float(top_lp[j, i])) for i in range(k)))
@@ -393,7 +393,7 @@ class Engine:
                 first, lp = _sample_first(logits[None], key, params, pen,
                                           num_top=MAX_LOGPROBS if sp.logprobs is not None else 0)
                 first = int(first[0])
-                first_lp = None if lp is None else token_logprobs([first], *(np.asarray(a) for a in lp), sp.logprobs)
+                first_lp = None if lp is None else as_token_logprobs([first], *(np.asarray(a) for a in lp), sp.logprobs)
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
                 rec.prefill_s += self.clock() - t0
                 self.release(slot)
@@ -481,7 +481,7 @@ class Engine:
             got = [int(t) for t in out[slot] if t >= 0]       # a prefix of the row: a slot ends, never resumes
             lps = None
             if lp is not None and sl.logprobs[slot] >= 0:
-                lps = token_logprobs(got, lp[0][slot], lp[1][slot], lp[2][slot], int(sl.logprobs[slot]))
+                lps = as_token_logprobs(got, lp[0][slot], lp[1][slot], lp[2][slot], int(sl.logprobs[slot]))
             # only a stop id (matched here) or the length ends a slot
             self.deliver(rec, slot, got, new, ended, now, lps)
 
