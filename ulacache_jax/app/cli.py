@@ -7,12 +7,12 @@ benchmark scripts (`bench`), model download (`fetch-model`) and the demo (`demo`
 Input: one JSON object a line, with an "id" and exactly one of "messages" (a chat: [{"role", "content"}, ...],
 rendered by the model's chat template), "prompt" (text) or "prompt_ids" (token ids); optionally "max_new_tokens"
 (or OpenAI's "max_tokens"), "temperature", "top_p", "top_k", "seed", "stop" (strings, matched on the decoded
-text; the text is cut before the stop string) and "stop_ids", and the per-request fields the server takes too
-("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "token_budget",
-"attention": passed where the engine's SamplingParams has them, else refused unless at their default); OpenAI
-nulls mean the default, and "model", "user", "stream": false and "n": 1 are accepted. The file is read as bytes
-and decoded line by line: a line with invalid UTF-8 or a lone surrogate fails alone, by line number; a UTF-8 BOM
-is ignored.
+text; the text is cut before the stop string), "stop_ids", "min_p", "presence_penalty", "frequency_penalty",
+"repetition_penalty", "logprobs" (k: the output line's "logprobs" holds each token's raw model logprob and the k
+best alternatives), "token_budget" and "attention" ("sparse" | "dense"), as SamplingParams takes them (the
+server's fields, parsed by app/openai_protocol.py); OpenAI nulls mean the default, and "model", "user", "stream":
+false and "n": 1 are accepted. The file is read as bytes and decoded line by line: a line with invalid UTF-8 or a
+lone surrogate fails alone, by line number; a UTF-8 BOM is ignored.
 
 OpenAI batch files: an input whose first JSON object has a "custom_id" is read as the Batch API's format
 ({"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}; each body parsed by
@@ -71,7 +71,7 @@ from ulacache_jax.app.jsonl_io import OutputError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 SAMPLING_FIELDS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_ids")
-# the per-request fields shared with the server (openai_protocol.extra_sampling; passed where the engine has them)
+# the per-request fields shared with the server (openai_protocol.extra_sampling parses them)
 CONTRACT_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "token_budget",
                    "attention")
 # OpenAI body fields that change nothing in a line: model and user any value, stream only false, n only 1
@@ -80,6 +80,7 @@ KNOWN_FIELDS = ("id", "messages", "prompt", "prompt_ids") + SAMPLING_FIELDS + CO
 # an OpenAI Batch API input line (https://platform.openai.com/docs/guides/batch): its fields and urls
 BATCH_FIELDS = ("custom_id", "method", "url", "body")
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+_OVERRIDES = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")   # taken as given
 COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
 CHECKPOINT_SHARE = 0.05         # default checkpoint interval: saving takes at most this share of the run's time
@@ -209,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * p_max; 0 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's (prompt + output), > 0; 1 = off")
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="k: each output token's raw model logprob and the k best alternatives (default off)")
     g.add_argument("--stop-ids", default=None,
                    help="comma-separated stop token ids (default: the model's EOS ids; 'none' for no stop ids)")
     g.add_argument("--stop", action="append", default=[],
@@ -660,7 +667,7 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
         fail(f"'{name}' must be a list of ints: {e}" if name == "prompt_ids" else str(e))
     except ValueError as e:
         fail(str(e))
-    over = {k: obj[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed") if k in obj}
+    over = {k: obj[k] for k in _OVERRIDES if k in obj}
     if "max_tokens" in obj:
         if "max_new_tokens" in obj and obj["max_new_tokens"] != obj["max_tokens"]:
             fail(f"max_tokens = {obj['max_tokens']!r} and max_new_tokens = {obj['max_new_tokens']!r} disagree "
@@ -981,7 +988,9 @@ NOT_IN_FINGERPRINT = {
 # options fingerprinted only when not at their default, so files written before they were fingerprinted (at the
 # default, the only case that was right then) still resume
 _FINGERPRINTED_WHEN_SET = {"key_channels": 0, "label_bits": 0, "channel_table": "auto", "two_stage": None,
-                           "speculative": None, "num_speculative_tokens": 4, "draft_model": None}
+                           "speculative": None, "num_speculative_tokens": 4, "draft_model": None, "min_p": 0.0,
+                           "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                           "logprobs": None}
 
 
 def _file_identity(spec: str | None) -> str | None:
@@ -1246,7 +1255,9 @@ def _generate_locked(args, t_start: float) -> int:
     if stop_strings and loaded.tokenizer is None:
         raise UsageError("--stop needs a tokenizer to decode the text; this model has none (use --stop-ids)")
     defaults = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=None, stop_ids=stops)
+                              top_k=args.top_k, seed=None, stop_ids=stops, min_p=args.min_p,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              repetition_penalty=args.repetition_penalty, logprobs=args.logprobs)
     try:
         defaults.check(mc.vocab_size)
     except ValueError as e:
@@ -1412,11 +1423,11 @@ def _result_line(rec: Record, req, *, model: str = "", tokenizer=None) -> dict:
            "completion_tokens": len(req.tokens)}
     if req.stop_reason is not None:
         out["stop_reason"] = req.stop_reason
+    if req.sampling.logprobs is not None:
+        out["logprobs"] = [{"token_id": t.token_id, "logprob": t.logprob, "top": [list(a) for a in t.top]}
+                           for t in req.logprobs]
     if rec.capped_from is not None or req.capped:
         out["max_new_tokens_capped_to"] = req.max_new_tokens
-    if rec.logprobs is not None:
-        out["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-                           for lp in getattr(req, "logprobs", ())]
     return out
 
 

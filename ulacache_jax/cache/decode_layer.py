@@ -136,10 +136,11 @@ def _sieve_pages(state: CacheState, layer: int, sel, row_live, row_seq, rank, op
 
 
 def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, live, *,
-               options: DecodeOptions = DecodeOptions(), rank=0, append: bool = True):
+               options: DecodeOptions = DecodeOptions(), rank=0, append: bool = True, budget=None):
     """Append -> select -> sieve -> (separate) fetch for one layer: everything before the attention kernel.
     Returns (state, PagePlan, LayerStats); arguments as in `attend_layer`. append=False: the token's K/V is
-    already in the tail ring (`verify_layer`); k_new, v_new are unused."""
+    already in the tail ring (`verify_layer`); k_new, v_new are unused. budget [S] int32: pages each sequence
+    selects (at most select_pages; selection.limit_pages), None = select_pages for every one."""
     c = state.config
     S, G, P = c.max_seqs, c.groups_per_rank, c.page_size
     options = resolved_options(options, c, q)                                         # a backend's: as given
@@ -152,6 +153,9 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     scores = _scores(state, layer, q, flushed, options)                               # [S, G, P]
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [S, G, K]
+    if budget is not None:      # per-sequence budgets: the winners past a sequence's budget rank are dropped
+        sel = selection.limit_pages(sel, scores, flushed, budget, sink_pages=c.sink_pages,
+                                    recent_pages=c.recent_pages)
     # 2. Sieve: hits refresh, misses take frames; the vTLB follows.
     pb, table, valid, page, frame, host_idx, miss, filled, overflow, lead = _sieve_pages(
         state, layer, sel, live, jnp.arange(S), rank, options)                        # [S, G, K] each
@@ -221,12 +225,14 @@ def attend_pages(state: CacheState, host: HostPool, q, plan: PagePlan, *,
 
 
 def attend_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, live, *,
-                 options: DecodeOptions = DecodeOptions(), rank=0):
+                 options: DecodeOptions = DecodeOptions(), rank=0, budget=None):
     """Decode attention of one layer for every slot, one token per sequence: `plan_layer` then `attend_pages`.
 
     q [S, 1, Hr, D] (this rank's query heads), k_new/v_new [S, KVr, D], pos [S] int32 position of the new token
-    (= committed length), live [S] bool. Returns (state, out [S, 1, Hr, D], LayerStats)."""
-    state, plan, stats = plan_layer(state, host, layer, q, k_new, v_new, pos, live, options=options, rank=rank)
+    (= committed length), live [S] bool, budget [S] int32 pages each sequence selects (None: the config's
+    select_pages). Returns (state, out [S, 1, Hr, D], LayerStats)."""
+    state, plan, stats = plan_layer(state, host, layer, q, k_new, v_new, pos, live, options=options, rank=rank,
+                                    budget=budget)
     state, attn = attend_pages(state, host, q, plan, options=options)
     return state, attn, stats
 

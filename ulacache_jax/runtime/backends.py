@@ -76,11 +76,12 @@ class SparseOps(_Kernels):
     def lengths(self, cache: CacheState):
         return cache.seqs.length
 
-    def attend(self, cache: CacheState, host: HostPool, layer: int, q, k, v, pos, live, rank):
-        """q [S, 1, Hr, D], k/v [S, KVr, D], pos [S], live [S] -> (cache, out [S, 1, Hr, D], LayerStats). The host
-        pool is read here, never carried through the decode loop (DESIGN.md section 1)."""
+    def attend(self, cache: CacheState, host: HostPool, layer: int, q, k, v, pos, live, rank, budget=None):
+        """q [S, 1, Hr, D], k/v [S, KVr, D], pos [S], live [S], budget [S] pages per sequence or None (the
+        config's) -> (cache, out [S, 1, Hr, D], LayerStats). The host pool is read here, never carried through the
+        decode loop (DESIGN.md section 1)."""
         return attend_layer(cache, host, layer, q, k, v, pos, live & cache.seqs.active, options=self.options,
-                            rank=rank)
+                            rank=rank, budget=budget)
 
     def end_chunk(self, cache: CacheState, host: HostPool, length):
         cache = dataclasses.replace(cache, seqs=dataclasses.replace(cache.seqs, length=length))
@@ -152,7 +153,8 @@ class DenseOps(_Kernels):
     def lengths(self, cache):
         return cache[1]
 
-    def attend(self, cache, host, layer: int, q, k, v, pos, live, rank):
+    def attend(self, cache, host, layer: int, q, k, v, pos, live, rank, budget=None):
+        """Every token of every sequence (a budget has nothing to select here; the Engine refuses one)."""
         dense, length = cache
         T = dense.k[layer].shape[1]
         S = q.shape[0]

@@ -1,11 +1,12 @@
 """Checkpoint and restore of a running Engine (Engine.save / Engine.restore), with orbax.
 
 What is saved, always: every request the engine still holds (queued, running, finished but not popped): its
-prompt, generated tokens, sampling parameters, effective seed and decode-chunk count (its RNG state: a request's
-draws are `sampling.row_keys(seed, chunk)`), remaining token count and status; the queue order; the engine's next
-request id. The cache itself is not saved: a running request is restored by admitting it again and prefilling
-its prompt plus every generated token but the last, which is the next decode input. Its decode chunks then start
-where they started before (a request's chunks are full page_size chunks from its prefill, except its last), so a
+prompt, generated tokens (and their logprobs, where asked for), sampling parameters, effective seed and
+decode-chunk count (its RNG state: a request's draws are `sampling.row_keys(seed, chunk)`), remaining token count
+and status; the queue order; the engine's next request id. The cache itself is not saved: a running request is
+restored by admitting it again and prefilling its prompt plus every generated token but the last, which is the
+next decode input; its penalty counts, if it uses a penalty, are recomputed from its prompt and tokens. Its decode
+chunks then start where they started before (a request's chunks are full page_size chunks from its prefill, except its last), so a
 greedy continuation is the uninterrupted one (up to the rounding difference between a prefill and decode steps
 writing the same K/V). A speculative engine's requests stop between flush points: restored, the pages completed
 since the last flush point are flushed by the prefill instead of read from the tail ring, so past the token
@@ -35,7 +36,7 @@ import numpy as np
 import jax
 
 from ulacache_jax.cache.config import CacheConfig
-from ulacache_jax.runtime.requests import ERROR, Request, SamplingParams, StepOutput
+from ulacache_jax.runtime.requests import ERROR, Request, SamplingParams, StepOutput, TokenLogprob
 
 FORMAT = 1
 _ITEMS = ("arrays", "meta")
@@ -71,6 +72,7 @@ class SavedRequest:
     text: str | None = None
     stop_reason: str | None = None
     pending: bool = False                 # finished but not yet reported by a step
+    logprobs: list = dataclasses.field(default_factory=list)   # [token_id, logprob, [[id, logprob], ...]] a token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +209,8 @@ def saved_requests(engine) -> list[SavedRequest]:
             capped=bool(req.capped), seed=int(slots.seed[slot]) if running else -1,
             chunk=int(slots.chunk[slot]) if running else 0,
             remaining=int(slots.remaining[slot]) if running else 0, finish_reason=req.finish_reason,
-            error=req.error, text=req.text, stop_reason=req.stop_reason, pending=rid in pending))
+            error=req.error, text=req.text, stop_reason=req.stop_reason, pending=rid in pending,
+            logprobs=[[t.token_id, t.logprob, [list(a) for a in t.top]] for t in req.logprobs]))
     return out
 
 
@@ -229,7 +232,8 @@ def save(engine, directory, *, meta: dict | None = None) -> pathlib.Path:
     info = {"format": FORMAT, "identity": engine.identity, "next_id": engine.next_id,
             "queue": engine.queued_ids, "meta": meta or {},
             "requests": [{"sampling": r.sampling, "status": r.status, "finish_reason": r.finish_reason,
-                          "error": r.error, "text": r.text, "stop_reason": r.stop_reason} for r in reqs]}
+                          "error": r.error, "text": r.text, "stop_reason": r.stop_reason,
+                          "logprobs": r.logprobs} for r in reqs]}
     info = json.loads(json.dumps(info))   # tuples -> lists; fails here, not half-way through a write
     _claim_directory(directory)
     mngr = _manager(directory, create=True)
@@ -274,7 +278,7 @@ def read(directory) -> Checkpoint:
         rid, max_new, capped, seed, chunk, remaining, pending = (int(x) for x in cols[i])
         reqs.append(SavedRequest(rid, prompts[i], tokens[i], r["sampling"], r["status"], max_new, bool(capped),
                                  seed, chunk, remaining, r["finish_reason"], r["error"], r["text"], r["stop_reason"],
-                                 bool(pending)))
+                                 bool(pending), r.get("logprobs") or []))
     return Checkpoint(step, d / str(step), info["identity"], reqs, [int(x) for x in info["queue"]],
                       int(info["next_id"]), info.get("meta") or {})
 
@@ -308,7 +312,9 @@ def restore(engine, directory, *, skip=()) -> Checkpoint:
             continue
         req = Request(r.request_id, list(r.prompt_ids), sampling_params(r.sampling), max_new_tokens=r.max_new_tokens,
                       tokens=list(r.tokens), status=r.status, finish_reason=r.finish_reason, error=r.error,
-                      capped=r.capped, text=r.text, stop_reason=r.stop_reason, t_added=now)
+                      capped=r.capped, text=r.text, stop_reason=r.stop_reason, t_added=now,
+                      logprobs=[TokenLogprob(int(t), float(lp), tuple((int(i), float(v)) for i, v in top))
+                                for t, lp, top in r.logprobs])
         by_id[r.request_id] = (r, req)
     engine.reserve_ids(ck.next_id)
     # running requests first, into slots, so queued ones wait behind them as before
@@ -334,8 +340,10 @@ def restore(engine, directory, *, skip=()) -> Checkpoint:
             engine.finish(req, ERROR, error=f"restore prefill failed: {type(e).__name__}: {e}")
             engine.report(StepOutput(rid, (), True, ERROR, req.error))
             continue
-        engine.slots.start(slot, r.tokens[-1], r.remaining, req.sampling)
+        engine.slots.start(slot, r.tokens[-1], r.remaining, req.sampling, engine.budget_pages(req.sampling))
         engine.slots.seed[slot], engine.slots.chunk[slot] = r.seed, r.chunk
+        if req.sampling.penalized:           # the counts are not saved: the prompt and tokens decide them
+            engine.seed_penalties(slot, r.prompt_ids, r.tokens)
     for rid in ck.queue:
         if rid in by_id and by_id[rid][0].status == "queued":
             engine.enqueue(rid)

@@ -14,8 +14,12 @@ fit (prompt + max_new_tokens past the context limit, more host pages than the wh
 token outside the vocabulary, bad sampling parameters) finishes at once with finish_reason "error" and a message;
 the other requests are not affected.
 
-Sampling parameters are per request (temperature, top_p, top_k, max_new_tokens, stop ids): the compiled decode
-chunk takes per-slot SamplingArrays and per-slot remaining counts. Stop ids are matched on the host, per
+Sampling parameters are per request (temperature, top_p, top_k, min_p, the penalties, max_new_tokens, stop ids,
+logprobs, token_budget): the compiled decode chunk takes per-slot SamplingArrays and per-slot remaining counts.
+The options that need more than that have programs of their own, run only for a chunk where some running request
+uses them: penalties carry per-slot token counts [S, V] through the chunk (seeded from the prompt at admission),
+logprobs return each step's raw model logprobs, token budgets below the engine's pass per-slot page budgets to the
+selection (Program.decode_steps). Stop ids are matched on the host, per
 request, when the chunk's tokens come back: the chunk itself is given no stop ids, so a request that stops
 mid-chunk keeps decoding until the chunk ends (the fixed-length chunk computes every slot anyway) and its
 tokens past the stop are dropped. (Giving the chunk the union of the running requests' stop ids would halt a request
@@ -43,8 +47,9 @@ from ulacache_jax.runtime.cost_model import pool_headroom
 from ulacache_jax.cache.decode_layer import DecodeOptions
 from ulacache_jax.runtime.generator import Generator, bucket_length, default_cache_config
 from ulacache_jax.runtime import validate
-from ulacache_jax.runtime.requests import ERROR, LENGTH, STOP, Request, RequestError, SamplingParams, StepOutput, StepRecord
-from ulacache_jax.runtime.sampling import SamplingArrays, row_keys, sample
+from ulacache_jax.runtime.requests import (ERROR, LENGTH, STOP, Request, RequestError, SamplingParams, StepOutput,
+                                           StepRecord, TokenLogprob)
+from ulacache_jax.runtime.sampling import MAX_LOGPROBS, PenaltyState, SamplingArrays, row_keys, sample_step
 from ulacache_jax.runtime.sequences import CapacityError
 from ulacache_jax.runtime.slots import SlotTable
 from ulacache_jax.runtime.speculative.decoder import SpecDecoder
@@ -52,7 +57,15 @@ from ulacache_jax.runtime.text import apply_stop, encode_prompt
 from ulacache_jax.runtime.tp import prepare_model
 
 _NO_STOPS = 8  # the chunk's stop-id array: all -1 (never sampled), stops are matched on the host
-_sample_first = jax.jit(sample)   # a request's first token, from its prefill logits [1, V]
+# a request's first token, from its prefill logits [1, V] (its penalties see the prompt alone)
+_sample_first = jax.jit(sample_step, static_argnames="num_top")
+
+
+def as_token_logprobs(tokens, lp, top_ids, top_lp, k: int) -> list[TokenLogprob]:
+    """One slot's tokens [n] and the program's raw logprobs (lp [n], top_ids / top_lp [n, MAX_LOGPROBS], host
+    arrays) -> TokenLogprobs with the k best alternatives."""
+    return [TokenLogprob(int(t), float(lp[j]), tuple((int(top_ids[j, i]), float(top_lp[j, i])) for i in range(k)))
+            for j, t in enumerate(tokens)]
 
 
 class Engine:
@@ -127,6 +140,10 @@ class Engine:
         self.timeline: list[StepRecord] = []
         self._stats0 = self._stats_now()
         self._identity: dict | None = None
+        # the penalties' per-slot token counts and prompt masks [S, V] on the device (sampling.PenaltyState), made
+        # when the first request with a penalty is admitted and carried (donated) through the chunks that need it
+        self.penalties: PenaltyState | None = None
+        self._step_logprobs: dict[int, list[TokenLogprob]] = {}   # this step's new logprobs, per request
 
     @property
     def attention(self) -> str:
@@ -160,7 +177,9 @@ class Engine:
         if err is None:
             try:
                 sampling.check(self.vocab_size)
+                self._check_engine_options(sampling)
                 req.max_new_tokens, req.capped = self._fit(len(prompt), int(sampling.max_new_tokens))
+                self._check_budget(sampling, len(prompt), req.max_new_tokens)
             except RequestError as e:
                 err = str(e)
         if err is not None:
@@ -169,6 +188,60 @@ class Engine:
         else:
             self._queue.append(rid)
         return rid
+
+    def _check_engine_options(self, sp: SamplingParams) -> None:
+        """The options this engine cannot serve for a request whose parameters are valid in themselves.
+        Speculative decoding verifies drafts against the distribution `sampling.truncated_sorted` describes, which
+        min-p is part of (exact); the penalties would need each verification row's counts to include the drafts
+        before it, and the logprobs each accepted row's logits, which the verification programs do not carry:
+        refused rather than approximated."""
+        if self.spec is not None:
+            if sp.penalized:
+                raise RequestError("presence_penalty / frequency_penalty / repetition_penalty are not supported with "
+                                   "speculative decoding (this engine has speculative=...): build the engine "
+                                   "without it")
+            if sp.logprobs is not None:
+                raise RequestError(f"logprobs = {sp.logprobs} is not supported with speculative decoding (this "
+                                   "engine has speculative=...): build the engine without it")
+
+    def budget_pages(self, sp: SamplingParams) -> int:
+        """Pages a step the request selects: its token_budget // page_size, 0 for the engine's budget (None, or
+        attention 'sparse' / 'dense' without a budget: dense is the engine's budget covering the context)."""
+        return 0 if sp.token_budget is None else int(sp.token_budget) // self.config.page_size
+
+    def _check_budget(self, sp: SamplingParams, n_prompt: int, max_new: int) -> None:
+        """A request's token_budget and attention against this engine: a budget is a multiple of page_size between
+        the always-attended sink + recent pages and the engine's token_budget (the cap: the pool and the top-k are
+        sized for it); 'dense' needs the cap to cover the request's whole context (then every page is selected);
+        both need a sparse engine (a dense one attends every token; 'dense' is what it does), and a budget below
+        the cap is refused with speculative decoding (its verifications select with the engine's budget)."""
+        c = self.config
+        cap, P = c.token_budget, c.page_size
+        tb, kind = sp.token_budget, sp.attention
+        if tb is None and kind is None:
+            return
+        if self.attention != "sparse":
+            if kind == "dense" and tb is None:
+                return
+            raise RequestError(f"{'token_budget = %d' % tb if tb is not None else 'attention = %r' % kind} needs a "
+                               f"sparse engine: this engine attends every token (attention = {self.attention!r})")
+        if kind == "dense":
+            ctx = n_prompt + max_new
+            if cap < ctx:
+                raise RequestError(f"attention = 'dense' needs the engine's token_budget ({cap}) >= the request's "
+                                   f"context ({ctx} tokens: prompt {n_prompt} + max_new_tokens {max_new})")
+            return
+        if tb is None:
+            return
+        lo = (c.sink_pages + c.recent_pages) * P
+        if tb > cap:
+            raise RequestError(f"token_budget = {tb} exceeds the engine's token_budget {cap} (the cap)")
+        if tb % P or tb < lo:
+            raise RequestError(f"token_budget = {tb} must be a multiple of page_size = {P} and >= {lo} (the sink and "
+                               f"recent pages, {c.sink_pages} + {c.recent_pages}, always attended)")
+        if self.spec is not None and tb < cap:
+            raise RequestError(f"token_budget = {tb} below the engine's {cap} is not supported with speculative "
+                               "decoding (its verifications select with the engine's budget)")
 
     def _check_prompt(self, prompt_ids) -> list[int]:
         """validate.check_prompt (the one prompt check of generate, the Engine and the CLI), its TypeError or
@@ -262,11 +335,13 @@ class Engine:
         if rec.prefills or rec.decode_steps or ended:
             self.timeline.append(rec)
         outs = []
+        step_lp, self._step_logprobs = self._step_logprobs, {}
         for rid in list(new) + [r for r in ended if r not in new]:
             req = self.requests[rid]
             fin = req.finished
-            outs.append(StepOutput(rid, tuple(new.get(rid, ())), fin, req.finish_reason if fin else None,
-                                   req.error if fin else None))
+            toks = tuple(new.get(rid, ()))
+            outs.append(StepOutput(rid, toks, fin, req.finish_reason if fin else None, req.error if fin else None,
+                                   tuple(step_lp.get(rid, ())[:len(toks)])))
         return outs
 
     def release(self, slot: int) -> None:
@@ -307,9 +382,18 @@ class Engine:
                 seed = (int(sp.seed) if sp.seed is not None else self.seed * 1_000_003 + req.request_id) % 2**32
                 self.slots.seed[slot], self.slots.chunk[slot] = seed, 0
                 key = row_keys(jnp.asarray([seed], jnp.uint32), jnp.asarray([2**31 - 1], jnp.uint32))
-                first = int(_sample_first(logits[None], key,
-                                               SamplingArrays.fill(1, float(sp.temperature), float(sp.top_p),
-                                                                   int(sp.top_k)))[0])
+                pen = None
+                if sp.penalized:
+                    seen = np.zeros((1, self.vocab_size), bool)
+                    seen[0, req.prompt_ids] = True
+                    pen = PenaltyState(jnp.zeros((1, self.vocab_size), jnp.int32), jnp.asarray(seen))
+                params = SamplingArrays.fill(1, float(sp.temperature), float(sp.top_p), int(sp.top_k),
+                                             float(sp.min_p), float(sp.presence_penalty),
+                                             float(sp.frequency_penalty), float(sp.repetition_penalty))
+                first, lp = _sample_first(logits[None], key, params, pen,
+                                          num_top=MAX_LOGPROBS if sp.logprobs is not None else 0)
+                first = int(first[0])
+                first_lp = None if lp is None else as_token_logprobs([first], *(np.asarray(a) for a in lp), sp.logprobs)
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
                 rec.prefill_s += self.clock() - t0
                 self.release(slot)
@@ -321,18 +405,39 @@ class Engine:
             rec.prefills += 1
             rec.prefill_tokens += len(req.prompt_ids)
             req.tokens.append(first)
+            if first_lp is not None:
+                req.logprobs.extend(first_lp)
+                self._step_logprobs.setdefault(req.request_id, []).extend(first_lp)
             req.t_first_token = now
             req.deliveries.append((now, 1, rec.index))
             new.setdefault(req.request_id, []).append(first)
-            if first in req.sampling.stop_ids or self._stop_string(req, [])[1]:
+            stopped = first in req.sampling.stop_ids or self._stop_string(req, [])[1]
+            del req.logprobs[len(req.tokens):]          # a stop string the first token completed cut it
+            if stopped:
                 self.finish(req, STOP)
             elif req.max_new_tokens <= 1:
                 self.finish(req, LENGTH)
             else:
-                self.slots.start(slot, first, req.max_new_tokens - 1, sp)
+                self.slots.start(slot, first, req.max_new_tokens - 1, sp, self.budget_pages(sp))
+                if sp.penalized:
+                    self.seed_penalties(slot, req.prompt_ids, req.tokens)
                 continue
             self.release(slot)
             ended[req.request_id] = None
+
+    def seed_penalties(self, slot: int, prompt_ids, tokens) -> None:
+        """The slot's row of the penalty state: its prompt's tokens seen, its generated `tokens` counted (at
+        admission the first token; at a checkpoint restore every generated token: the counts are recomputed, not
+        saved)."""
+        S, V = self.config.max_seqs, self.vocab_size
+        if self.penalties is None:
+            self.penalties = jax.device_put(PenaltyState.zeros(S, V), self.gen.replicated)
+        seen = np.zeros(V, bool)
+        seen[list(prompt_ids)] = True
+        counts = np.bincount(np.asarray(tokens, np.int64), minlength=V).astype(np.int32)
+        set_row, rep, s = self.gen.program.set_row, self.gen.replicated, jnp.int32(slot)
+        self.penalties = PenaltyState(set_row(self.penalties.counts, s, jax.device_put(counts, rep)),
+                                      set_row(self.penalties.seen, s, jax.device_put(seen, rep)))
 
     def _stats_now(self) -> tuple[int, int, int, int]:
         st = jax.device_get(self.gen.stats)
@@ -347,13 +452,19 @@ class Engine:
         steps = min(c.page_size, bucket_length(int(sl.remaining[~sl.done].max()), 1))
         rec.decode_compiled = steps not in self._seen_steps
         self._seen_steps.add(steps)
+        pen = self.penalties if sl.penalties_on() else None      # no request penalizes: the plain program
+        want_lp = sl.logprobs_on()
         t0 = self.clock()
         try:
-            out, done, remaining = self.gen.decode_chunk(jnp.asarray(sl.tok), jnp.asarray(sl.done),
-                                                         jnp.asarray(sl.remaining), keys, sampling, self.no_stops,
-                                                         steps=steps)
+            self.penalties = None if pen is not None else self.penalties   # donated to the chunk
+            out, done, remaining, pen, lp = self.gen.decode_chunk_with(
+                jnp.asarray(sl.tok), jnp.asarray(sl.done), jnp.asarray(sl.remaining), keys, sampling, self.no_stops,
+                steps=steps, penalties=pen, logprobs=want_lp, budget=sl.budgets(c.select_pages))
+            if pen is not None:
+                self.penalties = pen
             out = np.asarray(out)
             done, remaining = np.asarray(done).copy(), np.asarray(remaining).copy()
+            lp = None if lp is None else tuple(np.asarray(a) for a in lp)
         except Exception as e:
             # the cache state was donated to the failed call: every running request is lost with it
             msg = f"decode failed: {type(e).__name__}: {e}"
@@ -367,17 +478,23 @@ class Engine:
             if sl.done[slot]:
                 continue
             sl.remaining[slot] = remaining[slot]
+            got = [int(t) for t in out[slot] if t >= 0]       # a prefix of the row: a slot ends, never resumes
+            lps = None
+            if lp is not None and sl.logprobs[slot] >= 0:
+                lps = as_token_logprobs(got, lp[0][slot], lp[1][slot], lp[2][slot], int(sl.logprobs[slot]))
             # only a stop id (matched here) or the length ends a slot
-            self.deliver(rec, slot, [int(t) for t in out[slot] if t >= 0], new, ended, now)
+            self.deliver(rec, slot, got, new, ended, now, lps)
 
-    def deliver(self, rec: StepRecord, slot: int, got: list[int], new, ended, now: float) -> bool:
+    def deliver(self, rec: StepRecord, slot: int, got: list[int], new, ended, now: float,
+                logprobs: list[TokenLogprob] | None = None) -> bool:
         """A slot's new tokens `got` (a decode chunk's, or a verification's accepted ones) to the request holding
-        it (`_deliver`: cut at a stop id or stop string, recorded in the step's `new`); where that ends the request
-        (STOP, LENGTH) it finishes, its slot is released and its id goes into the step's `ended` -> whether it
-        ended. The slot's remaining budget must already count these tokens."""
+        it (`_deliver`: cut at a stop id or stop string, recorded in the step's `new`; `logprobs` aligned with
+        `got`, cut with it); where that ends the request (STOP, LENGTH) it finishes, its slot is released and its
+        id goes into the step's `ended` -> whether it ended. The slot's remaining budget must already count these
+        tokens."""
         rid = self.slots.request_of[slot]
         req = self.requests[rid]
-        reason = self._deliver(rec, req, slot, got, new, now)
+        reason = self._deliver(rec, req, slot, got, new, now, logprobs)
         if reason is None:
             return False
         self.finish(req, reason)
@@ -385,7 +502,8 @@ class Engine:
         ended[rid] = None
         return True
 
-    def _deliver(self, rec: StepRecord, req: Request, slot: int, got: list[int], new, now: float) -> str | None:
+    def _deliver(self, rec: StepRecord, req: Request, slot: int, got: list[int], new, now: float,
+                 logprobs: list[TokenLogprob] | None = None) -> str | None:
         """Commit a slot's new tokens `got` (a decode chunk's, or a verification's accepted ones) to its request:
         cut at the first stop id or stop string (tokens the step produced past it are dropped), recorded in the
         step's `new` and the slot's last token -> the finish reason (STOP, LENGTH), or None while it runs on.
@@ -396,6 +514,11 @@ class Engine:
         got, hit = self._stop_string(req, got)
         if hit:
             stop = len(got)
+        if logprobs is not None:
+            kept = logprobs[:len(got)]
+            req.logprobs.extend(kept)
+            self._step_logprobs.setdefault(req.request_id, []).extend(kept)
+            del req.logprobs[len(req.tokens) + len(got):]     # a stop string may have cut delivered tokens too
         if got:
             rec.decode_tokens += len(got)
             req.tokens.extend(got)

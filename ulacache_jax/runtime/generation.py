@@ -37,7 +37,8 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
              cache_config: CacheConfig | None = None, attention: str = "auto", tp: int = 1,
              token_budget: int = 2048, page_size: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int = 0, options: DecodeOptions = DecodeOptions(), mesh=None,
-             speculative=None) -> list:
+             speculative=None, min_p: float = 0.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             repetition_penalty: float = 1.0, logprobs: int | None = None) -> list:
     """Generate up to max_new_tokens tokens for each prompt.
 
     prompts: a list of token-id lists -> a list of token-id lists; or, with a tokenizer, a list of texts (str)
@@ -53,7 +54,10 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
     `token_budget` tokens attended per step, `page_size` None = 64, or 16 for contexts up to 512 tokens); more
     prompts than slots queue and are admitted as slots free up. A request's tokens do not depend on what shares
     its batch; sampled tokens are seeded by `seed` and the prompt's index. speculative: a
-    speculative.SpecConfig (drafts verified K + 1 rows at a time; greedy tokens unchanged), None = off."""
+    speculative.SpecConfig (drafts verified K + 1 rows at a time; greedy tokens unchanged), None = off.
+    min_p, presence_penalty, frequency_penalty, repetition_penalty, logprobs: as SamplingParams' (the penalties
+    and logprobs are refused with speculative decoding); with logprobs (an int k), each output is a pair (tokens or
+    text, list of requests.TokenLogprob: each token's raw model logprob and the k best alternatives)."""
     k0 = model.config.num_kv_heads
     model = prepare_model(model, tp)
     mc = model.config
@@ -70,6 +74,11 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
     max_new_tokens = validate.check_max_new_tokens(max_new_tokens)
     temperature, top_p, top_k = validate.check_sampling_args(temperature, top_p, top_k, mc.vocab_size)
     seed = validate.check_seed(seed)
+    try:       # the options' checks (SamplingParams.check), before the engine is built
+        SamplingParams(min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                       repetition_penalty=repetition_penalty, logprobs=logprobs).check(mc.vocab_size)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
     if stop_ids is not None:
         stop_ids = validate.check_stop_ids(stop_ids, mc.vocab_size)
     longest = max(len(p) for p in prompts) + max_new_tokens
@@ -91,10 +100,13 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
     engine = Engine(generator=Generator(model, cache_config, attention=attention, options=options, mesh=mesh),
                     seed=seed, tokenizer=tokenizer, speculative=speculative)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            stop_ids=None if stop_ids is None else tuple(int(t) for t in stop_ids), stop=stop)
+                            stop_ids=None if stop_ids is None else tuple(int(t) for t in stop_ids), stop=stop,
+                            min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                            repetition_penalty=repetition_penalty, logprobs=logprobs)
     out = []
     for req in engine.run(prompts, params):
         if req.finish_reason == "error":
             raise ValueError(f"prompt {req.request_id}: {req.error}")
-        out.append(req.text if as_text else req.tokens)
+        res = req.text if as_text else req.tokens
+        out.append(res if logprobs is None else (res, req.logprobs))
     return out

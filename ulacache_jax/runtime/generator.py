@@ -273,13 +273,30 @@ class Generator:
         """One jitted chunk of `steps` steps (None: page_size; else a power of two up to it) for every slot. keys
         [S]: one PRNG key per slot (see sampling.row_keys). Returns (tokens [S, steps] with -1 where a slot produced
         nothing, done, remaining)."""
-        decode = self.program.decode if steps is None else self.program.decode_steps(steps)
+        out, done, remaining, _, _ = self.decode_chunk_with(tok, done, remaining, keys, sampling, stop_ids,
+                                                           steps=steps)
+        return out, done, remaining
+
+    def decode_chunk_with(self, tok, done, remaining, keys, sampling, stop_ids, *, steps: int | None = None,
+                          penalties=None, logprobs: bool = False, budget=None):
+        """`decode_chunk` with the sampling options that need their own program (Program.decode_steps):
+        penalties a sampling.PenaltyState [S, V] (None = off; donated), logprobs whether to return the raw model
+        logprobs, budget [S] int32 pages each slot selects (None = the config's select_pages for all). -> (tokens
+        [S, steps], done, remaining, the updated PenaltyState or None, (logprob [S, steps], top_ids [S, steps, N],
+        top_lp [S, steps, N]) or None)."""
+        steps = self.config.page_size if steps is None else steps
+        decode = self.program.decode_steps(steps, penalties=penalties is not None, logprobs=logprobs,
+                                           budgets=budget is not None)
         # host-made inputs replicated on the mesh like the previous chunk's outputs: one compile, not two
         args = jax.device_put((tok, done, remaining, keys, sampling, stop_ids), self.replicated)
+        extra = (() if penalties is None else (penalties,)) + \
+            (() if budget is None else (jax.device_put(budget, self.replicated),))
         b = self.backend
-        b.cache, b.host, out, done, remaining, stats = decode(self.params, b.cache, b.host, *args)
+        b.cache, b.host, out, done, remaining, stats, *rest = decode(self.params, b.cache, b.host, *args, *extra)
         self.add_stats(stats)
-        return out, done, remaining
+        pen = rest.pop(0) if penalties is not None else None
+        lp = rest.pop(0) if logprobs else None
+        return out, done, remaining, pen, lp
 
     def next_logits(self, tok) -> jax.Array:
         """Logits [S, V] of the token after `tok` [S] (each slot's last token) for every active slot, exactly as a

@@ -25,7 +25,7 @@ from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.cache.decode_layer import LayerStats
 from ulacache_jax.models.attention import blocked_attention
 from ulacache_jax.runtime.prefix_cache import prefix_attention
-from ulacache_jax.runtime.sampling import sample
+from ulacache_jax.runtime.sampling import MAX_LOGPROBS, sample_step
 from ulacache_jax.runtime.speculative.rules import accept, backoff, draw, gate_rows, spec_bounds, token_probs
 from ulacache_jax.runtime.tp import TP_AXIS, per_rank
 
@@ -34,33 +34,38 @@ PREFILL_CHUNK = 4096  # tokens of per-token prefill work (projections, MLP) at a
 
 class DecodeMeta(NamedTuple):
     """What every layer of one decode step shares: pos [S] int32 (the new token's position = committed length),
-    live [S] bool, the rank (global group offset under TP) and the host pool (read, never carried)."""
+    live [S] bool, the rank (global group offset under TP), the host pool (read, never carried) and budget [S]
+    int32 pages each sequence selects (None: the cache config's select_pages for all)."""
     pos: jax.Array
     live: jax.Array
     rank: jax.Array | int
     host: object
+    budget: jax.Array | None = None
 
 
 def decode_layers(model, ops, cache, x, meta: DecodeMeta):
     """One decode step through every layer: x [S, 1, E] embedded tokens -> (cache, y [S, 1, E] before the final
     norm, LayerStats summed over layers). `ops` is a backend's traced half (backends.SparseOps / DenseOps);
     works on one rank's view (inside shard_map) or directly on a single-device cache (rank 0)."""
+    kw = {} if meta.budget is None else {"budget": meta.budget}    # ops without budgets (scripts) take none
+
     def attn_fn(carry, q, k, v, meta, layer):
         cache, stats = carry
-        cache, o, s = ops.attend(cache, meta.host, layer, q, k[:, 0], v[:, 0], meta.pos, meta.live, meta.rank)
+        cache, o, s = ops.attend(cache, meta.host, layer, q, k[:, 0], v[:, 0], meta.pos, meta.live, meta.rank, **kw)
         return (cache, stats + s), o
 
     (cache, stats), y = model.run_layers((cache, LayerStats.zeros()), x, meta.pos[:, None], meta, attn_fn)
     return cache, y, stats
 
 
-def decode_step(model, ops, cache, tok, meta: DecodeMeta, keys, sampling):
+def decode_step(model, ops, cache, tok, meta: DecodeMeta, keys, sampling, pen=None, num_top: int = 0):
     """One plain decode step of every slot: tok [S] last tokens, keys [S] this step's PRNG keys -> (cache, nxt [S]
-    the sampled tokens, -1 where not meta.live, LayerStats). The body of a decode chunk and the speculative chunk's
-    step without drafts."""
+    the sampled tokens, -1 where not meta.live, LayerStats, logprobs: sampling.sample_step's, None unless num_top).
+    pen: sampling.PenaltyState (None: no penalties). The body of a decode chunk and the speculative chunk's step
+    without drafts."""
     cache, y, stats = decode_layers(model, ops, cache, model.embed(tok[:, None]), meta)
-    nxt = sample(model.logits(y)[:, 0], keys, sampling)
-    return cache, jnp.where(meta.live, nxt, -1), stats
+    nxt, lp = sample_step(model.logits(y)[:, 0], keys, sampling, pen, num_top)
+    return cache, jnp.where(meta.live, nxt, -1), stats, lp
 
 
 class VerifyMeta(NamedTuple):
@@ -160,11 +165,17 @@ class Program:
                                  donate_argnums=(1, 2))
         self.prefill_layer_from = jit(self._prefill_layer_from, (lps, vs) + (r,) * 6, (vs, r), (view_sh, None),
                                       donate_argnums=(1, 2))
-        def decode(steps):
-            return jit(functools.partial(self._decode, steps=steps), (ps, cs, hs) + (r,) * 6,
-                       (cs, hs, r, r, r, stats_spec), (None, host_sh, None, None, None, None), donate_argnums=(1, 2))
+        def decode(steps, penalties, num_top, budgets):
+            # the penalty state (arg 9) is carried through the chunk and donated, the budgets follow it; logprobs
+            # are an extra output
+            extra_in, extra_out = (r,) * (penalties + budgets), (r,) * (penalties + (num_top > 0))
+            return jit(functools.partial(self._decode, steps=steps, penalties=penalties, num_top=num_top,
+                                         budgets=budgets),
+                       (ps, cs, hs) + (r,) * 6 + extra_in, (cs, hs, r, r, r, stats_spec) + extra_out,
+                       (None, host_sh, None, None, None, None) + (None,) * len(extra_out),
+                       donate_argnums=(1, 2) + (9,) * penalties)
         self._decode_for = functools.lru_cache(maxsize=None)(decode)
-        self.decode = self._decode_for(config.page_size)
+        self.decode = self._decode_for(config.page_size, False, 0, False)
         self.next_logits = jit(self._next_logits, (ps, cs, hs, r), r)
         # one row of the ngram chunk's device history (speculative.SpecDecoder): built here, once per program,
         # so a new Engine over the same Generator does not compile it again
@@ -184,13 +195,18 @@ class Program:
             (ps, cs, hs) + (r,) * 9, (cs, hs) + (r,) * 8 + (stats_spec,), (None, host_sh) + (None,) * 9,
             donate_argnums=(1, 2, 3)))
 
-    def decode_steps(self, steps: int):
+    def decode_steps(self, steps: int, *, penalties: bool = False, logprobs: bool = False, budgets: bool = False):
         """The decode program of a chunk of `steps` steps (a power of two up to page_size: a request's last chunk
-        runs only the steps it needs, and only log2(page_size) + 1 programs exist)."""
+        runs only the steps it needs, and only log2(page_size) + 1 programs exist). penalties: the program takes
+        a sampling.PenaltyState after stop_ids (donated, returned updated after the stats); logprobs: it returns
+        (logprob [S, steps], top_ids [S, steps, MAX_LOGPROBS], top_lp [S, steps, MAX_LOGPROBS]) last (the raw
+        model logprobs: sampling.token_logprobs); budgets: it takes budget [S] int32 (pages each slot selects,
+        at most select_pages) after the penalty state, if any. A batch that uses none of them runs the plain
+        program, so the options cost nothing where no request asks for them."""
         page = self.config.page_size
         if steps < 1 or steps > page or steps & (steps - 1):
             raise ValueError(f"steps = {steps} must be a power of two in [1, page_size = {page}]")
-        return self._decode_for(steps)
+        return self._decode_for(steps, bool(penalties), MAX_LOGPROBS if logprobs else 0, bool(budgets))
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def _embed(self, params, ids):
@@ -234,32 +250,51 @@ class Program:
         return view, _token_chunks(block.finish, C, x, attn)
 
     # ---- decode --------------------------------------------------------------------------------------------
-    def _decode(self, params, cache, host, tok, done, remaining, keys, sampling, stop_ids, *, steps: int):
+    def _decode(self, params, cache, host, tok, done, remaining, keys, sampling, stop_ids, *extra, steps: int,
+                penalties: bool, num_top: int, budgets: bool):
         """`steps` decode steps for every slot. tok [S] last token, done [S], remaining [S] tokens still
         allowed, keys [S] one PRNG key per slot for this chunk. Tokens [S, steps] are -1 where nothing was
-        produced."""
+        produced. penalties: pen (sampling.PenaltyState) penalizes each step's logits and counts its tokens;
+        num_top: each step's raw logprobs are returned; budgets: budget [S] pages a slot selects (`decode_steps`)."""
+        pen = extra[0] if penalties else None
+        budget = extra[penalties] if budgets else None
         ops, model = self.ops, nnx.merge(self.graphdef, params)
         rank = jax.lax.axis_index(TP_AXIS)
         S = tok.shape[0]
         cache = ops.begin_chunk(cache)
 
         def body(i, carry):
-            cache, tok, done, remaining, length, out, stats = carry
+            cache, tok, done, remaining, length, out, stats, pen, lps = carry
             live = ~done
-            cache, nxt, st = decode_step(model, ops, cache, tok, DecodeMeta(length, live, rank, host),
-                                         jax.vmap(jax.random.fold_in, (0, None))(keys, i), sampling)
+            cache, nxt, st, lp = decode_step(model, ops, cache, tok, DecodeMeta(length, live, rank, host, budget),
+                                             jax.vmap(jax.random.fold_in, (0, None))(keys, i), sampling, pen, num_top)
+            if pen is not None:
+                pen = pen.add(nxt, live)
+            if num_top:
+                lps = tuple(buf.at[i].set(v) for buf, v in zip(lps, lp))
             length = length + live
             remaining = remaining - live
             done = done | (live & ((remaining <= 0) | jnp.isin(nxt, stop_ids)))
-            return cache, jnp.where(live, nxt, tok), done, remaining, length, out.at[i].set(nxt), stats + st
+            return (cache, jnp.where(live, nxt, tok), done, remaining, length, out.at[i].set(nxt), stats + st, pen,
+                    lps)
 
         # [steps, S], written by row: XLA:CPU copied the whole page pool every step when this buffer was [S, steps]
         # written by column (measured with memory_analysis; tests/test_generate.py guards it)
         out = jnp.full((steps, S), -1, jnp.int32)
-        carry = (cache, tok, done, remaining, ops.lengths(cache), out, LayerStats.zeros())
-        cache, tok, done, remaining, length, out, stats = jax.lax.fori_loop(0, steps, body, carry)
+        lps = None
+        if num_top:             # [steps, S], [steps, S, num_top] x 2, by row as `out`
+            lps = (jnp.zeros((steps, S), jnp.float32), jnp.zeros((steps, S, num_top), jnp.int32),
+                   jnp.zeros((steps, S, num_top), jnp.float32))
+        carry = (cache, tok, done, remaining, ops.lengths(cache), out, LayerStats.zeros(), pen if penalties else None,
+                 lps)
+        cache, tok, done, remaining, length, out, stats, pen, lps = jax.lax.fori_loop(0, steps, body, carry)
         cache, host = ops.end_chunk(cache, host, length)
-        return cache, host, out.T, done, remaining, jax.tree.map(lambda a: a[None], stats)
+        res = (cache, host, out.T, done, remaining, jax.tree.map(lambda a: a[None], stats))
+        if penalties:
+            res += (pen,)
+        if num_top:
+            res += ((lps[0].T, lps[1].transpose(1, 0, 2), lps[2].transpose(1, 0, 2)),)
+        return res
 
     # ---- speculative decoding (speculative.py) ----------------------------------------------------------------
     def verify(self, rows: int, with_probs: bool = False):
@@ -357,8 +392,8 @@ class Program:
             # them (token by token), so the commit sets the lengths only. The PB-LRU clock was rebased once, before
             # the loop, as a decode chunk does.
             pos, live = ops.lengths(cache), nrows > 0
-            cache, nxt, st = decode_step(model, ops, cache, tokens[:, 0], DecodeMeta(pos, live, rank, host), k,
-                                         sampling)
+            cache, nxt, st, _ = decode_step(model, ops, cache, tokens[:, 0], DecodeMeta(pos, live, rank, host), k,
+                                            sampling)
             n_new = live.astype(jnp.int32)
             length = pos + n_new
             o = jnp.pad(nxt[:, None], ((0, 0), (0, Q - 1)), constant_values=-1)

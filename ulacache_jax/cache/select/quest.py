@@ -48,6 +48,26 @@ def select_pages(scores, flushed, *, select_pages: int, sink_pages: int, recent_
                                       recent=recent_pages, impl=impl)
 
 
+def limit_pages(sel, scores, flushed, budget, *, sink_pages: int, recent_pages: int):
+    """Per-sequence budgets under the config's: sel [B, G, K] `select_pages`' winners (page ids in page order, -1
+    unused), scores [B, G, P] the scores they were chosen by, flushed [B] int32, budget [B] int32 pages this
+    sequence may attend (<= K, >= sink + recent) -> sel with every winner past the sequence's budget rank set to -1.
+    A winner's rank orders the winners as the top-k does (page_topk.candidate_scores: sink and recent pages first,
+    ties to the lower page id), so the pages kept are exactly what `select_pages` with K = budget picks: a budget
+    that covers every flushed page keeps them all. One compiled program serves mixed budgets."""
+    B, G, K = sel.shape
+    valid = sel >= 0
+    page = jnp.maximum(sel, 0)
+    x = jnp.take_along_axis(scores.astype(jnp.float32), page, axis=-1)                 # [B, G, K]
+    x = page_topk.candidate_scores(x, page, flushed[:, None, None], scores.shape[-1], sink=sink_pages,
+                                   recent=recent_pages)
+    x = jnp.where(valid, x, -jnp.inf)
+    # winners are in page order, so a stable sort by descending score breaks ties to the lower page id
+    order = jnp.argsort(-x, axis=-1, stable=True)                                      # [B, G, K]
+    rank = jnp.argsort(order, axis=-1)                                                 # inverse permutation
+    return jnp.where(valid & (rank < budget[:, None, None]), sel, -1)
+
+
 def init_summaries(config, ranks: int):
     """(kmin, kmax) of a fresh cache: zeros [R, S, L, G, P * split, g, D] in the cache's dtype."""
     c = config
