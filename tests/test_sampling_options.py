@@ -295,7 +295,10 @@ def test_jsonl_lines_take_the_options():
     assert (sp.min_p, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.logprobs,
             sp.token_budget, sp.attention) == (0.1, 0.5, -0.5, 1.2, 2, 32, "sparse")
     msgs = {e.line: e.error for e in errs}
-    assert "min_p = 3" in msgs[2] and "logprobs = 99" in msgs[3] and "attention = 'everything'" in msgs[4]
+    # the line parser is the server's (app/openai_protocol.py): the field quoted, its value and its range
+    assert "'min_p' = 3 must be a number >= 0.0 and <= 1.0" in msgs[2]
+    assert "'logprobs' = 99 must be an integer in [0, 20]" in msgs[3]
+    assert "'attention' = 'everything' must be \"sparse\", \"dense\" or null" in msgs[4]
     args = cli.build_parser().parse_args(["generate", "--input", "i", "--output", "o", "--min-p", "0.2",
                                           "--repetition-penalty", "1.1", "--logprobs", "1"])
     assert (args.min_p, args.repetition_penalty, args.logprobs) == (0.2, 1.1, 1)
