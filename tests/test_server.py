@@ -275,9 +275,8 @@ def _slots_and_pages_free(base, timeout=60.0) -> bool:
 
 def test_disconnect_aborts_and_frees_slot_and_pages(server):
     """A stream holds every slot (n = MAX_SEQS choices of 200 tokens); two streaming and two non-streaming requests
-    of as many choices queue behind it and their clients hang up after 0.3 s: all 16 choices are aborted (before
-    them, the holder's 13 decode chunks and their own 52 must run; ~50 ms a chunk here); then the holder hangs up
-    too. Afterwards no request, slot or host page is held."""
+    of as many choices queue behind it and their clients hang up once all 16 choices are queued: all 16 are
+    aborted (queued, or admitted moments before and far from their 200 tokens); then the holder hangs up too. Afterwards no request, slot or host page is held."""
     base = server["base"]
     host, port = base.removeprefix("http://").split(":")
     aborts = 'ulacache_requests_total{finish_reason="abort"}'
@@ -301,7 +300,12 @@ def test_disconnect_aborts_and_frees_slot_and_pages(server):
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
         socks.append(s)
-    time.sleep(0.3)                           # the server reads both bodies and queues them
+    # the server reads the four bodies and queues their 16 choices behind the holder (polled, not slept: on a fast
+    # machine the holder's 200 tokens take a fraction of a second, and a queued choice admitted early could finish)
+    deadline = time.monotonic() + 30
+    while _metric(base, "ulacache_requests_queued") < 4 * MAX_SEQS:
+        assert time.monotonic() < deadline, "the 16 choices were never queued together"
+        time.sleep(0.01)
     for s in socks:
         s.close()
     holder.sock.shutdown(socket.SHUT_RDWR)
