@@ -331,3 +331,33 @@ def test_metrics_report_cache_figures(server):
                                                                                "ulacache_hbm_misses_total")
     assert hits + misses > 0          # the prompts are longer than the 64-token budget: pages were selected
     assert _metric(server["base"], "ulacache_generated_tokens_total") > 0
+
+
+def test_logprobs_and_penalties_through_the_openai_client(server, offline):
+    """Chat logprobs (logprobs + top_logprobs) and completion logprobs come back in OpenAI's shapes, one entry per
+    generated token, the chosen token's logprob among its alternatives' (greedy: it is the best); the penalties and
+    min_p are accepted, neutral values change nothing, and a per-request token_budget above the cap is a 400."""
+    client = _client(server)
+    r = client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    text, n, _ = offline[("chat", 0)]
+    assert r.choices[0].message.content == text
+    content = r.choices[0].logprobs.content
+    assert len(content) == n == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert abs(entry.logprob - max(t.logprob for t in entry.top_logprobs)) < 1e-5   # greedy: the argmax
+    c = client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+    assert len(c.choices[0].logprobs.token_logprobs) == c.usage.completion_tokens
+    # a dict {token text: logprob} per token (OpenAI's legacy shape): two alternatives spelled alike (bytes that
+    # are not UTF-8 on their own both read as U+FFFD) share a key
+    assert all(1 <= len(t) <= 2 for t in c.choices[0].logprobs.top_logprobs)
+    same = client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                     presence_penalty=0, frequency_penalty=0,
+                                     extra_body={"repetition_penalty": 1.0, "min_p": 0.0})
+    assert same.choices[0].text == offline[("text", 0)][0]
+    rep = client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                    frequency_penalty=2.0, extra_body={"repetition_penalty": 1.5})
+    assert rep.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="token_budget"):
+        client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=4, extra_body={"token_budget": 1 << 20})
