@@ -53,6 +53,7 @@ from ulacache_jax.runtime.sampling import MAX_LOGPROBS, PenaltyState, SamplingAr
 from ulacache_jax.runtime.sequences import CapacityError
 from ulacache_jax.runtime.slots import SlotTable
 from ulacache_jax.runtime.speculative.decoder import SpecDecoder
+from ulacache_jax.runtime.speculative.rules import SpecConfig
 from ulacache_jax.runtime.text import apply_stop, encode_prompt
 from ulacache_jax.runtime.tp import prepare_model
 
@@ -85,6 +86,10 @@ class Engine:
                  clock=time.perf_counter, speculative=None):
         if (model is None) == (generator is None):
             raise ValueError("give exactly one of model or generator")
+        if model is not None:
+            validate.check_model(model, "Engine")
+        tp = validate.check_tp_count(tp)
+        validate.check_speculative(speculative, SpecConfig)
         if generator is None:
             if cache_config is None:
                 model = prepare_model(model, tp)
@@ -194,7 +199,11 @@ class Engine:
         Speculative decoding verifies drafts against the distribution `sampling.truncated_sorted` describes, which
         min-p is part of (exact); the penalties would need each verification row's counts to include the drafts
         before it, and the logprobs each accepted row's logits, which the verification programs do not carry:
-        refused rather than approximated."""
+        refused rather than approximated. Stop strings are matched on decoded text: without a tokenizer they could
+        never match (refused, not silently ignored)."""
+        if sp.stop and self.tokenizer is None:
+            raise RequestError(f"stop strings {list(sp.stop)!r} need the engine's tokenizer to decode the text (build "
+                               "the Engine with tokenizer=...), or use stop_ids")
         if self.spec is not None:
             if sp.penalized:
                 raise RequestError("presence_penalty / frequency_penalty / repetition_penalty are not supported with "

@@ -15,6 +15,7 @@ from ulacache_jax.cache.decode_layer import DecodeOptions
 from ulacache_jax.runtime.engine import Engine, SamplingParams
 from ulacache_jax.runtime.generator import DenseCache, Generator, bucket_length, bucket_pages, default_cache_config  # noqa: F401
 from ulacache_jax.runtime import validate
+from ulacache_jax.runtime.speculative.rules import SpecConfig
 from ulacache_jax.runtime.text import check_stop_strings, encode_prompt, is_text
 from ulacache_jax.runtime.tp import check_tp, prepare_model
 
@@ -58,6 +59,9 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
     min_p, presence_penalty, frequency_penalty, repetition_penalty, logprobs: as SamplingParams' (the penalties
     and logprobs are refused with speculative decoding); with logprobs (an int k), each output is a pair (tokens or
     text, list of requests.TokenLogprob: each token's raw model logprob and the k best alternatives)."""
+    validate.check_model(model)
+    tp = validate.check_tp_count(tp)
+    validate.check_speculative(speculative, SpecConfig)
     k0 = model.config.num_kv_heads
     model = prepare_model(model, tp)
     mc = model.config

@@ -88,8 +88,10 @@ class SamplingParams:
             raise RequestError(f"attention = {self.attention!r} must be None, 'sparse' or 'dense'")
         if self.attention == "dense" and tb is not None:
             raise RequestError(f"attention = 'dense' attends every page: give no token_budget (it is {tb})")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
-            raise RequestError(f"seed = {self.seed!r} must be an int or None")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
+                                      or not 0 <= self.seed < 2**32):
+            # the seed becomes a uint32 PRNG key: one outside [0, 2**32) would be taken modulo, silently another's
+            raise RequestError(f"seed = {self.seed!r} must be None or an int in [0, 2**32)")
         for t in self.stop_ids or ():
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
                 raise RequestError(f"stop id {t!r} must be an int in [0, vocab_size = {vocab_size})")

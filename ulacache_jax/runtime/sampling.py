@@ -67,8 +67,8 @@ def row_keys(seeds, counters):
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int, vocab_size: int) -> None:
-    if not (temperature >= 0.0):
-        raise ValueError(f"temperature = {temperature} must be >= 0 (0 = greedy)")
+    if not (0.0 <= temperature < float("inf")):
+        raise ValueError(f"temperature = {temperature} must be a finite number >= 0 (0 = greedy)")
     if not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p = {top_p} must be in (0, 1]")
     if not (isinstance(top_k, int) and 0 <= top_k <= vocab_size):

@@ -162,3 +162,28 @@ def check_generate_args(prompt_ids, vocab_size: int, *, max_new_tokens, temperat
             "max_new_tokens": check_max_new_tokens(max_new_tokens),
             "temperature": t, "top_p": p, "top_k": k, "seed": check_seed(seed),
             "stop_ids": check_stop_ids(stop_ids, vocab_size)}
+
+
+def check_model(model: Any, where: str = "generate()") -> None:
+    """A model object with a config (models.LlamaModel), not a name or a path: the runtime does not load files
+    (models.from_pretrained does, the CLI's --model takes names and paths)."""
+    if model is None or isinstance(model, (str, bytes)) or hasattr(model, "__fspath__") or \
+            not hasattr(model, "config"):
+        hint = (f"; load it first: ulacache_jax.models.from_pretrained({str(model)!r})"
+                if isinstance(model, str) or hasattr(model, "__fspath__") else "")
+        raise TypeError(f"{where}: model = {_describe(model)} must be a loaded model (ulacache_jax.models."
+                        f"LlamaModel){hint}")
+
+
+def check_tp_count(tp: Any) -> int:
+    """tp: an int >= 1 (tensor-parallel ranks)."""
+    if not _is_int(tp) or int(tp) < 1:
+        raise ValueError(f"tp = {_describe(tp)} must be an int >= 1 (tensor-parallel ranks)")
+    return int(tp)
+
+
+def check_speculative(spec: Any, config_type: type) -> None:
+    """speculative: None or a SpecConfig (`config_type`), not its method's name."""
+    if spec is not None and not isinstance(spec, config_type):
+        raise TypeError(f"speculative = {_describe(spec)} must be None or a SpecConfig (e.g. "
+                        f"SpecConfig('ngram', num_tokens=4))")

@@ -1,0 +1,61 @@
+"""Issue 51's newcomer cases at the Python API: each a clear error naming the value (not an AttributeError,
+ZeroDivisionError or a silent reinterpretation), leaving nothing behind."""
+import pytest
+
+from ulacache_jax import generate
+from ulacache_jax.runtime.engine import Engine
+from ulacache_jax.runtime.requests import SamplingParams
+from cache_steps import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (None, r"model = None must be a loaded model"),
+    ("smollm2-135m", r"model = 'smollm2-135m' must be a loaded model .*from_pretrained\('smollm2-135m'\)"),
+    ("/tmp", r"model = '/tmp' must be a loaded model"),
+])
+def test_generate_and_engine_refuse_a_model_name(bad, message):
+    with pytest.raises(TypeError, match=message):
+        generate(bad, [[1, 2, 3]], max_new_tokens=2)
+    if bad is None:      # Engine(None): neither a model nor a generator
+        with pytest.raises(ValueError, match="give exactly one of model or generator"):
+            Engine(bad)
+    else:
+        with pytest.raises(TypeError, match=message.replace("model =", "Engine: model =")):
+            Engine(bad)
+
+
+def test_tp_and_speculative_types(model):
+    for tp in (0, -1, 1.5, "2"):
+        with pytest.raises(ValueError, match=r"tp = .* must be an int >= 1"):
+            generate(model, [[1, 2, 3]], max_new_tokens=2, tp=tp)
+    with pytest.raises(TypeError, match=r"speculative = 'ngram' must be None or a SpecConfig"):
+        generate(model, [[1, 2, 3]], max_new_tokens=2, speculative="ngram")
+    with pytest.raises(TypeError, match=r"speculative = 'ngram' must be None or a SpecConfig"):
+        Engine(model, speculative="ngram")
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(seed=4294967301), r"seed = 4294967301 must be None or an int in \[0, 2\*\*32\)"),
+    (dict(seed=-1), r"seed = -1 must be None or an int in \[0, 2\*\*32\)"),
+    (dict(temperature=float("inf")), r"temperature = inf must be a finite number >= 0"),
+])
+def test_sampling_params_refuse_what_would_be_reinterpreted(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw).check(256)
+
+
+def test_stop_strings_without_a_tokenizer_fail_the_request(model):
+    """An Engine without a tokenizer cannot match stop strings: the request fails with a message, the others run."""
+    eng = Engine(model, max_seqs=2, max_context=64)
+    bad = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=2, stop=("a",)))
+    good = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.get(bad).finish_reason == "error" and "need the engine's tokenizer" in eng.get(bad).error
+    assert eng.get(good).finish_reason == "length" and len(eng.get(good).tokens) == 2
+    assert eng.occupancy()["slots_used"] == 0
