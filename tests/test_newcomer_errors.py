@@ -59,3 +59,29 @@ def test_stop_strings_without_a_tokenizer_fail_the_request(model):
     assert eng.get(bad).finish_reason == "error" and "need the engine's tokenizer" in eng.get(bad).error
     assert eng.get(good).finish_reason == "length" and len(eng.get(good).tokens) == 2
     assert eng.occupancy()["slots_used"] == 0
+
+
+def test_cli_cases_are_one_line_errors_before_loading(tmp_path):
+    """The real command, in subprocesses: --tp beyond the devices, a --draft-model that does not exist,
+    --num-speculative-tokens without --speculative: exit 2, one line naming the option, no output file; and a
+    preset as the draft model (as --help says) runs."""
+    import json
+    from test_cli_safety import ARGS, _cmd, _run_all
+    inp = tmp_path / "p.jsonl"
+    inp.write_text(json.dumps({"id": 1, "prompt_ids": [1, 2, 3]}) + "\n")
+    cases = [(["--tp", "2"], "--tp 2: tp = 2 needs 2 devices but only 1"),
+             (["--speculative", "draft", "--draft-model", "nosuch"], "--draft-model 'nosuch': no such file"),
+             (["--num-speculative-tokens", "3"], "--num-speculative-tokens 3 needs --speculative")]
+    cmds = [_cmd("--input", str(inp), "--output", str(tmp_path / f"o{i}.jsonl"), *extra, *ARGS)
+            for i, (extra, _) in enumerate(cases)]
+    cmds.append(_cmd("--input", str(inp), "--output", str(tmp_path / "draft.jsonl"), "--speculative", "draft",
+                     "--draft-model", "tiny", *ARGS))
+    got = _run_all(cmds)
+    for i, ((rc, _, err), (_, msg)) in enumerate(zip(got, cases)):
+        assert rc == 2 and msg in err and "Traceback" not in err, err
+        assert len([x for x in err.splitlines() if "error" in x]) == 1, err
+        assert not (tmp_path / f"o{i}.jsonl").exists()
+    rc, _, err = got[-1]
+    assert rc == 0, err
+    (row,) = [json.loads(x) for x in (tmp_path / "draft.jsonl").read_text().splitlines()]
+    assert row["finish_reason"] == "length" and len(row["token_ids"]) == 8

@@ -182,8 +182,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: ngram = prompt lookup (drafts copied from the prompt and the text so "
                         "far), draft = a smaller model of the same tokenizer (--draft-model); greedy output is "
                         "unchanged, sampled output keeps its distribution (default: off)")
-    p.add_argument("--num-speculative-tokens", type=_positive_int, default=4, metavar="K",
-                   help="drafts verified per step at most (with --speculative; < --page-size)")
+    p.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K",
+                   help="drafts verified per step at most (with --speculative; < --page-size; default 4)")
     p.add_argument("--draft-model", default=None, metavar="PATH",
                    help="the draft model of --speculative draft: a preset name, GGUF file or model folder")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
@@ -394,7 +394,10 @@ def load_model(spec: str | None, dtype: str, seed: int, tp_mod=None, tp: int = 1
     from ulacache_jax import models
 
     jdt = jnp.dtype(resolve_dtype(dtype))
-    mesh = tp_mod.make_mesh(tp) if tp_mod is not None and tp > 1 else None
+    try:
+        mesh = tp_mod.make_mesh(tp) if tp_mod is not None and tp > 1 else None
+    except ValueError as e:        # fewer devices than --tp
+        raise UsageError(f"--tp {tp}: {e}") from None
     name = spec or DEFAULT_MODEL
     path = pathlib.Path(name)
     if name in models.PRETRAINED and not path.exists():     # a trained model shipped in a package (SmolLM2)
@@ -795,14 +798,34 @@ def _spec_config(args):
     if args.speculative is None:
         if args.draft_model is not None:
             raise UsageError("--draft-model needs --speculative draft")
+        if args.num_speculative_tokens is not None:
+            raise UsageError(f"--num-speculative-tokens {args.num_speculative_tokens} needs --speculative ngram|draft "
+                             "(without it nothing is drafted)")
         return None
     if (args.speculative == "draft") != (args.draft_model is not None):
         raise UsageError("--speculative draft needs --draft-model PATH (and --draft-model only goes with it)")
-    if args.num_speculative_tokens >= args.page_size:
-        raise UsageError(f"--num-speculative-tokens {args.num_speculative_tokens} must be < --page-size "
-                         f"{args.page_size}")
+    k = num_speculative_tokens(args)
+    if k >= args.page_size:
+        raise UsageError(f"--num-speculative-tokens {k} must be < --page-size {args.page_size}")
+    if args.draft_model is not None:
+        check_model_spec(args.draft_model, "--draft-model")
     from ulacache_jax.runtime.speculative.rules import SpecConfig
-    return SpecConfig(args.speculative, args.num_speculative_tokens, draft_model=args.draft_model)
+    return SpecConfig(args.speculative, k, draft_model=args.draft_model)
+
+
+def num_speculative_tokens(args) -> int:
+    """--num-speculative-tokens, 4 when not given."""
+    return 4 if args.num_speculative_tokens is None else args.num_speculative_tokens
+
+
+def check_model_spec(spec: str, flag: str) -> None:
+    """A model named on the command line is a preset, a packaged pretrained model or an existing path: checked
+    before anything loads (a bad --draft-model used to fail after the main model had loaded)."""
+    from ulacache_jax import models
+    if spec in models.PRESETS or spec in models.PRETRAINED or pathlib.Path(spec).exists():
+        return
+    raise UsageError(f"{flag} {spec!r}: no such file or folder, and not a preset (presets: "
+                     f"{', '.join(models.PRESETS)}) or a packaged model ({', '.join(models.PRETRAINED)})")
 
 
 def _channel_table(args):
@@ -1011,7 +1034,7 @@ def run_settings(args) -> dict:
                 "max_context": args.max_context, "token_budget": args.token_budget, "page_size": args.page_size,
                 "attention": args.attention}
     for name, default in _FINGERPRINTED_WHEN_SET.items():
-        v = getattr(args, name)
+        v = num_speculative_tokens(args) if name == "num_speculative_tokens" else getattr(args, name)
         if v != default:
             if name == "channel_table" and v != "online":
                 p = pathlib.Path(v)
@@ -1198,6 +1221,10 @@ def make_engine(args, loaded: LoadedModel, cfg, param_bytes: int):
     print(f"ulacache: attention {decision.summary()}", file=sys.stderr)
     check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes(), attention=decision.kind)
     spec = _spec_config(args)
+    if spec is not None and spec.method == "draft":
+        # the draft loads as --model does (a preset, a packaged model, a GGUF or a folder), in the run's dtype
+        draft = load_model(args.draft_model, args.dtype, args.seed)
+        spec = dataclasses.replace(spec, draft_model=draft.model)
     try:
         engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
                         max_prefill_tokens_per_step=args.max_prefill_tokens,
@@ -1210,6 +1237,7 @@ def make_engine(args, loaded: LoadedModel, cfg, param_bytes: int):
 def cmd_generate(args) -> int:
     t_start = time.perf_counter()
     check_tier_flags(args)
+    _spec_config(args)                 # its option errors before anything loads
     check_paths(args)
     lock = jsonl_io.OutputLock(args.output).acquire()
     try:
