@@ -239,7 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine steps between checkpoints (a step decodes one chunk of --page-size tokens for every "
                         f"running request); default: as often as keeps saving under {100 * CHECKPOINT_SHARE:.0f}%% of the "
                         "run's time (a save after a step once 20x the last save's duration has passed)")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress: neither the bar on a terminal nor the log lines without one")
+    g.add_argument("--progress-every", type=_positive_float, default=10.0, metavar="SECONDS",
+                   help="without a terminal (a batch log), a progress line every SECONDS: requests done, tok/s, "
+                        "running / queued, HBM hit rate (default 10)")
     g.add_argument("--quiet", action="store_true", help="do not print the report")
     add_engine_args(g)
 
@@ -1002,7 +1006,8 @@ NOT_IN_FINGERPRINT = {
     "output": "where results go", "report": "a side file", "plot": "a side file",
     "resume": "how the output is opened", "force": "--resume's override", "overwrite": "how the output is opened",
     "checkpoint_dir": "where the batch is saved", "checkpoint_every": "when the batch is saved",
-    "compile_cache": "where compiled programs are kept", "no_progress": "the progress bar", "quiet": "the report",
+    "compile_cache": "where compiled programs are kept", "no_progress": "the progress bar",
+    "progress_every": "how often progress is logged", "quiet": "the report",
     "hbm_pages": "the HBM tier's size: which pages are resident, not which are selected",
     "host_gb": "the host tier's size", "max_seqs": "how many requests decode together (each keeps its own seed)",
     "tp": "how the model is split over devices", "max_prefill_tokens": "how a prefill is split over steps",
@@ -1350,10 +1355,13 @@ def _generate_locked(args, t_start: float) -> int:
                 ck_stats["saves"] += 1
                 ck_stats["seconds"] += time.perf_counter() - t0
                 ck_stats["last_s"], ck_stats["last_end"] = time.perf_counter() - t0, time.perf_counter()
-            bar = None
+            bar = log = None
             if _is_tty(sys.stderr) and not args.no_progress:
                 from tqdm import tqdm
                 bar = tqdm(total=len(records), unit="req", file=sys.stderr, dynamic_ncols=True)
+            elif not args.no_progress:
+                from ulacache_jax.app.progress import ProgressLog
+                log = ProgressLog(len(records), every=args.progress_every)
             n_tokens = 0
             try:
                 while engine.has_unfinished():
@@ -1380,6 +1388,8 @@ def _generate_locked(args, t_start: float) -> int:
                     last = not engine.has_unfinished() and (ck_old or ck_stats["saves"])
                     if args.checkpoint_dir and (due or last):
                         save_checkpoint()          # after the results are written: the last one holds nothing
+                    if log is not None:
+                        log.update(len(finished), n_tokens, engine)
                     if bar is not None:
                         el = engine.elapsed()
                         bar.set_postfix_str(f"{n_tokens / el:.1f} tok/s, {engine.num_running} running, "
@@ -1389,6 +1399,8 @@ def _generate_locked(args, t_start: float) -> int:
             finally:
                 if bar is not None:
                     bar.close()
+                if log is not None:
+                    log.close()
     except OutputError as e:
         write_error = e
     finally:
@@ -1397,7 +1409,8 @@ def _generate_locked(args, t_start: float) -> int:
         _finish_resume(args)
     if engine is not None:
         rep = report_mod.build_report(
-            engine, finished, wall_s=time.perf_counter() - t_start, model_label=loaded.label,
+            engine, finished, wall_s=time.perf_counter() - t_start, load_s=engine.t0 - t_start,
+            model_label=loaded.label,
             random_weights=loaded.random_weights, param_bytes=param_bytes,
             extra={"input": args.input, "output": args.output, "settings": settings,
                    "settings_fingerprint": fingerprint, "attention_requested": args.attention,

@@ -36,8 +36,11 @@ def _ms(x):
 
 
 def build_report(engine, requests=None, *, wall_s: float | None = None, model_label: str = "",
-                 random_weights: bool = False, param_bytes: int | None = None, extra: dict | None = None) -> dict:
-    """A JSON-able dict. `requests`: the finished Requests to summarise (default: those the engine still holds)."""
+                 random_weights: bool = False, param_bytes: int | None = None, extra: dict | None = None,
+                 load_s: float | None = None) -> dict:
+    """A JSON-able dict. `requests`: the finished Requests to summarise (default: those the engine still holds).
+    load_s: seconds from the process's start to the engine's (model load, cache build); the wall time splits into
+    it, the steps that compiled, the steady steps and the rest (idle between steps, writing results)."""
     c: CacheConfig = engine.config
     backend = engine.gen.backend        # the kind that ran, resolved once by backends.make_backend
     reqs = list(engine.requests.values()) if requests is None else list(requests)
@@ -99,6 +102,8 @@ def build_report(engine, requests=None, *, wall_s: float | None = None, model_la
         "engine_s": t_total,
         "compile_steps_s": compile_s,
         "compile_steps": len(compiled),
+        "load_s": load_s,
+        "steady_steps_s": sum(r.t_end - r.t_start for r in steady),
         "throughput": {
             "generated_tokens_per_s": gen_tokens / wall if wall > 0 else None,
             "decode_tokens_per_s_steady": dec_tok / dec_s if dec_s > 0 else None,
@@ -166,6 +171,19 @@ def _f(x, fmt="{:.2f}", none="n/a") -> str:
     return none if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
 
+def _time_line(rep: dict) -> str:
+    """Where the wall time went: load (model and cache, before the engine), steps that compiled (the compile and
+    the step's own work: its prefill and a whole decode chunk), steady steps, and the rest."""
+    wall, comp = rep["wall_s"], rep["compile_steps_s"]
+    load, steady = rep.get("load_s"), rep.get("steady_steps_s")
+    if load is None or steady is None:
+        return f"  time:     {wall:.2f} s wall, of which {comp:.2f} s in {rep['compile_steps']} steps that compiled"
+    rest = max(0.0, wall - load - comp - steady)
+    return (f"  time:     {wall:.2f} s wall = load {load:.2f} s (model, cache) + {comp:.2f} s in "
+            f"{rep['compile_steps']} steps that compiled (compile + the steps' own prefill / decode chunk) + "
+            f"{steady:.2f} s steady steps + {rest:.2f} s other (between steps, writing results)")
+
+
 def format_report(rep: dict) -> str:
     c = rep["cache_config"]
     q, tp, lat, ca, fp = rep["requests"], rep["throughput"], rep["latency_ms"], rep["cache"], rep["footprint"]
@@ -180,8 +198,7 @@ def format_report(rep: dict) -> str:
         f"HBM frames {c['num_buckets'] * c['slots_per_bucket']}, host pages {c['host_pages']}, dtype {c['dtype']}",
         f"  requests: {q['total']} ({q['ok']} ok, {q['failed']} failed; finish reasons {q['finish_reasons']})",
         f"  tokens:   {rep['tokens']['prompt']} prompt, {rep['tokens']['generated']} generated",
-        f"  time:     {rep['wall_s']:.2f} s wall, of which {rep['compile_steps_s']:.2f} s in "
-        f"{rep['compile_steps']} steps that compiled",
+        _time_line(rep),
         f"  throughput: {_f(tp['generated_tokens_per_s'], '{:.1f}')} generated tok/s end to end; steady decode "
         f"{_f(tp['decode_tokens_per_s_steady'], '{:.1f}')} tok/s, "
         f"prefill {_f(tp['prefill_tokens_per_s_steady'], '{:.0f}')} tok/s",
@@ -222,7 +239,8 @@ def write_json(rep: dict, path: str | os.PathLike) -> None:
 
 
 def plot_timeline(rep: dict, path: str | os.PathLike, *, max_gantt_rows: int = 64) -> None:
-    """PNG of a run at a glance, three panels on one time axis (seconds since the engine started):
+    """PNG of a run at a glance, three panels on one time axis (seconds since the process started: the load before
+    the engine is shaded, where the report has `load_s`; else since the engine started):
     - requests: one row each (queued, prefill, decode, finished), the first `max_gantt_rows` of them (the panel
       title says when more ran), so hundreds of requests stay fast and readable;
     - generated tokens/s per step;
@@ -237,13 +255,16 @@ def plot_timeline(rep: dict, path: str | os.PathLike, *, max_gantt_rows: int = 6
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tl = rep.get("timeline") or []
-    reqs = sorted(rep.get("request_timeline") or [], key=lambda r: r["id"])
+    # the axis starts at the process's start: the engine's times shifted by the load before it (shaded)
+    off = float(rep.get("load_s") or 0.0)
+    tl = [dict(r, t_end_s=r["t_end_s"] + off) for r in rep.get("timeline") or []]
+    reqs = sorted(({k: (v + off if k.startswith("t_") and k.endswith("_s") and v is not None else v)
+                    for k, v in r.items()} for r in rep.get("request_timeline") or []), key=lambda r: r["id"])
     shown = reqs[:max_gantt_rows]
     t_end = np.array([r["t_end_s"] for r in tl], np.float64)             # [steps]
     t_start = t_end - np.array([r["step_s"] for r in tl], np.float64)    # [steps]
     compiled = np.array([bool(r["compiled"]) for r in tl], bool)         # [steps]
-    t_max = max([float(t_end.max()) if tl else 0.0, float(rep.get("engine_s") or 0.0)]
+    t_max = max([float(t_end.max()) if tl else 0.0, off + float(rep.get("engine_s") or 0.0)]
                 + [r[k] for r in shown for k in ("t_added_s", "t_finished_s") if r.get(k) is not None]) or 1.0
 
     gantt_h = min(max(0.11 * len(shown) + 0.8, 1.6), 6.5)
@@ -255,6 +276,11 @@ def plot_timeline(rep: dict, path: str | os.PathLike, *, max_gantt_rows: int = 6
         for a, b in zip(t_start[compiled], t_end[compiled]):
             ax.axvspan(a, b, zorder=0, **_compile_span())
         ax.grid(alpha=0.3, axis="x" if ax is ax_r else "both")
+    if off > 0:
+        for ax in (ax_r, ax_t, ax_h):
+            ax.axvspan(0, off, zorder=0, color="0.85", alpha=0.6)
+        ax_t.text(off / 2, 0.96, f"load\n{off:.1f} s", ha="center", va="top", fontsize=7, color="0.3",
+                  transform=ax_t.get_xaxis_transform(), zorder=4)
     for a, b in zip(t_start[compiled], t_end[compiled]):
         if b - a > 0.04 * t_max:   # wide enough to name; its own rate point sits near 0, the top is free
             ax_t.text((a + b) / 2, 0.96, f"compile\n{b - a:.1f} s", ha="center", va="top", fontsize=7,
@@ -303,7 +329,7 @@ def plot_timeline(rep: dict, path: str | os.PathLike, *, max_gantt_rows: int = 6
         ax_h.set_ylim(-0.03, 1.03)
         ax_h.set_ylabel("HBM hit rate")
     ax_h.set_xlim(0, 1.02 * t_max)
-    ax_h.set_xlabel("seconds since engine start")
+    ax_h.set_xlabel("seconds since the process started" if off > 0 else "seconds since engine start")
     fig.tight_layout()
     from ulacache_jax.app.jsonl_io import atomic_write
     try:
