@@ -132,7 +132,8 @@ class Program:
     logits(params, x, length) -> [V] of the last prompt token
     decode(params, cache, host, tok, done, remaining, keys, sampling, stop_ids)
         -> (cache, host, tokens [S, page_size], done, remaining, LayerStats of [R] per rank)   cache, host donated
-    decode_steps(n): the same for a chunk of n steps (n a power of two <= page_size)
+    decode_steps(n): the same for a chunk of n steps (n a power of two <= page_size); decode_steps(n, phased=True)
+        takes phase [S] after stop_ids: each slot's steps since its last flush point (keys and flushes follow it)
     next_logits(params, cache, host, tok) -> [S, V]: one step's logits, nothing committed.
     verify(rows), propose(rows), commit, spec_chunk(steps, K, ngram_max, min_drafts): speculative decoding
     (speculative.py); set_row(hist [S, C], slot, row [C]) -> hist: the chunk's device history, hist donated."""
@@ -160,8 +161,8 @@ class Program:
                                  donate_argnums=(1, 2))
         self.prefill_layer_from = jit(self._prefill_layer_from, (lps, vs) + (r,) * 6, (vs, r), (view_sh, None),
                                       donate_argnums=(1, 2))
-        def decode(steps):
-            return jit(functools.partial(self._decode, steps=steps), (ps, cs, hs) + (r,) * 6,
+        def decode(steps, phased=False):
+            return jit(functools.partial(self._decode, steps=steps), (ps, cs, hs) + (r,) * (7 if phased else 6),
                        (cs, hs, r, r, r, stats_spec), (None, host_sh, None, None, None, None), donate_argnums=(1, 2))
         self._decode_for = functools.lru_cache(maxsize=None)(decode)
         self.decode = self._decode_for(config.page_size)
@@ -184,13 +185,14 @@ class Program:
             (ps, cs, hs) + (r,) * 9, (cs, hs) + (r,) * 8 + (stats_spec,), (None, host_sh) + (None,) * 9,
             donate_argnums=(1, 2, 3)))
 
-    def decode_steps(self, steps: int):
+    def decode_steps(self, steps: int, phased: bool = False):
         """The decode program of a chunk of `steps` steps (a power of two up to page_size: a request's last chunk
-        runs only the steps it needs, and only log2(page_size) + 1 programs exist)."""
+        runs only the steps it needs, and only log2(page_size) + 1 programs exist). phased: the program takes one
+        more argument, phase [S] (see `_decode`): the Engine's, whose chunks may be shorter than a page."""
         page = self.config.page_size
         if steps < 1 or steps > page or steps & (steps - 1):
             raise ValueError(f"steps = {steps} must be a power of two in [1, page_size = {page}]")
-        return self._decode_for(steps)
+        return self._decode_for(steps, bool(phased))
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def _embed(self, params, ids):
@@ -234,10 +236,13 @@ class Program:
         return view, _token_chunks(block.finish, C, x, attn)
 
     # ---- decode --------------------------------------------------------------------------------------------
-    def _decode(self, params, cache, host, tok, done, remaining, keys, sampling, stop_ids, *, steps: int):
+    def _decode(self, params, cache, host, tok, done, remaining, keys, sampling, stop_ids, phase=None, *,
+                steps: int):
         """`steps` decode steps for every slot. tok [S] last token, done [S], remaining [S] tokens still
         allowed, keys [S] one PRNG key per slot for this chunk. Tokens [S, steps] are -1 where nothing was
-        produced."""
+        produced. phase [S] int32 (None: 0 and every slot flushed at the end): the slot's decode steps since its
+        last flush point; step i draws from fold_in(key, phase + i), and only slots whose phase + steps reaches
+        page_size flush, so chunks shorter than a page give the tokens one page_size chunk gives."""
         ops, model = self.ops, nnx.merge(self.graphdef, params)
         rank = jax.lax.axis_index(TP_AXIS)
         S = tok.shape[0]
@@ -246,8 +251,10 @@ class Program:
         def body(i, carry):
             cache, tok, done, remaining, length, out, stats = carry
             live = ~done
-            cache, nxt, st = decode_step(model, ops, cache, tok, DecodeMeta(length, live, rank, host),
-                                         jax.vmap(jax.random.fold_in, (0, None))(keys, i), sampling)
+            step_keys = (jax.vmap(jax.random.fold_in, (0, None))(keys, i) if phase is None
+                         else jax.vmap(jax.random.fold_in)(keys, phase + i))
+            cache, nxt, st = decode_step(model, ops, cache, tok, DecodeMeta(length, live, rank, host), step_keys,
+                                         sampling)
             length = length + live
             remaining = remaining - live
             done = done | (live & ((remaining <= 0) | jnp.isin(nxt, stop_ids)))
@@ -258,7 +265,8 @@ class Program:
         out = jnp.full((steps, S), -1, jnp.int32)
         carry = (cache, tok, done, remaining, ops.lengths(cache), out, LayerStats.zeros())
         cache, tok, done, remaining, length, out, stats = jax.lax.fori_loop(0, steps, body, carry)
-        cache, host = ops.end_chunk(cache, host, length)
+        flush = None if phase is None else phase + steps >= self.config.page_size     # [S]: at a flush point
+        cache, host = ops.end_chunk(cache, host, length, flush)
         return cache, host, out.T, done, remaining, jax.tree.map(lambda a: a[None], stats)
 
     # ---- speculative decoding (speculative.py) ----------------------------------------------------------------
