@@ -142,14 +142,15 @@ class Engine:
                 # a verification attends 1 + K rows per sequence in one call: stage their overflow pages too
                 cache_config = dataclasses.replace(cache_config, verify_rows=max(cache_config.verify_rows,
                                                                                  speculative.num_tokens + 1))
-            generator = Generator(model, cache_config, attention=attention, options=options)
-        c = generator.config
-        # checked before anything changes (set_prefix_cache below changes a given generator)
+        c = generator.config if generator is not None else cache_config
+        # checked before anything is built or changed (set_prefix_cache below changes a given generator)
         if max_prefill_tokens_per_step is not None and max_prefill_tokens_per_step < 1:
             raise ValueError(f"max_prefill_tokens_per_step = {max_prefill_tokens_per_step} must be >= 1")
         self.prefill_chunk_tokens = _check_prefill_chunk(prefill_chunk_tokens, c)
         self.max_prefill_tokens_per_step = max_prefill_tokens_per_step or prefill_chunk_tokens or c.max_context
         self.decode_chunk_steps = _check_decode_chunk(decode_chunk_steps, c, speculative)
+        if generator is None:
+            generator = Generator(model, cache_config, attention=attention, options=options)
         self.gen = generator
         # shared prefixes (prefix_cache.py), on by default (None) unless the selection rule refuses them (the key
         # copy: they would change its channels; Generator.set_prefix_cache): prompts that start with the complete
