@@ -184,7 +184,7 @@ class Engine:
         # decoding), oldest first: each step continues these before admitting queued requests
         self._prefilling: collections.OrderedDict[int, PrefillProgress] = collections.OrderedDict()
         self._chunks = 0
-        self._seen_buckets: set[int] = set()
+        self._seen_buckets: set[tuple[int, int]] = set()     # (chunk bucket, earlier-tokens bucket) prefilled
         self._seen_steps: set[int] = set()
         self.no_stops = jnp.full(_NO_STOPS, -1, jnp.int32)   # the chunk's stop ids: none (matched on the host)
         self.timeline: list[StepRecord] = []
