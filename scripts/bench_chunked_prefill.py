@@ -197,7 +197,7 @@ def main(argv=None):
     cadences = [int(c) for c in args.cadences.split(",")]
     if args.running_new is None:
         # the running requests decode through the long prompt's admission (whole, or one chunk a step) and after
-        args.running_new = cadences[0] * (args.warm_steps + 2 + -(-args.long_prompt // args.chunk))
+        args.running_new = cadences[0] * (args.warm_steps + 1 + -(-args.long_prompt // args.chunk))
     from scripts.bench_meta import Results, git_commit, run_meta
     from ulacache_jax.runtime.generation import Generator, default_cache_config
     model, running, long_ = _load(args)
@@ -242,8 +242,8 @@ def main(argv=None):
     for r in res.rows:
         if r["kind"] == "scenario":
             name = f"{'chunk ' + str(r['chunk']) if r['chunk'] else 'whole'}, cadence {r['cadence']}"
-            print(f"{name:24s} {r['window_gap_p50_ms']:9.1f} {r['window_gap_p99_ms']:9.1f} {r['window_gap_max_ms']:9.1f}"
-                  f" {r['window_itl_p50_ms']:9.2f} {r['window_itl_p99_ms']:9.2f} {r['ttft_long_s']:9.2f} "
+            print(f"{name:24s} {r['window_gap_p50_ms']:9.1f} {r['window_gap_p99_ms']:9.1f} "
+                  f"{r['window_gap_max_ms']:9.1f} {r['window_itl_p50_ms']:9.2f} {r['window_itl_p99_ms']:9.2f} {r['ttft_long_s']:9.2f} "
                   f"{r['steps_long']:5d} {r['same_tokens']}")
         else:
             print(f"cadence {r['cadence']:3d}: {r['tokens_per_s']:.1f} decode tokens/s (step p50 "

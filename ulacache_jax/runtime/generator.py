@@ -2,11 +2,11 @@
 sizing policy (`default_cache_config`) that generate, the Engine, TP and the CLI use.
 
 The Generator is the host-side driver of the program: `admit` a sequence into a slot, `prefill` it layer by layer
-(the prompt length bucketed to a power of two, so lengths do not recompile; or a chunk at a time,
-`begin_prefill` / `prefill_next`, each chunk attending to the earlier ones' K/V in the cache), `decode_chunk`
-every slot for up to `page_size` steps (one host sync per chunk), `release` the slot. The Engine schedules requests over it;
-`generate()` runs on the Engine. Tensor parallelism is the same Generator over a mesh of `cache_config.tp`
-devices (a single device is a mesh of one): the params are placed by `tp.param_specs`, the cache by the backend.
+(the prompt length bucketed to a power of two, so lengths do not recompile; or a chunk at a time, `begin_prefill` /
+`prefill_next`, each chunk attending to the earlier ones' K/V in the cache), `decode_chunk` every slot for up to
+`page_size` steps (one host sync per chunk), `release` the slot. The Engine schedules requests over it; `generate()`
+runs on the Engine. Tensor parallelism is the same Generator over a mesh of `cache_config.tp` devices (a single
+device is a mesh of one): the params are placed by `tp.param_specs`, the cache by the backend.
 """
 from __future__ import annotations
 
