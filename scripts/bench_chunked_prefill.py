@@ -9,7 +9,9 @@ requests (prompts of `--running-prompt` tokens) start and decode for `--warm-ste
   and p99 over the steps from the long prompt's arrival to its first token (`window_*`: the steps that prefilled
   it) and over the whole run;
 - `itl`: the report's per-token inter-token latency (a delivery's gap / its tokens, once per token);
-- `ttft_long_s`: the long prompt's time to first token; `steps_long`: Engine steps its prefill spanned.
+- `ttft_long_s`: the long prompt's time to first token; `steps_long`: Engine steps its prefill spanned;
+  `window_step_prefill_ms_p50` / `window_step_decode_ms_p50`: what one of those steps spent prefilling / decoding.
+Each variant runs `--repeats` times after its untimed run: gaps pooled, times' medians.
 Throughput, per cadence: `--running` requests of `--decode-tokens` new tokens with nothing else arriving; tokens/s
 = decode tokens / (step wall time - prefill time), so host syncs and step overhead count.
 Before timing, every variant runs once untimed (its programs compile) and its greedy tokens are checked against
@@ -73,60 +75,70 @@ def _gaps(req, steps: range | None = None) -> tuple[list[float], list[float]]:
     return gaps, itl
 
 
-def scenario(gen, running, long_, chunk, cadence, args, timed: bool) -> dict:
-    """Running requests decode, the long prompt arrives after warm steps; every request to its end."""
+def scenario(gen, running, long_, chunk, cadence, args, repeats: int) -> dict:
+    """Running requests decode, the long prompt arrives after warm steps; every request to its end. `repeats`
+    runs (0: one untimed run, its programs compile), their gaps pooled, their times' medians."""
     from ulacache_jax.runtime.engine import Engine, SamplingParams
-    eng = Engine(generator=gen, prefix_cache=False, prefill_chunk_tokens=chunk, decode_chunk_steps=cadence)
-    sp = SamplingParams(max_new_tokens=args.running_new, stop_ids=())
-    ids = [eng.add_request(p, sp) for p in running]
-    for _ in range(args.warm_steps):
-        eng.step()
-    step_long = len(eng.timeline)
-    lid = eng.add_request(long_, SamplingParams(max_new_tokens=args.long_new, stop_ids=()))
-    while eng.has_unfinished():
-        eng.step()
-    long_req = eng.get(lid)
-    reqs = [eng.get(i) for i in ids]
-    first_step = long_req.deliveries[0][2]
-    # the window: the steps from the long prompt's arrival to its first token, which prefilled it (the running
-    # requests' deliveries of those steps come after their prefill work)
-    window = range(step_long, first_step + 1)
-    win_gaps, win_itl, all_gaps, all_itl = [], [], [], []
-    for r in reqs:
-        g, i = _gaps(r, window)
-        win_gaps += g
-        win_itl += i
-        g, i = _gaps(r)
-        all_gaps += g
-        all_itl += i
+    win_gaps, win_itl, all_gaps, all_itl, ttft, pre_s, dec_s = [], [], [], [], [], [], []
+    for _ in range(max(repeats, 1)):
+        eng = Engine(generator=gen, prefix_cache=False, prefill_chunk_tokens=chunk, decode_chunk_steps=cadence)
+        sp = SamplingParams(max_new_tokens=args.running_new, stop_ids=())
+        ids = [eng.add_request(p, sp) for p in running]
+        for _ in range(args.warm_steps):
+            eng.step()
+        step_long = len(eng.timeline)
+        lid = eng.add_request(long_, SamplingParams(max_new_tokens=args.long_new, stop_ids=()))
+        while eng.has_unfinished():
+            eng.step()
+        long_req = eng.get(lid)
+        reqs = [eng.get(i) for i in ids]
+        first_step = long_req.deliveries[0][2]
+        # the window: the steps from the long prompt's arrival to its first token, which prefilled it (the
+        # running requests' deliveries of those steps come after their prefill work)
+        window = range(step_long, first_step + 1)
+        for r in reqs:
+            g, i = _gaps(r, window)
+            win_gaps += g
+            win_itl += i
+            g, i = _gaps(r)
+            all_gaps += g
+            all_itl += i
+        ttft.append(long_req.t_first_token - long_req.t_added)
+        pre_s += [eng.timeline[k].prefill_s for k in window]
+        dec_s += [eng.timeline[k].decode_s for k in window]
     ms = lambda x: None if x is None else 1e3 * x
     return dict(
-        chunk=chunk, cadence=cadence, timed=timed,
+        chunk=chunk, cadence=cadence, timed=repeats > 0, repeats=repeats,
         window_gap_p50_ms=ms(_pct(win_gaps, 50)), window_gap_p99_ms=ms(_pct(win_gaps, 99)),
         window_gap_max_ms=ms(max(win_gaps, default=None)),
         window_itl_p50_ms=ms(_pct(win_itl, 50)), window_itl_p99_ms=ms(_pct(win_itl, 99)),
+        window_step_prefill_ms_p50=ms(_pct(pre_s, 50)), window_step_decode_ms_p50=ms(_pct(dec_s, 50)),
         gap_p50_ms=ms(_pct(all_gaps, 50)), gap_p99_ms=ms(_pct(all_gaps, 99)),
         itl_p50_ms=ms(_pct(all_itl, 50)), itl_p99_ms=ms(_pct(all_itl, 99)),
-        ttft_long_s=long_req.t_first_token - long_req.t_added, steps_long=first_step - step_long + 1,
+        ttft_long_s=statistics.median(ttft), steps_long=first_step - step_long + 1,
         window_deliveries=len(win_gaps),
         tokens=[r.tokens for r in reqs] + [long_req.tokens],
         errors=[r.error for r in reqs + [long_req] if r.finish_reason == "error"])
 
 
 def throughput(gen, running, cadence, args) -> dict:
-    """Decode tokens/s of the running requests alone at this cadence (after an untimed run that compiles)."""
+    """Decode tokens/s of the running requests alone at this cadence: the median of `--repeats` runs after an
+    untimed one that compiles."""
     from ulacache_jax.runtime.engine import Engine, SamplingParams
     sp = SamplingParams(max_new_tokens=args.decode_tokens, stop_ids=())
-    out = {}
-    for timed in (False, True):
+    runs = []
+    for timed in [False] + [True] * max(args.repeats, 1):
         eng = Engine(generator=gen, prefix_cache=False, decode_chunk_steps=cadence)
         reqs = eng.run(running, [sp] * len(running))
         tl = [r for r in eng.timeline if r.decode_steps]
         wall = sum(r.t_end - r.t_start - r.prefill_s for r in tl)
         toks = sum(r.decode_tokens for r in tl)
-        out = dict(cadence=cadence, decode_tokens=toks, wall_s=wall, tokens_per_s=toks / wall,
-                   step_ms_p50=1e3 * statistics.median(r.decode_s / r.decode_steps for r in tl),
-                   tokens=[r.tokens for r in reqs])
+        if timed:
+            runs.append(dict(cadence=cadence, decode_tokens=toks, wall_s=wall, tokens_per_s=toks / wall,
+                             step_ms_p50=1e3 * statistics.median(r.decode_s / r.decode_steps for r in tl),
+                             tokens=[r.tokens for r in reqs]))
+    out = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+    out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
     return out
 
 
@@ -177,6 +189,7 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk tokens of the chunked variants")
     p.add_argument("--cadences", default="64,8", help="decode chunk steps; the first is the reference's")
     p.add_argument("--warm-steps", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each variant (gaps pooled, medians)")
     p.add_argument("--decode-tokens", type=int, default=128, help="new tokens a request in the throughput runs")
     p.add_argument("--page", type=int, default=64)
     p.add_argument("--token-budget", type=int, default=512)
@@ -219,7 +232,7 @@ def main(argv=None):
     for chunk, cadence in variants:
         for timed in (False, True):            # untimed first: every program of the variant compiles there
             t0 = time.perf_counter()
-            row = scenario(gen, running, long_, chunk, cadence, args, timed)
+            row = scenario(gen, running, long_, chunk, cadence, args, args.repeats if timed else 0)
             row.update(kind="scenario", wall_s=time.perf_counter() - t0)
             if ref is None:
                 ref = row["tokens"]
