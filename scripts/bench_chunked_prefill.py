@@ -18,9 +18,14 @@ Before timing, every variant runs once untimed (its programs compile) and its gr
 the reference variant (whole prompts, cadence page_size): `same_tokens` per row; a variant that differs is
 reported, not hidden.
 
-CPU (SmolLM2-135M, float32; ~5 minutes):
-  python -m scripts.bench_chunked_prefill --out docs/benchmarks
-CPU check of the script (tiny random preset): python -m scripts.bench_chunked_prefill --small --out /tmp/chunked
+An intermediate chunk is not waited for (no logits), so on an asynchronous device its time shows in the decode
+chunk dispatched after it (window_step_decode_ms), not in window_step_prefill_ms; the gaps are wall time either way.
+
+CPU, the tiny random preset (docs/benchmarks/chunked_prefill.json; ~4 minutes; SmolLM2-135M ran ~1 s a decode step
+on a shared 2-core machine, too slow for the grid):
+  python -m scripts.bench_chunked_prefill --model tiny --page 64 --token-budget 512 --running 2 \
+    --running-prompt 256 --long-prompt 4096 --chunk 512 --warm-steps 1 --decode-tokens 256 --out docs/benchmarks
+CPU check of the script: python -m scripts.bench_chunked_prefill --small --out /tmp/chunked
 H200 (a later session): python -m scripts.bench_chunked_prefill --model qwen2.5-coder-0.5b --long-prompt 32768 \
   --running-prompt 1024 --chunk 2048 --max-context 36864 --dtype bfloat16 --out docs/benchmarks
 JSON to <out>/chunked_prefill.json (bench_meta.Results: device, jax version, commit, date), PNG beside it.
