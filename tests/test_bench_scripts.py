@@ -187,6 +187,28 @@ def test_bench_prefix_plot_from_rows(tmp_path):
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_chunked_prefill_gaps_and_plot(tmp_path):
+    """bench_chunked_prefill: a delivery gap is counted in the step that delivered it (the window: the steps that
+    prefilled the long prompt), once per gap and once per token for the per-token latency; the PNG is drawn from
+    the JSON's rows."""
+    import json
+    import types
+    from scripts import bench_chunked_prefill as b
+    req = types.SimpleNamespace(deliveries=[(0.0, 1, 0), (1.0, 4, 0), (3.0, 4, 1), (3.5, 2, 2)])
+    assert b._gaps(req) == ([1.0, 2.0, 0.5], [0.25] * 4 + [0.5] * 4 + [0.25] * 2)
+    assert b._gaps(req, range(1, 2)) == ([2.0], [0.5] * 4)
+    assert b._pct([3.0, 1.0, 2.0], 50) == 2.0 and b._pct([], 99) is None
+    row = dict(kind="scenario", timed=True, window_gap_p50_ms=10.0, window_gap_p99_ms=40.0)
+    tp = dict(kind="throughput", tokens_per_s=100.0)
+    path = tmp_path / "chunked_prefill.json"
+    path.write_text(json.dumps(dict(meta=dict(long_prompt=256, running=2, model="tiny", device="cpu"),
+                                    rows=[dict(row, chunk=None, cadence=16), dict(row, chunk=32, cadence=4),
+                                          dict(tp, cadence=16), dict(tp, cadence=4)])))
+    b.main(["--png", str(path)])
+    png = tmp_path / "chunked_prefill.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_real_prefill_rows_take_generates_path():
     """bench_decode --fill prefill: the first tokens its prefill times are generate's first tokens for the same
     prompts (sparse and dense), the compiling prompt's slot is released, and a row records the time to first

@@ -125,13 +125,16 @@ def check_resume(d):
     # without --resume an existing output is not clobbered
     rc, _, err = run_cli(["generate", "--input", str(d / "in.jsonl"), "--output", str(cut), *ARGS])
     assert rc == 2 and "--resume" in err
-    rc, out, err = run_cli(["generate", "--input", str(d / "in.jsonl"), "--output", str(cut), "--resume", *ARGS])
+    # the rerun prefills in chunks of 2 pages (not a setting that changes tokens: the same file resumes)
+    rc, out, err = run_cli(["generate", "--input", str(d / "in.jsonl"), "--output", str(cut), "--resume",
+                            "--prefill-chunk-tokens", "32", *ARGS])
     assert rc == 1                                        # the input still has the failing lines
     after = cut.read_text().splitlines()
     assert after[:len(done)] == rows[:-1]                 # kept as they were
     new = [json.loads(x) for x in after[len(done):]]      # the cut-off fragment is gone (repaired)
     assert [r["id"] for r in new] == [missing]            # only the cut-off request ran again; errors not repeated
     assert new[0]["finish_reason"] != "error"
+    assert new[0]["token_ids"] == json.loads(rows[-1])["token_ids"]    # chunked: the whole prefill's tokens
     assert "skipped" in err
     # resuming a complete output runs nothing
     rc, out, err = run_cli(["generate", "--input", str(d / "in.jsonl"), "--output", str(cut), "--resume", *ARGS])

@@ -266,8 +266,8 @@ from ulacache_jax.runtime import checkpoint
 from ulacache_jax.runtime.engine import Request, SamplingParams
 d = sys.argv[1]
 slots = types.SimpleNamespace(request_of={}, seed=np.zeros(1, np.uint32), chunk=np.zeros(1, np.uint32),
-                              remaining=np.zeros(1, np.int32))
-eng = types.SimpleNamespace(slots=slots, pending_ids=[], queued_ids=[], next_id=200,
+                              remaining=np.zeros(1, np.int32), phase=np.zeros(1, np.int32))
+eng = types.SimpleNamespace(slots=slots, pending_ids=[], prefilling_ids=[], queued_ids=[], next_id=200,
                             identity={"model_config": {}, "cache_config": {}, "attention": "x"})
 for n in range(10**6):                        # every save holds 200 queued requests whose tokens all equal n
     eng.requests = {i: Request(i, [1] * 500, SamplingParams(), tokens=[n] * 300) for i in range(200)}

@@ -84,9 +84,10 @@ def test_prompt_lengths_are_bucketed_no_recompilation(model, attention):
     for n in (65, 80, 100, 128):          # one bucket (128); prompts differ from their first page on, so no
         run(gen, [[n] + [1] * (n - 1)], 20)  # stored prefix is shared (that prefill is another program)
     prog = gen.program
-    assert prog.prefill_layer._cache_size() == 1 and gen._decode._cache_size() == 1
+    decode = prog.decode_steps(cfg.page_size, phased=True)        # the Engine's page-long chunk
+    assert prog.prefill_layer._cache_size() == 1 and decode._cache_size() == 1
     run(gen, [[20] + [1] * 19], 2)        # a second bucket (32)
-    assert prog.prefill_layer._cache_size() == 2 and gen._decode._cache_size() == 1
+    assert prog.prefill_layer._cache_size() == 2 and decode._cache_size() == 1
     assert prog.embed._cache_size() == 2 and prog.logits._cache_size() == 2
 
 
@@ -150,8 +151,10 @@ def test_decode_step_memory_has_no_cache_copies(model):
     args = (gen.params, m.state, m.host, jnp.zeros(S, jnp.int32), jnp.ones(S, bool), jnp.zeros(S, jnp.int32),
             row_keys(jnp.zeros(S, jnp.uint32), jnp.zeros(S, jnp.uint32)), SamplingArrays.fill(S),
             jnp.asarray([-1], jnp.int32))
-    mem = gen._decode.lower(*args).compile().memory_analysis()
-    assert mem.temp_size_in_bytes < 0.5 * m.state.pool_k.nbytes, (mem.temp_size_in_bytes, m.state.pool_k.nbytes)
+    # the plain chunk and the Engine's (phased: keys and flushes by each slot's phase, chunks shorter than a page)
+    for decode, extra in ((gen._decode, ()), (gen.program.decode_steps(4, phased=True), (jnp.zeros(S, jnp.int32),))):
+        mem = decode.lower(*args, *extra).compile().memory_analysis()
+        assert mem.temp_size_in_bytes < 0.5 * m.state.pool_k.nbytes, (mem.temp_size_in_bytes, m.state.pool_k.nbytes)
 
 
 def test_bad_inputs(model):

@@ -152,7 +152,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context limit in tokens (prompt + generated); default: the model's "
                         "max_position_embeddings. The cache is sized for the longest request that fits")
     p.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
-                   help="prompt tokens prefilled per step while other requests decode (default: the max context)")
+                   help="prompt tokens prefilled per step while other requests decode (default: one "
+                        "--prefill-chunk-tokens chunk, else the max context)")
+    p.add_argument("--prefill-chunk-tokens", type=_positive_int, default=None,
+                   help="prefill long prompts this many tokens at a time (page size times a power of two), a decode "
+                        "chunk of the running requests between chunks (default: whole prompts)")
     p.add_argument("--key-channels", type=int, default=0,
                    help="sparse page selection from an HBM copy of this many channels of every key (0 = Quest's "
                         "per-page key summaries; 16 of 64: 12.5%% of the context's K + V bytes in HBM); shared "
@@ -1011,6 +1015,7 @@ NOT_IN_FINGERPRINT = {
     "hbm_pages": "the HBM tier's size: which pages are resident, not which are selected",
     "host_gb": "the host tier's size", "max_seqs": "how many requests decode together (each keeps its own seed)",
     "tp": "how the model is split over devices", "max_prefill_tokens": "how a prefill is split over steps",
+    "prefill_chunk_tokens": "how a prompt is split into prefill chunks (the same tokens as whole)",
     "no_prefix_cache": "whether a shared prefix's K/V is reused or computed again",
 }
 # options fingerprinted only when not at their default, so files written before they were fingerprinted (at the
@@ -1233,6 +1238,7 @@ def make_engine(args, loaded: LoadedModel, cfg, param_bytes: int):
     try:
         engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
                         max_prefill_tokens_per_step=args.max_prefill_tokens,
+                        prefill_chunk_tokens=args.prefill_chunk_tokens,
                         prefix_cache=False if args.no_prefix_cache else None, speculative=spec)
     except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
         raise UsageError(f"cache: {e}") from None

@@ -237,13 +237,16 @@ def attend_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new,
     return state, attn, stats
 
 
-def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto") -> tuple[CacheState, HostPool]:
-    """Write every completed, unflushed tail page to the host pool (once per page) and advance `flushed`."""
+def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto", only=None) -> tuple[CacheState, HostPool]:
+    """Write every completed, unflushed tail page to the host pool (once per page) and advance `flushed`, for
+    every active sequence, or those where only [S] bool is set (the others keep their completed pages in the
+    tail ring until their own flush point: where a sequence flushes decides which pages it selects among)."""
     c = state.config
     S, L, G, P = c.max_seqs, c.num_layers, c.groups_per_rank, c.page_size
     length, flushed = state.seqs.length, state.seqs.flushed
+    active = state.seqs.active if only is None else state.seqs.active & only                  # [S]
     p = flushed[:, None] + jnp.arange(TAIL_PAGES)[None, :]                            # [S, T]
-    done = state.seqs.active[:, None] & ((p + 1) * P <= length[:, None])             # [S, T]
+    done = active[:, None] & ((p + 1) * P <= length[:, None])                        # [S, T]
     s = jnp.arange(S)[:, None, None, None]
     l = jnp.arange(L)[None, :, None, None]
     g = jnp.arange(G)[None, None, :, None]
@@ -254,7 +257,7 @@ def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto") -> tupl
     src = jnp.broadcast_to(src, (S, L, G, TAIL_PAGES)).reshape(-1).astype(jnp.int32)
     hk, hv = page_copy.flush([host.k[0], host.v[0]], [state.pool_k[0], state.pool_v[0]], src, dst.astype(jnp.int32),
                              impl=impl)   # K and V in one launch
-    seqs = dataclasses.replace(state.seqs, flushed=jnp.where(state.seqs.active, length // P, flushed))
+    seqs = dataclasses.replace(state.seqs, flushed=jnp.where(active, length // P, flushed))
     # the selection rules see the completed pages (read from their ring frames; unused reads are compiled away)
     pages = jnp.where(done[:, None, None, :], pp, c.max_pages_per_seq)                # [S, 1, 1, T]; P: dropped
     kp = state.pool_k[0, tail_frame(c, s, l, g, pp)]                                  # [S, L, G, T, page, g, D]

@@ -4,7 +4,7 @@ A backend has two halves:
 - the traced half (`SparseOps`, `DenseOps`: frozen and hashable, so programs built from them are shared) is what
   the one program (program.py) calls inside `jax.shard_map`, on one rank's view of the cache:
   `prefill_store` (one layer's prompt K/V into the cache), `begin_chunk`, `lengths`, `attend` (one layer of one
-  decode step) and `end_chunk` (commit lengths, flush). The decode carries `cache` through its loop and reads
+  decode step) and `end_chunk` (commit lengths, flush the sequences at a flush point). The decode carries `cache` through its loop and reads
   `host` (the pinned host pool; `()` for dense) without carrying it.
 - the host half (`SparseBackend`, `DenseBackend`) owns the arrays, sharded over the mesh's "tp" axis (one device
   is a mesh of one), and the slot bookkeeping in plain Python: `admit`, `release`, `request_error`, and the
@@ -83,9 +83,11 @@ class SparseOps(_Kernels):
         return attend_layer(cache, host, layer, q, k, v, pos, live & cache.seqs.active, options=self.options,
                             rank=rank, budget=budget)
 
-    def end_chunk(self, cache: CacheState, host: HostPool, length):
+    def end_chunk(self, cache: CacheState, host: HostPool, length, flush=None):
+        """Commit the chunk's lengths [S]; flush the completed tail pages of the sequences at a flush point (flush
+        [S] bool; None: every sequence) -> (cache, host)."""
         cache = dataclasses.replace(cache, seqs=dataclasses.replace(cache.seqs, length=length))
-        return flush_tail(cache, host, impl=self.options.copy)
+        return flush_tail(cache, host, impl=self.options.copy, only=flush)
 
     def verify(self, cache: CacheState, host: HostPool, layer: int, q, k, v, pos, nrows, live, rank):
         """Speculative verification, one layer: q [S, Q, Hr, D], k/v [S, Q, KVr, D], rows j < nrows [S] at
@@ -170,7 +172,7 @@ class DenseOps(_Kernels):
             o = dense_attention(q, ck, cv, pos[:, None], kpos, k_valid=kpos < seen[:, None])
         return (dense.set_layer(layer, ck, cv), length), o, LayerStats.zeros()
 
-    def end_chunk(self, cache, host, length):
+    def end_chunk(self, cache, host, length, flush=None):
         return (cache[0], length), host
 
     def verify(self, cache, host, layer: int, q, k, v, pos, nrows, live, rank):

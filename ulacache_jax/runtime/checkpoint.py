@@ -1,17 +1,23 @@
 """Checkpoint and restore of a running Engine (Engine.save / Engine.restore), with orbax.
 
-What is saved, always: every request the engine still holds (queued, running, finished but not popped): its
-prompt, generated tokens (and their logprobs, where asked for), sampling parameters, effective seed and
-decode-chunk count (its RNG state: a request's draws are `sampling.row_keys(seed, chunk)`), remaining token count
-and status; the queue order; the engine's next request id. The cache itself is not saved: a running request is
-restored by admitting it again and prefilling its prompt plus every generated token but the last, which is the
-next decode input; its penalty counts, if it uses a penalty, are recomputed from its prompt and tokens. Its decode
-chunks then start where they started before (a request's chunks are full page_size chunks from its prefill, except its last), so a
+What is saved, always: every request the engine still holds (queued, running, finished but not popped): its prompt,
+generated tokens (and their logprobs, where asked for), sampling parameters, effective seed, decode-chunk count and
+phase (its RNG state: a request's draws are `sampling.row_keys(seed, chunk)` folded with phase + step), remaining
+token count and status; the queue order; the engine's next request id. A request whose prompt is partly prefilled
+(chunked prefill) has no token yet: it is saved as queued, at the head of the queue, and prefilled again from its
+start on restore. The cache itself is not saved: a running request is restored by admitting it again and prefilling
+its prompt plus every generated token but the last, which is the next decode input; its penalty counts, if it uses a
+penalty, are recomputed from its prompt and tokens. Its decode chunks then start where they started before (a
+request's flush points are every page_size steps from its prefill; its phase says where it is between two), so a
 greedy continuation is the uninterrupted one (up to the rounding difference between a prefill and decode steps
-writing the same K/V). A speculative engine's requests stop between flush points: restored, the pages completed
-since the last flush point are flushed by the prefill instead of read from the tail ring, so past the token
-budget a sparse continuation may differ from the uninterrupted one (dense, or within the budget, it does not). Re-prefill is the cheaper restore: at 256K tokens x 3 sequences the host pages are
-~100 GB, the requests' tokens a few MB.
+writing the same K/V). With decode chunks shorter than a page (Engine decode_chunk_steps) a request may be saved
+between flush points too; restored, its flush points and keys stay where they were (its phase), but the page
+completed since its last flush point is flushed by the prefill instead of read from the tail ring, so, as below,
+past the token budget a sparse continuation may differ. A speculative engine's requests stop between flush points:
+restored, the pages completed since the last flush point are flushed by the prefill instead of read from the tail
+ring, so past the token budget a sparse continuation may differ from the uninterrupted one (dense, or within the
+budget, it does not). Re-prefill is the cheaper restore: at 256K tokens x 3 sequences the host pages are ~100 GB,
+the requests' tokens a few MB.
 
 A checkpoint records what decides its tokens: the model config, a digest of the weights (shapes, dtypes and the
 first values of every parameter array), the cache config and the attention kind. Restoring it into an engine that
@@ -73,6 +79,7 @@ class SavedRequest:
     stop_reason: str | None = None
     pending: bool = False                 # finished but not yet reported by a step
     logprobs: list = dataclasses.field(default_factory=list)   # [token_id, logprob, [[id, logprob], ...]] a token
+    phase: int = 0                        # decode steps since its last flush point (running)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,18 +206,21 @@ def saved_requests(engine) -> list[SavedRequest]:
     slots = engine.slots
     slot_of = {rid: slot for slot, rid in slots.request_of.items()}
     pending = set(engine.pending_ids)
+    prefilling = set(engine.prefilling_ids)      # no token yet: saved as queued (save puts them first)
     out = []
     for rid, req in engine.requests.items():
         slot = slot_of.get(rid)
-        running = slot is not None and not req.finished
+        running = slot is not None and not req.finished and rid not in prefilling
         out.append(SavedRequest(
             request_id=rid, prompt_ids=list(req.prompt_ids), tokens=list(req.tokens),
-            sampling=dataclasses.asdict(req.sampling), status=req.status, max_new_tokens=int(req.max_new_tokens),
+            sampling=dataclasses.asdict(req.sampling), status="queued" if rid in prefilling else req.status,
+            max_new_tokens=int(req.max_new_tokens),
             capped=bool(req.capped), seed=int(slots.seed[slot]) if running else -1,
             chunk=int(slots.chunk[slot]) if running else 0,
             remaining=int(slots.remaining[slot]) if running else 0, finish_reason=req.finish_reason,
             error=req.error, text=req.text, stop_reason=req.stop_reason, pending=rid in pending,
-            logprobs=[[t.token_id, t.logprob, [list(a) for a in t.top]] for t in req.logprobs]))
+            logprobs=[[t.token_id, t.logprob, [list(a) for a in t.top]] for t in req.logprobs],
+            phase=int(slots.phase[slot]) if running else 0))
     return out
 
 
@@ -230,10 +240,10 @@ def save(engine, directory, *, meta: dict | None = None) -> pathlib.Path:
     arrays = {"prompts": prompts, "prompt_offsets": p_off, "tokens": tokens, "token_offsets": t_off,
               "columns": cols}
     info = {"format": FORMAT, "identity": engine.identity, "next_id": engine.next_id,
-            "queue": engine.queued_ids, "meta": meta or {},
+            "queue": engine.prefilling_ids + engine.queued_ids, "meta": meta or {},
             "requests": [{"sampling": r.sampling, "status": r.status, "finish_reason": r.finish_reason,
                           "error": r.error, "text": r.text, "stop_reason": r.stop_reason,
-                          "logprobs": r.logprobs} for r in reqs]}
+                          "logprobs": r.logprobs, "phase": r.phase} for r in reqs]}
     info = json.loads(json.dumps(info))   # tuples -> lists; fails here, not half-way through a write
     _claim_directory(directory)
     mngr = _manager(directory, create=True)
@@ -278,7 +288,8 @@ def read(directory) -> Checkpoint:
         rid, max_new, capped, seed, chunk, remaining, pending = (int(x) for x in cols[i])
         reqs.append(SavedRequest(rid, prompts[i], tokens[i], r["sampling"], r["status"], max_new, bool(capped),
                                  seed, chunk, remaining, r["finish_reason"], r["error"], r["text"], r["stop_reason"],
-                                 bool(pending), r.get("logprobs") or []))
+                                 bool(pending), r.get("logprobs") or [],
+                                 int(r.get("phase", 0))))    # checkpoints before phases: 0
     return Checkpoint(step, d / str(step), info["identity"], reqs, [int(x) for x in info["queue"]],
                       int(info["next_id"]), info.get("meta") or {})
 
@@ -341,7 +352,7 @@ def restore(engine, directory, *, skip=()) -> Checkpoint:
             engine.report(StepOutput(rid, (), True, ERROR, req.error))
             continue
         engine.slots.start(slot, r.tokens[-1], r.remaining, req.sampling, engine.budget_pages(req.sampling))
-        engine.slots.seed[slot], engine.slots.chunk[slot] = r.seed, r.chunk
+        engine.slots.seed[slot], engine.slots.chunk[slot], engine.slots.phase[slot] = r.seed, r.chunk, r.phase
         if req.sampling.penalized:           # the counts are not saved: the prompt and tokens decide them
             engine.seed_penalties(slot, r.prompt_ids, r.tokens)
     for rid in ck.queue:

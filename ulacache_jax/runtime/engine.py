@@ -1,12 +1,25 @@
 """Continuous batching over a Generator's sequence slots: requests in, tokens streamed out.
 
 One `step()`:
-1. admit queued requests into free slots (FIFO) and prefill them; while other requests are decoding, at most
-   `max_prefill_tokens_per_step` prompt tokens are prefilled per step (at least one prompt), so running requests
-   keep producing tokens between prefills; when nothing is decoding, every free slot is filled at once;
-2. one decode chunk (`page_size` steps, one host sync) for every running request; when every running request
-   needs fewer tokens, the chunk runs only the next power of two >= the most any of them needs (short answers
-   pay for what they use; one compiled program per power of two);
+1. prefill: first the prompts being prefilled in chunks (oldest first), then queued requests admitted into free
+   slots (FIFO). While other requests are decoding, at most `max_prefill_tokens_per_step` prompt tokens are
+   prefilled per step (at least one prompt, or one chunk), so running requests keep producing tokens between
+   prefills; when nothing is decoding, every free slot is filled at once and every prompt prefilled to its end.
+   With `prefill_chunk_tokens` = C (page_size times a power of two; None = whole prompts), a prompt is
+   prefilled C tokens (whole pages) at a time, and the per-step budget defaults to C: a prompt longer than that
+   is prefilled across steps, a decode chunk of the running requests between its chunks, so their inter-token
+   latency stays bounded by one chunk of prefill while a long prompt is admitted. A chunk attends to the earlier
+   chunks' K/V read back from the cache (Generator.prefill_next: sparse, from the host pool, s x L x KV x D x 2
+   x dtype bytes over PCIe for a chunk starting at token s; dense, from HBM); its tokens are a whole prefill's
+   (up to the order of float sums in attention, as with shared prefixes). The selection rules that take state
+   from a prompt's first prefill block (the key copy) refuse it, as they refuse shared prefixes;
+2. one decode chunk (`decode_chunk_steps` steps, default page_size; one host sync) for every running request:
+   sampled tokens reach the caller, and a queued prompt starts its prefill, within that many steps (a server
+   wants <= 8). When every running request needs fewer tokens, the chunk runs only the next power of two >= the
+   most any of them needs (short answers pay for what they use; one compiled program per power of two). Flushes
+   stay where page_size chunks put them: each slot flushes its completed tail pages every page_size steps from
+   its own prefill, and step t of a request draws from its key of chunk t // page_size folded with t %
+   page_size, so tokens (greedy or seeded) do not depend on the cadence;
 3. finished requests (a stop id, max_new_tokens, or an error) release their slot and host pages at once, so the
    next step admits queued requests into them.
 When the slots or the host pool are full (`CapacityError`), requests wait in the queue. A request that can never
@@ -45,7 +58,8 @@ from ulacache_jax.runtime import checkpoint
 from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.runtime.cost_model import pool_headroom
 from ulacache_jax.cache.decode_layer import DecodeOptions
-from ulacache_jax.runtime.generator import Generator, bucket_length, default_cache_config
+from ulacache_jax.runtime.generator import Generator, PrefillProgress, bucket_length, default_cache_config
+from ulacache_jax.runtime.prefix_cache import prefix_bucket
 from ulacache_jax.runtime import validate
 from ulacache_jax.runtime.requests import (ERROR, LENGTH, STOP, Request, RequestError, SamplingParams, StepOutput,
                                            StepRecord, TokenLogprob)
@@ -69,6 +83,38 @@ def as_token_logprobs(tokens, lp, top_ids, top_lp, k: int) -> list[TokenLogprob]
             for j, t in enumerate(tokens)]
 
 
+def _check_prefill_chunk(tokens: int | None, c: CacheConfig) -> int | None:
+    """prefill_chunk_tokens: None, or page_size times a power of two (chunks reuse the compiled prefill
+    buckets); refused where the selection rule takes state from a prompt's first prefill block."""
+    if tokens is None:
+        return None
+    P = c.page_size
+    if (isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < P or tokens % P
+            or (tokens // P) & (tokens // P - 1)):
+        raise ValueError(f"prefill_chunk_tokens = {tokens!r} must be page_size = {P} times a power of two "
+                         f"({P}, {2 * P}, {4 * P}, ...) or None (whole prompts)")
+    why = c.selection_rule.prefix_sharing(c)
+    if why is not None:
+        raise ValueError(f"prefill_chunk_tokens = {tokens}: a chunked prompt's first prefill block is its first "
+                         f"chunk, and this cache's selection rule takes state from that block: {why}")
+    return int(tokens)
+
+
+def _check_decode_chunk(steps: int | None, c: CacheConfig, speculative) -> int:
+    """decode_chunk_steps: a power of two in [1, page_size] (None: page_size); page_size with speculative
+    decoding, whose chunks keep their own flush points."""
+    P = c.page_size
+    if steps is None:
+        return P
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= P \
+            or steps & (steps - 1):
+        raise ValueError(f"decode_chunk_steps = {steps!r} must be a power of two in [1, page_size = {P}]")
+    if speculative is not None and steps != P:
+        raise ValueError(f"decode_chunk_steps = {steps} must be page_size = {P} with speculative decoding (its "
+                         "verification chunks run to their own flush points)")
+    return int(steps)
+
+
 class Engine:
     """Continuous-batching inference over one Generator (sparse UlaCache or the dense baseline).
 
@@ -77,13 +123,23 @@ class Engine:
     up to `max_context` tokens (default: the model's max_position_embeddings, at most 4096) with `page_size` and
     `token_budget`, over `tp` local devices (the model's KV heads replicated where tp exceeds them). attention:
     'auto' (the default: chosen once, when the Generator is built, cost_model.resolve_attention), 'sparse' or
-    'dense'; `attention` is the kind that runs, `gen.decision` why."""
+    'dense'; `attention` is the kind that runs, `gen.decision` why.
+
+    Latency (module docstring, step): prefill_chunk_tokens (None: whole prompts) is the size of one prefill
+    chunk, page_size times a power of two so chunks reuse the compiled buckets; max_prefill_tokens_per_step the
+    prompt tokens a step prefills while others decode (default: one chunk when chunking, else the context). Two
+    options because the first is a shape (it also sets how often a long prompt's earlier K/V are read back: a
+    sparse prompt of n tokens moves about n^2 / (2 C) tokens' K/V over PCIe) and the second a latency budget (two
+    chunks a step halve the steps a long prompt takes). decode_chunk_steps (a power of two <= page_size; default
+    page_size) is how many decode steps run between host syncs: tokens reach the caller, and queued prompts get
+    their turn, that often; it does not change tokens."""
 
     def __init__(self, model=None, cache_config: CacheConfig | None = None, *, generator: Generator | None = None,
                  attention: str = "auto", options: DecodeOptions = DecodeOptions(), max_seqs: int = 4,
                  max_context: int | None = None, page_size: int = 64, token_budget: int = 2048, tp: int = 1,
                  seed: int = 0, max_prefill_tokens_per_step: int | None = None, tokenizer=None, prefix_cache=None,
-                 clock=time.perf_counter, speculative=None):
+                 clock=time.perf_counter, speculative=None, prefill_chunk_tokens: int | None = None,
+                 decode_chunk_steps: int | None = None):
         if (model is None) == (generator is None):
             raise ValueError("give exactly one of model or generator")
         if model is not None:
@@ -104,6 +160,14 @@ class Engine:
                 # a verification attends 1 + K rows per sequence in one call: stage their overflow pages too
                 cache_config = dataclasses.replace(cache_config, verify_rows=max(cache_config.verify_rows,
                                                                                  speculative.num_tokens + 1))
+        c = generator.config if generator is not None else cache_config
+        # checked before anything is built or changed (set_prefix_cache below changes a given generator)
+        if max_prefill_tokens_per_step is not None and max_prefill_tokens_per_step < 1:
+            raise ValueError(f"max_prefill_tokens_per_step = {max_prefill_tokens_per_step} must be >= 1")
+        self.prefill_chunk_tokens = _check_prefill_chunk(prefill_chunk_tokens, c)
+        self.max_prefill_tokens_per_step = max_prefill_tokens_per_step or prefill_chunk_tokens or c.max_context
+        self.decode_chunk_steps = _check_decode_chunk(decode_chunk_steps, c, speculative)
+        if generator is None:
             generator = Generator(model, cache_config, attention=attention, options=options)
         self.gen = generator
         # shared prefixes (prefix_cache.py), on by default (None) unless the selection rule refuses them (the key
@@ -123,11 +187,7 @@ class Engine:
         self.default_stop_ids: tuple[int, ...] = tuple(getattr(tokenizer, "eos_ids", ()) or ())
         self.config: CacheConfig = generator.config
         self.vocab_size = generator.model_config.vocab_size
-        c = self.config
         S = c.max_seqs
-        if max_prefill_tokens_per_step is not None and max_prefill_tokens_per_step < 1:
-            raise ValueError(f"max_prefill_tokens_per_step = {max_prefill_tokens_per_step} must be >= 1")
-        self.max_prefill_tokens_per_step = max_prefill_tokens_per_step or c.max_context
         self.seed = validate.check_seed(seed)
         self.clock = clock
         self.t0 = clock()
@@ -138,8 +198,11 @@ class Engine:
         # per-slot decode inputs and the request holding each slot, host side (slots.py; public: the speculative
         # step and the checkpoint use it)
         self.slots = SlotTable.empty(S)
+        # slot -> the prompt being prefilled into it in chunks (admitted, its request "running", the slot not yet
+        # decoding), oldest first: each step continues these before admitting queued requests
+        self._prefilling: collections.OrderedDict[int, PrefillProgress] = collections.OrderedDict()
         self._chunks = 0
-        self._seen_buckets: set[int] = set()
+        self._seen_buckets: set[tuple[int, int]] = set()     # (chunk bucket, earlier-tokens bucket) prefilled
         self._seen_steps: set[int] = set()
         self.no_stops = jnp.full(_NO_STOPS, -1, jnp.int32)   # the chunk's stop ids: none (matched on the host)
         self.timeline: list[StepRecord] = []
@@ -293,6 +356,12 @@ class Engine:
         return len(self.slots.request_of)
 
     @property
+    def prefilling_ids(self) -> list[int]:
+        """Ids of the requests admitted and partly prefilled (chunked prefill; no token yet), oldest first: they
+        hold a slot and continue before any queued request."""
+        return [self.slots.request_of[slot] for slot in self._prefilling]
+
+    @property
     def queued_ids(self) -> list[int]:
         """The queued requests' ids, first to be admitted first."""
         return list(self._queue)
@@ -356,6 +425,7 @@ class Engine:
     def release(self, slot: int) -> None:
         """Free `slot` (its request has ended or failed): its slot-table row, draft slot and cache pages."""
         self.slots.clear(slot)
+        self._prefilling.pop(slot, None)
         if self.spec is not None:
             self.spec.release(slot)
         self.gen.release(slot)
@@ -363,26 +433,62 @@ class Engine:
     def _admit_and_prefill(self, rec: StepRecord, new, ended) -> None:
         decoding = self.slots.any_running()
         used = 0
-        while self._queue:
-            req = self.requests[self._queue[0]]
-            if decoding and used and used + len(req.prompt_ids) > self.max_prefill_tokens_per_step:
+        while True:
+            job = next(iter(self._prefilling.values()), None)
+            if job is None:
+                if not self._queue:
+                    break
+                n = len(self.requests[self._queue[0]].prompt_ids)
+                if decoding and used and used + min(n, self.prefill_chunk_tokens or n) > \
+                        self.max_prefill_tokens_per_step:
+                    break
+                job = self._admit(self.requests[self._queue[0]], ended)
+                if job is None:
+                    break                               # wait for a slot / host pages to be released
+                if not job:
+                    continue                            # it failed alone
+            elif decoding and used and used + min(job.remaining, self.prefill_chunk_tokens or job.remaining) \
+                    > self.max_prefill_tokens_per_step:
                 break
-            try:
-                slot = self.gen.admit(len(req.prompt_ids) + req.max_new_tokens, req.prompt_ids)
-            except CapacityError as e:
-                if not self.slots.request_of:   # nothing will free anything: add_request's checks should prevent this
-                    raise RuntimeError(f"request {req.request_id} cannot be admitted into an empty cache: {e}") from e
-                break                                   # wait for a slot / host pages to be released
-            self._queue.popleft()
-            req.slot, req.status, req.t_admitted = slot, "running", self.clock()
-            self.slots.request_of[slot] = req.request_id
-            used += len(req.prompt_ids)
-            bucket = bucket_length(len(req.prompt_ids), self.config.page_size)
-            rec.prefill_compiled |= bucket not in self._seen_buckets
-            self._seen_buckets.add(bucket)
-            t0 = self.clock()
-            try:
-                logits = self.gen.prefill(slot, req.prompt_ids)
+            used += self._prefill_chunk(rec, job, new, ended)
+
+    def _admit(self, req: Request, ended) -> PrefillProgress | bool | None:
+        """Admit the first queued request into a slot and start its prefill -> its PrefillProgress (also kept in
+        `_prefilling` until complete), None when the cache is full (it stays queued), False when it failed."""
+        try:
+            slot = self.gen.admit(len(req.prompt_ids) + req.max_new_tokens, req.prompt_ids)
+        except CapacityError as e:
+            if not self.slots.request_of:   # nothing will free anything: add_request's checks should prevent this
+                raise RuntimeError(f"request {req.request_id} cannot be admitted into an empty cache: {e}") from e
+            return None
+        self._queue.popleft()
+        req.slot, req.status, req.t_admitted = slot, "running", self.clock()
+        self.slots.request_of[slot] = req.request_id
+        try:
+            job = self.gen.begin_prefill(slot, req.prompt_ids)
+        except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
+            self.release(slot)
+            self.finish(req, ERROR, error=f"prefill failed: {type(e).__name__}: {e}")
+            ended[req.request_id] = None
+            return False
+        self._prefilling[slot] = job
+        return job
+
+    def _prefill_chunk(self, rec: StepRecord, job: PrefillProgress, new, ended) -> int:
+        """The next chunk of `job` (its whole rest without prefill_chunk_tokens); where that completes the prompt,
+        its first token is sampled and the slot starts decoding -> prompt tokens prefilled (and attached)."""
+        slot, c = job.slot, self.config
+        req = self.requests[self.slots.request_of[slot]]
+        start = job.done
+        end = self.gen.chunk_end(start, len(job.prompt), self.prefill_chunk_tokens)
+        shape = (bucket_length(end - start, c.page_size), start and prefix_bucket(start // c.page_size,
+                                                                                  c.max_pages_per_seq))
+        rec.prefill_compiled |= shape not in self._seen_buckets
+        self._seen_buckets.add(shape)
+        t0 = self.clock()
+        try:
+            logits = self.gen.prefill_next(job, self.prefill_chunk_tokens)
+            if job.finished:
                 if self.spec is not None:
                     self.spec.prefill(slot, req.prompt_ids, len(req.prompt_ids) + req.max_new_tokens)
                 sp = req.sampling
@@ -403,36 +509,41 @@ class Engine:
                                           num_top=MAX_LOGPROBS if sp.logprobs is not None else 0)
                 first = int(first[0])
                 first_lp = None if lp is None else as_token_logprobs([first], *(np.asarray(a) for a in lp), sp.logprobs)
-            except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
-                rec.prefill_s += self.clock() - t0
-                self.release(slot)
-                self.finish(req, ERROR, error=f"prefill failed: {type(e).__name__}: {e}")
-                ended[req.request_id] = None
-                continue
-            now = self.clock()
-            rec.prefill_s += now - t0
-            rec.prefills += 1
-            rec.prefill_tokens += len(req.prompt_ids)
-            req.tokens.append(first)
-            if first_lp is not None:
-                req.logprobs.extend(first_lp)
-                self._step_logprobs.setdefault(req.request_id, []).extend(first_lp)
-            req.t_first_token = now
-            req.deliveries.append((now, 1, rec.index))
-            new.setdefault(req.request_id, []).append(first)
-            stopped = first in req.sampling.stop_ids or self._stop_string(req, [])[1]
-            del req.logprobs[len(req.tokens):]          # a stop string the first token completed cut it
-            if stopped:
-                self.finish(req, STOP)
-            elif req.max_new_tokens <= 1:
-                self.finish(req, LENGTH)
-            else:
-                self.slots.start(slot, first, req.max_new_tokens - 1, sp, self.budget_pages(sp))
-                if sp.penalized:
-                    self.seed_penalties(slot, req.prompt_ids, req.tokens)
-                continue
+        except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
+            rec.prefill_s += self.clock() - t0
             self.release(slot)
+            self.finish(req, ERROR, error=f"prefill failed: {type(e).__name__}: {e}")
             ended[req.request_id] = None
+            return end - start
+        now = self.clock()
+        rec.prefill_s += now - t0
+        # prompt tokens, counted once each: a shared prefix with the first chunk
+        rec.prefill_tokens += job.done - (start if start > job.shared * c.page_size else 0)
+        if not job.finished:
+            return end - start
+        del self._prefilling[slot]
+        rec.prefills += 1
+        req.tokens.append(first)
+        if first_lp is not None:
+            req.logprobs.extend(first_lp)
+            self._step_logprobs.setdefault(req.request_id, []).extend(first_lp)
+        req.t_first_token = now
+        req.deliveries.append((now, 1, rec.index))
+        new.setdefault(req.request_id, []).append(first)
+        stopped = first in req.sampling.stop_ids or self._stop_string(req, [])[1]
+        del req.logprobs[len(req.tokens):]          # a stop string the first token completed cut it
+        if stopped:
+            self.finish(req, STOP)
+        elif req.max_new_tokens <= 1:
+            self.finish(req, LENGTH)
+        else:
+            self.slots.start(slot, first, req.max_new_tokens - 1, sp, self.budget_pages(sp))
+            if sp.penalized:
+                self.seed_penalties(slot, req.prompt_ids, req.tokens)
+            return end - start
+        self.release(slot)
+        ended[req.request_id] = None
+        return end - start
 
     def seed_penalties(self, slot: int, prompt_ids, tokens) -> None:
         """The slot's row of the penalty state: its prompt's tokens seen, its generated `tokens` counted (at
@@ -458,7 +569,8 @@ class Engine:
         sampling = sl.sampling_arrays()
         keys = sl.keys()
         # a last chunk runs only the steps its requests can use: the longest remaining, up to a power of two
-        steps = min(c.page_size, bucket_length(int(sl.remaining[~sl.done].max()), 1))
+        steps = min(self.decode_chunk_steps, bucket_length(int(sl.remaining[~sl.done].max()), 1))
+        decoded = ~sl.done
         rec.decode_compiled = steps not in self._seen_steps
         self._seen_steps.add(steps)
         pen = self.penalties if sl.penalties_on() else None      # no request penalizes: the plain program
@@ -468,7 +580,7 @@ class Engine:
             self.penalties = None if pen is not None else self.penalties   # donated to the chunk
             out, done, remaining, pen, lp = self.gen.decode_chunk_with(
                 jnp.asarray(sl.tok), jnp.asarray(sl.done), jnp.asarray(sl.remaining), keys, sampling, self.no_stops,
-                steps=steps, penalties=pen, logprobs=want_lp, budget=sl.budgets(c.select_pages))
+                steps=steps, penalties=pen, logprobs=want_lp, budget=sl.budgets(c.select_pages), phase=sl.phase)
             if pen is not None:
                 self.penalties = pen
             out = np.asarray(out)
@@ -481,8 +593,10 @@ class Engine:
                 self.finish(self.requests[rid], ERROR, error=msg)
                 ended[rid] = None
                 sl.request_of.pop(slot)
+            self._prefilling.clear()
             raise
-        now = self.record_chunk(rec, t0, steps)
+        now = self.record_chunk(rec, t0, steps, advance=False)
+        sl.advance(steps, c.page_size, decoded)
         for slot, rid in list(sl.request_of.items()):
             if sl.done[slot]:
                 continue
@@ -568,7 +682,7 @@ class Engine:
         if req.status == "queued":
             self._queue.remove(request_id)
         else:
-            self.release(req.slot)
+            self.release(req.slot)          # a partly prefilled one too: its chunks so far are dropped
         self.finish(req, STOP)
         self.report(StepOutput(request_id, (), True, STOP, None))
 
@@ -634,9 +748,10 @@ class Engine:
         prefilled, host pages not allocated (zeros with prefix_cache=False)."""
         return self.gen.prefix_stats().minus(self._prefix0)
 
-    def record_chunk(self, rec, t0, steps: int) -> float:
+    def record_chunk(self, rec, t0, steps: int, advance: bool = True) -> float:
         """A decode chunk's timeline entry (cache counters since the last chunk's, time since t0, decode steps);
-        the chunk counters advance (a sampled request's key is its seed and its chunk count) -> now."""
+        the chunk counters advance (a sampled request's key is its seed and its chunk count; advance=False: the
+        caller advances them, SlotTable.advance) -> now."""
         now = self.clock()
         before = self._stats0
         self._stats0 = self._stats_now()
@@ -644,7 +759,8 @@ class Engine:
         rec.decode_s = now - t0
         rec.decode_steps = steps
         self._chunks += 1
-        self.slots.chunk += 1
+        if advance:
+            self.slots.chunk += 1
         return now
 
     def occupancy(self) -> dict[str, int]:

@@ -2,10 +2,11 @@
 sizing policy (`default_cache_config`) that generate, the Engine, TP and the CLI use.
 
 The Generator is the host-side driver of the program: `admit` a sequence into a slot, `prefill` it layer by layer
-(the prompt length bucketed to a power of two, so lengths do not recompile), `decode_chunk` every slot for
-`page_size` steps (one host sync per chunk), `release` the slot. The Engine schedules requests over it;
-`generate()` runs on the Engine. Tensor parallelism is the same Generator over a mesh of `cache_config.tp`
-devices (a single device is a mesh of one): the params are placed by `tp.param_specs`, the cache by the backend.
+(the prompt length bucketed to a power of two, so lengths do not recompile; or a chunk at a time, `begin_prefill` /
+`prefill_next`, each chunk attending to the earlier ones' K/V in the cache), `decode_chunk` every slot for up to
+`page_size` steps (one host sync per chunk), `release` the slot. The Engine schedules requests over it; `generate()`
+runs on the Engine. Tensor parallelism is the same Generator over a mesh of `cache_config.tp` devices (a single
+device is a mesh of one): the params are placed by `tp.param_specs`, the cache by the backend.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from ulacache_jax.runtime.prefix_cache import PrefixStats, prefix_bucket
 from ulacache_jax.runtime.program import layer_graphdef, program
 from ulacache_jax.runtime.tp import TP_AXIS, make_mesh, param_specs, shard_params, tp_graphdef
 
-__all__ = ["Generator", "default_cache_config", "bucket_length", "bucket_pages", "DenseCache"]
+__all__ = ["Generator", "PrefillProgress", "default_cache_config", "bucket_length", "bucket_pages", "DenseCache"]
 
 
 def bucket_length(n: int, minimum: int) -> int:
@@ -83,6 +84,27 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
               sink_pages=min(1, budget // page_size), recent_pages=min(2, max(0, budget // page_size - 1)), tp=tp)
     kw.update(overrides)
     return CacheConfig(**kw)
+
+
+@dataclasses.dataclass
+class PrefillProgress:
+    """A prompt being prefilled into `slot` (Generator.begin_prefill / prefill_next), whole or in chunks across
+    calls: `done` of its tokens have their K/V in the cache (first the `shared` pages of a stored prefix, attached
+    at admission; then the chunks computed), always a whole number of pages until the prompt is complete.
+    src [shared]: dense only, the slot whose HBM rows hold each shared page (None for sparse)."""
+    slot: int
+    prompt: list[int]
+    done: int
+    shared: int = 0
+    src: np.ndarray | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= len(self.prompt)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.prompt) - self.done
 
 
 def check_model_fits_cache(model_config, config: CacheConfig) -> None:
@@ -217,78 +239,134 @@ class Generator:
     def prefill(self, slot: int, prompt: list[int]):
         """Prefill one admitted slot, layer by layer through one compiled layer program; -> last-position logits
         [V]. With shared prefixes on, the prompt's stored prefix is attached (or, dense, copied) and only the rest
-        is computed; its complete pages are stored for later prompts."""
-        if self.prefixes is not None:
-            return self._prefill_shared(slot, prompt)
-        return self._prefill_from(slot, prompt, 0, None)
+        is computed; its complete pages are stored for later prompts. (A prompt whose power-of-two bucket would
+        reach past the context goes in two or more chunks: `chunk_end`.)"""
+        job = self.begin_prefill(slot, prompt)
+        while True:
+            logits = self.prefill_next(job)
+            if job.finished:
+                return logits
 
-    def _prefill_shared(self, slot: int, prompt: list[int]):
-        m, src = self.prefixes.sources(slot, prompt)
-        logits = self._prefill_from(slot, prompt, m, src)
-        st = self.prefixes.index.stats
-        P = self.config.page_size
-        st.hit_tokens += m * P
-        st.prefill_tokens += len(prompt) - m * P
-        st.hits += m > 0
-        st.saved_host_pages += self.prefixes.saved_host_pages(m)
-        self.prefixes.stored(slot, prompt, m, src)
+    def begin_prefill(self, slot: int, prompt: list[int]) -> PrefillProgress:
+        """Start the prefill of an admitted slot: its stored prefix (shared prefixes on) is attached and counted
+        as done; `prefill_next` computes the rest, whole or a chunk at a time."""
+        m, src = self.prefixes.sources(slot, prompt) if self.prefixes is not None else (0, None)
+        return PrefillProgress(slot, list(prompt), m * self.config.page_size, m, src)
+
+    def chunk_end(self, start: int, length: int, max_tokens: int | None = None) -> int:
+        """Where a prefill chunk starting at token `start` (page-aligned) of a `length`-token prompt ends: the
+        prompt's end where the rest fits in `max_tokens` (None: no limit) and its bucket fits the context, else
+        max_tokens tokens, or, where the last bucket would reach past the context (the ingest would clamp onto
+        earlier pages), the largest power of two of pages the rest holds (no padding)."""
+        c = self.config
+        rest = length - start
+        if max_tokens is not None and rest > max_tokens:
+            return start + max_tokens
+        if start + bucket_length(rest, c.page_size) <= c.max_context:
+            return length
+        return start + (1 << (rest // c.page_size).bit_length() - 1) * c.page_size
+
+    def prefill_next(self, job: PrefillProgress, max_tokens: int | None = None):
+        """Prefill the next chunk of `job`: up to `max_tokens` tokens (None: the whole rest; else a power of two
+        times page_size, so chunks reuse the compiled buckets), whole pages unless it ends the prompt -> the last
+        position's logits [V] once the prompt is complete, else None.
+
+        A chunk starting at token s > 0 attends to tokens [0, s) through the shared-prefix path (program
+        `prefill_layer_from`, prefix_cache.prefix_attention over [earlier tokens | chunk]): their K/V are read back,
+        every layer, from where the earlier chunks wrote them. Sparse: from the host pool (every complete page is
+        written through at ingestion and the earlier chunks end on page boundaries), so the chunk moves s x
+        num_layers x num_kv_heads x head_dim x 2 (K and V) x dtype bytes over PCIe host to device, and the
+        selection rule's page state of those pages is recomputed from them (the values ingestion wrote); a prompt
+        of n tokens in chunks of C moves about n^2 / (2 C) tokens' K/V in all. Dense: from the slot's own HBM rows
+        (no PCIe). Tokens equal a whole prefill's up to the order of the attention's float sums (the prefix cache's
+        exactness)."""
+        c = self.config
+        if max_tokens is not None and (max_tokens < c.page_size or max_tokens % c.page_size
+                                       or (max_tokens // c.page_size) & (max_tokens // c.page_size - 1)):
+            raise ValueError(f"max_tokens = {max_tokens} must be page_size = {c.page_size} times a power of two")
+        n, start = len(job.prompt), job.done
+        if start >= n:
+            raise ValueError(f"slot {job.slot}: its prompt of {n} tokens is already prefilled")
+        end = self.chunk_end(start, n, max_tokens)
+        # the slot holding each earlier page (dense reads them from there; sparse only from the host pool): the
+        # shared pages' sources, then the slot itself for its own earlier chunks
+        src = np.full(start // c.page_size, job.slot, np.int32)
+        if job.src is not None:
+            src[:job.shared] = job.src
+        logits = self._prefill_range(job.slot, job.prompt[:end], start, src, end == n)
+        job.done = end
+        if end < n:
+            return None
+        if self.prefixes is not None:
+            st = self.prefixes.index.stats
+            st.hit_tokens += job.shared * c.page_size
+            st.prefill_tokens += n - job.shared * c.page_size
+            st.hits += job.shared > 0
+            st.saved_host_pages += self.prefixes.saved_host_pages(job.shared)
+            self.prefixes.stored(job.slot, job.prompt, job.shared, job.src)
         return logits
 
-    def _prefill_from(self, slot: int, prompt: list[int], m: int, src):
-        """Prefill tokens [m * page_size, len(prompt)) of a slot whose first m pages are shared (src: dense source
-        slot per page, None for sparse)."""
+    def _prefill_range(self, slot: int, tokens: list[int], start: int, src, want_logits: bool):
+        """Prefill tokens [start, len(tokens)) of a slot whose first `start` tokens (whole pages) are in the cache
+        (a shared prefix, earlier chunks; src [start / page_size]: the slot holding each of those pages, read by
+        the dense backend); the sequence's length becomes len(tokens) -> the last token's logits [V] if want_logits,
+        else None."""
         c = self.config
-        if m:
-            start, n = m * c.page_size, len(prompt)
+        n = len(tokens)
+        prog, b = self.program, self.backend
+        if start:
             T = bucket_length(n - start, c.page_size)
             if start + T > c.max_context:    # the sparse ingest would clamp its slices onto the shared pages
-                raise ValueError(f"shared prefix of {m} pages leaves a {T}-token prefill bucket past the max "
-                                 f"context {c.max_context} (prefix_cache.max_shared_pages must allow at most the "
-                                 f"pages that fit)")
-            Tp = prefix_bucket(m, c.max_pages_per_seq) * c.page_size
+                raise ValueError(f"shared prefix of {start // c.page_size} pages leaves a {T}-token prefill bucket "
+                                 f"past the max context {c.max_context} (prefix_cache.max_shared_pages must allow at "
+                                 f"most the pages that fit)")
+            Tp = prefix_bucket(start // c.page_size, c.max_pages_per_seq) * c.page_size
             per_tok = np.zeros(Tp, np.int32)
             if src is not None:
                 per_tok[:start] = np.repeat(src, c.page_size)
-            ids = jax.device_put(np.pad(np.asarray(prompt[start:], np.int32), (0, T - (n - start))), self.replicated)
+            ids = jax.device_put(np.pad(np.asarray(tokens[start:], np.int32), (0, T - (n - start))), self.replicated)
             args = jax.device_put((np.int32(start), per_tok), self.replicated)
-            prog, b = self.program, self.backend
             x = prog.embed(self.params, ids)
             for l, lp in enumerate(self.layer_params):
                 view, x = prog.prefill_layer_from(lp, b.layer_view(l), x, slot, l, n, *args)
                 b.set_layer_view(l, view)
-            b.prefill_done(slot, n)
-            return prog.logits(self.params, x, n - start)
-        T = bucket_length(len(prompt), self.config.page_size)
-        # committed like the layers' outputs, so every layer call hits the one compiled program
-        ids = jax.device_put(np.pad(np.asarray(prompt, np.int32), (0, T - len(prompt))), self.replicated)
-        prog, b, n = self.program, self.backend, len(prompt)
-        x = prog.embed(self.params, ids)
-        for l, lp in enumerate(self.layer_params):
-            view, x = prog.prefill_layer(lp, b.layer_view(l), x, slot, l, n)
-            b.set_layer_view(l, view)
+        else:
+            T = bucket_length(n, c.page_size)
+            # committed like the layers' outputs, so every layer call hits the one compiled program
+            ids = jax.device_put(np.pad(np.asarray(tokens, np.int32), (0, T - n)), self.replicated)
+            x = prog.embed(self.params, ids)
+            for l, lp in enumerate(self.layer_params):
+                view, x = prog.prefill_layer(lp, b.layer_view(l), x, slot, l, n)
+                b.set_layer_view(l, view)
         b.prefill_done(slot, n)
-        return prog.logits(self.params, x, n)
+        return prog.logits(self.params, x, n - start) if want_logits else None
 
-    def decode_chunk(self, tok, done, remaining, keys, sampling, stop_ids, *, steps: int | None = None):
+    def decode_chunk(self, tok, done, remaining, keys, sampling, stop_ids, *, steps: int | None = None,
+                     phase=None):
         """One jitted chunk of `steps` steps (None: page_size; else a power of two up to it) for every slot. keys
-        [S]: one PRNG key per slot (see sampling.row_keys). Returns (tokens [S, steps] with -1 where a slot produced
-        nothing, done, remaining)."""
+        [S]: one PRNG key per slot (see sampling.row_keys). phase [S] int32 (None: every slot at a flush point):
+        each slot's decode steps since its last flush point; step i draws from fold_in(key, phase + i) and only
+        the slots whose phase + steps reaches page_size flush (Program._decode), so a chunk shorter than a page
+        leaves the tokens as they are. Returns (tokens [S, steps] with -1 where a slot produced nothing, done,
+        remaining)."""
         out, done, remaining, _, _ = self.decode_chunk_with(tok, done, remaining, keys, sampling, stop_ids,
-                                                           steps=steps)
+                                                           steps=steps, phase=phase)
         return out, done, remaining
 
     def decode_chunk_with(self, tok, done, remaining, keys, sampling, stop_ids, *, steps: int | None = None,
-                          penalties=None, logprobs: bool = False, budget=None):
+                          penalties=None, logprobs: bool = False, budget=None, phase=None):
         """`decode_chunk` with the sampling options that need their own program (Program.decode_steps):
         penalties a sampling.PenaltyState [S, V] (None = off; donated), logprobs whether to return the raw model
-        logprobs, budget [S] int32 pages each slot selects (None = the config's select_pages for all). -> (tokens
-        [S, steps], done, remaining, the updated PenaltyState or None, (logprob [S, steps], top_ids [S, steps, N],
-        top_lp [S, steps, N]) or None)."""
+        logprobs, budget [S] int32 pages each slot selects (None = the config's select_pages for all), phase as
+        `decode_chunk`'s. -> (tokens [S, steps], done, remaining, the updated PenaltyState or None, (logprob
+        [S, steps], top_ids [S, steps, N], top_lp [S, steps, N]) or None)."""
         steps = self.config.page_size if steps is None else steps
         decode = self.program.decode_steps(steps, penalties=penalties is not None, logprobs=logprobs,
-                                           budgets=budget is not None)
+                                           budgets=budget is not None, phased=phase is not None)
         # host-made inputs replicated on the mesh like the previous chunk's outputs: one compile, not two
-        args = jax.device_put((tok, done, remaining, keys, sampling, stop_ids), self.replicated)
+        args = (tok, done, remaining, keys, sampling, stop_ids) + \
+            (() if phase is None else (jnp.asarray(phase, jnp.int32),))
+        args = jax.device_put(args, self.replicated)
         extra = (() if penalties is None else (penalties,)) + \
             (() if budget is None else (jax.device_put(budget, self.replicated),))
         b = self.backend

@@ -137,7 +137,8 @@ class Program:
     logits(params, x, length) -> [V] of the last prompt token
     decode(params, cache, host, tok, done, remaining, keys, sampling, stop_ids)
         -> (cache, host, tokens [S, page_size], done, remaining, LayerStats of [R] per rank)   cache, host donated
-    decode_steps(n): the same for a chunk of n steps (n a power of two <= page_size)
+    decode_steps(n): the same for a chunk of n steps (n a power of two <= page_size); decode_steps(n, phased=True)
+        takes phase [S] after stop_ids: each slot's steps since its last flush point (keys and flushes follow it)
     next_logits(params, cache, host, tok) -> [S, V]: one step's logits, nothing committed.
     verify(rows), propose(rows), commit, spec_chunk(steps, K, ngram_max, min_drafts): speculative decoding
     (speculative.py); set_row(hist [S, C], slot, row [C]) -> hist: the chunk's device history, hist donated."""
@@ -165,17 +166,17 @@ class Program:
                                  donate_argnums=(1, 2))
         self.prefill_layer_from = jit(self._prefill_layer_from, (lps, vs) + (r,) * 6, (vs, r), (view_sh, None),
                                       donate_argnums=(1, 2))
-        def decode(steps, penalties, num_top, budgets):
-            # the penalty state (arg 9) is carried through the chunk and donated, the budgets follow it; logprobs
-            # are an extra output
-            extra_in, extra_out = (r,) * (penalties + budgets), (r,) * (penalties + (num_top > 0))
+        def decode(steps, penalties, num_top, budgets, phased):
+            # extra inputs after stop_ids (arg 8), in order: the phase (phased), the penalty state (carried through
+            # the chunk and donated), the budgets; the penalty state and the logprobs are extra outputs
+            extra_in, extra_out = (r,) * (phased + penalties + budgets), (r,) * (penalties + (num_top > 0))
             return jit(functools.partial(self._decode, steps=steps, penalties=penalties, num_top=num_top,
-                                         budgets=budgets),
+                                         budgets=budgets, phased=phased),
                        (ps, cs, hs) + (r,) * 6 + extra_in, (cs, hs, r, r, r, stats_spec) + extra_out,
                        (None, host_sh, None, None, None, None) + (None,) * len(extra_out),
-                       donate_argnums=(1, 2) + (9,) * penalties)
+                       donate_argnums=(1, 2) + (9 + phased,) * penalties)
         self._decode_for = functools.lru_cache(maxsize=None)(decode)
-        self.decode = self._decode_for(config.page_size, False, 0, False)
+        self.decode = self._decode_for(config.page_size, False, 0, False, False)
         self.next_logits = jit(self._next_logits, (ps, cs, hs, r), r)
         # one row of the ngram chunk's device history (speculative.SpecDecoder): built here, once per program,
         # so a new Engine over the same Generator does not compile it again
@@ -195,18 +196,21 @@ class Program:
             (ps, cs, hs) + (r,) * 9, (cs, hs) + (r,) * 8 + (stats_spec,), (None, host_sh) + (None,) * 9,
             donate_argnums=(1, 2, 3)))
 
-    def decode_steps(self, steps: int, *, penalties: bool = False, logprobs: bool = False, budgets: bool = False):
+    def decode_steps(self, steps: int, *, penalties: bool = False, logprobs: bool = False, budgets: bool = False,
+                     phased: bool = False):
         """The decode program of a chunk of `steps` steps (a power of two up to page_size: a request's last chunk
-        runs only the steps it needs, and only log2(page_size) + 1 programs exist). penalties: the program takes
-        a sampling.PenaltyState after stop_ids (donated, returned updated after the stats); logprobs: it returns
-        (logprob [S, steps], top_ids [S, steps, MAX_LOGPROBS], top_lp [S, steps, MAX_LOGPROBS]) last (the raw
-        model logprobs: sampling.token_logprobs); budgets: it takes budget [S] int32 (pages each slot selects,
-        at most select_pages) after the penalty state, if any. A batch that uses none of them runs the plain
+        runs only the steps it needs, and only log2(page_size) + 1 programs exist). phased: the program takes
+        phase [S] after stop_ids (see `_decode`): the Engine's, whose chunks may be shorter than a page.
+        penalties: it takes a sampling.PenaltyState next (donated, returned updated after the stats); logprobs:
+        it returns (logprob [S, steps], top_ids [S, steps, MAX_LOGPROBS], top_lp [S, steps, MAX_LOGPROBS]) last
+        (the raw model logprobs: sampling.token_logprobs); budgets: it takes budget [S] int32 (pages each slot
+        selects, at most select_pages) after those. A batch that uses none of the sampling options runs the plain
         program, so the options cost nothing where no request asks for them."""
         page = self.config.page_size
         if steps < 1 or steps > page or steps & (steps - 1):
             raise ValueError(f"steps = {steps} must be a power of two in [1, page_size = {page}]")
-        return self._decode_for(steps, bool(penalties), MAX_LOGPROBS if logprobs else 0, bool(budgets))
+        return self._decode_for(steps, bool(penalties), MAX_LOGPROBS if logprobs else 0, bool(budgets),
+                                bool(phased))
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def _embed(self, params, ids):
@@ -251,13 +255,17 @@ class Program:
 
     # ---- decode --------------------------------------------------------------------------------------------
     def _decode(self, params, cache, host, tok, done, remaining, keys, sampling, stop_ids, *extra, steps: int,
-                penalties: bool, num_top: int, budgets: bool):
+                penalties: bool, num_top: int, budgets: bool, phased: bool):
         """`steps` decode steps for every slot. tok [S] last token, done [S], remaining [S] tokens still
         allowed, keys [S] one PRNG key per slot for this chunk. Tokens [S, steps] are -1 where nothing was
-        produced. penalties: pen (sampling.PenaltyState) penalizes each step's logits and counts its tokens;
-        num_top: each step's raw logprobs are returned; budgets: budget [S] pages a slot selects (`decode_steps`)."""
-        pen = extra[0] if penalties else None
-        budget = extra[penalties] if budgets else None
+        produced. phased: phase [S] int32 (else 0 and every slot flushed at the end), the slot's decode steps
+        since its last flush point; step i draws from fold_in(key, phase + i), and only slots whose phase + steps
+        reaches page_size flush, so chunks shorter than a page give the tokens one page_size chunk gives.
+        penalties: pen (sampling.PenaltyState) penalizes each step's logits and counts its tokens; num_top: each
+        step's raw logprobs are returned; budgets: budget [S] pages a slot selects (`decode_steps`)."""
+        phase = extra[0] if phased else None
+        pen = extra[phased] if penalties else None
+        budget = extra[phased + penalties] if budgets else None
         ops, model = self.ops, nnx.merge(self.graphdef, params)
         rank = jax.lax.axis_index(TP_AXIS)
         S = tok.shape[0]
@@ -266,8 +274,10 @@ class Program:
         def body(i, carry):
             cache, tok, done, remaining, length, out, stats, pen, lps = carry
             live = ~done
+            step_keys = (jax.vmap(jax.random.fold_in, (0, None))(keys, i) if phase is None
+                         else jax.vmap(jax.random.fold_in)(keys, phase + i))
             cache, nxt, st, lp = decode_step(model, ops, cache, tok, DecodeMeta(length, live, rank, host, budget),
-                                             jax.vmap(jax.random.fold_in, (0, None))(keys, i), sampling, pen, num_top)
+                                             step_keys, sampling, pen, num_top)
             if pen is not None:
                 pen = pen.add(nxt, live)
             if num_top:
@@ -288,7 +298,8 @@ class Program:
         carry = (cache, tok, done, remaining, ops.lengths(cache), out, LayerStats.zeros(), pen if penalties else None,
                  lps)
         cache, tok, done, remaining, length, out, stats, pen, lps = jax.lax.fori_loop(0, steps, body, carry)
-        cache, host = ops.end_chunk(cache, host, length)
+        flush = None if phase is None else phase + steps >= self.config.page_size     # [S]: at a flush point
+        cache, host = ops.end_chunk(cache, host, length, flush)
         res = (cache, host, out.T, done, remaining, jax.tree.map(lambda a: a[None], stats))
         if penalties:
             res += (pen,)

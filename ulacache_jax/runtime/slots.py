@@ -31,7 +31,10 @@ class SlotTable:
     logprobs: np.ndarray          # [S] int32: alternatives asked for, -1 = logprobs off
     budget: np.ndarray            # [S] int32: pages the slot's request selects a step, 0 = the engine's budget
     seed: np.ndarray              # [S] uint32: the running request's effective seed
-    chunk: np.ndarray             # [S] uint32: its decode chunks so far (with seed, its RNG state: row_keys)
+    chunk: np.ndarray             # [S] uint32: its decode chunks so far (with seed and phase, its RNG state:
+                                  # row_keys); a chunk shorter than a page counts once its page's steps are done
+    phase: np.ndarray             # [S] int32: its decode steps since its last flush point (< page_size; 0 where
+                                  # every chunk is a page: Program._decode)
     request_of: dict[int, int] = dataclasses.field(default_factory=dict)   # slot -> id of the request holding it
 
     @classmethod
@@ -42,7 +45,7 @@ class SlotTable:
                    min_p=np.zeros(S, np.float32), presence=np.zeros(S, np.float32),
                    frequency=np.zeros(S, np.float32), repetition=np.ones(S, np.float32),
                    penalized=np.zeros(S, bool), logprobs=np.full(S, -1, np.int32), budget=np.zeros(S, np.int32),
-                   seed=np.zeros(S, np.uint32), chunk=np.zeros(S, np.uint32))
+                   seed=np.zeros(S, np.uint32), chunk=np.zeros(S, np.uint32), phase=np.zeros(S, np.int32))
 
     def running(self) -> list[tuple[int, int]]:
         """(slot, request id) of every slot whose request is decoding, in admission order."""
@@ -55,7 +58,7 @@ class SlotTable:
         """The slot decodes from `tok` with `remaining` tokens to go under `sampling` (engine.SamplingParams),
         selecting `budget_pages` pages a step (0 = the engine's budget)."""
         self.budget[slot] = budget_pages
-        self.tok[slot], self.done[slot], self.remaining[slot] = tok, False, remaining
+        self.tok[slot], self.done[slot], self.remaining[slot], self.phase[slot] = tok, False, remaining, 0
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = sampling.temperature, sampling.top_p, sampling.top_k
         self.min_p[slot], self.presence[slot] = sampling.min_p, sampling.presence_penalty
         self.frequency[slot], self.repetition[slot] = sampling.frequency_penalty, sampling.repetition_penalty
@@ -66,7 +69,7 @@ class SlotTable:
         """The slot is free: no request, not decoding, greedy."""
         self.request_of.pop(slot, None)
         self.done[slot] = True
-        self.remaining[slot] = 0
+        self.remaining[slot] = self.phase[slot] = 0
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = 0.0, 1.0, 0
         self.min_p[slot], self.presence[slot], self.frequency[slot], self.repetition[slot] = 0.0, 0.0, 0.0, 1.0
         self.penalized[slot], self.logprobs[slot], self.budget[slot] = False, -1, 0
@@ -94,3 +97,10 @@ class SlotTable:
     def keys(self):
         """Every slot's key for its next decode chunk [S] (sampling.row_keys of its seed and chunk count)."""
         return row_keys(jnp.asarray(self.seed), jnp.asarray(self.chunk))
+
+    def advance(self, steps: int, page_size: int, decoded: np.ndarray) -> None:
+        """After a decode chunk of `steps` steps: the slots that decoded in it (decoded [S] bool) move their phase
+        on; where it reaches page_size (a flush point) it wraps and the chunk counter advances."""
+        phase = self.phase + np.where(decoded, steps, 0)
+        self.chunk += (phase >= page_size).astype(np.uint32)
+        self.phase = (phase % page_size).astype(np.int32)
