@@ -28,13 +28,21 @@ def test_serve_shares_the_engine_options_of_generate():
     assert {"host", "port", "max_queue", "served_model_name", "warmup"} <= serve - gen
     a = cli.build_parser().parse_args(["serve"])
     assert (a.host, a.port) == ("127.0.0.1", 8000)      # loopback unless asked
+    # a stream gets its tokens every 8 decode steps; whole pages with speculative decoding and for generate
+    assert cli.decode_chunk_steps(a) == 8
+    assert cli.decode_chunk_steps(cli.build_parser().parse_args(["serve", "--speculative", "ngram"])) is None
+    assert cli.decode_chunk_steps(cli.build_parser().parse_args(["serve", "--decode-chunk-steps", "16"])) == 16
+    assert cli.decode_chunk_steps(cli.build_parser().parse_args(["generate", "--input", "i", "--output", "o"])) is None
 
 
 def test_serve_option_errors_exit_2_before_loading():
     for argv, text in ((["--port", "70000"], "--port 70000"), (["--max-queue", "-1"], "--max-queue"),
                        (["--token-budget", "100", "--page-size", "64"], "multiple of --page-size"),
                        (["--attention", "dense", "--hbm-pages", "8"], "--hbm-pages"),
-                       (["--speculative", "draft"], "--draft-model")):
+                       (["--speculative", "draft"], "--draft-model"),
+                       (["--decode-chunk-steps", "3"], "--decode-chunk-steps 3 must be a power of two"),
+                       (["--decode-chunk-steps", "128", "--page-size", "64"], "<= --page-size 64"),
+                       (["--decode-chunk-steps", "8", "--speculative", "ngram"], "with --speculative")):
         rc, _, err = run_cli(["serve", "--model", "tiny", *argv])
         assert rc == 2 and text in err, (argv, err)
 

@@ -270,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before /health says ready: full = compile every decode-chunk length (powers of two up to "
                         "--page-size) and a short prompt's prefill; basic = the prefill and the whole chunk only; "
                         "off = nothing (the first requests pay for compiling)")
+    s.add_argument("--decode-chunk-steps", type=_positive_int, default=None, metavar="N",
+                   help="decode steps between hand-backs of sampled tokens (a power of two <= --page-size; default 8, "
+                        "or --page-size with --speculative, whose verifications need page-long chunks): a streamed "
+                        "token reaches its client within N steps and a queued prompt starts within one chunk; "
+                        "tokens do not depend on it, longer chunks cost less host time a token")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     add_engine_args(s)
@@ -1222,6 +1227,17 @@ def load_engine_model(args):
     return loaded, tp_mod
 
 
+def decode_chunk_steps(args) -> int | None:
+    """The Engine's decode cadence: `serve`'s --decode-chunk-steps (default 8: a stream gets its tokens within 8
+    steps; the page size with --speculative, or when the page is shorter); generate's whole pages (None)."""
+    given = getattr(args, "decode_chunk_steps", "absent")
+    if given == "absent":
+        return None
+    if given is None:
+        return None if args.speculative is not None or args.page_size <= 8 else 8
+    return given
+
+
 def make_engine(args, loaded: LoadedModel, cfg, param_bytes: int):
     """The Engine over `cfg` -> (engine, the attention Decision). --attention is resolved once, here: the memory
     check, the Engine (given the Decision) and the report agree."""
@@ -1238,7 +1254,7 @@ def make_engine(args, loaded: LoadedModel, cfg, param_bytes: int):
     try:
         engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
                         max_prefill_tokens_per_step=args.max_prefill_tokens,
-                        prefill_chunk_tokens=args.prefill_chunk_tokens,
+                        prefill_chunk_tokens=args.prefill_chunk_tokens, decode_chunk_steps=decode_chunk_steps(args),
                         prefix_cache=False if args.no_prefix_cache else None, speculative=spec)
     except ValueError as e:   # a pool that does not fit memory, fewer devices than --tp, ...
         raise UsageError(f"cache: {e}") from None
@@ -1524,6 +1540,12 @@ def cmd_serve(args) -> int:
         raise UsageError(f"--port {args.port} must be in [0, 65535]")
     if args.max_queue < 0:
         raise UsageError(f"--max-queue {args.max_queue} must be >= 0")
+    n = args.decode_chunk_steps
+    if n is not None and (n & (n - 1) or n > args.page_size):
+        raise UsageError(f"--decode-chunk-steps {n} must be a power of two <= --page-size {args.page_size}")
+    if n is not None and n != args.page_size and args.speculative is not None:
+        raise UsageError(f"--decode-chunk-steps {n} must be --page-size {args.page_size} with --speculative (a "
+                         "verification runs page-long chunks)")
     if args.token_budget % args.page_size:
         raise UsageError(f"--token-budget {args.token_budget} must be a multiple of --page-size {args.page_size}")
     check_tier_flags(args)
