@@ -166,3 +166,21 @@ def test_cli_two_stage(tmp_path, capsys):
         assert cli.main(["generate", "--input", str(inp), "--output", str(tmp_path / f"x{bad}.jsonl"),
                          "--two-stage", bad, *args]) == 2
         assert f"--two-stage {bad!r} must be GROUP:MULT" in capsys.readouterr().err
+
+
+def test_chunked_prefill_and_short_cadence_keep_the_tokens(model):
+    """The group summaries of a prompt prefilled in chunks (blocks of 2 pages: groups of 3 start mid-block) and decoded in chunks
+    shorter than a page give the tokens of a whole prefill and page-long chunks."""
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.generation import Generator, default_cache_config
+    rng = np.random.default_rng(4)
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (150, 90)]
+    cfg = default_cache_config(model.config, num_seqs=2, max_tokens=224, page_size=16, token_budget=64,
+                               selection=TwoStage(Quest(), keep_pages=6, group_pages=3))
+    outs = []
+    for kw in ({}, dict(prefill_chunk_tokens=32, decode_chunk_steps=4)):
+        eng = Engine(generator=Generator(model, cfg, attention="sparse"), prefix_cache=False, **kw)
+        reqs = eng.run(prompts, SamplingParams(max_new_tokens=24))
+        assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
+        outs.append([r.tokens for r in reqs])
+    assert outs[0] == outs[1]

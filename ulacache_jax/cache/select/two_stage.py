@@ -17,12 +17,14 @@ keep_pages pages: with group_pages 8 and a 4x budget shortlist reranked by 16-ch
 on the 8B shape, a quarter of Quest's 0.54 GB (`step_bytes`, the cost model's term).
 
 The group summaries `gmin`, `gmax` [R, S, L, G, NG, g, D] (NG = ceil(P / group_pages)) live in `CacheState.sel`
-beside the second stage's own state. They are written where pages get their keys: a prefill block (`ingest`), an
-attached shared prefix (`attach`) and a decode flush (`flush`): a group whose first page is written restarts from
-that page (a freed slot's stale groups are never read: a group is a candidate only once its first page is flushed),
-later pages of the group are min / max-ed in. Pages without a live token leave their group as it was. The
-speculative commit needs nothing: groups only cover pages whose tokens are final (flushed), or a prefill's partial
-last page, which is not a candidate until its flush, when the whole page is min / max-ed in.
+beside the second stage's own state. A free slot's groups are neutral (min = the dtype's largest value, max = its
+lowest: `init`, `release`), and every write only min / max-es pages into their groups, where pages get their keys:
+a prefill block (`ingest`), an attached prefix (`attach`: a shared prefix, or the earlier chunks of a chunked
+prefill, whose hooks run in either order with the chunk's own ingest) and a decode flush (`flush`). Min and max
+are commutative and a page's tokens never change once written, so the order of those writes does not matter and a
+page written twice (attached again, or a prefill's partial last page flushed whole later) is harmless. Pages
+without a live token leave their group as it was. The speculative commit needs nothing: groups only cover pages
+whose tokens are final (flushed), or a prefill's partial last page, which is not a candidate until its flush.
 """
 from __future__ import annotations
 
@@ -130,19 +132,17 @@ class TwoStage(SelectionRule):
             return TwoStageState(second, None, None)
         shape = (ranks, c.max_seqs, c.num_layers, c.groups_per_rank, self.num_groups(c), c.kv_heads_per_group,
                  c.head_dim)
-        return TwoStageState(second, jnp.zeros(shape, c.jnp_dtype), jnp.zeros(shape, c.jnp_dtype))
+        big = jnp.finfo(c.jnp_dtype).max
+        return TwoStageState(second, jnp.full(shape, big, c.jnp_dtype), jnp.full(shape, -big, c.jnp_dtype))
 
     def _merge(self, sel: TwoStageState, at, page, pmin, pmax, live_page):
         """Min / max pages into their groups. at: index arrays (rank, slot, layer, group of KV heads) broadcast
         against page [...] int32 page ids (out of range: dropped); pmin, pmax [..., g, D]; live_page [...] bool
-        (a page with a live token). A written page that starts its group restarts it."""
+        (a page with a live token)."""
         NG = sel.gmin.shape[4]
         grp = jnp.where(live_page, page // self.group_pages, NG)                                  # dead: dropped
-        start = jnp.where(live_page & (page % self.group_pages == 0), grp, NG)
-        big = jnp.asarray(jnp.finfo(sel.gmin.dtype).max, sel.gmin.dtype)
-        gmin = sel.gmin.at[at + (start,)].set(big, mode="drop").at[at + (grp,)].min(pmin, mode="drop")
-        gmax = sel.gmax.at[at + (start,)].set(-big, mode="drop").at[at + (grp,)].max(pmax, mode="drop")
-        return dataclasses.replace(sel, gmin=gmin, gmax=gmax)
+        return dataclasses.replace(sel, gmin=sel.gmin.at[at + (grp,)].min(pmin, mode="drop"),
+                                   gmax=sel.gmax.at[at + (grp,)].max(pmax, mode="drop"))
 
     # ---- hooks ---------------------------------------------------------------------------------------------------
     def ingest(self, state, slot, layer0, page0, kp, live, first):
@@ -186,7 +186,14 @@ class TwoStage(SelectionRule):
         return self._call("commit", state, tail_k, length)
 
     def release(self, state, slot):
-        return self._call("release", state, slot)
+        """The slot's groups back to neutral (a new sequence's pages are min / max-ed into them)."""
+        state = self._call("release", state, slot)
+        if self.group_pages == 1:
+            return state
+        sel = state.sel
+        big = jnp.asarray(jnp.finfo(sel.gmin.dtype).max, sel.gmin.dtype)
+        return dataclasses.replace(state, sel=dataclasses.replace(sel, gmin=sel.gmin.at[:, slot].set(big),
+                                                                  gmax=sel.gmax.at[:, slot].set(-big)))
 
     # ---- scoring -------------------------------------------------------------------------------------------------
     def first_stage(self, state, layer, q, options):
