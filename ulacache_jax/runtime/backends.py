@@ -32,7 +32,7 @@ from ulacache_jax.cache.kernel_choice import Platform, ResolvedKernels, resolve
 from ulacache_jax.models.attention import dense_attention
 from ulacache_jax.runtime.prefix_cache import DensePrefixes, SparsePrefixes, dense_attach, sparse_attach
 from ulacache_jax.runtime.sequences import CacheManager, CapacityError, ingest_chunk
-from ulacache_jax.runtime.tp import HOST_SPECS, TP_AXIS
+from ulacache_jax.runtime.tp import host_specs, TP_AXIS
 
 ATTENTION_KINDS = ("sparse", "dense")
 
@@ -232,7 +232,7 @@ class SparseBackend:
 
     def specs(self):
         """-> (cache specs, host specs, host out-shardings): PartitionSpecs over "tp" and the pool's memory kind."""
-        return self.manager.specs, HOST_SPECS, self.manager.host_shardings()
+        return self.manager.specs, host_specs(self.config), self.manager.host_shardings()
 
     # prefill: every layer donates the whole state and host pool (the layer index is traced)
     def layer_view(self, layer: int):
@@ -243,7 +243,7 @@ class SparseBackend:
 
     def view_specs(self):
         """-> (view specs, view out-shardings)."""
-        return (self.manager.specs, HOST_SPECS), (None, self.manager.host_shardings())
+        return (self.manager.specs, host_specs(self.config)), (None, self.manager.host_shardings())
 
     def prefill_done(self, slot: int, length: int) -> None:
         """Nothing: ingestion already set the sequence's length."""

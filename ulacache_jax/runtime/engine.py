@@ -63,13 +63,14 @@ class Engine:
     up to `max_context` tokens (default: the model's max_position_embeddings, at most 4096) with `page_size` and
     `token_budget`, over `tp` local devices (the model's KV heads replicated where tp exceeds them). attention:
     'auto' (the default: chosen once, when the Generator is built, cost_model.resolve_attention), 'sparse' or
-    'dense'; `attention` is the kind that runs, `gen.decision` why."""
+    'dense'; `attention` is the kind that runs, `gen.decision` why. kv_dtype: the K/V page format
+    (CacheConfig.kv_dtype: "auto" or "float8_e4m3fn"), for the cache made here or replacing a given config's."""
 
     def __init__(self, model=None, cache_config: CacheConfig | None = None, *, generator: Generator | None = None,
                  attention: str = "auto", options: DecodeOptions = DecodeOptions(), max_seqs: int = 4,
                  max_context: int | None = None, page_size: int = 64, token_budget: int = 2048, tp: int = 1,
                  seed: int = 0, max_prefill_tokens_per_step: int | None = None, tokenizer=None, prefix_cache=None,
-                 clock=time.perf_counter, speculative=None):
+                 clock=time.perf_counter, speculative=None, kv_dtype: str = "auto"):
         if (model is None) == (generator is None):
             raise ValueError("give exactly one of model or generator")
         if generator is None:
@@ -79,9 +80,11 @@ class Engine:
                 ctx = max_context or min(mc.max_position_embeddings, 4096)
                 cache_config = default_cache_config(mc, num_seqs=max_seqs, max_tokens=ctx, page_size=page_size,
                                                     token_budget=token_budget, dtype=model.dtype, tp=tp,
-                                                    pool_headroom=pool_headroom(attention))
+                                                    pool_headroom=pool_headroom(attention), kv_dtype=kv_dtype)
             else:
                 model = prepare_model(model, cache_config.tp)
+                if kv_dtype != "auto":
+                    cache_config = dataclasses.replace(cache_config, kv_dtype=kv_dtype)
             if speculative is not None:
                 # a verification attends 1 + K rows per sequence in one call: stage their overflow pages too
                 cache_config = dataclasses.replace(cache_config, verify_rows=max(cache_config.verify_rows,
