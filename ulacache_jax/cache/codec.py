@@ -101,8 +101,9 @@ class ModelCodec:
 class ScaledCodec(ModelCodec):
     """Codes of `dtype` with a float32 scale per page and KV head: scale = amax / max_code over the page's tokens
     and channels of one head, codes = to_codes(x / scale) clipped to [-max_code, max_code]. A page of zeros gets
-    scale 1 (codes 0). A scale is at least float32's smallest normal (1.2e-38), so a page of denormals does not
-    divide by a flushed-to-zero scale; such values quantise to 0 or to the code grid's smallest step.
+    scale 1 (codes 0). Inputs below float32's smallest normal (1.2e-38) are zeros: CPUs and GPUs flush denormals
+    differently, and a page's scale must not depend on where it was encoded; a scale is at least that smallest
+    normal, so it never flushes to zero either.
     Subclasses give `dtype`, `max_code` and `to_codes` (rounding: fp8's cast rounds to nearest even, an integer
     codec rounds explicitly)."""
     dtype: str = "float8_e4m3fn"
@@ -123,16 +124,14 @@ class ScaledCodec(ModelCodec):
         """y [...] float32 in [-max_code, max_code] -> codes of the storage dtype."""
         return y.astype(self.dtype)
 
-    def scale_of(self, x):
-        """x [..., page, g, D] -> its scales [..., 1, g, 1] float32."""
-        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(-3, -1), keepdims=True)
-        scale = jnp.where(amax > 0, amax / self.max_code, 1.0)
-        return jnp.maximum(scale, jnp.finfo(jnp.float32).tiny)
-
     def quantise(self, x):
         """x [..., page, g, D] -> (codes [..., page, g, D], scale [..., 1, g, 1] float32)."""
-        scale = self.scale_of(x)
-        y = jnp.clip(x.astype(jnp.float32) / scale, -self.max_code, self.max_code)
+        tiny = jnp.finfo(jnp.float32).tiny
+        x = x.astype(jnp.float32)
+        x = jnp.where(jnp.abs(x) < tiny, 0.0, x)                  # denormals are zeros, on every device
+        amax = jnp.max(jnp.abs(x), axis=(-3, -1), keepdims=True)
+        scale = jnp.maximum(jnp.where(amax > 0, amax / self.max_code, 1.0), tiny)
+        y = jnp.clip(x / scale, -self.max_code, self.max_code)
         return self.to_codes(y), scale
 
     def encode(self, k, v, model_dtype) -> Pages:

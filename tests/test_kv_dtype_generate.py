@@ -1,0 +1,129 @@
+"""Quantised K/V pages through the library on a tiny model: fp8 pages (CacheConfig.kv_dtype) and a second codec
+defined in this file alone (int8 with a scale per page and KV head, jnp only), each run through `generate` and
+checked against model-dtype pages by the decode step's logits.
+
+Tolerance: a codec's decoded value of an element is within 2**-4 of it relatively for e4m3 (3 mantissa bits; int8
+with a per-page amax scale is finer for all but the page's smallest values), so no attention output, and no logit
+downstream of it, moves by more than that fraction of its scale when the error does not compound across the two
+layers; the tests hold the logits' relative L2 error below 2**-4 and check that it is not zero (the pages really
+are quantised)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ulacache_jax import generate
+from ulacache_jax.cache.codec import ScaledCodec
+from ulacache_jax.runtime.engine import Engine, SamplingParams
+from ulacache_jax.runtime.generation import Generator, default_cache_config
+from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
+from ulacache_jax.models import LlamaModel, get_preset
+
+REL_TOL = 2.0**-4
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Pages(ScaledCodec):
+    """int8 codes, a float32 scale per page and KV head (amax / 127), rounded to nearest: a page format the
+    library does not ship, defined here alone."""
+    dtype: str = "int8"
+    max_code: float = 127.0
+
+    def to_codes(self, y):
+        return jnp.round(y).astype(jnp.int8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+def prompts():
+    rng = np.random.default_rng(0)
+    doc = [int(t) for t in rng.integers(0, 256, 100)]
+    return [doc + [int(t) for t in rng.integers(0, 256, n)] for n in (5, 23)]
+
+
+def cache_config(model, **kw):
+    # budget of 4 pages of 16: 100+ token prompts select pages, so fetches and the PB-LRU run too
+    return default_cache_config(model.config, num_seqs=2, max_tokens=192, page_size=16, token_budget=64, **kw)
+
+
+def rel_l2(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def step_logits(model, cfg, ps):
+    """Prefill every prompt into its own slot, then: the next step's logits [S, V]; one greedy decode chunk of
+    page_size steps (crossing a page boundary, so its chunk end flushes a page through the codec); the next step's
+    logits again, and the chunk's tokens."""
+    gen = Generator(model, cfg, attention="sparse")
+    slots = [gen.admit(len(p) + 40) for p in ps]
+    last = []
+    for s, p in zip(slots, ps):
+        gen.prefill(s, p)
+        last.append(p[-1])
+    S = cfg.max_seqs
+    tok = np.zeros(S, np.int32)
+    tok[slots] = last
+    first = np.asarray(gen.next_logits(tok))[slots]
+    done = np.ones(S, bool)
+    done[slots] = False
+    remaining = np.where(done, 0, 100).astype(np.int32)
+    keys = row_keys(jnp.zeros(S, jnp.uint32), jnp.zeros(S, jnp.int32))
+    sampling = SamplingArrays.fill(S)                             # greedy
+    out, _, _ = gen.decode_chunk(jnp.asarray(tok), jnp.asarray(done), jnp.asarray(remaining), keys, sampling,
+                                 jnp.full(8, -1, jnp.int32))      # no stop ids
+    out = np.asarray(out)[slots]
+    tok[slots] = out[:, -1]
+    return first, np.asarray(gen.next_logits(tok))[slots], out, gen
+
+
+@pytest.mark.parametrize("codec", ["float8_e4m3fn", Int8Pages()], ids=["fp8", "int8"])
+def test_quantised_pages_keep_the_decode_logits(model, codec):
+    ps = prompts()
+    base = cache_config(model)
+    quant = dataclasses.replace(base, **({"kv_dtype": codec} if isinstance(codec, str) else {"page_codec": codec}))
+    f0, f1, fout, _ = step_logits(model, base, ps)
+    q0, q1, qout, gen = step_logits(model, quant, ps)
+    state, host = gen.cache.state, gen.cache.host
+    want = jnp.dtype(quant.codec.storage_dtype("float32"))
+    assert state.pool_k.dtype == want and host.k.dtype == want and host.ks.dtype == jnp.float32
+    assert state.ring_k.dtype == jnp.float32                      # the tail ring keeps the model's dtype
+    err0 = rel_l2(q0, f0)
+    assert 0 < err0 < REL_TOL, err0
+    if (qout == fout).all():                                      # same tokens fed: the same step to compare
+        err1 = rel_l2(q1, f1)
+        assert 0 < err1 < REL_TOL, err1
+
+
+def test_generate_with_fp8_pages(model):
+    ps = prompts()
+    cfg = cache_config(model)
+    base = generate(model, ps, max_new_tokens=12, cache_config=cfg, attention="sparse")
+    fp8 = generate(model, ps, max_new_tokens=12, cache_config=cfg, attention="sparse", kv_dtype="float8_e4m3fn")
+    assert [len(t) for t in fp8] == [12, 12]
+    # the first token comes from the prefill (unquantised K/V, no stored prefix yet for the first prompt)
+    assert fp8[0][0] == base[0][0]
+    eng = Engine(model, cfg, attention="sparse", kv_dtype="float8_e4m3fn")
+    assert eng.gen.config.kv_dtype == "float8_e4m3fn"
+
+
+def test_generate_through_a_codec_defined_here_with_shared_prefixes(model):
+    """The int8 codec of this file through the Engine with the prefix cache on: the second prompt attaches the
+    first's stored pages (read back through the codec's decode) and both run to their length."""
+    ps = prompts()
+    cfg = dataclasses.replace(cache_config(model), page_codec=Int8Pages())
+    eng = Engine(generator=Generator(model, cfg, attention="sparse"), prefix_cache=True)
+    reqs = eng.run(ps, SamplingParams(max_new_tokens=12))
+    assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
+    assert eng.prefix_stats().hits >= 1
+    assert eng.gen.cache.host.k.dtype == jnp.int8
+    out = generate(model, ps, max_new_tokens=12, cache_config=cfg, attention="sparse")
+    assert [len(t) for t in out] == [12, 12]
