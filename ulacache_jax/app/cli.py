@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --key-channels C (even): keep the C channels as whole rotary pairs in int8 (8) or "
                         "int4 (4) with a scale per page and channel, so the scorer reads C * bits / 8 bytes a token "
                         "(label channels); 0 = the copy in the model's dtype")
+    g.add_argument("--kv-dtype", default="auto", choices=("auto", "float8_e4m3fn"),
+                   help="K/V page format: 'auto' (the model's dtype) or 'float8_e4m3fn' (e4m3 with a float32 scale "
+                        "per page and KV head: half of bf16's page bytes; the tail ring stays in the model's dtype)")
     g.add_argument("--channel-table", default="auto",
                    help="with --label-bits: 'auto' (the table shipped for the model's file, found by its sha256, "
                         "else online calibration from each prompt), 'online', or a JSON file written by "
@@ -647,7 +650,7 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
                   dtype=dtype, key_channels=args.key_channels, label_bits=args.label_bits,
-                  channel_table=_channel_table(args))
+                  channel_table=_channel_table(args), kv_dtype=args.kv_dtype)
         return default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
 
     try:
@@ -780,7 +783,8 @@ NOT_IN_FINGERPRINT = {
 }
 # options fingerprinted only when not at their default, so files written before they were fingerprinted (at the
 # default, the only case that was right then) still resume
-_FINGERPRINTED_WHEN_SET = {"key_channels": 0, "label_bits": 0, "channel_table": "auto", "speculative": None,
+_FINGERPRINTED_WHEN_SET = {"key_channels": 0, "label_bits": 0, "channel_table": "auto", "kv_dtype": "auto",
+                           "speculative": None,
                            "num_speculative_tokens": 4, "draft_model": None}
 
 
