@@ -127,3 +127,19 @@ def test_generate_through_a_codec_defined_here_with_shared_prefixes(model):
     assert eng.gen.cache.host.k.dtype == jnp.int8
     out = generate(model, ps, max_new_tokens=12, cache_config=cfg, attention="sparse")
     assert [len(t) for t in out] == [12, 12]
+
+
+def test_dense_fp8_equals_sparse_fp8_at_a_covering_budget(model):
+    """The dense baseline stores the same page format (a page encoded once complete, the page under construction
+    in the model's dtype), so with a budget covering every page the sparse cache's fp8 tokens are dense's fp8
+    tokens exactly, shared prefixes on (generate's default: the second prompt attaches / copies the first's)."""
+    from ulacache_jax.runtime.backends import DenseBackend
+    ps = prompts()
+    cfg = default_cache_config(model.config, num_seqs=2, max_tokens=192, page_size=16)
+    assert cfg.select_pages * cfg.page_size >= 192
+    dense = generate(model, ps, max_new_tokens=24, cache_config=cfg, attention="dense", kv_dtype="float8_e4m3fn")
+    sparse = generate(model, ps, max_new_tokens=24, cache_config=cfg, attention="sparse", kv_dtype="float8_e4m3fn")
+    assert dense == sparse
+    fp8 = dataclasses.replace(cfg, kv_dtype="float8_e4m3fn", dtype="bfloat16")
+    bf16 = dataclasses.replace(cfg, dtype="bfloat16")
+    assert DenseBackend.footprint(fp8)["hbm_detail"]["dense_kv"] < 0.52 * DenseBackend.footprint(bf16)["hbm_bytes"]

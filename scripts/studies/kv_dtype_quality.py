@@ -70,7 +70,12 @@ def main(argv=None):
     T, W, prefix = args.ppl_window, args.ppl_windows, args.ppl_prefix
     if T:
         docs = haystacks.load(args.haystack)
-        ids = [int(i) for i in tok.encode("\n\n".join(docs))]
+        # only the text the windows need (about 4 characters a token, twice over): the tokenizer is slow on a
+        # whole corpus
+        text = "\n\n".join(docs)[:8 * T * W]
+        t0 = time.time()
+        ids = [int(i) for i in tok.encode(text)]
+        log(f"text: {len(text)} characters, {len(ids)} tokens ({time.time() - t0:.0f} s)")
         span = len(ids) - T
         wins = [ids[int(i * span / max(1, W - 1)):][:T] for i in range(W)]
         meta["ppl"] = dict(windows=W, window_tokens=T, prefix=prefix, scored=W * (T - 1 - prefix))
