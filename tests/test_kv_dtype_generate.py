@@ -143,3 +143,43 @@ def test_dense_fp8_equals_sparse_fp8_at_a_covering_budget(model):
     fp8 = dataclasses.replace(cfg, kv_dtype="float8_e4m3fn", dtype="bfloat16")
     bf16 = dataclasses.replace(cfg, dtype="bfloat16")
     assert DenseBackend.footprint(fp8)["hbm_detail"]["dense_kv"] < 0.52 * DenseBackend.footprint(bf16)["hbm_bytes"]
+
+
+def test_speculative_greedy_with_fp8_pages_gives_the_plain_tokens(model):
+    """Verification rows read the same page format as a plain step (the ring in the model's dtype, flushed pages
+    encoded once complete, whenever they flush), so greedy speculative decoding keeps the plain fp8 tokens."""
+    from ulacache_jax.runtime.speculative.rules import SpecConfig
+    ps = prompts()
+    cfg = dataclasses.replace(cache_config(model), verify_rows=4, kv_dtype="float8_e4m3fn")
+    params = SamplingParams(max_new_tokens=16)
+    plain = [r.tokens for r in Engine(generator=Generator(model, cfg, attention="sparse"), prefix_cache=False)
+             .run(ps, params)]
+    spec = [r.tokens for r in Engine(generator=Generator(model, cfg, attention="sparse"), prefix_cache=False,
+                                     speculative=SpecConfig("ngram", 3)).run(ps, params)]
+    assert spec == plain
+
+
+def test_cli_kv_dtype(tmp_path):
+    """`ulacache generate --kv-dtype float8_e4m3fn`: the run's cache stores fp8 pages (the report's cache config and
+    page bytes say so) and the option is part of the --resume fingerprint (it changes outputs)."""
+    import contextlib
+    import io
+    import json
+    from ulacache_jax.app import cli
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": "x" * 90}) + "\n")
+    argv = ["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+            "--report", str(tmp_path / "report.json"), "--model", "tiny", "--page-size", "16", "--token-budget",
+            "64", "--max-seqs", "1", "--max-context", "256", "--max-new-tokens", "8", "--no-progress",
+            "--stop-ids", "none", "--compile-cache", "off", "--attention", "sparse", "--kv-dtype", "float8_e4m3fn"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(argv)
+    assert rc == 0, err.getvalue()
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["cache_config"]["kv_dtype"] == "float8_e4m3fn"
+    assert rep["cache"]["page_bytes"] == 16 * 1 * rep["cache_config"]["head_dim"] + 4   # e4m3 codes + one scale
+    assert "kv_dtype float8_e4m3fn" in out.getvalue() + err.getvalue()
+    row = json.loads((tmp_path / "out.jsonl").read_text().splitlines()[0])
+    assert row["completion_tokens"] == 8
+    args = cli.build_parser().parse_args(argv[:-2])
+    assert cli.run_settings(args) != cli.run_settings(cli.build_parser().parse_args(argv))
