@@ -186,3 +186,22 @@ def test_kernel_compiled_reads_fp8_pages_like_its_reference(g):
     out = np.asarray(run_attn(case, impl="pallas"), np.float32)
     assert np.isfinite(out).all()
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1.5e-2
+
+
+def test_cost_model_counts_the_page_format_bytes():
+    """The cost model reads a stored K/V element at the page format's bytes (CacheConfig.page_bytes per element):
+    fp8 halves dense's cache and sparse's PCIe bytes; the weights stay at the model's dtype."""
+    from ulacache_jax.models import get_preset
+    from ulacache_jax.runtime.cost_model import CostModel
+    mc, cm = get_preset("llama-3.1-8b"), CostModel()
+    fp8 = CacheConfig.preset("llama-3.1-8b", kv_dtype="float8_e4m3fn")
+    isz = fp8.page_bytes / (fp8.page_size * fp8.kv_heads_per_group * fp8.head_dim)
+    assert 1 < isz < 1.001
+    shape = dict(batch=8, context=2**17, token_budget=2048, page_size=64, itemsize=2)
+    w = cm.weight_bytes(mc, 2)
+    kv16 = cm.dense_hbm_bytes(mc, max_seqs=8, max_context=2**17, itemsize=2) - w
+    kv8 = cm.dense_hbm_bytes(mc, max_seqs=8, max_context=2**17, itemsize=2, kv_itemsize=isz) - w
+    assert kv8 == pytest.approx(kv16 * isz / 2)
+    s16, s8 = cm.step_terms("sparse", mc, **shape), cm.step_terms("sparse", mc, kv_itemsize=isz, **shape)
+    assert s8["pcie"] == pytest.approx(s16["pcie"] * isz / 2)
+    assert cm.tokens_per_s("dense", mc, kv_itemsize=isz, **shape) > cm.tokens_per_s("dense", mc, **shape)
