@@ -34,6 +34,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-dtypes", default="auto,float8_e4m3fn")
     ap.add_argument("--budgets", default="256", help="comma list of sparse token budgets (plus a covering one)")
+    ap.add_argument("--no-covering", action="store_true", help="skip the covering-budget cells (the sparse ones only)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--ppl-window", type=int, default=1024)
     ap.add_argument("--ppl-windows", type=int, default=4)
@@ -79,7 +80,7 @@ def main(argv=None):
         span = len(ids) - T
         wins = [ids[int(i * span / max(1, W - 1)):][:T] for i in range(W)]
         meta["ppl"] = dict(windows=W, window_tokens=T, prefix=prefix, scored=W * (T - 1 - prefix))
-        for budget in [T] + budgets:
+        for budget in ([] if args.no_covering else [T]) + budgets:
             for kv in kv_dtypes:
                 cc = default_cache_config(model.config, num_seqs=W, max_tokens=T, page_size=args.page_size,
                                           token_budget=budget, dtype=args.dtype, kv_dtype=kv)
@@ -100,7 +101,7 @@ def main(argv=None):
         mn = max(p["max_new_tokens"] for p in prompts)
         stops = stop_ids_of(model, tok)
         texts = {}
-        for budget in [args.context] + budgets:
+        for budget in ([] if args.no_covering else [args.context]) + budgets:
             for kv in kv_dtypes:
                 cc = default_cache_config(model.config, num_seqs=min(8, len(pids)), max_tokens=args.context,
                                           page_size=args.page_size, token_budget=budget, dtype=args.dtype,
