@@ -23,6 +23,14 @@ Two kernels (their times and bandwidth against the copy ceiling: docs/BENCHMARKS
   fused fill), fp32, g > 1 and long drafts.
 Both write per-split partials, merged by log-sum-exp in XLA (about 1-3% of the bytes).
 
+Scaled pages (an fp8 or int8 page format, ulacache_jax/cache/codec.py): `k_scale`, `v_scale` [F, 1, g, 1] float32,
+one per pool page and KV head; the page's value is code * scale. The Triton kernel reads the codes (half of bf16's
+bytes for fp8) and dequantises in registers: codes are converted to the queries' dtype for the dots (exact: e4m3
+and int8 codes are bf16 values), the K scale multiplies the logits of the page's columns and the V scale the
+probabilities of its columns before P @ V, so no dequantised tile is formed. Pages of the second source (host_k /
+host_v: the host pool, or a scaled codec's tail ring kept in the model's dtype) are unscaled. The Mosaic kernel takes
+unscaled pages only.
+
 `ref_sparse_decode_attention` is the same function in plain jnp (gather the pages, mask, softmax), obvious
 rather than fast. `impl="auto"` runs the Triton kernel on GPU and the reference elsewhere (the plain default of
 direct calls; which kernel the decode runs is decided by ulacache_jax/cache/kernel_choice.py); `impl="pallas"` forces
@@ -54,6 +62,19 @@ IMPLS = ("auto", "pallas", "mosaic", "ref")  # pallas = the Triton-lowering kern
 # ----------------------------------------------------------------------------------------------------------------
 # argument checking and defaults shared by kernel and reference
 # ----------------------------------------------------------------------------------------------------------------
+def _check_scales(pool_k, k_scale, v_scale, store_misses):
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale go together")
+    if k_scale is None:
+        return
+    want = (pool_k.shape[0], 1, pool_k.shape[2], 1)
+    if k_scale.shape != want or v_scale.shape != want:
+        raise ValueError(f"k_scale / v_scale must be [F, 1, g, 1] = {list(want)} (one per pool page and KV head), "
+                         f"got {k_scale.shape} / {v_scale.shape}")
+    if store_misses:
+        raise ValueError("store_misses with scaled pages: the fused fill stores unscaled host pages only")
+
+
 def _check(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k, host_v, page_host, page_src):
     if q.ndim != 4:
         raise ValueError(f"q must be [B, Q, H, D], got {q.shape}")
@@ -97,15 +118,17 @@ def _default_src(page_start, page_src):
 # ----------------------------------------------------------------------------------------------------------------
 def ref_sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, *, host_k=None, host_v=None,
                                 page_host=None, page_src=None, scale=None, softcap=None, impl="ref",
-                                store_misses=False):
+                                store_misses=False, k_scale=None, v_scale=None):
     """Plain-jnp sparse decode attention; same contract as `sparse_decode_attention` (impl is ignored).
 
     q [B, Q, H, D]; pool_k/v [F, t, g, D]; page_frame, page_start, page_host, page_src [B, G, K] int32;
-    seq_len [B] int32; host_k/v [P, t, g, D]. Returns out [B, Q, H, D] (and new pool_k, pool_v if store_misses).
+    seq_len [B] int32; host_k/v [P, t, g, D]; k_scale/v_scale [F, 1, g, 1] float32 (scaled pool pages: value =
+    code * scale). Returns out [B, Q, H, D] (and new pool_k, pool_v if store_misses).
     """
     del impl
     b, nq, h, d, page, g, ng, kv = _check(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k, host_v,
                                           page_host, page_src)
+    _check_scales(pool_k, k_scale, v_scale, store_misses)
     r = h // kv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     src = _default_src(page_start, page_src)
@@ -113,6 +136,9 @@ def ref_sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_l
     frame = jnp.clip(page_frame, 0, nf - 1)
     k_pages = pool_k[frame]  # [B, G, K, t, g, D]
     v_pages = pool_v[frame]
+    if k_scale is not None:  # dequantised in float32: value = code * (page, head) scale
+        k_pages = k_pages.astype(jnp.float32) * k_scale[frame]
+        v_pages = v_pages.astype(jnp.float32) * v_scale[frame]
     if host_k is not None:
         hidx = jnp.clip(page_host, 0, host_k.shape[0] - 1)
         from_host = (src >= 2)[..., None, None, None]
@@ -154,13 +180,15 @@ def ref_sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_l
 # ----------------------------------------------------------------------------------------------------------------
 # kernel
 # ----------------------------------------------------------------------------------------------------------------
-def _attn_kernel(*refs, nq, r, g, d, page, npb, nblk, scale, softcap, has_host, store, fp32):
+def _attn_kernel(*refs, nq, r, g, d, page, npb, nblk, scale, softcap, has_host, store, fp32, scaled):
     """One program = one (b, kv head, split).
 
     frame_ref, start_ref [B, G, Kp] int32 (whole tables); src_ref, hidx_ref [B, G, Kp] (host variant only);
     len_ref [B] int32; q_ref [Mp, D] (this kv head's M query rows, zero-padded to Mp);
-    k_ref, v_ref [F, t, g, D] pool (HBM); hk_ref, hv_ref [P, t, g, D] host pool (pinned_host on GPU, read in
-    place: no XLA op touches it, since XLA ops on a pinned_host operand fail or run on the host);
+    k_ref, v_ref [F, t, g, D] pool (HBM); ks_ref, vs_ref [F, 1, g, 1] f32 its page scales (scaled pages only);
+    hk_ref, hv_ref [P, t, g, D] host pool (pinned_host on GPU, read in
+    place: no XLA op touches it, since XLA ops on a pinned_host operand fail or run on the host), or a scaled
+    codec's tail ring (unscaled);
     outputs: o_ref [Mp, D] f32 unnormalised partial, m_ref, l_ref [Mp] f32 running max and sum;
     ko_ref, vo_ref [F, t, g, D] the pool again as outputs, aliased to k_ref / v_ref (fused fill only): the pool
     is passed once, since an operand that is both read and aliased makes XLA copy the whole pool first.
@@ -169,6 +197,7 @@ def _attn_kernel(*refs, nq, r, g, d, page, npb, nblk, scale, softcap, has_host, 
     frame_ref, start_ref = next(it), next(it)
     src_ref, hidx_ref = (next(it), next(it)) if has_host else (None, None)
     len_ref, q_ref, k_ref, v_ref = next(it), next(it), next(it), next(it)
+    ks_ref, vs_ref = (next(it), next(it)) if scaled else (None, None)
     hk_ref, hv_ref = (next(it), next(it)) if has_host else (None, None)
     o_ref, m_ref, l_ref = next(it), next(it), next(it)
     ko_ref, vo_ref = (next(it), next(it)) if store else (None, None)
@@ -214,6 +243,16 @@ def _attn_kernel(*refs, nq, r, g, d, page, npb, nblk, scale, softcap, has_host, 
         # masked-off lanes make no memory traffic: skipped slots and tokens past the length cost nothing
         k = pages(k_ref, jnp.where(from_pool, fr, 0), (from_pool[:, None] & tok_ok)[:, :, None])   # [npb, t, D]
         v = pages(v_ref, jnp.where(from_pool, fr, 0), (from_pool[:, None] & tok_ok)[:, :, None])
+        if scaled:
+            # codes -> the queries' dtype (exact for e4m3 / int8 codes); the page scales [npb] are applied to the
+            # logits and the probabilities of each page's columns below (1 for pages of the second source)
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            sc_idx = (jnp.where(from_pool, fr, 0), jnp.zeros((npb,), jnp.int32),
+                      jnp.broadcast_to(jj, (npb,)).astype(jnp.int32), jnp.zeros((npb,), jnp.int32))
+            ksc = pltriton.load(ks_ref.at[sc_idx], mask=from_pool, other=1.0)        # [npb] f32
+            vsc = pltriton.load(vs_ref.at[sc_idx], mask=from_pool, other=1.0)
+            ksc = jnp.broadcast_to(ksc[:, None], (npb, page)).reshape(1, blk)       # per column
+            vsc = jnp.broadcast_to(vsc[:, None], (npb, page)).reshape(1, blk)
         if has_host:
             hp = jnp.where(from_host, hidx_ref[b, grp, pl.ds(off, npb)], 0)
             hmask = from_host[:, None, None]                         # whole page: it may also be stored
@@ -226,13 +265,15 @@ def _attn_kernel(*refs, nq, r, g, d, page, npb, nblk, scale, softcap, has_host, 
                 smask = jnp.broadcast_to(do[:, None, None], shp)
                 pltriton.store(ko_ref.at[dst], kh, mask=smask)
                 pltriton.store(vo_ref.at[dst], vh, mask=smask)
-            k = jnp.where(hmask, kh, k)
-            v = jnp.where(hmask, vh, v)
+            k = jnp.where(hmask, kh.astype(k.dtype), k)
+            v = jnp.where(hmask, vh.astype(v.dtype), v)
         k = k.reshape(blk, d)
         v = v.reshape(blk, d)
         ok = tok_ok.reshape(1, blk)
         v = jnp.where(ok.reshape(blk, 1), v, jnp.zeros_like(v))     # where, not multiply: 0 * NaN = NaN
         s = pltriton.dot(q, k, trans_b=True, precision=prec) * scale       # [Mp, blk] f32
+        if scaled:
+            s = s * ksc
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         vis = ok & (pos.reshape(1, blk) <= row_pos[:, None])         # [Mp, blk]
@@ -241,7 +282,8 @@ def _attn_kernel(*refs, nq, r, g, d, page, npb, nblk, scale, softcap, has_host, 
         corr = jnp.exp(m_run - m_new)
         p = jnp.exp(s - m_new[:, None])                              # masked: exp(-inf) = 0
         l_new = corr * l_run + jnp.sum(p, axis=1)
-        pv = pltriton.dot(p.astype(v.dtype), v, precision=prec)            # [Mp, D] f32
+        pw = p * vsc if scaled else p                                # V's page scale on its columns' weights
+        pv = pltriton.dot(pw.astype(v.dtype), v, precision=prec)           # [Mp, D] f32
         return corr[:, None] * acc + pv, m_new, l_new
 
     init = (jnp.zeros((mp, d), jnp.float32), jnp.full((mp,), NEG_INIT, jnp.float32), jnp.zeros((mp,), jnp.float32))
@@ -269,8 +311,9 @@ def default_tuning(batch: int, num_kv: int, num_slots: int, page: int, has_host:
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "store_misses", "interpret", "num_splits",
                                               "pages_per_block", "num_warps", "num_stages"))
-def _pallas_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k, host_v, page_host, page_src, *,
-                      scale, softcap, store_misses, interpret, num_splits, pages_per_block, num_warps, num_stages):
+def _pallas_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k, host_v, page_host, page_src,
+                      k_scale=None, v_scale=None, *, scale, softcap, store_misses, interpret, num_splits,
+                      pages_per_block, num_warps, num_stages):
     b, nq, h, d = q.shape
     nf, page, g, _ = pool_k.shape
     ng, nslot = page_frame.shape[1:]
@@ -305,6 +348,10 @@ def _pallas_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k
     pool_at = len(args) + 2
     args += [seq_len.astype(jnp.int32), qr, pk, pv]
     in_specs += [ANY, pl.BlockSpec((None, None, mp, d), lambda i, j, s: (i, j, 0, 0)), ANY, ANY]
+    scaled = k_scale is not None
+    if scaled:
+        args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+        in_specs += [ANY, ANY]
     if has_host:
         args += [host_k, host_v]
         in_specs += [ANY, ANY]
@@ -320,7 +367,8 @@ def _pallas_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k
         out_shape += [jax.ShapeDtypeStruct(pk.shape, pk.dtype), jax.ShapeDtypeStruct(pv.shape, pv.dtype)]
         out_specs += [ANY, ANY]
     kernel = functools.partial(_attn_kernel, nq=nq, r=r, g=g, d=d, page=page, npb=npb, nblk=nblk, scale=scale,
-                               softcap=softcap, has_host=has_host, store=store, fp32=q.dtype == jnp.float32)
+                               softcap=softcap, has_host=has_host, store=store, fp32=q.dtype == jnp.float32,
+                               scaled=scaled)
     outs = pl.pallas_call(
         kernel, grid=(b, kv, ns), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases, interpret=interpret,
@@ -527,7 +575,7 @@ def _mosaic_applies(q, pool_k, num_kv: int, host_k, store_misses) -> bool:
 
 def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, *, host_k=None, host_v=None,
                             page_host=None, page_src=None, scale=None, softcap=None, impl="auto",
-                            store_misses=False, tuning=None):
+                            store_misses=False, tuning=None, k_scale=None, v_scale=None):
     """Decode attention of q over each (sequence, group)'s own pages, read by frame from one pool.
 
     q          [B, Q, H, D]   queries; head h uses kv head h // (H // KV), KV = G * g; kv head j is in group j // g.
@@ -539,6 +587,8 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
     page_src   [B, G, K] int32 0 skip, 1 pool[page_frame], 2 host[page_host] (zero-copy), 3 host[page_host] and
                store it into pool[page_frame] (only with store_misses=True; without it 3 reads like 2).
                Default: 1 where page_start >= 0 else 0.
+    k_scale/v_scale [F, 1, g, 1] float32, optional: pool pages stored as codes (fp8, int8) with a scale per page
+               and KV head (value = code * scale), dequantised in the kernel; host pages are unscaled.
     Returns out [B, Q, H, D] in q.dtype (f32 accumulation); with store_misses=True also (pool_k, pool_v), aliased:
     call it under jit with the pools donated or XLA copies the whole pool first.
     impl: "auto" (the Triton kernel on GPU, the reference elsewhere), "pallas" (the Triton-lowering kernel;
@@ -550,12 +600,14 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     b, nq, h, d, page, g, ng, kv = _check(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k, host_v,
                                           page_host, page_src)
+    _check_scales(pool_k, k_scale, v_scale, store_misses)
     if impl == "auto":
         impl = "pallas" if on_gpu() else "ref"
     if impl == "ref":
         return ref_sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k=host_k,
                                            host_v=host_v, page_host=page_host, page_src=page_src, scale=scale,
-                                           softcap=softcap, store_misses=store_misses)
+                                           softcap=softcap, store_misses=store_misses, k_scale=k_scale,
+                                           v_scale=v_scale)
     if page_src is not None and host_k is None:
         # no host pool (2/3 were rejected by _check when concrete): fold the skips into page_start
         page_start = jnp.where(page_src != 0, page_start, -1)
@@ -563,6 +615,8 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
     scale = float(1.0 / math.sqrt(d) if scale is None else scale)
     softcap = None if softcap is None else float(softcap)
     if impl == "mosaic":
+        if k_scale is not None:
+            raise ValueError("impl='mosaic' reads unscaled pages only; scaled (fp8 / int8) pages take impl='pallas'")
         if not _mosaic_applies(q, pool_k, kv, host_k, store_misses):
             raise ValueError("impl='mosaic' needs bf16/f16, g = 1, Q * H / KV <= 64, D % 64 == 0, page % 64 == 0 "
                              "and no host pool; use impl='pallas'")
@@ -578,5 +632,5 @@ def sparse_decode_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, 
                           itemsize=jnp.dtype(pool_k.dtype).itemsize)
     tune.update(tuning or {})
     return _pallas_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k, host_v, page_host, page_src,
-                             scale=scale, softcap=softcap, store_misses=bool(store_misses), interpret=not on_gpu(),
+                             k_scale, v_scale, scale=scale, softcap=softcap, store_misses=bool(store_misses), interpret=not on_gpu(),
                              **tune)

@@ -78,13 +78,13 @@ def abstract_program(model, cfg, attention: str, options, mesh):
             tp.state_specs(state)), config=cfg)
         host = jax.tree.map(lambda x: jax.ShapeDtypeStruct((R,) + x.shape[1:], x.dtype), host)
         kind = cache_state.host_memory_kind(mesh.devices.flat[0])
-        host_sh = jax.tree.map(lambda s: NamedSharding(mesh, s, memory_kind=kind), tp.HOST_SPECS,
+        host_sh = jax.tree.map(lambda s: NamedSharding(mesh, s, memory_kind=kind), tp.host_specs(cfg),
                                is_leaf=lambda x: isinstance(x, P))
         stand_in = object.__new__(backends.SparseBackend)
         stand_in.config, stand_in.ops = cfg, ops
         stand_in.manager = type("Manager", (), dict(specs=tp.state_specs(state), host_shardings=lambda self: host_sh))()
         cache = jax.tree.map(shard, state, stand_in.manager.specs)
-        host = jax.tree.map(lambda x, s: shard(x, s, kind), host, tp.HOST_SPECS)
+        host = jax.tree.map(lambda x, s: shard(x, s, kind), host, tp.host_specs(cfg))
     elif attention == "dense":
         stand_in = object.__new__(backends.DenseBackend)
         stand_in.config, stand_in.ops = cfg, ops

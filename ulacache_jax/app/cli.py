@@ -165,6 +165,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --key-channels C (even): keep the C channels as whole rotary pairs in int8 (8) or "
                         "int4 (4) with a scale per page and channel, so the scorer reads C * bits / 8 bytes a token "
                         "(label channels); 0 = the copy in the model's dtype")
+    p.add_argument("--kv-dtype", default="auto", choices=("auto", "float8_e4m3fn"),
+                   help="K/V page format: 'auto' (the model's dtype) or 'float8_e4m3fn' (e4m3 with a float32 scale "
+                        "per page and KV head: half of bf16's page bytes; the tail ring stays in the model's dtype)")
     p.add_argument("--channel-table", default="auto",
                    help="with --label-bits: 'auto' (the table shipped for the model's file, found by its sha256, "
                         "else online calibration from each prompt), 'online', or a JSON file written by "
@@ -884,7 +887,7 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
                   dtype=dtype, key_channels=args.key_channels, label_bits=args.label_bits,
-                  channel_table=_channel_table(args))
+                  channel_table=_channel_table(args), kv_dtype=args.kv_dtype)
         cfg = default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
         if args.two_stage is None:
             return cfg
@@ -1025,9 +1028,9 @@ NOT_IN_FINGERPRINT = {
 }
 # options fingerprinted only when not at their default, so files written before they were fingerprinted (at the
 # default, the only case that was right then) still resume
-_FINGERPRINTED_WHEN_SET = {"key_channels": 0, "label_bits": 0, "channel_table": "auto", "two_stage": None,
-                           "speculative": None, "num_speculative_tokens": 4, "draft_model": None, "min_p": 0.0,
-                           "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+_FINGERPRINTED_WHEN_SET = {"key_channels": 0, "label_bits": 0, "channel_table": "auto", "kv_dtype": "auto",
+                           "two_stage": None, "speculative": None, "num_speculative_tokens": 4, "draft_model": None,
+                           "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
                            "logprobs": None}
 
 

@@ -195,7 +195,8 @@ def format_report(rep: dict) -> str:
         + (f" (TP {c['tp']} ranks; HBM frames and host pages per rank)" if c["tp"] > 1 else "")
         + f"; page_size {c['page_size']}, token_budget {c['token_budget']}, "
         f"max_seqs {c['max_seqs']}, max context {c['max_pages_per_seq'] * c['page_size']} tokens, "
-        f"HBM frames {c['num_buckets'] * c['slots_per_bucket']}, host pages {c['host_pages']}, dtype {c['dtype']}",
+        f"HBM frames {c['num_buckets'] * c['slots_per_bucket']}, host pages {c['host_pages']}, dtype {c['dtype']}"
+        + (f", kv_dtype {c['kv_dtype']}" if c.get("kv_dtype", "auto") != "auto" else ""),
         f"  requests: {q['total']} ({q['ok']} ok, {q['failed']} failed; finish reasons {q['finish_reasons']})",
         f"  tokens:   {rep['tokens']['prompt']} prompt, {rep['tokens']['generated']} generated",
         _time_line(rep),

@@ -7,6 +7,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from ulacache_jax.cache import codec as codec_mod
 from ulacache_jax.cache import lid as lid_mod
 from ulacache_jax.cache.select import registry
 from ulacache_jax.cache.select.rule import SelectionRule
@@ -49,6 +50,9 @@ class CacheConfig:
                                         # (scripts/calibrate_labels.py); None: each sequence's first prefill block
     selection: SelectionRule | None = None  # None: the built-in rule the fields above name (quest / key_copy /
                                             # labels); a rule object (select/rule.py): that rule (select/registry.py)
+    kv_dtype: str = "auto"           # the page format (cache/codec.py): "auto" = the model's dtype (`dtype`), or
+                                     # "float8_e4m3fn" = e4m3 codes with a float32 scale per page and KV head
+    page_codec: codec_mod.ModelCodec | None = None  # a codec object instead of kv_dtype's (e.g. a test's own)
 
     def __post_init__(self):
         def need(ok, msg):
@@ -114,6 +118,18 @@ class CacheConfig:
              f"sink_pages + recent_pages = {self.sink_pages + self.recent_pages} exceeds token_budget // page_size"
              f" = {self.select_pages}")
         need(self.dtype in ("bfloat16", "float32", "float16"), f"dtype = {self.dtype!r} must be bfloat16, float16 or float32")
+        need(self.kv_dtype in codec_mod.KV_DTYPES, f"kv_dtype = {self.kv_dtype!r} must be one of {codec_mod.KV_DTYPES}")
+        need(self.page_codec is None or self.kv_dtype == "auto",
+             f"page_codec = {self.page_codec!r} replaces kv_dtype: leave kv_dtype at 'auto' (it is {self.kv_dtype!r})")
+        if self.page_codec is not None:
+            need(isinstance(self.page_codec, codec_mod.ModelCodec),
+                 f"page_codec = {self.page_codec!r} must be a ModelCodec (ulacache_jax/cache/codec.py)")
+            try:
+                hash(self.page_codec)
+            except TypeError as e:
+                raise ValueError(f"CacheConfig: page_codec {self.page_codec!r} must be hashable (a frozen "
+                                 f"dataclass): it is a static jit field ({e})") from None
+        self.codec.check(self.dtype)
         need(self.num_groups % self.tp == 0 or self.tp % self.num_groups == 0,
              f"num_groups = {self.num_groups} must divide or be divided by tp = {self.tp}")
         need(self.tp == 1 or self.num_groups % self.tp == 0,
@@ -179,9 +195,38 @@ class CacheConfig:
         return jnp.dtype(self.dtype)
 
     @property
+    def codec(self) -> codec_mod.ModelCodec:
+        """The page format (cache/codec.py): `page_codec`, or the one `kv_dtype` names."""
+        return codec_mod.codec_for(self.kv_dtype, self.page_codec)
+
+    @property
+    def storage_dtype(self):
+        """The dtype of stored page codes (HBM frames, host pool): the model's, or the codec's."""
+        return self.codec.storage_dtype(self.dtype)
+
+    @property
     def page_bytes(self) -> int:
-        """Bytes of one K (or V) page of one group."""
+        """Bytes of one stored K (or V) page of one group: its codes and, for a scaled codec, its scales."""
+        return self.codec.page_bytes(self.page_size, self.kv_heads_per_group, self.head_dim, self.dtype)
+
+    @property
+    def ring_page_bytes(self) -> int:
+        """Bytes of one K (or V) page of one group in the tail ring: stored pages when the ring is in the pool,
+        else the model's dtype (a scaled codec encodes a page at its flush, cache/codec.py)."""
+        if self.codec.ring_in_pool:
+            return self.page_bytes
         return self.page_size * self.kv_heads_per_group * self.head_dim * self.jnp_dtype.itemsize
+
+    @property
+    def ring_pages(self) -> int:
+        """Tail-ring pages per rank: one per (seq, layer, group, ring slot)."""
+        return self.max_seqs * self.num_layers * self.groups_per_rank * TAIL_PAGES
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages of the HBM pool per rank: the PB-LRU frames, the tail ring when it lives there, the overflow
+        frames."""
+        return self.num_frames + (self.ring_pages if self.codec.ring_in_pool else 0) + self.overflow_frames
 
     def footprint(self) -> dict[str, int]:
         """Bytes per rank of each pool, for capacity checks before anything is allocated. A given selection rule's
@@ -194,7 +239,7 @@ class CacheConfig:
             extra["selection"] = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
         return extra | {
             "frames": 2 * self.num_frames * self.page_bytes,
-            "tail": 2 * per_pg * TAIL_PAGES * self.page_bytes,
+            "tail": 2 * per_pg * TAIL_PAGES * self.ring_page_bytes,
             "overflow": 2 * self.overflow_frames * self.page_bytes,
             "summaries": 2 * per_pg * self.summary_pages * self.kv_heads_per_group * self.head_dim * isz,
             "key_copy": int(per_pg * self.kv_heads_per_group * self.key_channels * (

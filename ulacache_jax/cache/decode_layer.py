@@ -17,7 +17,8 @@ from ulacache_jax.cache import pb_lru
 from ulacache_jax.cache.select import quest as selection
 from ulacache_jax.cache.select.registry import kept_rules
 from ulacache_jax.cache import vtlb as vtlb_mod
-from ulacache_jax.cache.state import CacheState, HostPool, overflow_frame, tail_frame
+from ulacache_jax.cache.state import (CacheState, HostPool, overflow_frame, pool_pages, ring_arrays, tail_frame,
+                                      with_pool, with_ring)
 from ulacache_jax.cache.config import TAIL_PAGES
 from ulacache_jax.cache.kernel_choice import resolved_options
 from ulacache_jax.pallas_kernels import page_copy
@@ -66,16 +67,17 @@ def append_token(state: CacheState, layer: int, k_new, v_new, pos, live, *, impl
     passes its `copy` choice (the append writes pool pages as the copies do)."""
     c = state.config
     S, G, g, P = c.max_seqs, c.groups_per_rank, c.kv_heads_per_group, c.page_size
-    dt = c.jnp_dtype
+    ring_k, ring_v = ring_arrays(state)       # the pool, or a scaled codec's own ring (cache/codec.py)
+    dt = ring_k.dtype
     kg = k_new.astype(dt).reshape(S, 1, G, g, c.head_dim)
     vg = v_new.astype(dt).reshape(S, 1, G, g, c.head_dim)
     page, off = pos // P, pos % P
     frame = tail_frame(c, jnp.arange(S)[:, None], layer, jnp.arange(G)[None, :], page[:, None])   # [S, G]
     frame = jnp.where(live[:, None], frame, -1)[:, None, :]                          # [S, 1, G], -1 = skipped
     sub, first = selection.append_operands(c, pos, live)                             # [S] each
-    pool_k, pool_v, kmin, kmax = tail_append(state.pool_k, state.pool_v, kg, vg, frame, off[:, None],
+    ring_k, ring_v, kmin, kmax = tail_append(ring_k, ring_v, kg, vg, frame, off[:, None],
                                              state.kmin, state.kmax, sub, first, layer=layer, impl=impl)
-    state = dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, kmin=kmin, kmax=kmax)
+    state = dataclasses.replace(with_ring(state, ring_k, ring_v), kmin=kmin, kmax=kmax)
     for rule in kept_rules(c):
         state = rule.append(state, layer, kg[:, 0], pos, live)
     return state
@@ -163,7 +165,7 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
 
     # 3. Misses cross PCIe once: fetched into their frames here, or read and stored by the attention kernel. A
     #    frame several rows missed (sharers of one stored prefix page) is fetched or stored by its first row only.
-    pool_k, pool_v = state.pool_k[0], state.pool_v[0]
+    pool = [a[0] for a in pool_pages(state).arrays()]                                 # codes (and scales)
     if not options.fused_fetch:
         # overflow pages (no free slot) are staged in this call's overflow frames, so attention reads only HBM.
         # There is one overflow frame per (sequence, group, slot) (config.overflow_frames), so a slot's own frame
@@ -171,8 +173,8 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
         stage = overflow_frame(c, jnp.arange(S * G * K, dtype=jnp.int32).reshape(S, G, K))   # [S, G, K]
         frame = jnp.where(overflow, stage, frame)
         dst = jnp.where(lead | overflow, frame, -1).reshape(-1)
-        pool_k, pool_v = page_copy.fetch([pool_k, pool_v], [host.k[0], host.v[0]], host_idx.reshape(-1), dst,
-                                         impl=options.copy)   # K and V in one launch
+        pool = page_copy.fetch(pool, [a[0] for a in host.arrays()], host_idx.reshape(-1), dst,
+                               impl=options.copy)   # K and V (and their scales) in one launch
         src = jnp.where(valid, 1, 0)
         fetched = lead.sum() + overflow.sum()
     else:
@@ -186,24 +188,47 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     t_frame = tail_frame(c, jnp.arange(S)[:, None, None], layer, jnp.arange(G)[None, :, None], tp[:, None, :])
     t_frame = jnp.broadcast_to(t_frame, (S, G, TAIL_PAGES))
     t_ok = jnp.broadcast_to(t_ok[:, None, :], (S, G, TAIL_PAGES))
+    t_frame, t_src, t_host = tail_sources(c, t_frame, t_ok)
     plan = PagePlan(
         frame=jnp.concatenate([jnp.where(valid, frame, 0), t_frame], axis=-1).astype(jnp.int32),
         start=jnp.concatenate([jnp.where(valid, page * P, -1),
                                jnp.where(t_ok, jnp.broadcast_to(tp[:, None, :], (S, G, TAIL_PAGES)) * P, -1)],
                               axis=-1).astype(jnp.int32),
-        src=jnp.concatenate([src, jnp.where(t_ok, 1, 0)], axis=-1).astype(jnp.int32),
-        host_page=jnp.concatenate([jnp.where(valid, host_idx, -1), jnp.full((S, G, TAIL_PAGES), -1)],
-                                  axis=-1).astype(jnp.int32),
+        src=jnp.concatenate([src, t_src], axis=-1).astype(jnp.int32),
+        host_page=jnp.concatenate([jnp.where(valid, host_idx, -1), t_host], axis=-1).astype(jnp.int32),
         seq_len=seq_len.astype(jnp.int32))
     stats = LayerStats(hits=(valid & ~miss).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
                        overflow=overflow.sum().astype(jnp.int32), fetched=fetched.astype(jnp.int32))
     # the clock ticks once per sieve call (every layer of every step), so recency orders the accesses as they
     # happened: one tick per 64-step chunk made a chunk's accesses tie and cost 12 points of hit rate at a 1/8
     # pool on a model trace (docs/benchmarks/eviction_model_clock.json vs eviction_model.json)
-    state = dataclasses.replace(state, pb=jax.tree.map(lambda a: a[None], pb),
-                                vtlb=jax.tree.map(lambda a: a[None], table),
-                                pool_k=pool_k[None], pool_v=pool_v[None], clock=state.clock + 1)
+    state = dataclasses.replace(with_pool(state, pool_pages(state).of([a[None] for a in pool])),
+                                pb=jax.tree.map(lambda a: a[None], pb), vtlb=jax.tree.map(lambda a: a[None], table),
+                                clock=state.clock + 1)
     return state, plan, stats
+
+
+def tail_sources(config, t_frame, t_ok):
+    """Where the attention kernel reads the tail pages: t_frame [..., T] their ring slots (`tail_frame`), t_ok
+    [..., T] bool -> (frame, src, host_page) [..., T] int32. With the ring in the pool: pool frames, source 1. A
+    scaled codec's ring (model dtype, its own array: cache/codec.py) is the kernel's second page source, read by
+    index like a host page (source 2, unscaled)."""
+    if config.codec.ring_in_pool:
+        return t_frame, jnp.where(t_ok, 1, 0), jnp.full(t_frame.shape, -1)
+    return jnp.zeros_like(t_frame), jnp.where(t_ok, 2, 0), jnp.where(t_ok, t_frame, -1)
+
+
+def _attention(state: CacheState, q, frame, start, seq_len, src, host_page, options: DecodeOptions, **host_kw):
+    """The attention kernel over the pool, in its page format: a scaled codec's pages with their scales (the
+    kernel dequantises in registers) and its ring as the second source (`tail_sources`); host_kw: the fused
+    fetch's host operands (an unscaled pool only: kernel_choice.resolve refuses the fused fetch with scales)."""
+    kw = {}
+    if state.pool_ks is not None:
+        kw = dict(k_scale=state.pool_ks[0], v_scale=state.pool_vs[0])
+    if state.ring_k is not None:
+        kw.update(host_k=state.ring_k[0], host_v=state.ring_v[0], page_host=host_page)
+    return sparse_decode_attention(q, state.pool_k[0], state.pool_v[0], frame, start, seq_len, page_src=src,
+                                   softcap=options.softcap, impl=options.attention, **kw, **host_kw)
 
 
 def attend_pages(state: CacheState, host: HostPool, q, plan: PagePlan, *,
@@ -214,12 +239,9 @@ def attend_pages(state: CacheState, host: HostPool, q, plan: PagePlan, *,
     operand."""
     options = resolved_options(options, state.config, q)
     if not options.fused_fetch:
-        return state, sparse_decode_attention(q, state.pool_k[0], state.pool_v[0], plan.frame, plan.start,
-                                              plan.seq_len, page_src=plan.src, softcap=options.softcap,
-                                              impl=options.attention)
-    res = sparse_decode_attention(q, state.pool_k[0], state.pool_v[0], plan.frame, plan.start, plan.seq_len,
-                                  host_k=host.k[0], host_v=host.v[0], page_host=plan.host_page, page_src=plan.src,
-                                  softcap=options.softcap, impl=options.attention, store_misses=True)
+        return state, _attention(state, q, plan.frame, plan.start, plan.seq_len, plan.src, plan.host_page, options)
+    res = _attention(state, q, plan.frame, plan.start, plan.seq_len, plan.src, plan.host_page, options,
+                     host_k=host.k[0], host_v=host.v[0], page_host=plan.host_page, store_misses=True)
     attn, pool_k, pool_v = res
     return dataclasses.replace(state, pool_k=pool_k[None], pool_v=pool_v[None]), attn
 
@@ -255,15 +277,22 @@ def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto", only=No
     dst = state.vtlb.host_page[0, s, l, g, jnp.minimum(pp, c.max_pages_per_seq - 1)]
     dst = jnp.where(done[:, None, None, :], dst, -1).reshape(-1)
     src = jnp.broadcast_to(src, (S, L, G, TAIL_PAGES)).reshape(-1).astype(jnp.int32)
-    hk, hv = page_copy.flush([host.k[0], host.v[0]], [state.pool_k[0], state.pool_v[0]], src, dst.astype(jnp.int32),
-                             impl=impl)   # K and V in one launch
+    ring_k, ring_v = ring_arrays(state)
+    if c.codec.ring_in_pool:     # the ring's pages are stored pages already: copied as they are
+        out = page_copy.flush([a[0] for a in host.arrays()], [ring_k[0], ring_v[0]], src, dst.astype(jnp.int32),
+                              impl=impl)   # K and V in one launch
+    else:                        # encoded here, once per page, now that all its tokens are known (cache/codec.py)
+        enc = c.codec.encode(ring_k[0, src], ring_v[0, src], c.dtype)                 # [S*L*G*T, page, g, D]
+        out = page_copy.flush([a[0] for a in host.arrays()], enc.arrays(), jnp.arange(src.shape[0], dtype=jnp.int32),
+                              dst.astype(jnp.int32), impl=impl)   # codes and scales in one launch
     seqs = dataclasses.replace(state.seqs, flushed=jnp.where(active, length // P, flushed))
-    # the selection rules see the completed pages (read from their ring frames; unused reads are compiled away)
+    # the selection rules see the completed pages (read from their ring frames, unquantised; unused reads are
+    # compiled away)
     pages = jnp.where(done[:, None, None, :], pp, c.max_pages_per_seq)                # [S, 1, 1, T]; P: dropped
-    kp = state.pool_k[0, tail_frame(c, s, l, g, pp)]                                  # [S, L, G, T, page, g, D]
+    kp = ring_k[0, tail_frame(c, s, l, g, pp)]                                        # [S, L, G, T, page, g, D]
     for rule in kept_rules(c):
         state = rule.flush(state, kp, pages)
-    return dataclasses.replace(state, seqs=seqs), HostPool(k=hk[None], v=hv[None])
+    return dataclasses.replace(state, seqs=seqs), HostPool.of([a[None] for a in out])
 
 
 # ---- speculative verification (speculative.py; DESIGN.md section 7) --------------------------------------------
@@ -276,15 +305,16 @@ def append_leases(state: CacheState, layer: int, k_new, v_new, pos, nrows, *, im
     c = state.config
     S, G, g, P = c.max_seqs, c.groups_per_rank, c.kv_heads_per_group, c.page_size
     Q = k_new.shape[1]
-    dt = c.jnp_dtype
+    ring_k, ring_v = ring_arrays(state)
+    dt = ring_k.dtype
     kg = k_new.astype(dt).reshape(S, Q, G, g, c.head_dim)
     vg = v_new.astype(dt).reshape(S, Q, G, g, c.head_dim)
     p = pos[:, None] + jnp.arange(Q)[None, :]                                         # [S, Q]
     ok = jnp.arange(Q)[None, :] < nrows[:, None]                                      # [S, Q]
     frame = tail_frame(c, jnp.arange(S)[:, None, None], layer, jnp.arange(G)[None, None, :], (p // P)[..., None])
     frame = jnp.where(ok[..., None], frame, -1)                                       # [S, Q, G], -1 = skipped
-    pool_k, pool_v = tail_append(state.pool_k, state.pool_v, kg, vg, frame, p % P, impl=impl)
-    return dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v)
+    ring_k, ring_v = tail_append(ring_k, ring_v, kg, vg, frame, p % P, impl=impl)
+    return with_ring(state, ring_k, ring_v)
 
 
 def verify_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, nrows, live, *,
@@ -368,25 +398,26 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     t_frame = tail_frame(c, vseq[:, None, None], layer, jnp.arange(G)[None, :, None], tp[:, None, :])
     t_frame = jnp.broadcast_to(t_frame, (V, G, TAIL_PAGES))
     t_ok = jnp.broadcast_to(t_ok[:, None, :], (V, G, TAIL_PAGES))
+    t_frame, t_src, t_host = tail_sources(c, t_frame, t_ok)
     start = jnp.concatenate([jnp.where(valid, page * P, -1),
                              jnp.where(t_ok, jnp.broadcast_to(tp[:, None, :], (V, G, TAIL_PAGES)) * P, -1)],
                             axis=-1).astype(jnp.int32)
-    src = jnp.concatenate([jnp.where(valid, 1, 0), jnp.where(t_ok, 1, 0)], axis=-1).astype(jnp.int32)
+    src = jnp.concatenate([jnp.where(valid, 1, 0), t_src], axis=-1).astype(jnp.int32)
+    hpage = jnp.concatenate([jnp.full((V, G, K), -1), t_host], axis=-1).astype(jnp.int32)
     qv = q.reshape(V, 1, Hr, D)
 
     fr = jnp.where(overflow, overflow_frame(c, stage), frame)                         # [V, G, K]
     once = lead | (overflow & by_row(is_first))                                        # one fetch per frame
-    pool_k, pool_v = page_copy.fetch([state.pool_k[0], state.pool_v[0]], [host.k[0], host.v[0]],
-                                     host_idx.reshape(-1), jnp.where(once, fr, -1).reshape(-1).astype(jnp.int32),
-                                     impl=options.copy)   # K and V in one launch
+    pool = page_copy.fetch([a[0] for a in pool_pages(state).arrays()], [a[0] for a in host.arrays()],
+                           host_idx.reshape(-1), jnp.where(once, fr, -1).reshape(-1).astype(jnp.int32),
+                           impl=options.copy)   # K and V (and their scales) in one launch
+    state = with_pool(state, pool_pages(state).of([a[None] for a in pool]))
     fr = jnp.concatenate([jnp.where(valid, fr, 0), t_frame], axis=-1).astype(jnp.int32)
-    o = sparse_decode_attention(qv, pool_k, pool_v, fr, start, seq_len.astype(jnp.int32), page_src=src,
-                                softcap=options.softcap, impl=options.attention)          # [V, 1, Hr, D]
+    o = _attention(state, qv, fr, start, seq_len.astype(jnp.int32), src, hpage, options)   # [V, 1, Hr, D]
     stats = LayerStats(hits=(valid & ~miss).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
                        overflow=overflow.sum().astype(jnp.int32), fetched=once.sum().astype(jnp.int32))
     state = dataclasses.replace(state, pb=jax.tree.map(lambda a: a[None], pb),
-                                vtlb=jax.tree.map(lambda a: a[None], table),
-                                pool_k=pool_k[None], pool_v=pool_v[None], clock=state.clock + 1)
+                                vtlb=jax.tree.map(lambda a: a[None], table), clock=state.clock + 1)
     return state, o.reshape(S, Q, Hr, D), stats
 
 
@@ -400,7 +431,7 @@ def commit_summaries(state: CacheState, length) -> CacheState:
     s = jnp.arange(S)[:, None, None, None]
     l = jnp.arange(L)[None, :, None, None]
     g = jnp.arange(G)[None, None, :, None]
-    kp = state.pool_k[0, tail_frame(c, s, l, g, tp[:, None, None, :])]               # [S, L, G, T, page, g, D]
+    kp = ring_arrays(state)[0][0, tail_frame(c, s, l, g, tp[:, None, None, :])]      # [S, L, G, T, page, g, D]
     for rule in kept_rules(c):
         state = rule.commit(state, kp, length)
     return state

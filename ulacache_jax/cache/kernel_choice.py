@@ -103,9 +103,16 @@ def resolve(options, config: CacheConfig, platform: Platform, *, query_dtype=Non
     def pick(value: str, auto: str) -> str:
         return auto if value == "auto" else value
 
-    mosaic = platform.hopper and mosaic_applies(qdt, c.dtype, head_dim=c.head_dim, page_size=c.page_size,
+    if options.fused_fetch and not c.codec.ring_in_pool:
+        raise ValueError(f"fused_fetch with kv_dtype = {c.codec.name!r}: the attention kernel's second page source "
+                         "serves that codec's tail ring (cache/codec.py), so misses cannot also be read from the host "
+                         "pool in the same pass; use the separate fetch (fused_fetch=False)")
+    # pages stored in another dtype than the queries' (fp8) or read from a second source (a scaled codec's ring)
+    # take the Triton kernel: the Mosaic kernel reads one pool of the queries' dtype
+    mosaic = platform.hopper and mosaic_applies(qdt, c.storage_dtype, head_dim=c.head_dim, page_size=c.page_size,
                                                 kv_heads_per_group=c.kv_heads_per_group,
-                                                query_rows=query_heads_per_kv, reads_host=options.fused_fetch)
+                                                query_rows=query_heads_per_kv,
+                                                reads_host=options.fused_fetch or not c.codec.ring_in_pool)
     topk = kernel if next_pow2(c.max_pages_per_seq) <= TOPK_MAX_PAGES else "ref"
     flash = "cudnn" if gpu and qdt in HALF_DTYPES else "xla"
     return ResolvedKernels(

@@ -5,7 +5,12 @@ P = max_pages_per_seq; F = PB-LRU frames; T = TAIL_PAGES; page = page_size; g = 
 - pool_k, pool_v [R, F + S*L*G*T + O, page, g, D]: frames 0..F-1 belong to the PB-LRU; then the tail ring, one
   fixed frame per (seq, layer, group, ring slot) outside the PB-LRU; then O = S*G*select_pages overflow frames
   where a layer call stages the selected pages that found no free PB-LRU slot. So attention reads every page it
-  needs, selected, overflowed or tail, from one HBM pool by frame id.
+  needs, selected, overflowed or tail, from one HBM pool by frame id. The pages are stored in the config's page
+  format (cache/codec.py): codes of `config.storage_dtype`, and for a scaled codec (fp8) pool_ks, pool_vs
+  [R, N, 1, g, 1] float32 scales per frame and KV head (None otherwise). A scaled codec keeps its tail ring out of
+  the pool, in ring_k, ring_v [R, S*L*G*T, page, g, D] of the model's dtype (a page is encoded at its flush, when
+  all its tokens are known), so its pool is [R, F + O, ...]; ring_k, ring_v are None when the ring is in the pool.
+  `tail_frame` indexes whichever array holds the ring (`ring_arrays`).
 - kmin, kmax [R, S, L, G, P * split, g, D]: per-dim min and max of K over each sub-page of page_size // split
   tokens (split = config.summary_split, 1 by default: one summary per page, the Quest summaries); sub-page
   p * split + h is the h-th sub-page of page p, so split = 1 is the plain per-page layout.
@@ -24,7 +29,8 @@ P = max_pages_per_seq; F = PB-LRU frames; T = TAIL_PAGES; page = page_size; g = 
   one page and one HBM frame serves every sharer. The host page still comes from the slot's own vTLB row.
 - clock: int32 scalar, the PB-LRU's `now`; ticks once per sieve call (each layer of each step); wound back by
   `rebase_clock` at the start of every decode chunk once it reaches 2**30, so it never wraps.
-The host pool (`HostPool`, k and v [R, H, page, g, D]) is kept apart because it lives in memory kind
+The host pool (`HostPool` = codec.Pages: k and v [R, H, page, g, D], and ks, vs [R, H, 1, g, 1] for a scaled codec)
+is kept apart because it lives in memory kind
 `pinned_host` on GPU and must never be carried through a loop (DESIGN.md section 1): jitted steps take it as a
 read-only argument and write it once per call (donated in, aliased out).
 """
@@ -39,6 +45,7 @@ import jax.numpy as jnp
 
 from ulacache_jax.cache import pb_lru
 from ulacache_jax.cache import vtlb as vtlb_mod
+from ulacache_jax.cache.codec import Pages
 from ulacache_jax.cache.config import CacheConfig, TAIL_PAGES
 from ulacache_jax.cache.select import quest
 
@@ -58,37 +65,65 @@ def own_rows(max_seqs: int, max_pages_per_seq: int) -> jax.Array:
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["pb", "vtlb", "pool_k", "pool_v", "kmin", "kmax", "sel", "seqs", "clock"], meta_fields=["config"])
+         data_fields=["pb", "vtlb", "pool_k", "pool_v", "kmin", "kmax", "sel", "seqs", "clock", "pool_ks", "pool_vs",
+                      "ring_k", "ring_v"], meta_fields=["config"])
 @dataclasses.dataclass(frozen=True)
 class CacheState:
     config: CacheConfig
     pb: pb_lru.PBLRUState   # arrays [R, B, slots]
     vtlb: vtlb_mod.VTLB     # arrays [R, S, L, G, P]
-    pool_k: jax.Array       # [R, F + S*L*G*T, page, g, D]
-    pool_v: jax.Array       # [R, F + S*L*G*T, page, g, D]
+    pool_k: jax.Array       # [R, N, page, g, D] codes (N = config.pool_pages)
+    pool_v: jax.Array       # [R, N, page, g, D]
     kmin: jax.Array         # [R, S, L, G, P * split, g, D]
     kmax: jax.Array         # [R, S, L, G, P * split, g, D]
     sel: object             # the selection rule's state: a pytree of [R, ...] arrays, or None (Quest)
     seqs: SeqTable
     clock: jax.Array        # [] int32
+    pool_ks: jax.Array | None = None   # [R, N, 1, g, 1] float32 page scales (a scaled codec), else None
+    pool_vs: jax.Array | None = None
+    ring_k: jax.Array | None = None    # [R, S*L*G*T, page, g, D] model dtype (a scaled codec's ring), else None
+    ring_v: jax.Array | None = None
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
-@dataclasses.dataclass(frozen=True)
-class HostPool:
-    k: jax.Array  # [R, H, page, g, D] in pinned_host on GPU
-    v: jax.Array  # [R, H, page, g, D]
+HostPool = Pages   # the host pool: k, v [R, H, page, g, D] (pinned_host on GPU); ks, vs [R, H, 1, g, 1] or None
+
+
+def pool_pages(state: CacheState) -> Pages:
+    """The HBM pool as stored pages (leading [R, N])."""
+    return Pages(state.pool_k, state.pool_v, state.pool_ks, state.pool_vs)
+
+
+def with_pool(state: CacheState, pages: Pages) -> CacheState:
+    """`state` with its pool replaced by `pages` (leading [R, N])."""
+    return dataclasses.replace(state, pool_k=pages.k, pool_v=pages.v, pool_ks=pages.ks, pool_vs=pages.vs)
+
+
+def ring_arrays(state: CacheState):
+    """(k, v) [R, N, page, g, D]: the arrays that hold the tail ring, indexed by `tail_frame`: the pool, or the
+    ring's own arrays (a scaled codec)."""
+    if state.ring_k is None:
+        return state.pool_k, state.pool_v
+    return state.ring_k, state.ring_v
+
+
+def with_ring(state: CacheState, k, v) -> CacheState:
+    """`state` with the ring-holding arrays (see `ring_arrays`) replaced."""
+    if state.ring_k is None:
+        return dataclasses.replace(state, pool_k=k, pool_v=v)
+    return dataclasses.replace(state, ring_k=k, ring_v=v)
 
 
 def overflow_frame(config: CacheConfig, index):
-    """HBM frame of the index-th overflow page of a layer call (after the PB-LRU frames and the tail ring)."""
+    """HBM frame of the index-th overflow page of a layer call (after the PB-LRU frames and the tail ring, when
+    the ring is in the pool)."""
     c = config
-    return c.num_frames + c.max_seqs * c.num_layers * c.groups_per_rank * TAIL_PAGES + index
+    return c.num_frames + (c.ring_pages if c.codec.ring_in_pool else 0) + index
 
 
 def tail_frame(config: CacheConfig, seq, layer, group, page):
-    """Frame id of the tail-ring slot holding page `page` of (seq, layer, local group)."""
-    base = config.num_frames
+    """Index of the tail-ring slot holding page `page` of (seq, layer, local group) in the array that holds the
+    ring (`ring_arrays`): a pool frame after the PB-LRU's, or a row of the ring's own arrays."""
+    base = config.num_frames if config.codec.ring_in_pool else 0
     return base + ((seq * config.num_layers + layer) * config.groups_per_rank + group) * TAIL_PAGES + page % TAIL_PAGES
 
 
@@ -191,9 +226,11 @@ def init(config: CacheConfig, *, device=None, check: bool = True) -> tuple[Cache
     if check:
         check_fits(config, device)
     c, r = config, config.tp
-    dt = c.jnp_dtype
+    dt, sdt = c.jnp_dtype, c.storage_dtype
     page_shape = (c.page_size, c.kv_heads_per_group, c.head_dim)
-    num_pool = c.num_frames + c.max_seqs * c.num_layers * c.groups_per_rank * TAIL_PAGES + c.overflow_frames
+    scale_shape = (1, c.kv_heads_per_group, 1)
+    num_pool = c.pool_pages
+    scaled, ring_apart = c.codec.scaled, not c.codec.ring_in_pool
     one = pb_lru.init(c.num_buckets, c.slots_per_bucket)
     pb = jax.tree.map(lambda a: jnp.broadcast_to(a, (r,) + a.shape), one)
     table = vtlb_mod.init(c.max_seqs, c.num_layers, c.groups_per_rank, c.max_pages_per_seq, c.page_size)
@@ -201,14 +238,22 @@ def init(config: CacheConfig, *, device=None, check: bool = True) -> tuple[Cache
     kmin, kmax = quest.init_summaries(c, r)
     state = CacheState(
         config=c, pb=pb, vtlb=table,
-        pool_k=jnp.zeros((r, num_pool) + page_shape, dt), pool_v=jnp.zeros((r, num_pool) + page_shape, dt),
+        pool_k=jnp.zeros((r, num_pool) + page_shape, sdt), pool_v=jnp.zeros((r, num_pool) + page_shape, sdt),
         kmin=kmin, kmax=kmax, sel=c.selection_rule.init(c, r),
         seqs=SeqTable(length=jnp.zeros(c.max_seqs, jnp.int32), flushed=jnp.zeros(c.max_seqs, jnp.int32),
                       active=jnp.zeros(c.max_seqs, bool), owner=own_rows(c.max_seqs, c.max_pages_per_seq)),
-        clock=jnp.zeros((), jnp.int32))
+        clock=jnp.zeros((), jnp.int32),
+        pool_ks=jnp.ones((r, num_pool) + scale_shape, jnp.float32) if scaled else None,
+        pool_vs=jnp.ones((r, num_pool) + scale_shape, jnp.float32) if scaled else None,
+        ring_k=jnp.zeros((r, c.ring_pages) + page_shape, dt) if ring_apart else None,
+        ring_v=jnp.zeros((r, c.ring_pages) + page_shape, dt) if ring_apart else None)
     # committed to the device from the start, so the first donated call compiles the same program as later ones
     state = jax.device_put(state, jax.sharding.SingleDeviceSharding(device or jax.devices()[0]))
     hs = host_sharding(device)
-    host_shape = (r, c.host_pages) + page_shape
-    make = jax.jit(lambda: jnp.zeros(host_shape, dt), out_shardings=hs)
-    return state, HostPool(k=make(), v=make())
+    make = jax.jit(lambda shape, dtype, fill: jnp.full(shape, fill, dtype), static_argnums=(0, 1, 2),
+                   out_shardings=hs)
+    host = HostPool(k=make((r, c.host_pages) + page_shape, sdt, 0), v=make((r, c.host_pages) + page_shape, sdt, 0))
+    if scaled:
+        host = HostPool(host.k, host.v, make((r, c.host_pages) + scale_shape, jnp.float32, 1),
+                        make((r, c.host_pages) + scale_shape, jnp.float32, 1))
+    return state, host

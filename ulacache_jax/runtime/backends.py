@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ulacache_jax.cache.codec import Pages
 from ulacache_jax.cache.state import CacheState, HostPool, rebase_clock
 from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.cache.decode_layer import (DecodeOptions, LayerStats, attend_layer, commit_rows, commit_summaries, flush_tail,
@@ -32,7 +33,7 @@ from ulacache_jax.cache.kernel_choice import Platform, ResolvedKernels, resolve
 from ulacache_jax.models.attention import dense_attention
 from ulacache_jax.runtime.prefix_cache import DensePrefixes, SparsePrefixes, dense_attach, sparse_attach
 from ulacache_jax.runtime.sequences import CacheManager, CapacityError, ingest_chunk
-from ulacache_jax.runtime.tp import HOST_SPECS, TP_AXIS
+from ulacache_jax.runtime.tp import host_specs, TP_AXIS
 
 ATTENTION_KINDS = ("sparse", "dense")
 
@@ -106,35 +107,81 @@ class SparseOps(_Kernels):
         return commit_summaries(cache, length) if summaries else cache
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "ks", "vs", "rk", "rv"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class DenseCache:
     """The baseline: every K/V in HBM. k, v: one [S, T_max, KV, D] array per layer (a tuple of L). One array per
     layer, not one [L, ...] array: with a single array each layer's token write produced a new whole-cache value
     that cuDNN read a slice of, and XLA kept a second full cache (the dense decode at 128K x 7 sequences asked for
-    56 GiB more than the cache on the H200, scripts/probes/decode_memory.py)."""
+    56 GiB more than the cache on the H200, scripts/probes/decode_memory.py).
+    In a scaled page format (cache/codec.py, fp8) k, v hold codes, pages of page_size rows; ks, vs one
+    [S, T_max / page, 1, KV, 1] float32 scale array per layer (a scale per page and KV head), and rk, rv one
+    [S, page, KV, D] array per layer in the model's dtype: each slot's page under construction (its scale needs
+    all its tokens, as the sparse cache's tail ring), read from there until the page is complete. None otherwise."""
     k: tuple
     v: tuple
+    ks: tuple | None = None
+    vs: tuple | None = None
+    rk: tuple | None = None
+    rv: tuple | None = None
 
     @staticmethod
-    def zeros(num_layers: int, shape, dtype, device=None) -> "DenseCache":
-        """device: where the arrays live, committed (an uncommitted first cache compiles the programs a second
-        time once their committed outputs come back)."""
-        return DenseCache(tuple(jnp.zeros(shape, dtype, device=device) for _ in range(num_layers)),
-                          tuple(jnp.zeros(shape, dtype, device=device) for _ in range(num_layers)))
+    def zeros(num_layers: int, shape, dtype, device=None, *, codec=None, page_size: int = 0,
+              scale_device=None) -> "DenseCache":
+        """shape [S, T_max, KV, D], dtype the model's; codec: the page format (None: the model's dtype).
+        device: where the arrays live, committed (an uncommitted first cache compiles the programs a second
+        time once their committed outputs come back); scale_device: the scales' (None: device)."""
+        def make(shape_, dt, fill=0, dev=device):
+            return tuple(jnp.full(shape_, fill, dt, device=dev) for _ in range(num_layers))
+        if codec is None or not codec.scaled:
+            return DenseCache(make(shape, dtype), make(shape, dtype))
+        S, T, KV, D = shape
+        sdt = codec.storage_dtype(dtype)
+        scale = (S, T // page_size, 1, KV, 1)
+        ring = (S, page_size, KV, D)
+        sdev = device if scale_device is None else scale_device
+        return DenseCache(make(shape, sdt), make(shape, sdt), make(scale, jnp.float32, 1, sdev),
+                          make(scale, jnp.float32, 1, sdev), make(ring, dtype), make(ring, dtype))
 
-    def set_layer(self, l: int, k, v) -> "DenseCache":
-        return DenseCache(self.k[:l] + (k,) + self.k[l + 1:], self.v[:l] + (v,) + self.v[l + 1:])
+    def layer(self, l: int) -> tuple:
+        """Layer l's arrays: (k, v), or (k, v, ks, vs, rk, rv) in a scaled page format."""
+        if self.ks is None:
+            return self.k[l], self.v[l]
+        return self.k[l], self.v[l], self.ks[l], self.vs[l], self.rk[l], self.rv[l]
+
+    def set_layer(self, l: int, *arrays) -> "DenseCache":
+        """Layer l's arrays replaced (as `layer` gives them)."""
+        def put(t, x):
+            return t[:l] + (x,) + t[l + 1:]
+        if len(arrays) == 2:
+            return dataclasses.replace(self, k=put(self.k, arrays[0]), v=put(self.v, arrays[1]))
+        k, v, ks, vs, rk, rv = arrays
+        return DenseCache(put(self.k, k), put(self.v, v), put(self.ks, ks), put(self.vs, vs), put(self.rk, rk),
+                          put(self.rv, rv))
 
 
 @dataclasses.dataclass(frozen=True)
 class DenseOps(_Kernels):
     """The dense baseline inside the program: cache = (DenseCache, length [S]), host = (). Decode attention by
-    `kernels.dense_attention` (cuDNN or the jnp reference)."""
+    `kernels.dense_attention` (cuDNN or the jnp reference). A scaled page format (cache/codec.py: fp8) stores
+    complete pages as codes with a scale per page and KV head and each slot's page under construction in the
+    model's dtype (DenseCache); attention reads the decoded pages (dequantised by XLA before the attention: a fused
+    fp8 dense kernel is not built)."""
     kind: ClassVar[str] = "dense"
+    codec: object = None        # the page format (CacheConfig.codec)
+    page_size: int = 0
+    dtype: str = "float32"      # the model's (the ring's)
+
+    @classmethod
+    def build(cls, options: DecodeOptions, config: CacheConfig, platform: Platform, **query):
+        ops = super().build(options, config, platform, **query)
+        return dataclasses.replace(ops, codec=config.codec, page_size=config.page_size, dtype=config.dtype)
 
     def prefill_store(self, view, layer, slot, k, v, length, start=0):
-        """view (k, v) [S, T_max, KVr, D] of this layer; k, v [T, KVr, D] of tokens [start, start + T) -> view."""
+        """view: the layer's arrays (DenseCache.layer) [S, T_max, KVr, D] ...; k, v [T, KVr, D] of tokens
+        [start, start + T) (start page-aligned, T a multiple of page_size in a scaled format) -> view."""
+        if len(view) == 6:
+            return self._store_pages(view, slot, k, v, length, start)
         ck, cv = view
         T = k.shape[0]
         if isinstance(start, int) and start == 0:
@@ -143,11 +190,85 @@ class DenseOps(_Kernels):
         return (ck.at[slot, rows].set(k.astype(ck.dtype), mode="drop"),
                 cv.at[slot, rows].set(v.astype(cv.dtype), mode="drop"))
 
+    def _store_pages(self, view, slot, k, v, length, start):
+        """A scaled format's prefill: every page of the chunk encoded (a partial last page too: it is read from the
+        ring until it completes, and encoded again then), the page holding position `length` (the next token's)
+        into the ring when it lies in this chunk."""
+        ck, cv, cks, cvs, rk, rv = view
+        P = self.page_size
+        T, KV, D = k.shape
+        n = T // P
+        kp = k.astype(self.dtype).reshape(n, P, KV, D)
+        vp = v.astype(self.dtype).reshape(n, P, KV, D)
+        enc = self.codec.encode(kp, vp, self.dtype)                  # codes [n, P, KV, D], scales [n, 1, KV, 1]
+        rows = start + jnp.arange(T)
+        pages = start // P + jnp.arange(n)
+        ck = ck.at[slot, rows].set(enc.k.reshape(T, KV, D), mode="drop")
+        cv = cv.at[slot, rows].set(enc.v.reshape(T, KV, D), mode="drop")
+        cks = cks.at[slot, pages].set(enc.ks, mode="drop")
+        cvs = cvs.at[slot, pages].set(enc.vs, mode="drop")
+        cur = length // P - start // P                               # the next token's page, in the chunk
+        inside = (cur >= 0) & (cur < n)
+        c = jnp.clip(cur, 0, n - 1)
+        rk = rk.at[slot].set(jnp.where(inside, kp[c], rk[slot]))
+        rv = rv.at[slot].set(jnp.where(inside, vp[c], rv[slot]))
+        return ck, cv, cks, cvs, rk, rv
+
+    def _decoded(self, view, pos):
+        """A scaled format's K and V [S, T_max, KVr, D] in the model's dtype: the decoded pages, each slot's page
+        under construction (the one holding pos [S]) from its ring."""
+        ck, cv, cks, cvs, rk, rv = view
+        S, T, KV, D = ck.shape
+        P = self.page_size
+        k, v = self.codec.decode(Pages(ck.reshape(S, T // P, P, KV, D), cv.reshape(S, T // P, P, KV, D), cks, cvs),
+                                 self.dtype)
+        cur = (jnp.arange(T)[None, :] // P) == (pos[:, None] // P)    # [S, T]
+        ring_k = jnp.tile(rk, (1, T // P, 1, 1))                      # [S, T, KV, D]: row t holds rk[t % P]
+        ring_v = jnp.tile(rv, (1, T // P, 1, 1))
+        return (jnp.where(cur[..., None, None], ring_k, k.reshape(S, T, KV, D)),
+                jnp.where(cur[..., None, None], ring_v, v.reshape(S, T, KV, D)))
+
+    def _append_scaled(self, view, k, v, pos, live):
+        """One token per slot (k, v [S, KVr, D] at pos [S]) into a scaled format's ring, the ring page encoded into
+        its page of the cache (final once the page completes; a partial page's codes are never read)."""
+        ck, cv, cks, cvs, rk, rv = view
+        S = k.shape[0]
+        P = self.page_size
+        off = jnp.where(live, pos % P, P)                             # P = dropped
+        rk = rk.at[jnp.arange(S), off].set(k.astype(rk.dtype), mode="drop")
+        rv = rv.at[jnp.arange(S), off].set(v.astype(rv.dtype), mode="drop")
+        enc = self.codec.encode(rk, rv, self.dtype)                  # [S, P, KVr, D], [S, 1, KVr, 1]
+        npages = ck.shape[1] // P
+        page = jnp.where(live, pos // P, npages)                     # npages = dropped
+        rows = jnp.where(live[:, None], page[:, None] * P + jnp.arange(P)[None, :], ck.shape[1])   # [S, P]
+        s = jnp.arange(S)[:, None]
+        ck = ck.at[s, rows].set(enc.k, mode="drop")
+        cv = cv.at[s, rows].set(enc.v, mode="drop")
+        cks = cks.at[jnp.arange(S), page].set(enc.ks, mode="drop")
+        cvs = cvs.at[jnp.arange(S), page].set(enc.vs, mode="drop")
+        return ck, cv, cks, cvs, rk, rv
+
     def prefill_attach(self, view, layer, slot, src, start):
         """The shared prefix (tokens [0, start)) of one layer copied into `slot`'s rows from the slots that hold
-        it, src [Tp] per token (prefix_cache.dense_attach). -> (view, k, v [Tp, KVr, D])."""
-        ck, cv, k, v = dense_attach(*view, slot, src, start)
-        return (ck, cv), k, v
+        it, src [Tp] per token (prefix_cache.dense_attach); a scaled format's page scales with them.
+        -> (view, k, v [Tp, KVr, D] in the model's dtype)."""
+        if len(view) == 2:
+            ck, cv, k, v = dense_attach(*view, slot, src, start)
+            return (ck, cv), k, v
+        ck, cv, cks, cvs, rk, rv = view
+        ck, cv, kc, vc = dense_attach(ck, cv, slot, src, start)     # codes [Tp, KVr, D]
+        P = self.page_size
+        Tp = src.shape[0]
+        KV, D = kc.shape[1:]
+        pg = jnp.arange(Tp // P)
+        live = pg * P < start
+        psrc = jnp.where(live, src[::P], slot)                       # [Tp / P] source slot per page
+        ksc, vsc = cks[psrc, pg], cvs[psrc, pg]                      # [Tp / P, 1, KVr, 1]
+        dst = jnp.where(live, pg, cks.shape[1])                      # past the pages = dropped
+        cks = cks.at[slot, dst].set(ksc, mode="drop")
+        cvs = cvs.at[slot, dst].set(vsc, mode="drop")
+        k, v = self.codec.decode(Pages(kc.reshape(-1, P, KV, D), vc.reshape(-1, P, KV, D), ksc, vsc), self.dtype)
+        return (ck, cv, cks, cvs, rk, rv), k.reshape(Tp, KV, D), v.reshape(Tp, KV, D)
 
     def begin_chunk(self, cache):
         return cache
@@ -160,9 +281,15 @@ class DenseOps(_Kernels):
         dense, length = cache
         T = dense.k[layer].shape[1]
         S = q.shape[0]
-        w = jnp.where(live, pos, T)                                   # write index, T = dropped
-        ck = dense.k[layer].at[jnp.arange(S), w].set(k.astype(dense.k[layer].dtype), mode="drop")  # [S, T, KV, D]
-        cv = dense.v[layer].at[jnp.arange(S), w].set(v.astype(dense.v[layer].dtype), mode="drop")
+        if dense.ks is not None:      # a scaled page format: the ring, its page encoded; attention over decoded K/V
+            view = self._append_scaled(dense.layer(layer), k, v, pos, live)
+            dense = dense.set_layer(layer, *view)
+            ck, cv = self._decoded(view, pos)
+        else:
+            w = jnp.where(live, pos, T)                               # write index, T = dropped
+            ck = dense.k[layer].at[jnp.arange(S), w].set(k.astype(dense.k[layer].dtype), mode="drop")  # [S, T, KV, D]
+            cv = dense.v[layer].at[jnp.arange(S), w].set(v.astype(dense.v[layer].dtype), mode="drop")
+            dense = dense.set_layer(layer, ck, cv)
         seen = jnp.where(live, pos + 1, 0)
         if self.kernels.dense_attention == "cudnn":
             o = jax.nn.dot_product_attention(q, ck, cv, key_value_seq_lengths=jnp.maximum(seen, 1),
@@ -170,7 +297,7 @@ class DenseOps(_Kernels):
         else:
             kpos = jnp.broadcast_to(jnp.arange(T)[None], (S, T))
             o = dense_attention(q, ck, cv, pos[:, None], kpos, k_valid=kpos < seen[:, None])
-        return (dense.set_layer(layer, ck, cv), length), o, LayerStats.zeros()
+        return (dense, length), o, LayerStats.zeros()
 
     def end_chunk(self, cache, host, length, flush=None):
         return (cache[0], length), host
@@ -179,6 +306,10 @@ class DenseOps(_Kernels):
         """q [S, Q, H, D], k/v [S, Q, KV, D]: rows j < nrows written at pos + j, each attending causally up to its
         own position (jnp attention: cuDNN's causal mask is not per-row) -> (cache, out [S, Q, H, D], stats)."""
         dense, length = cache
+        if dense.ks is not None:
+            raise ValueError(f"speculative verification with the dense baseline in kv_dtype {self.codec.name!r} is "
+                             "not built (its rows may complete a page mid-verification); use the sparse cache or "
+                             "kv_dtype 'auto'")
         T = dense.k[layer].shape[1]
         S, Q = q.shape[:2]
         qpos = pos[:, None] + jnp.arange(Q)[None, :]                   # [S, Q]
@@ -236,7 +367,7 @@ class SparseBackend:
 
     def specs(self):
         """-> (cache specs, host specs, host out-shardings): PartitionSpecs over "tp" and the pool's memory kind."""
-        return self.manager.specs, HOST_SPECS, self.manager.host_shardings()
+        return self.manager.specs, host_specs(self.config), self.manager.host_shardings()
 
     # prefill: every layer donates the whole state and host pool (the layer index is traced)
     def layer_view(self, layer: int):
@@ -247,7 +378,7 @@ class SparseBackend:
 
     def view_specs(self):
         """-> (view specs, view out-shardings)."""
-        return (self.manager.specs, HOST_SPECS), (None, self.manager.host_shardings())
+        return (self.manager.specs, host_specs(self.config)), (None, self.manager.host_shardings())
 
     def prefill_done(self, slot: int, length: int) -> None:
         """Nothing: ingestion already set the sequence's length."""
@@ -282,8 +413,13 @@ class DenseBackend:
     def footprint(config: CacheConfig) -> dict:
         """Bytes of the cache: every K/V in HBM (all ranks), no host tier."""
         c = config
-        kv = 2 * c.num_layers * c.max_seqs * c.max_context * c.num_kv_heads * c.head_dim * c.jnp_dtype.itemsize
-        return {"hbm_bytes": kv, "host_bytes": 0, "hbm_detail": {"dense_kv": kv}}
+        pages = c.max_seqs * c.max_pages_per_seq * c.num_groups                 # pages of one layer, K or V
+        kv = 2 * c.num_layers * pages * c.page_bytes                            # codes (and scales): the format's
+        detail = {"dense_kv": kv}
+        if c.codec.scaled:   # each slot's page under construction, in the model's dtype
+            detail["dense_ring"] = (2 * c.num_layers * c.max_seqs * c.page_size * c.num_kv_heads * c.head_dim
+                                    * c.jnp_dtype.itemsize)
+        return {"hbm_bytes": sum(detail.values()), "host_bytes": 0, "hbm_detail": detail}
 
     def __init__(self, config: CacheConfig, mesh: Mesh, ops: DenseOps):
         c = config
@@ -293,7 +429,8 @@ class DenseBackend:
         # committed from the start: the programs' outputs come back committed, and an uncommitted first cache made
         # prefill and decode compile twice (the H200's dense rows paid a second compile in their first timed chunk)
         self.dense = DenseCache.zeros(c.num_layers, (c.max_seqs, c.max_context, c.num_kv_heads, c.head_dim),
-                                      c.jnp_dtype, device=self._kv_sh)
+                                      c.jnp_dtype, device=self._kv_sh, codec=c.codec, page_size=c.page_size,
+                                      scale_device=NamedSharding(mesh, P(None, None, None, TP_AXIS)))
         self.length = jnp.zeros(c.max_seqs, jnp.int32, device=self._rep)
         self._free = list(range(c.max_seqs))[::-1]
         self._set_length = jax.jit(lambda a, slot, n: a.at[slot].set(n), donate_argnums=0, out_shardings=self._rep)
@@ -308,20 +445,27 @@ class DenseBackend:
 
     host = ()
 
-    def specs(self):
+    def _layer_specs(self) -> tuple:
+        """PartitionSpecs of one layer's arrays (DenseCache.layer): KV heads over "tp" (axis 2 of the K/V and the
+        ring, axis 3 of the scales)."""
         kv = P(None, None, TP_AXIS)
+        if not self.config.codec.scaled:
+            return kv, kv
+        sc = P(None, None, None, TP_AXIS)
+        return kv, kv, sc, sc, kv, kv
+
+    def specs(self):
         L = self.config.num_layers
-        return (DenseCache((kv,) * L, (kv,) * L), P()), (), ()
+        return (DenseCache(*[(x,) * L for x in self._layer_specs()]), P()), (), ()
 
     def layer_view(self, layer: int):
-        return self.dense.k[layer], self.dense.v[layer]
+        return self.dense.layer(layer)
 
     def set_layer_view(self, layer: int, view) -> None:
         self.dense = self.dense.set_layer(layer, *view)
 
     def view_specs(self):
-        kv = P(None, None, TP_AXIS)
-        return (kv, kv), None
+        return self._layer_specs(), None
 
     def prefill_done(self, slot: int, length: int) -> None:
         self.length = self._set_length(self.length, slot, length)

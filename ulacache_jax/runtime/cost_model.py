@@ -101,17 +101,21 @@ class CostModel:
     def step_terms(self, kind: str, mc, *, batch: int, context: int, token_budget: int, page_size: int,
                    itemsize: int, tp: int = 1, pool_frames: int | None = None,
                    hit_rate: float | None = None, summary_split: int = 1,
-                   key_channels: int = 0, label_bits: int = 0, rule=None) -> dict[str, float]:
+                   key_channels: int = 0, label_bits: int = 0, rule=None,
+                   kv_itemsize: float | None = None) -> dict[str, float]:
         """The step model's terms (module docstring) in the units their constants multiply: 'hbm' bytes, 'pcie'
         bytes, 'layer' (L), 'page' (L * B * G * P), 'frame' (L * F). pool_frames None: the auto pool; hit_rate
         None: `expected_hit_rate` of that pool; summary_split: key summaries per page (CacheConfig.summary_split),
         whose bytes the scores read every step; key_channels: CacheConfig.key_channels, whose per-token key copy
         the scores read instead; label_bits (CacheConfig.label_bits): that copy at 8 / 4 bits a channel plus a
         2-byte scale per page and channel. rule: a selection rule object (CacheConfig.selection_rule), whose
-        `step_bytes` replaces the three fields above (None: the built-in rule they name)."""
+        `step_bytes` replaces the three fields above (None: the built-in rule they name). kv_itemsize: bytes a
+        stored K/V element takes (the page format's: CacheConfig.page_bytes per element, scales included; 1 and a
+        bit for fp8), None: `itemsize`; the weights and the selection metadata stay at `itemsize`."""
         L, B, T = mc.num_layers, batch, context
         kv_heads = mc.num_kv_heads / tp
-        kv_tok = 2 * L * kv_heads * mc.head_dim * itemsize
+        kv_isz = itemsize if kv_itemsize is None else kv_itemsize
+        kv_tok = 2 * L * kv_heads * mc.head_dim * kv_isz
         w = self.weight_bytes(mc, itemsize, tp)
         if kind == "dense":
             return {"hbm": w + B * T * kv_tok, "pcie": 0.0, "layer": L, "page": 0.0, "frame": 0.0}
@@ -131,7 +135,7 @@ class CostModel:
                     KeyCopy(channels=key_channels) if key_channels else Quest(split=summary_split))
         summ = rule.step_bytes(context=T, num_layers=L, kv_heads=kv_heads, head_dim=mc.head_dim, itemsize=itemsize,
                                page_size=page_size)                         # what the scores read every step
-        page_kv = 2 * page_size * (kv_heads / G) * mc.head_dim * itemsize          # K + V of one group's page
+        page_kv = 2 * page_size * (kv_heads / G) * mc.head_dim * kv_isz            # K + V of one group's page
         return {"hbm": w + B * (attended * kv_tok + summ), "pcie": (1.0 - hit_rate) * B * L * G * P * page_kv,
                 "layer": L, "page": L * B * G * P, "frame": L * pool_frames}
 
@@ -146,9 +150,12 @@ class CostModel:
         """Decode tokens/s of a full batch: batch / step seconds."""
         return shape["batch"] / self.step_seconds(kind, mc, **shape)
 
-    def dense_hbm_bytes(self, mc, *, max_seqs: int, max_context: int, itemsize: int, tp: int = 1) -> float:
-        """HBM one rank needs for the dense path: weights + every K/V of max_seqs x max_context tokens."""
-        kv = 2 * mc.num_layers * max_seqs * max_context * (mc.num_kv_heads / tp) * mc.head_dim * itemsize
+    def dense_hbm_bytes(self, mc, *, max_seqs: int, max_context: int, itemsize: int, tp: int = 1,
+                        kv_itemsize: float | None = None) -> float:
+        """HBM one rank needs for the dense path: weights + every K/V of max_seqs x max_context tokens (at
+        kv_itemsize bytes an element, None: itemsize)."""
+        kv_isz = itemsize if kv_itemsize is None else kv_itemsize
+        kv = 2 * mc.num_layers * max_seqs * max_context * (mc.num_kv_heads / tp) * mc.head_dim * kv_isz
         return self.weight_bytes(mc, itemsize, tp) + kv
 
 
@@ -231,12 +238,14 @@ def itemsize(dtype) -> int:
 def choose_attention(model_config, *, max_seqs: int, max_context: int, token_budget: int, page_size: int, dtype,
                      hbm_bytes: int, tp: int = 1, pool_frames: int | None = None, requested: str = "auto",
                      hbm_source: str = "given", summary_split: int = 1, key_channels: int = 0,
-                     label_bits: int = 0, rule=None, costs: CostModel = CostModel()) -> Decision:
+                     label_bits: int = 0, rule=None, kv_itemsize: float | None = None,
+                     costs: CostModel = CostModel()) -> Decision:
     """The attention for a Generator of max_seqs slots of up to max_context tokens (a full batch at the max
     context: the decision holds for its whole life). Dense when its cache fits in `hbm_bytes` and it is predicted
     no slower (within `costs.dense_margin`), or when every page would be attended anyway (max_context <=
     token_budget: sparse equals dense there, at more cost); sparse otherwise. pool_frames: the sparse cache's HBM
-    frames per rank (None: the auto pool). requested 'sparse'/'dense': that kind, with the predictions beside it."""
+    frames per rank (None: the auto pool). requested 'sparse'/'dense': that kind, with the predictions beside it.
+    kv_itemsize: bytes of a stored K/V element (the page format's, `CostModel.step_terms`), None: dtype's."""
     mc = model_config
     if requested not in CHOICES:
         raise ValueError(f"attention = {requested!r} must be one of {CHOICES}")
@@ -247,7 +256,8 @@ def choose_attention(model_config, *, max_seqs: int, max_context: int, token_bud
     if budget % page:
         raise ValueError(f"token_budget = {budget} must be a multiple of page_size = {page}")
     isz = itemsize(dtype)
-    shape = dict(batch=S, context=T, token_budget=budget, page_size=page, itemsize=isz, tp=tp)
+    shape = dict(batch=S, context=T, token_budget=budget, page_size=page, itemsize=isz, tp=tp,
+                 kv_itemsize=kv_itemsize)
     if pool_frames is None:
         pool_frames = costs.auto_pool_frames(mc, batch=S, context=T, token_budget=budget, page_size=page, tp=tp)
     pool_frames = _positive_int("pool_frames", pool_frames)
@@ -255,7 +265,7 @@ def choose_attention(model_config, *, max_seqs: int, max_context: int, token_bud
                                   pool_frames=pool_frames, tp=tp)
     sparse = costs.tokens_per_s("sparse", mc, pool_frames=pool_frames, hit_rate=hit, summary_split=summary_split,
                                 key_channels=key_channels, label_bits=label_bits, rule=rule, **shape)
-    need = costs.dense_hbm_bytes(mc, max_seqs=S, max_context=T, itemsize=isz, tp=tp)
+    need = costs.dense_hbm_bytes(mc, max_seqs=S, max_context=T, itemsize=isz, tp=tp, kv_itemsize=kv_itemsize)
     usable = costs.hbm_usable * hbm
     fits = need <= usable
     dense = costs.tokens_per_s("dense", mc, **shape)
@@ -324,4 +334,5 @@ def resolve_attention(attention, model_config, cache_config, device=None, costs:
                             token_budget=c.token_budget, page_size=c.page_size, dtype=c.dtype, hbm_bytes=hbm,
                             tp=c.tp, pool_frames=c.num_frames, requested=attention, hbm_source=source,
                             summary_split=c.summary_split, key_channels=c.key_channels,
-                            label_bits=c.label_bits, rule=c.selection_rule, costs=costs)
+                            label_bits=c.label_bits, rule=c.selection_rule, costs=costs,
+                            kv_itemsize=c.page_bytes / (c.page_size * c.kv_heads_per_group * c.head_dim))

@@ -123,7 +123,8 @@ class Engine:
     up to `max_context` tokens (default: the model's max_position_embeddings, at most 4096) with `page_size` and
     `token_budget`, over `tp` local devices (the model's KV heads replicated where tp exceeds them). attention:
     'auto' (the default: chosen once, when the Generator is built, cost_model.resolve_attention), 'sparse' or
-    'dense'; `attention` is the kind that runs, `gen.decision` why.
+    'dense'; `attention` is the kind that runs, `gen.decision` why. kv_dtype: the K/V page format
+    (CacheConfig.kv_dtype: "auto" or "float8_e4m3fn"), for the cache made here or replacing a given config's.
 
     Latency (module docstring, step): prefill_chunk_tokens (None: whole prompts) is the size of one prefill
     chunk, page_size times a power of two so chunks reuse the compiled buckets; max_prefill_tokens_per_step the
@@ -139,7 +140,7 @@ class Engine:
                  max_context: int | None = None, page_size: int = 64, token_budget: int = 2048, tp: int = 1,
                  seed: int = 0, max_prefill_tokens_per_step: int | None = None, tokenizer=None, prefix_cache=None,
                  clock=time.perf_counter, speculative=None, prefill_chunk_tokens: int | None = None,
-                 decode_chunk_steps: int | None = None):
+                 decode_chunk_steps: int | None = None, kv_dtype: str = "auto"):
         if (model is None) == (generator is None):
             raise ValueError("give exactly one of model or generator")
         if model is not None:
@@ -153,9 +154,11 @@ class Engine:
                 ctx = max_context or min(mc.max_position_embeddings, 4096)
                 cache_config = default_cache_config(mc, num_seqs=max_seqs, max_tokens=ctx, page_size=page_size,
                                                     token_budget=token_budget, dtype=model.dtype, tp=tp,
-                                                    pool_headroom=pool_headroom(attention))
+                                                    pool_headroom=pool_headroom(attention), kv_dtype=kv_dtype)
             else:
                 model = prepare_model(model, cache_config.tp)
+                if kv_dtype != "auto":
+                    cache_config = dataclasses.replace(cache_config, kv_dtype=kv_dtype)
             if speculative is not None:
                 # a verification attends 1 + K rows per sequence in one call: stage their overflow pages too
                 cache_config = dataclasses.replace(cache_config, verify_rows=max(cache_config.verify_rows,

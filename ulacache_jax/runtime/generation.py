@@ -39,7 +39,7 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
              token_budget: int = 2048, page_size: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int = 0, options: DecodeOptions = DecodeOptions(), mesh=None,
              speculative=None, min_p: float = 0.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             repetition_penalty: float = 1.0, logprobs: int | None = None) -> list:
+             repetition_penalty: float = 1.0, logprobs: int | None = None, kv_dtype: str = "auto") -> list:
     """Generate up to max_new_tokens tokens for each prompt.
 
     prompts: a list of token-id lists -> a list of token-id lists; or, with a tokenizer, a list of texts (str)
@@ -58,7 +58,9 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
     speculative.SpecConfig (drafts verified K + 1 rows at a time; greedy tokens unchanged), None = off.
     min_p, presence_penalty, frequency_penalty, repetition_penalty, logprobs: as SamplingParams' (the penalties
     and logprobs are refused with speculative decoding); with logprobs (an int k), each output is a pair (tokens or
-    text, list of requests.TokenLogprob: each token's raw model logprob and the k best alternatives)."""
+    text, list of requests.TokenLogprob: each token's raw model logprob and the k best alternatives).
+    kv_dtype: the K/V page format (CacheConfig.kv_dtype, cache/codec.py): "auto" (the model's dtype, or a given
+    cache_config's) or "float8_e4m3fn" (e4m3 with a scale per page and KV head: half of bf16's bytes)."""
     validate.check_model(model)
     tp = validate.check_tp_count(tp)
     validate.check_speculative(speculative, SpecConfig)
@@ -90,9 +92,12 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
         n = len(prompts)
         cache_config = default_cache_config(mc, num_seqs=bucket_length(n, 1) if n <= MAX_BATCH else MAX_BATCH,
                                             max_tokens=longest, page_size=page_size, token_budget=token_budget,
-                                            dtype=model.dtype, tp=tp, pool_headroom=pool_headroom(attention))
+                                            dtype=model.dtype, tp=tp, pool_headroom=pool_headroom(attention),
+                                            kv_dtype=kv_dtype)
     else:
         cache_config = _tp_cache_config(cache_config, tp, mc.num_kv_heads, k0)
+        if kv_dtype != "auto":
+            cache_config = dataclasses.replace(cache_config, kv_dtype=kv_dtype)
     if longest > cache_config.max_context:
         raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the cache's max context "
                          f"{cache_config.max_context} (max_pages_per_seq x page_size)")

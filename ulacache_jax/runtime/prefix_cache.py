@@ -32,6 +32,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from ulacache_jax.cache.codec import Pages
 from ulacache_jax.cache.lid import FIELD_LIMITS
 from ulacache_jax.cache.select.registry import kept_rules
 from ulacache_jax.models.attention import blocked_attention
@@ -436,17 +437,19 @@ class DensePrefixes:
 
 # ---- traced halves: the shared prefix inside one layer's prefill -------------------------------------------------
 def _gather_host(host, ids, impl: str):
-    """Host pages -> device: host [R, H, page, g, D] (K, V), ids [R, N] (-1: zeros) -> two [R, N, page, g, D]."""
+    """Host pages -> device: host [R, H, ...] (every array of the stored pages: codes, and scales of a scaled
+    codec), ids [R, N] (-1: zeros) -> Pages with a leading [R, N]."""
     R, N = ids.shape
+    arrays = host.arrays()
     outs = []
     for r in range(R):
-        dst = [jnp.zeros((N,) + host.k.shape[2:], host.k.dtype) for _ in range(2)]
+        dst = [jnp.zeros((N,) + a.shape[2:], a.dtype) for a in arrays]
         idx = jnp.arange(N, dtype=jnp.int32)
         if pick_impl(impl) == "ref":
-            outs.append(ref_copy_pages(dst, [host.k, host.v], ids[r], idx, src_rank=r))
+            outs.append(ref_copy_pages(dst, arrays, ids[r], idx, src_rank=r))
         else:    # the host pool is read in place over PCIe (page_copy's contract: no XLA gather of pinned_host)
-            outs.append(copy_pages_pallas(dst, [host.k, host.v], ids[r], idx, src_rank=r, name="prefix_pages"))
-    return jnp.stack([o[0] for o in outs]), jnp.stack([o[1] for o in outs])
+            outs.append(copy_pages_pallas(dst, arrays, ids[r], idx, src_rank=r, name="prefix_pages"))
+    return Pages.of([jnp.stack([o[a] for o in outs]) for a in range(len(arrays))])
 
 
 def sparse_attach(state, host, layer, slot, start, num_tokens: int, *, impl: str = "auto"):
@@ -463,7 +466,8 @@ def sparse_attach(state, host, layer, slot, start, num_tokens: int, *, impl: str
     ids = jax.lax.dynamic_slice(state.vtlb.host_page, at, (R, 1, 1, G, n))[:, 0, 0]            # [R, G, n]
     live = jnp.arange(n) * P < start                                                           # [n]
     ids = jnp.where(live[None, None], ids, -1).reshape(R, G * n)
-    kp, vp = _gather_host(host, ids, impl)                                                     # [R, G*n, P, g, D]
+    # stored pages decoded by the page format (cache/codec.py): the model's dtype for attention and the rules
+    kp, vp = c.codec.decode(_gather_host(host, ids, impl), c.jnp_dtype)                       # [R, G*n, P, g, D]
     kp = kp.reshape(R, G, n, P, c.kv_heads_per_group, c.head_dim)
     vp = vp.reshape(R, G, n, P, c.kv_heads_per_group, c.head_dim)
     for rule in kept_rules(c):    # the summaries (as ingestion computes them), the selection rule's own state

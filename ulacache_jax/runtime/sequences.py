@@ -20,10 +20,10 @@ from ulacache_jax.cache.select.registry import kept_rules
 from ulacache_jax.cache import lid as lid_mod
 from ulacache_jax.cache import pb_lru
 from ulacache_jax.cache import vtlb as vtlb_mod
-from ulacache_jax.cache.state import CacheState, HostPool, tail_frame
+from ulacache_jax.cache.state import CacheState, HostPool, ring_arrays, tail_frame, with_ring
 from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.pallas_kernels import page_copy
-from ulacache_jax.runtime.tp import HOST_SPECS, TP_AXIS, init_sharded, make_mesh, per_rank, state_specs
+from ulacache_jax.runtime.tp import host_specs, TP_AXIS, init_sharded, make_mesh, per_rank, state_specs
 
 
 class CapacityError(ValueError):
@@ -210,24 +210,28 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
     host_ids = jax.lax.dynamic_slice(state.vtlb.host_page, at, (R, 1, L, G, n))[:, 0]           # [R, L, G, n]
     host_ids = jnp.where(complete[None, None, None, :], host_ids, -1).reshape(R, L * G * n)
     src_idx = jnp.arange(L * G * n, dtype=jnp.int32)
-    hk, hv = host.k, host.v
+    page_shape = (L * G * n, page, c.kv_heads_per_group, c.head_dim)
+    # the page format (cache/codec.py): complete pages are encoded once here, on their way to the host pool
+    enc = c.codec.encode(kp.reshape((R,) + page_shape), vp.reshape((R,) + page_shape), dt)      # [R, L*G*n, ...]
+    arrays = host.arrays()
     for r in range(R):
         # the rank is indexed inside the kernel (rank=r): no XLA slice or stack of the pinned_host pool, which
         # XLA may run as host copies of the whole pool (page_copy's contract)
-        pages = [x[r].reshape(L * G * n, page, c.kv_heads_per_group, c.head_dim) for x in (kp, vp)]
-        hk, hv = page_copy.flush([hk, hv], pages, src_idx, host_ids[r], rank=r, impl=impl)  # K and V: one launch
-    host = HostPool(k=hk, v=hv)
-    # the partial last page goes to its tail-ring frame
+        pages = [x[r] for x in enc.arrays()]
+        arrays = page_copy.flush(arrays, pages, src_idx, host_ids[r], rank=r, impl=impl)   # K and V: one launch
+    host = HostPool.of(arrays)
+    # the partial last page goes to its tail-ring frame (the ring holds pages in the model's dtype, or encoded
+    # token by token where it lives in the pool: the same values for a codec without scales)
     li, gi, ni = jnp.meshgrid(jnp.arange(L), jnp.arange(G), jnp.arange(n), indexing="ij")
     frames = tail_frame(c, slot, layer0 + li, gi, p0 + ni)                                    # [L, G, n]
-    frames = jnp.where(partial[None, None, :], frames, state.pool_k.shape[1]).reshape(-1)
-    pool_k = state.pool_k.at[:, frames].set(kp.reshape(R, L * G * n, page, c.kv_heads_per_group, c.head_dim),
-                                            mode="drop")
-    pool_v = state.pool_v.at[:, frames].set(vp.reshape(R, L * G * n, page, c.kv_heads_per_group, c.head_dim),
-                                            mode="drop")
+    ring_k, ring_v = ring_arrays(state)
+    frames = jnp.where(partial[None, None, :], frames, ring_k.shape[1]).reshape(-1)
+    ring_k = ring_k.at[:, frames].set(kp.reshape((R,) + page_shape).astype(ring_k.dtype), mode="drop")
+    ring_v = ring_v.at[:, frames].set(vp.reshape((R,) + page_shape).astype(ring_v.dtype), mode="drop")
+    state = with_ring(state, ring_k, ring_v)
     seqs = dataclasses.replace(state.seqs, length=state.seqs.length.at[slot].set(end),
                                flushed=state.seqs.flushed.at[slot].set(end // page))
-    state = dataclasses.replace(state, pool_k=pool_k, pool_v=pool_v, seqs=seqs)
+    state = dataclasses.replace(state, seqs=seqs)
     # the summaries of every page touched, the rule's own state (a sequence's first block: start 0)
     for rule in kept_rules(c):
         state = rule.ingest(state, slot, layer0, p0, kp, tok < end, jnp.asarray(start) == 0)
@@ -246,7 +250,7 @@ class CacheManager:
         self.state, self.host = init_sharded(config, self.mesh)
         self.alloc = HostAllocator(config)
         self.specs = st = state_specs(self.state)
-        hs, r, mesh = HOST_SPECS, P(), self.mesh
+        hs, r, mesh = host_specs(config), P(), self.mesh
         # outputs placed by their specs explicitly: on a mesh of one an inferred sharding comes back as an
         # equivalent but different one, and the next program to see the state would compile again
         sh = jax.tree.map(lambda s: NamedSharding(mesh, s), st, is_leaf=lambda x: isinstance(x, P))
@@ -266,7 +270,7 @@ class CacheManager:
                                donate_argnums=(0, 1), out_shardings=(sh, self.host_shardings()))
 
     def host_shardings(self) -> HostPool:
-        return HostPool(k=self.host.k.sharding, v=self.host.v.sharding)
+        return jax.tree.map(lambda x: x.sharding, self.host)
 
     def admit(self, num_tokens: int, shared: np.ndarray | None = None, owner: np.ndarray | None = None) -> int:
         """Reserve a slot and host pages for a sequence of up to num_tokens tokens (prompt + new tokens); shared

@@ -100,7 +100,10 @@ def state_specs(state: CacheState) -> CacheState:
     return dataclasses.replace(specs, seqs=jax.tree.map(lambda _: P(), state.seqs), clock=P())
 
 
-HOST_SPECS = HostPool(k=P(TP_AXIS), v=P(TP_AXIS))
+def host_specs(config: CacheConfig) -> HostPool:
+    """PartitionSpecs of the host pool: every array (pages, and a scaled codec's scales) by rank over "tp"."""
+    r = P(TP_AXIS)
+    return HostPool(r, r, r, r) if config.codec.scaled else HostPool(r, r)
 
 
 def init_sharded(config: CacheConfig, mesh: Mesh, *, check: bool = True) -> tuple[CacheState, HostPool]:
@@ -127,7 +130,7 @@ def init_sharded(config: CacheConfig, mesh: Mesh, *, check: bool = True) -> tupl
 
     state = jax.tree.map(join, specs, *[p[0] for p in parts])
     state = dataclasses.replace(state, config=config)
-    host = jax.tree.map(lambda spec, *xs: join(spec, *xs, memory_kind=kind), HOST_SPECS, *[p[1] for p in parts])
+    host = jax.tree.map(lambda spec, *xs: join(spec, *xs, memory_kind=kind), host_specs(config), *[p[1] for p in parts])
     return state, host
 
 
@@ -136,7 +139,8 @@ def shard_cache(state: CacheState, host: HostPool, mesh: Mesh) -> tuple[CacheSta
     the mesh: rank r's slice of the leading axis goes to device r."""
     kind = host_memory_kind(mesh.devices.flat[0])
     state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(state)))
-    host = jax.device_put(host, jax.tree.map(lambda s: NamedSharding(mesh, s, memory_kind=kind), HOST_SPECS))
+    host = jax.device_put(host, jax.tree.map(lambda s: NamedSharding(mesh, s, memory_kind=kind),
+                                            host_specs(state.config)))
     return state, host
 
 
