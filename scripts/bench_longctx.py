@@ -338,7 +338,7 @@ def run(args, prompts: list, prompt_meta: dict) -> dict:
                     same = ([texts[p["id"]] == dense_out[p["id"]] for p in sel]
                             if all(p["id"] in dense_out for p in sel) else None)
                     res.add(dict(model=model_name(spec), attention=rule.attention, rule=rule.rule,
-                                 channels=rule.channels, label_bits=rule.label_bits, kv_dtype=cc.dtype, task=task,
+                                 channels=rule.channels, label_bits=rule.label_bits, kv_dtype=str(cc.codec.storage_dtype(cc.dtype)), task=task,
                                  context=context, prompt_tokens=float(np.mean([len(ids[p["id"]]) for p in sel])),
                                  depth=depth, batch=cc.max_seqs, budget=budget, page_size=cc.page_size,
                                  accuracy=float(np.mean([scores[p["id"]] for p in sel])),
