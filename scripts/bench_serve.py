@@ -3,7 +3,7 @@ the offline Engine on the same requests.
 
 The script starts `python -m ulacache_jax.app.cli serve` itself on a free loopback port with the engine options
 given, waits for /health 200 (ready only after its warm-up compiles), then:
-1. check: one request per prompt length of the mix, streamed greedily, one at a time (their prefill programs
+1. check: one request per prompt length of the mix (prompts of their own), streamed greedily, one at a time (their prefill programs
    compile here, untimed); their texts are compared with the offline Engine's below (`same_text`);
 2. alone: the long prompt (the mix's longest length) alone: its TTFT;
 3. load: `--clients` concurrent AsyncOpenAI clients, each streaming `--requests-per-client` completions (prompts
@@ -11,6 +11,8 @@ given, waits for /health 200 (ready only after its warm-up compiles), then:
    says how many tokens it holds); once every client has its first token, the long prompt arrives once more: its
    TTFT under load, and the running streams' per-token ITL while it prefills (chunks arriving between its send and
    its first token). Bounded: `--time-limit` seconds for the load, loopback only.
+The load runs twice: untimed (whatever programs its batches need compile, as the offline Engine's untimed run
+below), then timed (`--no-warm-pass`: timed only, compiles included).
 Per request at the client: TTFT (send to first token), every inter-token gap (time between chunks / the chunk's
 tokens, once per token), end to end; throughput = generated tokens of the load / its wall time.
 Then the server stops (one GPU holds one of them) and the offline Engine, built as `ulacache serve` builds it
@@ -21,9 +23,9 @@ then timed: its throughput (generated tokens / wall), TTFT and ITL from Request.
 Prompts are token ids of real text (pydoc of standard-library modules, scripts/haystacks.py) under the model's
 tokenizer; random ids for a model without one.
 
-CPU (the tiny random preset; docs/benchmarks/serve.json is the GPU's):
-  python -m scripts.bench_serve --model tiny --clients 4 --prompt-lengths 32,64,128 --max-tokens 16 \
-    --page-size 16 --token-budget 64 --out /tmp/serve
+CPU check of the script (the tiny random preset, ~30 s on 2 shared cores; docs/benchmarks/serve.json is the GPU's):
+  python -m scripts.bench_serve --model tiny --clients 8 --prompt-lengths 64,256,1024 --weights 0.5,0.3,0.2 \
+    --max-tokens 64 --page-size 16 --token-budget 128 --prefill-chunk-tokens 256 --decode-chunk-steps 8 --out /tmp/serve
 H200 (scripts/bench_gpu.sh step `serve`):
   python -m scripts.bench_serve --model qwen2.5-coder-0.5b --dtype bfloat16 --clients 32 \
     --prompt-lengths 1024,4096,32768 --weights 0.6,0.3,0.1 --max-tokens 256 --prefill-chunk-tokens 2048 --out out/gpu
@@ -80,34 +82,43 @@ def tokenizer_of(model: str):
     return tok, getattr(tok, "vocab_size", None)
 
 
-def make_requests(args) -> tuple[list[list[int]], list[int], str]:
-    """-> (the load's prompts, the long prompt, what text they are). Lengths drawn from the mix by seed 0."""
+def make_requests(args) -> dict:
+    """-> {"load", "warm": the load's prompts (the warm pass's are others of the same lengths), "check": one per
+    length, "long": 3 prompts of the longest length (alone, warm pass, timed), "source": what text they are}.
+    Lengths drawn from the mix by --seed. Every prompt starts with 8 random ids, so no two share a first page and
+    the prefix cache (on, as `ulacache serve` runs) never serves one from another: every prefill is real."""
     import numpy as np
     rng = np.random.default_rng(args.seed)
     lengths = [int(x) for x in args.prompt_lengths.split(",")]
     weights = [float(x) for x in args.weights.split(",")] if args.weights else [1.0] * len(lengths)
     if len(weights) != len(lengths):
         raise SystemExit(f"--weights has {len(weights)} entries for {len(lengths)} --prompt-lengths")
+    if min(lengths) <= 8:
+        raise SystemExit("--prompt-lengths must be > 8 tokens")
     n = args.clients * args.requests_per_client
     drawn = rng.choice(lengths, size=n, p=np.array(weights) / sum(weights)).tolist()
     drawn[:len(lengths)] = lengths[:n]            # every length of the mix appears at least once
     tok, vocab = tokenizer_of(args.model)
-    need = sum(drawn) + max(lengths)
     if tok is not None:
         from scripts import haystacks
         text = "\n\n".join(haystacks.load("pydoc"))
         ids = list(tok.encode(text, add_special_tokens=False) if _takes_special(tok) else tok.encode(text))
-        source = f"pydoc text ({len(ids)} tokens, wrapped)"
+        source = f"pydoc text ({len(ids)} tokens, wrapped), 8 random ids first"
     else:
         ids = rng.integers(0, vocab, 1 << 16).tolist()
         source = "random ids"
-    while len(ids) < need:
-        ids = ids + ids
-    out, at = [], 0
-    for ln in drawn:
-        out.append(ids[at:at + ln])
-        at += ln
-    return out, ids[at:at + max(lengths)], source
+    at = [0]
+
+    def take(ln: int) -> list[int]:
+        out = rng.integers(0, vocab, 8).tolist()
+        while len(out) < ln:
+            piece = ids[at[0]:at[0] + ln - len(out)]
+            out += piece
+            at[0] = (at[0] + len(piece)) % len(ids)
+        return out
+
+    return dict(check=[take(ln) for ln in lengths], warm=[take(ln) for ln in drawn], load=[take(ln) for ln in drawn],
+                long=[take(max(lengths)) for _ in range(3)], source=source)
 
 
 def _takes_special(tok) -> bool:
@@ -205,54 +216,63 @@ def itl_samples(chunks, window: tuple[float, float] | None = None) -> list[float
     return out
 
 
-async def drive(base: str, model: str, prompts, long_prompt, checks, args) -> dict:
+async def drive(base: str, model: str, sets: dict, args) -> dict:
     import openai
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=args.time_limit)
     try:
-        check = [await stream_one(client, model, p, args) for p in checks]
-        alone = await stream_one(client, model, long_prompt, args)
-        started = asyncio.Event()
-        firsts = [0]
-        want = min(args.clients, args.max_seqs)
-
-        def first():
-            firsts[0] += 1
-            if firsts[0] >= want:
-                started.set()
-
-        async def worker(k):
-            res = []
-            for j in range(args.requests_per_client):
-                i = k * args.requests_per_client + j
-                res.append((i, await stream_one(client, model, prompts[i], args, first if j == 0 else None)))
-            return res
-
-        async def long_under_load():
-            try:
-                await asyncio.wait_for(started.wait(), args.time_limit / 2)
-            except asyncio.TimeoutError:
-                pass
-            return await stream_one(client, model, long_prompt, args)
-
-        t0 = time.perf_counter()
-        tasks = [asyncio.ensure_future(worker(k)) for k in range(args.clients)]
-        long_task = asyncio.ensure_future(long_under_load())
-        done, pending = await asyncio.wait(tasks + [long_task], timeout=args.time_limit)
-        for t in pending:
-            t.cancel()
-        wall = time.perf_counter() - t0
-        results = {}
-        for t in tasks:
-            if t in done and not t.cancelled() and t.exception() is None:
-                results.update(dict(t.result()))
-        loaded = long_task.result() if long_task in done and long_task.exception() is None else None
-        return dict(check=check, alone=alone, load=results, long=loaded, wall_s=wall, timed_out=bool(pending))
+        check = [await stream_one(client, model, p, args) for p in sets["check"]]
+        alone = await stream_one(client, model, sets["long"][0], args)
+        if args.warm_pass:          # untimed, other prompts of the same lengths: the load's programs compile
+            await load_phase(client, model, sets["warm"], sets["long"][1], args)
+        got = await load_phase(client, model, sets["load"], sets["long"][2], args)
+        return dict(check=check, alone=alone, **got)
     finally:
         await client.close()
 
 
+async def load_phase(client, model, prompts, long_prompt, args) -> dict:
+    """The clients stream their requests; the long prompt arrives once each client (up to the slots) has its first
+    token -> {load: {i: result}, long: result, wall_s, timed_out}."""
+    started = asyncio.Event()
+    firsts = [0]
+    want = min(args.clients, args.max_seqs)
+
+    def first():
+        firsts[0] += 1
+        if firsts[0] >= want:
+            started.set()
+
+    async def worker(k):
+        res = []
+        for j in range(args.requests_per_client):
+            i = k * args.requests_per_client + j
+            res.append((i, await stream_one(client, model, prompts[i], args, first if j == 0 else None)))
+        return res
+
+    async def long_under_load():
+        try:
+            await asyncio.wait_for(started.wait(), args.time_limit / 2)
+        except asyncio.TimeoutError:
+            pass
+        return await stream_one(client, model, long_prompt, args)
+
+    t0 = time.perf_counter()
+    tasks = [asyncio.ensure_future(worker(k)) for k in range(args.clients)]
+    long_task = asyncio.ensure_future(long_under_load())
+    done, pending = await asyncio.wait(tasks + [long_task], timeout=args.time_limit)
+    for t in pending:
+        t.cancel()
+    wall = time.perf_counter() - t0
+    results = {}
+    for t in tasks:
+        if t in done and not t.cancelled() and t.exception() is None:
+            results.update(dict(t.result()))
+    loaded = long_task.result() if long_task in done and long_task.exception() is None else None
+    return dict(load=results, long=loaded, wall_s=wall, timed_out=bool(pending))
+
+
 # ---- the offline Engine ------------------------------------------------------------------------------------------
-def offline(args, checks, prompts, long_prompt) -> dict:
+def offline(args, sets: dict) -> dict:
     from ulacache_jax.app import cli
     from ulacache_jax.runtime.requests import SamplingParams
     eargs = cli.build_parser().parse_args(["serve", *engine_args(args)])
@@ -260,10 +280,10 @@ def offline(args, checks, prompts, long_prompt) -> dict:
     cfg = cli._cache_config(eargs, loaded.model.config, loaded.model.dtype, eargs.max_seqs, eargs.max_context, tp_mod)
     engine, _ = cli.make_engine(eargs, loaded, cfg, 0)
     sp = SamplingParams(max_new_tokens=args.max_tokens, stop_ids=(), logprobs=0)
-    ref = engine.run(checks, sp)                                        # untimed: the reference texts
-    engine.run(list(prompts) + [long_prompt], sp)                      # untimed: every program compiles here
+    ref = engine.run(sets["check"], sp)                                 # untimed: the reference texts
+    engine.run(sets["warm"] + [sets["long"][1]], sp)                    # untimed: its programs compile here
     t0 = time.perf_counter()
-    reqs = engine.run(list(prompts) + [long_prompt], sp)
+    reqs = engine.run(sets["load"] + [sets["long"][2]], sp)
     wall = time.perf_counter() - t0
     ttft = [r.t_first_token - r.t_added for r in reqs if r.t_first_token is not None]
     itl = []
@@ -343,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=420, help="seconds the load may take (then cut, reported)")
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for /health 200")
     p.add_argument("--seed", type=int, default=0, help="the prompt mix's draw")
+    p.add_argument("--no-warm-pass", dest="warm_pass", action="store_false",
+                   help="skip the untimed pass of the load through the server (the offline Engine has one too)")
     return p
 
 
@@ -353,17 +375,15 @@ def main(argv=None) -> dict:
     if args.max_context is None:
         need = max(lengths) + args.max_tokens
         args.max_context = -(-need // args.page_size) * args.page_size
-    prompts, long_prompt, source = make_requests(args)
-    checks = []
-    for ln in dict.fromkeys(len(p) for p in prompts):
-        checks.append(next(p for p in prompts if len(p) == ln))
+    sets = make_requests(args)
+    prompts, long_prompt, source = sets["load"], sets["long"][2], sets["source"]
     os.makedirs(args.out, exist_ok=True)
     log_path = os.path.join(args.out, "serve_server.log")
     model_name = args.model
     with open(log_path, "w") as log:
         proc, base, ready_s = start_server(args, free_port(), log)
         try:
-            got = asyncio.run(drive(base, model_name, prompts, long_prompt, checks, args))
+            got = asyncio.run(drive(base, model_name, sets, args))
         finally:
             rc = stop_server(proc)
     print(f"server ready after {ready_s:.1f} s; stopped ({rc})", flush=True)
@@ -394,12 +414,12 @@ def main(argv=None) -> dict:
                e2e_p50_s=_pct(e2e, 50), e2e_p99_s=_pct(e2e, 99))
     res.add(srv)
 
-    off = offline(args, checks, prompts, long_prompt)
+    off = offline(args, sets)
     check_same = [s["text"] == t and s["tokens"] == n
                   for s, t, n in zip(got["check"], off["check_text"], off["check_tokens"])]
     load_same = [r is not None and r["text"] == off["text"][i] and r["tokens"] == off["tokens"][i]
                  for i, r in enumerate(load)]
-    res.add(dict(kind="check", requests=len(checks), same_text=all(check_same), same=check_same,
+    res.add(dict(kind="check", requests=len(sets["check"]), same_text=all(check_same), same=check_same,
                  errors=[s["error"] for s in got["check"] if s["error"]],
                  load_same_text=sum(load_same), load_requests=len(load),
                  long_same_text=long_ is not None and long_["text"] == off["text"][-1]))
