@@ -79,13 +79,13 @@ def tokenizer_of(model: str):
         mc = models.get_preset(model)
         return (models.ByteTokenizer() if mc.vocab_size == models.BYTE_VOCAB_SIZE else None), mc.vocab_size
     tok = models.load_tokenizer(model)
-    return tok, getattr(tok, "vocab_size", None)
+    return tok, None
 
 
 def make_requests(args) -> dict:
     """-> {"load", "warm": the load's prompts (the warm pass's are others of the same lengths), "check": one per
     length, "long": 3 prompts of the longest length (alone, warm pass, timed), "source": what text they are}.
-    Lengths drawn from the mix by --seed. Every prompt starts with 8 random ids, so no two share a first page and
+    Lengths drawn from the mix by --seed. Every prompt starts with 8 ids from random places of the text, so no two share a first page and
     the prefix cache (on, as `ulacache serve` runs) never serves one from another: every prefill is real."""
     import numpy as np
     rng = np.random.default_rng(args.seed)
@@ -103,14 +103,14 @@ def make_requests(args) -> dict:
         from scripts import haystacks
         text = "\n\n".join(haystacks.load("pydoc"))
         ids = list(tok.encode(text, add_special_tokens=False) if _takes_special(tok) else tok.encode(text))
-        source = f"pydoc text ({len(ids)} tokens, wrapped), 8 random ids first"
+        source = f"pydoc text ({len(ids)} tokens, wrapped), 8 of its ids at random places first"
     else:
         ids = rng.integers(0, vocab, 1 << 16).tolist()
         source = "random ids"
     at = [0]
 
     def take(ln: int) -> list[int]:
-        out = rng.integers(0, vocab, 8).tolist()
+        out = [ids[j] for j in rng.integers(0, len(ids), 8)]     # 8 ids of the text at random places
         while len(out) < ln:
             piece = ids[at[0]:at[0] + ln - len(out)]
             out += piece
