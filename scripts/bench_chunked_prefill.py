@@ -180,10 +180,10 @@ def plot(res: dict, path: str) -> str | None:
     return save_figure(fig, path)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    from scripts.bench_meta import add_common_args
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m", help="a preset (tiny: random weights), GGUF file or folder")
-    p.add_argument("--dtype", default="float32")
+    add_common_args(p, files="chunked_prefill.json, chunked_prefill.png", model="smollm2-135m", dtype="float32")
     p.add_argument("--attention", default="sparse", choices=("sparse", "dense"))
     p.add_argument("--running", type=int, default=2, help="requests decoding when the long prompt arrives")
     p.add_argument("--running-prompt", type=int, default=128)
@@ -200,10 +200,12 @@ def main(argv=None):
     p.add_argument("--token-budget", type=int, default=512)
     p.add_argument("--max-context", type=int, default=None, help="default: long prompt + its new tokens, rounded up")
     p.add_argument("--small", action="store_true", help="CPU check: tiny preset, page 16, long prompt 256, chunk 32")
-    p.add_argument("--out", default="docs/benchmarks")
-    p.add_argument("--commit", default=None)
     p.add_argument("--png", default=None, metavar="JSON", help="draw JSON's PNG beside it (no run) and exit")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.png:
         with open(args.png) as f:
             print(plot(json.load(f), os.path.splitext(args.png)[0] + ".png"))

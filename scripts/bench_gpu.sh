@@ -4,7 +4,8 @@
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
 #                              decode-prefill longctx-16k longctx-32k
-#                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2]
+#                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2
+#                              serve]
 #                              (default: select sieve tiers ingest attention layer decode, in order)
 # (`make bench-gpu BENCH="select decode"` calls this.) Every script checks against its reference before timing
 # and writes its JSON row by row, so a step cut by its timeout keeps what it measured. Output: JSON + PNG under
@@ -116,11 +117,18 @@ for b in "${names[@]}"; do
                   --row-timeout 560 --out "$OUT" "${C[@]}" ;;
     prefix-smollm2) step prefix-smollm2 580 scripts/bench_prefix.py --rows smollm2:8192 --append --row-timeout 280 \
                   --model "${MODEL:-smollm2-135m}" --out "$OUT" "${C[@]}" ;;
+    # the serving benchmark (issue 49 item 6): `ulacache serve` (started by the script) and 32 streaming openai
+    # clients, real text, prompts 1K-32K, 256 new tokens, beside the offline Engine on the same requests; a 32K
+    # prompt admitted while they stream. $MODEL: Qwen2.5-Coder-0.5B's GGUF path (default the packaged name)
+    serve)      step serve 590 scripts/bench_serve.py --model "${MODEL:-qwen2.5-coder-0.5b}" --dtype bfloat16 \
+                  --clients 32 --prompt-lengths 1024,4096,32768 --weights 0.6,0.3,0.1 --max-tokens 256 \
+                  --page-size 64 --token-budget 2048 --prefill-chunk-tokens 2048 --max-context 33024 \
+                  --compile-cache "$OUT/jax_cache" --time-limit 300 --startup-timeout 240 --out "$OUT" "${C[@]}" ;;
     *) echo "unknown benchmark '$b' (select sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e" \
             "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2 longctx-16k" \
-            "longctx-32k)"; exit 2 ;;
+            "longctx-32k serve)"; exit 2 ;;
   esac
 done
 exit $status

@@ -24,6 +24,7 @@ NOT_RESULT_SCRIPTS = {
     "scripts.gguf_parts": "splits / joins a model file; writes no results",
     "scripts.pick_launch": "prints bench_decode options read from select.json",
     "scripts.batch_infer": "the `ulacache generate` command under another name",
+    "scripts.probes.sampling_cost": "prints a decode step's time per sampling option; writes no results",
     # runs as a file with an OLDER tree on PYTHONPATH (regression_profile.sh): it may import only what both trees
     # share, so not this tree's bench_meta helper; its --out are the trace / diff JSON files it writes whole
     "scripts.probes.regression_diff": "runs inside another tree; imports nothing from this one's scripts",
