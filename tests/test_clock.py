@@ -31,7 +31,7 @@ def _run_recording(model, cfg, prompts, start_clock: int):
     gen = Generator(model, cfg)
     gen.cache.state = dataclasses.replace(gen.cache.state, clock=jnp.int32(start_clock))
     seen = []
-    chunk = gen.decode_chunk
+    chunk = gen.decode_chunk_with        # the Engine's call for every decode chunk
 
     def recording(*args, **kw):
         out = chunk(*args, **kw)
@@ -40,7 +40,7 @@ def _run_recording(model, cfg, prompts, start_clock: int):
                      np.asarray(st.pb.stamp), int(st.clock)))
         return out
 
-    gen.decode_chunk = recording
+    gen.decode_chunk_with = recording
     tokens = [r.tokens for r in Engine(generator=gen).run(prompts, SamplingParams(max_new_tokens=40))]
     return tokens, seen, gen
 

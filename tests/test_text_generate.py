@@ -59,8 +59,9 @@ def test_last_chunk_runs_only_the_steps_left(setup):
         got = eng.run(prompts, SamplingParams(max_new_tokens=n))
         assert [r.tokens for r in got] == [r.tokens[:n] for r in full]
         assert [s.decode_steps for s in eng.timeline if s.decode_steps] == steps, n
-    # one compiled program per power of two, none per length
-    assert gen.program._decode_for.cache_info().currsize <= 3
+    # one program per power of two the Engine ran (16, 8, 4), none per length; plus the plain page-long one the
+    # Program builds at once (a jit wrapper, compiled only if called)
+    assert gen.program._decode_for.cache_info().currsize <= 4
     with pytest.raises(ValueError, match="power of two"):
         gen.program.decode_steps(12)
 

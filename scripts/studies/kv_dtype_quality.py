@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import time
 
@@ -28,10 +27,12 @@ def log(*a):
     print(*a, flush=True)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    from scripts import bench_meta
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16")
+    # --out None: print the table only (a study, not a benchmark kept in docs/benchmarks)
+    bench_meta.add_common_args(ap, out_default=None, out_default_help="none: print only", model="smollm2-135m",
+                               dtype="bfloat16")
     ap.add_argument("--kv-dtypes", default="auto,float8_e4m3fn")
     ap.add_argument("--budgets", default="256", help="comma list of sparse token budgets (plus a covering one)")
     ap.add_argument("--no-covering", action="store_true", help="skip the covering-budget cells (the sparse ones only)")
@@ -42,9 +43,12 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=2048, help="needle prompts' context (0: no answers part)")
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--haystack", default="essays")
-    ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="kv_dtype_quality")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
 
     import jax.numpy as jnp
     from ulacache_jax import generate
@@ -58,14 +62,16 @@ def main(argv=None):
     tok = load_tokenizer(args.model)
     kv_dtypes = args.kv_dtypes.split(",")
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    rows, meta = [], dict(model=args.model, dtype=args.dtype, page_size=args.page_size, haystack=args.haystack)
+    from scripts import bench_meta
+    rows = []
+    meta = bench_meta.run_meta(args.commit, model=args.model, dtype=args.dtype, page_size=args.page_size,
+                               haystack=args.haystack)
     out_path = os.path.join(args.out, f"{args.name}.json") if args.out else None
 
-    def save():
+    def save():          # row by row, atomically (a run cut short keeps its rows)
         if out_path:
             os.makedirs(args.out, exist_ok=True)
-            with open(out_path, "w") as f:
-                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            bench_meta.write_json(out_path, dict(meta=meta, rows=rows))
 
     # ---- teacher-forced scores over real text
     T, W, prefix = args.ppl_window, args.ppl_windows, args.ppl_prefix
