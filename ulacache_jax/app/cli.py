@@ -612,6 +612,37 @@ def _chat_ids(messages, tokenizer, fail) -> list[int]:
     return list(ids)
 
 
+def _json_object(raw: str, fail) -> dict:
+    """One input line's JSON object (either format); `fail` on bad JSON or another JSON value."""
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        fail(f"malformed JSON: {e.msg} at column {e.colno}")
+    if not isinstance(obj, dict):
+        fail(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _done_before(rid, n: int, seen: dict, done_ids: set, field: str, fail) -> bool:
+    """Records line n's `field` value (id or custom_id) as seen, failing on a duplicate -> whether --resume found
+    a result for it already."""
+    key = _id_key(rid)
+    if key in seen:
+        fail(f"duplicate {field} (first on line {seen[key]})")
+    seen[key] = n
+    return key in done_ids
+
+
+def _encode_prompt(text: str, tokenizer, without: str, fail) -> list[int]:
+    """A line's text prompt as token ids; `without` says what to give instead when the model has no tokenizer."""
+    if tokenizer is None:
+        fail(f"this model has no tokenizer (no tokenizer.json): {without}")
+    try:
+        return tokenizer.encode(text)
+    except Exception as e:   # noqa: BLE001 - a tokenizer failure fails this line only
+        fail(f"tokenizer failed on 'prompt': {type(e).__name__}: {e}")
+
+
 def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab_size: int, limit: int, defaults,
                 default_stop: tuple[str, ...] = ()):
     """One input line -> Record, or None if its id already has a result. Raises RequestError(message, id)."""
@@ -623,12 +654,7 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
     def fail(msg):
         raise RequestError(msg, rid)
 
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        fail(f"malformed JSON: {e.msg} at column {e.colno}")
-    if not isinstance(obj, dict):
-        fail(f"expected a JSON object, got {type(obj).__name__}")
+    obj = _json_object(raw, fail)
     if "custom_id" in obj:
         fail("an OpenAI batch line (custom_id) in a file whose first line is in the library's format: one format "
              "a file")
@@ -653,11 +679,7 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
         fail("missing field 'id'")
     if isinstance(rid, bool) or not isinstance(rid, (str, int)):
         fail(f"id must be a string or an int, got {json.dumps(rid)}")
-    key = _id_key(rid)
-    if key in seen:
-        fail(f"duplicate id (first on line {seen[key]})")
-    seen[key] = n
-    if key in done_ids:
+    if _done_before(rid, n, seen, done_ids, "id", fail):
         return None
     given = [k for k in ("messages", "prompt", "prompt_ids") if k in obj]
     if len(given) != 1:
@@ -669,13 +691,7 @@ def _parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab
         text = _text_field(obj, "prompt", fail)
         if not text.strip():
             fail("empty prompt" + (" (only whitespace)" if text else ""))
-        if tokenizer is None:
-            fail("this model has no tokenizer (no tokenizer.json): give 'prompt_ids'")
-        try:
-            ids = tokenizer.encode(text)
-        except Exception as e:   # noqa: BLE001 - a tokenizer failure fails this line only
-            fail(f"tokenizer failed on 'prompt': {type(e).__name__}: {e}")
-        name = "prompt (as tokens)"
+        ids, name = _encode_prompt(text, tokenizer, "give 'prompt_ids'", fail), "prompt (as tokens)"
     else:
         ids, name = obj["prompt_ids"], "prompt_ids"
         if not isinstance(ids, list):      # JSON: a list, not a string or an object (which would iterate)
@@ -750,12 +766,7 @@ def _parse_batch_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer,
     def fail(msg):
         raise RequestError(msg, rid)
 
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        fail(f"malformed JSON: {e.msg} at column {e.colno}")
-    if not isinstance(obj, dict):
-        fail(f"expected a JSON object, got {type(obj).__name__}")
+    obj = _json_object(raw, fail)
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid or jsonl_io.lone_surrogate(cid):
         fail(f"'custom_id' = {json.dumps(cid) if isinstance(cid, (str, int, type(None))) else '...'} must be a "
@@ -769,11 +780,7 @@ def _parse_batch_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer,
     kind = BATCH_URLS.get(obj.get("url"))
     if kind is None:
         fail(f"'url' = {json.dumps(obj.get('url'))} must be one of {', '.join(BATCH_URLS)}")
-    key = _id_key(rid)
-    if key in seen:
-        fail(f"duplicate custom_id (first on line {seen[key]})")
-    seen[key] = n
-    if key in done_ids:
+    if _done_before(rid, n, seen, done_ids, "custom_id", fail):
         return None
     base = dataclasses.replace(defaults, stop=default_stop)
     try:
@@ -790,13 +797,7 @@ def _parse_batch_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer,
     if kind == "chat":
         ids, name = _chat_ids(prompt, tokenizer, fail), "prompt (the chat template's tokens)"
     elif isinstance(prompt, str):
-        if tokenizer is None:
-            fail("this model has no tokenizer (no tokenizer.json): give 'prompt' as token ids")
-        try:
-            ids = tokenizer.encode(prompt)
-        except Exception as e:   # noqa: BLE001 - a tokenizer failure fails this line only
-            fail(f"tokenizer failed on 'prompt': {type(e).__name__}: {e}")
-        name = "prompt (as tokens)"
+        ids, name = _encode_prompt(prompt, tokenizer, "give 'prompt' as token ids", fail), "prompt (as tokens)"
     else:
         ids, name = prompt, "prompt"
     try:

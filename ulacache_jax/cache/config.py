@@ -15,6 +15,18 @@ from ulacache_jax.cache.select.rule import SelectionRule
 TAIL_PAGES = 2  # ring pages per (seq, layer, group): a decode chunk of page_size steps crosses <= 1 page boundary
 
 
+def _static_object(name: str, value, cls: type, home: str) -> None:
+    """A config field holding an object (a selection rule, a page codec): an instance of `cls`, and hashable, since
+    the config is a static jit field."""
+    if not isinstance(value, cls):
+        raise ValueError(f"CacheConfig: {name} = {value!r} must be a {cls.__name__} ({home})")
+    try:
+        hash(value)
+    except TypeError as e:
+        raise ValueError(f"CacheConfig: {name} {value!r} must be hashable (a frozen dataclass): it is a static jit "
+                         f"field ({e})") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """Shapes and policy of one cache. Counts are per rank unless named otherwise.
@@ -99,13 +111,7 @@ class CacheConfig:
                  f"[{self.num_layers}, {self.num_kv_heads}, {kc}] of channel ids in [0, {self.head_dim})")
             need(self.tp == 1, f"channel_table needs tp = 1 (it is {self.tp}): per-rank tables are not built yet")
         if self.selection is not None:
-            need(isinstance(self.selection, SelectionRule),
-                 f"selection = {self.selection!r} must be a SelectionRule (ulacache_jax/cache/select/rule.py)")
-            try:
-                hash(self.selection)
-            except TypeError as e:
-                raise ValueError(f"CacheConfig: selection {self.selection!r} must be hashable (a frozen dataclass): "
-                                 f"it is a static jit field ({e})") from None
+            _static_object("selection", self.selection, SelectionRule, "ulacache_jax/cache/select/rule.py")
             need(not kc, f"selection = {self.selection!r} replaces the built-in rules: leave key_channels at 0")
             self.selection.check(self)
         need(self.max_pages_per_seq * self.page_size <= 2**31 - 1,
@@ -122,13 +128,7 @@ class CacheConfig:
         need(self.page_codec is None or self.kv_dtype == "auto",
              f"page_codec = {self.page_codec!r} replaces kv_dtype: leave kv_dtype at 'auto' (it is {self.kv_dtype!r})")
         if self.page_codec is not None:
-            need(isinstance(self.page_codec, codec_mod.ModelCodec),
-                 f"page_codec = {self.page_codec!r} must be a ModelCodec (ulacache_jax/cache/codec.py)")
-            try:
-                hash(self.page_codec)
-            except TypeError as e:
-                raise ValueError(f"CacheConfig: page_codec {self.page_codec!r} must be hashable (a frozen "
-                                 f"dataclass): it is a static jit field ({e})") from None
+            _static_object("page_codec", self.page_codec, codec_mod.ModelCodec, "ulacache_jax/cache/codec.py")
         self.codec.check(self.dtype)
         need(self.num_groups % self.tp == 0 or self.tp % self.num_groups == 0,
              f"num_groups = {self.num_groups} must divide or be divided by tp = {self.tp}")
