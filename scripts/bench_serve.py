@@ -16,7 +16,7 @@ below), then timed (`--no-warm-pass`: timed only, compiles included).
 Per request at the client: TTFT (send to first token), every inter-token gap (time between chunks / the chunk's
 tokens, once per token), end to end; throughput = generated tokens of the load / its wall time.
 Then the server stops (one GPU holds one of them) and the offline Engine, built as `ulacache serve` builds it
-(cli.build_parser, load_engine_model, _cache_config, make_engine), runs the check requests (untimed; their text is
+(cli.build_parser, cli.serve_engine), runs the check requests (untimed; their text is
 the reference), then every load request plus the long one, added at once, twice: untimed (its programs compile),
 then timed: its throughput (generated tokens / wall), TTFT and ITL from Request.deliveries. Greedy text of every load request is compared as well.
 
@@ -276,9 +276,7 @@ def offline(args, sets: dict) -> dict:
     from ulacache_jax.app import cli
     from ulacache_jax.runtime.requests import SamplingParams
     eargs = cli.build_parser().parse_args(["serve", *engine_args(args)])
-    loaded, tp_mod = cli.load_engine_model(eargs)
-    cfg = cli._cache_config(eargs, loaded.model.config, loaded.model.dtype, eargs.max_seqs, eargs.max_context, tp_mod)
-    engine, _ = cli.make_engine(eargs, loaded, cfg, 0)
+    engine, _, _ = cli.serve_engine(eargs)
     sp = SamplingParams(max_new_tokens=args.max_tokens, stop_ids=(), logprobs=0)
     ref = engine.run(sets["check"], sp)                                 # untimed: the reference texts
     engine.run(sets["warm"] + [sets["long"][1]], sp)                    # untimed: its programs compile here

@@ -111,10 +111,7 @@ def offline():
     """The offline Engine built from the same options -> {prompt key: text, token count} for every prompt the tests
     send, greedy, MAX_TOKENS each, in one batch (greedy tokens do not depend on the batch)."""
     args = cli.build_parser().parse_args(["serve", *ENGINE_ARGS])
-    loaded, tp_mod = cli.load_engine_model(args)
-    mc = loaded.model.config
-    cfg = cli._cache_config(args, mc, loaded.model.dtype, args.max_seqs, args.max_context, tp_mod)
-    engine, _ = cli.make_engine(args, loaded, cfg, 0)
+    engine, _, _ = cli.serve_engine(args)         # the Engine the server builds from these options
     prompts = [("chat", i, m) for i, m in enumerate(CHATS)] + [("text", i, t) for i, t in enumerate(TEXTS + LOAD)]
     reqs = engine.run([p for _, _, p in prompts], SamplingParams(max_new_tokens=MAX_TOKENS))
     occ = engine.occupancy()              # every request finished: no slot and no host page is theirs any more

@@ -1534,6 +1534,19 @@ def _token_text(tokenizer, token_id: int) -> str:
 SERVE_PACKAGES = {"starlette": "starlette", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
 
 
+def serve_engine(args):
+    """The Engine `serve` runs for its parsed options -> (engine, the LoadedModel, the context limit): also the
+    offline reference the server's tests and the serving benchmark compare it against."""
+    loaded, tp_mod = load_engine_model(args)
+    if loaded.random_weights:
+        print(f"ulacache: model {loaded.label}: output text is gibberish", file=sys.stderr)
+    mc = loaded.model.config
+    limit = args.max_context or mc.max_position_embeddings
+    cfg = _cache_config(args, mc, loaded.model.dtype, args.max_seqs, limit, tp_mod)
+    engine, _ = make_engine(args, loaded, cfg, _param_bytes(loaded.model))
+    return engine, loaded, limit
+
+
 def cmd_serve(args) -> int:
     """`ulacache serve`: options checked here; the model is loaded, the Engine built and warmed up on the server's
     engine thread (app/server.py), so /health answers 503 while that runs."""
@@ -1559,13 +1572,7 @@ def cmd_serve(args) -> int:
     from ulacache_jax.runtime.requests import SamplingParams
 
     def build() -> server.Built:
-        loaded, tp_mod = load_engine_model(args)
-        if loaded.random_weights:
-            print(f"ulacache: model {loaded.label}: output text is gibberish", file=sys.stderr)
-        mc = loaded.model.config
-        limit = args.max_context or mc.max_position_embeddings
-        cfg = _cache_config(args, mc, loaded.model.dtype, args.max_seqs, limit, tp_mod)
-        engine, _ = make_engine(args, loaded, cfg, _param_bytes(loaded.model))
+        engine, loaded, limit = serve_engine(args)
         return server.Built(engine, loaded.tokenizer, min(limit, engine.config.max_context))
 
     config = server.ServeConfig(
