@@ -37,6 +37,7 @@ from jax import lax
 from flax import nnx
 
 from scripts import bench_meta
+from ulacache_jax.cache.select import two_stage
 from scripts.bench_meta import (add_common_args, appended_meta, child_env, copy_ceiling, earlier_run, git_commit,
                                 read_ceiling, utc_now)
 
@@ -138,6 +139,8 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1, ke
         kw = dict(max_pages_per_seq=need)
     cfg = default_cache_config(mc, num_seqs=batch, max_tokens=need * page, page_size=page,
                                token_budget=args.budget, dtype="bfloat16", tp=tp, **kw)
+    if attention == "sparse" and getattr(args, "two_stage", None):
+        cfg = two_stage.configure(cfg, *args.two_stage)
     # host pool: the pages admit reserves (`need` per sequence, layer and group), not the padded page-table width:
     # at 32K x 27 the padding (518 -> 640 pages) alone would pin 28 GB more host memory
     return dataclasses.replace(cfg, host_pages=batch * cfg.num_layers * cfg.groups_per_rank * need)
@@ -297,6 +300,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                key_channels=cfg.key_channels if attention == "sparse" else None,
                label_bits=cfg.label_bits if attention == "sparse" else None,
                rule=cfg.rule if attention == "sparse" else None,
+               two_stage=list(args.two_stage) if attention == "sparse" and args.two_stage else None,
                scores=args.scores if attention == "sparse" else None,
                setup_s=setup_s,
                tokens_per_s=batch / float(np.median(per_tok)), p50_token_ms=1e3 * float(np.median(per_tok)),
@@ -322,7 +326,10 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
                "--budget", str(args.budget), "--layers", str(args.layers), "--chunks", str(args.chunks),
                "--steps", str(args.steps), "--kv-fraction", str(args.kv_fraction), "--sieve", args.sieve,
                "--topk", args.topk, "--attention-impl", args.attention_impl, "--tp", str(args.tp),
-               "--fill", args.fill, "--key-channels", str(args.key_channels), "--scores", args.scores]
+               "--fill", args.fill, "--key-channels", str(args.key_channels), "--label-bits", str(args.label_bits),
+               "--scores", args.scores]
+        if args.two_stage:
+            cmd += ["--two-stage", ":".join(map(str, args.two_stage))]
         if args.score_launch:
             cmd += ["--score-launch", *map(str, args.score_launch)]
         proc = None
@@ -343,6 +350,13 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
 
 def write_json(out, res):
     bench_meta.write_json(os.path.join(out, "decode.json"), res)
+
+
+def two_stage_arg(text: str) -> tuple[int, int]:
+    try:
+        return two_stage.parse_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -375,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8),
                    help="sparse rows with --key-channels: CacheConfig.label_bits (label channels: int8 / int4 codes "
                         "of whole rotary pairs; 0 = the copy in the model's dtype)")
+    p.add_argument("--two-stage", type=two_stage_arg, default=None, metavar="GROUP:MULT",
+                   help="sparse rows: the rule above as the second stage of a TwoStage (groups of GROUP pages "
+                        "shortlist MULT x the budget; cache/select/two_stage.py)")
     p.add_argument("--scores", default="auto", choices=("auto", "ref", "pallas"),
                    help="sparse rows: page-score kernel (Quest bounds or the key copy's page mass): auto (the Pallas "
                         "kernel on GPU), ref (XLA) or pallas")

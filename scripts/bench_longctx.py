@@ -17,7 +17,8 @@ prompt plus its max new tokens fits the context. Without --prompts / --make-prom
 --prompts, --tasks / --contexts / --depths pick a subset of the file (one run split over several device calls).
 Rules (`--rules`, comma list): dense; quest; key_copy:C (CacheConfig.key_channels = C, label_bits = 0); labels:C:BITS
 (label_bits 8 or 4) and labels:C:BITS:TABLE (an offline channel table, JSON {"model_digest", "channels":
-[L][KV][C]}, passed as CacheConfig.channel_table). Every sparse rule runs at every budget (--budgets, plus
+[L][KV][C]}, passed as CacheConfig.channel_table); two:GROUP:MULT:<rule> (not dense): that rule ranks the shortlist
+of a TwoStage (groups of GROUP pages shortlist MULT x the budget; rows carry two_stage [GROUP, MULT]). Every sparse rule runs at every budget (--budgets, plus
 --budget-ratios x context, rounded to the page size; a budget >= the context is dense by construction and skipped);
 dense runs once per context, first.
 Cells: the unit of work is one generate call, (context, rule, budget, max_new_tokens) over every task and depth of
@@ -48,6 +49,7 @@ import time
 import numpy as np
 
 from scripts import ruler_tasks
+from ulacache_jax.cache.select import two_stage
 from scripts.bench_meta import add_common_args
 
 # answer lengths (new tokens) per task: 7-digit numbers are 7 tokens in Qwen's / Llama-3's tokenizers
@@ -72,6 +74,7 @@ class Rule:
     table_path: str | None = None
     table: tuple | None = None   # [L][KV][C] channel ids
     table_digest: str | None = None
+    two_stage: tuple | None = None  # (group pages, shortlist multiple): this rule ranks a TwoStage's shortlist
 
     @property
     def attention(self) -> str:
@@ -79,15 +82,30 @@ class Rule:
 
     def cache_config(self, base):
         if self.rule in ("dense", "quest"):
-            return base
-        if self.rule == "key_copy":
-            return dataclasses.replace(base, key_channels=self.channels, label_bits=0)
-        return dataclasses.replace(base, key_channels=self.channels, label_bits=self.label_bits,
-                                   channel_table=self.table)
+            cfg = base
+        elif self.rule == "key_copy":
+            cfg = dataclasses.replace(base, key_channels=self.channels, label_bits=0)
+        else:
+            cfg = dataclasses.replace(base, key_channels=self.channels, label_bits=self.label_bits,
+                                      channel_table=self.table)
+        return two_stage.configure(cfg, *self.two_stage) if self.two_stage else cfg
 
 
 def parse_rule(spec: str) -> Rule:
-    parts = spec.strip().split(":", 3)
+    spec = spec.strip()
+    if spec.startswith("two:"):   # two:GROUP:MULT:<rule>: <rule> reranks a TwoStage's shortlist
+        parts = spec.split(":", 3)
+        try:
+            if len(parts) < 4:
+                raise ValueError("needs two:GROUP:MULT:<rule>")
+            shape = two_stage.parse_spec(":".join(parts[1:3]))
+        except ValueError as e:
+            raise SystemExit(f"--rules {spec!r}: {e}") from None
+        inner = parse_rule(parts[3])
+        if inner.rule == "dense" or inner.two_stage:
+            raise SystemExit(f"--rules {spec!r}: the second stage must be quest, key_copy:C or labels:C:BITS")
+        return dataclasses.replace(inner, spec=spec, two_stage=shape)
+    parts = spec.split(":", 3)
     name = parts[0]
     try:
         if name in ("dense", "quest") and len(parts) == 1:
@@ -109,7 +127,8 @@ def parse_rule(spec: str) -> Rule:
                         table=channels, table_digest=tab.get("model_digest"))
     except (ValueError, OSError, KeyError, TypeError) as e:
         raise SystemExit(f"--rules {spec!r}: {type(e).__name__}: {e}") from None
-    raise SystemExit(f"--rules {spec!r}: one of dense, quest, key_copy:C, labels:C:BITS[:TABLE]")
+    raise SystemExit(f"--rules {spec!r}: one of dense, quest, key_copy:C, labels:C:BITS[:TABLE], "
+                     "two:GROUP:MULT:<one of those but dense>")
 
 
 def parse_rules(text: str) -> list[Rule]:
@@ -338,7 +357,8 @@ def run(args, prompts: list, prompt_meta: dict) -> dict:
                     same = ([texts[p["id"]] == dense_out[p["id"]] for p in sel]
                             if all(p["id"] in dense_out for p in sel) else None)
                     res.add(dict(model=model_name(spec), attention=rule.attention, rule=rule.rule,
-                                 channels=rule.channels, label_bits=rule.label_bits, kv_dtype=str(cc.codec.storage_dtype(cc.dtype)), task=task,
+                                 channels=rule.channels, label_bits=rule.label_bits,
+                                 two_stage=list(rule.two_stage) if rule.two_stage else None, kv_dtype=str(cc.codec.storage_dtype(cc.dtype)), task=task,
                                  context=context, prompt_tokens=float(np.mean([len(ids[p["id"]]) for p in sel])),
                                  depth=depth, batch=cc.max_seqs, budget=budget, page_size=cc.page_size,
                                  accuracy=float(np.mean([scores[p["id"]] for p in sel])),

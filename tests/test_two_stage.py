@@ -184,3 +184,28 @@ def test_chunked_prefill_and_short_cadence_keep_the_tokens(model):
         assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
         outs.append([r.tokens for r in reqs])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("second", [Quest(), Labels(channels=4, bits=4)], ids=["quest", "labels"])
+def test_on_the_gpu_kernels_keep_the_tokens(model, second):
+    """Compiled on the GPU (float32): a covering budget gives dense attention's tokens, and at a small budget the
+    GPU's page-score and attention kernels choose what the XLA references choose (the same greedy tokens)."""
+    import jax
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.generation import Generator, default_cache_config
+    rule = TwoStage(second, keep_pages=4, group_pages=2)
+    assert_covering_budget_equals_dense(model, selection=TwoStage(second, keep_pages=8, group_pages=2))
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (150, 97)]
+    cfg = default_cache_config(model.config, num_seqs=2, max_tokens=256, page_size=16, token_budget=32,
+                               selection=rule)
+    outs = []
+    for opts in (DecodeOptions(), DecodeOptions(scores="ref", attention="ref", sieve="ref", topk="ref")):
+        eng = Engine(generator=Generator(model, cfg, attention="sparse", options=opts), prefix_cache=False)
+        reqs = eng.run(prompts, SamplingParams(max_new_tokens=24))
+        assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
+        outs.append([r.tokens for r in reqs])
+    assert outs[0] == outs[1]

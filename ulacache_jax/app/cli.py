@@ -864,26 +864,12 @@ def _channel_table(args):
                          f"--key-channels {args.key_channels} ({type(e).__name__}: {e})") from None
 
 
-def _two_stage(spec: str) -> tuple[int, int]:
-    """--two-stage GROUP:MULT -> (group pages, shortlist multiple of the budget), both ints >= 1."""
-    parts = spec.split(":")
-    try:
-        group, mult = (int(x) for x in parts)
-    except ValueError:
-        group = mult = 0
-    if len(parts) != 2 or group < 1 or mult < 1:
-        raise ValueError(f"--two-stage {spec!r} must be GROUP:MULT, two ints >= 1 (e.g. 8:4: groups of 8 pages "
-                         "shortlist 4x the budget)")
-    return group, mult
-
-
 def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     """The cache for this run: generator.default_cache_config (with tp = --tp: frames and
     host pages per rank), then --hbm-pages / --host-gb."""
     from ulacache_jax.runtime.cost_model import pool_headroom
     from ulacache_jax.runtime.generation import default_cache_config
-    from ulacache_jax.cache.select import registry
-    from ulacache_jax.cache.select.two_stage import TwoStage
+    from ulacache_jax.cache.select import two_stage
 
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
@@ -892,10 +878,7 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
         cfg = default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
         if args.two_stage is None:
             return cfg
-        group, mult = _two_stage(args.two_stage)
-        rule = TwoStage(registry.resolve(cfg), keep_pages=mult * cfg.select_pages, group_pages=group)
-        # the rule object carries the channels / bits / table now: the config's own fields would describe a second
-        return dataclasses.replace(cfg, key_channels=0, label_bits=0, channel_table=None, selection=rule)
+        return two_stage.configure(cfg, *two_stage.parse_spec(args.two_stage))
 
     try:
         if args.token_budget % args.page_size:

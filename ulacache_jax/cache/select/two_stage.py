@@ -36,6 +36,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from ulacache_jax.cache.select import registry
 from ulacache_jax.cache.select.quest import Quest
 from ulacache_jax.cache.select.rule import SelectionRule
 from ulacache_jax.pallas_kernels import page_scores
@@ -224,3 +225,27 @@ class TwoStage(SelectionRule):
 
     def prefix_sharing(self, config):
         return self.second.prefix_sharing(config)
+
+
+def configure(config, group_pages: int, shortlist_mult: int):
+    """`config` with its own rule (registry.resolve: Quest, the key copy or labels, from its fields) as the second
+    stage of a TwoStage whose groups are `group_pages` pages and whose shortlist is `shortlist_mult` x the budget's
+    pages. The rule object carries the channels / bits / table from here on, so the config's own fields are reset
+    (they would describe a second rule beside it)."""
+    rule = TwoStage(registry.resolve(config), keep_pages=shortlist_mult * config.select_pages,
+                    group_pages=group_pages)
+    return dataclasses.replace(config, key_channels=0, label_bits=0, channel_table=None, selection=rule)
+
+
+def parse_spec(spec: str) -> tuple[int, int]:
+    """'GROUP:MULT' (the CLI's and the benchmarks' --two-stage) -> (group pages, shortlist multiple of the budget),
+    both ints >= 1; anything else raises ValueError naming the value."""
+    parts = spec.split(":")
+    try:
+        group, mult = (int(x) for x in parts)
+    except ValueError:
+        group = mult = 0
+    if len(parts) != 2 or group < 1 or mult < 1:
+        raise ValueError(f"--two-stage {spec!r} must be GROUP:MULT, two ints >= 1 (e.g. 8:4: groups of 8 pages "
+                         "shortlist 4x the budget)")
+    return group, mult
