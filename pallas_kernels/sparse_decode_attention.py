@@ -223,7 +223,12 @@ def _attn_kernel(*refs, nq, r, g, d, page, npb, nblk, scale, softcap, has_host, 
         return jnp.broadcast_to(frames[:, None, None], shp), tok_idx, head_idx, col_idx
 
     def pages(ref, frames, mask):
-        return pltriton.load(ref.at[idx(frames)], mask=jnp.broadcast_to(mask, shp), other=0)
+        mask = jnp.broadcast_to(mask, shp)
+        if jnp.dtype(ref.dtype).itemsize == 1:
+            # fp8 pages: Triton's masked load cannot cast an integer `other` to f8E4M3FN (the H200 refused it), so
+            # masked lanes load undefined bytes and are zeroed after the load
+            return jnp.where(mask, pltriton.load(ref.at[idx(frames)], mask=mask), jnp.zeros((), ref.dtype))
+        return pltriton.load(ref.at[idx(frames)], mask=mask, other=0)
 
     def body(i, carry):
         acc, m_run, l_run = carry
