@@ -49,7 +49,8 @@ SIGTERM (128 + the signal number).
 
 Compilation: `generate` keeps JAX's persistent compilation cache in $XDG_CACHE_HOME/ulacache_jax/jax_cache
 (~/.cache/ulacache_jax/jax_cache without XDG_CACHE_HOME; or $JAX_COMPILATION_CACHE_DIR when set), so a restart
-reuses the compiled programs; `--compile-cache DIR` picks another folder, `--compile-cache off` turns it off.
+reuses the compiled programs; `--compile-cache DIR` picks another folder, `--compile-cache off` turns it off. A
+folder named that cannot be written is refused before the model loads; a default one only warns (no cache).
 """
 from __future__ import annotations
 
@@ -303,12 +304,15 @@ class StopSignals:
     """SIGTERM and SIGINT, latched. The handler raises at once (Terminated / KeyboardInterrupt, so both stop the
     same graceful way) and also records the signal: an exception raised while Python runs a gc or __del__ callback
     (e.g. jax's `_xla_gc_callback`) is printed as "Exception ignored" and dropped, so the run loop calls `check()`
-    after every step to raise a signal that was swallowed. Only the main thread can install handlers."""
+    after every step to raise a signal that was swallowed. An extension module whose import the signal interrupts
+    (jaxlib's numpy import_array) prints it through sys.excepthook before raising ImportError: that print is
+    dropped too (main reports the interrupt in one line). Only the main thread can install handlers."""
 
     def __init__(self):
         self.received: int | None = None
         self._old: dict = {}
         self._old_hook = None
+        self._old_excepthook = None
 
     def exception(self) -> KeyboardInterrupt:
         return Terminated(self.received) if self.received == signal.SIGTERM else KeyboardInterrupt()
@@ -323,6 +327,11 @@ class StopSignals:
             return
         self._old_hook(u)
 
+    def _excepthook(self, kind, value, tb) -> None:
+        if isinstance(value, KeyboardInterrupt) and self.received is not None:
+            return
+        self._old_excepthook(kind, value, tb)
+
     def install(self) -> "StopSignals":
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -331,6 +340,7 @@ class StopSignals:
                 pass
         if self._old:
             self._old_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+            self._old_excepthook, sys.excepthook = sys.excepthook, self._excepthook
         return self
 
     def restore(self) -> None:
@@ -338,6 +348,8 @@ class StopSignals:
             signal.signal(sig, old)
         if self._old_hook is not None:
             sys.unraisablehook = self._old_hook
+        if self._old_excepthook is not None:
+            sys.excepthook = self._old_excepthook
 
     def check(self) -> None:
         if self.received is not None:
@@ -351,11 +363,22 @@ def _check_stop(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # SIGTERM stops like Ctrl-C (graceful, finished results kept, exit 143)
-    args.stop_signals = signals = StopSignals().install()
+    # SIGTERM stops like Ctrl-C (graceful, finished results kept, exit 143); installed first, so a signal from here
+    # on ends in one line (below), never a traceback
+    signals = StopSignals().install()
+    prog = "ulacache"
     try:
-        from ulacache_jax.cache.state import raise_host_limit
+        args = build_parser().parse_args(argv)
+        args.stop_signals = signals
+        prog = f"ulacache {args.command}"
+        # JAX's first import runs extension modules' init code (jaxlib, numpy, ml_dtypes), which a signal breaks
+        # into an ImportError, a traceback printed from C or an abort: SIGINT / SIGTERM wait for it (1-2 s), then
+        # stop the run as anywhere else
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            from ulacache_jax.cache.state import raise_host_limit
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default, whatever the RAM
         if args.command == "generate":
             return cmd_generate(args)
@@ -367,15 +390,36 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_fetch_model(args)
         from ulacache_jax.app import demo
         return demo.main(["--out-dir", args.out_dir] if args.out_dir else [])
-    except (UsageError, OutputError) as e:
-        print(f"ulacache {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt as e:   # start-up (model load, compile): one line, no traceback
-        print(f"ulacache {args.command}: interrupted by {_signal_name(e)} during start-up; no results were "
-              "written", file=sys.stderr)
-        return _exit_code(e)
+    except (Exception, KeyboardInterrupt) as e:   # not SystemExit: a command's own exit status stands
+        # start-up (JAX import, model load, compile): one line, no traceback. A signal that lands inside an
+        # extension module's import (jaxlib, numpy) comes back as "ImportError: Encountered an error while
+        # initializing the extension", the KeyboardInterrupt its cause (or, where the extension dropped it, only
+        # latched by StopSignals): it is an interrupt too
+        intr = _interrupt_in(e)
+        if intr is None and isinstance(e, ImportError) and signals.received is not None:
+            intr = signals.exception()
+        if intr is not None:
+            print(f"{prog}: interrupted by {_signal_name(intr)} during start-up; no results were written",
+                  file=sys.stderr)
+            return _exit_code(intr)
+        if isinstance(e, (UsageError, OutputError)):
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
     finally:
         signals.restore()
+
+
+def _interrupt_in(e: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (Ctrl-C, or Terminated) that `e` is or was raised from (its __cause__ / __context__
+    chain, which `raise ... from None` hides from the traceback but keeps), else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 # ---- model ----------------------------------------------------------------------------------------------------
@@ -899,22 +943,6 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     return cfg
 
 
-def device_memory_bytes(device=None) -> tuple[int | None, str]:
-    """-> (bytes the device can hold, what that is): the allocator's limit on an accelerator; on CPU, whose
-    'device memory' is host RAM, MemAvailable."""
-    import jax
-    device = device or jax.devices()[0]
-    try:
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-    except Exception:   # noqa: BLE001 - CPU devices may not report memory stats
-        limit = None
-    if limit:
-        return int(limit), f"{device.device_kind} memory"
-    from ulacache_jax.cache.state import _pinnable_host_bytes
-    avail = _pinnable_host_bytes()
-    return avail, "available host memory (MemAvailable; the CPU backend's device memory)"
-
-
 def check_device_memory(args, cfg, param_bytes: int, limit: int | None, what: str,
                         attention: str | None = None) -> None:
     """Refuse, before allocating, a cache (frame pool, tail ring, summaries, or the dense KV) that with the weights
@@ -922,15 +950,12 @@ def check_device_memory(args, cfg, param_bytes: int, limit: int | None, what: st
     that will run (default --attention)."""
     from ulacache_jax.runtime import backends
     backend = backends.backend_class(attention or args.attention)   # the one place that reads the kind
-    if limit is None:
+    msg = backends.memory_error(backend, cfg, limit, what, weight_bytes=param_bytes)
+    if msg is None:
         return
     fp = backend.footprint(cfg)
     need = fp["hbm_bytes"] // max(1, cfg.tp) + param_bytes
-    if need <= limit:
-        return
     gib = 2**30
-    msg = (f"the cache needs {fp['hbm_bytes'] // max(1, cfg.tp) / gib:.2f} GiB of device memory and the weights "
-           f"{param_bytes / gib:.2f} GiB, but the device has {limit / gib:.2f} GiB ({what})")
     if args.hbm_pages is not None and backend.host_tier:
         per_frame = 2 * cfg.page_bytes + 12                   # K + V page, PB-LRU tag/stamp
         frames = fp["hbm_detail"]["frames"] + fp["hbm_detail"]["pb_lru"]
@@ -977,17 +1002,28 @@ def _is_tty(stream) -> bool:
 def setup_compile_cache(choice: str | None) -> str | None:
     """Point JAX's persistent compilation cache at `choice` ('off' = leave it off; None = $JAX_COMPILATION_CACHE_DIR
     if set, else default_compile_cache_dir()) -> the folder used, or None. Every compile that takes 0.1 s or more is
-    kept: the decode chunk and each prompt bucket, which make up the ~20 s a restart otherwise spends compiling."""
+    kept: the decode chunk and each prompt bucket, which make up the ~20 s a restart otherwise spends compiling.
+    The folder is created and probed with a temp file here, before the model loads (a symlink to a writable folder
+    passes): a folder the user named that cannot be written is a UsageError; the default one, which nobody asked
+    for (a read-only home or cache folder), only a warning, and the run goes on without the cache."""
     if choice is not None and choice.strip().lower() == "off":
         return None
-    folder = choice or os.environ.get(COMPILE_CACHE_ENV) or str(default_compile_cache_dir())
+    named = choice or os.environ.get(COMPILE_CACHE_ENV)
+    folder = named or str(default_compile_cache_dir())
+    what = "--compile-cache" if choice else "$" + COMPILE_CACHE_ENV if named else "the default compile cache"
     p = pathlib.Path(folder)
     try:
-        p.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--compile-cache {folder}: cannot create it ({e.strerror}); 'off' runs without it") \
-            from None
-    jsonl_io.check_writable_dir(p, "--compile-cache")
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"{what} {folder}: cannot create it ({e.strerror})") from None
+        jsonl_io.check_writable_dir(p, what)
+    except OutputError as e:
+        if named:
+            raise UsageError(f"{e}; --compile-cache off runs without it") from None
+        print(f"ulacache: warning: {e}; running without the compile cache (each run compiles again; "
+              "--compile-cache DIR picks another folder)", file=sys.stderr)
+        return None
     import jax
     jax.config.update("jax_compilation_cache_dir", str(p))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
@@ -1228,6 +1264,7 @@ def decode_chunk_steps(args) -> int | None:
 def make_engine(args, loaded: LoadedModel, cfg, param_bytes: int):
     """The Engine over `cfg` -> (engine, the attention Decision). --attention is resolved once, here: the memory
     check, the Engine (given the Decision) and the report agree."""
+    from ulacache_jax.cache.state import device_memory_bytes
     from ulacache_jax.runtime.cost_model import resolve_attention
     from ulacache_jax.runtime.engine import Engine
     decision = resolve_attention(args.attention, loaded.model.config, cfg)
@@ -1415,7 +1452,10 @@ def _generate_locked(args, t_start: float) -> int:
     finally:
         writer.close()
     if args.resume and write_error is None:
-        _finish_resume(args)
+        try:
+            _finish_resume(args)
+        except OutputError as e:   # the file is as the run left it (results kept): report it, keep the report
+            write_error = e
     if engine is not None:
         rep = report_mod.build_report(
             engine, finished, wall_s=time.perf_counter() - t_start, load_s=engine.t0 - t_start,

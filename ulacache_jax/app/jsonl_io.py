@@ -407,7 +407,13 @@ def encode_records(records: list[dict]) -> bytes:
 
 
 def rewrite_output(path: str | os.PathLike, records: list[dict]) -> None:
-    atomic_write_bytes(path, encode_records(records))
+    """Replace the output by `records` (--resume's repair and compaction), atomically: a failure (a full disk, a
+    read-only mount, a folder we may not write) leaves the file as it was and is an OutputError naming it."""
+    try:
+        atomic_write_bytes(path, encode_records(records))
+    except OSError as e:
+        raise OutputError(f"--output {path}: --resume cannot rewrite it ({e.strerror or e}); the file is "
+                          "unchanged: free some space (or make its folder writable) and rerun") from None
 
 
 class ResultWriter:

@@ -150,6 +150,23 @@ def _pinnable_host_bytes() -> int | None:
         return None
 
 
+def device_memory_bytes(device=None, *, free: bool = False) -> tuple[int | None, str]:
+    """-> (bytes the device can hold, what that is): the allocator's limit on an accelerator (memory_stats
+    'bytes_limit'; free: less the bytes its live arrays hold now, for a check made after the weights loaded); on
+    CPU, whose 'device memory' is host RAM, MemAvailable (free already). None where neither is known."""
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:   # noqa: BLE001 - CPU devices may not report memory stats
+        stats = {}
+    limit = stats.get("bytes_limit")
+    if limit:
+        if free:
+            return int(limit) - int(stats.get("bytes_in_use", 0)), f"the {device.device_kind}'s free memory"
+        return int(limit), f"the {device.device_kind}'s memory"
+    return _pinnable_host_bytes(), "the available host memory (MemAvailable, the CPU backend's device memory)"
+
+
 CLOCK_REBASE_AT = 2**30   # clock value at which a decode chunk winds the clock back (far below int32 overflow)
 CLOCK_KEEP = 2**29        # ticks of recency kept exact by the rebase (~46 h at 3200 sieve calls per second)
 

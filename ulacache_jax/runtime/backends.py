@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ulacache_jax.cache.codec import Pages
-from ulacache_jax.cache.state import CacheState, HostPool, rebase_clock
+from ulacache_jax.cache.state import CacheState, HostPool, device_memory_bytes, rebase_clock
 from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.cache.decode_layer import (DecodeOptions, LayerStats, attend_layer, commit_rows, commit_summaries, flush_tail,
                            verify_layer)
@@ -426,6 +426,14 @@ class DenseBackend:
         self.config, self.ops, self.mesh = config, ops, mesh
         self._kv_sh = NamedSharding(mesh, P(None, None, TP_AXIS))
         self._rep = NamedSharding(mesh, P())
+        # checked before allocating: a context too large for the device otherwise hangs in XLA's allocator or fails
+        # with its RESOURCE_EXHAUSTED, neither naming the option to lower (weights are loaded by now: free memory)
+        available, what = device_memory_bytes(mesh.devices.flat[0], free=True)
+        short = memory_error(DenseBackend, c, available, what)
+        if short is not None:
+            raise ValueError(f"attention 'dense' with max_context = {c.max_context} and max_seqs = {c.max_seqs}: "
+                             f"{short}: lower max_context or max_seqs, or use attention='sparse' (its K/V live "
+                             "in host memory)")
         # committed from the start: the programs' outputs come back committed, and an uncommitted first cache made
         # prefill and decode compile twice (the H200's dense rows paid a second compile in their first timed chunk)
         self.dense = DenseCache.zeros(c.num_layers, (c.max_seqs, c.max_context, c.num_kv_heads, c.head_dim),
@@ -498,6 +506,24 @@ def backend_class(attention: str):
     if attention == "dense":
         return DenseBackend
     raise ValueError(f"attention = {attention!r} must be one of {ATTENTION_KINDS}")
+
+
+def memory_error(cls, config: CacheConfig, available: int | None, what: str,
+                 weight_bytes: int | None = None) -> str | None:
+    """The device-memory check, one for the CLI (before the Engine: available is the device's whole memory, to hold
+    the cache and weight_bytes of weights) and DenseBackend (before its cache is allocated: what is free):
+    why the cache of `cls` (SparseBackend / DenseBackend, its footprint per rank) does not fit, or None when it
+    fits or `available` is unknown (None). what: the memory `available` measures, for the message
+    (state.device_memory_bytes says it)."""
+    if available is None:
+        return None
+    cache = cls.footprint(config)["hbm_bytes"] // max(1, config.tp)
+    if cache + (weight_bytes or 0) <= available:
+        return None
+    gib = 2**30
+    weights = "" if weight_bytes is None else f" and the weights {weight_bytes / gib:.2f} GiB"
+    return (f"the cache needs {cache / gib:.2f} GiB ({cache} bytes) of device memory{weights}, but {what} is "
+            f"{available / gib:.2f} GiB ({available} bytes)")
 
 
 def make_backend(attention: str, config: CacheConfig, mesh: Mesh, options: DecodeOptions = DecodeOptions(), *,
