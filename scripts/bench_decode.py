@@ -301,6 +301,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                label_bits=cfg.label_bits if attention == "sparse" else None,
                rule=cfg.rule if attention == "sparse" else None,
                two_stage=list(args.two_stage) if attention == "sparse" and args.two_stage else None,
+               selection=repr(cfg.selection_rule) if attention == "sparse" else None,
                scores=args.scores if attention == "sparse" else None,
                setup_s=setup_s,
                tokens_per_s=batch / float(np.median(per_tok)), p50_token_ms=1e3 * float(np.median(per_tok)),
@@ -480,13 +481,16 @@ def plot(res, path, kv_fraction):
                      (r.get("attention_path", r["attention"]) == "dense"
                       or (r["kv_fraction"] == kv_fraction and r.get("sieve") == "pallas"))]
         labels = sorted({(r["context"], r["batch"]) for r in main_rows})
+        rule = lambda r: ("" if r.get("rule") in (None, "quest") else
+                          f", {r['rule']}" + (f" {r['two_stage'][0]}:{r['two_stage'][1]}" if r.get("two_stage") else "")
+                          + (f" {r['key_channels']}@{r['label_bits'] or 16}b" if r.get("key_channels") else ""))
         side = lambda r: ((f"auto -> {r.get('attention_path')}" if r["attention"] == "auto" else "")
-                          or (f"sparse, {r['attention_kernel']} attention" if r.get("attention_kernel")
+                          or (f"sparse, {r['attention_kernel']} attention{rule(r)}" if r.get("attention_kernel")
                               else r["attention"]))
         sides = sorted({side(r) for r in main_rows}, key=lambda x: (x == "dense", x))
         w = 0.8 / len(sides)
         for k, name in enumerate(sides):
-            ys = [next((r["tokens_per_s"] for r in main_rows if side(r) == name
+            ys = [next((r["tokens_per_s"] for r in reversed(main_rows) if side(r) == name   # the latest run's
                         and (r["context"], r["batch"]) == lb), 0.0) for lb in labels]
             ax.bar(np.arange(len(labels)) + w * k - 0.4 + w / 2, ys, w, label=name)
         ax.set_xticks(np.arange(len(labels)), [f"{c // 1024}K b{b}" for c, b in labels])
