@@ -37,9 +37,17 @@ def pick_channels(k, live, num_channels: int):
 
 
 def compress(k, chan):
-    """k [..., T, g, D]; chan [..., g, C] -> [..., T, g, C]: each token's key at its KV head's channels."""
+    """k [..., T, g, D]; chan [..., g, C] int32 channel ids -> [..., T, g, C]: each token's key at its KV head's
+    channels. chan [..., g, D, C] float (a basis, key_pca.py) -> the keys' coordinates in it, in k's dtype."""
+    if is_basis(chan):
+        return jnp.einsum("...tgd,...gdc->...tgc", k.astype(jnp.float32), chan).astype(k.dtype)
     idx = jnp.broadcast_to(chan[..., None, :, :], k.shape[:-1] + chan.shape[-1:])
     return jnp.take_along_axis(k, idx, axis=-1)
+
+
+def is_basis(chan) -> bool:
+    """Whether a copy's `chan` is a projection basis (float [..., g, D, C]) rather than channel ids."""
+    return not jnp.issubdtype(chan.dtype, jnp.integer)
 
 
 def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None, bits: int = 0, valid=None):
@@ -59,8 +67,11 @@ def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None,
     Q, Hr, D = q.shape[1], q.shape[2], q.shape[3]
     h = Hr // (G * g)
     qg = q.astype(jnp.float32).reshape(S, Q, G, g, h, D)
-    idx = jnp.broadcast_to(chan[:, None, :, :, None, :], (S, Q, G, g, h, C))
-    qc = jnp.take_along_axis(qg, idx, axis=-1) / jnp.sqrt(jnp.float32(D))              # [S, Q, G, g, h, C]
+    if is_basis(chan):                                                                  # chan [S, G, g, D, C]
+        qc = jnp.einsum("sqgihd,sgidc->sqgihc", qg, chan) / jnp.sqrt(jnp.float32(D))
+    else:
+        idx = jnp.broadcast_to(chan[:, None, :, :, None, :], (S, Q, G, g, h, C))
+        qc = jnp.take_along_axis(qg, idx, axis=-1) / jnp.sqrt(jnp.float32(D))          # [S, Q, G, g, h, C]
     qc = qc.transpose(0, 2, 3, 1, 4, 5).reshape(S, G, g, Q * h, C)                      # rows: (Q, h)
     lse = page_lse(kc, qc, layer=layer, impl=impl, scale=ksc, bits=bits)                # [S, G, g * Q * h, P]
     if valid is None:
@@ -145,14 +156,15 @@ class KeyCopy(SelectionRule):
         zero = jnp.zeros((), jnp.int32)
         at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer0, jnp.int32), zero)
         flat = kp.reshape(R, Lb, G, n * page, g, D)
-        old = jax.lax.dynamic_slice(sel.chan, at + (zero, zero), (R, 1, Lb, G, g, C))[:, 0]   # [R, Lb, G, g, C]
+        tail = sel.chan.shape[4:]                                        # (g, C), or (g, D, C) for a basis
+        old = jax.lax.dynamic_slice(sel.chan, at + (zero,) * len(tail), (R, 1, Lb, G) + tail)[:, 0]  # [R, Lb, G, ..]
         ch = old if self.table is not None else jnp.where(first, self.pick(flat, live.reshape(-1), C), old)
         block = compress(flat, ch).reshape(R, 1, Lb, G, n, page, g, C)
         at_page = at + (jnp.asarray(page0, jnp.int32), zero, zero)
         codes, scale = self.encode(block, sel.kc.dtype)              # [R, 1, Lb, G, n, page, g, Cs], [.., n, g, C]
         kc = jax.lax.dynamic_update_slice(sel.kc, codes, at_page + (zero,))
         ksc = sel.ksc if scale is None else jax.lax.dynamic_update_slice(sel.ksc, scale, at_page)
-        chan = jax.lax.dynamic_update_slice(sel.chan, ch[:, None], at + (zero, zero))
+        chan = jax.lax.dynamic_update_slice(sel.chan, ch[:, None].astype(sel.chan.dtype), at + (zero,) * len(tail))
         return dataclasses.replace(state, sel=KeyCopyState(kc=kc, chan=chan, ksc=ksc))
 
     def attach(self, state, slot, layer, kp, live):
@@ -164,7 +176,8 @@ class KeyCopy(SelectionRule):
         C = self.channels
         zero = jnp.zeros((), jnp.int32)
         at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer, jnp.int32), zero)
-        ch = jax.lax.dynamic_slice(sel.chan, at + (zero, zero), (R, 1, 1, G, g, C))[:, 0, 0]    # [R, G, g, C]
+        tail = sel.chan.shape[4:]
+        ch = jax.lax.dynamic_slice(sel.chan, at + (zero,) * len(tail), (R, 1, 1, G) + tail)[:, 0, 0]  # [R, G, g, ..]
         x = compress(kp.reshape(R, G, n * P, g, D), ch).reshape(R, 1, 1, G, n, P, g, C)
         codes, scale = self.encode(x, sel.kc.dtype)                 # [R, 1, 1, G, n, P, g, Cs], [.., n, g, C]
         size = codes.shape

@@ -1,0 +1,104 @@
+"""The projected key copy (select/key_pca.py): a cache built by ingest + decode steps holds every flushed key's
+coordinates in the principal basis of its sequence's first ingested block (checked against numpy's own
+eigendecomposition, up to each direction's sign), at 8 / 4 bits within the labels' rounding; with C = D the page
+mass is the true attention mass whatever the basis; generate with a covering budget gives dense's tokens, a small
+budget runs through the Engine; bad values are refused."""
+import numpy as np
+import pytest
+import jax.numpy as jnp
+
+from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.cache.select import key_copy
+from ulacache_jax.cache.select.key_pca import KeyPCA, pick_basis
+from ulacache_jax.cache.select.labels import dequantize
+from cache_steps import assert_covering_budget_equals_dense, ingest_and_decode, tiny_model
+
+PAGE, C, D = 8, 4, 16
+
+
+def _config(rule):
+    return CacheConfig(num_layers=2, num_kv_heads=2, head_dim=D, max_seqs=3, max_pages_per_seq=32, page_size=PAGE,
+                       num_buckets=4, slots_per_bucket=8, host_pages=512, token_budget=32, dtype="float32",
+                       sink_pages=1, recent_pages=1, selection=rule)
+
+
+def test_pick_basis_is_the_principal_subspace():
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((50, 1, D)).astype(np.float32) * np.linspace(3, 0.1, D).astype(np.float32)
+    live = np.arange(50) < 40
+    b = np.asarray(pick_basis(jnp.asarray(k), jnp.asarray(live), C))[0]              # [D, C]
+    w, v = np.linalg.eigh(k[:40, 0].T @ k[:40, 0])
+    want = v[:, ::-1][:, :C]
+    np.testing.assert_allclose(np.abs(np.sum(b * want, axis=0)), 1.0, atol=1e-4)      # same directions
+    np.testing.assert_allclose(b.T @ b, np.eye(C), atol=1e-5)                        # orthonormal
+    none = np.asarray(pick_basis(jnp.asarray(k), jnp.zeros(50, bool), C))[0]
+    np.testing.assert_array_equal(none, np.eye(D, C))
+
+
+@pytest.mark.parametrize("bits", [0, 8, 4])
+def test_copy_holds_each_key_in_its_sequences_basis(bits):
+    rule = KeyPCA(channels=C, bits=bits)
+    c = _config(rule)
+    rng = np.random.default_rng(1)
+    lengths = [37, 61, 8]
+    _, state, _, ks = ingest_and_decode(c, lengths, 13, rng, key_scale=rng.uniform(0.2, 3.0, D).astype(np.float32))
+    sel = state.sel
+    assert sel.chan.shape == (1, 3, 2, 2, 1, D, C) and sel.chan.dtype == jnp.float32
+    for s, (k, n0) in enumerate(zip(ks, lengths)):
+        fl = int(state.seqs.flushed[s])
+        for l in range(2):
+            for gi in range(2):
+                b = np.asarray(sel.chan[0, s, l, gi, 0])                              # [D, C]
+                w, v = np.linalg.eigh(k[l, :n0, gi].T @ k[l, :n0, gi])
+                np.testing.assert_allclose(np.abs(np.sum(b * v[:, ::-1][:, :C], axis=0)), 1.0, atol=1e-3)
+                want = k[l, :fl * PAGE, gi] @ b                                       # [T, C]
+                codes = sel.kc[0, s, l, gi, :fl]                                      # [fl, PAGE, 1, Cs]
+                if bits:
+                    got = np.asarray(dequantize(codes, sel.ksc[0, s, l, gi, :fl], bits)).reshape(-1, C)
+                    step = np.asarray(sel.ksc[0, s, l, gi, :fl], np.float32).reshape(fl, 1, C)
+                    err = np.abs(got - want).reshape(fl, PAGE, C)
+                    assert (err <= step * 0.5 + 1e-2 * np.abs(want).max()).all()
+                else:
+                    np.testing.assert_allclose(np.asarray(codes).reshape(-1, C), want, rtol=1e-4, atol=1e-4)
+
+
+def test_every_coordinate_gives_the_true_mass():
+    """C = D: (q B) . (k B) = q . k for an orthonormal B, so the page mass is the key copy's with every channel."""
+    rng = np.random.default_rng(2)
+    S, G, P, g, H = 2, 2, 4, 1, 2
+    k = rng.standard_normal((S, 1, G, P, PAGE, g, D)).astype(np.float32)
+    q = rng.standard_normal((S, 1, G * g * H, D)).astype(np.float32)
+    basis = np.linalg.qr(rng.standard_normal((D, D)))[0].astype(np.float32)
+    B = jnp.broadcast_to(jnp.asarray(basis), (S, G, g, D, D))
+    kc = jnp.einsum("slgptid,sgide->slgptie", jnp.asarray(k), B)
+    flushed = jnp.asarray([4, 3], jnp.int32)
+    got = key_copy.page_mass(kc, B, jnp.asarray(q), flushed, layer=0, impl="ref")
+    ids = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (S, G, g, D))
+    want = key_copy.page_mass(jnp.asarray(k), ids, jnp.asarray(q), flushed, layer=0, impl="ref")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+def test_generate_covering_budget_equals_dense(bits):
+    assert_covering_budget_equals_dense(tiny_model(), selection=KeyPCA(channels=4, bits=bits))
+
+
+def test_engine_small_budget():
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.generation import Generator, default_cache_config
+    model = tiny_model()
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (120, 45)]
+    cfg = default_cache_config(model.config, num_seqs=2, max_tokens=192, page_size=16, token_budget=48,
+                               selection=KeyPCA(channels=4, bits=4))
+    eng = Engine(generator=Generator(model, cfg, attention="sparse"), prefix_cache=False)
+    reqs = eng.run(prompts, SamplingParams(max_new_tokens=12))
+    assert all(r.finish_reason == "length" and len(r.tokens) == 12 for r in reqs), [r.error for r in reqs]
+
+
+@pytest.mark.parametrize("rule, msg", [(KeyPCA(channels=0), "channels = 0"), (KeyPCA(channels=17), "channels = 17"),
+                                       (KeyPCA(channels=3, bits=4), "bits = 4"), (KeyPCA(channels=4, bits=2), "bits = 2"),
+                                       (KeyPCA(channels=4, table=((0, 1, 2, 3),)), "channel table")])
+def test_bad_values(rule, msg):
+    with pytest.raises(ValueError, match=msg):
+        _config(rule)
