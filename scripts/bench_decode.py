@@ -140,7 +140,7 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1, ke
     cfg = default_cache_config(mc, num_seqs=batch, max_tokens=need * page, page_size=page,
                                token_budget=args.budget, dtype="bfloat16", tp=tp, **kw)
     if attention == "sparse" and getattr(args, "two_stage", None):
-        cfg = two_stage.configure(cfg, *args.two_stage)
+        cfg = two_stage.configure(cfg, args.two_stage)
     # host pool: the pages admit reserves (`need` per sequence, layer and group), not the padded page-table width:
     # at 32K x 27 the padding (518 -> 640 pages) alone would pin 28 GB more host memory
     return dataclasses.replace(cfg, host_pages=batch * cfg.num_layers * cfg.groups_per_rank * need)
@@ -300,7 +300,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                key_channels=cfg.key_channels if attention == "sparse" else None,
                label_bits=cfg.label_bits if attention == "sparse" else None,
                rule=cfg.rule if attention == "sparse" else None,
-               two_stage=list(args.two_stage) if attention == "sparse" and args.two_stage else None,
+               two_stage=args.two_stage if attention == "sparse" and args.two_stage else None,
                selection=repr(cfg.selection_rule) if attention == "sparse" else None,
                scores=args.scores if attention == "sparse" else None,
                setup_s=setup_s,
@@ -330,7 +330,7 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
                "--fill", args.fill, "--key-channels", str(args.key_channels), "--label-bits", str(args.label_bits),
                "--scores", args.scores]
         if args.two_stage:
-            cmd += ["--two-stage", ":".join(map(str, args.two_stage))]
+            cmd += ["--two-stage", str(args.two_stage)]
         if args.score_launch:
             cmd += ["--score-launch", *map(str, args.score_launch)]
         proc = None
@@ -353,11 +353,19 @@ def write_json(out, res):
     bench_meta.write_json(os.path.join(out, "decode.json"), res)
 
 
-def two_stage_arg(text: str) -> tuple[int, int]:
+def two_stage_arg(text: str) -> int:
     try:
         return two_stage.parse_spec(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def two_stage_label(v) -> str:
+    """A row's two_stage in the plot: MULT -> '4x'. Older rows hold [GROUP, MULT]: GROUP 1 was today's rule ('4x'),
+    a larger GROUP the page-group summaries since deleted ('8:4')."""
+    if isinstance(v, list):
+        return f"{v[1]}x" if v[0] == 1 else f"{v[0]}:{v[1]}"
+    return f"{v}x"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -390,9 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8),
                    help="sparse rows with --key-channels: CacheConfig.label_bits (label channels: int8 / int4 codes "
                         "of whole rotary pairs; 0 = the copy in the model's dtype)")
-    p.add_argument("--two-stage", type=two_stage_arg, default=None, metavar="GROUP:MULT",
-                   help="sparse rows: the rule above as the second stage of a TwoStage (groups of GROUP pages "
-                        "shortlist MULT x the budget; cache/select/two_stage.py)")
+    p.add_argument("--two-stage", type=two_stage_arg, default=None, metavar="MULT",
+                   help="sparse rows: the rule above as the second stage of a TwoStage (Quest's page bound "
+                        "shortlists MULT x the budget; cache/select/two_stage.py)")
     p.add_argument("--scores", default="auto", choices=("auto", "ref", "pallas"),
                    help="sparse rows: page-score kernel (Quest bounds or the key copy's page mass): auto (the Pallas "
                         "kernel on GPU), ref (XLA) or pallas")
@@ -482,7 +490,7 @@ def plot(res, path, kv_fraction):
                       or (r["kv_fraction"] == kv_fraction and r.get("sieve") == "pallas"))]
         labels = sorted({(r["context"], r["batch"]) for r in main_rows})
         rule = lambda r: ("" if r.get("rule") in (None, "quest") else
-                          f", {r['rule']}" + (f" {r['two_stage'][0]}:{r['two_stage'][1]}" if r.get("two_stage") else "")
+                          f", {r['rule']}" + (f" {two_stage_label(r['two_stage'])}" if r.get("two_stage") else "")
                           + (f" {r['key_channels']}@{r['label_bits'] or 16}b" if r.get("key_channels") else ""))
         side = lambda r: ((f"auto -> {r.get('attention_path')}" if r["attention"] == "auto" else "")
                           or (f"sparse, {r['attention_kernel']} attention{rule(r)}" if r.get("attention_kernel")

@@ -18,10 +18,10 @@ prompt plus its max new tokens fits the context. Without --prompts / --make-prom
 Rules (`--rules`, comma list): dense; quest; key_copy:C (CacheConfig.key_channels = C, label_bits = 0); labels:C:BITS
 (label_bits 8 or 4) and labels:C:BITS:TABLE (an offline channel table, JSON {"model_digest", "channels":
 [L][KV][C]}, passed as CacheConfig.channel_table); pca:C[:BITS] (select/key_pca.py: C principal coordinates of
-every key, bits 0 = the model's dtype, or 8 / 4); two:GROUP:MULT:<rule> (not dense): that rule ranks the shortlist
-of a TwoStage (groups of GROUP pages shortlist MULT x the budget; rows carry two_stage [GROUP, MULT]). Every sparse rule runs at every budget (--budgets, plus
---budget-ratios x context, rounded to the page size; a budget >= the context is dense by construction and skipped);
-dense runs once per context, first.
+every key, bits 0 = the model's dtype, or 8 / 4); two:MULT:<rule> (not dense): that rule ranks the shortlist of a
+TwoStage (Quest's page bound shortlists MULT x the budget; rows carry two_stage MULT). Every sparse rule runs at
+every budget (--budgets, plus --budget-ratios x context, rounded to the page size; a budget >= the context is dense
+by construction and skipped); dense runs once per context, first.
 Cells: the unit of work is one generate call, (context, rule, budget, max_new_tokens) over every task and depth of
 that context with that answer length, batched through `--batch` cache slots (more prompts queue in the engine);
 its cache config is `generation.default_cache_config` for (batch, context) with `dataclasses.replace` for the rule,
@@ -76,7 +76,7 @@ class Rule:
     table_path: str | None = None
     table: tuple | None = None   # [L][KV][C] channel ids
     table_digest: str | None = None
-    two_stage: tuple | None = None  # (group pages, shortlist multiple): this rule ranks a TwoStage's shortlist
+    two_stage: int | None = None   # the shortlist's multiple of the budget: this rule ranks a TwoStage's shortlist
 
     @property
     def attention(self) -> str:
@@ -92,23 +92,23 @@ class Rule:
         else:
             cfg = dataclasses.replace(base, key_channels=self.channels, label_bits=self.label_bits,
                                       channel_table=self.table)
-        return two_stage.configure(cfg, *self.two_stage) if self.two_stage else cfg
+        return two_stage.configure(cfg, self.two_stage) if self.two_stage else cfg
 
 
 def parse_rule(spec: str) -> Rule:
     spec = spec.strip()
-    if spec.startswith("two:"):   # two:GROUP:MULT:<rule>: <rule> reranks a TwoStage's shortlist
-        parts = spec.split(":", 3)
+    if spec.startswith("two:"):   # two:MULT:<rule>: <rule> reranks a TwoStage's shortlist
+        parts = spec.split(":", 2)
         try:
-            if len(parts) < 4:
-                raise ValueError("needs two:GROUP:MULT:<rule>")
-            shape = two_stage.parse_spec(":".join(parts[1:3]))
+            if len(parts) < 3:
+                raise ValueError("needs two:MULT:<rule>")
+            mult = two_stage.parse_spec(parts[1])
         except ValueError as e:
             raise SystemExit(f"--rules {spec!r}: {e}") from None
-        inner = parse_rule(parts[3])
+        inner = parse_rule(parts[2])
         if inner.rule == "dense" or inner.two_stage:
             raise SystemExit(f"--rules {spec!r}: the second stage must be quest, key_copy:C or labels:C:BITS")
-        return dataclasses.replace(inner, spec=spec, two_stage=shape)
+        return dataclasses.replace(inner, spec=spec, two_stage=mult)
     parts = spec.split(":", 3)
     name = parts[0]
     try:
@@ -134,7 +134,7 @@ def parse_rule(spec: str) -> Rule:
     except (ValueError, OSError, KeyError, TypeError) as e:
         raise SystemExit(f"--rules {spec!r}: {type(e).__name__}: {e}") from None
     raise SystemExit(f"--rules {spec!r}: one of dense, quest, key_copy:C, labels:C:BITS[:TABLE], pca:C[:BITS], "
-                     "two:GROUP:MULT:<one of those but dense>")
+                     "two:MULT:<one of those but dense>")
 
 
 def parse_rules(text: str) -> list[Rule]:
@@ -364,7 +364,7 @@ def run(args, prompts: list, prompt_meta: dict) -> dict:
                             if all(p["id"] in dense_out for p in sel) else None)
                     res.add(dict(model=model_name(spec), attention=rule.attention, rule=rule.rule,
                                  channels=rule.channels, label_bits=rule.label_bits,
-                                 two_stage=list(rule.two_stage) if rule.two_stage else None, kv_dtype=str(cc.codec.storage_dtype(cc.dtype)), task=task,
+                                 two_stage=rule.two_stage, kv_dtype=str(cc.codec.storage_dtype(cc.dtype)), task=task,
                                  context=context, prompt_tokens=float(np.mean([len(ids[p["id"]]) for p in sel])),
                                  depth=depth, batch=cc.max_seqs, budget=budget, page_size=cc.page_size,
                                  accuracy=float(np.mean([scores[p["id"]] for p in sel])),

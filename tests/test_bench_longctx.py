@@ -76,6 +76,16 @@ def test_rules_and_budgets(tmp_path):
     assert (cc.key_channels, cc.label_bits, cc.rule) == (4, 8, "labels") and len(cc.channel_table) == 2
     kc = next(r for r in rules if r.rule == "key_copy").cache_config(CacheConfig.preset("tiny"))
     assert (kc.key_channels, kc.label_bits, kc.rule) == (6, 0, "key_copy")
+    # two:MULT:<rule>: Quest's page bound shortlists MULT x the budget for <rule> to rank
+    base = CacheConfig.preset("tiny")
+    two = bl.parse_rules("two:4:labels:4:4")[0]
+    tc = two.cache_config(base)
+    assert (two.two_stage, two.rule, tc.rule) == (4, "labels", "two_stage")
+    assert (tc.selection.keep_pages, tc.selection.second.channels, tc.selection.second.bits) == \
+        (4 * base.select_pages, 4, 4)
+    for bad in ("two:0:quest", "two:4:dense", "two:4", "two:8:4:quest", "two:4:two:2:quest"):
+        with pytest.raises(SystemExit):
+            bl.parse_rules(bad)
     with pytest.raises(SystemExit):
         bl.parse_rules("labels:4:3")
     with pytest.raises(SystemExit):

@@ -68,21 +68,15 @@ def page_truth(k, q, page: int):
     return p[:P * page].reshape(P, page).sum(1), p[P * page:].sum()
 
 
-def shortlist_mask(k, q, page: int, group_pages: int, keep_pages: int):
-    """The first stage of a two-stage rule (select/two_stage.py), one KV head: Quest's bound over groups of
-    `group_pages` flushed pages (the min / max of their keys) -> [P] bool the pages of the keep_pages // group_pages
-    (rounded up) groups of highest bound."""
+def shortlist_mask(k, q, page: int, keep_pages: int):
+    """The first stage of a two-stage rule (select/two_stage.py), one KV head: Quest's bound over the flushed pages
+    (the min / max of their keys) -> [P] bool the keep_pages pages of highest bound."""
     import jax.numpy as jnp
     from ulacache_jax.cache.select import two_stage
-    T, D = k.shape
-    P = T // page
-    NG = -(-P // group_pages)
-    kp = np.concatenate([k[:P * page], np.repeat(k[P * page - page:P * page], NG * group_pages - P, axis=0)
-                         .reshape(-1, D)]).reshape(NG, group_pages * page, D)           # pad with a copy of the last
-    lo, hi = kp.min(1), kp.max(1)                                                      # [NG, D]
-    bound = np.maximum(q[:, None] * lo[None], q[:, None] * hi[None]).sum((0, 2))       # [NG]
+    P = k.shape[0] // page
+    bound = rule_scores(("quest",), k, q, page)                                        # [P]
     pages, ok = two_stage.shortlist(jnp.asarray(bound, jnp.float32)[None, None], jnp.asarray([P], jnp.int32),
-                                    group_pages=group_pages, keep_groups=-(-keep_pages // group_pages))
+                                    keep_pages=keep_pages)
     mask = np.zeros(P, bool)
     mask[np.asarray(pages)[0, 0][np.asarray(ok)[0, 0]]] = True
     return mask
@@ -140,10 +134,10 @@ def select(scores, budget_pages: int, sink: int = 1, recent: int = 2):
 
 
 def scorer_bytes(rule, D: int, page: int, shortlist: float = 1.0) -> float:
-    """Bytes the scorer reads per context token and KV head each decode step; a two-stage rule reads its group
+    """Bytes the scorer reads per context token and KV head each decode step; a two-stage rule reads Quest's page
     summaries and its second stage over the `shortlist` fraction of the context."""
     if rule[0] == "two":
-        return 2 * D * 2 / (page * rule[1]) + scorer_bytes(rule[3], D, page) * shortlist
+        return scorer_bytes(("quest",), D, page) + scorer_bytes(rule[2], D, page) * shortlist
     if rule[0] == "quest":
         return 2 * D * 2 / page
     if rule[0] == "key_copy":
@@ -165,7 +159,7 @@ def plot(rows, path: str) -> str:
             for r in rs:
                 name = r["rule"] + (f" {r['channels']}" if r["channels"] else "") + \
                     (f"@{r['label_bits']}b{' T' if r['calibration'] == 'table' else ''}" if r["label_bits"] else "") + \
-                    (f" g{r['group_pages']}x{r['shortlist_mult']}" if r.get("group_pages") else "")
+                    (f" x{r['shortlist_mult']}" if r.get("shortlist_mult") else "")
                 ax.annotate(name, (r["scorer_bytes_per_token"], r["recall"]), fontsize=5)
         ax.set_xscale("log")
         ax.set(title=f"{rows[0]['model']}, {ctx} tokens", xlabel="scorer bytes / token / KV head",
@@ -174,18 +168,23 @@ def plot(rows, path: str) -> str:
     return bench_meta.save_figure(fig, path)
 
 
+def scoring(rule):
+    """The rule that scores the pages it selects from: a two-stage rule's second stage, else the rule itself."""
+    return rule[2] if rule[0] == "two" else rule
+
+
 def parse_rule(s: str):
     parts = s.split(":")
     if parts[0] == "two":
-        return ("two", int(parts[1]), int(parts[2]), parse_rule(":".join(parts[3:])))
+        return ("two", int(parts[1]), parse_rule(":".join(parts[2:])))
     if parts[0] == "quest":
         return ("quest",)
     if parts[0] == "key_copy":
         return ("key_copy", int(parts[1]))
     if parts[0] == "labels":
         return ("labels", int(parts[1]), int(parts[2]), parts[3] if len(parts) > 3 else "online")
-    raise SystemExit(f"--rules {s!r}: quest, key_copy:C, labels:C:BITS[:online|table] or two:GROUP:MULT:<rule> "
-                     "(groups of GROUP pages shortlist MULT x the budget for <rule>)")
+    raise SystemExit(f"--rules {s!r}: quest, key_copy:C, labels:C:BITS[:online|table] or two:MULT:<rule> "
+                     "(Quest's page bound shortlists MULT x the budget for <rule>)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,10 +226,11 @@ def main(argv=None) -> int:
         model, tok = models.from_pretrained(str(path), dtype=jnp.float32), models.load_tokenizer(str(path))
         label = args.model
         from ulacache_jax.models import calibration
-        tables = {r[1]: calibration.channel_table(args.model, r[1]) for r in rules if r[-1] == "table"}
+        tables = {scoring(r)[1]: calibration.channel_table(args.model, scoring(r)[1]) for r in rules
+                  if scoring(r)[-1] == "table"}
         hay = haystacks.haystack_fn(args.haystack, tok)
-    if any(r[-1] == "table" for r in rules) and not tables:
-        rules = [r for r in rules if r[-1] != "table"]
+    if any(scoring(r)[-1] == "table" for r in rules) and not tables:
+        rules = [r for r in rules if scoring(r)[-1] != "table"]
     D, KV, H = model.config.head_dim, model.config.num_kv_heads, model.config.num_heads
     page = args.page_size
     res = bench_meta.Results(os.path.join(args.out, f"{args.name}.json"),
@@ -257,12 +257,12 @@ def main(argv=None) -> int:
                     mass, tail = page_truth(k, q, page)
                     total = mass.sum() + tail
                     for rule in rules:
-                        inner = rule[3] if rule[0] == "two" else rule
+                        inner = scoring(rule)
                         tab = None if inner[-1] != "table" else tables[inner[1]][layer][g]
                         sc = None if rule[0] == "two" else rule_scores(rule, k, q, page, tab)
                         for b in budgets:
                             if rule[0] == "two":
-                                cand = shortlist_mask(k, q, page, rule[1], rule[2] * (b // page - 1))
+                                cand = shortlist_mask(k, q, page, rule[1] * (b // page - 1))
                                 sc = rule_scores(inner, k, q, page, tab, cand)
                             sel = select(sc, b // page)
                             r = (mass[sel].sum() + tail) / total
@@ -270,9 +270,9 @@ def main(argv=None) -> int:
                             worst.setdefault((rule, b, ctx, layer), []).append(r)
     for (rule, b, ctx), rs in recalls.items():
         per_layer = [np.mean(v) for (r2, b2, c2, _), v in worst.items() if (r2, b2, c2) == (rule, b, ctx)]
-        inner = rule[3] if rule[0] == "two" else rule
-        two = dict(group_pages=rule[1], shortlist_mult=rule[2]) if rule[0] == "two" else {}
-        frac = min(1.0, rule[2] * b / ctx) if rule[0] == "two" else 1.0
+        inner = scoring(rule)
+        two = dict(shortlist_mult=rule[1]) if rule[0] == "two" else {}
+        frac = min(1.0, rule[1] * b / ctx) if rule[0] == "two" else 1.0
         res.add(dict(model=label, rule=("two_stage/" if two else "") + inner[0],
                      channels=inner[1] if len(inner) > 1 else None,
                      label_bits=inner[2] if inner[0] == "labels" else None,
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     for r in res.rows:
         name = r["rule"] + (f":{r['channels']}" if r["channels"] else "") + \
             (f":{r['label_bits']}:{r['calibration']}" if r["label_bits"] else "") + \
-            (f" g{r['group_pages']}x{r['shortlist_mult']}" if r.get("group_pages") else "")
+            (f" x{r['shortlist_mult']}" if r.get("shortlist_mult") else "")
         print(f"{name:<26}{r['context']:>6}{r['budget']:>7}{r['recall']:>8.3f}{r['recall_p10']:>7.3f}"
               f"{r['recall_worst_layer']:>8.3f}{r['scorer_bytes_per_token']:>7.2f}")
     return 0

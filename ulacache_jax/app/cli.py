@@ -173,10 +173,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --label-bits: 'auto' (the table shipped for the model's file, found by its sha256, "
                         "else online calibration from each prompt), 'online', or a JSON file written by "
                         "scripts/calibrate_labels.py")
-    p.add_argument("--two-stage", default=None, metavar="GROUP:MULT",
-                   help="two-stage selection for long contexts: Quest's bound over groups of GROUP pages shortlists "
-                        "MULT x the budget's pages, the selection rule (Quest's page bound, the key copy or the "
-                        "labels) ranks only those, so the scorer reads a fraction of its bytes (e.g. 8:4)")
+    p.add_argument("--two-stage", default=None, metavar="MULT",
+                   help="two-stage selection for long contexts: Quest's page bound shortlists MULT x the budget's "
+                        "pages and the selection rule (the key copy or the labels; Quest's bound again by "
+                        "default) ranks only those, reading its bytes over the shortlist alone (e.g. 4)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole (default: prompts that start with the complete pages of an "
                         "earlier prompt of the run, e.g. many questions over one document, attach those pages "
@@ -922,7 +922,7 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
         cfg = default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
         if args.two_stage is None:
             return cfg
-        return two_stage.configure(cfg, *two_stage.parse_spec(args.two_stage))
+        return two_stage.configure(cfg, two_stage.parse_spec(args.two_stage))
 
     try:
         if args.token_budget % args.page_size:

@@ -13,7 +13,7 @@ pages are always attended from the tail ring).
 The summaries kmin, kmax [R, S, L, G, P * split, g, D] are top-level CacheState fields kept for EVERY rule (not in
 `CacheState.sel`): the tail-append kernel (pallas_kernels/tail_append.py) updates them in the same launch as the
 ring write of a decode step (two scatters a layer fewer), and they are the first stage of a two-stage selection
-(two_stage.py, group_pages 1). Every other write of them is a hook of the `Quest` rule below (ingest, prefix attach, speculative
+(two_stage.py). Every other write of them is a hook of the `Quest` rule below (ingest, prefix attach, speculative
 commit, release), which the cache runs whatever rule scores (registry.kept_rules).
 """
 from __future__ import annotations
