@@ -102,3 +102,31 @@ def test_engine_small_budget():
 def test_bad_values(rule, msg):
     with pytest.raises(ValueError, match=msg):
         _config(rule)
+
+
+def test_cli_key_basis_pca(tmp_path, capsys):
+    """`ulacache generate --key-channels C --key-basis pca [--label-bits B]` decodes with the projected copy, is
+    fingerprinted apart from the channel copy, and refuses a basis without channels or with a channel table."""
+    import json
+    from ulacache_jax.app import cli, jsonl_io
+    inp = tmp_path / "p.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt_ids": list(range(1 + i, 150 + i))}) + "\n" for i in range(2)))
+    args = ["--model", "tiny", "--page-size", "16", "--token-budget", "64", "--max-seqs", "2", "--max-context", "256",
+            "--max-new-tokens", "4", "--no-progress", "--stop-ids", "none", "--compile-cache", "off", "--quiet",
+            "--attention", "sparse"]
+    out = tmp_path / "o.jsonl"
+    assert cli.main(["generate", "--input", str(inp), "--output", str(out), "--key-channels", "4", "--label-bits", "4",
+                     "--key-basis", "pca", *args]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["finish_reason"] for r in rows] == ["length", "length"] and all(len(r["token_ids"]) == 4 for r in rows)
+    parser = cli.build_parser()
+    settings = lambda *extra: cli.run_settings(parser.parse_args(["generate", "--input", "i", "--output", "o",
+                                                                  "--key-channels", "4", *extra, *args]))
+    pca, chans = settings("--key-basis", "pca"), settings()
+    assert pca["key_basis"] == "pca" and "key_basis" not in chans
+    assert jsonl_io.settings_fingerprint(pca) != jsonl_io.settings_fingerprint(chans)
+    for extra, msg in ((["--key-basis", "pca"], "--key-basis pca needs --key-channels"),
+                       (["--key-basis", "pca", "--key-channels", "4", "--label-bits", "4", "--channel-table",
+                         str(tmp_path / "t.json")], "does not apply")):
+        assert cli.main(["generate", "--input", str(inp), "--output", str(tmp_path / "x.jsonl"), *extra, *args]) == 2
+        assert msg in capsys.readouterr().err
