@@ -22,17 +22,28 @@ def _config(rule):
                        sink_pages=1, recent_pages=1, selection=rule)
 
 
-def test_pick_basis_is_the_principal_subspace():
+def _np_basis(k):
+    """numpy's reference: (C principal directions of the centred keys [D, C], their mean [D])."""
+    mean = k.mean(0)
+    w, v = np.linalg.eigh((k - mean).T @ (k - mean))
+    return v[:, ::-1][:, :C], mean
+
+
+def test_pick_basis_is_the_centred_principal_subspace():
     rng = np.random.default_rng(0)
-    k = rng.standard_normal((50, 1, D)).astype(np.float32) * np.linspace(3, 0.1, D).astype(np.float32)
+    offset = np.zeros(D, np.float32)
+    offset[D - 1] = 40.0                                 # a large common offset: uncentred PCA would spend a direction on it
+    k = rng.standard_normal((50, 1, D)).astype(np.float32) * np.linspace(3, 0.1, D).astype(np.float32) + offset
     live = np.arange(50) < 40
-    b = np.asarray(pick_basis(jnp.asarray(k), jnp.asarray(live), C))[0]              # [D, C]
-    w, v = np.linalg.eigh(k[:40, 0].T @ k[:40, 0])
-    want = v[:, ::-1][:, :C]
+    proj = np.asarray(pick_basis(jnp.asarray(k), jnp.asarray(live), C))[0]           # [D + 1, C]
+    b, shift = proj[:D], proj[D]
+    want, mean = _np_basis(k[:40, 0])
     np.testing.assert_allclose(np.abs(np.sum(b * want, axis=0)), 1.0, atol=1e-4)      # same directions
     np.testing.assert_allclose(b.T @ b, np.eye(C), atol=1e-5)                        # orthonormal
+    np.testing.assert_allclose(shift, -mean @ b, rtol=1e-4, atol=1e-3)
+    assert np.abs(b[D - 1]).max() < 0.2                  # the offset channel has little variance: not a direction
     none = np.asarray(pick_basis(jnp.asarray(k), jnp.zeros(50, bool), C))[0]
-    np.testing.assert_array_equal(none, np.eye(D, C))
+    np.testing.assert_array_equal(none, np.eye(D + 1, C))
 
 
 @pytest.mark.parametrize("bits", [0, 8, 4])
@@ -43,15 +54,16 @@ def test_copy_holds_each_key_in_its_sequences_basis(bits):
     lengths = [37, 61, 8]
     _, state, _, ks = ingest_and_decode(c, lengths, 13, rng, key_scale=rng.uniform(0.2, 3.0, D).astype(np.float32))
     sel = state.sel
-    assert sel.chan.shape == (1, 3, 2, 2, 1, D, C) and sel.chan.dtype == jnp.float32
+    assert sel.chan.shape == (1, 3, 2, 2, 1, D + 1, C) and sel.chan.dtype == jnp.float32
     for s, (k, n0) in enumerate(zip(ks, lengths)):
         fl = int(state.seqs.flushed[s])
         for l in range(2):
             for gi in range(2):
-                b = np.asarray(sel.chan[0, s, l, gi, 0])                              # [D, C]
-                w, v = np.linalg.eigh(k[l, :n0, gi].T @ k[l, :n0, gi])
-                np.testing.assert_allclose(np.abs(np.sum(b * v[:, ::-1][:, :C], axis=0)), 1.0, atol=1e-3)
-                want = k[l, :fl * PAGE, gi] @ b                                       # [T, C]
+                proj = np.asarray(sel.chan[0, s, l, gi, 0])                           # [D + 1, C]
+                b = proj[:D]
+                ref, mean = _np_basis(k[l, :n0, gi])
+                np.testing.assert_allclose(np.abs(np.sum(b * ref, axis=0)), 1.0, atol=1e-3)
+                want = (k[l, :fl * PAGE, gi] - mean) @ b                              # [T, C]
                 codes = sel.kc[0, s, l, gi, :fl]                                      # [fl, PAGE, 1, Cs]
                 if bits:
                     got = np.asarray(dequantize(codes, sel.ksc[0, s, l, gi, :fl], bits)).reshape(-1, C)
@@ -63,14 +75,16 @@ def test_copy_holds_each_key_in_its_sequences_basis(bits):
 
 
 def test_every_coordinate_gives_the_true_mass():
-    """C = D: (q B) . (k B) = q . k for an orthonormal B, so the page mass is the key copy's with every channel."""
+    """C = D: (q B) . (k B + shift) = q . k + a constant for an orthonormal B, so the page mass is the key copy's with
+    every channel."""
     rng = np.random.default_rng(2)
     S, G, P, g, H = 2, 2, 4, 1, 2
     k = rng.standard_normal((S, 1, G, P, PAGE, g, D)).astype(np.float32)
     q = rng.standard_normal((S, 1, G * g * H, D)).astype(np.float32)
     basis = np.linalg.qr(rng.standard_normal((D, D)))[0].astype(np.float32)
-    B = jnp.broadcast_to(jnp.asarray(basis), (S, G, g, D, D))
-    kc = jnp.einsum("slgptid,sgide->slgptie", jnp.asarray(k), B)
+    shift = rng.standard_normal(D).astype(np.float32)             # a shift adds q . const to every logit: no change
+    B = jnp.broadcast_to(jnp.asarray(np.concatenate([basis, shift[None]], 0)), (S, G, g, D + 1, D))
+    kc = key_copy.compress(jnp.asarray(k).reshape(S, 1, G, P * PAGE, g, D), B[:, None]).reshape(k.shape)
     flushed = jnp.asarray([4, 3], jnp.int32)
     got = key_copy.page_mass(kc, B, jnp.asarray(q), flushed, layer=0, impl="ref")
     ids = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (S, G, g, D))

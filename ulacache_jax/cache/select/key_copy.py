@@ -38,15 +38,18 @@ def pick_channels(k, live, num_channels: int):
 
 def compress(k, chan):
     """k [..., T, g, D]; chan [..., g, C] int32 channel ids -> [..., T, g, C]: each token's key at its KV head's
-    channels. chan [..., g, D, C] float (a basis, key_pca.py) -> the keys' coordinates in it, in k's dtype."""
+    channels. chan [..., g, D + 1, C] float (an affine projection, key_pca.py: a basis, then a shift) -> the keys'
+    coordinates (k @ basis + shift), in k's dtype."""
     if is_basis(chan):
-        return jnp.einsum("...tgd,...gdc->...tgc", k.astype(jnp.float32), chan).astype(k.dtype)
+        D = k.shape[-1]
+        y = jnp.einsum("...tgd,...gdc->...tgc", k.astype(jnp.float32), chan[..., :D, :])
+        return (y + chan[..., None, :, D, :]).astype(k.dtype)
     idx = jnp.broadcast_to(chan[..., None, :, :], k.shape[:-1] + chan.shape[-1:])
     return jnp.take_along_axis(k, idx, axis=-1)
 
 
 def is_basis(chan) -> bool:
-    """Whether a copy's `chan` is a projection basis (float [..., g, D, C]) rather than channel ids."""
+    """Whether a copy's `chan` is an affine projection (float [..., g, D + 1, C]) rather than channel ids."""
     return not jnp.issubdtype(chan.dtype, jnp.integer)
 
 
@@ -67,8 +70,8 @@ def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None,
     Q, Hr, D = q.shape[1], q.shape[2], q.shape[3]
     h = Hr // (G * g)
     qg = q.astype(jnp.float32).reshape(S, Q, G, g, h, D)
-    if is_basis(chan):                                                                  # chan [S, G, g, D, C]
-        qc = jnp.einsum("sqgihd,sgidc->sqgihc", qg, chan) / jnp.sqrt(jnp.float32(D))
+    if is_basis(chan):                          # chan [S, G, g, D + 1, C]: queries take the basis, not the shift
+        qc = jnp.einsum("sqgihd,sgidc->sqgihc", qg, chan[..., :D, :]) / jnp.sqrt(jnp.float32(D))
     else:
         idx = jnp.broadcast_to(chan[:, None, :, :, None, :], (S, Q, G, g, h, C))
         qc = jnp.take_along_axis(qg, idx, axis=-1) / jnp.sqrt(jnp.float32(D))          # [S, Q, G, g, h, C]
