@@ -82,14 +82,16 @@ for b in "${names[@]}"; do
     quality-variants) step quality-variants 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
                   --tasks ppl --variants --pages 16 --budgets 1024 --out "$OUT" --name q_variants "${C[@]}" ;;
     # long-context quality on a trained 32K model (issues 47, 48): $MODEL a GGUF path (on the GPU machine: joined
-    # by `python -m scripts.gguf_parts join`), $PROMPTS the prompt file made where the haystacks are
-    # (`python -m scripts.bench_longctx --make-prompts FILE --model qwen2.5-coder-0.5b ...`); one context a step
+    # by `python -m scripts.gguf_parts join`; its parts copied out of the checkout to /tmp one call at a time, since a
+    # call's carry replaces the folder it names; the image lacks the `gguf` package: carry its wheel), $PROMPTS the
+    # prompt file made where the haystacks are (`python -m scripts.bench_longctx --make-prompts FILE --model
+    # qwen2.5-coder-0.5b ...`); one context a step (24 prompts x 9 cells at 16K took ~250 s on the H200 at --batch 24)
     longctx-16k|longctx-32k)
                 ctx=16384; [ "$b" = longctx-32k ] && ctx=32768
                 step "$b" 580 scripts/bench_longctx.py --prompts "${PROMPTS:?PROMPTS=prompt file}" \
                   --model "${MODEL:?MODEL=gguf path}" --contexts "$ctx" --name "$b" --out "$OUT" --deadline 540 \
-                  --rules "${RULES:-dense,quest,key_copy:16,labels:8:4,labels:16:4}" \
-                  --budget-ratios "${RATIOS:-0.015625,0.03125}" "${C[@]}" ;;
+                  --rules "${RULES:-dense,quest,key_copy:16,labels:16:4,pca:16:4,two:4:labels:16:4}" \
+                  --budget-ratios "${RATIOS:-0.03125,0.0625}" --batch 24 "${C[@]}" ;;
     quality-passkey-split2) step quality-passkey-split2 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey --contexts 8192 --pages 16 --budgets 512,1024 --summary-split 2 --out "$OUT" --name q_passkey_split2 "${C[@]}" ;;
     # attention="auto" against both paths, same run (issue 21): short contexts, then the long ones appended
     auto-short) step auto-short 580 scripts/bench_decode.py --out "$OUT/auto" "${C[@]}" --chunks 4 --row-timeout 180 \
