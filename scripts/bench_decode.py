@@ -300,7 +300,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                key_channels=cfg.key_channels if attention == "sparse" else None,
                label_bits=cfg.label_bits if attention == "sparse" else None,
                rule=cfg.rule if attention == "sparse" else None,
-               two_stage=args.two_stage if attention == "sparse" and args.two_stage else None,
+               two_stage=getattr(args, "two_stage", None) if attention == "sparse" else None,
                selection=repr(cfg.selection_rule) if attention == "sparse" else None,
                scores=args.scores if attention == "sparse" else None,
                setup_s=setup_s,
@@ -329,7 +329,7 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
                "--topk", args.topk, "--attention-impl", args.attention_impl, "--tp", str(args.tp),
                "--fill", args.fill, "--key-channels", str(args.key_channels), "--label-bits", str(args.label_bits),
                "--scores", args.scores]
-        if args.two_stage:
+        if getattr(args, "two_stage", None):
             cmd += ["--two-stage", str(args.two_stage)]
         if args.score_launch:
             cmd += ["--score-launch", *map(str, args.score_launch)]
