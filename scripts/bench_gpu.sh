@@ -90,7 +90,7 @@ for b in "${names[@]}"; do
                 ctx=16384; [ "$b" = longctx-32k ] && ctx=32768
                 step "$b" 580 scripts/bench_longctx.py --prompts "${PROMPTS:?PROMPTS=prompt file}" \
                   --model "${MODEL:?MODEL=gguf path}" --contexts "$ctx" --name "$b" --out "$OUT" --deadline 540 \
-                  --rules "${RULES:-dense,quest,key_copy:16,labels:16:4,pca:16:4,two:4:labels:16:4}" \
+                  --rules "${RULES:-dense,quest,key_copy:16,labels:16:4,two:4:labels:16:4}" \
                   --budget-ratios "${RATIOS:-0.03125,0.0625}" --batch 24 "${C[@]}" ;;
     quality-passkey-split2) step quality-passkey-split2 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey --contexts 8192 --pages 16 --budgets 512,1024 --summary-split 2 --out "$OUT" --name q_passkey_split2 "${C[@]}" ;;
     # attention="auto" against both paths, same run (issue 21): short contexts, then the long ones appended

@@ -17,8 +17,7 @@ prompt plus its max new tokens fits the context. Without --prompts / --make-prom
 --prompts, --tasks / --contexts / --depths pick a subset of the file (one run split over several device calls).
 Rules (`--rules`, comma list): dense; quest; key_copy:C (CacheConfig.key_channels = C, label_bits = 0); labels:C:BITS
 (label_bits 8 or 4) and labels:C:BITS:TABLE (an offline channel table, JSON {"model_digest", "channels":
-[L][KV][C]}, passed as CacheConfig.channel_table); pca:C[:BITS] (select/key_pca.py: C principal coordinates of
-every key, bits 0 = the model's dtype, or 8 / 4); two:MULT:<rule> (not dense): that rule ranks the shortlist of a
+[L][KV][C]}, passed as CacheConfig.channel_table); two:MULT:<rule> (not dense): that rule ranks the shortlist of a
 TwoStage (Quest's page bound shortlists MULT x the budget; rows carry two_stage MULT). Every sparse rule runs at
 every budget (--budgets, plus --budget-ratios x context, rounded to the page size; a budget >= the context is dense
 by construction and skipped); dense runs once per context, first.
@@ -51,7 +50,6 @@ import numpy as np
 
 from scripts import ruler_tasks
 from ulacache_jax.cache.select import two_stage
-from ulacache_jax.cache.select.key_pca import KeyPCA
 from scripts.bench_meta import add_common_args
 
 # answer lengths (new tokens) per task: 7-digit numbers are 7 tokens in Qwen's / Llama-3's tokenizers
@@ -85,8 +83,6 @@ class Rule:
     def cache_config(self, base):
         if self.rule in ("dense", "quest"):
             cfg = base
-        elif self.rule == "pca":
-            cfg = dataclasses.replace(base, selection=KeyPCA(channels=self.channels, bits=self.label_bits))
         elif self.rule == "key_copy":
             cfg = dataclasses.replace(base, key_channels=self.channels, label_bits=0)
         else:
@@ -114,8 +110,6 @@ def parse_rule(spec: str) -> Rule:
     try:
         if name in ("dense", "quest") and len(parts) == 1:
             return Rule(spec, name)
-        if name == "pca" and len(parts) in (2, 3):
-            return Rule(spec, name, channels=int(parts[1]), label_bits=int(parts[2]) if len(parts) == 3 else 0)
         if name == "key_copy" and len(parts) == 2:
             return Rule(spec, name, channels=int(parts[1]))
         if name == "labels" and len(parts) in (3, 4):
@@ -133,7 +127,7 @@ def parse_rule(spec: str) -> Rule:
                         table=channels, table_digest=tab.get("model_digest"))
     except (ValueError, OSError, KeyError, TypeError) as e:
         raise SystemExit(f"--rules {spec!r}: {type(e).__name__}: {e}") from None
-    raise SystemExit(f"--rules {spec!r}: one of dense, quest, key_copy:C, labels:C:BITS[:TABLE], pca:C[:BITS], "
+    raise SystemExit(f"--rules {spec!r}: one of dense, quest, key_copy:C, labels:C:BITS[:TABLE], "
                      "two:MULT:<one of those but dense>")
 
 

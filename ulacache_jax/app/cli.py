@@ -166,10 +166,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --key-channels C (even): keep the C channels as whole rotary pairs in int8 (8) or "
                         "int4 (4) with a scale per page and channel, so the scorer reads C * bits / 8 bytes a token "
                         "(label channels); 0 = the copy in the model's dtype")
-    p.add_argument("--key-basis", default="channels", choices=("channels", "pca"),
-                   help="with --key-channels C: 'channels' keeps C of each key's channels (whole rotary pairs with "
-                        "--label-bits), 'pca' its C coordinates in the principal basis of the sequence's own first "
-                        "prefill block (select/key_pca.py; --label-bits 8 / 4 store them as labels)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float8_e4m3fn"),
                    help="K/V page format: 'auto' (the model's dtype) or 'float8_e4m3fn' (e4m3 with a float32 scale "
                         "per page and KV head: half of bf16's page bytes; the tail ring stays in the model's dtype)")
@@ -918,21 +914,11 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     from ulacache_jax.runtime.cost_model import pool_headroom
     from ulacache_jax.runtime.generation import default_cache_config
     from ulacache_jax.cache.select import two_stage
-    from ulacache_jax.cache.select.key_pca import KeyPCA
 
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
-                  dtype=dtype, key_channels=args.key_channels, label_bits=args.label_bits, kv_dtype=args.kv_dtype)
-        if args.key_basis == "pca":   # the rule object carries channels and bits (the fields name the built-ins)
-            if not args.key_channels:
-                raise ValueError("--key-basis pca needs --key-channels C > 0 (the principal coordinates kept)")
-            if args.channel_table not in ("auto", "online"):
-                raise ValueError(f"--key-basis pca: each sequence's own basis; --channel-table {args.channel_table!r} "
-                                 "does not apply")
-            kw.update(key_channels=0, label_bits=0, channel_table=None,
-                      selection=KeyPCA(channels=args.key_channels, bits=args.label_bits))
-        else:
-            kw.update(channel_table=_channel_table(args))
+                  dtype=dtype, key_channels=args.key_channels, label_bits=args.label_bits,
+                  channel_table=_channel_table(args), kv_dtype=args.kv_dtype)
         cfg = default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
         if args.two_stage is None:
             return cfg
@@ -1062,8 +1048,7 @@ NOT_IN_FINGERPRINT = {
 }
 # options fingerprinted only when not at their default, so files written before they were fingerprinted (at the
 # default, the only case that was right then) still resume
-_FINGERPRINTED_WHEN_SET = {"key_channels": 0, "label_bits": 0, "channel_table": "auto", "key_basis": "channels",
-                           "kv_dtype": "auto",
+_FINGERPRINTED_WHEN_SET = {"key_channels": 0, "label_bits": 0, "channel_table": "auto", "kv_dtype": "auto",
                            "two_stage": None, "speculative": None, "num_speculative_tokens": 4, "draft_model": None,
                            "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
                            "logprobs": None}

@@ -37,20 +37,9 @@ def pick_channels(k, live, num_channels: int):
 
 
 def compress(k, chan):
-    """k [..., T, g, D]; chan [..., g, C] int32 channel ids -> [..., T, g, C]: each token's key at its KV head's
-    channels. chan [..., g, D + 1, C] float (an affine projection, key_pca.py: a basis, then a shift) -> the keys'
-    coordinates (k @ basis + shift), in k's dtype."""
-    if is_basis(chan):
-        D = k.shape[-1]
-        y = jnp.einsum("...tgd,...gdc->...tgc", k.astype(jnp.float32), chan[..., :D, :])
-        return (y + chan[..., None, :, D, :]).astype(k.dtype)
+    """k [..., T, g, D]; chan [..., g, C] -> [..., T, g, C]: each token's key at its KV head's channels."""
     idx = jnp.broadcast_to(chan[..., None, :, :], k.shape[:-1] + chan.shape[-1:])
     return jnp.take_along_axis(k, idx, axis=-1)
-
-
-def is_basis(chan) -> bool:
-    """Whether a copy's `chan` is an affine projection (float [..., g, D + 1, C]) rather than channel ids."""
-    return not jnp.issubdtype(chan.dtype, jnp.integer)
 
 
 def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None, bits: int = 0, valid=None):
@@ -70,11 +59,8 @@ def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None,
     Q, Hr, D = q.shape[1], q.shape[2], q.shape[3]
     h = Hr // (G * g)
     qg = q.astype(jnp.float32).reshape(S, Q, G, g, h, D)
-    if is_basis(chan):                          # chan [S, G, g, D + 1, C]: queries take the basis, not the shift
-        qc = jnp.einsum("sqgihd,sgidc->sqgihc", qg, chan[..., :D, :]) / jnp.sqrt(jnp.float32(D))
-    else:
-        idx = jnp.broadcast_to(chan[:, None, :, :, None, :], (S, Q, G, g, h, C))
-        qc = jnp.take_along_axis(qg, idx, axis=-1) / jnp.sqrt(jnp.float32(D))          # [S, Q, G, g, h, C]
+    idx = jnp.broadcast_to(chan[:, None, :, :, None, :], (S, Q, G, g, h, C))
+    qc = jnp.take_along_axis(qg, idx, axis=-1) / jnp.sqrt(jnp.float32(D))              # [S, Q, G, g, h, C]
     qc = qc.transpose(0, 2, 3, 1, 4, 5).reshape(S, G, g, Q * h, C)                      # rows: (Q, h)
     lse = page_lse(kc, qc, layer=layer, impl=impl, scale=ksc, bits=bits)                # [S, G, g * Q * h, P]
     if valid is None:
@@ -159,15 +145,14 @@ class KeyCopy(SelectionRule):
         zero = jnp.zeros((), jnp.int32)
         at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer0, jnp.int32), zero)
         flat = kp.reshape(R, Lb, G, n * page, g, D)
-        tail = sel.chan.shape[4:]                                        # (g, C), or (g, D, C) for a basis
-        old = jax.lax.dynamic_slice(sel.chan, at + (zero,) * len(tail), (R, 1, Lb, G) + tail)[:, 0]  # [R, Lb, G, ..]
+        old = jax.lax.dynamic_slice(sel.chan, at + (zero, zero), (R, 1, Lb, G, g, C))[:, 0]   # [R, Lb, G, g, C]
         ch = old if self.table is not None else jnp.where(first, self.pick(flat, live.reshape(-1), C), old)
         block = compress(flat, ch).reshape(R, 1, Lb, G, n, page, g, C)
         at_page = at + (jnp.asarray(page0, jnp.int32), zero, zero)
         codes, scale = self.encode(block, sel.kc.dtype)              # [R, 1, Lb, G, n, page, g, Cs], [.., n, g, C]
         kc = jax.lax.dynamic_update_slice(sel.kc, codes, at_page + (zero,))
         ksc = sel.ksc if scale is None else jax.lax.dynamic_update_slice(sel.ksc, scale, at_page)
-        chan = jax.lax.dynamic_update_slice(sel.chan, ch[:, None].astype(sel.chan.dtype), at + (zero,) * len(tail))
+        chan = jax.lax.dynamic_update_slice(sel.chan, ch[:, None], at + (zero, zero))
         return dataclasses.replace(state, sel=KeyCopyState(kc=kc, chan=chan, ksc=ksc))
 
     def attach(self, state, slot, layer, kp, live):
@@ -179,8 +164,7 @@ class KeyCopy(SelectionRule):
         C = self.channels
         zero = jnp.zeros((), jnp.int32)
         at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer, jnp.int32), zero)
-        tail = sel.chan.shape[4:]
-        ch = jax.lax.dynamic_slice(sel.chan, at + (zero,) * len(tail), (R, 1, 1, G) + tail)[:, 0, 0]  # [R, G, g, ..]
+        ch = jax.lax.dynamic_slice(sel.chan, at + (zero, zero), (R, 1, 1, G, g, C))[:, 0, 0]    # [R, G, g, C]
         x = compress(kp.reshape(R, G, n * P, g, D), ch).reshape(R, 1, 1, G, n, P, g, C)
         codes, scale = self.encode(x, sel.kc.dtype)                 # [R, 1, 1, G, n, P, g, Cs], [.., n, g, C]
         size = codes.shape
