@@ -23,6 +23,7 @@ pytest.importorskip("uvicorn")
 
 from ulacache_jax.app import cli  # noqa: E402
 from ulacache_jax.runtime.requests import SamplingParams  # noqa: E402
+from scripts.bench_serve import stop_server  # noqa: E402
 
 MAX_SEQS, MAX_QUEUE, MAX_TOKENS = 4, 40, 12
 # the tiny preset (RANDOM weights, byte tokenizer); page 16, budget 64 (4 pages), context 256: as test_cli.py.
@@ -93,13 +94,7 @@ def server():
             time.sleep(0.2)
         yield {"base": base, "proc": proc, "health": seen}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_server(proc)
     out = proc.stdout.read()
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it: the exit status says the signal (143 in a shell)
     assert proc.returncode in (0, -signal.SIGTERM), out
