@@ -53,14 +53,41 @@ def read_bandwidth(nbytes=4 << 30) -> float:
     return read_ceiling(nbytes)
 
 
-def synthetic_fill_sparse(m, slots, ctx, seed, chunk=8192):
-    """Random K/V (distinct per sequence, made on the device) through the real ingestion path of CacheManager m."""
+HOT_GAIN = 4.0   # a hot page's keys are this many times larger: every rule (Quest bound, labels' mass) ranks it first
+
+
+def hot_page_probability(hot_share: float, select_pages: int, ctx: int, page: int) -> float:
+    """The chance a page is hot so that a (sequence, layer, KV head) holds hot_share x select_pages hot pages on
+    average (at most every page)."""
+    return min(1.0, hot_share * select_pages / max(1, ctx // page))
+
+
+def synthetic_fill_sparse(m, slots, ctx, seed, chunk=8192, hot_share=0.0):
+    """Random K/V (distinct per sequence, made on the device) through the real ingestion path of CacheManager m.
+
+    hot_share > 0 plants locality: a random set of pages per (sequence, layer, KV head), hot_share x the budget's
+    pages on average, gets keys HOT_GAIN times larger. Every step's selection then holds those pages (they win
+    under any rule) and fills the rest of its budget by the random queries, so the row's hit rate rises with
+    hot_share: the knob that matches a row's hit rate to a trained model's trace (random weights alone select with
+    no step-to-step locality). The pages' values and the dense side are unchanged."""
     c = m.config
     chunk = min(ctx, chunk)
-    mk = jax.jit(lambda key: jax.random.normal(key, (c.num_layers, chunk, c.num_kv_heads, c.head_dim), c.jnp_dtype))
+    P = c.page_size
+    prob = hot_page_probability(hot_share, c.select_pages, ctx, P)
+    shape = (c.num_layers, chunk, c.num_kv_heads, c.head_dim)
+
+    def make_k(key):
+        k = jax.random.normal(key, shape, jnp.float32)
+        hot = jax.random.bernoulli(jax.random.fold_in(key, 1), prob, (c.num_layers, chunk // P, 1, c.num_kv_heads))
+        gain = jnp.where(hot, HOT_GAIN, 1.0)                                    # [L, chunk / P, 1, KV]
+        k = (k.reshape(c.num_layers, chunk // P, P, c.num_kv_heads, c.head_dim) * gain[..., None]).reshape(shape)
+        return k.astype(c.jnp_dtype)
+
+    mk_k = jax.jit(make_k)
+    mk = jax.jit(lambda key: jax.random.normal(key, shape, c.jnp_dtype))
     for i, slot in enumerate(slots):
         for start in range(0, ctx, chunk):
-            k = mk(jax.random.key(seed * 1_000_003 + i * 7919 + start))
+            k = mk_k(jax.random.key(seed * 1_000_003 + i * 7919 + start))
             v = mk(jax.random.key(seed * 1_000_003 + i * 7919 + start + 1))
             m.state, m.host = m._ingest(m.state, m.host, slot, k, v, start, ctx)
 
@@ -166,6 +193,17 @@ KV_FILLS = {"synthetic": "fill=synthetic: a synthetic fill on the device (random
             "prefill": "fill=prefill: random prompt ids through the Generator's prefill (rows carry ttft_s)"}
 
 
+def hot_share_arg(text: str) -> float:
+    """argparse type of --hot-share: a float in [0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{v} must be in [0, 1] (a share of the budget's pages)")
+    return v
+
+
 def parse_rows(spec: str) -> list[tuple]:
     """'side:context:batch[:kv_fraction[:sieve]],...' -> [(side, context, batch, kv_fraction or None, sieve or
     None)]; side one of SIDES."""
@@ -234,7 +272,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
         tok, done = jnp.asarray(first), jnp.asarray(~running)
     elif attention == "sparse":
         slots_ = [gen.admit(ctx + (args.chunks + 1) * page) for _ in range(batch)]
-        synthetic_fill_sparse(gen.cache, slots_, ctx, seed=batch, chunk=32768)
+        synthetic_fill_sparse(gen.cache, slots_, ctx, seed=batch, chunk=32768, hot_share=getattr(args, "hot_share", 0.0))
     else:
         synthetic_fill_dense(gen, batch, ctx, seed=batch)
     jax.block_until_ready((gen.cache.state, gen.cache.host) if attention == "sparse" else gen.dense)
@@ -273,6 +311,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     # LM head, ~2 GB at 8B, are read by every rank: the floor is a little optimistic for tp > 1)
     row = dict(attention=requested, attention_path=attention, batch=batch, context=ctx, budget=args.budget,
                page=page, tp=tp, fill=args.fill, **fill,
+               hot_share=getattr(args, "hot_share", 0.0) if attention == "sparse" and args.fill == "synthetic" else None,
                kv_fraction=kv_fraction if attention == "sparse" else 1.0,
                pool_frames=cfg.num_frames if attention == "sparse" else None,
                buckets=cfg.num_buckets if attention == "sparse" else None,
@@ -313,7 +352,7 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
                "--steps", str(args.steps), "--kv-fraction", str(args.kv_fraction), "--sieve", args.sieve,
                "--topk", args.topk, "--attention-impl", args.attention_impl, "--tp", str(args.tp),
                "--fill", args.fill, "--key-channels", str(args.key_channels), "--label-bits", str(args.label_bits),
-               "--scores", args.scores]
+               "--scores", args.scores, "--hot-share", str(getattr(args, "hot_share", 0.0))]
         if getattr(args, "two_stage", None):
             cmd += ["--two-stage", str(args.two_stage)]
         if args.score_launch:
@@ -377,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
                    help="the KV before decode: a synthetic fill on the device, or random prompts through the "
                    "Generator's prefill (rows then carry the time to first token)")
+    p.add_argument("--hot-share", type=hot_share_arg, default=0.0,
+                   help="sparse synthetic fill: plant hot pages (keys x HOT_GAIN), this share of the budget's pages "
+                        "per sequence, layer and KV head on average, so selections repeat step to step; tunes a "
+                        "row's hit rate to a trained model's trace (0: none, the worst case)")
     p.add_argument("--key-channels", type=int, default=0,
                    help="sparse rows: CacheConfig.key_channels (pages scored from an HBM copy of this many channels of "
                         "every key; 0 = Quest summaries)")

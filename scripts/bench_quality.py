@@ -164,6 +164,23 @@ def decode_options(args):
     return DecodeOptions()
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (the message names the value)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def selection_fields(args, kc: int) -> dict:
+    """The CacheConfig fields of a sparse cell's rule: key_channels = kc (0: Quest summaries) and, for kc > 0,
+    --label-bits (0: the key copy in the model's dtype; 4 / 8: labels, channels picked online from the prompt)."""
+    return dict(key_channels=kc, label_bits=args.label_bits if kc else 0)
+
+
 def make_config(mc, *, grid, max_tokens, budget, page, dtype, **overrides):
     from ulacache_jax.runtime.generation import default_cache_config
     return default_cache_config(mc, num_seqs=grid.batch, max_tokens=max_tokens, page_size=page,
@@ -256,7 +273,7 @@ def run_passkey(model, tok, grid, args, meta, common):
                                  accuracy=float(np.mean(correct)), same_as_dense=float(np.mean(same)),
                                  dense_by_construction=budget is None or budget >= longest,
                                  budget_ratio=None if budget is None else budget / ctx, **common["stamp"],
-                                 key_channels=kc, prompts=PROMPTS))
+                                 key_channels=kc, label_bits=args.label_bits if kc else 0, prompts=PROMPTS))
         common["save"](rows)
 
     dense_cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=1024, page=64,
@@ -269,7 +286,7 @@ def run_passkey(model, tok, grid, args, meta, common):
             (f" c{kc}" if kc else "")
         try:
             cc = make_config(model.config, grid=grid, max_tokens=max_tokens, budget=budget, page=page,
-                             dtype=args.dtype, summary_split=args.summary_split, key_channels=kc)
+                             dtype=args.dtype, summary_split=args.summary_split, **selection_fields(args, kc))
         except ValueError as e:
             common["refused"].append(dict(task="passkey", budget=budget, page_size=page, key_channels=kc,
                                           reason=str(e)))
@@ -312,7 +329,7 @@ def run_ppl(model, tok, grid, args, meta, common, variants):
         try:
             cc = make_config(model.config, grid=dataclasses.replace(grid, batch=len(wins)), max_tokens=T,
                              budget=budget, page=page, dtype=args.dtype, summary_split=args.summary_split,
-                             key_channels=kc, **over)
+                             **selection_fields(args, kc), **over)
         except ValueError as e:
             common["refused"].append(dict(task="ppl", budget=budget, page_size=page, key_channels=kc, **over,
                                           reason=str(e)))
@@ -325,7 +342,8 @@ def run_ppl(model, tok, grid, args, meta, common, variants):
         meta[mkey]["seconds"][name] = round(time.time() - t0, 1)
         log(f"ppl {name}: ppl {s['ppl']:.4f} (dense {s['dense_ppl']:.4f}) top1 {s['top1_agreement']:.4f} "
             f"kl {s['kl']:.5f} hit rate {res.hits / max(1, res.hits + res.misses):.3f} ({time.time() - t0:.1f} s)")
-        base = dict(task="ppl", context=T, depth=None, page_size=page, n=s["n"], **common["stamp"], key_channels=kc)
+        base = dict(task="ppl", context=T, depth=None, page_size=page, n=s["n"], **common["stamp"], key_channels=kc,
+                    label_bits=args.label_bits if kc else 0)
         if not dense_done and not variants:
             rows.append(dict(base, budget=None, page_size=None, key_channels=0, attention="dense", ppl=s["dense_ppl"],
                              top1_agreement=1.0, kl=0.0, dense_by_construction=True))
@@ -595,12 +613,12 @@ def markdown(rows, meta) -> str:
     return "\n".join(out)
 
 
-def sel_of(r) -> tuple[int, int]:
-    """A row's selection rule: (summary split, key channels); (1, 0) for dense rows (no selection) and for rows
+def sel_of(r) -> tuple[int, int, int]:
+    """A row's selection rule: (summary split, key channels, label bits); (1, 0, 0) for dense rows (no selection) and for rows
     written before the options (Quest over whole-page summaries)."""
     if r.get("attention") == "dense":
         return (1, 0)
-    return (int(r.get("summary_split") or 1), int(r.get("key_channels") or 0))
+    return (int(r.get("summary_split") or 1), int(r.get("key_channels") or 0), int(r.get("label_bits") or 0))
 
 
 def prompts_of(r) -> str:
@@ -627,10 +645,11 @@ def line_styles():
     return itertools.cycle([ls + m for m in "os^vxd*p+<>" for ls in ("-", "--", "-.", ":")])
 
 
-def sel_name(sel: tuple[int, int]) -> str:
+def sel_name(sel: tuple[int, int, int]) -> str:
     """The label suffix of a selection rule (empty for plain Quest)."""
-    sp, kc = sel
-    return (f", summary split {sp}" if sp > 1 else "") + (f", key copy {kc}" if kc else "")
+    sp, kc, bits = sel
+    copy = (f", labels {kc} @ {bits} bits" if bits else f", key copy {kc}") if kc else ""
+    return (f", summary split {sp}" if sp > 1 else "") + copy
 
 
 def row_id(r) -> tuple:
@@ -684,6 +703,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--keys", type=int, default=None, help="override keys per passkey cell")
     ap.add_argument("--batch", type=int, default=None, help="override cache slots (prompts per decode wave)")
     ap.add_argument("--ppl-windows", type=int, default=None, help="override the windows the ppl task scores")
+    ap.add_argument("--ppl-window", type=positive_int, default=None, help="override the ppl window's tokens")
+    ap.add_argument("--ppl-prefix", type=positive_int, default=None,
+                    help="override the tokens prefilled before the scored positions of a window")
+    ap.add_argument("--trace-steps", type=positive_int, default=None, help="override the traced decode steps")
+    ap.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8),
+                    help="with --key-channels C > 0: CacheConfig.label_bits of those cells (4 / 8: labels, "
+                         "C channels as whole rotary pairs at that many bits; 0: the key copy)")
     for name in ("contexts", "depths", "budgets", "pages"):
         ap.add_argument(f"--{name}", default=None, help=f"override the grid's {name} (comma list of ints)")
     ap.add_argument("--save-trace", action="store_true", help="also write NAME_trace.npz (eviction_study.py format)")
@@ -760,8 +786,11 @@ def main(argv=None):
         grid = dataclasses.replace(grid, keys=args.keys)
     if args.batch:
         grid = dataclasses.replace(grid, batch=args.batch)
-    if args.ppl_windows:
-        grid = dataclasses.replace(grid, ppl_windows=args.ppl_windows)
+    for name in ("ppl_windows", "ppl_window", "ppl_prefix", "trace_steps"):
+        if getattr(args, name) is not None:
+            grid = dataclasses.replace(grid, **{name: getattr(args, name)})
+    if not 0 < grid.ppl_prefix < grid.ppl_window:
+        ap.error(f"--ppl-prefix {grid.ppl_prefix} must be > 0 and below the window's {grid.ppl_window} tokens")
     for name in ("contexts", "depths", "budgets", "pages"):
         if getattr(args, name):
             grid = dataclasses.replace(grid, **{name: tuple(int(x) for x in getattr(args, name).split(","))})
@@ -778,7 +807,7 @@ def main(argv=None):
                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                  summary_split=args.summary_split)
     meta = dict(model=label, mode=kind, dtype=args.dtype, grid=dataclasses.asdict(grid), text=provenance,
-                tasks=args.tasks, key_channels=list(args.key_channels),
+                tasks=args.tasks, key_channels=list(args.key_channels), label_bits=args.label_bits,
                 command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
                 # what "float32" computed: JAX's default float32 dots are TF32 on NVIDIA GPUs since Ampere
                 matmul_precision=str(jax.config.jax_default_matmul_precision or "default"), **stamp)

@@ -110,6 +110,21 @@ def test_key_channels_list_rows(tmp_path):
         bq.main(["--tiny", "--out", str(tmp_path), "--key-channels", "8,-1"])
 
 
+def test_label_bits_and_window_overrides(tmp_path):
+    """--label-bits 4 makes the key-channel cells labels (rows and meta say so; Quest cells stay Quest), the ppl
+    window / prefix / traced steps follow their overrides, and a prefix that leaves no scored position is refused."""
+    bq = _load_script()
+    rows, meta = bq.main(["--tiny", "--out", str(tmp_path), "--tasks", "ppl,trace", "--budgets", "32", "--pages", "8",
+                          "--key-channels", "8,0", "--label-bits", "4", "--ppl-window", "160", "--ppl-prefix", "128",
+                          "--trace-steps", "16", "--pools", "2"])
+    sparse = [r for r in rows if r.get("task") == "ppl" and r["attention"] == "sparse"]
+    assert {(r["key_channels"], r["label_bits"]) for r in sparse} == {(8, 4), (0, 0)}
+    assert meta["label_bits"] == 4 and meta["grid"]["ppl_window"] == 160 and meta["grid"]["ppl_prefix"] == 128
+    assert meta["trace"]["steps"] == 16 and all(r["context"] == 160 for r in sparse)
+    with pytest.raises(SystemExit):
+        bq.main(["--tiny", "--out", str(tmp_path), "--ppl-window", "128", "--ppl-prefix", "128"])
+
+
 def test_passkey_cells_do_not_depend_on_the_other_cells_listed():
     """A (context, depth) cell's prompts are the same whether or not other contexts or depths come before it in
     the grid (one generator for the whole grid once gave a call's 4K cells other prompts when 2K was listed)."""

@@ -285,3 +285,26 @@ def test_fetch_latency_probe_checks_every_mode(tmp_path):
     rows = json.loads((tmp_path / "fetch_latency.json").read_text())["rows"]
     assert [(r["misses"], r["mode"]) for r in rows] == [(0, "fresh"), (3, "fresh"), (3, "repeat"), (3, "clustered")]
     assert all(r["check_ok"] for r in rows) and rows[0]["host_pages"] == int(0.004 * 2**30) // (2 * 16384)
+
+
+def test_hot_pages_raise_the_synthetic_rows_hit_rate():
+    """bench_decode --hot-share: planted hot pages repeat in every step's selection, so the same row's hit rate
+    rises from random weights' (no locality) towards 1; the row records the share; bad values are refused."""
+    import argparse
+    import pytest
+    from scripts import bench_decode as bd
+    model = LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    hits = {}
+    for share in (0.0, 1.0):
+        args = argparse.Namespace(budget=512, chunks=3, kv_fraction=0.25, sieve="auto", topk="auto",
+                                  attention_impl="auto", score_launch=None, tp=1, fill="synthetic", key_channels=8,
+                                  label_bits=4, scores="auto", hot_share=share)
+        row = bd.run_side(model, model.config, "sparse", 2, 4096, args, copy_bw=1e11)
+        assert row["hot_share"] == share
+        hits[share] = row["hit_rate"]
+    assert hits[1.0] > 0.95 and hits[1.0] > hits[0.0] + 0.2, hits
+    assert bd.hot_page_probability(0.5, 64, 131072, 64) == 0.5 * 64 / 2048
+    assert bd.hot_page_probability(1.0, 64, 4096, 64) == 1.0
+    for bad in ("-0.1", "1.5", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad if bad == "x" else "must be in"):
+            bd.hot_share_arg(bad)
