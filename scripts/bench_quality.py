@@ -465,7 +465,8 @@ def run_trace(trace, grid, args, meta, common):
             rows.append(dict(task="hit_rate", context=end_tokens, depth=None, budget=cc.token_budget,
                              page_size=cc.page_size, attention="sparse", n=int(valid[warm:].sum()),
                              policy=policy, pool=name, pool_frames=nb * ns, pool_fraction=nb * ns / total_pages,
-                             geometry=geo, hit_rate=hr, **common["stamp"]))
+                             geometry=geo, hit_rate=hr, key_channels=cc.key_channels, label_bits=cc.label_bits,
+                             **common["stamp"]))
         common["save"](rows)    # a run cut by a timeout keeps the pools it measured
     return rows
 
