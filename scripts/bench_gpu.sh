@@ -3,7 +3,7 @@
 #   bash scripts/bench_gpu.sh [select sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e quality-passkey16
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
-#                              decode-prefill longctx-16k longctx-32k
+#                              decode-prefill longctx-16k longctx-32k longctx-diag decode-labels
 #                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2
 #                              serve]
 #                              (default: select sieve tiers ingest attention layer decode, in order)
@@ -90,8 +90,21 @@ for b in "${names[@]}"; do
                 ctx=16384; [ "$b" = longctx-32k ] && ctx=32768
                 step "$b" 580 scripts/bench_longctx.py --prompts "${PROMPTS:?PROMPTS=prompt file}" \
                   --model "${MODEL:?MODEL=gguf path}" --contexts "$ctx" --name "$b" --out "$OUT" --deadline 540 \
-                  --rules "${RULES:-dense,quest,key_copy:16,labels:16:4,two:4:labels:16:4}" \
+                  --rules "${RULES:-dense,quest,key_copy:32,labels:32:4,two:4:labels:32:4}" \
                   --budget-ratios "${RATIOS:-0.03125,0.0625}" --batch 24 "${C[@]}" ;;
+    longctx-diag)   # issue 48: are the 32K answers labels 32 @ 4 lose at 1/32 lost to selection? the same rule at a
+                    # near-covering budget (496 of 512 pages): dense's answers there = selection loses them
+                step longctx-diag 580 scripts/bench_longctx.py --prompts "${PROMPTS:?PROMPTS=prompt file}" \
+                  --model "${MODEL:?MODEL=gguf path}" --contexts 32768 --name longctx-diag --out "$OUT" --deadline 540 \
+                  --rules dense,labels:32:4 --budgets 1024,31744 --batch 24 "${C[@]}" ;;
+    decode-labels)  # issue 48's speed rows at 1/32 (budget 4096 of 128K) with labels 64 of 128 @ 4 bits, the hit
+                    # rate held under the Qwen 32K trace's (0.970 at pool 1/4) by planted hot pages; Quest and dense
+                    # in the same call
+                step decode-labels 580 scripts/bench_decode.py --out "$OUT/labels" "${C[@]}" --chunks 4 \
+                  --row-timeout 130 --budget 4096 --rows sparse:131072:3,dense:131072:3 && \
+                step decode-labels 300 scripts/bench_decode.py --out "$OUT/labels" "${C[@]}" --chunks 4 --append \
+                  --row-timeout 130 --budget 4096 --key-channels 64 --label-bits 4 --hot-share 0.9 \
+                  --rows sparse:131072:3 ;;
     quality-passkey-split2) step quality-passkey-split2 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey --contexts 8192 --pages 16 --budgets 512,1024 --summary-split 2 --out "$OUT" --name q_passkey_split2 "${C[@]}" ;;
     # attention="auto" against both paths, same run (issue 21): short contexts, then the long ones appended
     auto-short) step auto-short 580 scripts/bench_decode.py --out "$OUT/auto" "${C[@]}" --chunks 4 --row-timeout 180 \
@@ -130,7 +143,7 @@ for b in "${names[@]}"; do
             "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2 longctx-16k" \
-            "longctx-32k serve)"; exit 2 ;;
+            "longctx-32k longctx-diag decode-labels serve)"; exit 2 ;;
   esac
 done
 exit $status
