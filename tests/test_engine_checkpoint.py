@@ -295,3 +295,40 @@ def test_a_kill_during_save_leaves_a_complete_checkpoint(tmp_path):
         assert len(ck.requests) == 200 and all(r.tokens == [n] * 300 for r in ck.requests), n
         assert ck.step > last                    # each run went on from the last complete step
         last = ck.step
+
+
+@pytest.mark.parametrize("attention,chunk_steps", [("sparse", None), ("sparse", 4), ("dense", None)])
+def test_restore_past_the_budget_continues_token_for_token(attention, chunk_steps, tmp_path):
+    """Prompts of 200-330 tokens and 160 new ones in a 512-token context, budget 64 (issue 51's failing case: the
+    re-prefill of generated tokens parted from the uninterrupted run right after the restore, 8 of 8 trials): the
+    generated tokens are fed through decode steps on restore, so greedy continuations are the uninterrupted ones,
+    saved at a flush point or between two (decode chunks of 4 steps), on the sparse and the dense path."""
+    mc = get_preset("tiny")
+    model = LlamaModel(mc, rngs=nnx.Rngs(0))
+    cfg = default_cache_config(mc, num_seqs=3, max_tokens=512, page_size=16, token_budget=64)
+    gen = Generator(model, cfg, attention=attention)
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (300, 200, 330)]
+    params = [SamplingParams(max_new_tokens=160), SamplingParams(max_new_tokens=150),
+              SamplingParams(max_new_tokens=160, token_budget=48) if attention == "sparse"
+              else SamplingParams(max_new_tokens=160)]
+    kw = {} if chunk_steps is None else {"decode_chunk_steps": chunk_steps}
+    ref = [r.tokens for r in Engine(generator=gen, **kw).run(prompts, params)]
+    a = Engine(generator=gen, **kw)
+    ids = [a.add_request(p, s) for p, s in zip(prompts, params)]
+    for _ in range(5 if chunk_steps is None else 7):
+        a.step()
+    saved = [len(a.get(i).tokens) for i in ids]
+    assert all(0 < n < 150 for n in saved), saved
+    if chunk_steps:
+        assert any((n - 1) % cfg.page_size for n in saved), saved       # some request saved between flush points
+    a.save(tmp_path / "ck")
+    for i in ids:
+        a.abort(i)
+    b = Engine(generator=gen, **kw)
+    b.restore(tmp_path / "ck")
+    while b.has_unfinished():
+        b.step()
+    for i, want in zip(ids, ref):
+        assert b.get(i).finish_reason == "length", b.get(i).error
+        assert b.get(i).tokens == want

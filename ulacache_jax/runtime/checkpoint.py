@@ -5,19 +5,19 @@ generated tokens (and their logprobs, where asked for), sampling parameters, eff
 phase (its RNG state: a request's draws are `sampling.row_keys(seed, chunk)` folded with phase + step), remaining
 token count and status; the queue order; the engine's next request id. A request whose prompt is partly prefilled
 (chunked prefill) has no token yet: it is saved as queued, at the head of the queue, and prefilled again from its
-start on restore. The cache itself is not saved: a running request is restored by admitting it again and prefilling
-its prompt plus every generated token but the last, which is the next decode input; its penalty counts, if it uses a
-penalty, are recomputed from its prompt and tokens. Its decode chunks then start where they started before (a
-request's flush points are every page_size steps from its prefill; its phase says where it is between two), so a
-greedy continuation is the uninterrupted one (up to the rounding difference between a prefill and decode steps
-writing the same K/V). With decode chunks shorter than a page (Engine decode_chunk_steps) a request may be saved
-between flush points too; restored, its flush points and keys stay where they were (its phase), but the page
-completed since its last flush point is flushed by the prefill instead of read from the tail ring, so, as below,
-past the token budget a sparse continuation may differ. A speculative engine's requests stop between flush points:
-restored, the pages completed since the last flush point are flushed by the prefill instead of read from the tail
-ring, so past the token budget a sparse continuation may differ from the uninterrupted one (dense, or within the
-budget, it does not). Re-prefill is the cheaper restore: at 256K tokens x 3 sequences the host pages are ~100 GB,
-the requests' tokens a few MB.
+start on restore. The cache itself is not saved: a running request is restored by admitting it again, prefilling
+its prompt and feeding every generated token but the last (the next decode input) through decode steps
+(Generator.replay: page_size steps a round from the prompt's end, so its flush points fall where they fell and a
+saved phase between two is restored with the tail page unflushed), so the K/V of generated tokens are those its
+decode wrote: a prefill would attend every earlier token where a sparse decode attended its selection, and the
+continuation parted from the uninterrupted one right after the restore. A greedy continuation is then the
+uninterrupted one token for token (float32, sparse and dense; tests/test_engine_checkpoint.py). Its penalty
+counts, if it uses a penalty, are recomputed from its prompt and tokens. A speculative engine's requests stop
+between flush points: they are restored by re-prefilling prompt + tokens (its draft cache too), the pages completed
+since the last flush point flushed by the prefill instead of read from the tail ring, so past the token budget a
+sparse continuation may differ from the uninterrupted one. Rebuilding from tokens is the cheaper restore: at 256K
+tokens x 3 sequences the host pages are ~100 GB, the requests' tokens a few MB; the replay costs one decode step a
+generated token (all restored requests in the same steps).
 
 A checkpoint records what decides its tokens: the model config, a digest of the weights (shapes, dtypes and the
 first values of every parameter array), the cache config and the attention kind. Restoring it into an engine that
@@ -304,8 +304,9 @@ def sampling_params(saved: dict):
 
 def restore(engine, directory, *, skip=()) -> Checkpoint:
     """Load the newest checkpoint under `directory` into `engine`, which must hold no requests: queued requests
-    are queued again in their order, running ones re-admitted and re-prefilled (prompt + generated tokens but the
-    last) and continue with their own seed and chunk count, finished ones come back as they were (those not yet
+    are queued again in their order, running ones re-admitted, their prompt prefilled and their generated tokens
+    but the last fed through decode steps (Generator.replay; a speculative engine re-prefills prompt + tokens),
+    and continue with their own seed and chunk count, finished ones come back as they were (those not yet
     reported are reported by the next step). Request ids are kept. `skip`: request ids not to restore (e.g. ones
     whose results were written after the checkpoint). CheckpointMismatch if the checkpoint's model, weights,
     cache config or attention differ from the engine's. -> the Checkpoint read."""
@@ -328,6 +329,7 @@ def restore(engine, directory, *, skip=()) -> Checkpoint:
                                 for t, lp, top in r.logprobs])
         by_id[r.request_id] = (r, req)
     engine.reserve_ids(ck.next_id)
+    replays: dict[int, list[int]] = {}        # slot -> generated tokens to feed through decode steps
     # running requests first, into slots, so queued ones wait behind them as before
     for rid, (r, req) in by_id.items():
         engine.requests[rid] = req
@@ -338,11 +340,15 @@ def restore(engine, directory, *, skip=()) -> Checkpoint:
         if r.status != "running":
             continue
         ids = r.prompt_ids + r.tokens[:-1]          # the cache held these; the last token is the next input
-        slot = engine.gen.admit(len(r.prompt_ids) + r.max_new_tokens, ids)   # (shared prefixes attach by ids)
+        # decoded tokens are rebuilt by decode steps (Generator.replay) where the saved phase says their flush
+        # points are every page_size steps from the prompt's end (always, but with speculative decoding)
+        replay = engine.spec is None and (len(r.tokens) - 1) % engine.config.page_size == r.phase
+        pre = r.prompt_ids if replay else ids
+        slot = engine.gen.admit(len(r.prompt_ids) + r.max_new_tokens, pre)   # (shared prefixes attach by ids)
         req.slot, req.t_admitted, req.t_first_token = slot, now, now
         engine.slots.request_of[slot] = rid
         try:
-            engine.gen.prefill(slot, ids)
+            engine.gen.prefill(slot, pre)
             if engine.spec is not None:   # speculative: its draft cache, and flush points from the prompt's end
                 engine.spec.prefill(slot, ids, len(r.prompt_ids) + r.max_new_tokens)
                 engine.spec.prompt_len[slot] = len(r.prompt_ids)
@@ -355,6 +361,16 @@ def restore(engine, directory, *, skip=()) -> Checkpoint:
         engine.slots.seed[slot], engine.slots.chunk[slot], engine.slots.phase[slot] = r.seed, r.chunk, r.phase
         if req.sampling.penalized:           # the counts are not saved: the prompt and tokens decide them
             engine.seed_penalties(slot, r.prompt_ids, r.tokens)
+        if replay:
+            replays[slot] = r.tokens[:-1]
+    try:
+        engine.gen.replay(replays, {s: engine.slots.budget[s] for s in replays})
+    except Exception as e:  # noqa: BLE001 - the cache went into the failed call: every replayed request fails
+        for slot in list(replays):
+            req = engine.requests[engine.slots.request_of[slot]]
+            engine.release(slot)
+            engine.finish(req, ERROR, error=f"restore replay failed: {type(e).__name__}: {e}")
+            engine.report(StepOutput(req.request_id, (), True, ERROR, req.error))
     for rid in ck.queue:
         if rid in by_id and by_id[rid][0].status == "queued":
             engine.enqueue(rid)

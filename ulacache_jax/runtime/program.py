@@ -140,6 +140,8 @@ class Program:
     decode_steps(n): the same for a chunk of n steps (n a power of two <= page_size); decode_steps(n, phased=True)
         takes phase [S] after stop_ids: each slot's steps since its last flush point (keys and flushes follow it)
     next_logits(params, cache, host, tok) -> [S, V]: one step's logits, nothing committed.
+    replay(budgets)(params, cache, host, forced [S, page_size], count [S][, budget [S]]) -> (cache, host): given
+        tokens fed through decode steps (a checkpoint restore), see `_replay`.
     verify(rows), propose(rows), commit, spec_chunk(steps, K, ngram_max, min_drafts): speculative decoding
     (speculative.py); set_row(hist [S, C], slot, row [C]) -> hist: the chunk's device history, hist donated."""
 
@@ -178,6 +180,9 @@ class Program:
         self._decode_for = functools.lru_cache(maxsize=None)(decode)
         self.decode = self._decode_for(config.page_size, False, 0, False, False)
         self.next_logits = jit(self._next_logits, (ps, cs, hs, r), r)
+        self._replay_for = functools.lru_cache(maxsize=None)(lambda budgets: jit(
+            functools.partial(self._replay, budgets=budgets), (ps, cs, hs, r, r) + (r,) * budgets, (cs, hs),
+            (None, host_sh), donate_argnums=(1, 2)))
         # one row of the ngram chunk's device history (speculative.SpecDecoder): built here, once per program,
         # so a new Engine over the same Generator does not compile it again
         self.set_row = jax.jit(_set_row, donate_argnums=0, out_shardings=NamedSharding(mesh, r))
@@ -306,6 +311,33 @@ class Program:
         if num_top:
             res += ((lps[0].T, lps[1].transpose(1, 0, 2), lps[2].transpose(1, 0, 2)),)
         return res
+
+    def replay(self, budgets: bool = False):
+        """The replay program (`_replay`); budgets: it takes budget [S] int32 after count."""
+        return self._replay_for(bool(budgets))
+
+    def _replay(self, params, cache, host, forced, count, *extra, budgets: bool):
+        """Feed given tokens through decode steps: slot s takes forced[s, i] as its input at step i < count[s]
+        (its K/V appended at its length, the step's selection and attention as a decode step computes them; no
+        token is sampled), the other slots are untouched. A replay round starts at a flush point, so the slots
+        whose count reaches page_size flush at its end and the rest stay between two (their phase = count).
+        Why: a checkpoint restore must rebuild the cache a decode built; a prefill of the generated tokens attends
+        every earlier token where the sparse decode attended its selection, so it writes other K/V past the first
+        layer and the continuation parts from the uninterrupted one."""
+        budget = extra[0] if budgets else None
+        ops, model = self.ops, nnx.merge(self.graphdef, params)
+        rank = jax.lax.axis_index(TP_AXIS)
+        cache = ops.begin_chunk(cache)
+
+        def body(i, carry):
+            cache, length = carry
+            live = i < count                                                            # [S]
+            x = model.embed(forced[:, i][:, None])                                      # [S, 1, E]
+            cache, _, _ = decode_layers(model, ops, cache, x, DecodeMeta(length, live, rank, host, budget))
+            return cache, length + live
+
+        cache, length = jax.lax.fori_loop(0, forced.shape[1], body, (cache, ops.lengths(cache)))
+        return ops.end_chunk(cache, host, length, count >= self.config.page_size)
 
     # ---- speculative decoding (speculative.py) ----------------------------------------------------------------
     def verify(self, rows: int, with_probs: bool = False):
