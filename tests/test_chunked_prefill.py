@@ -198,3 +198,35 @@ def test_bad_options_are_refused_before_anything_changes(gens, model_cfg):
     with pytest.raises(ValueError, match="first prefill block"):
         Engine(generator=kc, prefill_chunk_tokens=CHUNK)
     Engine(generator=kc, decode_chunk_steps=4)                  # the cadence is any rule's
+
+
+def test_short_prompt_overtakes_a_long_one_being_prefilled(model_cfg, prompts):
+    """A short prompt queued behind a long one being prefilled in chunks starts at the next step (the fewest
+    tokens left go first) instead of after the long one's last chunk; the long one, passed over once, goes first
+    in the next step, so it is delayed by one step, never starved; every request's tokens are unchanged."""
+    model, cfg = model_cfg
+    gen = Generator(model, dataclasses.replace(cfg, max_seqs=3, host_pages=cfg.host_pages * 3 // 2),
+                    attention="sparse")
+    eng = Engine(generator=gen, prefix_cache=False, prefill_chunk_tokens=CHUNK, decode_chunk_steps=4)
+    short_c = prompts[0][:20]
+    params = [SamplingParams(max_new_tokens=64), SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=8)]
+    a = eng.add_request(prompts[0], params[0])
+    eng.step()                                                  # a decodes from here on: the per-step budget holds
+    b = eng.add_request(prompts[3], params[1])
+    eng.step()                                                  # b's first chunk
+    assert eng.prefilling_ids == [b] and eng.timeline[-1].prefill_tokens == CHUNK
+    c = eng.add_request(short_c, params[2])
+    eng.step()                                                  # c (20 tokens) before b's 118 left
+    assert eng.get(c).tokens and not eng.get(b).tokens and eng.prefilling_ids == [b]
+    left = len(prompts[3]) - CHUNK
+    eng.step()                                                  # b, passed over, goes first
+    assert eng.timeline[-1].prefill_tokens == CHUNK and eng.prefilling_ids == [b]
+    steps = 0
+    while not eng.get(b).tokens:
+        eng.step()
+        steps += 1
+    assert steps == -(-(left - CHUNK) // CHUNK)                 # one chunk a step from there on
+    while eng.has_unfinished():
+        eng.step()
+    _, ref = _run(gen, [prompts[0], prompts[3], short_c], params, prefix_cache=False)
+    assert [eng.get(i).tokens for i in (a, b, c)] == [r.tokens for r in ref]

@@ -1,8 +1,10 @@
 """Continuous batching over a Generator's sequence slots: requests in, tokens streamed out.
 
 One `step()`:
-1. prefill: first the prompts being prefilled in chunks (oldest first), then queued requests admitted into free
-   slots (FIFO). While other requests are decoding, at most `max_prefill_tokens_per_step` prompt tokens are
+1. prefill: the next chunk goes to the prompt with the fewest tokens left, the queue's head (admitted into a free
+   slot, FIFO, when it wins) competing with the prompts being prefilled in chunks, except that a prompt passed
+   over in the previous step goes first (so a short prompt queued behind a 32K one starts within a step, and the
+   long one still gets a chunk at least every other step). While other requests are decoding, at most `max_prefill_tokens_per_step` prompt tokens are
    prefilled per step (at least one prompt, or one chunk), so running requests keep producing tokens between
    prefills; when nothing is decoding, every free slot is filled at once and every prompt prefilled to its end.
    With `prefill_chunk_tokens` = C (page_size times a power of two; None = whole prompts), a prompt is
@@ -204,6 +206,7 @@ class Engine:
         # slot -> the prompt being prefilled into it in chunks (admitted, its request "running", the slot not yet
         # decoding), oldest first: each step continues these before admitting queued requests
         self._prefilling: collections.OrderedDict[int, PrefillProgress] = collections.OrderedDict()
+        self._passed_over: set[int] = set()    # slots of prompts that got no prefill chunk in the last step
         self._chunks = 0
         self._seen_buckets: set[tuple[int, int]] = set()     # (chunk bucket, earlier-tokens bucket) prefilled
         self._seen_steps: set[int] = set()
@@ -361,7 +364,7 @@ class Engine:
     @property
     def prefilling_ids(self) -> list[int]:
         """Ids of the requests admitted and partly prefilled (chunked prefill; no token yet), oldest first: they
-        hold a slot and continue before any queued request."""
+        hold a slot (a checkpoint queues them first again)."""
         return [self.slots.request_of[slot] for slot in self._prefilling]
 
     @property
@@ -429,31 +432,48 @@ class Engine:
         """Free `slot` (its request has ended or failed): its slot-table row, draft slot and cache pages."""
         self.slots.clear(slot)
         self._prefilling.pop(slot, None)
+        self._passed_over.discard(slot)
         if self.spec is not None:
             self.spec.release(slot)
         self.gen.release(slot)
 
     def _admit_and_prefill(self, rec: StepRecord, new, ended) -> None:
+        """The step's prefill work (module docstring, 1.): the next chunk goes to the prompt with the fewest tokens
+        left, the queue's head (admitted when it wins) competing with the prompts being prefilled, except that a
+        prompt passed over in the previous step goes first: a short prompt queued behind a long one starts
+        within a step instead of after the long one's last chunk, and the long one still gets a chunk at least
+        every other step."""
         decoding = self.slots.any_running()
-        used = 0
+        used, served, full = 0, set(), False
+
+        def fits(n: int) -> bool:                      # the per-step budget, while others decode
+            return not (decoding and used and used + min(n, self.prefill_chunk_tokens or n)
+                        > self.max_prefill_tokens_per_step)
+
         while True:
-            job = next(iter(self._prefilling.values()), None)
-            if job is None:
-                if not self._queue:
+            order = {slot: i for i, slot in enumerate(self._prefilling)}
+            best = min(self._prefilling.values(), default=None,
+                       key=lambda j: (j.slot not in self._passed_over, j.remaining, order[j.slot]))
+            head = self.requests[self._queue[0]] if self._queue and not full else None
+            if head is not None and (best is None or (best.slot not in self._passed_over
+                                                      and len(head.prompt_ids) < best.remaining)):
+                if not fits(len(head.prompt_ids)):
                     break
-                n = len(self.requests[self._queue[0]].prompt_ids)
-                if decoding and used and used + min(n, self.prefill_chunk_tokens or n) > \
-                        self.max_prefill_tokens_per_step:
-                    break
-                job = self._admit(self.requests[self._queue[0]], ended)
+                job = self._admit(head, ended)
                 if job is None:
-                    break                               # wait for a slot / host pages to be released
+                    full = True                         # wait for a slot / host pages; the admitted ones go on
+                    continue
                 if not job:
                     continue                            # it failed alone
-            elif decoding and used and used + min(job.remaining, self.prefill_chunk_tokens or job.remaining) \
-                    > self.max_prefill_tokens_per_step:
+            elif best is not None:
+                if not fits(best.remaining):
+                    break
+                job = best
+            else:
                 break
+            served.add(job.slot)
             used += self._prefill_chunk(rec, job, new, ended)
+        self._passed_over = {slot for slot in self._prefilling if slot not in served}
 
     def _admit(self, req: Request, ended) -> PrefillProgress | bool | None:
         """Admit the first queued request into a slot and start its prefill -> its PrefillProgress (also kept in
