@@ -6,10 +6,12 @@ and a KV head's query heads are all rows here). The caller (ulacache_jax.cache.s
 normalises each row over the pages (a softmax over every flushed token, done per page so the token weights are
 never written) and sums the rows. XLA's version materialises the float32 logits [S, rows, P, page] of every layer
 and reads them back; this kernel reads the copy once and writes [S, G, rows, P].
-One program per (sequence, group, block of pages); the layer is a static index into the full copy (no per-layer
+One program per (sequence, group, block of pages), or with `pages_per_program` per (sequence, group, span of
+pages) looping over the span's blocks (fewer, longer programs: at the 8B shape one block is 4 pages, 8 KB of 4-bit
+codes, and a layer launches S * G * P / 4 programs); the layer is a static index into the full copy (no per-layer
 slice is materialised). Rows beyond the caller's (padding to a power of two) compute garbage the caller drops.
 Axis alphabet: S sequences, L layers, G groups, P pages, T tokens of a page, g KV heads per group, C copy channels,
-H query rows per KV head, p pages of a block.
+H query rows per KV head, p pages of a block (or of a program's span).
 """
 from __future__ import annotations
 
@@ -26,44 +28,63 @@ DEFAULT_WARPS = 4
 BLOCK_ELEMS = 16384  # fp32 values of one block's copy (pages x T x C): 64 a thread at 4 warps, no spill
 
 
-def _lse_kernel(kc_ref, q_ref, out_ref, *, g: int, rows: int):
-    # kc_ref [p, T, g * C] (this sequence, layer, group, page block); q_ref [g * rows, C] float32 (scaled);
-    # out_ref [g * rows, p]: one row of page log-sum-exps per query row
-    p, t, gc = kc_ref.shape
-    c = gc // g
-    for i in range(g):
-        k = kc_ref[:, :, pl.ds(i * c, c)].astype(jnp.float32)                          # [p, T, C]
-        _rows_lse([(k, 0)], q_ref, out_ref, i, rows)
+def _lse_kernel(kc_ref, q_ref, out_ref, *, g: int, rows: int, bp: int | None = None):
+    # kc_ref [p, T, g * C] (this sequence, layer, group, page span); q_ref [g * rows, C] float32 (scaled);
+    # out_ref [g * rows, p]: one row of page log-sum-exps per query row. bp: pages an iteration (None: the whole
+    # block in one step, the default launch; else the span is walked bp pages at a time, see _over_blocks)
+    def block(pg):
+        p = kc_ref.shape[0] if bp is None else bp
+        c = kc_ref.shape[2] // g
+        for i in range(g):
+            k = kc_ref[pg, :, pl.ds(i * c, c)].astype(jnp.float32)                     # [p, T, C]
+            _rows_lse([(k, 0)], q_ref, out_ref, i, rows, pg, p)
+    _over_blocks(block, kc_ref.shape[0], bp)
 
 
-def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int):
+def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int, bp: int | None = None):
     # kc_ref [p, T, g * Cs] label codes (int8, or uint8 two channels a byte at 4 bits); sc_ref [p, g * C] float32
-    # scales per page and channel; q_ref, out_ref as _lse_kernel's. Dequantised in registers: codes are read once.
-    # At 4 bits the low nibbles are channels [0, C/2) and the high ones [C/2, C): two halves, no interleave.
-    p, t, gcs = kc_ref.shape
-    cs = gcs // g
-    c = cs * 2 if bits == 4 else cs
-    for i in range(g):
-        raw = kc_ref[:, :, pl.ds(i * cs, cs)]
-        if bits == 8:
-            halves = [(raw.astype(jnp.float32), 0)]
-        else:
-            b = raw.astype(jnp.int32)
-            halves = [(((b & 15) - 8).astype(jnp.float32), 0), (((b >> 4) - 8).astype(jnp.float32), cs)]
-        parts = [(k * sc_ref[:, pl.ds(i * c + c0, cs)].reshape(p, 1, cs), c0) for k, c0 in halves]
-        _rows_lse(parts, q_ref, out_ref, i, rows)
+    # scales per page and channel; q_ref, out_ref, bp as _lse_kernel's. Dequantised in registers: codes are read
+    # once. At 4 bits the low nibbles are channels [0, C/2) and the high ones [C/2, C): two halves, no interleave.
+    def block(pg):
+        p = kc_ref.shape[0] if bp is None else bp
+        cs = kc_ref.shape[2] // g
+        c = cs * 2 if bits == 4 else cs
+        for i in range(g):
+            raw = kc_ref[pg, :, pl.ds(i * cs, cs)]                                      # [p, T, Cs]
+            if bits == 8:
+                halves = [(raw.astype(jnp.float32), 0)]
+            else:
+                b = raw.astype(jnp.int32)
+                halves = [(((b & 15) - 8).astype(jnp.float32), 0), (((b >> 4) - 8).astype(jnp.float32), cs)]
+            parts = [(k * sc_ref[pg, pl.ds(i * c + c0, cs)].reshape(p, 1, cs), c0) for k, c0 in halves]
+            _rows_lse(parts, q_ref, out_ref, i, rows, pg, p)
+    _over_blocks(block, kc_ref.shape[0], bp)
 
 
-def _rows_lse(parts, q_ref, out_ref, i: int, rows: int):
+def _over_blocks(block, span: int, bp: int | None):
+    """Runs block(pages) over a program's span of pages: once over all of it (bp None: the slice `:`, the default
+    launch's code) or bp pages an iteration of a loop, so a program covers many blocks (fewer, longer programs)
+    while each iteration holds only a block's values in registers."""
+    if bp is None:
+        block(slice(None))
+    elif span == bp:
+        block(pl.ds(0, bp))
+    else:
+        def body(b, carry):
+            block(pl.ds(pl.multiple_of(b * bp, bp), bp))
+            return carry
+        jax.lax.fori_loop(0, span // bp, body, 0)
+
+
+def _rows_lse(parts, q_ref, out_ref, i: int, rows: int, pg, p: int):
     """parts: (k [p, T, w] float32, c0) slices of KV head i's keys over channels [c0, c0 + w) -> out_ref rows
-    i * rows + x: each query row's page log-sum-exps."""
-    p = parts[0][0].shape[0]
+    i * rows + x at the pages pg (a slice of p pages): each query row's page log-sum-exps."""
     for x in range(rows):
         r = i * rows + x
         logit = sum(jnp.sum(k * q_ref[pl.ds(r, 1), pl.ds(c0, k.shape[2])].reshape(1, 1, k.shape[2]), axis=2)
                     for k, c0 in parts)                                                 # [p, T]
         m = jnp.max(logit, axis=1)                                                      # [p]
-        out_ref[pl.ds(r, 1), :] = (m + jnp.log(jnp.sum(jnp.exp(logit - m[:, None]), axis=1))).reshape(1, p)
+        out_ref[pl.ds(r, 1), pg] = (m + jnp.log(jnp.sum(jnp.exp(logit - m[:, None]), axis=1))).reshape(1, p)
 
 
 def _block_pages(num_pages: int, page: int, channels: int) -> int:
@@ -84,13 +105,28 @@ def _check(kc, qc, *, pow2: bool, bits: int = 0):
             raise ValueError(f"{name} = {v} must be a power of two for the page-lse kernel (Triton blocks)")
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "interpret", "block_pages", "num_warps", "bits"))
+def _span(num_pages: int, block_pages: int, pages_per_program: int | None) -> int | None:
+    """The pages a program covers, checked: None (one block a program, the default) or a multiple of block_pages
+    dividing the page count, walked a block an iteration."""
+    if pages_per_program is None:
+        return None
+    if pages_per_program < block_pages or pages_per_program % block_pages or num_pages % pages_per_program:
+        raise ValueError(f"pages_per_program = {pages_per_program} must be a multiple of block_pages = {block_pages} "
+                         f"dividing the page count {num_pages}")
+    return pages_per_program
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "interpret", "block_pages", "num_warps", "bits",
+                                             "pages_per_program"))
 def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages: int | None = None,
-                    num_warps: int | None = None, scale=None, bits: int = 0):
+                    num_warps: int | None = None, scale=None, bits: int = 0, pages_per_program: int | None = None):
     """kc [S, L, G, P, T, g, C] the key copy (any float dtype); qc [S, G, g, H, C] float32 query rows at the copy's
     channels, already scaled -> lse [S, G, g * H, P] float32 for `layer`. block_pages: a power of two dividing P
     (default: the largest within BLOCK_ELEMS). Labels (bits 8 / 4): kc [S, L, G, P, T, g, Cs] codes and scale
-    [S, G, P, g, C] (this layer's) scales per page and channel (select/labels.py)."""
+    [S, G, P, g, C] (this layer's) scales per page and channel (select/labels.py).
+    pages_per_program: None (default) launches one program a block of pages; a multiple of block_pages dividing P
+    launches one program a span of that many pages, looping over its blocks (S * G * P / pages_per_program
+    programs instead of S * G * P / block_pages: fewer launches of more work, the same registers an iteration)."""
     _check(kc, qc, pow2=True, bits=bits)
     S, L, G, P, T, g, Cs = kc.shape
     C = qc.shape[4]
@@ -100,24 +136,28 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     bp = block_pages or _block_pages(P, T, C)
     if P % bp or bp & (bp - 1):
         raise ValueError(f"block_pages = {bp} must be a power of two dividing the page count {P}")
+    span = _span(P, bp, pages_per_program)
+    sp = span or bp                                                                     # pages a program
     kwargs = {}
     if not interpret:
         kwargs["compiler_params"] = pltr.CompilerParams(num_warps=num_warps or DEFAULT_WARPS)
     view = kc.reshape(S, L, G, P, T, g * Cs)                                            # row-major: free
-    kspec = pl.BlockSpec((None, None, None, bp, T, g * Cs), lambda s, j, b: (s, layer, j, b, 0, 0))
+    kspec = pl.BlockSpec((None, None, None, sp, T, g * Cs), lambda s, j, b: (s, layer, j, b, 0, 0))
     qspec = pl.BlockSpec((None, None, g * Hp, C), lambda s, j, b: (s, j, 0, 0))
-    common = dict(grid=(S, G, P // bp), interpret=interpret,
-                  out_specs=pl.BlockSpec((None, None, g * Hp, bp), lambda s, j, b: (s, j, 0, b)),
+    common = dict(grid=(S, G, P // sp), interpret=interpret,
+                  out_specs=pl.BlockSpec((None, None, g * Hp, sp), lambda s, j, b: (s, j, 0, b)),
                   out_shape=jax.ShapeDtypeStruct((S, G, g * Hp, P), jnp.float32), **kwargs)
+    inner = dict(g=g, rows=Hp, bp=bp if span else None)
     if bits:
         sc = scale.astype(jnp.float32).reshape(S, G, P, g * C)
         out = pl.pallas_call(
-            functools.partial(_label_kernel, g=g, rows=Hp, bits=bits),
-            in_specs=[kspec, pl.BlockSpec((None, None, bp, g * C), lambda s, j, b: (s, j, b, 0)), qspec],
-            name="label_page_lse", **common)(view, sc, qp)
+            functools.partial(_label_kernel, bits=bits, **inner),
+            in_specs=[kspec, pl.BlockSpec((None, None, sp, g * C), lambda s, j, b: (s, j, b, 0)), qspec],
+            name="label_page_lse" if span is None else "label_page_lse_span", **common)(view, sc, qp)
     else:
-        out = pl.pallas_call(functools.partial(_lse_kernel, g=g, rows=Hp), in_specs=[kspec, qspec],
-                             name="key_copy_page_lse", **common)(view, qp)
+        out = pl.pallas_call(functools.partial(_lse_kernel, **inner), in_specs=[kspec, qspec],
+                             name="key_copy_page_lse" if span is None else "key_copy_page_lse_span",
+                             **common)(view, qp)
     return out.reshape(S, G, g, Hp, P)[:, :, :, :H].reshape(S, G, g * H, P)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks on a GPU machine (written for an H200), one step per name, each within one 600 s device call:
-#   bash scripts/bench_gpu.sh [select sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e quality-passkey16
+#   bash scripts/bench_gpu.sh [select labels labels-8bit sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e quality-passkey16
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
 #                              decode-prefill longctx-16k longctx-32k longctx-diag decode-labels
@@ -33,6 +33,10 @@ names=("$@")
 for b in "${names[@]}"; do
   case $b in
     select)     step select 300 scripts/bench_select.py --out "$OUT" "${C[@]}" --reps 5 ;;
+    labels|labels-8bit)   # the labels rule's page scoring alone at the 8B shape (128K x 3, C = 64): the default
+                # launch (block_pages x warps) beside pages_per_program spans; labels.json (4 bits) or labels_8bit.json
+                bits=4; [ "$b" = labels-8bit ] && bits=8
+                step "$b" 300 scripts/bench_labels.py --out "$OUT" "${C[@]}" --bits "$bits" ;;
     sieve)      step sieve 560 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --requests 8192 65536 \
                   --pools 65536 1048576 --buckets 64 128 256 1024 --budget-s 0.2 --max-seconds 420 ;;
     sieve-decode)   # the decode's accesses (issue 21): 256 requests a layer (256K x 1) and 768 (128K x 3) into its
@@ -139,7 +143,7 @@ for b in "${names[@]}"; do
                   --clients 32 --prompt-lengths 1024,4096,32768 --weights 0.6,0.3,0.1 --max-tokens 256 \
                   --page-size 64 --token-budget 2048 --prefill-chunk-tokens 2048 --max-context 33024 \
                   --compile-cache "$OUT/jax_cache" --time-limit 300 --startup-timeout 240 --out "$OUT" "${C[@]}" ;;
-    *) echo "unknown benchmark '$b' (select sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e" \
+    *) echo "unknown benchmark '$b' (select labels labels-8bit sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e" \
             "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2 longctx-16k" \

@@ -81,6 +81,69 @@ def test_kernel_equals_reference(bits, g, H):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def adversarial_labels(rng, bits, S, L, G, P, T, g, Cc, H):
+    """Codes, bf16 scales and queries with the hard cases of a page-lse: a page of zero codes and zero scales (every
+    logit 0: lse = log T), a page of the extreme codes (+-7 / +-127) at a large scale, one very large query row."""
+    cs = Cc if bits == 8 else Cc // 2
+    top = labels.QMAX[bits]
+    if bits == 8:
+        codes = rng.integers(-127, 128, (S, L, G, P, T, g, cs)).astype(np.int8)
+        codes[:, :, :, 0] = 0
+        codes[:, :, :, 1] = np.where(np.arange(T)[:, None, None] % 2, top, -top)
+    else:
+        codes = rng.integers(0, 256, (S, L, G, P, T, g, cs)).astype(np.uint8)
+        codes[:, :, :, 0] = 8 | 8 << 4                                                # both nibbles hold 0
+        hi, lo = (top + 8) | (top + 8) << 4, (8 - top) | (8 - top) << 4                # +7 / -7 in both nibbles
+        codes[:, :, :, 1] = np.where(np.arange(T)[:, None, None] % 2, hi, lo)
+    scale = rng.uniform(0, 0.3, (S, G, P, g, Cc)).astype(np.float32)
+    scale[:, :, 0] = 0.0
+    scale[:, :, 1] = 16.0
+    q = rng.standard_normal((S, G, g, H, Cc)).astype(np.float32)
+    q[:, :, :, 0] *= 100.0
+    return jnp.asarray(codes), jnp.asarray(scale, jnp.bfloat16), jnp.asarray(q)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_spanning_programs_equal_reference(bits):
+    """pages_per_program (one program loops over several blocks of pages): every span from one block to all the
+    pages equals the reference on random and adversarial labels, at every layer; a span that is not a multiple of
+    the block or does not divide the page count is refused by name."""
+    rng = np.random.default_rng(20 + bits)
+    S, L, G, P, T, g, Cc, H = 1, 2, 2, 16, PAGE, 1, 8, 3
+    codes, scale, q = adversarial_labels(rng, bits, S, L, G, P, T, g, Cc, H)
+    for layer in range(L):
+        want = np.asarray(pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=bits))
+        np.testing.assert_allclose(want[..., 0], np.log(T), rtol=1e-6)                 # the zero page
+        for bp, span in ((2, 2), (2, 4), (2, 8), (4, P), (1, P)):
+            got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits,
+                                     block_pages=bp, pages_per_program=span)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    for bp, span in ((2, 6), (4, 2), (2, 32), (2, 0)):
+        with pytest.raises(ValueError, match=rf"pages_per_program = {span} must be a multiple of block_pages = "
+                                             rf"{bp} dividing the page count {P}"):
+            pk.page_lse_pallas(codes, q, layer=0, interpret=True, scale=scale, bits=bits, block_pages=bp,
+                               pages_per_program=span)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_spanning_programs_lower_to_triton(bits):
+    """The 8B shape's label kernel, the default launch and spans of 16 blocks and of all 2048 pages, lowers to one
+    Triton call for an H200 without a GPU (test_gpu_lowering's abstract device): the in-kernel loop over blocks and
+    its dynamic page slices are Triton-lowerable. Triton's compile to PTX runs only on the GPU."""
+    from test_gpu_lowering import TRITON_CALL, lower_for_h200, spec
+    S, L, G, P, T, g, H, Cc = 3, 2, 8, 2048, 64, 1, 4, 64
+    cs = Cc if bits == 8 else Cc // 2
+    args = (spec((S, L, G, P, T, g, cs), jnp.int8 if bits == 8 else jnp.uint8),
+            spec((S, G, P, g, Cc), jnp.bfloat16), spec((S, G, g, H, Cc), jnp.float32))
+    try:
+        for bp, span in ((None, None), (4, 64), (4, P)):
+            txt = lower_for_h200(lambda c, sc, q: pk.page_lse_pallas(
+                c, q, layer=1, scale=sc, bits=bits, block_pages=bp, pages_per_program=span), *args)
+            assert txt.count(TRITON_CALL) == 1
+    finally:
+        jax.clear_caches()      # the GPU traces (interpret=False) must not be reused by a CPU test
+
+
 def build(bits, *, table=None, lengths=(37, 61, 8), steps=13):
     c = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=D, max_seqs=len(lengths), max_pages_per_seq=32,
                     page_size=PAGE, num_buckets=4, slots_per_bucket=8, host_pages=512, token_budget=32,

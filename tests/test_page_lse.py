@@ -76,6 +76,23 @@ def test_launch_shapes_agree_and_bad_input_is_named():
                                np.asarray(ref_page_lse(k12, q12, layer=0)), rtol=1e-6)
 
 
+def test_spanning_programs_over_the_key_copy():
+    """pages_per_program on the key copy (bits 0): programs that loop over 2, 4 or all 8 blocks equal the
+    one-block launch and the reference, large logits included; a span the page count cannot split is refused."""
+    rng = np.random.default_rng(9)
+    S, L, G, P, T, g, C, H = 2, 2, 1, 16, 16, 2, 8, 2
+    kc = rng.standard_normal((S, L, G, P, T, g, C)).astype(np.float32)
+    kc[:, 1, :, 5, 3] = 40.0                                    # one dominant token in a page
+    kc, qc = jnp.asarray(kc), jnp.asarray(rng.standard_normal((S, G, g, H, C)) * 2, jnp.float32)
+    want = np.asarray(ref_page_lse(kc, qc, layer=1))
+    for span in (None, 4, 8, P):
+        got = page_lse_pallas(kc, qc, layer=1, interpret=True, block_pages=2, pages_per_program=span)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="pages_per_program = 12 must be a multiple of block_pages = 2 dividing "
+                                         "the page count 16"):
+        page_lse_pallas(kc, qc, layer=1, interpret=True, block_pages=2, pages_per_program=12)
+
+
 @pytest.mark.gpu
 def test_compiled_kernel_on_the_gpu():
     """The compiled kernel (not interpret mode) at SmolLM2's and the 8B shape's rows, bf16 and float32 copies."""
