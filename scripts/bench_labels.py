@@ -33,8 +33,8 @@ from scripts.bench_meta import Results, add_common_args, pyplot, read_ceiling, r
 from scripts.bench_select import loop_time
 from ulacache_jax.pallas_kernels import on_gpu
 from ulacache_jax.pallas_kernels import page_lse as pk
+from ulacache_jax.cache.select.labels import QMAX     # the labels' largest code magnitude
 
-QMAX = {8: 127, 4: 7}                      # the labels' largest code magnitude (select/labels.py)
 RTOL, ATOL = 1e-4, 1e-3
 TINY = dict(batch=1, groups=2, rows=4, pages=16, page=16, channels=16, layers=2, calls=2, reps=2,
             blocks=[1, 4], warps=[4], spans=[4, 16], span_block=2)
