@@ -1,0 +1,193 @@
+"""The quality / speed frontier of the selection rules (issue 48 item 3): every rule and budget the long-context
+harness measured, placed by what it keeps of dense's answers against the bytes one decode step reads at the 8B
+shape and, where a decode row of the same rule and budget ratio exists, its measured speed over dense.
+
+    python -m scripts.frontier [--longctx docs/benchmarks/longctx.json]
+        [--decode docs/benchmarks/decode.json docs/benchmarks/decode_variants.json] [--out docs/benchmarks]
+        -> OUT/frontier.json, OUT/frontier.png
+
+Quality (per rule spec, context and budget, over the prompts of `longctx.json`'s outputs): `kept` = of the prompts
+dense answers right (score 1), the share the rule answers right too (the issue's ">= 95% of the answers dense gets
+right"), `accuracy` and `dense_accuracy`, `n` prompts and `n_dense_right`. A prompt answered in several runs counts
+once (its last output).
+Bytes (a decode step at the 8B shape, Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16, page 64, 128K x 3): the
+rule's scorer (`SelectionRule.step_bytes`, channels scaled by the model's head_dim to 128: half of Qwen 0.5B's 64
+is 64 of 128) + the selected K/V (the budget ratio of the context, plus a tail page) + the weights (16.06 GB),
+as a fraction of dense's (weights + every K/V). Speed: the tok/s of the newest decode row (128K x 3, the last in
+the --decode files' order) of the same rule, channel fraction, bits and budget ratio over the dense row of the same
+call (same `run` or `variant`, same device); its hit rate and hot share (bench_decode --hot-share) are reported
+beside it, to be read against the rule's trace hit rate. Rows without one have no speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from scripts.bench_meta import add_common_args, pyplot, run_meta, save_figure, write_json
+from ulacache_jax.cache.select.key_copy import KeyCopy
+from ulacache_jax.cache.select.labels import Labels
+from ulacache_jax.cache.select.quest import Quest
+from ulacache_jax.cache.select.two_stage import TwoStage
+
+SHAPE = dict(num_layers=32, kv_heads=8, head_dim=128, itemsize=2, page_size=64)   # Llama-3.1-8B, bf16
+CONTEXT, BATCH = 131072, 3
+WEIGHT_BYTES = 16.06e9
+
+
+def _parse(spec: str):
+    """A longctx rule spec -> (name, channels, bits, two_stage multiple): dense, quest, key_copy:C,
+    labels:C:BITS[:TABLE], two:MULT:<rule>; None for a spec this script does not place (older page-group ones)."""
+    parts = spec.split(":")
+    if parts[0] == "two":
+        inner = _parse(":".join(parts[2:]))
+        if inner is None or not parts[1].isdigit():
+            return None
+        return inner[:3] + (int(parts[1]),)
+    if parts[0] in ("dense", "quest") and len(parts) == 1:
+        return parts[0], 0, 0, None
+    if parts[0] == "key_copy" and len(parts) == 2:
+        return "key_copy", int(parts[1]), 0, None
+    if parts[0] == "labels" and len(parts) in (3, 4):
+        return "labels", int(parts[1]), int(parts[2]), None
+    return None
+
+
+def rule_object(name: str, channels: int, bits: int, two: int | None, budget_pages: int):
+    """The library's rule for a parsed spec at the 8B shape (channels already scaled)."""
+    rule = {"quest": lambda: Quest(), "key_copy": lambda: KeyCopy(channels=channels),
+            "labels": lambda: Labels(channels=channels, bits=bits)}[name]()
+    return TwoStage(second=rule, keep_pages=two * budget_pages) if two else rule
+
+
+def step_bytes(name: str, channels: int, bits: int, two: int | None, ratio: float | None) -> dict:
+    """Bytes of one decode step at the 8B shape, 128K x 3: scorer, selected K/V, weights, and the total as a
+    fraction of dense's."""
+    kv_token = SHAPE["num_layers"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2 * SHAPE["itemsize"]
+    dense = WEIGHT_BYTES + BATCH * CONTEXT * kv_token
+    if name == "dense":
+        return dict(scorer_gb=0.0, selected_gb=BATCH * CONTEXT * kv_token / 1e9, total_gb=dense / 1e9,
+                    fraction_of_dense=1.0)
+    budget = round(ratio * CONTEXT / SHAPE["page_size"]) * SHAPE["page_size"]
+    rule = rule_object(name, channels, bits, two, budget // SHAPE["page_size"])
+    scorer = BATCH * rule.step_bytes(context=CONTEXT, **SHAPE)
+    selected = BATCH * (budget + SHAPE["page_size"]) * kv_token
+    total = WEIGHT_BYTES + scorer + selected
+    return dict(scorer_gb=scorer / 1e9, selected_gb=selected / 1e9, total_gb=total / 1e9,
+                fraction_of_dense=total / dense)
+
+
+def quality_cells(longctx: dict) -> list[dict]:
+    """Per (spec, context, budget): kept share of dense's right answers, accuracy, n (module docstring)."""
+    prompts = {p["id"]: p for p in longctx["prompts"]}
+    last: dict = {}
+    for o in longctx["outputs"]:                          # later runs replace earlier outputs of one prompt
+        last[(o["spec"], o["budget"], o["id"])] = o["score"]
+    dense = {pid: s for (spec, _, pid), s in last.items() if spec == "dense"}
+    cells: dict = {}
+    for (spec, budget, pid), score in last.items():
+        cells.setdefault((spec, prompts[pid]["context"], budget), []).append((pid, score))
+    out = []
+    for (spec, context, budget), scores in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2] or 0)):
+        parsed = _parse(spec)
+        if parsed is None:
+            continue
+        right = [pid for pid, _ in scores if dense.get(pid) == 1.0]
+        kept = [s for pid, s in scores if dense.get(pid) == 1.0]
+        out.append(dict(spec=spec, rule=parsed[0], channels=parsed[1], label_bits=parsed[2], two_stage=parsed[3],
+                        context=context, budget=budget,
+                        budget_ratio=None if budget is None else budget / context, n=len(scores),
+                        accuracy=sum(s for _, s in scores) / len(scores),
+                        dense_accuracy=(sum(dense[pid] for pid, _ in scores if pid in dense)
+                                        / max(1, sum(pid in dense for pid, _ in scores))),
+                        n_dense_right=len(right), kept=sum(kept) / len(kept) if kept else None))
+    return out
+
+
+def speed_of(cell: dict, head_dim: int, decode_rows: list[dict]):
+    """(speedup over the same call's dense row, hit rate, device, commit) of the newest decode row at 128K x 3
+    matching the cell's rule, channel fraction, bits and budget ratio; None if there is none."""
+    if cell["rule"] == "dense":
+        return None
+    chans = cell["channels"] * SHAPE["head_dim"] // head_dim
+    want_budget = round(cell["budget_ratio"] * CONTEXT)
+    best = None
+    for r in decode_rows:
+        if r.get("attention") != "sparse" or r.get("context") != CONTEXT or r.get("batch") != BATCH:
+            continue
+        rule = r.get("rule") or ("labels" if r.get("label_bits") else "key_copy" if r.get("key_channels") else "quest")
+        if (rule != cell["rule"] or (r.get("key_channels") or 0) != chans or (r.get("label_bits") or 0)
+                != cell["label_bits"] or r.get("budget") != want_budget or bool(r.get("two_stage")) != bool(
+                cell["two_stage"])):
+            continue
+        call = (r.get("variant"), r.get("run"), r.get("device"))
+        dense = [d for d in decode_rows if d.get("attention") == "dense" and d.get("context") == CONTEXT
+                 and d.get("batch") == BATCH and (d.get("variant"), d.get("run"), d.get("device")) == call]
+        if dense:
+            best = dict(speedup=r["tokens_per_s"] / dense[-1]["tokens_per_s"], tokens_per_s=r["tokens_per_s"],
+                        dense_tokens_per_s=dense[-1]["tokens_per_s"], hit_rate=r.get("hit_rate"),
+                        hot_share=r.get("hot_share"), device=r.get("device"), commit=r.get("commit"))
+    return best
+
+
+def load_rows(path: str) -> list[dict]:
+    with open(path) as fh:
+        d = json.load(fh)
+    return d["rows"] if isinstance(d, dict) else d
+
+
+def plot(rows: list[dict], path: str) -> str:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, key, label in ((axes[0], "fraction_of_dense", "bytes a decode step / dense's (8B shape, 128K x 3)"),
+                           (axes[1], "speedup", "decode tok/s / dense's, same call (8B shape, 128K x 3)")):
+        for context, marker in ((16384, "o"), (32768, "s")):
+            pts = [r for r in rows if r["context"] == context and r.get(key) is not None and r["kept"] is not None]
+            for r in pts:
+                ax.scatter(r[key], 100 * r["kept"], marker=marker, s=30)
+                ax.annotate(f"{r['spec'][:22]} {r['budget'] or ''}", (r[key], 100 * r["kept"]), fontsize=6)
+        ax.axhline(95, color="k", ls=":", lw=0.8)
+        ax.set_xlabel(label)
+        ax.set_ylabel("% of dense's right answers kept (o 16K, s 32K)")
+    axes[1].axvline(2.0, color="k", ls=":", lw=0.8)
+    fig.suptitle("Selection rules: quality (Qwen2.5-Coder-0.5B needles) vs bytes and speed")
+    return save_figure(fig, path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--longctx", default="docs/benchmarks/longctx.json")
+    ap.add_argument("--decode", nargs="*", default=["docs/benchmarks/decode.json",
+                                                     "docs/benchmarks/decode_variants.json"])
+    ap.add_argument("--head-dim", type=int, default=64, help="head_dim of the model the harness ran (Qwen 0.5B: 64)")
+    return add_common_args(ap, files="frontier.json, frontier.png")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    with open(args.longctx) as fh:
+        longctx = json.load(fh)
+    decode_rows = [r for p in args.decode for r in load_rows(p)]
+    rows = []
+    for cell in quality_cells(longctx):
+        chans = cell["channels"] * SHAPE["head_dim"] // args.head_dim
+        row = dict(cell, channels_8b=chans,
+                   **step_bytes(cell["rule"], chans, cell["label_bits"], cell["two_stage"], cell["budget_ratio"]))
+        row.update(speed_of(cell, args.head_dim, decode_rows) or {})
+        rows.append(row)
+    meta = run_meta(args.commit, sources=dict(longctx=args.longctx, decode=args.decode), shape=SHAPE,
+                    context=CONTEXT, batch=BATCH, weight_bytes=WEIGHT_BYTES)
+    out = os.path.join(args.out, "frontier.json")
+    write_json(out, dict(meta=meta, rows=rows))
+    plot(rows, os.path.join(args.out, "frontier.png"))
+    print(f"{'context':>7} {'rule':<26} {'budget':>6} {'n':>3} {'kept':>6} {'bytes/dense':>11} {'speedup':>8}")
+    for r in rows:
+        kept = "-" if r["kept"] is None else f"{100 * r['kept']:.0f}%"
+        sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
+        print(f"{r['context']:>7} {r['spec'][:26]:<26} {str(r['budget'] or '-'):>6} {r['n']:>3} {kept:>6} "
+              f"{r['fraction_of_dense']:>11.3f} {sp:>8}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""scripts/frontier.py: the kept share of dense's right answers per rule, the 8B-shape bytes a step, and the speed
+of a matching decode row over the same call's dense row (synthetic harness and decode files)."""
+import json
+
+import pytest
+
+from scripts import frontier
+
+
+def _longctx(tmp_path):
+    prompts = [dict(id=f"p{i}", context=16384) for i in range(4)]
+    outs = []
+    for i, s in enumerate((1.0, 1.0, 1.0, 0.0)):                 # dense right on p0-p2
+        outs.append(dict(id=f"p{i}", spec="dense", budget=None, score=s))
+    for i, s in enumerate((1.0, 0.0, 1.0, 1.0)):                 # labels keep 2 of dense's 3
+        outs.append(dict(id=f"p{i}", spec="labels:32:4", budget=512, score=s))
+    outs.append(dict(id="p1", spec="labels:32:4", budget=512, score=1.0))   # a later run of p1 replaces it
+    for i in range(4):
+        outs.append(dict(id=f"p{i}", spec="two:8:4:quest", budget=512, score=0.0))  # an old spec: not placed
+    path = tmp_path / "longctx.json"
+    path.write_text(json.dumps(dict(prompts=prompts, outputs=outs, rows=[])))
+    return path
+
+
+def test_kept_share_bytes_and_matched_speed(tmp_path):
+    dec = tmp_path / "decode.json"
+    rows = [dict(attention="sparse", context=131072, batch=3, budget=4096, rule="labels", key_channels=64,
+                 label_bits=4, tokens_per_s=150.0, hit_rate=0.9, run="X", device="GPU"),
+            dict(attention="dense", context=131072, batch=3, budget=4096, tokens_per_s=100.0, run="X", device="GPU"),
+            dict(attention="sparse", context=131072, batch=3, budget=2048, rule="labels", key_channels=64,
+                 label_bits=4, tokens_per_s=999.0, run="X", device="GPU")]          # another ratio: not matched
+    dec.write_text(json.dumps(dict(rows=rows)))
+    out = frontier.main(["--longctx", str(_longctx(tmp_path)), "--decode", str(dec), "--out", str(tmp_path / "o"),
+                         "--commit", "abc"])
+    by = {r["spec"]: r for r in out}
+    assert set(by) == {"dense", "labels:32:4"}
+    lab = by["labels:32:4"]
+    assert lab["kept"] == 1.0 and lab["n_dense_right"] == 3 and lab["accuracy"] == 1.0 and lab["channels_8b"] == 64
+    assert lab["speedup"] == pytest.approx(1.5) and lab["hit_rate"] == 0.9
+    # 64 channels at 4 bits + a 2-byte scale a page and channel, every token of 3 x 128K, 32 layers x 8 heads
+    assert lab["scorer_gb"] == pytest.approx(3 * 131072 * 32 * 8 * 64 * (0.5 + 2 / 64) / 1e9)
+    assert 0 < lab["fraction_of_dense"] < 1 and by["dense"]["fraction_of_dense"] == 1.0
+    data = json.loads((tmp_path / "o" / "frontier.json").read_text())
+    assert data["meta"]["commit"] == "abc" and len(data["rows"]) == 2
+    assert (tmp_path / "o" / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_two_stage_bytes_read_quest_and_the_shortlist():
+    quest = frontier.step_bytes("quest", 0, 0, None, 1 / 32)
+    two = frontier.step_bytes("labels", 64, 4, 4, 1 / 32)
+    alone = frontier.step_bytes("labels", 64, 4, None, 1 / 32)
+    assert quest["scorer_gb"] < two["scorer_gb"] < alone["scorer_gb"]
+    assert two["selected_gb"] == alone["selected_gb"] == quest["selected_gb"]
