@@ -3,7 +3,7 @@
 #   bash scripts/bench_gpu.sh [select labels labels-8bit sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e quality-passkey16
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
-#                              decode-prefill longctx-16k longctx-32k longctx-diag decode-labels
+#                              decode-prefill longctx-16k longctx-32k longctx-diag decode-labels quality-austen32k
 #                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2
 #                              serve]
 #                              (default: select sieve tiers ingest attention layer decode, in order)
@@ -101,6 +101,17 @@ for b in "${names[@]}"; do
                 step longctx-diag 580 scripts/bench_longctx.py --prompts "${PROMPTS:?PROMPTS=prompt file}" \
                   --model "${MODEL:?MODEL=gguf path}" --contexts 32768 --name longctx-diag --out "$OUT" --deadline 540 \
                   --rules dense,labels:32:4 --budgets 1024,31744 --batch 24 "${C[@]}" ;;
+    quality-austen32k) # issue 47 / 48: perplexity, top-1 and KL to dense on 32K windows of Jane Austen's novels,
+                    # 4096 positions past 28K scored a window, and the selection trace's hit rates, for the labels
+                    # (32 of 64 channels @ 4 bits) at budget 1024 (1/32); then Quest. TEXT: the novels as a text file
+                    # (python -c "from scripts.bench_quality import corpus_text; print(corpus_text('austen')[0])" > F
+                    # on a machine with the source); MODEL: Qwen2.5-Coder-0.5B's GGUF
+                for kc in 32 0; do
+                  step "$b" 280 scripts/bench_quality.py --model "${MODEL:?MODEL=gguf path}" --text "${TEXT:?TEXT=file}" \
+                    --tasks ppl,trace --ppl-window 32768 --ppl-prefix 28672 --ppl-windows 2 --trace-steps 256 \
+                    --budgets 1024 --pages 64 --key-channels "$kc" --label-bits 4 --pools 4,8,16 --out "$OUT" \
+                    --name "q_austen32k_c$kc" "${C[@]}"
+                done ;;
     decode-labels)  # issue 48's speed rows at 1/32 (budget 4096 of 128K) with labels 64 of 128 @ 4 bits, the hit
                     # rate held under the Qwen 32K trace's (0.970 at pool 1/4) by planted hot pages; Quest and dense
                     # in the same call
@@ -147,7 +158,7 @@ for b in "${names[@]}"; do
             "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2 longctx-16k" \
-            "longctx-32k longctx-diag decode-labels serve)"; exit 2 ;;
+            "longctx-32k longctx-diag decode-labels quality-austen32k serve)"; exit 2 ;;
   esac
 done
 exit $status

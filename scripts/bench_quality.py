@@ -14,6 +14,7 @@ Every answer and every scored token comes from the library's sparse decode path:
   LRU), and through Belady's MIN, at HBM pools of several fractions of the KV pages.
 Text: Python's own documentation as shipped in every CPython install (`pydoc_data/topics.py`, the language
 reference topics `help()` shows), not written here; its sha256 and the Python version are in the JSON's meta.
+`--text austen` (Jane Austen's novels, scripts/haystacks.py), essays, noise, or a text file replaces it.
 
 Cells: every (budget, page size) of the grid through `generation.default_cache_config` (which clamps sink and recent
 pages to the budget); a cell whose config is refused (ValueError) is left out and named in meta.refused. A cell
@@ -118,6 +119,27 @@ def stdlib_text() -> tuple[str, dict]:
     text = "\n\n".join(topics[k].strip() for k in sorted(topics))
     return text, dict(source="CPython pydoc_data/topics.py (language reference topics)", python=sys.version.split()[0],
                       chars=len(text), sha256=hashlib.sha256(text.encode()).hexdigest())
+
+
+def corpus_text(name: str) -> tuple[str, dict]:
+    """The text the tasks read (--text): "pydoc" (`stdlib_text`, the default), a haystack source of
+    scripts/haystacks.py ("austen": Jane Austen's novels, "essays", "noise"), its documents joined by blank
+    lines, or a UTF-8 text file (a path: e.g. the Austen text written on a machine that has its source, for one
+    without registry access or the `rdata` reader) -> (text, provenance)."""
+    if name == "pydoc":
+        return stdlib_text()
+    from scripts import haystacks
+    if name not in haystacks.SOURCES:
+        try:
+            with open(name, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"--text {name!r}: not pydoc, {', '.join(haystacks.SOURCES)} or a readable UTF-8 "
+                             f"text file ({type(e).__name__}: {e})") from None
+        return text, dict(source=os.path.basename(name), chars=len(text),
+                          sha256=hashlib.sha256(text.encode()).hexdigest())
+    docs = haystacks.load(name)
+    return "\n\n".join(docs), haystacks.describe(name, docs)
 
 
 def eos_of(model, tok) -> tuple[int, ...]:
@@ -708,6 +730,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ppl-prefix", type=positive_int, default=None,
                     help="override the tokens prefilled before the scored positions of a window")
     ap.add_argument("--trace-steps", type=positive_int, default=None, help="override the traced decode steps")
+    ap.add_argument("--text", default="pydoc",
+                    help="the text of the passkey filler and the ppl windows (corpus_text): pydoc (Python's "
+                         "documentation, the default), austen, essays or noise (scripts/haystacks.py), or a UTF-8 "
+                         "text file")
     ap.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8),
                     help="with --key-channels C > 0: CacheConfig.label_bits of those cells (4 / 8: labels, "
                          "C channels as whole rotary pairs at that many bits; 0: the key copy)")
@@ -801,7 +827,7 @@ def main(argv=None):
     from scripts.bench_meta import git_commit
     t0 = time.time()
     model, tok, label = load_model(args)
-    text, provenance = stdlib_text()
+    text, provenance = corpus_text(args.text)
     text_ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
     log(f"model {label} ({time.time() - t0:.1f} s); text {provenance['chars']} chars = {len(text_ids)} tokens")
     stamp = dict(device=jax.devices()[0].device_kind, commit=args.commit or git_commit(), jax=jax.__version__,

@@ -175,3 +175,19 @@ def test_line_styles_never_run_out():
     bq = _load_script()
     styles = [s for _, s in zip(range(60), bq.line_styles())]
     assert len(styles) == 60 and len(set(styles[:44])) == 44
+
+
+def test_text_sources(tmp_path):
+    """--text: the default pydoc, a haystack source (noise: always available), a text file (its sha256 recorded);
+    a path that is not a readable text file is refused by name."""
+    bq = _load_script()
+    text, prov = bq.corpus_text("noise")
+    assert prov["source"] == "noise" and len(text) > 1000
+    f = tmp_path / "t.txt"
+    f.write_text("Emma Woodhouse, handsome, clever, and rich.\n" * 50)
+    text, prov = bq.corpus_text(str(f))
+    assert text.startswith("Emma") and prov["source"] == "t.txt" and len(prov["sha256"]) == 64
+    (tmp_path / "bad.bin").write_bytes(b"\xff\xfe\x00bad")
+    for bad in (str(tmp_path / "missing.txt"), str(tmp_path / "bad.bin")):
+        with pytest.raises(SystemExit, match="--text"):
+            bq.corpus_text(bad)
