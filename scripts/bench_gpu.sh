@@ -3,7 +3,7 @@
 #   bash scripts/bench_gpu.sh [select labels labels-8bit sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e quality-passkey16
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
-#                              decode-prefill longctx-16k longctx-32k longctx-diag decode-labels quality-austen32k
+#                              decode-prefill longctx-16k longctx-32k longctx-diag decode-labels quality-austen32k profile-labels
 #                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2
 #                              serve]
 #                              (default: select sieve tiers ingest attention layer decode, in order)
@@ -112,6 +112,12 @@ for b in "${names[@]}"; do
                     --budgets 1024 --pages 64 --key-channels "$kc" --label-bits 4 --pools 4,8,16 --out "$OUT" \
                     --name "q_austen32k_c$kc" "${C[@]}"
                 done ;;
+    profile-labels) # where the labels' decode step goes (31% of its byte floor at 128K x 3): one chunk traced,
+                    # labels 64 @ 4 bits at 1/32 with the trace's hit rate, beside Quest
+                step profile-labels 560 scripts/profile_decode.py --out "$OUT/labels" "${C[@]}" --row-timeout 250 \
+                  --budget 4096 --key-channels 64 --label-bits 4 --hot-share 0.9 --rows sparse:131072:3 && \
+                step profile-labels 300 scripts/profile_decode.py --out "$OUT/labels" "${C[@]}" --append \
+                  --row-timeout 250 --budget 4096 --rows sparse:131072:3 ;;
     decode-labels)  # issue 48's speed rows at 1/32 (budget 4096 of 128K) with labels 64 of 128 @ 4 bits, the hit
                     # rate held under the Qwen 32K trace's (0.970 at pool 1/4) by planted hot pages; Quest and dense
                     # in the same call
@@ -158,7 +164,7 @@ for b in "${names[@]}"; do
             "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2 longctx-16k" \
-            "longctx-32k longctx-diag decode-labels quality-austen32k serve)"; exit 2 ;;
+            "longctx-32k longctx-diag decode-labels quality-austen32k profile-labels serve)"; exit 2 ;;
   esac
 done
 exit $status

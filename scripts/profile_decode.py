@@ -8,6 +8,8 @@ under `jax.profiler.trace`. The trace's device events are summarised three ways:
   the launches of the one op that runs exactly once per layer-step, found from the counts);
 - the chunk: device busy time, idle time (gaps between launches), wall time per step.
 Writes `decode_profile.json` (rows + the ordered layer of each row) to --out and prints a table per row.
+`--key-channels C --label-bits B` profile the sparse rows with the key copy or labels (rows record them),
+`--hot-share X` fills them as bench_decode --hot-share does (the trace's hit rate instead of random weights').
 """
 from __future__ import annotations
 
@@ -158,11 +160,12 @@ def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
     mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
     model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     ns = argparse.Namespace(chunks=2, budget=args.budget)
-    cfg = bd.bench_config(mc, attention, batch, ctx, ns, args.kv_fraction)
+    cfg = bd.bench_config(mc, attention, batch, ctx, ns, args.kv_fraction, key_channels=args.key_channels,
+                          label_bits=args.label_bits)
     gen = Generator(model, cfg, attention=attention, options=DecodeOptions())
     if attention == "sparse":
         slots = [gen.admit(ctx + 3 * cfg.page_size) for _ in range(batch)]
-        bd.synthetic_fill_sparse(gen.cache, slots, ctx, seed=batch, chunk=32768)
+        bd.synthetic_fill_sparse(gen.cache, slots, ctx, seed=batch, chunk=32768, hot_share=args.hot_share)
     else:
         bd.synthetic_fill_dense(gen, batch, ctx, seed=batch)
     S = cfg.max_seqs
@@ -180,6 +183,9 @@ def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
     res["sample_events"] = sorted(events, key=lambda e: e["ts"])[mid:mid + 40]   # raw, for reading the names
     res.update(attention=attention, context=ctx, batch=batch, budget=args.budget, layers=mc.num_layers,
                steps=cfg.page_size, kv_fraction=args.kv_fraction if attention == "sparse" else 1.0,
+               key_channels=cfg.key_channels if attention == "sparse" else None,
+               label_bits=cfg.label_bits if attention == "sparse" else None,
+               hot_share=args.hot_share if attention == "sparse" else None,
                device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                step_ms=res["span_us"] / cfg.page_size / 1e3)
     return res
@@ -225,6 +231,12 @@ def print_row(r: dict, top: int = 12) -> None:
         print(f"  {x['us']:7.2f} {x['name'][:34]:34s} {x.get('source', '')[:150]}")
 
 
+def bd_hot_share(text: str) -> float:
+    """--hot-share's argparse type: bench_decode's (imported when parsed: bench_decode imports jax)."""
+    from scripts.bench_decode import hot_share_arg
+    return hot_share_arg(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="sparse:131072:1,dense:131072:1,sparse:262144:1,dense:262144:1",
@@ -235,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--row-timeout", type=float, default=300)
     p.add_argument("--append", action="store_true", help="keep the rows (and commands) of an existing "
                    "decode_profile.json in --out")
+    p.add_argument("--key-channels", type=int, default=0, help="sparse rows: CacheConfig.key_channels (the key "
+                   "copy, or labels with --label-bits)")
+    p.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8), help="sparse rows with --key-channels: "
+                   "labels at 4 or 8 bits")
+    p.add_argument("--hot-share", type=bd_hot_share, default=0.0, help="sparse rows: bench_decode --hot-share")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # child: run the single row
     return add_common_args(p, files="decode_profile.json")
 
@@ -257,7 +274,9 @@ def main(argv=None):
                                                                                      else argv))
     for a, c, b in specs:           # each row in its own process: one row's HBM cannot starve the next
         cmd = [sys.executable, os.path.abspath(__file__), "--one", "--rows", f"{a}:{c}:{b}", "--layers",
-               str(args.layers), "--budget", str(args.budget), "--kv-fraction", str(args.kv_fraction)]
+               str(args.layers), "--budget", str(args.budget), "--kv-fraction", str(args.kv_fraction),
+               "--key-channels", str(args.key_channels), "--label-bits", str(args.label_bits),
+               "--hot-share", str(args.hot_share)]
         row = row_in_child(cmd, args.row_timeout, attention=a, context=c, batch=b)
         row["commit"] = commit
         rows.append(row)

@@ -93,3 +93,23 @@ def test_attach_sources_maps_kernel_names_and_removes_the_dump(prof, tmp_path):
     prof.attach_sources(layer, events, str(dump))
     assert layer[0]["source"] == src[name] and "source" not in layer[1]
     assert not dump.exists()
+
+
+def test_rule_options_reach_each_row_process(prof, tmp_path, monkeypatch):
+    """--key-channels / --label-bits / --hot-share go to every row's child process (the row is built there), and
+    a bad --hot-share is refused by name before anything runs."""
+    import scripts.bench_meta as bm
+    seen = []
+
+    def fake_child(cmd, timeout, **row):
+        seen.append(cmd)
+        return dict(row, error="not run")
+
+    monkeypatch.setattr(bm, "row_in_child", fake_child)
+    prof.main(["--out", str(tmp_path), "--rows", "sparse:4096:1", "--key-channels", "64", "--label-bits", "4",
+               "--hot-share", "0.9", "--commit", "abc"])
+    cmd = seen[0]
+    for flag, value in (("--key-channels", "64"), ("--label-bits", "4"), ("--hot-share", "0.9")):
+        assert cmd[cmd.index(flag) + 1] == value
+    with pytest.raises(SystemExit):
+        prof.build_parser().parse_args(["--hot-share", "2"])
