@@ -117,6 +117,15 @@ def test_save_refuses_a_folder_it_did_not_write(setup, tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="it holds 7"):
         eng.save(ours)
     assert sorted(os.listdir(ours)) == [checkpoint.MARKER, "1", "2", "7"]
+    shutil.rmtree(ours / "7")
+    half = ours / "1"                                       # a prune cut short by a kill: orbax's entries, some gone
+    shutil.rmtree(half / "arrays")
+    (half / "_CHECKPOINT_METADATA").unlink(missing_ok=True)
+    assert checkpoint.foreign_entries(ours) == [] and eng.save(ours).name == "3"
+    assert checkpoint.read(ours).step == 3
+    (d / "9").mkdir()                                       # without our marker the same is still refused
+    (d / "9" / "meta").mkdir()
+    assert checkpoint.foreign_entries(d) == ["2023", "9"]
     legacy = tmp_path / "legacy"                            # written before the marker existed: only our steps
     eng.save(legacy)
     (legacy / checkpoint.MARKER).unlink()

@@ -49,6 +49,7 @@ _ITEMS = ("arrays", "meta")
 _KEEP = 2                                 # the newest step and the one before it (a kill during a save)
 _DIGEST_VALUES = 64                       # leading values of each parameter array in the weight digest
 MARKER = ".ulacache-checkpoints"          # in a folder Engine.save writes: its integer-named entries are our steps
+_STEP_ENTRIES = frozenset(_ITEMS) | {"_CHECKPOINT_METADATA", "commit_success.txt"}   # what orbax writes into a step
 _TMP_STEP = re.compile(r"^\d+\.orbax-checkpoint-tmp-\d+$")   # a step a killed save left half-written
 
 
@@ -140,11 +141,20 @@ def identity_differences(saved: dict, current: dict) -> list[str]:
 
 
 # ---- the folder -------------------------------------------------------------------------------------------------
-def _our_step(p: pathlib.Path) -> bool:
-    """A step folder Engine.save wrote (orbax's layout with our two items), or one a killed save left behind."""
+def _our_step(p: pathlib.Path, *, partial: bool = False) -> bool:
+    """A step folder Engine.save wrote (orbax's layout with our two items), or one a killed save left behind.
+    partial (in a folder holding our marker only): also a step folder holding nothing but what orbax writes into
+    one, some of it gone: a step whose pruning (orbax deletes all but the newest `_KEEP` after a save) a kill or
+    SIGTERM cut short, e.g. `4/meta` alone (not empty: an empty folder may be anyone's). Without the marker such a
+    folder may be a user's."""
     if _TMP_STEP.match(p.name):
         return p.is_dir()
-    return p.name.isdigit() and p.is_dir() and all((p / item).is_dir() for item in _ITEMS)
+    if not (p.name.isdigit() and p.is_dir()):
+        return False
+    if all((p / item).is_dir() for item in _ITEMS):
+        return True
+    names = {c.name for c in p.iterdir()} if partial else set()
+    return bool(names) and names <= _STEP_ENTRIES     # an empty folder stays foreign: nothing says it was a step
 
 
 def foreign_entries(directory) -> list[str]:
@@ -156,7 +166,7 @@ def foreign_entries(directory) -> list[str]:
         return []
     entries = sorted(d.iterdir())
     if (d / MARKER).is_file():
-        return [p.name for p in entries if p.name.isdigit() and not _our_step(p)]
+        return [p.name for p in entries if p.name.isdigit() and not _our_step(p, partial=True)]
     return [p.name for p in entries if not _our_step(p)]
 
 
