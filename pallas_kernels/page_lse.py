@@ -87,7 +87,7 @@ def _rows_lse(parts, q_ref, out_ref, i: int, rows: int, pg, p: int):
         out_ref[pl.ds(r, 1), pg] = (m + jnp.log(jnp.sum(jnp.exp(logit - m[:, None]), axis=1))).reshape(1, p)
 
 
-def _block_pages(num_pages: int, page: int, channels: int) -> int:
+def default_block_pages(num_pages: int, page: int, channels: int) -> int:
     """Largest power of two dividing num_pages whose block holds at most BLOCK_ELEMS copy values."""
     b = 1
     while num_pages % (b * 2) == 0 and (b * 2) * page * channels <= BLOCK_ELEMS:
@@ -133,7 +133,7 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     H = qc.shape[3]
     Hp = next_pow2(H)    # Triton blocks are powers of two: padded rows are zeros, their lse is dropped below
     qp = jnp.pad(qc.astype(jnp.float32), ((0, 0),) * 3 + ((0, Hp - H), (0, 0))).reshape(S, G, g * Hp, C)
-    bp = block_pages or _block_pages(P, T, C)
+    bp = block_pages or default_block_pages(P, T, C)
     if P % bp or bp & (bp - 1):
         raise ValueError(f"block_pages = {bp} must be a power of two dividing the page count {P}")
     span = _span(P, bp, pages_per_program)

@@ -256,6 +256,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     if tp > 1 and attention != "sparse":
         raise ValueError(f"--tp {tp}: only the sparse side runs head-sharded; got {attention}")
     cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction, tp=tp, key_channels=args.key_channels)
+    hot_share = getattr(args, "hot_share", 0.0)      # a Namespace built by hand (tests) may lack it
     from ulacache_jax.cache.decode_layer import DecodeOptions
     t_setup = time.perf_counter()
     log = lambda what: print(f"[{attention} {ctx}x{batch}] {what} at {time.perf_counter() - t_setup:.1f} s",
@@ -272,7 +273,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
         tok, done = jnp.asarray(first), jnp.asarray(~running)
     elif attention == "sparse":
         slots_ = [gen.admit(ctx + (args.chunks + 1) * page) for _ in range(batch)]
-        synthetic_fill_sparse(gen.cache, slots_, ctx, seed=batch, chunk=32768, hot_share=getattr(args, "hot_share", 0.0))
+        synthetic_fill_sparse(gen.cache, slots_, ctx, seed=batch, chunk=32768, hot_share=hot_share)
     else:
         synthetic_fill_dense(gen, batch, ctx, seed=batch)
     jax.block_until_ready((gen.cache.state, gen.cache.host) if attention == "sparse" else gen.dense)
@@ -311,7 +312,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     # LM head, ~2 GB at 8B, are read by every rank: the floor is a little optimistic for tp > 1)
     row = dict(attention=requested, attention_path=attention, batch=batch, context=ctx, budget=args.budget,
                page=page, tp=tp, fill=args.fill, **fill,
-               hot_share=getattr(args, "hot_share", 0.0) if attention == "sparse" and args.fill == "synthetic" else None,
+               hot_share=hot_share if attention == "sparse" and args.fill == "synthetic" else None,
                kv_fraction=kv_fraction if attention == "sparse" else 1.0,
                pool_frames=cfg.num_frames if attention == "sparse" else None,
                buckets=cfg.num_buckets if attention == "sparse" else None,

@@ -115,7 +115,7 @@ def variants(a) -> list[dict]:
     rows = [dict(impl="ref")]
     rows += [dict(impl="kernel", block_pages=bp, num_warps=w) for bp in a.blocks for w in a.warps
              if P % bp == 0 and bp & (bp - 1) == 0]
-    sb = a.span_block or pk._block_pages(P, a.page, a.channels)
+    sb = a.span_block or pk.default_block_pages(P, a.page, a.channels)
     rows += [dict(impl="span", block_pages=sb, pages_per_program=sp, num_warps=w) for sp in a.spans
              for w in a.warps if sp % sb == 0 and P % sp == 0]
     return rows
@@ -183,7 +183,8 @@ def main(argv=None):
     ceiling = read_ceiling(1 << 30 if gpu else 1 << 24)
     nbytes = bytes_read(a)
     shapes = dict(S=a.batch, G=a.groups, g=a.kv_heads, H=a.rows, P=a.pages, T=a.page, C=a.channels, bits=a.bits,
-                  L=a.layers, layer=layer, default_block_pages=pk._block_pages(a.pages, a.page, a.channels))
+                  L=a.layers, layer=layer,
+                  default_block_pages=pk.default_block_pages(a.pages, a.page, a.channels))
     res = Results(os.path.join(a.out, f"{name}.json"), run_meta(a.commit, interpret=not gpu), shapes=shapes,
                   bytes_per_call=nbytes, read_tb_s=ceiling / 1e12, rtol=RTOL, atol=ATOL)
     for v in variants(a):

@@ -46,6 +46,7 @@ import time
 import numpy as np
 
 from scripts.bench_meta import add_common_args, write_json, write_npz
+from ulacache_jax.app.cli import positive_int
 
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -184,17 +185,6 @@ def decode_options(args):
     if args.kernels == "ref":
         return DecodeOptions(attention="ref", sieve="ref", scores="ref", topk="ref")
     return DecodeOptions()
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (the message names the value)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
-    return v
 
 
 def selection_fields(args, kc: int) -> dict:

@@ -35,26 +35,8 @@ CONTEXT, BATCH = 131072, 3
 WEIGHT_BYTES = 16.06e9
 
 
-def _parse(spec: str):
-    """A longctx rule spec -> (name, channels, bits, two_stage multiple): dense, quest, key_copy:C,
-    labels:C:BITS[:TABLE], two:MULT:<rule>; None for a spec this script does not place (older page-group ones)."""
-    parts = spec.split(":")
-    if parts[0] == "two":
-        inner = _parse(":".join(parts[2:]))
-        if inner is None or not parts[1].isdigit():
-            return None
-        return inner[:3] + (int(parts[1]),)
-    if parts[0] in ("dense", "quest") and len(parts) == 1:
-        return parts[0], 0, 0, None
-    if parts[0] == "key_copy" and len(parts) == 2:
-        return "key_copy", int(parts[1]), 0, None
-    if parts[0] == "labels" and len(parts) in (3, 4):
-        return "labels", int(parts[1]), int(parts[2]), None
-    return None
-
-
 def rule_object(name: str, channels: int, bits: int, two: int | None, budget_pages: int):
-    """The library's rule for a parsed spec at the 8B shape (channels already scaled)."""
+    """The library's rule for a harness row's fields at the 8B shape (channels already scaled)."""
     rule = {"quest": lambda: Quest(), "key_copy": lambda: KeyCopy(channels=channels),
             "labels": lambda: Labels(channels=channels, bits=bits)}[name]()
     return TwoStage(second=rule, keep_pages=two * budget_pages) if two else rule
@@ -77,9 +59,17 @@ def step_bytes(name: str, channels: int, bits: int, two: int | None, ratio: floa
                 fraction_of_dense=total / dense)
 
 
+def rule_fields(rows: list[dict]) -> dict:
+    """{spec: (rule, channels, label_bits, two_stage multiple or None)} as the harness's rows record them; the
+    rows of the deleted page-group two-stage rule (two_stage [group, multiple]) are left out."""
+    return {r["spec"]: (r["rule"], r["channels"], r["label_bits"], r.get("two_stage")) for r in rows
+            if not isinstance(r.get("two_stage"), list)}
+
+
 def quality_cells(longctx: dict) -> list[dict]:
     """Per (spec, context, budget): kept share of dense's right answers, accuracy, n (module docstring)."""
     prompts = {p["id"]: p for p in longctx["prompts"]}
+    fields = rule_fields(longctx["rows"])
     last: dict = {}
     for o in longctx["outputs"]:                          # later runs replace earlier outputs of one prompt
         last[(o["spec"], o["budget"], o["id"])] = o["score"]
@@ -89,7 +79,7 @@ def quality_cells(longctx: dict) -> list[dict]:
         cells.setdefault((spec, prompts[pid]["context"], budget), []).append((pid, score))
     out = []
     for (spec, context, budget), scores in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2] or 0)):
-        parsed = _parse(spec)
+        parsed = fields.get(spec)
         if parsed is None:
             continue
         right = [pid for pid, _ in scores if dense.get(pid) == 1.0]

@@ -173,7 +173,7 @@ def _other_values(a):
         return [not a.default]
     if isinstance(a.default, list):                     # append
         return [["x"]]
-    if a.type in (int, cli._positive_int):
+    if a.type in (int, cli.positive_int):
         return [(a.default or 0) + 3, (a.default or 0) + 8]
     if a.type in (float, cli._positive_float):
         return [(a.default or 0.0) + 0.25]

@@ -16,9 +16,12 @@ def _longctx(tmp_path):
         outs.append(dict(id=f"p{i}", spec="labels:32:4", budget=512, score=s))
     outs.append(dict(id="p1", spec="labels:32:4", budget=512, score=1.0))   # a later run of p1 replaces it
     for i in range(4):
-        outs.append(dict(id=f"p{i}", spec="two:8:4:quest", budget=512, score=0.0))  # an old spec: not placed
+        outs.append(dict(id=f"p{i}", spec="two:8:4:quest", budget=512, score=0.0))  # the deleted rule: not placed
+    rows = [dict(spec="dense", rule="dense", channels=0, label_bits=0, two_stage=None),
+            dict(spec="labels:32:4", rule="labels", channels=32, label_bits=4, two_stage=None),
+            dict(spec="two:8:4:quest", rule="quest", channels=0, label_bits=0, two_stage=[8, 4])]  # deleted rule
     path = tmp_path / "longctx.json"
-    path.write_text(json.dumps(dict(prompts=prompts, outputs=outs, rows=[])))
+    path.write_text(json.dumps(dict(prompts=prompts, outputs=outs, rows=rows)))
     return path
 
 

