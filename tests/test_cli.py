@@ -11,7 +11,7 @@ import pytest
 
 from device_env import forced_devices
 
-from ulacache_jax.app import cli
+from ulacache_jax.app import batch_lines, cli
 from ulacache_jax.runtime.engine import SamplingParams
 from ulacache_jax.models import ByteTokenizer
 
@@ -182,8 +182,8 @@ def test_parse_input_messages():
     lines = ['{"id": 1, "prompt_ids": [1, 2, 999]}', '{"id": 2, "prompt_ids": []}', '[1, 2]',
              '{"prompt": "no id"}', '{"id": 3, "prompt": "x", "prompt_ids": [1]}', '{"id": 4, "prompt": "ok",'
              ' "top_p": 0}', '{"id": true, "prompt": "x"}', '{"id": 5, "prompt": "fine"}', '{"id": 6, "prompt": "y"}']
-    resume = cli.ResumeState(done_ids={json.dumps(6)}, reported={(9, json.dumps(6))})
-    recs, errs, skipped, skipped_errors = cli.parse_input(lines, tokenizer=ByteTokenizer(), vocab_size=258,
+    resume = batch_lines.ResumeState(done_ids={json.dumps(6)}, reported={(9, json.dumps(6))})
+    recs, errs, skipped, skipped_errors = batch_lines.parse_input(lines, tokenizer=ByteTokenizer(), vocab_size=258,
                                                           limit=64, defaults=SamplingParams(max_new_tokens=100),
                                                           resume=resume)
     msgs = {e.line: e.error for e in errs}

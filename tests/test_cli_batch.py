@@ -5,7 +5,7 @@ import contextlib
 import io
 import json
 
-from ulacache_jax.app import cli, jsonl_io
+from ulacache_jax.app import batch_lines, cli, jsonl_io
 from ulacache_jax.app import openai_protocol as proto
 from ulacache_jax.models import ByteTokenizer
 from ulacache_jax.runtime.requests import SamplingParams
@@ -24,7 +24,7 @@ def batch_line(cid, url="/v1/chat/completions", **body):
 
 
 def parse(lines, **kw):
-    return cli.parse_input(lines, tokenizer=TOK, vocab_size=258, limit=256, defaults=DEFAULTS, **kw)
+    return batch_lines.parse_input(lines, tokenizer=TOK, vocab_size=258, limit=256, defaults=DEFAULTS, **kw)
 
 
 def test_batch_lines_parse_like_server_bodies():

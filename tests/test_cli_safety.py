@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from ulacache_jax.app import cli
+from ulacache_jax.app import batch_lines, cli
 from ulacache_jax.app import jsonl_io
 from ulacache_jax.runtime.text import apply_stop
 from ulacache_jax.runtime.engine import SamplingParams
@@ -182,7 +182,7 @@ def test_parse_input_text_fields():
              json.dumps({"id": 6, "prompt": "ok", "stop": [""]}),
              json.dumps({"id": 7, "prompt_ids": [1.5, 2]})]
     kw = dict(vocab_size=258, limit=64, defaults=SamplingParams(max_new_tokens=10))
-    recs, errs, _, _ = cli.parse_input(lines, tokenizer=_ChatTok(), **kw)
+    recs, errs, _, _ = batch_lines.parse_input(lines, tokenizer=_ChatTok(), **kw)
     msgs = {e.line: e.error for e in errs}
     assert sorted(msgs) == [2, 4, 5, 6, 7]
     assert "lone surrogate U+D800 at character 1" in msgs[2] and "disagree" in msgs[4]
@@ -191,7 +191,7 @@ def test_parse_input_text_fields():
     assert r1.prompt_ids == _ChatTok().encode("<user>hi<assistant>") and r1.sampling.max_new_tokens == 7
     assert r1.sampling.stop == ("\n",) and r3.sampling.stop == ("x", "yy")
     assert (r3.sampling.temperature, r3.sampling.top_p, r3.sampling.top_k, r3.sampling.seed) == (0.5, 0.9, 5, 11)
-    _, errs, _, _ = cli.parse_input(lines[:1], tokenizer=_NoChatTok(), **kw)
+    _, errs, _, _ = batch_lines.parse_input(lines[:1], tokenizer=_NoChatTok(), **kw)
     assert "has no chat template" in errs[0].error
 
 

@@ -281,7 +281,7 @@ def test_checkpoint_restores_penalties_and_logprobs(setup, tmp_path):
 
 
 def test_jsonl_lines_take_the_options():
-    from ulacache_jax.app import cli
+    from ulacache_jax.app import batch_lines, cli
     from ulacache_jax.models import ByteTokenizer
     import json
     good = {"id": 1, "prompt": "hello", "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
@@ -289,7 +289,7 @@ def test_jsonl_lines_take_the_options():
     lines = [json.dumps(good), json.dumps({"id": 2, "prompt": "x", "min_p": 3}),
              json.dumps({"id": 3, "prompt": "x", "logprobs": 99}),
              json.dumps({"id": 4, "prompt": "x", "attention": "everything"})]
-    recs, errs, _, _ = cli.parse_input(lines, tokenizer=ByteTokenizer(), vocab_size=258, limit=64,
+    recs, errs, _, _ = batch_lines.parse_input(lines, tokenizer=ByteTokenizer(), vocab_size=258, limit=64,
                                        defaults=SamplingParams(max_new_tokens=4))
     sp = recs[0].sampling
     assert (sp.min_p, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.logprobs,
