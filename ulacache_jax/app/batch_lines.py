@@ -38,6 +38,18 @@ class Record:
     capped_from: int | None = None
     api_kind: str | None = None     # an OpenAI batch line's endpoint ("chat" / "completion"); None: own format
     logprobs: int | None = None     # top-k alternatives asked per token (None: no logprobs)
+    choices: int = 1                # an OpenAI batch body's n: one engine request a choice, one output line
+
+    def choice_sampling(self, j: int):
+        """SamplingParams of choice j: choice 0 is `sampling`, the others get seeds derived from its seed, as the
+        server derives them (openai_protocol.choice_sampling)."""
+        from ulacache_jax.app import openai_protocol
+        return openai_protocol.choice_sampling(self.sampling, j)
+
+    def unit_key(self, j: int) -> str:
+        """The key of choice j in a checkpoint's request map: the line's id key alone when it has one choice (so
+        checkpoints of one-choice lines keep their format), else the id with the choice index."""
+        return id_key(self.id) if self.choices == 1 else id_key({"id": self.id, "choice": j})
 
 
 @dataclasses.dataclass
@@ -275,7 +287,7 @@ def parse_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, vocab_
 
 
 def _record(n: int, rid, ids: list[int], sp, *, vocab_size: int, limit: int, fail, api_kind: str | None = None,
-            logprobs: int | None = None) -> Record:
+            logprobs: int | None = None, choices: int = 1) -> Record:
     """A parsed line's Record: its sampling checked, a prompt past the context refused, max_new_tokens capped to
     the room left."""
     try:
@@ -285,7 +297,7 @@ def _record(n: int, rid, ids: list[int], sp, *, vocab_size: int, limit: int, fai
     if len(ids) + 1 > limit:
         fail(f"prompt of {len(ids)} tokens is longer than the context limit of {limit} tokens (with room for one "
              "generated token; --max-context)")
-    rec = Record(n, rid, [int(t) for t in ids], sp, api_kind=api_kind, logprobs=logprobs)
+    rec = Record(n, rid, [int(t) for t in ids], sp, api_kind=api_kind, logprobs=logprobs, choices=choices)
     if len(ids) + sp.max_new_tokens > limit:
         rec.capped_from = sp.max_new_tokens
         rec.sampling = dataclasses.replace(sp, max_new_tokens=limit - len(ids))
@@ -344,8 +356,6 @@ def parse_batch_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, 
         api = proto.parse_body(obj.get("body"), kind, proto.Defaults(base=base), vocab_size=vocab_size)
     except proto.ApiError as e:
         fail(f"body: {e.message}")
-    if api.n != 1:
-        fail(f"body: 'n' = {api.n}: one answer a line in a batch file (repeat the line with other custom_ids)")
     if len(api.prompts) != 1:
         fail(f"body: 'prompt' holds {len(api.prompts)} prompts: one a line in a batch file")
     if api.stream:
@@ -362,14 +372,19 @@ def parse_batch_line(raw: str, n: int, seen: dict, done_ids: set, *, tokenizer, 
     except (TypeError, ValueError) as e:
         fail(str(e))
     return _record(n, rid, ids, api.sampling, vocab_size=vocab_size, limit=limit, fail=fail, api_kind=kind,
-                   logprobs=api.logprobs)
+                   logprobs=api.logprobs,
+                   choices=api.n)
 
 
-def result_line(rec: Record, req, *, model: str = "", tokenizer=None) -> dict:
-    """A finished request's output line: the Engine has cut its tokens and text at a stop string (stop_reason).
-    model, tokenizer: an OpenAI batch line's answer names the model and spells its logprobs' tokens."""
+def result_line(rec: Record, reqs: list, *, model: str = "", tokenizer=None) -> dict:
+    """A finished line's output line from its requests (one a choice, in choice order; the own format has one): the
+    Engine has cut their tokens and text at a stop string (stop_reason). model, tokenizer: an OpenAI batch line's
+    answer names the model and spells its logprobs' tokens."""
+    if len(reqs) != rec.choices:
+        raise ValueError(f"line {rec.line}: {len(reqs)} finished requests for its {rec.choices} choices")
     if rec.api_kind is not None:
-        return _batch_result_line(rec, req, model, tokenizer)
+        return _batch_result_line(rec, reqs, model, tokenizer)
+    req = reqs[0]
     if req.finish_reason == "error":
         return {"id": rec.id, "line": rec.line, "finish_reason": "error", "error": req.error}
     out = {"id": rec.id, "line": rec.line, "text": req.text, "token_ids": list(req.tokens),
@@ -385,29 +400,37 @@ def result_line(rec: Record, req, *, model: str = "", tokenizer=None) -> dict:
     return out
 
 
-def _batch_result_line(rec: Record, req, model: str, tokenizer) -> dict:
-    """A finished request of an OpenAI batch line -> its Batch API output line: {"id", "custom_id", "response":
+def _batch_result_line(rec: Record, reqs: list, model: str, tokenizer) -> dict:
+    """The finished choices of an OpenAI batch line -> its Batch API output line: {"id", "custom_id", "response":
     {"status_code", "request_id", "body"}, "error"}; the body is what the server answers (a chat.completion or
-    text_completion, or the error object with status 400 for a request the engine refused before running it and
-    500 for one that failed while running). "line" (and the run's "settings") are the library's additions, for
-    --resume."""
+    text_completion with a choice per request and usage counting the prompt once, or, if any choice failed, the
+    error object: status 400 for a request the engine refused before running it, 500 for one that failed while
+    running). "line" (and the run's "settings") are the library's additions, for --resume."""
     from ulacache_jax.app import openai_protocol as proto
     rid = _batch_id("req")
-    if req.finish_reason == "error":
+    failed = [r for r in reqs if r.finish_reason == "error"]
+    if failed:
+        req = failed[0]
         status = 500 if req.t_admitted is not None else 400
-        body = proto.ApiError(req.error or "the request failed", status=status,
+        what = req.error or "the request failed"
+        if len(reqs) > 1:
+            what = f"choice {reqs.index(req)} of {len(reqs)}: {what}"
+        body = proto.ApiError(what, status=status,
                               type="server_error" if status == 500 else "invalid_request_error").body()
     else:
-        lp = None
-        if rec.logprobs is not None:
-            entries = [(_token_text(tokenizer, t.token_id), float(t.logprob),
-                        [(_token_text(tokenizer, a), float(alp)) for a, alp in t.top])
-                       for t in getattr(req, "logprobs", ())]
-            lp = proto.logprobs_chat(entries) if rec.api_kind == "chat" else proto.logprobs_completion(entries)
-        choice = {"index": 0, "text": req.text or "", "finish_reason": req.finish_reason, "logprobs": lp}
+        choices = []
+        for j, req in enumerate(reqs):
+            lp = None
+            if rec.logprobs is not None:
+                entries = [(_token_text(tokenizer, t.token_id), float(t.logprob),
+                            [(_token_text(tokenizer, a), float(alp)) for a, alp in t.top])
+                           for t in getattr(req, "logprobs", ())]
+                lp = proto.logprobs_chat(entries) if rec.api_kind == "chat" else proto.logprobs_completion(entries)
+            choices.append({"index": j, "text": req.text or "", "finish_reason": req.finish_reason, "logprobs": lp})
         shaped = proto.chat_response if rec.api_kind == "chat" else proto.completion_response
         body = shaped(("chatcmpl-" if rec.api_kind == "chat" else "cmpl-") + rid.removeprefix("req_"),
-                      int(time.time()), model, [choice], proto.usage(len(req.prompt_ids), len(req.tokens)))
+                      int(time.time()), model, choices,
+                      proto.usage(len(reqs[0].prompt_ids), sum(len(r.tokens) for r in reqs)))
         status = 200
     return {"id": _batch_id("batch_req"), "custom_id": rec.id,
             "response": {"status_code": status, "request_id": rid, "body": body}, "error": None, "line": rec.line}

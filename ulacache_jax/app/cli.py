@@ -18,7 +18,8 @@ OpenAI batch files: an input whose first JSON object has a "custom_id" is read a
 ({"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}; each body parsed by
 app/openai_protocol.py as the server parses it, the command line's sampling options as defaults) and its results
 are written in the Batch output format ({"id", "custom_id", "response": {"status_code", "request_id", "body"},
-"error"}, plus "line" and "settings" for --resume, which goes by custom_id).
+"error"}, plus "line" and "settings" for --resume, which goes by custom_id). A body's "n" runs n engine requests
+(seeds derived per choice as the server derives them) and writes one line with n choices once all are done.
 
 Output: one JSON object a line, {"id", "line", "text", "token_ids", "finish_reason" (stop | length | error),
 "prompt_tokens", "completion_tokens", "settings"} or {"id", "line", "finish_reason": "error", "error",
@@ -863,22 +864,23 @@ def _checkpoint_fits(args, ck, longest: int) -> bool:
 
 def _restore_checkpoint(engine, ck, records) -> dict:
     """Restore the checkpoint's queued and running requests whose input line is unchanged and not yet done ->
-    {engine request id: Record}; the other records are added afresh by the caller."""
+    {engine request id: (Record, choice)}; the other choices are added afresh by the caller (a choice of a
+    line with n > 1 that finished before the run stopped was never written: it runs again)."""
     from ulacache_jax.runtime import checkpoint
-    by_key = {batch_lines.id_key(r.id): r for r in records}
+    by_key = {r.unit_key(j): (r, j) for r in records for j in range(r.choices)}
     ids = ck.meta.get("ids") or {}
     restored, skip = {}, []
     for sr in ck.requests:
-        rec = by_key.get(ids.get(str(sr.request_id)))
+        rec, j = by_key.get(ids.get(str(sr.request_id)), (None, 0))
         ok = rec is not None and sr.status != "finished" and rec.prompt_ids == sr.prompt_ids
         if ok:
-            want = rec.sampling
+            want = rec.choice_sampling(j)
             if want.stop_ids is None:
                 want = dataclasses.replace(want, stop_ids=engine.default_stop_ids)
             ok = checkpoint.sampling_params(sr.sampling) == want
         if ok:
-            restored[sr.request_id] = rec
-            del by_key[batch_lines.id_key(rec.id)]
+            restored[sr.request_id] = (rec, j)
+            del by_key[rec.unit_key(j)]
         else:
             skip.append(sr.request_id)
     try:
@@ -1029,6 +1031,7 @@ def _generate_locked(args, t_start: float) -> int:
     write_error: OutputError | None = None
     rep = None
     finished = []
+    lines_written = 0
     n_steps = 0
     # last_s starts at the first save's cost (it also computes the engine's weight digest and starts orbax, ~1 s),
     # so by default the first checkpoint comes after ~20 s and a shorter run writes none
@@ -1041,14 +1044,18 @@ def _generate_locked(args, t_start: float) -> int:
         writer.write_batch([stamp(e.as_output()) for e in errors])
         if engine is not None:
             by_rid = _restore_checkpoint(engine, ckpt, records) if ckpt is not None else {}
-            again = set(map(id, by_rid.values()))
-            by_rid.update({engine.add_request(r.prompt_ids, r.sampling): r for r in records if id(r) not in again})
+            again = {(id(r), j) for r, j in by_rid.values()}
+            for r in records:
+                for j in range(r.choices):
+                    if (id(r), j) not in again:
+                        by_rid[engine.add_request(r.prompt_ids, r.choice_sampling(j))] = (r, j)
+            done_choices: dict[int, list] = {}     # id(record) -> its finished requests by choice, until all are
             every = args.checkpoint_every
 
             def save_checkpoint():
                 t0 = time.perf_counter()
                 meta = {"settings": fingerprint,
-                        "ids": {str(i): batch_lines.id_key(r.id) for i, r in by_rid.items() if i in engine.requests}}
+                        "ids": {str(i): r.unit_key(j) for i, (r, j) in by_rid.items() if i in engine.requests}}
                 try:
                     engine.save(args.checkpoint_dir, meta=meta)
                 except Exception as e:  # noqa: BLE001 - a failed checkpoint must not stop the batch
@@ -1070,19 +1077,26 @@ def _generate_locked(args, t_start: float) -> int:
                     batch = []
                     for ev in engine.step():
                         n_tokens += len(ev.new_tokens)
-                        rec = by_rid[ev.request_id]
+                        rec, j = by_rid[ev.request_id]
                         if not ev.finished:
                             continue
                         req = engine.pop(ev.request_id)
                         finished.append(req)
-                        batch.append(stamp(batch_lines.result_line(rec, req, model=args.model or DEFAULT_MODEL,
-                                                        tokenizer=loaded.tokenizer)))
                         if req.finish_reason == "error":
                             engine_failed += 1
-                            print(f"{args.input}:{rec.line}: id {json.dumps(rec.id)}: {req.error}", file=sys.stderr)
+                            print(f"{args.input}:{rec.line}: id {json.dumps(rec.id)}"
+                                  + (f" choice {j}" if rec.choices > 1 else "") + f": {req.error}", file=sys.stderr)
+                        got = done_choices.setdefault(id(rec), [None] * rec.choices)
+                        got[j] = req
+                        if any(r is None for r in got):
+                            continue                   # a line is written when all its choices are done
+                        del done_choices[id(rec)]
+                        batch.append(stamp(batch_lines.result_line(rec, got, model=args.model or DEFAULT_MODEL,
+                                                                   tokenizer=loaded.tokenizer)))
                         if bar is not None:
                             bar.update(1)
                     writer.write_batch(batch)      # whole lines, fsynced, once per step
+                    lines_written += len(batch)
                     _check_stop(args)              # a signal whose exception a gc callback swallowed
                     n_steps += 1
                     due = (n_steps % every == 0 if every else   # default: saving stays under CHECKPOINT_SHARE
@@ -1091,7 +1105,7 @@ def _generate_locked(args, t_start: float) -> int:
                     if args.checkpoint_dir and (due or last):
                         save_checkpoint()          # after the results are written: the last one holds nothing
                     if log is not None:
-                        log.update(len(finished), n_tokens, engine)
+                        log.update(lines_written, n_tokens, engine)
                     if bar is not None:
                         el = engine.elapsed()
                         bar.set_postfix_str(f"{n_tokens / el:.1f} tok/s, {engine.num_running} running, "
@@ -1130,7 +1144,7 @@ def _generate_locked(args, t_start: float) -> int:
     if write_error is not None:
         print(f"ulacache generate: error: {write_error}", file=sys.stderr)
     if interrupted is not None:
-        print(f"ulacache: interrupted by {_signal_name(interrupted)}; the {len(finished)} requests finished in this "
+        print(f"ulacache: interrupted by {_signal_name(interrupted)}; the {lines_written} lines finished in this "
               f"run are in {args.output}: rerun with --resume to continue"
               + (f" (requests in flight continue from their last checkpoint in {args.checkpoint_dir})"
                  if args.checkpoint_dir and ck_stats["saves"] else ""), file=sys.stderr)

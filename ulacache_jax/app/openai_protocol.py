@@ -92,10 +92,15 @@ class ApiRequest:
         """SamplingParams of choice `index` (0..n-1 for each prompt): choice 0 keeps the body's seed, so n = 1
         answers as before; the others get a seed derived from it (None stays None: the engine derives one from
         its own seed and the request id, distinct per request)."""
-        sp = self.sampling
-        if index == 0 or sp.seed is None:
-            return sp
-        return dataclasses.replace(sp, seed=derive_seed(int(sp.seed), index))
+        return choice_sampling(self.sampling, index)
+
+
+def choice_sampling(sp: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of a request sampled with `sp`: index 0 is `sp`; the others differ only by a seed derived from
+    sp's (derive_seed; None stays None). Shared by the server and the batch file's lines with n > 1."""
+    if index == 0 or sp.seed is None:
+        return sp
+    return dataclasses.replace(sp, seed=derive_seed(int(sp.seed), index))
 
 
 def derive_seed(seed: int, index: int) -> int:
