@@ -149,9 +149,9 @@ def test_raise_host_limit_respects_user_setting(monkeypatch):
     monkeypatch.setenv(cache_state.HOST_LIMIT_ENV, "70")
     assert cache_state.raise_host_limit() is None
     monkeypatch.delenv(cache_state.HOST_LIMIT_ENV)
-    monkeypatch.setattr(cache_state, "_pinnable_host_bytes", lambda: 250 * 2**30)
+    monkeypatch.setattr(cache_state, "pinnable_host_bytes", lambda: 250 * 2**30)
     assert cache_state.raise_host_limit(0.9) == 225
     assert cache_state.xla_host_limit_bytes() == 225 * 2**30
     monkeypatch.delenv(cache_state.HOST_LIMIT_ENV)
-    monkeypatch.setattr(cache_state, "_pinnable_host_bytes", lambda: 16 * 2**30)  # never below XLA's default
+    monkeypatch.setattr(cache_state, "pinnable_host_bytes", lambda: 16 * 2**30)  # never below XLA's default
     assert cache_state.raise_host_limit(0.9) == 64

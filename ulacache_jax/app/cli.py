@@ -601,26 +601,48 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
 
 
 def check_device_memory(args, cfg, param_bytes: int, limit: int | None, what: str,
-                        attention: str | None = None) -> None:
+                        attention: str | None = None, rebuild=None) -> None:
     """Refuse, before allocating, a cache (frame pool, tail ring, summaries, or the dense KV) that with the weights
-    exceeds the device's memory; with --hbm-pages, name it and the largest value that fits. attention: the kind
-    that will run (default --attention)."""
-    from ulacache_jax.runtime import backends
-    backend = backends.backend_class(attention or args.attention)   # the one place that reads the kind
+    exceeds the device's memory, or whose pinned host pool (with its first ingest's transient, cache.state.host_need)
+    exceeds what the host may pin; with --hbm-pages, name it and the largest value that fits. attention: the kind
+    that will run (default --attention). rebuild: max_seqs -> the run's cache config with that many sequences; with
+    it the error also says how many sequences of this context fit (runtime/sizing.py, the one sizing rule)."""
+    from ulacache_jax.cache import state
+    from ulacache_jax.runtime import backends, sizing
+    kind = attention or args.attention
+    backend = backends.backend_class(kind)   # the one place that reads the kind
     msg = backends.memory_error(backend, cfg, limit, what, weight_bytes=param_bytes)
+    gib = 2**30
+    host_limit = None
+    if backend.host_tier and state.host_memory_kind():
+        host_limit = min(x for x in (state.pinnable_host_bytes(), state.xla_host_limit_bytes()) if x is not None)
+        pool, transient = state.host_need(cfg, pinned=True)
+        if msg is None and pool + transient > host_limit:
+            msg = (f"the host pool needs {(pool + transient) / gib:.2f} GiB (pool {pool / gib:.2f} + "
+                   f"{transient / gib:.2f} its first ingest asks XLA for) but {host_limit / gib:.2f} GiB of host "
+                   "memory may be pinned")
     if msg is None:
         return
+    fit = ""
+    if rebuild is not None and limit is not None:
+        machine = sizing.Machine("this machine", cfg.tp, limit, host_limit or 2**62)
+        got = sizing.largest_batch_for(rebuild, machine, context=cfg.max_context, attention=kind,
+                                       weight_bytes=param_bytes * cfg.tp, cap=max(1, cfg.max_seqs))
+        fit = (f"; at most {got.batch} sequences of {cfg.max_context} tokens fit here, {cfg.max_seqs} were asked"
+               if got.batch else f"; not one sequence of {cfg.max_context} tokens fits here")
     fp = backend.footprint(cfg)
     need = fp["hbm_bytes"] // max(1, cfg.tp) + param_bytes
-    gib = 2**30
-    if args.hbm_pages is not None and backend.host_tier:
+    if args.hbm_pages is not None and backend.host_tier and need > (limit or need):
         per_frame = 2 * cfg.page_bytes + 12                   # K + V page, PB-LRU tag/stamp
         frames = fp["hbm_detail"]["frames"] + fp["hbm_detail"]["pb_lru"]
         room = limit - (need - frames)
         fits = max(0, room // per_frame)
         raise UsageError(f"--hbm-pages {args.hbm_pages}: {cfg.num_frames} frames x {per_frame} B = "
                          f"{frames / gib:.2f} GiB; {msg}: at most about {fits} pages fit")
-    raise UsageError(f"{msg}: lower --max-seqs, --max-context or --token-budget (or --hbm-pages)")
+    lower = "--max-seqs, --max-context or --token-budget (or --hbm-pages)"
+    if host_limit is not None and msg.startswith("the host pool"):
+        lower = "--max-seqs or --max-context (or --kv-dtype float8_e4m3fn: half the bytes)"
+    raise UsageError(f"{msg}{fit}: lower {lower}")
 
 
 def find_tp_module():
@@ -919,15 +941,17 @@ def decode_chunk_steps(args) -> int | None:
     return given
 
 
-def make_engine(args, loaded: LoadedModel, cfg, param_bytes: int):
+def make_engine(args, loaded: LoadedModel, cfg, param_bytes: int, rebuild=None):
     """The Engine over `cfg` -> (engine, the attention Decision). --attention is resolved once, here: the memory
-    check, the Engine (given the Decision) and the report agree."""
+    check, the Engine (given the Decision) and the report agree. rebuild: max_seqs -> cfg with that many sequences
+    (for the memory check's "at most N fit"; None for a checkpoint's own cache)."""
     from ulacache_jax.cache.state import device_memory_bytes
     from ulacache_jax.runtime.cost_model import resolve_attention
     from ulacache_jax.runtime.engine import Engine
     decision = resolve_attention(args.attention, loaded.model.config, cfg)
     print(f"ulacache: attention {decision.summary()}", file=sys.stderr)
-    check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes(), attention=decision.kind)
+    check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes(), attention=decision.kind,
+                        rebuild=rebuild)
     spec = _spec_config(args)
     if spec is not None and spec.method == "draft":
         # the draft loads as --model does (a preset, a packaged model, a GGUF or a folder), in the run's dtype
@@ -1019,7 +1043,9 @@ def _generate_locked(args, t_start: float) -> int:
         # a checkpoint restores into the cache it was made with (the remaining requests fit it)
         cfg = (ckpt.cache_config if ckpt is not None
                else _cache_config(args, mc, loaded.model.dtype, num_seqs, longest, tp_mod))
-        engine, decision = make_engine(args, loaded, cfg, param_bytes)
+        rebuild = None if ckpt is not None else (
+            lambda b: _cache_config(args, mc, loaded.model.dtype, b, longest, tp_mod))
+        engine, decision = make_engine(args, loaded, cfg, param_bytes, rebuild)
         _check_stop(args)
 
     def stamp(d: dict) -> dict:
@@ -1184,7 +1210,8 @@ def serve_engine(args):
     mc = loaded.model.config
     limit = args.max_context or mc.max_position_embeddings
     cfg = _cache_config(args, mc, loaded.model.dtype, args.max_seqs, limit, tp_mod)
-    engine, _ = make_engine(args, loaded, cfg, _param_bytes(loaded.model))
+    engine, _ = make_engine(args, loaded, cfg, _param_bytes(loaded.model),
+                            lambda b: _cache_config(args, mc, loaded.model.dtype, b, limit, tp_mod))
     return engine, loaded, limit
 
 

@@ -141,7 +141,7 @@ def host_sharding(device=None) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(device, memory_kind=host_memory_kind(device))
 
 
-def _pinnable_host_bytes() -> int | None:
+def pinnable_host_bytes() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
@@ -164,7 +164,7 @@ def device_memory_bytes(device=None, *, free: bool = False) -> tuple[int | None,
         if free:
             return int(limit) - int(stats.get("bytes_in_use", 0)), f"the {device.device_kind}'s free memory"
         return int(limit), f"the {device.device_kind}'s memory"
-    return _pinnable_host_bytes(), "the available host memory (MemAvailable, the CPU backend's device memory)"
+    return pinnable_host_bytes(), "the available host memory (MemAvailable, the CPU backend's device memory)"
 
 
 CLOCK_REBASE_AT = 2**30   # clock value at which a decode chunk winds the clock back (far below int32 overflow)
@@ -202,12 +202,22 @@ def raise_host_limit(fraction: float = 0.9) -> int | None:
     set it). It only takes effect before the GPU backend starts; returns the limit in GiB it set, else None."""
     if os.environ.get(HOST_LIMIT_ENV):
         return None
-    avail = _pinnable_host_bytes()
+    avail = pinnable_host_bytes()
     if not avail:
         return None
     gb = max(DEFAULT_HOST_LIMIT_GB, int(fraction * avail / 2**30))
     os.environ[HOST_LIMIT_ENV] = str(gb)
     return gb
+
+
+def host_need(config: CacheConfig, pinned: bool) -> tuple[int, int]:
+    """-> (the host pool's bytes over every rank, the transient its first ingest needs beside it). pinned (a GPU's
+    pinned_host pool): the ingest is compiled with the pool aliased, yet XLA's pinned allocator asks for one more
+    array the size of the pool's K part (measured on the H200: 256K x 3 of the 8B shape pinned its 2 x 48 GiB pool,
+    then the first ingest asked for another 48 GiB and failed), so half the pool must stay free. 0 on CPU, where
+    the pool is plain memory and updated in place."""
+    pool = 2 * config.host_pages * config.page_bytes * config.tp
+    return pool, (pool // 2 if pinned else 0)
 
 
 def check_fits(config: CacheConfig, device=None, host_bytes: int | None = None) -> dict[str, int]:
@@ -225,16 +235,21 @@ def check_fits(config: CacheConfig, device=None, host_bytes: int | None = None) 
         raise ValueError(f"cache needs {dev_bytes / 2**30:.2f} GiB of device memory per rank "
                          f"({', '.join(f'{k} {v / 2**30:.2f}' for k, v in fp.items() if k != 'host')} GiB) "
                          f"but the device has {limit / 2**30:.2f} GiB")
-    host_limit = host_bytes if host_bytes is not None else _pinnable_host_bytes()
-    host_need = fp["host"] * (config.tp if host_memory_kind(device) else 1)
-    if host_limit is not None and host_need > host_limit:
-        raise ValueError(f"host pool needs {host_need / 2**30:.2f} GiB (host_pages = {config.host_pages} x "
-                         f"{2 * config.page_bytes} B x {config.tp} ranks) but only {host_limit / 2**30:.2f} GiB "
+    host_limit = host_bytes if host_bytes is not None else pinnable_host_bytes()
+    pinned = bool(host_memory_kind(device))
+    pool, transient = host_need(config, pinned)
+    if not pinned:
+        pool = fp["host"]          # CPU: one rank's pool is checked (the ranks' pools are one device's memory)
+    need = pool + transient
+    parts = (f"host_pages = {config.host_pages} x {2 * config.page_bytes} B x {config.tp} ranks"
+             + (f", plus {transient / 2**30:.2f} GiB its first ingest asks XLA for" if transient else ""))
+    if host_limit is not None and need > host_limit:
+        raise ValueError(f"host pool needs {need / 2**30:.2f} GiB ({parts}) but only {host_limit / 2**30:.2f} GiB "
                          "of host memory is available to pin")
-    if host_bytes is None and host_memory_kind(device) and host_need > xla_host_limit_bytes():
-        raise ValueError(f"host pool needs {host_need / 2**30:.2f} GiB but XLA's pinned host allocator is limited "
-                         f"to {xla_host_limit_bytes() / 2**30:.0f} GiB: set {HOST_LIMIT_ENV} (GiB) before JAX "
-                         "starts, or call ulacache_jax.cache.state.raise_host_limit() first")
+    if host_bytes is None and pinned and need > xla_host_limit_bytes():
+        raise ValueError(f"host pool needs {need / 2**30:.2f} GiB ({parts}) but XLA's pinned host allocator is "
+                         f"limited to {xla_host_limit_bytes() / 2**30:.0f} GiB: set {HOST_LIMIT_ENV} (GiB) before "
+                         "JAX starts, or call ulacache_jax.cache.state.raise_host_limit() first")
     return fp
 
 
