@@ -336,6 +336,18 @@ def run_ppl(model, tok, grid, args, meta, common, variants):
     traced = ((grid.trace_budget, grid.trace_page) if grid.trace_budget in grid.budgets
               and grid.trace_page in grid.pages else (min(grid.budgets), grid.pages[0]))
     dense_done = False
+    if args.noise_floor and not variants:
+        from scripts.scoring import dense_agreement
+        t0 = time.time()
+        low, ref = (load_model(argparse.Namespace(**{**vars(args), "dtype": d}))[0] for d in ("bfloat16", "float32"))
+        f = dense_agreement(low, ref, wins, prefix)
+        del low, ref
+        meta[mkey]["seconds"]["noise floor"] = round(time.time() - t0, 1)
+        rows.append(dict(task="ppl_floor", context=T, depth=None, budget=None, page_size=None, attention="dense",
+                         model_dtype="bfloat16", reference_dtype="float32", **f, **common["stamp"]))
+        log(f"ppl noise floor: dense bfloat16 vs float32 top1 {f['top1_agreement']:.4f} kl {f['kl']:.5f} "
+            f"({time.time() - t0:.1f} s)")
+        common["save"](rows)
     for budget, page, over, kc in configs:
         name = f"b{budget} p{page}" + "".join(f" {k}={v}" for k, v in over.items()) + (f" c{kc}" if kc else "")
         try:
@@ -610,6 +622,10 @@ def markdown(rows, meta) -> str:
                        f"{r['ppl']:.4f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {100 * r['top1_agreement']:.2f}% | "
                        f"{r['kl']:.5f} |")
         out.append("")
+    for r in (r for r in rows if r["task"] == "ppl_floor"):
+        out.append(f"Noise floor ({r['context']}-token windows, {r['n']} positions): dense {r['model_dtype']} vs dense "
+                   f"{r['reference_dtype']}: top-1 agreement {100 * r['top1_agreement']:.2f}%, KL {r['kl']:.5f}, ppl "
+                   f"{r['ppl']:.4f} vs {r['reference_ppl']:.4f}. A sparse cell's top-1 is held to 1 point below it.\n")
     hr = [r for r in rows if r["task"] == "hit_rate"]
     if hr:
         out.append("| HBM pool | frames (of KV pages) | PB-LRU (B x S) | global LRU | Belady |")
@@ -729,6 +745,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "C channels as whole rotary pairs at that many bits; 0: the key copy)")
     for name in ("contexts", "depths", "budgets", "pages"):
         ap.add_argument(f"--{name}", default=None, help=f"override the grid's {name} (comma list of ints)")
+    ap.add_argument("--noise-floor", action="store_true",
+                    help="ppl task: also the dense bfloat16 model's top-1 agreement and KL against dense float32 on "
+                         "the same windows (issue 48 holds a sparse cell's top-1 to 1 point below it)")
     ap.add_argument("--save-trace", action="store_true", help="also write NAME_trace.npz (eviction_study.py format)")
     ap.add_argument("--pools", default="2,4,8,16,32", help="HBM pools of the trace study: 1/N of the KV pages")
     ap.add_argument("--summary-split", type=int, default=1,

@@ -249,6 +249,42 @@ class TeacherForcedScorer:
                             selections=np.concatenate(sels)[:steps] if self.record else None)
 
 
+def dense_agreement(model, reference, windows, prefix: int) -> dict:
+    """The noise floor a sparse path's top-1 agreement is held to (issue 48: no more than 1 point below dense bf16's
+    agreement with dense float32): `model`'s dense forward against `reference`'s (the same weights in another
+    dtype) over positions prefix .. T-2 of every window (the positions `TeacherForcedScorer.score` scores) -> dict
+    n, top1_agreement, kl (KL(reference || model), nats), ppl and reference_ppl of the windows' next tokens."""
+    progs = []
+    for m in (model, reference):
+        gd, params = nnx.split(m)
+        progs.append((_dense_programs(gd, nnx.split(m.layers[0])[0]), params,
+                      [nnx.split(layer)[1] for layer in m.layers], jax.jit(lambda p, h, gd=gd: nnx.merge(gd, p)
+                                                                            .logits(h).astype(jnp.float32))))
+    agree, kl, lp, rlp = [], [], [], []
+    for w in windows:
+        ids = jnp.asarray(list(map(int, w)), jnp.int32)
+        T = ids.shape[0]
+        if not 1 <= prefix <= T - 2:
+            raise ValueError(f"prefix = {prefix} must be in [1, T - 2 = {T - 2}] (T = {T} tokens a window)")
+        hs = []
+        for dense, params, layer_params, _ in progs:
+            x = dense.embed(params, ids[None])
+            for layer in layer_params:
+                x, _, _ = dense.layer(layer, x)
+            hs.append(x)
+        (_, m_params, _, m_logits), (ref, r_params, _, _) = progs
+        logits = m_logits(m_params, hs[0][:, prefix:T - 1])                                 # [1, N, V]
+        res = ref.metrics(r_params, logits, hs[1], prefix, ids[None, prefix + 1:])
+        a, b, am, bm, k = (np.asarray(x) for x in res)
+        lp.append(a)
+        rlp.append(b)
+        agree.append(am == bm)
+        kl.append(k)
+    cat = lambda xs: np.concatenate([x.ravel() for x in xs])
+    return dict(n=int(cat(agree).size), top1_agreement=float(cat(agree).mean()), kl=float(cat(kl).mean()),
+                ppl=float(np.exp(-cat(lp).mean())), reference_ppl=float(np.exp(-cat(rlp).mean())))
+
+
 def score_windows(model, windows, prefix: int, cache_config: CacheConfig, *,
                   options: DecodeOptions = DecodeOptions(), record: bool = False) -> WindowScores:
     """Convenience: `TeacherForcedScorer(model, cache_config, ...).score(windows, prefix)`."""

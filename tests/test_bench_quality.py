@@ -191,3 +191,26 @@ def test_text_sources(tmp_path):
     for bad in (str(tmp_path / "missing.txt"), str(tmp_path / "bad.bin")):
         with pytest.raises(SystemExit, match="--text"):
             bq.corpus_text(bad)
+
+
+def test_noise_floor_dense_bf16_against_float32(tmp_path, model):
+    """dense_agreement of a model with itself is exact; bf16 against float32 (the same weights) agrees on most
+    tokens with a small KL; --noise-floor adds that row to the ppl task and its line to the tables."""
+    from scripts.scoring import dense_agreement
+    rng = np.random.default_rng(3)
+    wins = [list(map(int, rng.integers(3, 250, 96))) for _ in range(2)]
+    same = dense_agreement(model, model, wins, 64)
+    assert same["n"] == 2 * 31 and same["top1_agreement"] == 1.0 and abs(same["kl"]) < 1e-6
+    assert same["ppl"] == pytest.approx(same["reference_ppl"])
+    low = LlamaModel(get_preset("tiny"), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    f = dense_agreement(low, model, wins, 64)
+    assert 0.5 <= f["top1_agreement"] <= 1.0 and 0.0 <= f["kl"] < 0.05
+    assert f["reference_ppl"] == pytest.approx(same["ppl"], rel=1e-5)
+    with pytest.raises(ValueError, match="prefix = 95"):
+        dense_agreement(model, model, wins, 95)
+    bq = _load_script()
+    rows, meta = bq.main(["--tiny", "--out", str(tmp_path), "--tasks", "ppl", "--budgets", "32", "--pages", "8",
+                          "--ppl-window", "160", "--ppl-prefix", "128", "--noise-floor"])
+    floor = [r for r in rows if r["task"] == "ppl_floor"]
+    assert len(floor) == 1 and floor[0]["model_dtype"] == "bfloat16" and floor[0]["n"] == 31 * meta["ppl"]["windows"]
+    assert "Noise floor" in bq.markdown(rows, meta)
