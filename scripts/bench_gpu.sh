@@ -3,7 +3,8 @@
 #   bash scripts/bench_gpu.sh [select labels labels-8bit sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e quality-passkey16
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
-#                              decode-prefill longctx-16k longctx-32k longctx-diag decode-labels quality-austen32k profile-labels
+#                              decode-prefill longctx-16k longctx-32k longctx-diag decode-labels quality-austen32k
+#                              quality-austen32k-quest profile-labels
 #                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2
 #                              serve]
 #                              (default: select sieve tiers ingest attention layer decode, in order)
@@ -106,12 +107,17 @@ for b in "${names[@]}"; do
                     # (32 of 64 channels @ 4 bits) at budget 1024 (1/32); then Quest. TEXT: the novels as a text file
                     # (python -c "from scripts.bench_quality import corpus_text; print(corpus_text('austen')[0])" > F
                     # on a machine with the source); MODEL: Qwen2.5-Coder-0.5B's GGUF
-                for kc in 32 0; do
-                  step "$b" 280 scripts/bench_quality.py --model "${MODEL:?MODEL=gguf path}" --text "${TEXT:?TEXT=file}" \
-                    --tasks ppl,trace --ppl-window 32768 --ppl-prefix 28672 --ppl-windows 2 --trace-steps 256 \
-                    --budgets 1024 --pages 64 --key-channels "$kc" --label-bits 4 --pools 4,8,16 --out "$OUT" \
-                    --name "q_austen32k_c$kc" "${C[@]}"
-                done ;;
+                    # The labels' call also measures the top-1 noise floor (dense bf16 vs dense float32, same
+                    # windows: --noise-floor); quality-austen32k-quest is Quest's call.
+                step "$b" 420 scripts/bench_quality.py --model "${MODEL:?MODEL=gguf path}" --text "${TEXT:?TEXT=file}" \
+                  --tasks ppl,trace --ppl-window 32768 --ppl-prefix 28672 --ppl-windows 2 --trace-steps 256 \
+                  --budgets 1024 --pages 64 --key-channels 32 --label-bits 4 --pools 4,8,16 --noise-floor \
+                  --out "$OUT" --name q_austen32k_c32 "${C[@]}" ;;
+    quality-austen32k-quest)
+                step "$b" 300 scripts/bench_quality.py --model "${MODEL:?MODEL=gguf path}" --text "${TEXT:?TEXT=file}" \
+                  --tasks ppl,trace --ppl-window 32768 --ppl-prefix 28672 --ppl-windows 2 --trace-steps 256 \
+                  --budgets 1024 --pages 64 --key-channels 0 --pools 4,8,16 --out "$OUT" --name q_austen32k_c0 \
+                  "${C[@]}" ;;
     profile-labels) # where the labels' decode step goes (31% of its byte floor at 128K x 3): one chunk traced,
                     # labels 64 @ 4 bits at 1/32 with the trace's hit rate, beside Quest
                 step profile-labels 560 scripts/profile_decode.py --out "$OUT/labels" "${C[@]}" --row-timeout 250 \
@@ -164,7 +170,7 @@ for b in "${names[@]}"; do
             "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2 longctx-16k" \
-            "longctx-32k longctx-diag decode-labels quality-austen32k profile-labels serve)"; exit 2 ;;
+            "longctx-32k longctx-diag decode-labels quality-austen32k quality-austen32k-quest profile-labels serve)"; exit 2 ;;
   esac
 done
 exit $status
