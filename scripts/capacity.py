@@ -99,13 +99,18 @@ def plot(rs: list[dict], path: str) -> None:
     bench_meta.save_figure(fig, path)
 
 
-def main(argv=None) -> int:
-    import os
+def build_parser() -> argparse.ArgumentParser:
     from scripts import bench_meta
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_meta.add_common_args(ap, out_default=None, out_default_help="none: print the tables only",
                                files="capacity.json, capacity.png")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    import os
+    from scripts import bench_meta
+    args = build_parser().parse_args(argv)
     rs = rows()
     for model in MODELS:
         print(f"\n{model} (sparse / dense largest batch; in parentheses: sparse without the ingest transient)")

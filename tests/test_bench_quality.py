@@ -214,3 +214,25 @@ def test_noise_floor_dense_bf16_against_float32(tmp_path, model):
     floor = [r for r in rows if r["task"] == "ppl_floor"]
     assert len(floor) == 1 and floor[0]["model_dtype"] == "bfloat16" and floor[0]["n"] == 31 * meta["ppl"]["windows"]
     assert "Noise floor" in bq.markdown(rows, meta)
+
+
+def test_selection_ceiling_study_hooks(tmp_path):
+    """scripts/studies/selection_ceiling.py: every layer dense reproduces dense exactly; the cross-head allocation
+    runs and keeps its budget (a cell like any other)."""
+    from scripts.studies import selection_ceiling
+    from ulacache_jax.cache import decode_layer
+    from scripts import scoring
+    base = ["--tiny", "--tasks", "ppl", "--pages", "8", "--ppl-window", "160", "--ppl-prefix", "128",
+            "--key-channels", "8", "--label-bits", "4"]
+    keep = (scoring.TeacherForcedScorer, decode_layer.selection)
+    try:
+        rows, _ = selection_ceiling.main(["--dense-layers", str(get_preset("tiny").num_layers), "--", *base,
+                                          "--budgets", "32", "--out", str(tmp_path / "a")])
+        sp = [r for r in rows if r["task"] == "ppl" and r["attention"] == "sparse"]
+        assert sp and all(r["ppl_ratio"] == pytest.approx(1.0, abs=1e-6) and r["top1_agreement"] == 1.0 for r in sp)
+        scoring.TeacherForcedScorer = keep[0]
+        rows, _ = selection_ceiling.main(["--cross-head", "2", "--", *base, "--budgets", "64",
+                                          "--out", str(tmp_path / "b")])
+        assert [r["budget"] for r in rows if r["task"] == "ppl" and r["attention"] == "sparse"] == [64]
+    finally:
+        scoring.TeacherForcedScorer, decode_layer.selection = keep
