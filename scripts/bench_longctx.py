@@ -170,12 +170,13 @@ def load_tokenizer(spec: str):
 
 
 def load_model(spec: str, dtype: str, seed: int = 0):
-    """-> (model, tokenizer), resolved as the CLI resolves --model (app/cli.py load_model: pretrained names, random
+    """-> (model, tokenizer), resolved as the CLI resolves --model (app/model_loading.py: pretrained names, random
     presets, GGUF files, Hugging Face / checkpoint folders)."""
-    from ulacache_jax.app import cli
+    from ulacache_jax.app import model_loading
+    from ulacache_jax.app.errors import UsageError
     try:
-        loaded = cli.load_model(spec, dtype, seed)
-    except cli.UsageError as e:
+        loaded = model_loading.load_model(spec, dtype, seed)
+    except UsageError as e:
         raise SystemExit(str(e)) from None
     if loaded.tokenizer is None or not hasattr(loaded.tokenizer, "apply_chat_template"):
         raise SystemExit(f"--model {spec!r}: no tokenizer with a chat template")

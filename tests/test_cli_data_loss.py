@@ -13,7 +13,7 @@ import stat
 
 import pytest
 
-from ulacache_jax.app import cli
+from ulacache_jax.app import cli, resume
 from ulacache_jax.app import jsonl_io
 from ulacache_jax.runtime import checkpoint
 
@@ -182,21 +182,21 @@ def _other_values(a):
 
 def test_every_option_that_can_change_tokens_is_in_the_fingerprint():
     """Derived from the parser: each option of `generate` changes the fingerprint when set to another value, or is
-    in cli.NOT_IN_FINGERPRINT (with why); so a new option cannot be forgotten."""
+    in resume.NOT_IN_FINGERPRINT (with why); so a new option cannot be forgotten."""
     base_argv = ["generate", "--input", "p.jsonl", "--output", "o.jsonl"]
-    base = cli.run_settings(cli.build_parser().parse_args(base_argv))
+    base = resume.run_settings(cli.build_parser().parse_args(base_argv))
     actions = _generate_actions()
     dests = {a.dest for a in actions}
-    assert set(cli.NOT_IN_FINGERPRINT) <= dests, set(cli.NOT_IN_FINGERPRINT) - dests   # no stale names
+    assert set(resume.NOT_IN_FINGERPRINT) <= dests, set(resume.NOT_IN_FINGERPRINT) - dests   # no stale names
     missing = []
     for a in actions:
-        if a.dest in cli.NOT_IN_FINGERPRINT:
+        if a.dest in resume.NOT_IN_FINGERPRINT:
             continue
         changed = False
         for v in _other_values(a):
             args = cli.build_parser().parse_args(base_argv)
             setattr(args, a.dest, v)
-            if jsonl_io.settings_fingerprint(cli.run_settings(args)) != jsonl_io.settings_fingerprint(base):
+            if jsonl_io.settings_fingerprint(resume.run_settings(args)) != jsonl_io.settings_fingerprint(base):
                 changed = True
                 break
         if not changed:
@@ -204,7 +204,7 @@ def test_every_option_that_can_change_tokens_is_in_the_fingerprint():
     assert not missing, f"options that change tokens but not the fingerprint: {missing}"
     # the default model is fingerprinted as the one loaded, not as the tiny preset
     assert base["model"] == cli.DEFAULT_MODEL
-    tiny = cli.run_settings(cli.build_parser().parse_args(base_argv + ["--model", "tiny"]))
+    tiny = resume.run_settings(cli.build_parser().parse_args(base_argv + ["--model", "tiny"]))
     assert jsonl_io.settings_fingerprint(tiny) != jsonl_io.settings_fingerprint(base)
 
 

@@ -75,7 +75,7 @@ def test_two_processes_each_run_their_own_replica(tmp_path):
     for i, (_, err) in enumerate(results):
         assert f"process {i}/{NUM_PROCESSES}: 2 of 4 prompts on 2 local device(s)" in err
 
-    from ulacache_jax.app.cli import load_model
+    from ulacache_jax.app.model_loading import load_model
     model = load_model("tiny", "float32", 0).model
     stops = set(model.config.eos_token_ids)
     lines = [json.loads(line) for line in out.read_text().splitlines()]

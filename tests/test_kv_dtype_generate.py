@@ -165,7 +165,7 @@ def test_cli_kv_dtype(tmp_path):
     import contextlib
     import io
     import json
-    from ulacache_jax.app import cli
+    from ulacache_jax.app import cli, resume
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": "x" * 90}) + "\n")
     argv = ["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
             "--report", str(tmp_path / "report.json"), "--model", "tiny", "--page-size", "16", "--token-budget",
@@ -182,4 +182,4 @@ def test_cli_kv_dtype(tmp_path):
     row = json.loads((tmp_path / "out.jsonl").read_text().splitlines()[0])
     assert row["completion_tokens"] == 8
     args = cli.build_parser().parse_args(argv[:-2])
-    assert cli.run_settings(args) != cli.run_settings(cli.build_parser().parse_args(argv))
+    assert resume.run_settings(args) != resume.run_settings(cli.build_parser().parse_args(argv))

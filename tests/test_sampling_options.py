@@ -281,7 +281,7 @@ def test_checkpoint_restores_penalties_and_logprobs(setup, tmp_path):
 
 
 def test_jsonl_lines_take_the_options():
-    from ulacache_jax.app import batch_lines, cli
+    from ulacache_jax.app import batch_lines, cli, resume
     from ulacache_jax.models import ByteTokenizer
     import json
     good = {"id": 1, "prompt": "hello", "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
@@ -302,4 +302,4 @@ def test_jsonl_lines_take_the_options():
     args = cli.build_parser().parse_args(["generate", "--input", "i", "--output", "o", "--min-p", "0.2",
                                           "--repetition-penalty", "1.1", "--logprobs", "1"])
     assert (args.min_p, args.repetition_penalty, args.logprobs) == (0.2, 1.1, 1)
-    assert cli.run_settings(args)["min_p"] == 0.2
+    assert resume.run_settings(args)["min_p"] == 0.2

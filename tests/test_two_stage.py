@@ -158,7 +158,7 @@ def test_cli_two_stage(tmp_path, capsys):
     results are fingerprinted apart from the single-stage run's and from another multiple's, a bad value is a
     one-line usage error."""
     import json
-    from ulacache_jax.app import cli, jsonl_io
+    from ulacache_jax.app import cli, jsonl_io, resume
     inp = tmp_path / "p.jsonl"
     inp.write_text("".join(json.dumps({"id": i, "prompt_ids": list(range(1 + i, 150 + i))}) + "\n" for i in range(2)))
     args = ["--model", "tiny", "--page-size", "16", "--token-budget", "64", "--max-seqs", "2", "--max-context", "256",
@@ -169,7 +169,7 @@ def test_cli_two_stage(tmp_path, capsys):
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["finish_reason"] for r in rows] == ["length", "length"] and all(len(r["token_ids"]) == 4 for r in rows)
     parser = cli.build_parser()
-    settings = lambda *extra: cli.run_settings(parser.parse_args(["generate", "--input", "i", "--output", "o",
+    settings = lambda *extra: resume.run_settings(parser.parse_args(["generate", "--input", "i", "--output", "o",
                                                                   *extra, *args]))
     two, one, four = settings("--two-stage", "2"), settings(), settings("--two-stage", "4")
     assert two["two_stage"] == "2" and "two_stage" not in one

@@ -95,7 +95,7 @@ def load_trace_model(args, rng):
                          rope_theta=10000.0, max_position_embeddings=T)
         model, tok, label = LlamaModel(mc, dtype=jnp.float32, rngs=nnx.Rngs(args.seed)), None, "model (random weights)"
     else:
-        from ulacache_jax.app.cli import load_model
+        from ulacache_jax.app.model_loading import load_model
         loaded = load_model(args.model, "auto", args.seed)
         model, tok = loaded.model, loaded.tokenizer
         label = f"model {loaded.label}"

@@ -23,8 +23,8 @@ are written in the Batch output format ({"id", "custom_id", "response": {"status
 
 Output: one JSON object a line, {"id", "line", "text", "token_ids", "finish_reason" (stop | length | error),
 "prompt_tokens", "completion_tokens", "settings"} or {"id", "line", "finish_reason": "error", "error",
-"settings"}. "settings" is a fingerprint of every option that changes tokens (run_settings: the model loaded,
-dtype, sampling defaults, limits, selection, speculative decoding; NOT_IN_FINGERPRINT names the others). The output,
+"settings"}. "settings" is a fingerprint of every option that changes tokens (app/resume.py's run_settings: the model
+loaded, dtype, sampling defaults, limits, selection, speculative decoding; its NOT_IN_FINGERPRINT names the others). The output,
 its lock and the checkpoint folder are the real files paths resolve to (a symlink to a running output is refused;
 repairs, report and plot write through a symlink); devices, FIFOs and folders are refused as files. The output is
 locked for the run (a second run on it fails at once, naming the holder's pid), written in whole lines, fsynced
@@ -68,18 +68,15 @@ import subprocess
 import sys
 import time
 
-from ulacache_jax.app import batch_lines, jsonl_io
+from ulacache_jax.app import batch_lines, jsonl_io, model_loading, resume
+from ulacache_jax.app.errors import UsageError
+from ulacache_jax.app.model_loading import DEFAULT_MODEL
 from ulacache_jax.app.jsonl_io import OutputError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
 CHECKPOINT_SHARE = 0.05         # default checkpoint interval: saving takes at most this share of the run's time
-DEFAULT_MODEL = "smollm2-135m"   # trained, answers in words; the random presets are for tests and speed runs
-
-
-class UsageError(Exception):
-    """Bad options or an unusable model/output path: reported on stderr, exit code 2."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -414,87 +411,6 @@ def _interrupt_in(e: BaseException) -> KeyboardInterrupt | None:
 
 
 # ---- model ----------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class LoadedModel:
-    model: object
-    tokenizer: object | None
-    label: str
-    random_weights: bool
-
-
-def resolve_dtype(dtype: str) -> str:
-    if dtype != "auto":
-        return dtype
-    import jax
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
-def _model_error(spec: str, e: BaseException) -> UsageError:
-    """A clear message for a model folder the loaders in models/ could not read."""
-    if isinstance(e, KeyError):
-        return UsageError(f"--model {spec!r}: the model's config lacks the field {e.args[0]!r} (config.json of a "
-                          "Hugging Face folder, or 'config' in model.json of a ulacache_jax checkpoint)")
-    return UsageError(f"--model {spec!r}: cannot load it ({type(e).__name__}: {e})")
-
-
-def load_model(spec: str | None, dtype: str, seed: int, tp_mod=None, tp: int = 1) -> LoadedModel:
-    """The model `spec` names; with tp > 1 (tp_mod: ulacache_jax.runtime.tp) made or loaded directly into its TP sharding
-    over tp devices (tp.init_model, tp.load_model), so no device ever holds the whole model."""
-    import jax.numpy as jnp
-    from flax import nnx
-    from ulacache_jax import models
-
-    jdt = jnp.dtype(resolve_dtype(dtype))
-    try:
-        mesh = tp_mod.make_mesh(tp) if tp_mod is not None and tp > 1 else None
-    except ValueError as e:        # fewer devices than --tp
-        raise UsageError(f"--tp {tp}: {e}") from None
-    name = spec or DEFAULT_MODEL
-    path = pathlib.Path(name)
-    if name in models.PRETRAINED and not path.exists():     # a trained model shipped in a package (SmolLM2)
-        try:
-            model = (models.from_pretrained(name, dtype=jdt) if mesh is None
-                     else tp_mod.load_model(name, mesh, dtype=jdt))
-            tok = models.load_tokenizer(name)
-        except FileNotFoundError as e:
-            hint = "" if spec else " (the default model; --model tiny runs the tiny preset with RANDOM weights)"
-            raise UsageError(f"--model {name!r}{hint}: {e}") from None
-        return LoadedModel(model, tok, f"{name} ({models.resolve_pretrained(name).name})", False)
-    if name in models.PRESETS and not path.exists():
-        mc = models.get_preset(name)
-        if mesh is not None and not any(n % tp for n in (mc.num_heads, mc.num_kv_heads, mc.intermediate_size)):
-            model = tp_mod.init_model(mc, mesh, dtype=jdt, seed=seed)     # the same weights, made in their shards
-        else:
-            model = models.LlamaModel(mc, dtype=jdt, rngs=nnx.Rngs(seed))
-        tok = models.ByteTokenizer() if mc.vocab_size == models.BYTE_VOCAB_SIZE else None
-        return LoadedModel(model, tok, f"{name} preset, RANDOM weights (seed {seed})", True)
-    if not path.exists():
-        raise UsageError(f"--model {spec!r}: no such folder, and not a preset (presets: {', '.join(models.PRESETS)})")
-    try:
-        if mesh is not None:
-            model = tp_mod.load_model(path, mesh, dtype=jdt)
-        elif path.is_dir() and (path / "model.json").is_file():
-            model = models.load(path, dtype=jdt)
-        else:
-            model = models.from_pretrained(path, dtype=jdt)
-    except KeyboardInterrupt:
-        raise
-    except Exception as e:   # noqa: BLE001 - the loaders raise KeyError/TypeError on incomplete configs
-        raise _model_error(spec, e) from None
-    tok = None
-    gguf = path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))
-    if (path.is_dir() and (path / "tokenizer.json").is_file()) or gguf:
-        try:
-            tok = models.load_tokenizer(path)
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:   # noqa: BLE001 - tokenizers raises a bare Exception on a corrupt file
-            where = path / "tokenizer.json" if path.is_dir() and not gguf else path
-            raise UsageError(f"--model {spec!r}: cannot read the tokenizer {where} ({type(e).__name__}: "
-                             f"{str(e)[:300]})") from None
-    elif model.config.vocab_size == models.BYTE_VOCAB_SIZE:
-        tok = models.ByteTokenizer()
-    return LoadedModel(model, tok, f"{path.name} ({path})", False)
 
 
 # ---- input ----------------------------------------------------------------------------------------------------
@@ -505,8 +421,6 @@ def read_input(path: str) -> list[jsonl_io.InputLine]:
     except OSError as e:
         raise UsageError(f"--input {path}: {e.strerror or e}") from None
     return jsonl_io.split_lines(data)
-
-
 
 
 # ---- stop strings -----------------------------------------------------------------------------------------------
@@ -522,18 +436,13 @@ def _spec_config(args):
         return None
     if (args.speculative == "draft") != (args.draft_model is not None):
         raise UsageError("--speculative draft needs --draft-model PATH (and --draft-model only goes with it)")
-    k = num_speculative_tokens(args)
+    k = resume.num_speculative_tokens(args)
     if k >= args.page_size:
         raise UsageError(f"--num-speculative-tokens {k} must be < --page-size {args.page_size}")
     if args.draft_model is not None:
         check_model_spec(args.draft_model, "--draft-model")
     from ulacache_jax.runtime.speculative.rules import SpecConfig
     return SpecConfig(args.speculative, k, draft_model=args.draft_model)
-
-
-def num_speculative_tokens(args) -> int:
-    """--num-speculative-tokens, 4 when not given."""
-    return 4 if args.num_speculative_tokens is None else args.num_speculative_tokens
 
 
 def check_model_spec(spec: str, flag: str) -> None:
@@ -710,59 +619,6 @@ def setup_compile_cache(choice: str | None) -> str | None:
     return str(p)
 
 
-# generate's options that cannot change a run's tokens, each with why: every other option is in run_settings (a
-# test derives the list from the parser, so a new option is either fingerprinted or named here)
-NOT_IN_FINGERPRINT = {
-    "input": "where the prompts come from (each record keeps its id and line)",
-    "output": "where results go", "report": "a side file", "plot": "a side file",
-    "resume": "how the output is opened", "force": "--resume's override", "overwrite": "how the output is opened",
-    "checkpoint_dir": "where the batch is saved", "checkpoint_every": "when the batch is saved",
-    "compile_cache": "where compiled programs are kept", "no_progress": "the progress bar",
-    "progress_every": "how often progress is logged", "quiet": "the report",
-    "hbm_pages": "the HBM tier's size: which pages are resident, not which are selected",
-    "host_gb": "the host tier's size", "max_seqs": "how many requests decode together (each keeps its own seed)",
-    "tp": "how the model is split over devices", "max_prefill_tokens": "how a prefill is split over steps",
-    "prefill_chunk_tokens": "how a prompt is split into prefill chunks (the same tokens as whole)",
-    "no_prefix_cache": "whether a shared prefix's K/V is reused or computed again",
-}
-# options fingerprinted only when not at their default, so files written before they were fingerprinted (at the
-# default, the only case that was right then) still resume
-_FINGERPRINTED_WHEN_SET = {"key_channels": 0, "label_bits": 0, "channel_table": "auto", "kv_dtype": "auto",
-                           "two_stage": None, "speculative": None, "num_speculative_tokens": 4, "draft_model": None,
-                           "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                           "logprobs": None}
-
-
-def _file_identity(spec: str | None) -> str | None:
-    """A model, draft model or table given as a path -> its real path (the same file named two ways is one
-    setting); a preset's name as it is."""
-    if spec is not None and pathlib.Path(spec).exists():
-        return os.path.realpath(spec)
-    return spec
-
-
-def run_settings(args) -> dict:
-    """What decides a run's outputs, for the --resume fingerprint: the model (the one loaded: the default resolved),
-    dtype, sampling defaults, limits, the cache's selection (budget, page, key channels, labels), attention and
-    speculative decoding. NOT_IN_FINGERPRINT lists the options left out and why."""
-    settings = {"model": _file_identity(args.model or DEFAULT_MODEL), "dtype": resolve_dtype(args.dtype),
-                "seed": args.seed, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                "top_p": args.top_p, "top_k": args.top_k, "stop_ids": args.stop_ids, "stop": list(args.stop),
-                "max_context": args.max_context, "token_budget": args.token_budget, "page_size": args.page_size,
-                "attention": args.attention}
-    for name, default in _FINGERPRINTED_WHEN_SET.items():
-        v = num_speculative_tokens(args) if name == "num_speculative_tokens" else getattr(args, name)
-        if v != default:
-            if name == "channel_table" and v != "online":
-                p = pathlib.Path(v)
-                try:   # the table, not its name
-                    v = hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.is_file() else v
-                except OSError:
-                    pass   # unreadable: _channel_table names the error
-            settings[name] = _file_identity(v) if name == "draft_model" else v
-    return settings
-
-
 def check_tier_flags(args) -> None:
     """--hbm-pages and --host-gb size UlaCache's two tiers: with --attention dense they would be silently ignored
     (refused), and with --attention auto they ask for the sparse cache (auto would otherwise be free to pick dense
@@ -816,111 +672,11 @@ def check_paths(args) -> None:
                 raise UsageError(f"{flag} {path} is the same file as {name} {other}")
 
 
-def _prepare_resume(args, fingerprint: str) -> batch_lines.ResumeState:
-    """Read --output for --resume: refuse other settings (unless --force), repair a torn last line, drop error
-    records a success supersedes, rewriting the file atomically if anything changed."""
-    existing = jsonl_io.read_output(args.output)
-    if existing.bad_lines and not args.force:
-        ln = existing.bad_lines
-        raise UsageError(f"--output {args.output}: line(s) {', '.join(map(str, ln[:5]))}{' ...' if len(ln) > 5 else ''}"
-                         " are not result records (not a ulacache output?); --force drops them")
-    other = existing.other_settings(fingerprint)
-    if other and not args.force:
-        fps = sorted({str(r.get(jsonl_io.SETTINGS_FIELD)) for r in other})
-        raise UsageError(f"--resume: {len(other)} of the {len(existing.records)} records in {args.output} were made "
-                         f"with other settings (fingerprint {', '.join(fps[:3])}; this run's is {fingerprint}: "
-                         "model, dtype, sampling defaults, --max-context, --token-budget, --page-size, "
-                         "--attention, key channels, labels, speculative decoding): rerun with the same options, or --force to mix them")
-    kept = jsonl_io.compact(existing.records)
-    if existing.torn_tail or existing.bad_lines or len(kept) != len(existing.records):
-        jsonl_io.rewrite_output(args.output, kept)
-        parts = []
-        if existing.torn_tail:
-            parts.append(f"a torn last line ({len(existing.torn_tail)} bytes) dropped")
-        if existing.bad_lines:
-            parts.append(f"{len(existing.bad_lines)} non-record lines dropped (--force)")
-        if len(kept) != len(existing.records):
-            parts.append(f"{len(existing.records) - len(kept)} superseded error records removed")
-        print(f"ulacache: --resume: repaired {args.output}: {'; '.join(parts)}", file=sys.stderr)
-    return batch_lines.resume_state(kept)
-
-
-def _finish_resume(args) -> None:
-    """After a --resume run: the new successes supersede old error records; rewrite atomically if so."""
-    existing = jsonl_io.read_output(args.output)
-    kept = jsonl_io.compact(existing.records)
-    if len(kept) != len(existing.records) or existing.torn_tail:
-        jsonl_io.rewrite_output(args.output, kept)
-
-
-def _read_checkpoint(args, fingerprint: str):
-    """--resume with --checkpoint-dir, before the model loads: the checkpoint to continue, or None (none there, or
-    --force over one made with other settings)."""
-    from ulacache_jax.runtime import checkpoint
-    try:
-        ck = checkpoint.read(args.checkpoint_dir)
-    except checkpoint.CheckpointError as e:
-        if "no complete checkpoint" in str(e):
-            return None
-        raise UsageError(f"--checkpoint-dir: {e}") from None
-    theirs = ck.meta.get("settings")
-    if theirs != fingerprint:
-        if not args.force:
-            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: checkpoint {ck.path} was made with other "
-                             f"settings (fingerprint {theirs}; this run's is {fingerprint}): rerun with the same "
-                             "options, or --force to ignore it (its requests start over)")
-        print(f"ulacache: --resume --force: checkpoint {ck.path} (other settings) ignored", file=sys.stderr)
-        return None
-    return ck
-
-
-def _checkpoint_fits(args, ck, longest: int) -> bool:
-    """Whether the checkpoint's cache holds this run (--tp, the longest remaining request); else it is ignored."""
-    cfg = ck.cache_config
-    if cfg.tp != args.tp or cfg.max_context < longest:
-        print(f"ulacache: --resume: checkpoint {ck.path} ignored: its cache (tp {cfg.tp}, context {cfg.max_context}) "
-              f"does not hold this run (tp {args.tp}, longest request {longest} tokens)", file=sys.stderr)
-        return False
-    return True
-
-
-def _restore_checkpoint(engine, ck, records) -> dict:
-    """Restore the checkpoint's queued and running requests whose input line is unchanged and not yet done ->
-    {engine request id: (Record, choice)}; the other choices are added afresh by the caller (a choice of a
-    line with n > 1 that finished before the run stopped was never written: it runs again)."""
-    from ulacache_jax.runtime import checkpoint
-    by_key = {r.unit_key(j): (r, j) for r in records for j in range(r.choices)}
-    ids = ck.meta.get("ids") or {}
-    restored, skip = {}, []
-    for sr in ck.requests:
-        rec, j = by_key.get(ids.get(str(sr.request_id)), (None, 0))
-        ok = rec is not None and sr.status != "finished" and rec.prompt_ids == sr.prompt_ids
-        if ok:
-            want = rec.choice_sampling(j)
-            if want.stop_ids is None:
-                want = dataclasses.replace(want, stop_ids=engine.default_stop_ids)
-            ok = checkpoint.sampling_params(sr.sampling) == want
-        if ok:
-            restored[sr.request_id] = (rec, j)
-            del by_key[rec.unit_key(j)]
-        else:
-            skip.append(sr.request_id)
-    try:
-        engine.restore(ck.path.parent, skip=skip)
-    except checkpoint.CheckpointError as e:
-        raise UsageError(f"--checkpoint-dir: {e}") from None
-    running = [engine.get(i) for i in restored if engine.get(i).status == "running"]
-    print(f"ulacache: --resume: {len(running)} in-flight requests ({sum(len(r.tokens) for r in running)} tokens "
-          f"generated) and {len(restored) - len(running)} queued ones restored from checkpoint {ck.path}",
-          file=sys.stderr)
-    return restored
-
-
 def load_engine_model(args):
     """--model (with --tp: loaded into its shards, KV heads replicated where --tp exceeds them) -> (LoadedModel,
     the TP module or None)."""
     tp_mod = _tp_module(args)
-    loaded = load_model(args.model, args.dtype, args.seed, tp_mod, args.tp)
+    loaded = model_loading.load_model(args.model, args.dtype, args.seed, tp_mod, args.tp)
     _check_stop(args)
     if tp_mod is not None:
         try:   # replicates KV heads when --tp exceeds them
@@ -941,7 +697,7 @@ def decode_chunk_steps(args) -> int | None:
     return given
 
 
-def make_engine(args, loaded: LoadedModel, cfg, param_bytes: int, rebuild=None):
+def make_engine(args, loaded: model_loading.LoadedModel, cfg, param_bytes: int, rebuild=None):
     """The Engine over `cfg` -> (engine, the attention Decision). --attention is resolved once, here: the memory
     check, the Engine (given the Decision) and the report agree. rebuild: max_seqs -> cfg with that many sequences
     (for the memory check's "at most N fit"; None for a checkpoint's own cache)."""
@@ -955,7 +711,7 @@ def make_engine(args, loaded: LoadedModel, cfg, param_bytes: int, rebuild=None):
     spec = _spec_config(args)
     if spec is not None and spec.method == "draft":
         # the draft loads as --model does (a preset, a packaged model, a GGUF or a folder), in the run's dtype
-        draft = load_model(args.draft_model, args.dtype, args.seed)
+        draft = model_loading.load_model(args.draft_model, args.dtype, args.seed)
         spec = dataclasses.replace(spec, draft_model=draft.model)
     try:
         engine = Engine(loaded.model, cfg, attention=decision, seed=args.seed, tokenizer=loaded.tokenizer,
@@ -987,10 +743,10 @@ def cmd_generate(args) -> int:
 
 
 def _generate_locked(args, t_start: float) -> int:
-    settings = run_settings(args)
+    settings = resume.run_settings(args)
     fingerprint = jsonl_io.settings_fingerprint(settings)
-    resume = _prepare_resume(args, fingerprint) if args.resume else batch_lines.ResumeState()
-    ckpt = _read_checkpoint(args, fingerprint) if args.resume and args.checkpoint_dir else None
+    done_before = resume.prepare_resume(args, fingerprint) if args.resume else batch_lines.ResumeState()
+    ckpt = resume.read_checkpoint(args, fingerprint) if args.resume and args.checkpoint_dir else None
     lines = read_input(args.input)
     setup_compile_cache(args.compile_cache)
 
@@ -1025,7 +781,7 @@ def _generate_locked(args, t_start: float) -> int:
         raise UsageError(str(e)) from None
     limit = args.max_context or mc.max_position_embeddings
     records, errors, skipped, skipped_errors = batch_lines.parse_input(lines, tokenizer=loaded.tokenizer, vocab_size=mc.vocab_size,
-                                                           limit=limit, defaults=defaults, resume=resume,
+                                                           limit=limit, defaults=defaults, resume=done_before,
                                                            default_stop=stop_strings)
     for e in errors:
         print(f"{args.input}:{e.line}: id {json.dumps(e.id)}: {e.error}", file=sys.stderr)
@@ -1038,7 +794,7 @@ def _generate_locked(args, t_start: float) -> int:
     if records:   # built before the output is touched: a bad cache setting leaves it as it was
         longest = min(limit, max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in records))
         num_seqs = min(args.max_seqs, len(records))
-        if ckpt is not None and not _checkpoint_fits(args, ckpt, longest):
+        if ckpt is not None and not resume.checkpoint_fits(args, ckpt, longest):
             ckpt = None
         # a checkpoint restores into the cache it was made with (the remaining requests fit it)
         cfg = (ckpt.cache_config if ckpt is not None
@@ -1069,7 +825,7 @@ def _generate_locked(args, t_start: float) -> int:
     try:
         writer.write_batch([stamp(e.as_output()) for e in errors])
         if engine is not None:
-            by_rid = _restore_checkpoint(engine, ckpt, records) if ckpt is not None else {}
+            by_rid = resume.restore_checkpoint(engine, ckpt, records) if ckpt is not None else {}
             again = {(id(r), j) for r, j in by_rid.values()}
             for r in records:
                 for j in range(r.choices):
@@ -1149,7 +905,7 @@ def _generate_locked(args, t_start: float) -> int:
         writer.close()
     if args.resume and write_error is None:
         try:
-            _finish_resume(args)
+            resume.finish_resume(args)
         except OutputError as e:   # the file is as the run left it (results kept): report it, keep the report
             write_error = e
     if engine is not None:

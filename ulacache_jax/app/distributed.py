@@ -29,7 +29,7 @@ import jax
 
 from ulacache_jax.runtime import generation
 from ulacache_jax.runtime import tp as tp_mod
-from ulacache_jax.app.cli import load_model
+from ulacache_jax.app.model_loading import load_model
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
