@@ -4,7 +4,7 @@
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
 #                              decode-prefill longctx-16k longctx-32k longctx-diag decode-labels quality-austen32k
-#                              quality-austen32k-quest profile-labels
+#                              quality-austen32k-quest quality-austen32k-1of16 profile-labels
 #                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2
 #                              serve]
 #                              (default: select sieve tiers ingest attention layer decode, in order)
@@ -118,6 +118,12 @@ for b in "${names[@]}"; do
                   --tasks ppl,trace --ppl-window 32768 --ppl-prefix 28672 --ppl-windows 2 --trace-steps 256 \
                   --budgets 1024 --pages 64 --key-channels 0 --pools 4,8,16 --out "$OUT" --name q_austen32k_c0 \
                   "${C[@]}" ;;
+    quality-austen32k-1of16) # the same windows at budget 2048 (1/16, issue 48's "2048 allowed"), pages 64 and 32:
+                    # on SmolLM2 (CPU) the labels sit at the exact-mass ceiling at a fixed budget, so the budget
+                    # and the page size are what is left to buy perplexity with
+                step "$b" 580 scripts/bench_quality.py --model "${MODEL:?MODEL=gguf path}" --text "${TEXT:?TEXT=file}" \
+                  --tasks ppl --ppl-window 32768 --ppl-prefix 28672 --ppl-windows 2 --budgets 2048 --pages 64,32 \
+                  --key-channels 32 --label-bits 4 --out "$OUT" --name q_austen32k_1of16 "${C[@]}" ;;
     profile-labels) # where the labels' decode step goes (31% of its byte floor at 128K x 3): one chunk traced,
                     # labels 64 @ 4 bits at 1/32 with the trace's hit rate, beside Quest
                 step profile-labels 560 scripts/profile_decode.py --out "$OUT/labels" "${C[@]}" --row-timeout 250 \
@@ -170,7 +176,8 @@ for b in "${names[@]}"; do
             "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2 longctx-16k" \
-            "longctx-32k longctx-diag decode-labels quality-austen32k quality-austen32k-quest profile-labels serve)"; exit 2 ;;
+            "longctx-32k longctx-diag decode-labels quality-austen32k quality-austen32k-quest quality-austen32k-1of16" \
+            "profile-labels serve)"; exit 2 ;;
   esac
 done
 exit $status
