@@ -5,7 +5,10 @@ every (page format, budget) cell in one run on the same inputs.
     python -m scripts.studies.kv_dtype_quality --model smollm2-135m --dtype bfloat16 --out /tmp/kvq \\
         --ppl-window 1024 --ppl-windows 4 --context 2048 --num-prompts 6 --budgets 256
 
-Cells: kv_dtype "auto" (the model's dtype: bf16 pages with --dtype bfloat16) and "float8_e4m3fn", each at a budget
+Cells: kv_dtype "auto" (the model's dtype: bf16 pages with --dtype bfloat16), "float8_e4m3fn" (the library's fp8
+pages: a scale per page and KV head) and, in --kv-dtypes, "fp8_per_token" (issue 50's alternative, not built:
+`PerTokenFp8` below stores what e4m3 codes with a float32 scale per token and KV head decode to, in the model's
+dtype, so its quality is per-token fp8's without a page format for it), each at a budget
 covering the whole window (every page attended: dense attention over the stored pages, by construction) and at
 each --budgets value (sparse, Quest). The dense reference of the scores is the scorer's exact dense forward
 (unquantised K/V: scripts/scoring.py), so "top1" and "kl" of the covering fp8 cell are what fp8 storage alone
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import time
 
@@ -25,6 +29,38 @@ import numpy as np
 
 def log(*a):
     print(*a, flush=True)
+
+
+@functools.lru_cache(maxsize=1)
+def per_token_fp8_codec():
+    """One instance (its class is made here, importing JAX only when asked): A page codec (cache/codec.py) whose stored values are e4m3 codes with one float32 scale per token and KV
+    head, decoded back into the model's dtype at encode time: per-token fp8's quality, stored unscaled (so the tail
+    append encodes each token as it comes, as a per-token page format would)."""
+    import dataclasses
+    import jax.numpy as jnp
+    from ulacache_jax.cache import codec
+
+    @dataclasses.dataclass(frozen=True)
+    class PerTokenFp8(codec.ModelCodec):
+        name = "fp8_per_token"
+
+        def encode(self, k, v, model_dtype):
+            fp8 = codec.Fp8Codec()
+
+            def rt(x):                       # a "page" of one token: the scale is that token's, per KV head
+                xt = x.astype(jnp.float32)[..., None, :, :]                         # [..., page, 1, g, D]
+                c, sc = fp8.quantise(xt)                                            # sc [..., page, 1, g, 1]
+                return (c.astype(jnp.float32) * sc)[..., 0, :, :].astype(self.storage_dtype(model_dtype))
+            return codec.Pages(rt(k), rt(v))
+
+    return PerTokenFp8()
+
+
+def cache_fields(kv: str) -> dict:
+    """The CacheConfig fields of a --kv-dtypes entry."""
+    if kv == "fp8_per_token":
+        return dict(page_codec=per_token_fp8_codec())
+    return dict(kv_dtype=kv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,7 +125,7 @@ def main(argv=None):
         for budget in ([] if args.no_covering else [T]) + budgets:
             for kv in kv_dtypes:
                 cc = default_cache_config(model.config, num_seqs=W, max_tokens=T, page_size=args.page_size,
-                                          token_budget=budget, dtype=args.dtype, kv_dtype=kv)
+                                          token_budget=budget, dtype=args.dtype, **cache_fields(kv))
                 t0 = time.time()
                 s = TeacherForcedScorer(model, cc).score(wins, prefix).summary()
                 rows.append(dict(part="ppl", kv_dtype=kv, budget=budget, covering=budget >= T, **s,
@@ -111,7 +147,7 @@ def main(argv=None):
             for kv in kv_dtypes:
                 cc = default_cache_config(model.config, num_seqs=min(8, len(pids)), max_tokens=args.context,
                                           page_size=args.page_size, token_budget=budget, dtype=args.dtype,
-                                          kv_dtype=kv)
+                                          **cache_fields(kv))
                 t0 = time.time()
                 out = generate(model, pids, max_new_tokens=mn, cache_config=cc, attention="sparse", stop_ids=stops)
                 txt = [tok.decode(o) for o in out]
