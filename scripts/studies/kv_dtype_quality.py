@@ -33,9 +33,10 @@ def log(*a):
 
 @functools.lru_cache(maxsize=1)
 def per_token_fp8_codec():
-    """One instance (its class is made here, importing JAX only when asked): A page codec (cache/codec.py) whose stored values are e4m3 codes with one float32 scale per token and KV
+    """A page codec (cache/codec.py) whose stored values are e4m3 codes with one float32 scale per token and KV
     head, decoded back into the model's dtype at encode time: per-token fp8's quality, stored unscaled (so the tail
-    append encodes each token as it comes, as a per-token page format would)."""
+    append encodes each token as it comes, as a per-token page format would). One instance, its class made here
+    (JAX imported only when asked), so every cell's config compares equal."""
     import dataclasses
     import jax.numpy as jnp
     from ulacache_jax.cache import codec
