@@ -212,6 +212,11 @@ def test_on_the_gpu_kernel_equals_reference():
         want = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits)
         got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    for bits in (8, 4):   # the tensor-core variant at the 8B shape's channels (C = 64: Triton's dot needs >= 16)
+        codes, scale, q = adversarial_labels(rng, bits, S, L, G, P, T, g, 64, H)
+        want = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits)
+        got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, dot=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
 def test_offline_calibration_writes_a_table_the_lookup_finds(tmp_path):
@@ -271,3 +276,41 @@ def test_offline_table_shares_prefixes(model, bits):
     online = dataclasses.replace(cfg, channel_table=None)
     with pytest.raises(ValueError, match="or give a channel table"):
         Generator(model, online, attention="sparse").set_prefix_cache(True)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("g,H", [(1, 4), (2, 3)])
+def test_tensor_core_variant_equals_reference(bits, g, H):
+    """page_lse_pallas(dot=True) (codes times the scale-folded queries as dots, _label_dot_kernel) against the
+    reference on random and adversarial labels (a zero page, the extreme codes at a large scale, a 100x query row),
+    at every layer and block size; it takes labels only."""
+    rng = np.random.default_rng(40 + bits + g)
+    S, L, G, P, T, Cc = 2, 2, 2, 8, 16, 16
+    for codes, scale, q in (adversarial_labels(rng, bits, S, L, G, P, T, g, Cc, H),
+                            adversarial_labels(rng, bits, S, L, G, P, T, g, Cc, H)[:2]
+                            + (jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32),)):
+        for layer in range(L):
+            want = np.asarray(pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=bits))
+            for bp in (1, 4, P):
+                got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits,
+                                         block_pages=bp, dot=True)
+                np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="dot = True scores labels"):
+        pk.page_lse_pallas(jnp.zeros((1, 1, 1, 4, 16, 1, 16)), jnp.zeros((1, 1, 1, 2, 16)), layer=0,
+                           interpret=True, dot=True)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_tensor_core_variant_lowers_to_triton(bits):
+    """The dot variant at the 8B shape (C = 64, page 64, 4 query rows) lowers to one Triton call for an H200."""
+    from test_gpu_lowering import TRITON_CALL, lower_for_h200, spec
+    S, L, G, P, T, g, H, Cc = 3, 2, 8, 2048, 64, 1, 4, 64
+    cs = Cc if bits == 8 else Cc // 2
+    args = (spec((S, L, G, P, T, g, cs), jnp.int8 if bits == 8 else jnp.uint8),
+            spec((S, G, P, g, Cc), jnp.bfloat16), spec((S, G, g, H, Cc), jnp.float32))
+    try:
+        txt = lower_for_h200(lambda c, sc, q: pk.page_lse_pallas(c, q, layer=1, scale=sc, bits=bits, dot=True),
+                             *args)
+        assert txt.count(TRITON_CALL) == 1
+    finally:
+        jax.clear_caches()
