@@ -88,3 +88,28 @@ def test_cli_refusal_says_how_many_fit():
     assert "at most 10 sequences of 4096 tokens fit here, 64 were asked" in str(e.value)
     assert "lower --max-seqs" in str(e.value)
     cli.check_device_memory(args, build(10), 0, limit, "the test's memory", attention="dense", rebuild=build)
+
+
+def test_a_batch_the_cache_cannot_shape_does_not_fit():
+    """A build that raises ValueError (CacheConfig refuses the shapes) stops the search there: limit "config"."""
+    def build(b):
+        if b > 5:
+            raise ValueError(f"max_seqs = {b} exceeds 5")
+        return sizing.cache_config(MC8, 4096, b)
+    fit = sizing.largest_batch_for(build, H200, context=4096, attention="sparse", weight_bytes=0, cap=64)
+    assert (fit.batch, fit.limit, fit.need_next) == (5, "config", None)
+    assert "beyond the cache's shapes" in fit.why(H200)
+
+
+def test_cli_prints_how_many_fit(capsys):
+    from ulacache_jax.app import cli
+    mc = PRESETS["tiny"]
+    args = argparse.Namespace(attention="dense", hbm_pages=None, tp=1)
+
+    def build(b):
+        return sizing.cache_config(mc, 4096, b, dtype="float32")
+    one = sizing.need(build(1), "dense", 0).hbm_per_gpu
+    cli.check_device_memory(args, build(4), 0, 10 * one + one // 2, "the test's memory", attention="dense",
+                            rebuild=build)
+    err = capsys.readouterr().err
+    assert "memory: 4 sequences of 4096 tokens; at most 10 fit (the test's memory: 11 x 4096 tokens" in err, err

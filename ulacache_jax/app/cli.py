@@ -530,13 +530,23 @@ def check_device_memory(args, cfg, param_bytes: int, limit: int | None, what: st
             msg = (f"the host pool needs {(pool + transient) / gib:.2f} GiB (pool {pool / gib:.2f} + "
                    f"{transient / gib:.2f} its first ingest asks XLA for) but {host_limit / gib:.2f} GiB of host "
                    "memory may be pinned")
+    got = None
+    if rebuild is not None and limit is not None:
+        def build(b):
+            try:
+                return rebuild(b)
+            except UsageError as e:          # the sizing rule's "does not fit" for shapes the cache refuses
+                raise ValueError(str(e)) from None
+        machine = sizing.Machine("this machine", cfg.tp, limit, host_limit or 2**62)
+        got = sizing.largest_batch_for(build, machine, context=cfg.max_context, attention=kind,
+                                       weight_bytes=param_bytes * cfg.tp, cap=max(4096, cfg.max_seqs))
     if msg is None:
+        if got is not None:   # the sizing rule's answer, printed (issue 50): how far this context could go
+            print(f"ulacache: memory: {cfg.max_seqs} sequences of {cfg.max_context} tokens; at most {got.batch} fit "
+                  f"({what}: {got.why(machine)})", file=sys.stderr)
         return
     fit = ""
-    if rebuild is not None and limit is not None:
-        machine = sizing.Machine("this machine", cfg.tp, limit, host_limit or 2**62)
-        got = sizing.largest_batch_for(rebuild, machine, context=cfg.max_context, attention=kind,
-                                       weight_bytes=param_bytes * cfg.tp, cap=max(1, cfg.max_seqs))
+    if got is not None:
         fit = (f"; at most {got.batch} sequences of {cfg.max_context} tokens fit here, {cfg.max_seqs} were asked"
                if got.batch else f"; not one sequence of {cfg.max_context} tokens fits here")
     fp = backend.footprint(cfg)

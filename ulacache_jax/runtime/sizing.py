@@ -52,7 +52,8 @@ class Need:
 @dataclasses.dataclass(frozen=True)
 class Fit:
     """The largest batch of `context`-token sequences that fits (0: not one), and what stops one more: "hbm" or
-    "host" (the resource the next batch exceeds, its need beside it) or "cap" (the search's upper bound)."""
+    "host" (the resource the next batch exceeds, its need beside it), "config" (the cache's shapes cannot take it)
+    or "cap" (the search's upper bound)."""
     context: int
     batch: int
     limit: str
@@ -61,8 +62,10 @@ class Fit:
     def why(self, machine: Machine) -> str:
         """What stops batch + 1, in words with the numbers."""
         n = self.need_next
-        if self.limit == "cap" or n is None:
+        if self.limit == "cap":
             return f"{self.batch} (the search's cap)"
+        if n is None:
+            return f"{self.batch + 1} x {self.context} tokens is beyond the cache's shapes (CacheConfig refuses it)"
         if self.limit == "hbm":
             return (f"{self.batch + 1} x {self.context} tokens would need {n.hbm_per_gpu / GIB:.1f} GiB a GPU (cache "
                     f"{n.cache_hbm_per_gpu / GIB:.1f} + weights {n.weights_per_gpu / GIB:.1f}) of "
@@ -112,16 +115,25 @@ def largest_batch(model_config, context: int, machine: Machine, *, attention: st
 def largest_batch_for(build, machine: Machine, *, context: int, attention: str, weight_bytes: int,
                       cap: int = 4096) -> Fit:
     """The largest b <= cap for which the cache build(b) (a CacheConfig of b sequences of `context` tokens, built
-    as its entry point builds it) fits `machine` beside weight_bytes of weights."""
+    as its entry point builds it) fits `machine` beside weight_bytes of weights. A build that raises ValueError
+    (shapes the cache cannot take) does not fit: limit "config"."""
     if not isinstance(context, int) or isinstance(context, bool) or context < 1:
         raise ValueError(f"context = {context!r} must be an int >= 1")
     if not isinstance(cap, int) or cap < 1:
         raise ValueError(f"cap = {cap!r} must be an int >= 1")
 
-    def at(b: int) -> Need:
-        return need(build(b), attention, weight_bytes)
+    backends.backend_class(attention)        # a bad kind is the caller's error, not a batch that does not fit
 
-    def over(n: Need) -> str | None:
+    def at(b: int) -> Need | None:
+        try:
+            config = build(b)
+        except ValueError:          # a batch the cache's shapes cannot take (e.g. 2**31 frames): it does not fit
+            return None
+        return need(config, attention, weight_bytes)
+
+    def over(n: Need | None) -> str | None:
+        if n is None:
+            return "config"
         if n.hbm_per_gpu > machine.hbm_bytes:
             return "hbm"
         if n.host > machine.host_bytes:
