@@ -489,6 +489,8 @@ def main(argv=None):
                kv="; ".join(KV_FILLS[f] for f in sorted({r.get("fill", "synthetic") for r in rows})), rows=rows)
     this = "bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
     res.update(appended_meta(old_meta, commit, this, args.run))
+    # what else the file appended to holds (docs/benchmarks/decode.json: merged_from, variants) stays
+    res.update({k: v for k, v in old_meta.items() if k not in res and k != "partial"})
     write_json(args.out, res)
     plot(res, os.path.join(args.out, "decode.png"), args.kv_fraction)
     label = lambda r: r["attention"] if r["attention"] != "auto" else f"auto>{r.get('attention_path', '?')}"

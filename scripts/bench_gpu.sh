@@ -145,7 +145,7 @@ for b in "${names[@]}"; do
     auto-long)  step auto-long 580 scripts/bench_decode.py --out "$OUT/auto" "${C[@]}" --chunks 4 --row-timeout 180 \
                   --append --rows sparse:262144:1,dense:262144:1,auto:262144:1 ;;
     # real prefill before decode, time to first token beside decode (issue 21 part 6): $OUT/prefill/decode.json,
-    # kept as docs/benchmarks/decode_prefill.json
+    # kept as docs/benchmarks/decode_variants.json's rows of variant 'prefill'
     decode-prefill) step decode-prefill 580 scripts/bench_decode.py --out "$OUT/prefill" "${C[@]}" --fill prefill \
                   --chunks 4 --row-timeout 150 \
                   --rows sparse:32768:1,dense:32768:1,auto:32768:1,sparse:131072:1,dense:131072:1 ;;

@@ -15,7 +15,7 @@ from ulacache_jax.runtime.cost_model import CostModel, Decision, choose_attentio
 from ulacache_jax.models import get_preset
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-BENCH_JSONS = ("decode.json", "decode_one_program.json")
+BENCH_JSONS = ("decode.json",)   # its rows of variant one_program were decode_one_program.json
 GIB = 2**30
 H200_LIMIT = 132 * GIB          # the allocator's limit at XLA_PYTHON_CLIENT_MEM_FRACTION = 0.95 (bench_decode's)
 # Pairs measured in one H200 call at ea0d433 (2026-12-01) whose JSON was not kept: their figures are issue 21's
@@ -39,7 +39,7 @@ def measured_rows() -> list[dict]:
             if ("tokens_per_s" in r and (r.get("tp") or 1) == 1 and r.get("attention_path", r["attention"]) in cm.KINDS
                     and r.get("rule") in (None, "quest")):
                 rows.append(dict(r, attention=r.get("attention_path", r["attention"]),
-                                 source=f"{name} {r.get('commit', '')}".strip()))
+                                 source=" ".join(filter(None, (name, r.get("variant"), r.get("commit"))))))
     for kind, ctx, b, frames, hit, tps in ISSUE_21:
         rows.append(dict(attention=kind, context=ctx, batch=b, budget=2048, page=64, pool_frames=frames,
                          hit_rate=hit, tokens_per_s=tps, source="issue 21 (ea0d433)"))

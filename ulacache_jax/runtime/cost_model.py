@@ -14,7 +14,7 @@ layers; A: attended tokens (min(T, budget) + the tail pages); summ: one sequence
 K per page, all layers); G: KV-head groups per rank; P: selected pages per group (budget / page); F: HBM frames
 of the pool (the PB-LRU state the sieve reads grows with it); miss: (1 - hit) * B * L * G * P K+V pages a step
 fetches over PCIe. The constants are a least-squares fit (relative error, `fit`) to the H200 decode rows of
-docs/benchmarks/decode.json and decode_one_program.json and the issue 21 pairs; tests/test_cost_model.py checks
+docs/benchmarks/decode.json (the one-program pairs among them) and the issue 21 pairs; tests/test_cost_model.py checks
 the model against every one of them and prints predicted vs measured. The hit rate is not predicted here:
 `expected_hit_rate` reads it off PB-LRU's measured curve on a trained model's selections (pool frames / one
 step's selection frames); the auto pool is `pool_headroom` times one step's selection frames.
