@@ -291,7 +291,7 @@ def test_tensor_core_variant_equals_reference(bits, g, H):
                             + (jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32),)):
         for layer in range(L):
             want = np.asarray(pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=bits))
-            for bp in (1, 4, P):
+            for bp in ((1, P) if layer else (4,)):
                 got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits,
                                          block_pages=bp, dot=True)
                 np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
