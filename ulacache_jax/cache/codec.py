@@ -17,8 +17,9 @@ Two codecs ship:
   and is one scalar per page in the attention kernel, where a scale per token costs 4 bytes per 128 (3%) and a
   vector per page. Keys of one head share their magnitude along a page (a RoPE'd head's channels do not drift within
   64 tokens), so per-token scales would buy precision only for values 2**15 below their page's maximum (they fall
-  into e4m3's subnormals). Per token is the alternative issue 50 asks to measure; it is not built: it would
-  let the tail append encode each token into the pool (no model-dtype ring) at 32x the scale bytes.
+  into e4m3's subnormals). Per token, the alternative issue 50 asks to measure, was measured on SmolLM2 past 8K
+  (scripts/studies/kv_dtype_quality.py's fp8_per_token cells, BENCHMARKS.md) and bought nothing, so it is not
+  built: it would let the tail append encode each token into the pool (no model-dtype ring) at 32x the scale bytes.
 
 Where a page is encoded: a scaled codec needs all of a page's tokens to choose its scale, so its tail ring (the
 unflushed pages) stays in the model's dtype, in its own array (`ring_in_pool` False), and a page is encoded once,
