@@ -542,8 +542,9 @@ def check_device_memory(args, cfg, param_bytes: int, limit: int | None, what: st
                                        weight_bytes=param_bytes * cfg.tp, cap=max(4096, cfg.max_seqs))
     if msg is None:
         if got is not None:   # the sizing rule's answer, printed (issue 50): how far this context could go
-            print(f"ulacache: memory: {cfg.max_seqs} sequences of {cfg.max_context} tokens; at most {got.batch} fit "
-                  f"({what}: {got.why(machine)})", file=sys.stderr)
+            most = (f"at least {got.batch} fit ({what})" if got.limit == "cap" else
+                    f"at most {got.batch} fit ({what}: {got.why(machine)})")
+            print(f"ulacache: memory: {cfg.max_seqs} sequences of {cfg.max_context} tokens; {most}", file=sys.stderr)
         return
     fit = ""
     if got is not None:
