@@ -152,6 +152,20 @@ def _check(kc, qc, *, pow2: bool, bits: int = 0):
             raise ValueError(f"{name} = {v} must be a power of two for the page-lse kernel (Triton blocks)")
 
 
+def _block_pages(num_pages: int, page: int, channels: int, block_pages: int | None) -> int:
+    """The pages of one block, checked: block_pages, or by default the largest within BLOCK_ELEMS; a power of two
+    dividing the page count."""
+    bp = block_pages or default_block_pages(num_pages, page, channels)
+    if num_pages % bp or bp & (bp - 1):
+        raise ValueError(f"block_pages = {bp} must be a power of two dividing the page count {num_pages}")
+    return bp
+
+
+def _launch(interpret: bool, num_warps: int | None) -> dict:
+    """pallas_call's compiler parameters: the warps of a compiled (Triton) launch; none in interpret mode."""
+    return {} if interpret else {"compiler_params": pltr.CompilerParams(num_warps=num_warps or DEFAULT_WARPS)}
+
+
 def _span(num_pages: int, block_pages: int, pages_per_program: int | None) -> int | None:
     """The pages a program covers, checked: None (one block a program, the default) or a multiple of block_pages
     dividing the page count, walked a block an iteration."""
@@ -186,14 +200,10 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     H = qc.shape[3]
     Hp = next_pow2(H)    # Triton blocks are powers of two: padded rows are zeros, their lse is dropped below
     qp = jnp.pad(qc.astype(jnp.float32), ((0, 0),) * 3 + ((0, Hp - H), (0, 0))).reshape(S, G, g * Hp, C)
-    bp = block_pages or default_block_pages(P, T, C)
-    if P % bp or bp & (bp - 1):
-        raise ValueError(f"block_pages = {bp} must be a power of two dividing the page count {P}")
+    bp = _block_pages(P, T, C, block_pages)
     span = _span(P, bp, pages_per_program)
     sp = span or bp                                                                     # pages a program
-    kwargs = {}
-    if not interpret:
-        kwargs["compiler_params"] = pltr.CompilerParams(num_warps=num_warps or DEFAULT_WARPS)
+    kwargs = _launch(interpret, num_warps)
     view = kc.reshape(S, L, G, P, T, g * Cs)                                            # row-major: free
     kspec = pl.BlockSpec((None, None, None, sp, T, g * Cs), lambda s, j, b: (s, layer, j, b, 0, 0))
     qspec = pl.BlockSpec((None, None, g * Hp, C), lambda s, j, b: (s, j, 0, 0))
@@ -228,12 +238,8 @@ def _page_lse_dot(kc, qc, *, layer: int, interpret: bool, block_pages: int | Non
     # [S, G, g, H, C] -> [S, G, C, g * R]: channels down, each KV head's rows (zero-padded to R) across
     qp = jnp.pad(qc.astype(jnp.float32), ((0, 0),) * 3 + ((0, R - H), (0, 0)))
     qt = qp.transpose(0, 1, 4, 2, 3).reshape(S, G, C, g * R)
-    bp = block_pages or default_block_pages(P, T, C)
-    if P % bp or bp & (bp - 1):
-        raise ValueError(f"block_pages = {bp} must be a power of two dividing the page count {P}")
-    kwargs = {}
-    if not interpret:
-        kwargs["compiler_params"] = pltr.CompilerParams(num_warps=num_warps or DEFAULT_WARPS)
+    bp = _block_pages(P, T, C, block_pages)
+    kwargs = _launch(interpret, num_warps)
     sc = scale.astype(jnp.float32).reshape(S, G, P, g * C)
     out = pl.pallas_call(
         functools.partial(_label_dot_kernel, g=g, rows=R, bits=bits),

@@ -32,7 +32,6 @@ def machines():
 
 def rows(models=MODELS, contexts=CONTEXTS, kv_dtypes=KV_DTYPES, cap: int = 1024) -> list[dict]:
     """One row per (model, machine, kv dtype, context, attention): the largest batch and what stops one more."""
-    import dataclasses
     from ulacache_jax.models import PRESETS
     from ulacache_jax.runtime import sizing
     out = []
@@ -47,12 +46,9 @@ def rows(models=MODELS, contexts=CONTEXTS, kv_dtypes=KV_DTYPES, cap: int = 1024)
                                    host_gib=m.host_bytes / GIB, kv_dtype="bf16" if kv == "auto" else "fp8",
                                    context=ctx, attention=att, batch=fit.batch, limit=fit.limit,
                                    why=fit.why(m), tokens=fit.batch * ctx)
-                        if att == "sparse":   # the same without the ingest's transient (issue 50 item 1's goal):
-                            # pool + pool / 2 <= 1.5 x host  <=>  pool <= host
-                            roomy = dataclasses.replace(m, host_bytes=m.host_bytes * 3 // 2)
+                        if att == "sparse":   # the same without the ingest's transient (issue 50 item 1's goal)
                             row["batch_without_transient"] = sizing.largest_batch(
-                                mc, ctx, roomy, attention=att, kv_dtype=kv, cap=cap).batch if fit.limit == "host" \
-                                else fit.batch
+                                mc, ctx, m, attention=att, kv_dtype=kv, cap=cap, transient=False).batch
                         out.append(row)
     return out
 

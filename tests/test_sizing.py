@@ -40,6 +40,8 @@ def test_measured_h200_facts_and_fp8_capacity():
     sp = sizing.largest_batch(MC8, 262144, H200)
     assert (sp.batch, sp.limit) == (2, "host")
     assert sp.need_next.host_pool == 96 * GIB and sp.need_next.host_transient == 48 * GIB
+    roomy = sizing.largest_batch(MC8, 262144, H200, transient=False)    # a pool layout without the transient
+    assert (roomy.batch, roomy.need_next.host_transient) == (3, 0)
     de = sizing.largest_batch(MC8, 262144, H200, attention="dense")
     assert (de.batch, de.limit, de.need_next.host) == (3, "hbm", 0)
     sp8 = sizing.largest_batch(MC8, 262144, H200, kv_dtype="float8_e4m3fn")

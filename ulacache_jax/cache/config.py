@@ -210,6 +210,11 @@ class CacheConfig:
         return self.codec.page_bytes(self.page_size, self.kv_heads_per_group, self.head_dim, self.dtype)
 
     @property
+    def host_pool_bytes(self) -> int:
+        """Bytes of one rank's host pool: host_pages K and V pages."""
+        return 2 * self.host_pages * self.page_bytes
+
+    @property
     def ring_page_bytes(self) -> int:
         """Bytes of one K (or V) page of one group in the tail ring: stored pages when the ring is in the pool,
         else the model's dtype (a scaled codec encodes a page at its flush, cache/codec.py)."""
@@ -246,7 +251,7 @@ class CacheConfig:
                 self.max_context * self.label_bytes + 4 + (2 * self.max_pages_per_seq if self.label_bits else 0))),
             "vtlb": 2 * 4 * per_pg * self.max_pages_per_seq,
             "pb_lru": 12 * self.num_frames,
-            "host": 2 * self.host_pages * self.page_bytes,
+            "host": self.host_pool_bytes,
         }
 
     @classmethod

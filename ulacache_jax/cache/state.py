@@ -211,13 +211,15 @@ def raise_host_limit(fraction: float = 0.9) -> int | None:
 
 
 def host_need(config: CacheConfig, pinned: bool) -> tuple[int, int]:
-    """-> (the host pool's bytes over every rank, the transient its first ingest needs beside it). pinned (a GPU's
-    pinned_host pool): the ingest is compiled with the pool aliased, yet XLA's pinned allocator asks for one more
-    array the size of the pool's K part (measured on the H200: 256K x 3 of the 8B shape pinned its 2 x 48 GiB pool,
-    then the first ingest asked for another 48 GiB and failed), so half the pool must stay free. 0 on CPU, where
-    the pool is plain memory and updated in place."""
-    pool = 2 * config.host_pages * config.page_bytes * config.tp
-    return pool, (pool // 2 if pinned else 0)
+    """-> (the host pool's bytes, the transient its first ingest needs beside it). pinned (a GPU's pinned_host
+    pool): every rank's pool is pinned in the one host, and the ingest, compiled with the pool aliased, still has
+    XLA's pinned allocator ask for one more array the size of the pool's K part (measured on the H200: 256K x 3 of
+    the 8B shape pinned its 2 x 48 GiB pool, then the first ingest asked for another 48 GiB and failed), so half the
+    pool must stay free. Not pinned (CPU): one rank's pool, plain memory updated in place, no transient."""
+    if not pinned:
+        return config.host_pool_bytes, 0
+    pool = config.host_pool_bytes * config.tp
+    return pool, pool // 2
 
 
 def check_fits(config: CacheConfig, device=None, host_bytes: int | None = None) -> dict[str, int]:
@@ -238,8 +240,6 @@ def check_fits(config: CacheConfig, device=None, host_bytes: int | None = None) 
     host_limit = host_bytes if host_bytes is not None else pinnable_host_bytes()
     pinned = bool(host_memory_kind(device))
     pool, transient = host_need(config, pinned)
-    if not pinned:
-        pool = fp["host"]          # CPU: one rank's pool is checked (the ranks' pools are one device's memory)
     need = pool + transient
     parts = (f"host_pages = {config.host_pages} x {2 * config.page_bytes} B x {config.tp} ranks"
              + (f", plus {transient / 2**30:.2f} GiB its first ingest asks XLA for" if transient else ""))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ulacache_jax.cache import state
 from ulacache_jax.runtime import backends
 from ulacache_jax.runtime.generator import default_cache_config
@@ -82,38 +84,39 @@ def cache_config(model_config, context: int, batch: int, *, tp: int = 1, dtype: 
                                 dtype=dtype, tp=tp, kv_dtype=kv_dtype, **overrides)
 
 
-def need(config, attention: str, weight_bytes: int) -> Need:
-    """Bytes of `config` under `attention` ("sparse" | "dense") with `weight_bytes` of weights split over its ranks."""
+def need(config, attention: str, weight_bytes: int, *, transient: bool = True) -> Need:
+    """Bytes of `config` under `attention` ("sparse" | "dense") with `weight_bytes` of weights split over its ranks.
+    transient=False: without the first ingest's host transient (what a pool layout without it would hold)."""
     cls = backends.backend_class(attention)
     fp = cls.footprint(config)
     tp = config.tp
     cache = fp["hbm_bytes"] // tp
     weights = -(-weight_bytes // tp)
-    pool, transient = state.host_need(config, pinned=True) if cls.host_tier else (0, 0)
-    return Need(hbm_per_gpu=cache + weights, host=pool + transient, cache_hbm_per_gpu=cache, weights_per_gpu=weights,
-                host_pool=pool, host_transient=transient)
+    pool, extra = state.host_need(config, pinned=True) if cls.host_tier else (0, 0)
+    extra = extra if transient else 0
+    return Need(hbm_per_gpu=cache + weights, host=pool + extra, cache_hbm_per_gpu=cache, weights_per_gpu=weights,
+                host_pool=pool, host_transient=extra)
 
 
 def largest_batch(model_config, context: int, machine: Machine, *, attention: str = "sparse", tp: int | None = None,
                   dtype: str = "bfloat16", kv_dtype: str = "auto", token_budget: int = 2048,
-                  weight_bytes: int | None = None, cap: int = 4096, **overrides) -> Fit:
+                  weight_bytes: int | None = None, cap: int = 4096, transient: bool = True, **overrides) -> Fit:
     """The largest batch of `context`-token sequences `machine` holds with the default cache (tp: ranks, default
-    every GPU). weight_bytes: default the model's parameters in `dtype`. Raises ValueError for a context or tp the
-    cache cannot take."""
+    every GPU). weight_bytes: default the model's parameters in `dtype`; transient: as `need`. Raises ValueError for
+    a context or tp the cache cannot take."""
     tp = machine.gpus if tp is None else tp
     if not 1 <= tp <= machine.gpus:
         raise ValueError(f"tp = {tp} must be in [1, {machine.gpus}] (the GPUs of {machine.name})")
     if weight_bytes is None:
-        import numpy as np
         weight_bytes = model_config.num_params() * np.dtype(dtype).itemsize
     return largest_batch_for(
         lambda b: cache_config(model_config, context, b, tp=tp, dtype=dtype, kv_dtype=kv_dtype,
                                token_budget=token_budget, **overrides),
-        machine, context=context, attention=attention, weight_bytes=weight_bytes, cap=cap)
+        machine, context=context, attention=attention, weight_bytes=weight_bytes, cap=cap, transient=transient)
 
 
 def largest_batch_for(build, machine: Machine, *, context: int, attention: str, weight_bytes: int,
-                      cap: int = 4096) -> Fit:
+                      cap: int = 4096, transient: bool = True) -> Fit:
     """The largest b <= cap for which the cache build(b) (a CacheConfig of b sequences of `context` tokens, built
     as its entry point builds it) fits `machine` beside weight_bytes of weights. A build that raises ValueError
     (shapes the cache cannot take) does not fit: limit "config"."""
@@ -129,7 +132,7 @@ def largest_batch_for(build, machine: Machine, *, context: int, attention: str, 
             config = build(b)
         except ValueError:          # a batch the cache's shapes cannot take (e.g. 2**31 frames): it does not fit
             return None
-        return need(config, attention, weight_bytes)
+        return need(config, attention, weight_bytes, transient=transient)
 
     def over(n: Need | None) -> str | None:
         if n is None:
