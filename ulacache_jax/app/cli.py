@@ -524,7 +524,7 @@ def check_device_memory(args, cfg, param_bytes: int, limit: int | None, what: st
     gib = 2**30
     host_limit = None
     if backend.host_tier and state.host_memory_kind():
-        host_limit = min(x for x in (state.pinnable_host_bytes(), state.xla_host_limit_bytes()) if x is not None)
+        host_limit = state.pinned_host_limit()
         pool, transient = state.host_need(cfg, pinned=True)
         if msg is None and pool + transient > host_limit:
             msg = (f"the host pool needs {(pool + transient) / gib:.2f} GiB (pool {pool / gib:.2f} + "

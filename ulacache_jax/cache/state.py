@@ -197,6 +197,13 @@ def xla_host_limit_bytes() -> int:
     return int(gb * 2**30)
 
 
+def pinned_host_limit() -> int:
+    """The most a pinned host pool may take: the smaller of what the machine can pin (MemAvailable, where known)
+    and XLA's pinned-host allocator's limit. check_fits refuses past either (with which one in its message); the
+    CLI's check before the engine (app/cli.py) and its sizing answer use this one number."""
+    return min(x for x in (pinnable_host_bytes(), xla_host_limit_bytes()) if x is not None)
+
+
 def raise_host_limit(fraction: float = 0.9) -> int | None:
     """Entry points call this first: set XLA's pinned-host limit to `fraction` of MemAvailable (unless the user
     set it). It only takes effect before the GPU backend starts; returns the limit in GiB it set, else None."""
