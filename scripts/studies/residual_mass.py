@@ -24,13 +24,14 @@ positions prefix .. T-2, as bench_quality's ppl task does.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import numpy as np
 import jax
 import jax.numpy as jnp
+
+from scripts.bench_meta import Results, add_common_args, run_meta
 
 RULES = ("topk", "res_exact", "res_mean", "res_labels")
 
@@ -122,25 +123,42 @@ def forward(model, ids, prefix: int, rule: str | None, page: int, budget: int, c
     return model.logits(h[:, prefix:T - 1])[0]
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="path or preset (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--text", default="austen")
+    add_common_args(ap, out_required=True, files="residual_mass.json", model=None,
+                    model_default_help="SmolLM2-135M-Instruct (bench_quality's default)", dtype="float32")
+    ap.add_argument("--text", default="austen", help="bench_quality's --text")
     ap.add_argument("--window", type=int, default=8192)
-    ap.add_argument("--prefix", type=int, default=7680)
+    ap.add_argument("--prefix", type=int, default=7680, help="positions prefix .. window-2 are scored")
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--page", type=int, default=16)
-    ap.add_argument("--budgets", default="256,512")
-    ap.add_argument("--channels", type=int, default=32)
+    ap.add_argument("--budgets", default="256,512", help="tokens, comma-separated")
+    ap.add_argument("--channels", type=int, default=32, help="res_labels' label channels")
     ap.add_argument("--rules", default=",".join(RULES))
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def summary(acc: dict) -> list[dict]:
+    """The scored positions so far -> one row per rule: ppl (and its ratio to dense's), top-1 agreement, KL."""
+    cat = np.concatenate
+    dense_ppl = float(np.exp(-cat(acc["dense"]).mean()))
+    rows = [dict(rule="dense", ppl=dense_ppl, positions=int(cat(acc["dense"]).size))]
+    for key, a in acc.items():
+        if key != "dense":
+            ppl = float(np.exp(-cat(a["lp"]).mean()))
+            rows.append(dict(rule=key, ppl=ppl, ppl_vs_dense=ppl / dense_ppl - 1, top1=float(cat(a["agree"]).mean()),
+                             kl=float(cat(a["kl"]).mean()), positions=int(cat(a["lp"]).size)))
+    return rows
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     from scripts.bench_quality import corpus_text, default_model_path
     from ulacache_jax.models import from_pretrained, load_tokenizer
     path = args.model or default_model_path()
-    model = from_pretrained(path, dtype=jnp.float32)
+    model = from_pretrained(path, dtype=jnp.dtype(args.dtype))
     tok = load_tokenizer(path)
-    text, _ = corpus_text(args.text)
+    text, source = corpus_text(args.text)
     text_ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
     span = len(text_ids) - args.window
     offs = [int(i * span / max(1, args.windows - 1)) for i in range(args.windows)]
@@ -148,39 +166,28 @@ def main(argv=None):
     budgets = [int(b) for b in args.budgets.split(",")]
     rules = args.rules.split(",")
     fwd = jax.jit(forward, static_argnums=(2, 3, 4, 5, 6))
+    res = Results(os.path.join(args.out, "residual_mass.json"),
+                  run_meta(args.commit, model=os.path.basename(os.path.normpath(path)), text=source, **vars(args)))
     acc: dict = {}
     for wi, ids in enumerate(wins):
         t0 = time.time()
-        ref = fwd(model, ids, args.prefix, None, args.page, 0, args.channels)          # [N, V]
+        ref_lp = jax.nn.log_softmax(fwd(model, ids, args.prefix, None, args.page, 0, args.channels))    # [N, V]
         nxt = ids[args.prefix + 1:]
-        ref_lp = jax.nn.log_softmax(ref)
         acc.setdefault("dense", []).append(np.asarray(jnp.take_along_axis(ref_lp, nxt[:, None], 1)[:, 0]))
         print(f"window {wi}: dense {time.time() - t0:.0f} s", flush=True)
         for b in budgets:
             for r in rules:
                 t0 = time.time()
                 lg = jax.nn.log_softmax(fwd(model, ids, args.prefix, r, args.page, b, args.channels))
-                key = f"{r} b{b}"
-                a = acc.setdefault(key, dict(lp=[], agree=[], kl=[]))
+                a = acc.setdefault(f"{r} b{b}", dict(lp=[], agree=[], kl=[]))
                 a["lp"].append(np.asarray(jnp.take_along_axis(lg, nxt[:, None], 1)[:, 0]))
                 a["agree"].append(np.asarray(jnp.argmax(lg, -1) == jnp.argmax(ref_lp, -1)))
                 a["kl"].append(np.asarray(jnp.sum(jnp.exp(ref_lp) * (ref_lp - lg), -1)))
-                print(f"window {wi}: {key} {time.time() - t0:.0f} s", flush=True)
-    dense_ppl = float(np.exp(-np.concatenate(acc["dense"]).mean()))
-    rows = [dict(rule="dense", ppl=dense_ppl)]
-    for key, a in acc.items():
-        if key == "dense":
-            continue
-        cat = lambda xs: np.concatenate(xs)
-        ppl = float(np.exp(-cat(a["lp"]).mean()))
-        rows.append(dict(rule=key, ppl=ppl, ppl_vs_dense=ppl / dense_ppl - 1, top1=float(cat(a["agree"]).mean()),
-                         kl=float(cat(a["kl"]).mean())))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "residual_mass.json"), "w") as fh:
-        json.dump(dict(args=vars(args), model=os.path.basename(os.path.normpath(path)), jax=jax.__version__,
-                       positions=int(sum(len(x) for x in acc["dense"])), rows=rows), fh, indent=1)
+                res.rows = summary(acc)          # every cell so far, rewritten after each: a cut run keeps them
+                res.save()
+                print(f"window {wi}: {r} b{b} {time.time() - t0:.0f} s", flush=True)
     print(f"{'rule':18s} {'ppl':>8s} {'vs dense':>9s} {'top1':>7s} {'kl':>8s}")
-    for r in rows:
+    for r in res.rows:
         print(f"{r['rule']:18s} {r['ppl']:8.3f} {100 * r.get('ppl_vs_dense', 0):+8.2f}% "
               f"{100 * r.get('top1', 1):6.1f}% {r.get('kl', 0):8.4f}")
 

@@ -1,0 +1,47 @@
+"""scripts/studies/residual_mass.py's attention rules against dense attention (issue 48's residual-mass study)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scripts.studies import residual_mass as rm
+from ulacache_jax.models.attention import dense_attention
+
+
+def _inputs(T=128, N=8, H=4, KV=2, D=16, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(ks[0], (N, H, D), jnp.float32)
+    k = jax.random.normal(ks[1], (T, KV, D), jnp.float32)
+    v = jax.random.normal(ks[2], (T, KV, D), jnp.float32)
+    qpos = jnp.arange(T - N, T, dtype=jnp.int32)
+    return q, k, v, qpos
+
+
+def _dense(q, k, v, qpos):
+    T = k.shape[0]
+    return dense_attention(q[None], k[None], v[None], qpos[None], jnp.arange(T)[None])[0]
+
+
+@pytest.mark.parametrize("rule", rm.RULES)
+def test_a_budget_covering_every_page_is_dense(rule):
+    """Nothing unselected: every rule is exact attention (the residual terms add nothing)."""
+    q, k, v, qpos = _inputs()
+    got = rm.attend(q, k, v, qpos, page=16, budget=128, rule=rule, channels=8)
+    np.testing.assert_allclose(got, _dense(q, k, v, qpos), rtol=1e-5, atol=1e-5)
+
+
+def test_residual_at_exact_mass_with_uniform_pages_is_dense():
+    """res_exact replaces an unselected page by its exact mass and mean value: exact when every key of a page is
+    the same (the page's tokens then share one weight), whatever the budget."""
+    q, k, v, qpos = _inputs()
+    k = jnp.repeat(k[::16], 16, axis=0)          # one key a page of 16
+    got = rm.attend(q, k, v, qpos, page=16, budget=32, rule="res_exact")
+    np.testing.assert_allclose(got, _dense(q, k, v, qpos), rtol=1e-5, atol=1e-5)
+    topk = rm.attend(q, k, v, qpos, page=16, budget=32, rule="topk")
+    assert not np.allclose(topk, got, atol=1e-3)   # the budget drops pages: top-k alone is not exact here
+
+
+def test_unknown_rule_is_refused():
+    q, k, v, qpos = _inputs()
+    with pytest.raises(ValueError, match="rule"):
+        rm.attend(q, k, v, qpos, page=16, budget=32, rule="nope")
