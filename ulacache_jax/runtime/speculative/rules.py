@@ -22,7 +22,10 @@ nothing of the runtime but sampling, so program.py can sit below the decoder tha
   and its own page selection, so a row's result depends on its token, its position and the committed cache, not on
   the other rows, given the program shape. Deterministic mode runs every step as a K + 1-row verification (never
   the one-row step, the plain chunk or the batch gate), and method "none" decodes plain with those shapes (row 0
-  alone, no drafts): the two give the same greedy tokens in any dtype.
+  alone, no drafts): the two give the same greedy tokens in any dtype. This rests on the compiled matmuls and
+  attention computing a row alike wherever it sits among the S x (K + 1) rows and in either program that verifies
+  (the device chunk, the per-step verification): a reduction order per row that the shape fixes, which the bf16
+  tests check on CPU (tests/test_speculative_deterministic.py) and nothing checks on the GPU kernels yet.
 - `accept`: the standard rule (Leviathan et al. 2023, Chen et al. 2023): draft d with target probability p(d) and
   draft probability q(d) is accepted with probability min(1, p(d) / q(d)); at the first rejection the next token
   is drawn from norm(max(0, p - q)); when all are accepted, from the last row's p. Greedy rows make p a point mass
