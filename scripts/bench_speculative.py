@@ -25,6 +25,9 @@ yield to break even.
 
 --small: the tiny random model, short prompts, float32, dense unless --attention sparse, on CPU (a check of the
 script; with --step-cost, the tiny shape at 1K).
+--deterministic: SpecConfig(deterministic=True) for every speculative row, and per K a row of method "none" (plain
+decoding through the K + 1-row verification program: its speedup and match are against plain, i.e. the mode's cost
+and plain's own bf16 drift from it); the speculative rows' speedup and match are then against that row.
 --per-step: ngram speculation one verification per Engine step (SpecDecoder.chunk_steps = 0) instead of the device
 chunk (Program.spec_chunk), to compare the two.
 `verifications` counts every verification (one-row steps of a chunk where no slot drafted included);
@@ -128,6 +131,24 @@ def match_share(a: list[list[int]], b: list[list[int]]) -> float:
         same += n
         tot += max(len(x), len(y))
     return same / max(tot, 1)
+
+
+def deterministic_plain(args, res, gen, prompts, tokenizer, task, B, K, temp, plain_tokens, plain_dec, plain_wall):
+    """--deterministic's baseline: method "none" with K (plain decoding through the K + 1-row verification), its
+    row against plain added to `res` -> (tokens, decode tok/s, wall tok/s)."""
+    from ulacache_jax.runtime.speculative.rules import SpecConfig
+    spec = SpecConfig("none", K, deterministic=True)
+    out = run_engine(gen, prompts, args.max_new, tokenizer, spec, temperature=temp)[0]                  # compiles
+    runs = [run_engine(gen, prompts, args.max_new, tokenizer, spec, temperature=temp) for _ in range(args.reps)]
+    dec = statistics.median(t / s for _, t, s, _, _ in runs)
+    wall = statistics.median(sum(map(len, o)) / w for o, _, _, w, _ in runs)
+    res.add(dict(task=task, batch=B, method="none", num_tokens=K, dtype=args.dtype, deterministic=True,
+                 decode_tok_s=dec, wall_tok_s=wall, speedup=dec / plain_dec, wall_speedup=wall / plain_wall,
+                 match=out == plain_tokens if temp == 0 else None,
+                 match_tokens=match_share(out, plain_tokens) if temp == 0 else None, temperature=temp,
+                 acceptance=0.0, new_tokens=sum(map(len, out))))
+    print(json.dumps(res.rows[-1]), flush=True)
+    return out, dec, wall
 
 
 def plain_step_ms(gen, live, chunks: int):
@@ -274,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ks", default="2,4,8")
     p.add_argument("--step-batches", default="1,4")
     p.add_argument("--per-step", action="store_true", help="ngram: one verification per step, not device chunks")
+    p.add_argument("--deterministic", action="store_true",
+                   help="SpecConfig(deterministic=True), compared with method 'none' (docstring)")
     p.add_argument("--small", action="store_true", help="tiny random model, short prompts, float32 (CPU check)")
     p.add_argument("--append", action="store_true", help="keep the rows already in --out (one call per batch size)")
     p.add_argument("--png", default=None, metavar="JSON", help="draw JSON's PNG beside it (no run) and exit")
@@ -360,16 +383,24 @@ def main(argv=None):
             res.add(dict(task=task, batch=B, method="plain", num_tokens=0, dtype=args.dtype, decode_tok_s=plain_dec,
                          wall_tok_s=plain_wall, new_tokens=sum(map(len, plain_tokens))))
             print(json.dumps(res.rows[-1]), flush=True)
+            det_plain = {}       # --deterministic: K -> (tokens, decode tok/s, wall tok/s) of method "none"
             for method, K, gate in [(m, k, g) for m in args.methods.split(",") for k in ks for g in gates]:
+                ref_tokens, ref_dec, ref_wall = plain_tokens, plain_dec, plain_wall
+                if args.deterministic:
+                    if K not in det_plain:
+                        det_plain[K] = deterministic_plain(args, res, gen, prompts, tokenizer, task, B, K, temp,
+                                                           plain_tokens, plain_dec, plain_wall)
+                    ref_tokens, ref_dec, ref_wall = det_plain[K]
                 spec = SpecConfig(method, K, draft_model=draft if method == "draft" else None,
+                                  deterministic=args.deterministic,
                                   **({} if gate is None else {"min_drafts_per_slot": gate}))
                 first = run_engine(gen, prompts, args.max_new, tokenizer, spec, args.per_step,
                                    temperature=temp)                                          # compiles
                 out = first[0]
-                same = out == plain_tokens if temp == 0 else None            # sampled: not comparable token-wise
+                same = out == ref_tokens if temp == 0 else None              # sampled: not comparable token-wise
                 if args.require_match and same is False:
                     raise SystemExit(f"{task} B={B} {method} K={K}: greedy output differs from plain "
-                                     f"(match share {match_share(out, plain_tokens):.3f})")
+                                     f"(match share {match_share(out, ref_tokens):.3f})")
                 runs = [run_engine(gen, prompts, args.max_new, tokenizer, spec, args.per_step,
                                    temperature=temp) for _ in range(args.reps)]
                 dec = statistics.median(t / s for _, t, s, _, _ in runs)
@@ -377,9 +408,9 @@ def main(argv=None):
                 c = runs[-1][4]
                 row = dict(task=task, batch=B, method=method, num_tokens=K, dtype=args.dtype,
                            decode_tok_s=dec, wall_tok_s=wall,
-                           min_drafts_per_slot=spec.min_drafts_per_slot,
-                           speedup=dec / plain_dec, wall_speedup=wall / plain_wall, match=same,
-                           match_tokens=match_share(out, plain_tokens) if temp == 0 else None,
+                           min_drafts_per_slot=spec.min_drafts_per_slot, deterministic=args.deterministic,
+                           speedup=dec / ref_dec, wall_speedup=wall / ref_wall, match=same,
+                           match_tokens=match_share(out, ref_tokens) if temp == 0 else None,
                            temperature=temp,
                            acceptance=c["accepted"] / max(c["proposed"], 1),
                            tokens_per_step=runs[-1][1] / max(c["steps"], 1) / B,

@@ -182,6 +182,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="drafts verified per step at most (with --speculative; < --page-size; default 4)")
     p.add_argument("--draft-model", default=None, metavar="PATH",
                    help="the draft model of --speculative draft: a preset name, GGUF file or model folder")
+    p.add_argument("--deterministic", action="store_true",
+                   help="decode every step through the verification program of --num-speculative-tokens K (K + 1 "
+                        "rows a sequence), with --speculative or without it (then nothing is drafted), so greedy "
+                        "output is the same with and without --speculative in bfloat16 too (default: plain steps "
+                        "and K + 1-row verifications round differently there); without --speculative each step "
+                        "costs a verification")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="param and cache dtype (auto: float32 on CPU, bfloat16 on accelerators)")
     p.add_argument("--compile-cache", default=None, metavar="DIR|off",
@@ -264,8 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "off = nothing (the first requests pay for compiling)")
     s.add_argument("--decode-chunk-steps", type=positive_int, default=None, metavar="N",
                    help="decode steps between hand-backs of sampled tokens (a power of two <= --page-size; default 8, "
-                        "or --page-size with --speculative, whose verifications need page-long chunks): a streamed "
-                        "token reaches its client within N steps and a queued prompt starts within one chunk; "
+                        "or --page-size with --speculative or --deterministic, whose verifications need page-long "
+                        "chunks): a streamed token reaches its client within N steps and a queued prompt starts "
+                        "within one chunk; "
                         "tokens do not depend on it, longer chunks cost less host time a token")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
@@ -426,14 +433,16 @@ def read_input(path: str) -> list[jsonl_io.InputLine]:
 # ---- stop strings -----------------------------------------------------------------------------------------------
 # ---- generate ---------------------------------------------------------------------------------------------------
 def _spec_config(args):
-    """--speculative / --num-speculative-tokens / --draft-model -> a speculative.SpecConfig, or None (off)."""
+    """--speculative / --num-speculative-tokens / --draft-model / --deterministic -> a speculative.SpecConfig, or
+    None (off). --deterministic alone: method "none" (plain decoding through the verification shapes)."""
     if args.speculative is None:
         if args.draft_model is not None:
             raise UsageError("--draft-model needs --speculative draft")
-        if args.num_speculative_tokens is not None:
+        if args.num_speculative_tokens is not None and not args.deterministic:
             raise UsageError(f"--num-speculative-tokens {args.num_speculative_tokens} needs --speculative ngram|draft "
-                             "(without it nothing is drafted)")
-        return None
+                             "or --deterministic (without them nothing is drafted or verified)")
+        if not args.deterministic:
+            return None
     if (args.speculative == "draft") != (args.draft_model is not None):
         raise UsageError("--speculative draft needs --draft-model PATH (and --draft-model only goes with it)")
     k = resume.num_speculative_tokens(args)
@@ -442,7 +451,7 @@ def _spec_config(args):
     if args.draft_model is not None:
         check_model_spec(args.draft_model, "--draft-model")
     from ulacache_jax.runtime.speculative.rules import SpecConfig
-    return SpecConfig(args.speculative, k, draft_model=args.draft_model)
+    return SpecConfig(args.speculative or "none", k, draft_model=args.draft_model, deterministic=args.deterministic)
 
 
 def check_model_spec(spec: str, flag: str) -> None:
@@ -704,7 +713,7 @@ def decode_chunk_steps(args) -> int | None:
     if given == "absent":
         return None
     if given is None:
-        return None if args.speculative is not None or args.page_size <= 8 else 8
+        return None if args.speculative is not None or args.deterministic or args.page_size <= 8 else 8
     return given
 
 
@@ -995,9 +1004,9 @@ def cmd_serve(args) -> int:
     n = args.decode_chunk_steps
     if n is not None and (n & (n - 1) or n > args.page_size):
         raise UsageError(f"--decode-chunk-steps {n} must be a power of two <= --page-size {args.page_size}")
-    if n is not None and n != args.page_size and args.speculative is not None:
-        raise UsageError(f"--decode-chunk-steps {n} must be --page-size {args.page_size} with --speculative (a "
-                         "verification runs page-long chunks)")
+    if n is not None and n != args.page_size and (args.speculative is not None or args.deterministic):
+        raise UsageError(f"--decode-chunk-steps {n} must be --page-size {args.page_size} with --speculative or "
+                         "--deterministic (a verification runs page-long chunks)")
     if args.token_budget % args.page_size:
         raise UsageError(f"--token-budget {args.token_budget} must be a multiple of --page-size {args.page_size}")
     check_tier_flags(args)

@@ -55,7 +55,8 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
     `token_budget` tokens attended per step, `page_size` None = 64, or 16 for contexts up to 512 tokens); more
     prompts than slots queue and are admitted as slots free up. A request's tokens do not depend on what shares
     its batch; sampled tokens are seeded by `seed` and the prompt's index. speculative: a
-    speculative.SpecConfig (drafts verified K + 1 rows at a time; greedy tokens unchanged), None = off.
+    speculative.SpecConfig (drafts verified K + 1 rows at a time; greedy tokens equal plain decoding's in float32;
+    with deterministic=True, those of SpecConfig("none", K, deterministic=True) in any dtype), None = off.
     min_p, presence_penalty, frequency_penalty, repetition_penalty, logprobs: as SamplingParams' (the penalties
     and logprobs are refused with speculative decoding); with logprobs (an int k), each output is a pair (tokens or
     text, list of requests.TokenLogprob: each token's raw model logprob and the k best alternatives).

@@ -195,9 +195,9 @@ class Program:
             donate_argnums=(1,)))
         self.commit = jit(self._commit, (cs, hs, r, r, r), (cs, hs), (None, host_sh), donate_argnums=(0, 1))
         self._spec_chunk_for = functools.lru_cache(maxsize=None)(lambda steps, num_tokens, ngram_max, min_drafts,
-                                                                 page: jit(
+                                                                 page, fixed: jit(
             functools.partial(self._spec_chunk, steps=steps, num_tokens=num_tokens, ngram_max=ngram_max,
-                              min_drafts=min_drafts, page=page),
+                              min_drafts=min_drafts, page=page, fixed=fixed),
             (ps, cs, hs) + (r,) * 9, (cs, hs) + (r,) * 8 + (stats_spec,), (None, host_sh) + (None,) * 9,
             donate_argnums=(1, 2, 3)))
 
@@ -356,7 +356,8 @@ class Program:
         (its K/V left in the tail ring as a lease; committed or not by `commit`)."""
         return self._propose_for(rows)
 
-    def spec_chunk(self, steps: int, num_tokens: int, ngram_max: int, min_drafts: float = 1.0):
+    def spec_chunk(self, steps: int, num_tokens: int, ngram_max: int, min_drafts: float = 1.0, *,
+                   fixed: bool = False):
         """spec_chunk(params, cache, host, hist [S, C], hlen [S], done [S], remaining [S], prompt_len [S],
                       backoff (k_now, fails, skip) [S] each, keys [S], sampling, stop_ids [S, N])
             -> (cache, host, hist, hlen, out [steps, S, K + 1], n_new [steps, S], done, remaining, backoff,
@@ -374,9 +375,11 @@ class Program:
         rows) for the rest of the loop: its flush, which writes the host pool, runs once after the loop (the host
         pool is only read inside it, as in `decode`); without a host pool (dense) no slot waits. The loop ends when
         no slot runs (every one waits or is done) or after `steps`. A slot's last history token is its last token
-        (row 0).
+        (row 0). fixed (deterministic mode, speculative.SpecConfig.deterministic): every step is a K + 1-row
+        verification, the steps where no slot drafts included (no plain decode step in the program).
         Keys: fold_in(keys, verification)."""
-        return self._spec_chunk_for(steps, num_tokens, ngram_max, float(min_drafts), self.config.page_size)
+        return self._spec_chunk_for(steps, num_tokens, ngram_max, float(min_drafts), self.config.page_size,
+                                    bool(fixed))
 
     def _verify_rows(self, model, cache, host, tokens, nrows, bound, keys, sampling, draft_probs, rank):
         """One verification (`verify`'s body) up to the commit -> (cache, out, n_new, length, flush, stats); the
@@ -402,7 +405,7 @@ class Program:
 
     def _spec_chunk(self, params, cache, host, hist, hlen, done, remaining, prompt_len, backoff_state, keys,
                     sampling, stop_ids, *, steps: int, num_tokens: int, ngram_max: int, min_drafts: float,
-                    page: int):
+                    page: int, fixed: bool):
         ops, model = self.ops, nnx.merge(self.graphdef, params)
         rank = jax.lax.axis_index(TP_AXIS)
         S, Q = hist.shape[0], num_tokens + 1
@@ -447,7 +450,7 @@ class Program:
              stats) = carry
             live = nrows > 0
             k = jax.vmap(jax.random.fold_in, (0, None))(keys, i)
-            if Q > 1:          # one row a slot where nobody drafts: the plain step's cost, not K + 1 rows'
+            if Q > 1 and not fixed:    # one row a slot where nobody drafts: the plain step's cost, not K + 1 rows'
                 wide = jnp.any(nrows > 1)
                 res = (cache, jnp.full((S, Q), -1, jnp.int32), zeros, zeros, jnp.zeros((S,), bool),
                        LayerStats.zeros())

@@ -17,6 +17,9 @@ no slot drafts (ngram) runs a plain decode chunk instead (up to the flush point)
 The row count of a per-step verification is a power of two up to K + 1 (the longest proposal of the step): at
 most log2(K + 1) + 1 verification programs compile; a chunk verifies K + 1 rows, or one where no slot drafts
 (both in its one program); none compiles per acceptance pattern.
+Deterministic mode (SpecConfig.deterministic; rules.py says why): every verification runs K + 1 rows (`fixed_rows`:
+no gate, no plain chunk, no one-row step; the chunk's steps are K + 1-row verifications too), and method "none"
+starts every slot's draft length at 0, so it proposes nothing and decodes plain through the same programs.
 """
 from __future__ import annotations
 
@@ -52,7 +55,10 @@ class SpecDecoder:
         S = c.max_seqs
         self.prompt_len = np.zeros(S, np.int64)        # where each slot's flush points start (its prefill)
         self.length = np.zeros(S, np.int64)            # committed tokens per slot, host mirror
-        self.k_now = np.full(S, spec.num_tokens, np.int64)   # drafts a step per slot (back-off)
+        # drafts a step per slot (back-off); method "none" starts at 0, which the back-off never moves (it changes
+        # k_now only after a step that verified drafts)
+        self.k_first = 0 if spec.method == "none" else spec.num_tokens
+        self.k_now = np.full(S, self.k_first, np.int64)
         self.fails = np.zeros(S, np.int64)                     # consecutive steps with no draft accepted
         self.skip = np.zeros(S, np.int64)                      # tokens to go before the slot drafts again
         self.steps = self.proposed = self.accepted = 0
@@ -61,11 +67,11 @@ class SpecDecoder:
         # a drafter (slot, history, k) -> up to k tokens in place of the ngram index (tests: oracle drafters)
         self._ngram = [NgramIndex(spec.ngram_max) for _ in range(S)]
         self.drafter = None
-        self.fixed_rows = False      # True: every verification runs K + 1 rows (one program; tests)
+        self.fixed_rows = spec.deterministic     # True: every verification runs K + 1 rows (one program)
         # ngram: verifications run on the device in chunks of up to chunk_steps (Program.spec_chunk) over a device
         # history [S, max_context] (rows uploaded once per request); 0 = one verification per step (the path of
         # oracle drafters and the draft model; tests compare the two)
-        self.chunk_steps = c.page_size if spec.method == "ngram" else 0
+        self.chunk_steps = c.page_size if spec.method in ("ngram", "none") else 0
         self._hist = None
         self._hist_len = np.full(S, -1, np.int64)      # tokens of the slot's request in the device history, -1: none
         self.draft = None
@@ -87,7 +93,7 @@ class SpecDecoder:
     # slots
     def prefill(self, slot: int, prompt: list[int], num_tokens: int) -> None:
         self.prompt_len[slot] = self.length[slot] = len(prompt)
-        self.k_now[slot], self.fails[slot], self.skip[slot] = self.K, 0, 0
+        self.k_now[slot], self.fails[slot], self.skip[slot] = self.k_first, 0, 0
         self._ngram[slot] = NgramIndex(self.spec.ngram_max)
         self._hist_len[slot] = -1
         if self.draft is not None:
@@ -144,7 +150,9 @@ class SpecDecoder:
         steps = 1
         if self.draft is None and not self.fixed_rows and nrows.max() <= 1:
             steps = self._plain_steps(running, P)
-        if steps == 1 and nrows.max() > 1 and self.draft is None and self.drafter is None and self.chunk_steps:
+        # the chunk where some slot drafts; in deterministic mode always (its steps verify K + 1 rows each)
+        if (steps == 1 and (nrows.max() > 1 or self.fixed_rows) and self.draft is None and self.drafter is None
+                and self.chunk_steps):
             return self._chunk(eng, rec, new, ended, running, keys, sampling)
         if steps > 1:                      # nobody drafts: a plain chunk (one host sync for `steps` tokens)
             rec.decode_compiled = ("plain", steps) not in self._seen_rows
@@ -222,7 +230,8 @@ class SpecDecoder:
                               rep)
         t0 = eng.clock()
         b = gen.backend
-        chunk = gen.program.spec_chunk(steps, K, self.spec.ngram_max, self.spec.min_drafts_per_slot)
+        min_drafts = 0.0 if self.fixed_rows else self.spec.min_drafts_per_slot
+        chunk = gen.program.spec_chunk(steps, K, self.spec.ngram_max, min_drafts, fixed=self.fixed_rows)
         b.cache, b.host, self._hist, hlen, out, n_new, _, _, state, counts, stats = chunk(
             gen.params, b.cache, b.host, self._hist, *args)
         gen.add_stats(stats)

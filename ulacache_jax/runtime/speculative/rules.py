@@ -16,6 +16,16 @@ nothing of the runtime but sampling, so program.py can sit below the decoder tha
   prompt + c * page_size (where a plain decode chunk ends), and a verification never runs rows past the next
   flush point (the rows are cut there). So every row sees the flushed pages a plain decode step sees, greedy
   speculative output equals plain greedy output token for token (float32), and the tail ring keeps its two pages.
+- Deterministic mode (`SpecConfig.deterministic`): in bfloat16 the K + 1-row programs round differently from the
+  one-row decode step (other matmul and attention shapes), so greedy speculative text drifts from plain text. Every
+  op of a verification is row-wise (projections, norms, MLP, the logits) or reads only the row's own causal view
+  and its own page selection, so a row's result depends on its token, its position and the committed cache, not on
+  the other rows, given the program shape. Deterministic mode runs every step as a K + 1-row verification (never
+  the one-row step, the plain chunk or the batch gate), and method "none" decodes plain with those shapes (row 0
+  alone, no drafts): the two give the same greedy tokens in any dtype. This rests on the compiled matmuls and
+  attention computing a row alike wherever it sits among the S x (K + 1) rows and in either program that verifies
+  (the device chunk, the per-step verification): a reduction order per row that the shape fixes, which the bf16
+  tests check on CPU (tests/test_speculative_deterministic.py) and nothing checks on the GPU kernels yet.
 - `accept`: the standard rule (Leviathan et al. 2023, Chen et al. 2023): draft d with target probability p(d) and
   draft probability q(d) is accepted with probability min(1, p(d) / q(d)); at the first rejection the next token
   is drawn from norm(max(0, p - q)); when all are accepted, from the last row's p. Greedy rows make p a point mass
@@ -33,7 +43,7 @@ import jax.numpy as jnp
 
 from ulacache_jax.runtime.sampling import SamplingArrays, truncated_sorted
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +54,21 @@ class SpecConfig:
     draft_attention: the draft model's cache kind (None: the target's).
     min_drafts_per_slot: a verification runs K + 1 rows a slot only where the step's drafts number at least this
     many per running slot, else one row a slot (a plain step; `gate_rows`): the K + 1-row step costs more with
-    every slot it carries, while a lone draft of a batch gains at most its own few tokens."""
+    every slot it carries, while a lone draft of a batch gains at most its own few tokens.
+    deterministic: every step runs the K + 1-row verification program, where drafts are few or none too (no
+    one-row step, plain chunk or batch gate: min_drafts_per_slot is not applied), so greedy tokens do not depend on
+    which drafts were proposed or accepted. Method "none" (deterministic only) proposes nothing: plain decoding
+    through those same shapes. Greedy output of any method in this mode equals method "none"'s with the same K
+    token for token, in bfloat16 too, where the default mode's K + 1-row and one-row programs round differently
+    (the default mode's greedy equality with plain decoding holds in float32). The price: method "none" pays a
+    K + 1-row step for each token, and speculation pays K + 1 rows where it would have run one."""
     method: str = "ngram"
     num_tokens: int = 4
     draft_model: Any = None
     ngram_max: int = 3
     draft_attention: str | None = None
     min_drafts_per_slot: float = 1.0
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -61,8 +79,13 @@ class SpecConfig:
                 raise ValueError(f"speculative {name} = {v!r} must be an int >= {lo}")
         if self.method == "draft" and self.draft_model is None:
             raise ValueError("speculative method 'draft' needs draft_model (a model, a path or a pretrained name)")
-        if self.method == "ngram" and self.draft_model is not None:
-            raise ValueError("speculative method 'ngram' takes no draft_model (use method='draft')")
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(f"speculative method {self.method!r} takes no draft_model (use method='draft')")
+        if not isinstance(self.deterministic, (bool, np.bool_)):
+            raise ValueError(f"speculative deterministic = {self.deterministic!r} must be True or False")
+        if self.method == "none" and not self.deterministic:
+            raise ValueError("speculative method 'none' (plain decoding through the verification shapes) needs "
+                             "deterministic=True; for plain decoding without them, pass speculative=None")
         r = self.min_drafts_per_slot
         if isinstance(r, bool) or not isinstance(r, (int, float, np.integer, np.floating)) \
                 or not 0 <= r <= self.num_tokens:
