@@ -500,6 +500,10 @@ def run_trace(trace, grid, args, meta, common):
 
 # ---- plot -----------------------------------------------------------------------------------------------------
 def plot(rows, meta, path):
+    """The run's own rows (`meta` describes them); rows merged in as a named `series` (another model, text or
+    device: quality.json's qwen32k, smollm2_austen) are named in the title and left to the JSON and BENCHMARKS."""
+    others = sorted({r.get("series") for r in rows} - {None})
+    rows = [r for r in rows if r.get("series") is None]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -566,7 +570,8 @@ def plot(rows, meta, path):
     ax.set_title(f"selection trace: budget {tm.get('budget')}, page {tm.get('page_size')}", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.suptitle(f"{meta['model']} on {meta['device']} ({meta['commit'][:8]}): sparse vs dense", fontsize=10)
+    fig.suptitle(f"{meta['model']} on {meta['device']} ({meta['commit'][:8]}): sparse vs dense"
+                 + (f" (not drawn: series {', '.join(others)})" if others else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
