@@ -42,8 +42,8 @@ def _lse_kernel(kc_ref, q_ref, out_ref, *, g: int, rows: int, bp: int | None = N
 
 
 def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int, bp: int | None = None):
-    # kc_ref [p, T, g * Cs] label codes (int8, or uint8 two channels a byte at 4 bits); sc_ref [p, g * C] float32
-    # scales per page and channel; q_ref, out_ref, bp as _lse_kernel's. Dequantised in registers: codes are read
+    # kc_ref [p, T, g * Cs] label codes (int8, or uint8 two channels a byte at 4 bits); sc_ref [p, g * C] scales
+    # per page and channel as stored (bfloat16: widened here, so no float32 copy of them is written per layer); q_ref, out_ref, bp as _lse_kernel's. Dequantised in registers: codes are read
     # once. At 4 bits the low nibbles are channels [0, C/2) and the high ones [C/2, C): two halves, no interleave.
     def block(pg):
         p = kc_ref.shape[0] if bp is None else bp
@@ -56,7 +56,8 @@ def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: in
             else:
                 b = raw.astype(jnp.int32)
                 halves = [(((b & 15) - 8).astype(jnp.float32), 0), (((b >> 4) - 8).astype(jnp.float32), cs)]
-            parts = [(k * sc_ref[pg, pl.ds(i * c + c0, cs)].reshape(p, 1, cs), c0) for k, c0 in halves]
+            parts = [(k * sc_ref[pg, pl.ds(i * c + c0, cs)].astype(jnp.float32).reshape(p, 1, cs), c0)
+                     for k, c0 in halves]
             _rows_lse(parts, q_ref, out_ref, i, rows, pg, p)
     _over_blocks(block, kc_ref.shape[0], bp)
 
@@ -67,7 +68,7 @@ DOT_ROWS = 16   # the query rows of the dot variant's matrix: Triton's dot needs
 def _label_dot_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int):
     # The labels on the tensor cores: per page and KV head, logits [T, rows] = codes [T, C] @ (scale * q)^T, the
     # page's scale folded into the [C, rows] query matrix instead of multiplied into every code. kc_ref [p, T, g * Cs]
-    # codes; sc_ref [p, g * C] float32 scales; q_ref [C, g * rows] float32 (queries transposed, rows padded to
+    # codes; sc_ref [p, g * C] scales as stored; q_ref [C, g * rows] float32 (queries transposed, rows padded to
     # DOT_ROWS with zeros); out_ref [g * rows, p]. Codes are small integers, exact in bfloat16; the folded queries
     # are split into three bfloat16 parts (three dots, float32 accumulation: float32's 24 mantissa bits), so the
     # lse keeps the reference's tolerance. At 4 bits the codes are read unsigned (nibble n = value + 8) and the 8 x sum(q')
@@ -94,7 +95,7 @@ def _label_dot_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits
             logit, off = None, None
             for shift, mask, c0 in halves:
                 q = q_ref[pl.ds(c0, cs), pl.ds(i * rows, rows)]                            # [Cs, R]
-                qs = q * sc_ref[j, pl.ds(i * c + c0, cs)].reshape(cs, 1)                    # [Cs, R]
+                qs = q * sc_ref[j, pl.ds(i * c + c0, cs)].astype(jnp.float32).reshape(cs, 1)  # [Cs, R]
                 code = ((raw >> shift) & mask) if mask is not None else raw
                 part = dot3(code.astype(jnp.bfloat16), qs)                                 # [T, R]
                 logit = part if logit is None else logit + part
@@ -134,6 +135,16 @@ def _rows_lse(parts, q_ref, out_ref, i: int, rows: int, pg, p: int):
         out_ref[pl.ds(r, 1), pg] = (m + jnp.log(jnp.sum(jnp.exp(logit - m[:, None]), axis=1))).reshape(1, p)
 
 
+def _scale_view(scale, kc, layer: int):
+    """The label scales as the kernels read them: scale [S, G, P, g, C] (one layer's) or [S, L, G, P, g, C] (every
+    layer's, as the cache stores them: the kernel indexes the layer, so no per-layer slice is copied out) ->
+    (view [S, L', G, P, g * C] in the stored dtype, the layer index into it)."""
+    S, L, G, P, T, g, Cs = kc.shape
+    if scale.ndim == 5:
+        return scale.reshape(S, 1, G, P, -1), 0
+    return scale.reshape(S, L, G, P, -1), layer
+
+
 def default_block_pages(num_pages: int, page: int, channels: int) -> int:
     """Largest power of two dividing num_pages whose block holds at most BLOCK_ELEMS copy values."""
     b = 1
@@ -142,11 +153,14 @@ def default_block_pages(num_pages: int, page: int, channels: int) -> int:
     return b
 
 
-def _check(kc, qc, *, pow2: bool, bits: int = 0):
+def _check(kc, qc, *, pow2: bool, bits: int = 0, scale=None):
     S, L, G, P, T, g, Cs = kc.shape
     C = Cs * 2 if bits == 4 else Cs
     if qc.ndim != 5 or qc.shape[:3] != (S, G, g) or qc.shape[4] != C:
         raise ValueError(f"qc shape {qc.shape} must be [S, G, g, H, C] = [{S}, {G}, {g}, H, {C}] for kc {kc.shape}")
+    if bits and (scale is None or tuple(scale.shape) not in ((S, G, P, g, C), (S, L, G, P, g, C))):
+        raise ValueError(f"label scales of shape {None if scale is None else tuple(scale.shape)} must be one layer's "
+                         f"[S, G, P, g, C] = {(S, G, P, g, C)} or every layer's {(S, L, G, P, g, C)} for kc {kc.shape}")
     for name, v in (("page size", T), ("copy channels", C)):
         if pow2 and v & (v - 1):
             raise ValueError(f"{name} = {v} must be a power of two for the page-lse kernel (Triton blocks)")
@@ -185,13 +199,14 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     """kc [S, L, G, P, T, g, C] the key copy (any float dtype); qc [S, G, g, H, C] float32 query rows at the copy's
     channels, already scaled -> lse [S, G, g * H, P] float32 for `layer`. block_pages: a power of two dividing P
     (default: the largest within BLOCK_ELEMS). Labels (bits 8 / 4): kc [S, L, G, P, T, g, Cs] codes and scale
-    [S, G, P, g, C] (this layer's) scales per page and channel (select/labels.py).
+    [S, G, P, g, C] (this layer's) or [S, L, G, P, g, C] (every layer's, read in place) scales per page and channel
+    (select/labels.py).
     pages_per_program: None (default) launches one program a block of pages; a multiple of block_pages dividing P
     launches one program a span of that many pages, looping over its blocks (S * G * P / pages_per_program
     programs instead of S * G * P / block_pages: fewer launches of more work, the same registers an iteration).
     dot (labels only, one block a program): the codes times the scale-folded queries on the tensor cores
     (_label_dot_kernel) instead of a multiply and a sum a row on the CUDA cores."""
-    _check(kc, qc, pow2=True, bits=bits)
+    _check(kc, qc, pow2=True, bits=bits, scale=scale)
     if dot:
         return _page_lse_dot(kc, qc, layer=layer, interpret=interpret, block_pages=block_pages,
                              num_warps=num_warps, scale=scale, bits=bits)
@@ -212,10 +227,10 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
                   out_shape=jax.ShapeDtypeStruct((S, G, g * Hp, P), jnp.float32), **kwargs)
     inner = dict(g=g, rows=Hp, bp=bp if span else None)
     if bits:
-        sc = scale.astype(jnp.float32).reshape(S, G, P, g * C)
+        sc, sl = _scale_view(scale, kc, layer)
         out = pl.pallas_call(
             functools.partial(_label_kernel, bits=bits, **inner),
-            in_specs=[kspec, pl.BlockSpec((None, None, sp, g * C), lambda s, j, b: (s, j, b, 0)), qspec],
+            in_specs=[kspec, pl.BlockSpec((None, None, None, sp, g * C), lambda s, j, b: (s, sl, j, b, 0)), qspec],
             name="label_page_lse" if span is None else "label_page_lse_span", **common)(view, sc, qp)
     else:
         out = pl.pallas_call(functools.partial(_lse_kernel, **inner), in_specs=[kspec, qspec],
@@ -240,12 +255,12 @@ def _page_lse_dot(kc, qc, *, layer: int, interpret: bool, block_pages: int | Non
     qt = qp.transpose(0, 1, 4, 2, 3).reshape(S, G, C, g * R)
     bp = _block_pages(P, T, C, block_pages)
     kwargs = _launch(interpret, num_warps)
-    sc = scale.astype(jnp.float32).reshape(S, G, P, g * C)
+    sc, sl = _scale_view(scale, kc, layer)
     out = pl.pallas_call(
         functools.partial(_label_dot_kernel, g=g, rows=R, bits=bits),
         grid=(S, G, P // bp), interpret=interpret, name="label_page_lse_dot",
         in_specs=[pl.BlockSpec((None, None, None, bp, T, g * Cs), lambda s, j, b: (s, layer, j, b, 0, 0)),
-                  pl.BlockSpec((None, None, bp, g * C), lambda s, j, b: (s, j, b, 0)),
+                  pl.BlockSpec((None, None, None, bp, g * C), lambda s, j, b: (s, sl, j, b, 0)),
                   pl.BlockSpec((None, None, C, g * R), lambda s, j, b: (s, j, 0, 0))],
         out_specs=pl.BlockSpec((None, None, g * R, bp), lambda s, j, b: (s, j, 0, b)),
         out_shape=jax.ShapeDtypeStruct((S, G, g * R, P), jnp.float32), **kwargs,
@@ -267,6 +282,8 @@ def ref_dequant(codes, scale, bits: int):
 def ref_page_lse(kc, qc, *, layer: int, scale=None, bits: int = 0):
     """Plain jnp reference of `page_lse_pallas` (float32 products at full precision)."""
     S, L, G, P, T, g, _ = kc.shape
+    if bits and scale.ndim == 6:
+        scale = scale[:, layer]                                                         # [S, G, P, g, C]
     k = ref_dequant(kc[:, layer], scale, bits) if bits else kc[:, layer].astype(jnp.float32)
     logit = jnp.einsum("sjptic,sjihc->sjihpt", k, qc.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST)                             # [S, G, g, H, P, T]
@@ -276,8 +293,8 @@ def ref_page_lse(kc, qc, *, layer: int, scale=None, bits: int = 0):
 def page_lse(kc, qc, *, layer: int, impl: str = "auto", scale=None, bits: int = 0):
     """impl: 'auto' (kernel on GPU, reference elsewhere), 'pallas' (kernel; interpret mode off GPU) or 'ref'.
     A copy whose page size or channel count is not a power of two takes the reference. bits 8 / 4: kc holds
-    label codes and scale [S, G, P, g, C] their scales (the layer's)."""
-    _check(kc, qc, pow2=False, bits=bits)
+    label codes and scale their scales ([S, G, P, g, C] the layer's, or [S, L, G, P, g, C] every layer's)."""
+    _check(kc, qc, pow2=False, bits=bits, scale=scale)
     T, C, Cs = kc.shape[4], qc.shape[4], kc.shape[6]
     if pick_impl(impl) == "ref" or T & (T - 1) or C & (C - 1) or Cs & (Cs - 1):
         return ref_page_lse(kc, qc, layer=layer, scale=scale, bits=bits)

@@ -3,7 +3,7 @@ several launch shapes beside its jnp reference, one layer of one decode step.
 
 Shape (default: the Llama-8B decode of the labels rule): S=3 sequences x G=8 groups x g=1 KV head x H=4 query rows,
 P=2048 pages of T=64 tokens (128K tokens), C=64 label channels at 4 bits (Cs=32 code bytes a token) or 8 bits;
-the codes array holds --layers layers so the kernel indexes a real layer, the scales are the layer's [S, G, P, g, C]
+the codes array holds --layers layers so the kernel indexes a real layer, and so do the scales [S, L, G, P, g, C]
 bf16. Variants: `ref` (ref_page_lse, XLA), `kernel` (one program a block of block_pages pages, the default launch,
 at every --blocks x --warps), `dot` (the same launch with the codes times the scale-folded queries as tensor-core
 dots: page_lse_pallas(dot=True)) and `span` (pages_per_program: one program loops over the blocks of a span of
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_inputs(key, a, *, adversarial: bool):
-    """Codes [S, L, G, P, T, g, Cs] (int8, or uint8 two 4-bit codes a byte stored + 8), scales [S, G, P, g, C] bf16,
+    """Codes [S, L, G, P, T, g, Cs] (int8, or uint8 two 4-bit codes a byte stored + 8), scales [S, L, G, P, g, C] bf16
+    (every layer's, as the cache passes them),
     queries [S, G, g, H, C] float32. Adversarial: page 0 zero codes and zero scales, page 1 the extreme codes
     (alternating sign by token) at scale 16, query row 0 of every KV head 100x the others."""
     S, L, G, P, T, g, C, H = a.batch, a.layers, a.groups, a.pages, a.page, a.kv_heads, a.channels, a.rows
@@ -77,7 +78,7 @@ def make_inputs(key, a, *, adversarial: bool):
         codes = jax.random.randint(k1, shape, -127, 128, jnp.int32).astype(jnp.int8)
     else:
         codes = jax.random.randint(k1, shape, 0, 256, jnp.int32).astype(jnp.uint8)
-    scale = jax.random.uniform(k2, (S, G, P, g, C), jnp.float32, 0.0, 0.3)
+    scale = jax.random.uniform(k2, (S, L, G, P, g, C), jnp.float32, 0.0, 0.3)
     q = jax.random.normal(k3, (S, G, g, H, C), jnp.float32)
     if not adversarial:
         return codes, scale.astype(jnp.bfloat16), q
@@ -89,7 +90,7 @@ def make_inputs(key, a, *, adversarial: bool):
     sign = (jnp.arange(T) % 2)[:, None, None]                                          # [T, 1, 1]
     codes = codes.at[:, :, :, 0].set(zero)
     codes = codes.at[:, :, :, 1].set(jnp.where(sign, hi, lo).astype(codes.dtype))
-    scale = scale.at[:, :, 0].set(0.0).at[:, :, 1].set(16.0)
+    scale = scale.at[:, :, :, 0].set(0.0).at[:, :, :, 1].set(16.0)
     q = q.at[:, :, :, 0].multiply(100.0)
     return codes, scale.astype(jnp.bfloat16), q
 
@@ -102,7 +103,7 @@ def numpy_lse(codes, scale, q, layer: int, bits: int):
     else:
         b = c.astype(np.int64)
         v = np.concatenate([(b & 15) - 8, (b >> 4) - 8], axis=-1).astype(np.float64)   # [P, T, g, C]
-    k = v * np.asarray(scale[0, 0], np.float64)[:, None]                               # [P, T, g, C]
+    k = v * np.asarray(scale[0, layer, 0], np.float64)[:, None]                        # [P, T, g, C]
     logit = np.einsum("ptic,ihc->ihpt", k, np.asarray(q[0, 0], np.float64))           # [g, H, P, T]
     m = logit.max(-1, keepdims=True)
     lse = (m + np.log(np.exp(logit - m).sum(-1, keepdims=True)))[..., 0]               # [g, H, P]

@@ -81,6 +81,29 @@ def test_kernel_equals_reference(bits, g, H):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dot", [False, True])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_every_layers_scales_read_in_place(bits, dot):
+    """The cache passes every layer's scales [S, L, G, P, g, C] (the kernel indexes the layer: no per-layer slice
+    is copied out); each layer's lse equals the one from that layer's slice, and a wrong shape is refused."""
+    rng = np.random.default_rng(7 + bits)
+    S, L, G, P, T, g, Cc, H = 1, 3, 2, 8, 16, 1, 32, 4
+    cs = Cc if bits == 8 else Cc // 2
+    codes = jnp.asarray(rng.integers(-127 if bits == 8 else 0, 128 if bits == 8 else 256, (S, L, G, P, T, g, cs)),
+                        jnp.int8 if bits == 8 else jnp.uint8)
+    scale = jnp.asarray(rng.uniform(0, 0.3, (S, L, G, P, g, Cc)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32)
+    for layer in range(L):
+        want = pk.ref_page_lse(codes, q, layer=layer, scale=scale[:, layer], bits=bits)
+        np.testing.assert_allclose(pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=bits), want, rtol=0, atol=0)
+        got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits, block_pages=4, dot=dot)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="label scales of shape"):
+        pk.page_lse_pallas(codes, q, layer=0, interpret=True, scale=scale[:, :, :, :4], bits=bits)
+    with pytest.raises(ValueError, match="label scales of shape None"):
+        pk.page_lse(codes, q, layer=0, bits=bits)
+
+
 def adversarial_labels(rng, bits, S, L, G, P, T, g, Cc, H):
     """Codes, bf16 scales and queries with the hard cases of a page-lse: a page of zero codes and zero scales (every
     logit 0: lse = log T), a page of the extreme codes (+-7 / +-127) at a large scale, one very large query row."""

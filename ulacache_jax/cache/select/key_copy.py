@@ -51,8 +51,8 @@ def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None,
     the flushed tokens (the unflushed tail is always attended and not part of the ranking), summed over the page's
     tokens and the group's heads. The per-page log-sum-exp of the logits is pallas_kernels/page_lse.py (impl:
     'auto' = kernel on GPU); each head's normaliser over the pages and the sum are [.., P]-sized XLA ops.
-    Labels (bits 8 or 4): kc holds codes and ksc [S, L, G, P, g, C] their scales (select/labels.py); the kernel
-    dequantises in registers, so a step reads C * bits / 8 bytes a token. valid [S, G, P] bool, instead of
+    Labels (bits 8 or 4): kc holds codes and ksc [S, L, G, P, g, C] their scales, every layer's (read in place;
+    select/labels.py); the kernel dequantises in registers, so a step reads C * bits / 8 bytes a token. valid [S, G, P] bool, instead of
     `flushed`: the pages that take part (a two-stage shortlist, kc then holds only those pages)."""
     S, L, G, P, page, g, _ = kc.shape
     C = chan.shape[-1]
@@ -199,7 +199,7 @@ class KeyCopy(SelectionRule):
     def score(self, state, layer, q, flushed, options):
         sel = state.sel
         return page_mass(sel.kc[0], sel.chan[0, :, layer], q, flushed, layer=layer, impl=options.scores,
-                         bits=self.bits, ksc=None if sel.ksc is None else sel.ksc[0, :, layer])
+                         bits=self.bits, ksc=None if sel.ksc is None else sel.ksc[0])
 
     def score_pages(self, state, layer, q, flushed, pages, ok, options):
         """The listed pages' mass, normalised over them: their codes (and scales) gathered by page id, so a step
@@ -209,7 +209,7 @@ class KeyCopy(SelectionRule):
         s = jnp.arange(S)[:, None, None]
         g = jnp.arange(G)[None, :, None]
         kc = sel.kc[0, s, layer, g, pages][:, None]                                     # [S, 1, G, K, page, g, Cs]
-        ksc = None if sel.ksc is None else sel.ksc[0, s, layer, g, pages]             # [S, G, K, g, C]
+        ksc = None if sel.ksc is None else sel.ksc[0, s, layer, g, pages][:, None]    # [S, 1, G, K, g, C]
         return page_mass(kc, sel.chan[0, :, layer], q, flushed, layer=0, impl=options.scores, bits=self.bits,
                          ksc=ksc, valid=ok)
 
