@@ -60,7 +60,9 @@ def test_checkpoint_dir_we_did_not_create_is_refused_unless_empty(tmp_path):
     assert {r["id"] for r in _records(d / "o3.jsonl")} == {1, 2}
     # a folder of ours stays usable; an integer-named folder someone put into it is refused, not pruned
     checkpoint.check_directory(empty)
-    (empty / "77").mkdir()
+    (empty / "77").mkdir()                              # empty: a prune cut short, nothing to lose
+    checkpoint.check_directory(empty)
+    (empty / "77" / "notes.txt").write_text("notes\n")
     with pytest.raises(checkpoint.CheckpointError, match="it holds 77"):
         checkpoint.check_directory(empty)
 

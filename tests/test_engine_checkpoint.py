@@ -114,15 +114,20 @@ def test_save_refuses_a_folder_it_did_not_write(setup, tmp_path):
     eng.save(ours)
     eng.save(ours)
     (ours / "7").mkdir()                                    # someone's folder put into ours
+    (ours / "7" / "notes.txt").write_text("notes\n")
     with pytest.raises(checkpoint.CheckpointError, match="it holds 7"):
         eng.save(ours)
     assert sorted(os.listdir(ours)) == [checkpoint.MARKER, "1", "2", "7"]
     shutil.rmtree(ours / "7")
-    half = ours / "1"                                       # a prune cut short by a kill: orbax's entries, some gone
+    (ours / "0").mkdir()                                    # a prune a kill cut short after its last file: empty
+    assert checkpoint.foreign_entries(ours) == [] and checkpoint.read(ours).step == 2
+    assert eng.save(ours).name == "3" and checkpoint.read(ours).step == 3
+    assert "0" not in os.listdir(ours)                      # pruned with the old steps
+    half = ours / "2"                                       # a prune cut short by a kill: orbax's entries, some gone
     shutil.rmtree(half / "arrays")
     (half / "_CHECKPOINT_METADATA").unlink(missing_ok=True)
-    assert checkpoint.foreign_entries(ours) == [] and eng.save(ours).name == "3"
-    assert checkpoint.read(ours).step == 3
+    assert checkpoint.foreign_entries(ours) == [] and eng.save(ours).name == "4"
+    assert checkpoint.read(ours).step == 4
     (d / "9").mkdir()                                       # without our marker the same is still refused
     (d / "9" / "meta").mkdir()
     assert checkpoint.foreign_entries(d) == ["2023", "9"]

@@ -144,17 +144,19 @@ def identity_differences(saved: dict, current: dict) -> list[str]:
 def _our_step(p: pathlib.Path, *, partial: bool = False) -> bool:
     """A step folder Engine.save wrote (orbax's layout with our two items), or one a killed save left behind.
     partial (in a folder holding our marker only): also a step folder holding nothing but what orbax writes into
-    one, some of it gone: a step whose pruning (orbax deletes all but the newest `_KEEP` after a save) a kill or
-    SIGTERM cut short, e.g. `4/meta` alone (not empty: an empty folder may be anyone's). Without the marker such a
-    folder may be a user's."""
+    one, some or all of it gone: a step whose pruning (orbax deletes all but the newest `_KEEP` after a save) a kill
+    or SIGTERM cut short, e.g. `4/meta` alone, or `4/` empty (a kill between the last file and the folder itself:
+    refusing it would leave the killed run unable to resume, and an empty folder holds nothing to lose). Without
+    the marker such a folder may be a user's."""
     if _TMP_STEP.match(p.name):
         return p.is_dir()
     if not (p.name.isdigit() and p.is_dir()):
         return False
     if all((p / item).is_dir() for item in _ITEMS):
         return True
-    names = {c.name for c in p.iterdir()} if partial else set()
-    return bool(names) and names <= _STEP_ENTRIES     # an empty folder stays foreign: nothing says it was a step
+    if not partial:
+        return False
+    return {c.name for c in p.iterdir()} <= _STEP_ENTRIES
 
 
 def foreign_entries(directory) -> list[str]:
