@@ -43,8 +43,9 @@ def _lse_kernel(kc_ref, q_ref, out_ref, *, g: int, rows: int, bp: int | None = N
 
 def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int, bp: int | None = None):
     # kc_ref [p, T, g * Cs] label codes (int8, or uint8 two channels a byte at 4 bits); sc_ref [p, g * C] scales
-    # per page and channel as stored (bfloat16: widened here, so no float32 copy of them is written per layer); q_ref, out_ref, bp as _lse_kernel's. Dequantised in registers: codes are read
-    # once. At 4 bits the low nibbles are channels [0, C/2) and the high ones [C/2, C): two halves, no interleave.
+    # per page and channel as stored (bfloat16: widened here, so no float32 copy of them is written per layer);
+    # q_ref, out_ref, bp as _lse_kernel's. Dequantised in registers: codes are read once. At 4 bits the low nibbles
+    # are channels [0, C/2) and the high ones [C/2, C): two halves, no interleave.
     def block(pg):
         p = kc_ref.shape[0] if bp is None else bp
         cs = kc_ref.shape[2] // g
