@@ -53,7 +53,8 @@ def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None,
     'auto' = kernel on GPU); each head's normaliser over the pages and the sum are [.., P]-sized XLA ops.
     Labels (bits 8 or 4): kc holds codes and ksc [S, L, G, P, g, C] their scales, every layer's (read in place;
     select/labels.py); the kernel dequantises in registers, so a step reads C * bits / 8 bytes a token.
-    valid [S, G, P] bool, instead of `flushed`: the pages that take part (a two-stage shortlist, kc then holds only those pages)."""
+    valid [S, G, P] bool, instead of `flushed`: the pages that take part (a two-stage shortlist, kc then holds only
+    those pages)."""
     S, L, G, P, page, g, _ = kc.shape
     C = chan.shape[-1]
     Q, Hr, D = q.shape[1], q.shape[2], q.shape[3]
