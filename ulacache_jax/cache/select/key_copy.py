@@ -186,8 +186,11 @@ class KeyCopy(SelectionRule):
         g = jnp.arange(G)[None, None, :, None]
         x = compress(kp, sel.chan[0][s, l, g])                                          # [S, L, G, T, page, g, C]
         codes, scale = self.encode(x, sel.kc.dtype)
-        kc = sel.kc[0].at[s, l, g, page].set(codes, mode="drop")[None]
-        ksc = sel.ksc if scale is None else sel.ksc[0].at[s, l, g, page].set(scale, mode="drop")[None]
+        # written into the full [R, ...] arrays at rank 0, as Quest's summaries are: slicing the rank out and
+        # adding it back (`kc[0].at[..].set(..)[None]`) gave the scatter's result a layout the state's does not
+        # have, and XLA copied the whole copy (every layer's codes) twice per flush to restore it
+        kc = sel.kc.at[0, s, l, g, page].set(codes, mode="drop")
+        ksc = sel.ksc if scale is None else sel.ksc.at[0, s, l, g, page].set(scale, mode="drop")
         return dataclasses.replace(state, sel=dataclasses.replace(sel, kc=kc, ksc=ksc))
 
     def release(self, state, slot):
