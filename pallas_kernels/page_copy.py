@@ -208,8 +208,11 @@ def ref_copy_pages(dst, src, src_idx, dst_idx, *, src_rank=None, dst_rank=None):
         d_r = d if dst_rank is None else d[dst_rank]
         ok = (src_idx >= 0) & (dst_idx >= 0) & (src_idx < s_r.shape[0]) & (dst_idx < d_r.shape[0])
         pages = s_r[jnp.where(ok, src_idx, 0)]
-        new = d_r.at[jnp.where(ok, dst_idx, d_r.shape[0])].set(pages, mode="drop")
-        out.append(new if dst_rank is None else d.at[dst_rank].set(new))
+        at = jnp.where(ok, dst_idx, d_r.shape[0])
+        # with a rank, one scatter into the whole [R, ...] array: d[rank].at[..].set(..) put back with d.at[rank]
+        # made XLA copy the whole destination (the host pool) on every call
+        out.append(d_r.at[at].set(pages, mode="drop") if dst_rank is None
+                   else d.at[dst_rank, at].set(pages, mode="drop"))
     return out if is_seq else out[0]
 
 

@@ -63,3 +63,24 @@ def assert_covering_budget_equals_dense(model, **overrides):
     assert all(getattr(cfg, k) == v for k, v in overrides.items())
     sparse = generate(model, prompts, max_new_tokens=8, cache_config=cfg, attention="sparse")
     assert sparse == generate(model, prompts, max_new_tokens=8, attention="dense")
+
+
+def hlo_shape(x) -> str:
+    """An array's shape as optimized HLO text writes it, e.g. u8[1,3,2,2,32,8,1,2]."""
+    names = {"uint8": "u8", "int8": "s8", "int32": "s32", "float32": "f32", "bfloat16": "bf16",
+             "float8_e4m3fn": "f8e4m3fn"}
+    return f"{names[jnp.dtype(x.dtype).name]}[{','.join(map(str, x.shape))}]"
+
+
+def copied(hlo_text: str, arrays) -> list[str]:
+    """The arrays (by shape) a compiled program copies whole: a `copy` op or XLA's wrapped copy fusion of that
+    shape. A buffer updated in place (donated, scattered into where it lies) appears in neither."""
+    import re
+    out = []
+    for x in arrays:
+        shape = hlo_shape(x)
+        assert shape in hlo_text, shape        # the array is in the program at all
+        if re.search(re.escape(shape) + r"\S* (copy\(|fusion\(.*calls=%wrapped_copy)", hlo_text):
+            out.append(shape)
+    return out
+

@@ -170,3 +170,15 @@ def test_flush_writes_completed_tail_pages_once():
     hp = int(state.vtlb.host_page[0, 0, 0, 0, 1])
     np.testing.assert_array_equal(np.asarray(host.k[0, hp, 7, 0]), kn[0, 0])
     np.testing.assert_array_equal(np.asarray(host.k[0, hp, :7, 0]), kv[0][0][0, 8:15, 0])
+
+
+def test_compiled_flush_writes_the_host_pool_in_place():
+    """flush_tail hands the host pool to page_copy.flush with its rank axis (rank=0, indexed inside the kernel,
+    the module's contract): the compiled, donated flush copies no host array. Slicing the rank out and stacking it
+    back made XLA copy the whole pool (K and V, twice each) on every flush; on a GPU such a copy of a pinned_host
+    array is a host-side transient the size of the pool."""
+    from cache_steps import copied
+    c, m, _, _ = setup([15, 30], token_budget=64)
+    txt = jax.jit(flush_tail, donate_argnums=(0, 1)).lower(m.state, m.host).compile().as_text()
+    assert copied(txt, [m.host.k, m.host.v]) == []
+

@@ -279,12 +279,12 @@ def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto", only=No
     src = jnp.broadcast_to(src, (S, L, G, TAIL_PAGES)).reshape(-1).astype(jnp.int32)
     ring_k, ring_v = ring_arrays(state)
     if c.codec.ring_in_pool:     # the ring's pages are stored pages already: copied as they are
-        out = page_copy.flush([a[0] for a in host.arrays()], [ring_k[0], ring_v[0]], src, dst.astype(jnp.int32),
+        out = page_copy.flush(host.arrays(), [ring_k[0], ring_v[0]], src, dst.astype(jnp.int32), rank=0,
                               impl=impl)   # K and V in one launch
     else:                        # encoded here, once per page, now that all its tokens are known (cache/codec.py)
         enc = c.codec.encode(ring_k[0, src], ring_v[0, src], c.dtype)                 # [S*L*G*T, page, g, D]
-        out = page_copy.flush([a[0] for a in host.arrays()], enc.arrays(), jnp.arange(src.shape[0], dtype=jnp.int32),
-                              dst.astype(jnp.int32), impl=impl)   # codes and scales in one launch
+        out = page_copy.flush(host.arrays(), enc.arrays(), jnp.arange(src.shape[0], dtype=jnp.int32),
+                              dst.astype(jnp.int32), rank=0, impl=impl)   # codes and scales in one launch
     seqs = dataclasses.replace(state.seqs, flushed=jnp.where(active, length // P, flushed))
     # the selection rules see the completed pages (read from their ring frames, unquantised; unused reads are
     # compiled away)
@@ -292,7 +292,7 @@ def flush_tail(state: CacheState, host: HostPool, *, impl: str = "auto", only=No
     kp = ring_k[0, tail_frame(c, s, l, g, pp)]                                        # [S, L, G, T, page, g, D]
     for rule in kept_rules(c):
         state = rule.flush(state, kp, pages)
-    return dataclasses.replace(state, seqs=seqs), HostPool.of([a[None] for a in out])
+    return dataclasses.replace(state, seqs=seqs), HostPool.of(out)
 
 
 # ---- speculative verification (speculative.py; DESIGN.md section 7) --------------------------------------------
