@@ -26,6 +26,11 @@ from . import next_pow2, on_gpu, pick_impl
 
 DEFAULT_WARPS = 4
 BLOCK_ELEMS = 16384  # fp32 values of one block's copy (pages x T x C): 64 a thread at 4 warps, no spill
+# The label kernel's launch: its work a page (unpack, scale, a product and a sum a query row) is instruction-bound,
+# so more pages or warps a program only add registers and reductions; one page at 2 warps was the fastest of
+# blocks 1 / 2 / 4 / 8 x warps 2 / 4 / 8 (bench_labels, H200)
+LABEL_BLOCK_PAGES = 1
+LABEL_WARPS = 2
 
 
 def _lse_kernel(kc_ref, q_ref, out_ref, *, g: int, rows: int, bp: int | None = None):
@@ -61,53 +66,6 @@ def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: in
                      for k, c0 in halves]
             _rows_lse(parts, q_ref, out_ref, i, rows, pg, p)
     _over_blocks(block, kc_ref.shape[0], bp)
-
-
-DOT_ROWS = 16   # the query rows of the dot variant's matrix: Triton's dot needs every dimension >= 16
-
-
-def _label_dot_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int):
-    # The labels on the tensor cores: per page and KV head, logits [T, rows] = codes [T, C] @ (scale * q)^T, the
-    # page's scale folded into the [C, rows] query matrix instead of multiplied into every code. kc_ref [p, T, g * Cs]
-    # codes; sc_ref [p, g * C] scales as stored; q_ref [C, g * rows] float32 (queries transposed, rows padded to
-    # DOT_ROWS with zeros); out_ref [g * rows, p]. Codes are small integers, exact in bfloat16; the folded queries
-    # are split into three bfloat16 parts (three dots, float32 accumulation: float32's 24 mantissa bits), so the
-    # lse keeps the reference's tolerance. At 4 bits the codes are read unsigned (nibble n = value + 8) and the 8 x sum(q')
-    # offset is taken off after the dots.
-    p = kc_ref.shape[0]
-    cs = kc_ref.shape[2] // g
-    c = cs * 2 if bits == 4 else cs
-    halves = [(0, 15, 0), (4, 15, cs)] if bits == 4 else [(0, None, 0)]        # (shift, mask, channel offset)
-
-    def dot3(a, b):
-        # a [T, w] bfloat16 (exact), b [w, R] float32 -> a @ b [T, R] float32: b as three bfloat16 parts (8 + 8 + 8
-        # mantissa bits: float32's 24), each a dot accumulated in float32
-        out, rest = None, b
-        for _ in range(3):
-            part = rest.astype(jnp.bfloat16)
-            rest = rest - part.astype(jnp.float32)
-            d = jax.lax.dot_general(a, part, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            out = d if out is None else out + d
-        return out
-
-    for i in range(g):
-        for j in range(p):
-            raw = kc_ref[j, :, pl.ds(i * cs, cs)].astype(jnp.int32)                      # [T, Cs]
-            logit, off = None, None
-            for shift, mask, c0 in halves:
-                q = q_ref[pl.ds(c0, cs), pl.ds(i * rows, rows)]                            # [Cs, R]
-                qs = q * sc_ref[j, pl.ds(i * c + c0, cs)].astype(jnp.float32).reshape(cs, 1)  # [Cs, R]
-                code = ((raw >> shift) & mask) if mask is not None else raw
-                part = dot3(code.astype(jnp.bfloat16), qs)                                 # [T, R]
-                logit = part if logit is None else logit + part
-                if bits == 4:
-                    o = 8.0 * jnp.sum(qs, axis=0)                                           # [R]
-                    off = o if off is None else off + o
-            if off is not None:
-                logit = logit - off[None, :]
-            m = jnp.max(logit, axis=0)                                                      # [R]
-            lse = m + jnp.log(jnp.sum(jnp.exp(logit - m[None, :]), axis=0))
-            out_ref[pl.ds(i * rows, rows), pl.ds(j, 1)] = lse[:, None]
 
 
 def _over_blocks(block, span: int, bp: int | None):
@@ -193,10 +151,9 @@ def _span(num_pages: int, block_pages: int, pages_per_program: int | None) -> in
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "interpret", "block_pages", "num_warps", "bits",
-                                             "pages_per_program", "dot"))
+                                             "pages_per_program"))
 def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages: int | None = None,
-                    num_warps: int | None = None, scale=None, bits: int = 0, pages_per_program: int | None = None,
-                    dot: bool = False):
+                    num_warps: int | None = None, scale=None, bits: int = 0, pages_per_program: int | None = None):
     """kc [S, L, G, P, T, g, C] the key copy (any float dtype); qc [S, G, g, H, C] float32 query rows at the copy's
     channels, already scaled -> lse [S, G, g * H, P] float32 for `layer`. block_pages: a power of two dividing P
     (default: the largest within BLOCK_ELEMS). Labels (bits 8 / 4): kc [S, L, G, P, T, g, Cs] codes and scale
@@ -205,12 +162,12 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     pages_per_program: None (default) launches one program a block of pages; a multiple of block_pages dividing P
     launches one program a span of that many pages, looping over its blocks (S * G * P / pages_per_program
     programs instead of S * G * P / block_pages: fewer launches of more work, the same registers an iteration).
-    dot (labels only, one block a program): the codes times the scale-folded queries on the tensor cores
-    (_label_dot_kernel) instead of a multiply and a sum a row on the CUDA cores."""
+    Labels default to one page a program at LABEL_WARPS warps (LABEL_BLOCK_PAGES; the fastest launch measured at
+    the 8B shape, docs/BENCHMARKS.md); the key copy to the largest block within BLOCK_ELEMS at DEFAULT_WARPS."""
     _check(kc, qc, pow2=True, bits=bits, scale=scale)
-    if dot:
-        return _page_lse_dot(kc, qc, layer=layer, interpret=interpret, block_pages=block_pages,
-                             num_warps=num_warps, scale=scale, bits=bits)
+    if bits:
+        block_pages = block_pages or LABEL_BLOCK_PAGES
+        num_warps = num_warps or LABEL_WARPS
     S, L, G, P, T, g, Cs = kc.shape
     C = qc.shape[4]
     H = qc.shape[3]
@@ -238,35 +195,6 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
                              name="key_copy_page_lse" if span is None else "key_copy_page_lse_span",
                              **common)(view, qp)
     return out.reshape(S, G, g, Hp, P)[:, :, :, :H].reshape(S, G, g * H, P)
-
-
-def _page_lse_dot(kc, qc, *, layer: int, interpret: bool, block_pages: int | None, num_warps: int | None, scale,
-                  bits: int):
-    """page_lse_pallas(dot=True): one program a (sequence, group, block of pages), _label_dot_kernel."""
-    if bits not in (4, 8):
-        raise ValueError(f"dot = True scores labels (bits 4 or 8), not bits = {bits}")
-    S, L, G, P, T, g, Cs = kc.shape
-    C, H = qc.shape[4], qc.shape[3]
-    R = max(DOT_ROWS, next_pow2(H))
-    if not interpret and min(T, Cs) < 16:
-        raise ValueError(f"dot = True needs a page size and code channels (C / 2 at 4 bits) of at least 16 for "
-                         f"Triton's dot; got page {T}, {Cs} code channels")
-    # [S, G, g, H, C] -> [S, G, C, g * R]: channels down, each KV head's rows (zero-padded to R) across
-    qp = jnp.pad(qc.astype(jnp.float32), ((0, 0),) * 3 + ((0, R - H), (0, 0)))
-    qt = qp.transpose(0, 1, 4, 2, 3).reshape(S, G, C, g * R)
-    bp = _block_pages(P, T, C, block_pages)
-    kwargs = _launch(interpret, num_warps)
-    sc, sl = _scale_view(scale, kc, layer)
-    out = pl.pallas_call(
-        functools.partial(_label_dot_kernel, g=g, rows=R, bits=bits),
-        grid=(S, G, P // bp), interpret=interpret, name="label_page_lse_dot",
-        in_specs=[pl.BlockSpec((None, None, None, bp, T, g * Cs), lambda s, j, b: (s, layer, j, b, 0, 0)),
-                  pl.BlockSpec((None, None, None, bp, g * C), lambda s, j, b: (s, sl, j, b, 0)),
-                  pl.BlockSpec((None, None, C, g * R), lambda s, j, b: (s, j, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, g * R, bp), lambda s, j, b: (s, j, 0, b)),
-        out_shape=jax.ShapeDtypeStruct((S, G, g * R, P), jnp.float32), **kwargs,
-    )(kc.reshape(S, L, G, P, T, g * Cs), sc, qt)
-    return out.reshape(S, G, g, R, P)[:, :, :, :H].reshape(S, G, g * H, P)
 
 
 def ref_dequant(codes, scale, bits: int):

@@ -165,7 +165,8 @@ def test_flush_writes_completed_tail_pages_once():
                        jnp.ones(1, bool))
     import dataclasses
     state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=state.seqs.length + 1))
-    state, host = jax.jit(flush_tail, donate_argnums=(0, 1))(state, m.host)
+    # the host pool comes back where it lives (pinned_host on a GPU): flush_tail aliases it, as a decode does
+    state, host = jax.jit(flush_tail, donate_argnums=(0, 1), out_shardings=(None, m.host_shardings()))(state, m.host)
     assert int(state.seqs.flushed[0]) == 2
     hp = int(state.vtlb.host_page[0, 0, 0, 0, 1])
     np.testing.assert_array_equal(np.asarray(host.k[0, hp, 7, 0]), kn[0, 0])
@@ -179,6 +180,7 @@ def test_compiled_flush_writes_the_host_pool_in_place():
     array is a host-side transient the size of the pool."""
     from cache_steps import copied
     c, m, _, _ = setup([15, 30], token_budget=64)
-    txt = jax.jit(flush_tail, donate_argnums=(0, 1)).lower(m.state, m.host).compile().as_text()
+    txt = jax.jit(flush_tail, donate_argnums=(0, 1), out_shardings=(None, m.host_shardings())).lower(
+        m.state, m.host).compile().as_text()
     assert copied(txt, [m.host.k, m.host.v]) == []
 
