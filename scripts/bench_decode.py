@@ -173,6 +173,19 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1, ke
     return dataclasses.replace(cfg, host_pages=batch * cfg.num_layers * cfg.groups_per_rank * need)
 
 
+def scorer_fields(cfg) -> dict:
+    """A sparse row's rule and what it scores with: key_channels / label_bits of the rule that reads a key copy
+    (a two-stage rule's second stage: two_stage.configure moves them from the config into the rule object), and
+    second_rule, that stage's name, for a two-stage row."""
+    rule = cfg.selection_rule
+    second = getattr(rule, "second", None)
+    scorer = rule if second is None else second
+    out = dict(rule=cfg.rule, key_channels=getattr(scorer, "channels", 0), label_bits=getattr(scorer, "bits", 0))
+    if second is not None:
+        out["second_rule"] = second.name
+    return out
+
+
 def score_launch(args):
     return tuple(args.score_launch) if args.score_launch else None
 
@@ -322,9 +335,8 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                attention_impl=args.attention_impl if attention == "sparse" else None,
                attention_kernel=attention_kernel(args.attention_impl, mc, cfg) if attention == "sparse" else None,
                score_launch=score_launch(args) if attention == "sparse" else None,
-               key_channels=cfg.key_channels if attention == "sparse" else None,
-               label_bits=cfg.label_bits if attention == "sparse" else None,
-               rule=cfg.rule if attention == "sparse" else None,
+               **(scorer_fields(cfg) if attention == "sparse" else dict(key_channels=None, label_bits=None,
+                                                                         rule=None)),
                two_stage=getattr(args, "two_stage", None) if attention == "sparse" else None,
                selection=repr(cfg.selection_rule) if attention == "sparse" else None,
                scores=args.scores if attention == "sparse" else None,

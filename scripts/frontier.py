@@ -106,6 +106,8 @@ def speed_of(cell: dict, head_dim: int, decode_rows: list[dict]):
         if r.get("attention") != "sparse" or r.get("context") != CONTEXT or r.get("batch") != BATCH:
             continue
         rule = r.get("rule") or ("labels" if r.get("label_bits") else "key_copy" if r.get("key_channels") else "quest")
+        if rule == "two_stage":      # matched by its second stage (its channels and bits are that stage's)
+            rule = r.get("second_rule")
         if (rule != cell["rule"] or (r.get("key_channels") or 0) != chans or (r.get("label_bits") or 0)
                 != cell["label_bits"] or r.get("budget") != want_budget or bool(r.get("two_stage")) != bool(
                 cell["two_stage"])):

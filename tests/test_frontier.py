@@ -54,3 +54,34 @@ def test_two_stage_bytes_read_quest_and_the_shortlist():
     alone = frontier.step_bytes("labels", 64, 4, None, 1 / 32)
     assert quest["scorer_gb"] < two["scorer_gb"] < alone["scorer_gb"]
     assert two["selected_gb"] == alone["selected_gb"] == quest["selected_gb"]
+
+
+def test_a_two_stage_decode_row_names_its_second_stage_and_is_matched_by_it(tmp_path):
+    """bench_decode records a two-stage row's scorer as its second stage's channels and bits (two_stage.configure
+    moves them from the config into the rule), and the frontier matches that row to the two-stage cell over the
+    same rule, not to the plain one."""
+    import dataclasses
+    from scripts.bench_decode import scorer_fields
+    from ulacache_jax.cache.config import CacheConfig
+    from ulacache_jax.cache.select import two_stage
+    cfg = CacheConfig.preset("tiny", key_channels=8, label_bits=4)
+    assert scorer_fields(cfg) == dict(rule="labels", key_channels=8, label_bits=4)
+    assert scorer_fields(two_stage.configure(cfg, 4)) == dict(rule="two_stage", key_channels=8, label_bits=4,
+                                                              second_rule="labels")
+    assert scorer_fields(dataclasses.replace(cfg, key_channels=0, label_bits=0)) == dict(
+        rule="quest", key_channels=0, label_bits=0)
+    path = _longctx(tmp_path)
+    lc = json.loads(path.read_text())
+    lc["outputs"] += [dict(id=f"p{i}", spec="two:4:labels:32:4", budget=512, score=1.0) for i in range(4)]
+    lc["rows"].append(dict(spec="two:4:labels:32:4", rule="labels", channels=32, label_bits=4, two_stage=4))
+    path.write_text(json.dumps(lc))
+    dec = tmp_path / "decode.json"
+    common = dict(attention="sparse", context=131072, batch=3, budget=4096, key_channels=64, label_bits=4, run="X")
+    dec.write_text(json.dumps(dict(rows=[
+        dict(common, rule="labels", tokens_per_s=110.0),
+        dict(common, rule="two_stage", second_rule="labels", two_stage=4, tokens_per_s=150.0),
+        dict(attention="dense", context=131072, batch=3, budget=4096, tokens_per_s=100.0, run="X")])))
+    out = frontier.main(["--longctx", str(path), "--decode", str(dec), "--out", str(tmp_path / "o")])
+    by = {r["spec"]: r for r in out}
+    assert by["two:4:labels:32:4"]["speedup"] == pytest.approx(1.5)
+    assert by["labels:32:4"]["speedup"] == pytest.approx(1.1)
