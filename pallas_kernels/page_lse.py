@@ -94,14 +94,12 @@ def _rows_lse(parts, q_ref, out_ref, i: int, rows: int, pg, p: int):
         out_ref[pl.ds(r, 1), pg] = (m + jnp.log(jnp.sum(jnp.exp(logit - m[:, None]), axis=1))).reshape(1, p)
 
 
-def _scale_view(scale, kc, layer: int):
-    """The label scales as the kernels read them: scale [S, G, P, g, C] (one layer's) or [S, L, G, P, g, C] (every
-    layer's, as the cache stores them: the kernel indexes the layer, so no per-layer slice is copied out) ->
-    (view [S, L', G, P, g * C] in the stored dtype, the layer index into it)."""
+def _scale_view(scale, kc):
+    """The label scales as the kernels read them: scale [S, L, G, P, g, C], every layer's as the cache stores them
+    (the kernel indexes the layer, so no per-layer slice is copied out) -> [S, L, G, P, g * C] in the stored
+    dtype (row-major: free)."""
     S, L, G, P, T, g, Cs = kc.shape
-    if scale.ndim == 5:
-        return scale.reshape(S, 1, G, P, -1), 0
-    return scale.reshape(S, L, G, P, -1), layer
+    return scale.reshape(S, L, G, P, -1)
 
 
 def default_block_pages(num_pages: int, page: int, channels: int) -> int:
@@ -117,9 +115,9 @@ def _check(kc, qc, *, pow2: bool, bits: int = 0, scale=None):
     C = Cs * 2 if bits == 4 else Cs
     if qc.ndim != 5 or qc.shape[:3] != (S, G, g) or qc.shape[4] != C:
         raise ValueError(f"qc shape {qc.shape} must be [S, G, g, H, C] = [{S}, {G}, {g}, H, {C}] for kc {kc.shape}")
-    if bits and (scale is None or tuple(scale.shape) not in ((S, G, P, g, C), (S, L, G, P, g, C))):
-        raise ValueError(f"label scales of shape {None if scale is None else tuple(scale.shape)} must be one layer's "
-                         f"[S, G, P, g, C] = {(S, G, P, g, C)} or every layer's {(S, L, G, P, g, C)} for kc {kc.shape}")
+    if bits and (scale is None or tuple(scale.shape) != (S, L, G, P, g, C)):
+        raise ValueError(f"label scales of shape {None if scale is None else tuple(scale.shape)} must be every "
+                         f"layer's [S, L, G, P, g, C] = {(S, L, G, P, g, C)} for kc {kc.shape}")
     for name, v in (("page size", T), ("copy channels", C)):
         if pow2 and v & (v - 1):
             raise ValueError(f"{name} = {v} must be a power of two for the page-lse kernel (Triton blocks)")
@@ -157,8 +155,7 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     """kc [S, L, G, P, T, g, C] the key copy (any float dtype); qc [S, G, g, H, C] float32 query rows at the copy's
     channels, already scaled -> lse [S, G, g * H, P] float32 for `layer`. block_pages: a power of two dividing P
     (default: the largest within BLOCK_ELEMS). Labels (bits 8 / 4): kc [S, L, G, P, T, g, Cs] codes and scale
-    [S, G, P, g, C] (this layer's) or [S, L, G, P, g, C] (every layer's, read in place) scales per page and channel
-    (select/labels.py).
+    [S, L, G, P, g, C] every layer's scales per page and channel, read in place (select/labels.py).
     pages_per_program: None (default) launches one program a block of pages; a multiple of block_pages dividing P
     launches one program a span of that many pages, looping over its blocks (S * G * P / pages_per_program
     programs instead of S * G * P / block_pages: fewer launches of more work, the same registers an iteration).
@@ -185,11 +182,10 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
                   out_shape=jax.ShapeDtypeStruct((S, G, g * Hp, P), jnp.float32), **kwargs)
     inner = dict(g=g, rows=Hp, bp=bp if span else None)
     if bits:
-        sc, sl = _scale_view(scale, kc, layer)
         out = pl.pallas_call(
             functools.partial(_label_kernel, bits=bits, **inner),
-            in_specs=[kspec, pl.BlockSpec((None, None, None, sp, g * C), lambda s, j, b: (s, sl, j, b, 0)), qspec],
-            name="label_page_lse" if span is None else "label_page_lse_span", **common)(view, sc, qp)
+            in_specs=[kspec, pl.BlockSpec((None, None, None, sp, g * C), lambda s, j, b: (s, layer, j, b, 0)), qspec],
+            name="label_page_lse" if span is None else "label_page_lse_span", **common)(view, _scale_view(scale, kc), qp)
     else:
         out = pl.pallas_call(functools.partial(_lse_kernel, **inner), in_specs=[kspec, qspec],
                              name="key_copy_page_lse" if span is None else "key_copy_page_lse_span",
@@ -211,9 +207,7 @@ def ref_dequant(codes, scale, bits: int):
 def ref_page_lse(kc, qc, *, layer: int, scale=None, bits: int = 0):
     """Plain jnp reference of `page_lse_pallas` (float32 products at full precision)."""
     S, L, G, P, T, g, _ = kc.shape
-    if bits and scale.ndim == 6:
-        scale = scale[:, layer]                                                         # [S, G, P, g, C]
-    k = ref_dequant(kc[:, layer], scale, bits) if bits else kc[:, layer].astype(jnp.float32)
+    k = ref_dequant(kc[:, layer], scale[:, layer], bits) if bits else kc[:, layer].astype(jnp.float32)
     logit = jnp.einsum("sjptic,sjihc->sjihpt", k, qc.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST)                             # [S, G, g, H, P, T]
     return jax.nn.logsumexp(logit, axis=-1).reshape(S, G, g * qc.shape[3], P)
@@ -222,7 +216,7 @@ def ref_page_lse(kc, qc, *, layer: int, scale=None, bits: int = 0):
 def page_lse(kc, qc, *, layer: int, impl: str = "auto", scale=None, bits: int = 0):
     """impl: 'auto' (kernel on GPU, reference elsewhere), 'pallas' (kernel; interpret mode off GPU) or 'ref'.
     A copy whose page size or channel count is not a power of two takes the reference. bits 8 / 4: kc holds
-    label codes and scale their scales ([S, G, P, g, C] the layer's, or [S, L, G, P, g, C] every layer's)."""
+    label codes and scale their scales, every layer's [S, L, G, P, g, C]."""
     _check(kc, qc, pow2=False, bits=bits, scale=scale)
     T, C, Cs = kc.shape[4], qc.shape[4], kc.shape[6]
     if pick_impl(impl) == "ref" or T & (T - 1) or C & (C - 1) or Cs & (Cs - 1):

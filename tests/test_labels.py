@@ -71,8 +71,8 @@ def test_kernel_equals_reference(bits, g, H):
         codes = jnp.asarray(rng.integers(-127, 128, (S, L, G, P, T, g, cs)), jnp.int8)
     else:
         codes = jnp.asarray(rng.integers(0, 256, (S, L, G, P, T, g, cs)), jnp.uint8)
-    scale = rng.uniform(0, 0.3, (S, G, P, g, Cc)).astype(np.float32)
-    scale[0, 0, 3] = 0.0
+    scale = rng.uniform(0, 0.3, (S, L, G, P, g, Cc)).astype(np.float32)
+    scale[0, :, 0, 3] = 0.0
     scale = jnp.asarray(scale, jnp.bfloat16)
     q = jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32)
     for layer in range(L):
@@ -84,7 +84,8 @@ def test_kernel_equals_reference(bits, g, H):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_every_layers_scales_read_in_place(bits):
     """The cache passes every layer's scales [S, L, G, P, g, C] (the kernel indexes the layer: no per-layer slice
-    is copied out); each layer's lse equals the one from that layer's slice, and a wrong shape is refused."""
+    is copied out); each layer's lse is the one of that layer's codes at that layer's scales (the labels dequantised
+    by hand), and any other scale shape, one layer's included, is refused by name."""
     rng = np.random.default_rng(7 + bits)
     S, L, G, P, T, g, Cc, H = 1, 3, 2, 8, 16, 1, 32, 4
     cs = Cc if bits == 8 else Cc // 2
@@ -93,12 +94,15 @@ def test_every_layers_scales_read_in_place(bits):
     scale = jnp.asarray(rng.uniform(0, 0.3, (S, L, G, P, g, Cc)), jnp.bfloat16)
     q = jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32)
     for layer in range(L):
-        want = pk.ref_page_lse(codes, q, layer=layer, scale=scale[:, layer], bits=bits)
-        np.testing.assert_allclose(pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=bits), want, rtol=0, atol=0)
+        k = pk.ref_dequant(codes[:, layer], scale[:, layer], bits)                      # [S, G, P, T, g, C]
+        want = jax.nn.logsumexp(jnp.einsum("sjptic,sjihc->sjihpt", k, q, precision="highest"), axis=-1)
+        want = want.reshape(S, G, g * H, P)
+        np.testing.assert_allclose(pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=bits), want, rtol=1e-6)
         got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits, block_pages=4)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="label scales of shape"):
-        pk.page_lse_pallas(codes, q, layer=0, interpret=True, scale=scale[:, :, :, :4], bits=bits)
+    for bad in (scale[:, :, :, :4], scale[:, 0]):
+        with pytest.raises(ValueError, match=r"label scales of shape .* must be every layer's"):
+            pk.page_lse_pallas(codes, q, layer=0, interpret=True, scale=bad, bits=bits)
     with pytest.raises(ValueError, match="label scales of shape None"):
         pk.page_lse(codes, q, layer=0, bits=bits)
 
@@ -117,9 +121,9 @@ def adversarial_labels(rng, bits, S, L, G, P, T, g, Cc, H):
         codes[:, :, :, 0] = 8 | 8 << 4                                                # both nibbles hold 0
         hi, lo = (top + 8) | (top + 8) << 4, (8 - top) | (8 - top) << 4                # +7 / -7 in both nibbles
         codes[:, :, :, 1] = np.where(np.arange(T)[:, None, None] % 2, hi, lo)
-    scale = rng.uniform(0, 0.3, (S, G, P, g, Cc)).astype(np.float32)
-    scale[:, :, 0] = 0.0
-    scale[:, :, 1] = 16.0
+    scale = rng.uniform(0, 0.3, (S, L, G, P, g, Cc)).astype(np.float32)
+    scale[:, :, :, 0] = 0.0
+    scale[:, :, :, 1] = 16.0
     q = rng.standard_normal((S, G, g, H, Cc)).astype(np.float32)
     q[:, :, :, 0] *= 100.0
     return jnp.asarray(codes), jnp.asarray(scale, jnp.bfloat16), jnp.asarray(q)
@@ -156,7 +160,7 @@ def test_spanning_programs_lower_to_triton(bits):
     S, L, G, P, T, g, H, Cc = 3, 2, 8, 2048, 64, 1, 4, 64
     cs = Cc if bits == 8 else Cc // 2
     args = (spec((S, L, G, P, T, g, cs), jnp.int8 if bits == 8 else jnp.uint8),
-            spec((S, G, P, g, Cc), jnp.bfloat16), spec((S, G, g, H, Cc), jnp.float32))
+            spec((S, L, G, P, g, Cc), jnp.bfloat16), spec((S, G, g, H, Cc), jnp.float32))
     try:
         for bp, span in ((None, None), (4, 64), (4, P)):
             txt = lower_for_h200(lambda c, sc, q: pk.page_lse_pallas(
@@ -244,7 +248,7 @@ def test_on_the_gpu_kernel_equals_reference():
         cs = Cc if bits == 8 else Cc // 2
         codes = jnp.asarray(rng.integers(-127 if bits == 8 else 0, 128 if bits == 8 else 256,
                                          (S, L, G, P, T, g, cs)), jnp.int8 if bits == 8 else jnp.uint8)
-        scale = jnp.asarray(rng.uniform(0, 0.1, (S, G, P, g, Cc)), jnp.bfloat16)
+        scale = jnp.asarray(rng.uniform(0, 0.1, (S, L, G, P, g, Cc)), jnp.bfloat16)
         q = jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32)
         want = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits)
         got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits)

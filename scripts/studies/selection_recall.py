@@ -112,7 +112,7 @@ def rule_scores(rule, k, q, page: int, table_ch=None, cand=None):
         lse = ref_page_lse(jnp.asarray(x), jnp.asarray(qc), layer=0)
     else:
         codes, scale = labels.quantize(jnp.asarray(x), rule[2])
-        lse = ref_page_lse(codes, jnp.asarray(qc), layer=0, scale=scale[:, 0], bits=rule[2])
+        lse = ref_page_lse(codes, jnp.asarray(qc), layer=0, scale=scale, bits=rule[2])
     lse = np.where(cand[None], np.asarray(lse)[0, 0], -np.inf)                         # [h, P]
     w = np.exp(lse - lse.max(1, keepdims=True))
     return np.where(cand, (w / w.sum(1, keepdims=True)).sum(0), -np.inf)
