@@ -42,28 +42,44 @@ def _lse_kernel(kc_ref, q_ref, out_ref, *, g: int, rows: int, bp: int | None = N
         c = kc_ref.shape[2] // g
         for i in range(g):
             k = kc_ref[pg, :, pl.ds(i * c, c)].astype(jnp.float32)                     # [p, T, C]
-            _rows_lse([(k, 0)], q_ref, out_ref, i, rows, pg, p)
+            _rows_lse([(k, 0, None)], q_ref, out_ref, i, rows, pg, p)
     _over_blocks(block, kc_ref.shape[0], bp)
 
 
-def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int, bp: int | None = None):
+TWO23 = 8388608.0          # 2**23: a float32 whose bits are 0x4B000000 | n (n < 2**23) is exactly 2**23 + n
+
+
+def small_ints(x, bias: float):
+    """x int32 [...] in [0, 2**23) -> float32(x) - bias, exactly, by bits: OR x into 2**23's mantissa and subtract
+    (two full-rate ops) instead of an int-to-float conversion, which the SM runs at a fraction of the FMA rate;
+    unpacking two conversions a code byte is most of the label kernel's non-FMA work."""
+    return jax.lax.bitcast_convert_type(x | 0x4B000000, jnp.float32) - (TWO23 + bias)
+
+
+def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int, bp: int | None = None,
+                  bitcast: bool = True):
     # kc_ref [p, T, g * Cs] label codes (int8, or uint8 two channels a byte at 4 bits); sc_ref [p, g * C] scales
     # per page and channel as stored (bfloat16: widened here, so no float32 copy of them is written per layer);
     # q_ref, out_ref, bp as _lse_kernel's. Dequantised in registers: codes are read once. At 4 bits the low nibbles
-    # are channels [0, C/2) and the high ones [C/2, C): two halves, no interleave.
+    # are channels [0, C/2) and the high ones [C/2, C): two halves, no interleave. bitcast: codes become floats by
+    # bits (small_ints) and each page's scales multiply the query row (per page and channel, not per token);
+    # else (the measured baseline) by conversion, the scales multiplied into every code.
     def block(pg):
         p = kc_ref.shape[0] if bp is None else bp
         cs = kc_ref.shape[2] // g
         c = cs * 2 if bits == 4 else cs
         for i in range(g):
             raw = kc_ref[pg, :, pl.ds(i * cs, cs)]                                      # [p, T, Cs]
-            if bits == 8:
-                halves = [(raw.astype(jnp.float32), 0)]
+            b = raw.astype(jnp.int32)
+            if bitcast:
+                halves = ([(small_ints(b + 128, 128.0), 0)] if bits == 8 else
+                          [(small_ints(b & 15, 8.0), 0), (small_ints(b >> 4, 8.0), cs)])
+                parts = [(v, c0, sc_ref[pg, pl.ds(i * c + c0, cs)].astype(jnp.float32)) for v, c0 in halves]
             else:
-                b = raw.astype(jnp.int32)
-                halves = [(((b & 15) - 8).astype(jnp.float32), 0), (((b >> 4) - 8).astype(jnp.float32), cs)]
-            parts = [(k * sc_ref[pg, pl.ds(i * c + c0, cs)].astype(jnp.float32).reshape(p, 1, cs), c0)
-                     for k, c0 in halves]
+                halves = ([(raw.astype(jnp.float32), 0)] if bits == 8 else
+                          [(((b & 15) - 8).astype(jnp.float32), 0), (((b >> 4) - 8).astype(jnp.float32), cs)])
+                parts = [(v * sc_ref[pg, pl.ds(i * c + c0, cs)].astype(jnp.float32).reshape(p, 1, cs), c0, None)
+                         for v, c0 in halves]
             _rows_lse(parts, q_ref, out_ref, i, rows, pg, p)
     _over_blocks(block, kc_ref.shape[0], bp)
 
@@ -84,12 +100,18 @@ def _over_blocks(block, span: int, bp: int | None):
 
 
 def _rows_lse(parts, q_ref, out_ref, i: int, rows: int, pg, p: int):
-    """parts: (k [p, T, w] float32, c0) slices of KV head i's keys over channels [c0, c0 + w) -> out_ref rows
-    i * rows + x at the pages pg (a slice of p pages): each query row's page log-sum-exps."""
+    """parts: (k [p, T, w] float32, c0, scale [p, w] float32 or None) slices of KV head i's keys over channels
+    [c0, c0 + w), their per-page scales not yet applied (or None: applied) -> out_ref rows i * rows + x at the
+    pages pg (a slice of p pages): each query row's page log-sum-exps. A scale multiplies the query row per page
+    ([p, w] products) rather than every key ([p, T, w])."""
     for x in range(rows):
         r = i * rows + x
-        logit = sum(jnp.sum(k * q_ref[pl.ds(r, 1), pl.ds(c0, k.shape[2])].reshape(1, 1, k.shape[2]), axis=2)
-                    for k, c0 in parts)                                                 # [p, T]
+        logit = 0.0
+        for k, c0, sc in parts:
+            w = k.shape[2]
+            qr = q_ref[pl.ds(r, 1), pl.ds(c0, w)]                                        # [1, w]
+            qw = (qr if sc is None else qr * sc).reshape(-1, 1, w)                       # [1 or p, 1, w]
+            logit = logit + jnp.sum(k * qw, axis=2)                                      # [p, T]
         m = jnp.max(logit, axis=1)                                                      # [p]
         out_ref[pl.ds(r, 1), pg] = (m + jnp.log(jnp.sum(jnp.exp(logit - m[:, None]), axis=1))).reshape(1, p)
 
@@ -149,9 +171,10 @@ def _span(num_pages: int, block_pages: int, pages_per_program: int | None) -> in
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "interpret", "block_pages", "num_warps", "bits",
-                                             "pages_per_program"))
+                                             "pages_per_program", "bitcast"))
 def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages: int | None = None,
-                    num_warps: int | None = None, scale=None, bits: int = 0, pages_per_program: int | None = None):
+                    num_warps: int | None = None, scale=None, bits: int = 0, pages_per_program: int | None = None,
+                    bitcast: bool = True):
     """kc [S, L, G, P, T, g, C] the key copy (any float dtype); qc [S, G, g, H, C] float32 query rows at the copy's
     channels, already scaled -> lse [S, G, g * H, P] float32 for `layer`. block_pages: a power of two dividing P
     (default: the largest within BLOCK_ELEMS). Labels (bits 8 / 4): kc [S, L, G, P, T, g, Cs] codes and scale
@@ -160,7 +183,9 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     launches one program a span of that many pages, looping over its blocks (S * G * P / pages_per_program
     programs instead of S * G * P / block_pages: fewer launches of more work, the same registers an iteration).
     Labels default to one page a program at LABEL_WARPS warps (LABEL_BLOCK_PAGES; the fastest launch measured at
-    the 8B shape, docs/BENCHMARKS.md); the key copy to the largest block within BLOCK_ELEMS at DEFAULT_WARPS."""
+    the 8B shape, docs/BENCHMARKS.md); the key copy to the largest block within BLOCK_ELEMS at DEFAULT_WARPS.
+    bitcast (labels): codes to floats by bits and scales folded into the queries (_label_kernel); False is the
+    conversion baseline bench_labels times beside it."""
     _check(kc, qc, pow2=True, bits=bits, scale=scale)
     if bits:
         block_pages = block_pages or LABEL_BLOCK_PAGES
@@ -183,7 +208,7 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     inner = dict(g=g, rows=Hp, bp=bp if span else None)
     if bits:
         out = pl.pallas_call(
-            functools.partial(_label_kernel, bits=bits, **inner),
+            functools.partial(_label_kernel, bits=bits, bitcast=bitcast, **inner),
             in_specs=[kspec, pl.BlockSpec((None, None, None, sp, g * C), lambda s, j, b: (s, layer, j, b, 0)), qspec],
             name="label_page_lse" if span is None else "label_page_lse_span", **common)(view, _scale_view(scale, kc), qp)
     else:

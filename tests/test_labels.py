@@ -77,8 +77,20 @@ def test_kernel_equals_reference(bits, g, H):
     q = jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32)
     for layer in range(L):
         want = pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=bits)
-        got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits, block_pages=4)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        for bitcast in (True, False):
+            got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits, block_pages=4,
+                                     bitcast=bitcast)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_codes_become_floats_by_bits_exactly():
+    """small_ints (the kernel's int-to-float by bits): every byte value, both nibbles and the int8 codes, equal
+    the converted values exactly."""
+    b = jnp.arange(256, dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(pk.small_ints(b & 15, 8.0)), np.arange(256) % 16 - 8.0)
+    np.testing.assert_array_equal(np.asarray(pk.small_ints(b >> 4, 8.0)), np.arange(256) // 16 - 8.0)
+    i8 = jnp.arange(-128, 128, dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(pk.small_ints(i8 + 128, 128.0)), np.arange(-128, 128, dtype=np.float32))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
