@@ -57,13 +57,13 @@ def small_ints(x, bias: float):
 
 
 def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int, bp: int | None = None,
-                  bitcast: bool = True):
+                  bitcast: bool = False):
     # kc_ref [p, T, g * Cs] label codes (int8, or uint8 two channels a byte at 4 bits); sc_ref [p, g * C] scales
     # per page and channel as stored (bfloat16: widened here, so no float32 copy of them is written per layer);
     # q_ref, out_ref, bp as _lse_kernel's. Dequantised in registers: codes are read once. At 4 bits the low nibbles
-    # are channels [0, C/2) and the high ones [C/2, C): two halves, no interleave. bitcast: codes become floats by
-    # bits (small_ints) and each page's scales multiply the query row (per page and channel, not per token);
-    # else (the measured baseline) by conversion, the scales multiplied into every code.
+    # are channels [0, C/2) and the high ones [C/2, C): two halves, no interleave. Codes become floats by
+    # conversion and the scales multiply every code; bitcast (the candidate, not yet run on a GPU): by bits
+    # (small_ints), each page's scales multiplying the query row (per page and channel, not per token).
     def block(pg):
         p = kc_ref.shape[0] if bp is None else bp
         cs = kc_ref.shape[2] // g
@@ -174,7 +174,7 @@ def _span(num_pages: int, block_pages: int, pages_per_program: int | None) -> in
                                              "pages_per_program", "bitcast"))
 def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages: int | None = None,
                     num_warps: int | None = None, scale=None, bits: int = 0, pages_per_program: int | None = None,
-                    bitcast: bool = True):
+                    bitcast: bool = False):
     """kc [S, L, G, P, T, g, C] the key copy (any float dtype); qc [S, G, g, H, C] float32 query rows at the copy's
     channels, already scaled -> lse [S, G, g * H, P] float32 for `layer`. block_pages: a power of two dividing P
     (default: the largest within BLOCK_ELEMS). Labels (bits 8 / 4): kc [S, L, G, P, T, g, Cs] codes and scale
@@ -184,8 +184,8 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     programs instead of S * G * P / block_pages: fewer launches of more work, the same registers an iteration).
     Labels default to one page a program at LABEL_WARPS warps (LABEL_BLOCK_PAGES; the fastest launch measured at
     the 8B shape, docs/BENCHMARKS.md); the key copy to the largest block within BLOCK_ELEMS at DEFAULT_WARPS.
-    bitcast (labels): codes to floats by bits and scales folded into the queries (_label_kernel); False is the
-    conversion baseline bench_labels times beside it."""
+    bitcast (labels): codes to floats by bits and the scales folded into the queries (_label_kernel), the
+    candidate bench_labels times beside the default conversion (not yet run on a GPU)."""
     _check(kc, qc, pow2=True, bits=bits, scale=scale)
     if bits:
         block_pages = block_pages or LABEL_BLOCK_PAGES

@@ -5,9 +5,8 @@ Shape (default: the Llama-8B decode of the labels rule): S=3 sequences x G=8 gro
 P=2048 pages of T=64 tokens (128K tokens), C=64 label channels at 4 bits (Cs=32 code bytes a token) or 8 bits;
 the codes array holds --layers layers so the kernel indexes a real layer, and so do the scales [S, L, G, P, g, C]
 bf16. Variants: `ref` (ref_page_lse, XLA), `kernel` (one program a block of block_pages pages, the default launch,
-at every --blocks x --warps; codes to floats by bits, scales folded into the queries), `convert` (the same
-launches with the int-to-float conversion and the scales multiplied into every code, the kernel before bitcast) and
-`span` (pages_per_program: one program loops over the blocks of a span of
+at every --blocks x --warps), `bitcast` (the same launches with the codes made floats by bits and the scales
+folded into the queries: page_lse_pallas(bitcast=True), the candidate) and `span` (pages_per_program: one program loops over the blocks of a span of
 pages, at every --spans x --warps, block_pages --span-block). Every variant is checked before it is timed, against
 ref_page_lse (float32, rtol 1e-4, atol 1e-3 on the lse) on random inputs and on adversarial ones (a page of zero
 codes with zero scales, a page of the extreme codes +-7 / +-127 at a large scale, one query row 100x the others);
@@ -116,7 +115,7 @@ def variants(a) -> list[dict]:
     valid (pages_per_program, num_warps). Invalid launch shapes (not dividing P) are left out, not failed."""
     P = a.pages
     rows = [dict(impl="ref")]
-    rows += [dict(impl=impl, block_pages=bp, num_warps=w) for impl in ("kernel", "convert") for bp in a.blocks
+    rows += [dict(impl=impl, block_pages=bp, num_warps=w) for impl in ("kernel", "bitcast") for bp in a.blocks
              for w in a.warps if P % bp == 0 and bp & (bp - 1) == 0]
     sb = a.span_block or pk.default_block_pages(P, a.page, a.channels)
     rows += [dict(impl="span", block_pages=sb, pages_per_program=sp, num_warps=w) for sp in a.spans
@@ -131,7 +130,7 @@ def score_fn(v: dict, a, layer: int):
     return lambda c, s, q: pk.page_lse_pallas(
         c, q, layer=layer, interpret=not on_gpu(), scale=s, bits=a.bits, block_pages=v["block_pages"],
         num_warps=v["num_warps"], pages_per_program=v.get("pages_per_program"),
-        bitcast=v["impl"] != "convert")
+        bitcast=v["impl"] == "bitcast")
 
 
 def check(f, inputs, wants) -> dict:
@@ -211,10 +210,10 @@ def variant_name(r: dict, sep: str = " ") -> str:
 
 
 def plot(res: Results, path: str):
-    """Bars of the fraction of the read ceiling per timed variant (kernel blue, convert orange, span green, ref grey)."""
+    """Bars of the fraction of the read ceiling per timed variant (kernel blue, bitcast orange, span green, ref grey)."""
     plt = pyplot()
     rows = [r for r in res.rows if "us" in r]
-    color = dict(ref="tab:gray", kernel="tab:blue", convert="tab:orange", span="tab:green")
+    color = dict(ref="tab:gray", kernel="tab:blue", bitcast="tab:orange", span="tab:green")
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(rows)), 4))
     ax.bar(range(len(rows)), [r["fraction_of_read"] for r in rows], color=[color[r["impl"]] for r in rows])
     for i, r in enumerate(rows):

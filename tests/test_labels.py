@@ -165,18 +165,19 @@ def test_spanning_programs_equal_reference(bits):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_spanning_programs_lower_to_triton(bits):
-    """The 8B shape's label kernel, the default launch and spans of 16 blocks and of all 2048 pages, lowers to one
-    Triton call for an H200 without a GPU (test_gpu_lowering's abstract device): the in-kernel loop over blocks and
-    its dynamic page slices are Triton-lowerable. Triton's compile to PTX runs only on the GPU."""
+    """The 8B shape's label kernel (the default launch, spans of 16 blocks and of all 2048 pages, the bit-cast
+    candidate) lowers to one Triton call for an H200 without a GPU (test_gpu_lowering's abstract device): the
+    in-kernel loop over blocks, its dynamic page slices and the bit casts are Triton-lowerable. Triton's compile to
+    PTX runs only on the GPU."""
     from test_gpu_lowering import TRITON_CALL, lower_for_h200, spec
     S, L, G, P, T, g, H, Cc = 3, 2, 8, 2048, 64, 1, 4, 64
     cs = Cc if bits == 8 else Cc // 2
     args = (spec((S, L, G, P, T, g, cs), jnp.int8 if bits == 8 else jnp.uint8),
             spec((S, L, G, P, g, Cc), jnp.bfloat16), spec((S, G, g, H, Cc), jnp.float32))
     try:
-        for bp, span in ((None, None), (4, 64), (4, P)):
+        for bp, span, bitcast in ((None, None, False), (4, 64, False), (4, P, False), (None, None, True)):
             txt = lower_for_h200(lambda c, sc, q: pk.page_lse_pallas(
-                c, q, layer=1, scale=sc, bits=bits, block_pages=bp, pages_per_program=span), *args)
+                c, q, layer=1, scale=sc, bits=bits, block_pages=bp, pages_per_program=span, bitcast=bitcast), *args)
             assert txt.count(TRITON_CALL) == 1
     finally:
         jax.clear_caches()      # the GPU traces (interpret=False) must not be reused by a CPU test
