@@ -252,7 +252,8 @@ def test_generate_covering_budget_equals_dense(model, bits):
 
 @pytest.mark.gpu
 def test_on_the_gpu_kernel_equals_reference():
-    """Compiled on the GPU: the label kernel at the 8B shape's group (g = 1, 4 query rows, C = 16, page 64)."""
+    """Compiled on the GPU: the label kernel and its bit-cast candidate at the 8B shape's group (g = 1, 4 query rows,
+    C = 16, page 64), on random labels and on adversarial ones at C = 64."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     rng = np.random.default_rng(0)
@@ -264,13 +265,15 @@ def test_on_the_gpu_kernel_equals_reference():
         scale = jnp.asarray(rng.uniform(0, 0.1, (S, L, G, P, g, Cc)), jnp.bfloat16)
         q = jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32)
         want = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits)
-        got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+        for bitcast in (False, True):
+            got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, bitcast=bitcast)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
     for bits in (8, 4):   # adversarial labels at the 8B shape's channels (C = 64), the default launch
         codes, scale, q = adversarial_labels(rng, bits, S, L, G, P, T, g, 64, H)
         want = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits)
-        got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+        for bitcast in (False, True):
+            got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, bitcast=bitcast)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
 def test_offline_calibration_writes_a_table_the_lookup_finds(tmp_path):
