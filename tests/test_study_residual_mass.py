@@ -45,3 +45,20 @@ def test_unknown_rule_is_refused():
     q, k, v, qpos = _inputs()
     with pytest.raises(ValueError, match="rule"):
         rm.attend(q, k, v, qpos, page=16, budget=32, rule="nope")
+
+
+def test_driver_writes_a_row_per_rule_and_budget(tmp_path):
+    """The study's driver end to end (tiny random model, byte tokenizer, pydoc text): a dense row and one row per
+    rule and budget over every scored position of every window, in the JSON; a budget covering the window is dense
+    (ppl ratio 0, full top-1 agreement) for the top-k rules."""
+    import json
+    rows = rm.main(["--tiny", "--text", "pydoc", "--window", "128", "--prefix", "96", "--windows", "2", "--page",
+                    "16", "--budgets", "32,128", "--rules", "topk,topk_meanq,res_exact", "--out", str(tmp_path),
+                    "--commit", "t"])
+    by = {r["rule"]: r for r in rows}
+    assert set(by) == {"dense"} | {f"{r} b{b}" for r in ("topk", "topk_meanq", "res_exact") for b in (32, 128)}
+    assert all(r["positions"] == 2 * (128 - 1 - 96) for r in rows)
+    for r in ("topk", "topk_meanq"):
+        assert by[f"{r} b128"]["ppl_vs_dense"] == pytest.approx(0.0, abs=1e-5) and by[f"{r} b128"]["top1"] == 1.0
+    data = json.loads((tmp_path / "residual_mass.json").read_text())
+    assert data["meta"]["commit"] == "t" and data["meta"]["model"].startswith("tiny") and len(data["rows"]) == 7

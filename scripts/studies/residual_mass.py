@@ -8,6 +8,9 @@ A teacher-forced full forward over each window in float32, exact for positions <
 oracle (each KV head's pages ranked by the softmax mass its query heads give them, summed; K = budget / page full
 pages before the query's own page, whose tokens up to the query are always attended):
 - `topk`: the selected pages and the query's own page only (what sparse decode computes).
+- `topk_meanq`: `topk` with the pages ranked by the mass of the group's mean query (one row per KV head instead of
+  one per query head: a scorer reading each key once for the group would do a quarter of the products at the 8B
+  shape's 4 query heads a KV head).
 - `res_exact`: + every unselected full page p as one term exp(L_p) * vbar_p in the softmax's numerator and
   exp(L_p) in its denominator, L_p the page's exact log-sum-exp of the logits, vbar_p its mean value: the ceiling
   of any such correction (only the within-page weights are lost).
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 
 from scripts.bench_meta import Results, add_common_args, run_meta
 
-RULES = ("topk", "res_exact", "res_mean", "res_labels")
+RULES = ("topk", "topk_meanq", "res_exact", "res_mean", "res_labels")
 
 
 def attend(q, k, v, qpos, page: int, budget: int, rule: str, channels: int = 32):
@@ -51,7 +54,11 @@ def attend(q, k, v, qpos, page: int, budget: int, rule: str, channels: int = 32)
     own = ((tpos[None] // page) == qp[:, None]) & (tpos[None] <= qpos[:, None])         # [N, T]
     full = jnp.arange(n)[None] < qp[:, None]                                           # [N, n] candidate pages
     L = jax.nn.logsumexp(s[..., : n * page].reshape(N, KV, G, n, page), axis=-1)       # [N, KV, G, n] exact
-    Lm = jnp.where(full[:, None, None], L, -jnp.inf)
+    # the selection's rows: each query head's (summed), or for topk_meanq the group's mean query as one row
+    Ls = L if rule != "topk_meanq" else jax.nn.logsumexp(
+        jnp.einsum("NKD,TKD->NKT", qg.mean(axis=2), kf)[..., : n * page].reshape(N, KV, 1, n, page)
+        / jnp.sqrt(jnp.float32(D)), axis=-1)                                           # [N, KV, 1, n]
+    Lm = jnp.where(full[:, None, None], Ls, -jnp.inf)
     mass = jnp.exp(Lm - jax.nn.logsumexp(Lm, axis=-1, keepdims=True)).sum(axis=2)     # [N, KV, n]
     K = budget // page
     top = jax.lax.top_k(jnp.where(full[:, None], mass, -1.0), K)[1]                    # [N, KV, K]
@@ -60,7 +67,7 @@ def attend(q, k, v, qpos, page: int, budget: int, rule: str, channels: int = 32)
     tok_sel = jnp.repeat(sel, page, axis=-1)                                           # [N, KV, T]
     tok = tok_sel[:, :, None] | own[:, None, None]                                     # [N, KV, 1, T]
     logits = jnp.where(tok, s, -jnp.inf)                                               # [N, KV, G, T]
-    if rule == "topk":
+    if rule in ("topk", "topk_meanq"):
         p = jax.nn.softmax(logits, axis=-1)
         return jnp.einsum("NKGT,TKD->NKGD", p, vf).reshape(N, H, D)
     vbar = vf[: n * page].reshape(n, page, KV, D).mean(axis=1)                         # [n, KV, D]
@@ -127,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap, out_required=True, files="residual_mass.json", model=None,
                     model_default_help="SmolLM2-135M-Instruct (bench_quality's default)", dtype="float32")
+    ap.add_argument("--tiny", action="store_true", help="the tiny random model and byte tokenizer (tests)")
     ap.add_argument("--text", default="austen", help="bench_quality's --text")
     ap.add_argument("--window", type=int, default=8192)
     ap.add_argument("--prefix", type=int, default=7680, help="positions prefix .. window-2 are scored")
@@ -153,11 +161,8 @@ def summary(acc: dict) -> list[dict]:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from scripts.bench_quality import corpus_text, default_model_path
-    from ulacache_jax.models import from_pretrained, load_tokenizer
-    path = args.model or default_model_path()
-    model = from_pretrained(path, dtype=jnp.dtype(args.dtype))
-    tok = load_tokenizer(path)
+    from scripts.bench_quality import corpus_text, load_model
+    model, tok, label = load_model(args)
     text, source = corpus_text(args.text)
     text_ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
     span = len(text_ids) - args.window
@@ -167,7 +172,8 @@ def main(argv=None):
     rules = args.rules.split(",")
     fwd = jax.jit(forward, static_argnums=(2, 3, 4, 5, 6))
     res = Results(os.path.join(args.out, "residual_mass.json"),
-                  run_meta(args.commit, model=os.path.basename(os.path.normpath(path)), text=source, **vars(args)))
+                  run_meta(args.commit, **{**{k: v for k, v in vars(args).items() if k != "commit"},
+                                           "model": label, "text": source}))
     acc: dict = {}
     for wi, ids in enumerate(wins):
         t0 = time.time()
@@ -190,6 +196,7 @@ def main(argv=None):
     for r in res.rows:
         print(f"{r['rule']:18s} {r['ppl']:8.3f} {100 * r.get('ppl_vs_dense', 0):+8.2f}% "
               f"{100 * r.get('top1', 1):6.1f}% {r.get('kl', 0):8.4f}")
+    return res.rows
 
 
 if __name__ == "__main__":
