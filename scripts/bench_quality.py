@@ -45,6 +45,7 @@ import time
 
 import numpy as np
 
+from scripts.bench_decode import two_stage_arg
 from scripts.bench_meta import add_common_args, write_json, write_npz
 from ulacache_jax.app.cli import positive_int
 
@@ -189,14 +190,19 @@ def decode_options(args):
 
 def selection_fields(args, kc: int) -> dict:
     """The CacheConfig fields of a sparse cell's rule: key_channels = kc (0: Quest summaries) and, for kc > 0,
-    --label-bits (0: the key copy in the model's dtype; 4 / 8: labels, channels picked online from the prompt)."""
-    return dict(key_channels=kc, label_bits=args.label_bits if kc else 0)
+    --label-bits (0: the key copy in the model's dtype; 4 / 8: labels, channels picked online from the prompt);
+    two_stage: --two-stage's multiple (that rule reranks Quest's shortlist; make_config wraps it)."""
+    return dict(key_channels=kc, label_bits=args.label_bits if kc else 0, two_stage=args.two_stage)
 
 
-def make_config(mc, *, grid, max_tokens, budget, page, dtype, **overrides):
+def make_config(mc, *, grid, max_tokens, budget, page, dtype, two_stage=None, **overrides):
+    """A cell's CacheConfig; two_stage MULT: its rule becomes a TwoStage's second stage behind Quest's shortlist of
+    MULT x the budget's pages (cache/select/two_stage.configure)."""
+    from ulacache_jax.cache.select import two_stage as two
     from ulacache_jax.runtime.generation import default_cache_config
-    return default_cache_config(mc, num_seqs=grid.batch, max_tokens=max_tokens, page_size=page,
-                                token_budget=budget, dtype=dtype, **overrides)
+    cc = default_cache_config(mc, num_seqs=grid.batch, max_tokens=max_tokens, page_size=page,
+                              token_budget=budget, dtype=dtype, **overrides)
+    return two.configure(cc, two_stage) if two_stage else cc
 
 
 # ---- passkey ----------------------------------------------------------------------------------------------------
@@ -650,12 +656,13 @@ def markdown(rows, meta) -> str:
     return "\n".join(out)
 
 
-def sel_of(r) -> tuple[int, int, int]:
-    """A row's selection rule: (summary split, key channels, label bits); (1, 0, 0) for dense rows (no selection) and for rows
-    written before the options (Quest over whole-page summaries)."""
+def sel_of(r) -> tuple[int, int, int, int]:
+    """A row's selection rule: (summary split, key channels, label bits, two-stage multiple); (1, 0, 0, 0) for
+    dense rows (no selection) and for rows written before the options (Quest over whole-page summaries)."""
     if r.get("attention") == "dense":
-        return (1, 0)
-    return (int(r.get("summary_split") or 1), int(r.get("key_channels") or 0), int(r.get("label_bits") or 0))
+        return (1, 0, 0, 0)
+    return (int(r.get("summary_split") or 1), int(r.get("key_channels") or 0), int(r.get("label_bits") or 0),
+            int(r.get("two_stage") or 0))
 
 
 def prompts_of(r) -> str:
@@ -682,11 +689,11 @@ def line_styles():
     return itertools.cycle([ls + m for m in "os^vxd*p+<>" for ls in ("-", "--", "-.", ":")])
 
 
-def sel_name(sel: tuple[int, int, int]) -> str:
+def sel_name(sel: tuple[int, int, int, int]) -> str:
     """The label suffix of a selection rule (empty for plain Quest)."""
-    sp, kc, bits = sel
+    sp, kc, bits, two = sel
     copy = (f", labels {kc} @ {bits} bits" if bits else f", key copy {kc}") if kc else ""
-    return (f", summary split {sp}" if sp > 1 else "") + copy
+    return (f", summary split {sp}" if sp > 1 else "") + copy + (f", two-stage {two}x" if two else "")
 
 
 def row_id(r) -> tuple:
@@ -761,6 +768,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--summary-split", type=int, default=1,
                     help="CacheConfig.summary_split of every sparse cell: key summaries per page (a power of two "
                          "dividing the page size; 2 = the quest_p8 rule at page 16)")
+    ap.add_argument("--two-stage", type=two_stage_arg, default=None, metavar="MULT",
+                    help="the sparse cells' rule (--key-channels C > 0) reranks Quest's shortlist of MULT x the "
+                         "budget's pages (cache/select/two_stage.py)")
     ap.add_argument("--key-channels", default="0",
                     help="comma list: CacheConfig.key_channels of the sparse cells, each value its own cells against "
                          "one dense run (pages scored from an HBM copy of this many channels of every key; "
@@ -812,6 +822,9 @@ def main(argv=None):
         ap.error(f"--key-channels {args.key_channels!r} must be a comma list of ints")
     if not args.key_channels or min(args.key_channels) < 0:
         ap.error(f"--key-channels {args.key_channels} must name at least one value, each >= 0")
+    if args.two_stage and min(args.key_channels) == 0:
+        ap.error(f"--two-stage {args.two_stage} reranks Quest's shortlist with the key copy or labels: every "
+                 f"--key-channels value must be > 0 (got {','.join(map(str, args.key_channels))})")
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in args.tasks if t not in ("passkey", "ppl", "trace")]
     if bad:
@@ -849,7 +862,7 @@ def main(argv=None):
     log(f"model {label} ({time.time() - t0:.1f} s); text {provenance['chars']} chars = {len(text_ids)} tokens")
     stamp = dict(device=jax.devices()[0].device_kind, commit=args.commit or git_commit(), jax=jax.__version__,
                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 summary_split=args.summary_split)
+                 summary_split=args.summary_split, **({"two_stage": args.two_stage} if args.two_stage else {}))
     meta = dict(model=label, mode=kind, dtype=args.dtype, grid=dataclasses.asdict(grid), text=provenance,
                 tasks=args.tasks, key_channels=list(args.key_channels), label_bits=args.label_bits,
                 command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),

@@ -125,6 +125,26 @@ def test_label_bits_and_window_overrides(tmp_path):
         bq.main(["--tiny", "--out", str(tmp_path), "--ppl-window", "128", "--ppl-prefix", "128"])
 
 
+def test_two_stage_cells_rerank_quests_shortlist(tmp_path, capsys):
+    """--two-stage MULT: the labels cells run as the second stage behind Quest's shortlist (rows carry two_stage, a
+    cell apart from the plain rule's in row_id, named in the plot legend); a shortlist covering every page ranks
+    exactly as the labels alone; --two-stage with Quest cells (key channels 0) or a bad MULT is refused by name."""
+    bq = _load_script()
+    args = ["--tiny", "--tasks", "ppl", "--budgets", "32", "--pages", "8", "--key-channels", "8", "--label-bits", "4",
+            "--ppl-window", "160", "--ppl-prefix", "128"]
+    plain, _ = bq.main(args + ["--out", str(tmp_path / "a")])
+    two, meta = bq.main(args + ["--out", str(tmp_path / "b"), "--two-stage", "5"])   # 5 x 4 pages >= 20 flushed
+    sp = lambda rows: [r for r in rows if r.get("task") == "ppl" and r["attention"] == "sparse"]
+    assert [r.get("two_stage") for r in sp(two)] == [5] and "two_stage" not in sp(plain)[0]
+    assert bq.row_id(sp(two)[0]) != bq.row_id(sp(plain)[0]) and bq.sel_name(bq.sel_of(sp(two)[0])).endswith("5x")
+    for k in ("ppl", "top1_agreement", "kl"):
+        assert sp(two)[0][k] == pytest.approx(sp(plain)[0][k], rel=1e-6)
+    for bad in (["--key-channels", "0,8", "--two-stage", "4"], ["--key-channels", "8", "--two-stage", "0"]):
+        with pytest.raises(SystemExit):
+            bq.main(["--tiny", "--out", str(tmp_path / "c")] + bad)
+    assert "--two-stage" in capsys.readouterr().err
+
+
 def test_passkey_cells_do_not_depend_on_the_other_cells_listed():
     """A (context, depth) cell's prompts are the same whether or not other contexts or depths come before it in
     the grid (one generator for the whole grid once gave a call's 4K cells other prompts when 2K was listed)."""
