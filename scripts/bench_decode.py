@@ -250,9 +250,7 @@ def predicted_tokens_per_s(mc, kind, batch, ctx, cfg, hit_rate=None) -> float:
                                     page_size=cfg.page_size, itemsize=cfg.jnp_dtype.itemsize, tp=cfg.tp,
                                     pool_frames=cfg.num_frames if sparse else None,
                                     hit_rate=hit_rate if sparse else None,
-                                    summary_split=cfg.summary_split if sparse else 1,
-                                    key_channels=cfg.key_channels if sparse else 0,
-                                    label_bits=cfg.label_bits if sparse else 0)
+                                    rule=cfg.selection_rule if sparse else None)   # two-stage rows included
 
 
 def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None, read_bw=None):

@@ -8,10 +8,11 @@ A sequence never changes path mid-decode (nor at admission: one Generator has on
 The model: seconds per decode step of B sequences, per rank (`CostModel.step_seconds`):
   dense   (W + B * T * kv_tok) / hbm_bw                                   + L * dense_layer_s
   sparse  (W + B * (A * kv_tok + summ)) / hbm_bw + miss / pcie_bw        + L * (sparse_layer_s
-          + B * G * P * sparse_page_s + F * sparse_frame_s)
+          + B * G * P * sparse_page_s + F * sparse_frame_s) + B * kern / score_kernel_bw
 W: weight bytes a step reads (every layer + the LM head); T: context; kv_tok: K + V bytes of one token over all
 layers; A: attended tokens (min(T, budget) + the tail pages); summ: one sequence's page summaries (min and max of
-K per page, all layers); G: KV-head groups per rank; P: selected pages per group (budget / page); F: HBM frames
+K per page, all layers; a key copy's or the labels' bytes are `kern` instead, read by the page-lse kernel at its
+own measured rate); G: KV-head groups per rank; P: selected pages per group (budget / page); F: HBM frames
 of the pool (the PB-LRU state the sieve reads grows with it); miss: (1 - hit) * B * L * G * P K+V pages a step
 fetches over PCIe. The constants are a least-squares fit (relative error, `fit`) to the H200 decode rows of
 docs/benchmarks/decode.json (the one-program pairs among them) and the issue 21 pairs; tests/test_cost_model.py checks
@@ -45,6 +46,10 @@ class CostModel:
     sparse_page_s: float = 21.3e-9        # per selected page (one sequence, group and layer): 5.5 us a sequence
     sparse_frame_s: float = 0.050e-9      # per HBM pool frame and layer (the sieve reads the PB-LRU state)
     pcie_bytes_per_s: float = 48.2e9      # missed pages host -> HBM (the fetch kernel alone: 51 GB/s)
+    # the page log-sum-exp kernel's rate over the key copy / labels a rule's `kernel_bytes` names: it is bound by
+    # instructions (unpack, scale, a product and a sum per query row), far below HBM; measured alone at the 8B
+    # shape (labels 64 @ 4 bits, one page a program at 2 warps; bench_labels, docs/BENCHMARKS.md)
+    score_kernel_bytes_per_s: float = 494e9
     # PB-LRU hit rate by pool frames / one step's selection frames, on SmolLM2's own selections over 8K-token
     # windows on the H200 (BENCHMARKS.md, quality section: 58.9% at 1x, 94.5% at 1.25x, 97.9% at 1.5x, 99.3% at
     # 2x; CPU's 1K windows gave 59.5 / 95.3 / 98.4 / 99.0%); linear in between, 0 at 0
@@ -118,7 +123,7 @@ class CostModel:
         kv_tok = 2 * L * kv_heads * mc.head_dim * kv_isz
         w = self.weight_bytes(mc, itemsize, tp)
         if kind == "dense":
-            return {"hbm": w + B * T * kv_tok, "pcie": 0.0, "layer": L, "page": 0.0, "frame": 0.0}
+            return {"hbm": w + B * T * kv_tok, "pcie": 0.0, "layer": L, "page": 0.0, "frame": 0.0, "score": 0.0}
         if kind != "sparse":
             raise ValueError(f"kind = {kind!r} must be one of {KINDS}")
         G = max(1, self.groups(mc) // tp)
@@ -133,18 +138,21 @@ class CostModel:
         if rule is None:
             rule = (Labels(channels=key_channels, bits=label_bits) if label_bits else
                     KeyCopy(channels=key_channels) if key_channels else Quest(split=summary_split))
-        summ = rule.step_bytes(context=T, num_layers=L, kv_heads=kv_heads, head_dim=mc.head_dim, itemsize=itemsize,
-                               page_size=page_size)                         # what the scores read every step
+        rule_shape = dict(context=T, num_layers=L, kv_heads=kv_heads, head_dim=mc.head_dim, itemsize=itemsize,
+                          page_size=page_size)
+        kern = rule.kernel_bytes(**rule_shape)                              # read by the page-lse kernel
+        summ = rule.step_bytes(**rule_shape) - kern                         # the rest of what the scores read
         page_kv = 2 * page_size * (kv_heads / G) * mc.head_dim * kv_isz            # K + V of one group's page
         return {"hbm": w + B * (attended * kv_tok + summ), "pcie": (1.0 - hit_rate) * B * L * G * P * page_kv,
-                "layer": L, "page": L * B * G * P, "frame": L * pool_frames}
+                "layer": L, "page": L * B * G * P, "frame": L * pool_frames, "score": B * kern}
 
     def step_seconds(self, kind: str, mc, **shape) -> float:
         """Seconds of one decode step of `kind` ('sparse' or 'dense'); shape: as `step_terms`."""
         t = self.step_terms(kind, mc, **shape)
         layer = self.dense_layer_s if kind == "dense" else self.sparse_layer_s
         return (t["hbm"] / self.hbm_bytes_per_s + t["pcie"] / self.pcie_bytes_per_s + t["layer"] * layer
-                + t["page"] * self.sparse_page_s + t["frame"] * self.sparse_frame_s)
+                + t["page"] * self.sparse_page_s + t["frame"] * self.sparse_frame_s
+                + t["score"] / self.score_kernel_bytes_per_s)
 
     def tokens_per_s(self, kind: str, mc, **shape) -> float:
         """Decode tokens/s of a full batch: batch / step seconds."""

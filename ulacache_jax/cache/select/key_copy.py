@@ -221,6 +221,10 @@ class KeyCopy(SelectionRule):
         """The whole copy, every step: C channels of every token."""
         return context * num_layers * kv_heads * self.channels * itemsize
 
+    def kernel_bytes(self, **shape):
+        """All of them: the copy (or the labels, whose `step_bytes` this calls) is scored by the page-lse kernel."""
+        return self.step_bytes(**shape)
+
     def prefix_sharing(self, config):
         """Shared prefixes need fixed channels: an offline table (`attach` writes the copy as ingestion would)."""
         if self.table is not None:

@@ -29,7 +29,8 @@ Hooks (defaults: do nothing), in the order a sequence meets them:
 - `score_pages(state, layer, q, flushed, pages, ok, options)` one rank -> [S, G, K] float32: the scores of the listed pages
   only (a two-stage rule's second stage, two_stage.py); the default scores every page and gathers, a rule that
   can read just the listed pages' state overrides it.
-- `step_bytes(...)` -> bytes the score reads per sequence and decode step (the cost model's term).
+- `step_bytes(...)` -> bytes the score reads per sequence and decode step (the cost model's term);
+  `kernel_bytes(...)` -> the part of them the page log-sum-exp kernel reads (timed at that kernel's own rate).
 - `prefix_sharing(config)` -> None where a sharer may attach another prompt's pages, else the reason why not.
 - `check(config)`: raise ValueError for a config the rule cannot serve.
 Static per-model arrays (a calibrated channel table) are fields of the rule object, as nested tuples so the rule
@@ -110,6 +111,13 @@ class SelectionRule:
     def step_bytes(self, *, context: int, num_layers: int, kv_heads: float, head_dim: int, itemsize: int,
                    page_size: int) -> float:
         """Bytes the score reads for one sequence of `context` tokens in one decode step (all layers)."""
+        return 0.0
+
+    def kernel_bytes(self, *, context: int, num_layers: int, kv_heads: float, head_dim: int, itemsize: int,
+                     page_size: int) -> float:
+        """Of `step_bytes`, those the page log-sum-exp kernel (pallas_kernels/page_lse.py) reads: that kernel is
+        bound by its instructions, not by HBM, so the cost model times them at the kernel's measured rate
+        (CostModel.score_kernel_bytes_per_s). 0 for a rule that does not score through it."""
         return 0.0
 
     def prefix_sharing(self, config) -> str | None:

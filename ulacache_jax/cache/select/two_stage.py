@@ -119,6 +119,11 @@ class TwoStage(SelectionRule):
         short = min(context, self.keep_pages * page_size)
         return Quest().step_bytes(context=context, **shape) + self.second.step_bytes(context=short, **shape)
 
+    def kernel_bytes(self, *, context, num_layers, kv_heads, head_dim, itemsize, page_size):
+        """The second stage's kernel bytes over the shortlist (Quest's summaries are read at the HBM rate)."""
+        return self.second.kernel_bytes(context=min(context, self.keep_pages * page_size), num_layers=num_layers,
+                                        kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize, page_size=page_size)
+
     def prefix_sharing(self, config):
         return self.second.prefix_sharing(config)
 
