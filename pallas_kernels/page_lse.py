@@ -210,7 +210,8 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
         out = pl.pallas_call(
             functools.partial(_label_kernel, bits=bits, bitcast=bitcast, **inner),
             in_specs=[kspec, pl.BlockSpec((None, None, None, sp, g * C), lambda s, j, b: (s, layer, j, b, 0)), qspec],
-            name="label_page_lse" if span is None else "label_page_lse_span", **common)(view, _scale_view(scale, kc), qp)
+            name="label_page_lse" if span is None else "label_page_lse_span",
+            **common)(view, _scale_view(scale, kc), qp)
     else:
         out = pl.pallas_call(functools.partial(_lse_kernel, **inner), in_specs=[kspec, qspec],
                              name="key_copy_page_lse" if span is None else "key_copy_page_lse_span",

@@ -6,10 +6,11 @@ P=2048 pages of T=64 tokens (128K tokens), C=64 label channels at 4 bits (Cs=32 
 the codes array holds --layers layers so the kernel indexes a real layer, and so do the scales [S, L, G, P, g, C]
 bf16. Variants: `ref` (ref_page_lse, XLA), `kernel` (one program a block of block_pages pages, the default launch,
 at every --blocks x --warps), `bitcast` (the same launches with the codes made floats by bits and the scales
-folded into the queries: page_lse_pallas(bitcast=True), the candidate) and `span` (pages_per_program: one program loops over the blocks of a span of
-pages, at every --spans x --warps, block_pages --span-block). Every variant is checked before it is timed, against
-ref_page_lse (float32, rtol 1e-4, atol 1e-3 on the lse) on random inputs and on adversarial ones (a page of zero
-codes with zero scales, a page of the extreme codes +-7 / +-127 at a large scale, one query row 100x the others);
+folded into the queries: page_lse_pallas(bitcast=True), the candidate) and `span` (pages_per_program: one program
+loops over the blocks of a span of pages, at every --spans x --warps, block_pages --span-block). Every variant is
+checked before it is timed, against ref_page_lse (float32, rtol 1e-4, atol 1e-3 on the lse) on random inputs and
+on adversarial ones (a page of zero codes with zero scales, a page of the extreme codes +-7 / +-127 at a large
+scale, one query row 100x the others);
 the reference itself is checked against float64 numpy on the first (sequence, group). A variant that fails a check
 is recorded with ok=false and not timed. Time = median over --reps of a jitted fori_loop of --calls calls, each
 call's queries depending on the previous result (nothing hoisted but what does not depend on the queries: XLA may
@@ -210,7 +211,8 @@ def variant_name(r: dict, sep: str = " ") -> str:
 
 
 def plot(res: Results, path: str):
-    """Bars of the fraction of the read ceiling per timed variant (kernel blue, bitcast orange, span green, ref grey)."""
+    """Bars of the fraction of the read ceiling per timed variant (kernel blue, bitcast orange, span green, ref
+    grey)."""
     plt = pyplot()
     rows = [r for r in res.rows if "us" in r]
     color = dict(ref="tab:gray", kernel="tab:blue", bitcast="tab:orange", span="tab:green")

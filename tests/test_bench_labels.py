@@ -1,6 +1,6 @@
 """scripts/bench_labels.py at its --tiny shapes (CPU interpret mode): every variant (the reference, the kernel's
-launch shapes, its bit-cast candidate, the spanning launch) is checked against the reference on random and adversarial inputs and timed,
-and the JSON and PNG are written under --out."""
+launch shapes, its bit-cast candidate, the spanning launch) is checked against the reference on random and
+adversarial inputs and timed, and the JSON and PNG are written under --out."""
 import json
 
 import pytest

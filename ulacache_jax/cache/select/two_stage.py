@@ -116,13 +116,17 @@ class TwoStage(SelectionRule):
         summary_split from), and the second stage's bytes over the shortlist."""
         shape = dict(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize,
                      page_size=page_size)
-        short = min(context, self.keep_pages * page_size)
-        return Quest().step_bytes(context=context, **shape) + self.second.step_bytes(context=short, **shape)
+        return (Quest().step_bytes(context=context, **shape)
+                + self.second.step_bytes(context=self.shortlist_tokens(context, page_size), **shape))
 
-    def kernel_bytes(self, *, context, num_layers, kv_heads, head_dim, itemsize, page_size):
+    def kernel_bytes(self, *, context, page_size, **shape):
         """The second stage's kernel bytes over the shortlist (Quest's summaries are read at the HBM rate)."""
-        return self.second.kernel_bytes(context=min(context, self.keep_pages * page_size), num_layers=num_layers,
-                                        kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize, page_size=page_size)
+        return self.second.kernel_bytes(context=self.shortlist_tokens(context, page_size), page_size=page_size,
+                                        **shape)
+
+    def shortlist_tokens(self, context: int, page_size: int) -> int:
+        """The tokens the second stage scores a step: the shortlist's pages, at most the context."""
+        return min(context, self.keep_pages * page_size)
 
     def prefix_sharing(self, config):
         return self.second.prefix_sharing(config)
