@@ -29,9 +29,7 @@ def ingest_and_decode(c, lengths, steps, rng, *, qpk: int = 2, key_scale=None):
     S = len(lengths)
     step = jax.jit(lambda st, h, l, q, kn, pos: attend_layer(st, h, l, q, kn, kn, pos, jnp.ones(S, bool)),
                    static_argnums=2)
-    # jitted as the decode program runs it: the host pool comes back in its own sharding (pinned_host on GPU;
-    # an eager call returns it in device memory, which XLA refuses for a pallas_call output aliased to host)
-    flush = jax.jit(flush_tail, out_shardings=(None, m.host_shardings()))
+    flush = jitted_flush(m, donate=False)
     state, host = m.state, m.host
     for i in range(steps):
         pos = jnp.asarray([n + i for n in lengths], jnp.int32)
@@ -63,6 +61,13 @@ def assert_covering_budget_equals_dense(model, **overrides):
     assert all(getattr(cfg, k) == v for k, v in overrides.items())
     sparse = generate(model, prompts, max_new_tokens=8, cache_config=cfg, attention="sparse")
     assert sparse == generate(model, prompts, max_new_tokens=8, attention="dense")
+
+
+def jitted_flush(m, *, donate: bool = True):
+    """flush_tail jitted as the decode program runs it, for CacheManager m's cache: the host pool comes back in its
+    own sharding (pinned_host on a GPU; without it XLA refuses the pallas_call output aliased to the host pool);
+    donate: the state and host pool are donated, so the flush writes them in place."""
+    return jax.jit(flush_tail, donate_argnums=(0, 1) if donate else (), out_shardings=(None, m.host_shardings()))
 
 
 def hlo_shape(x) -> str:

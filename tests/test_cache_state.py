@@ -10,7 +10,7 @@ from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.cache.state import tail_frame, check_fits
 from ulacache_jax.cache import state as cache_state
 from ulacache_jax.runtime.sequences import CacheManager, CapacityError
-from ulacache_jax.cache.decode_layer import flush_tail
+from cache_steps import jitted_flush
 from ulacache_jax.pallas_kernels import page_copy
 
 
@@ -81,7 +81,7 @@ def test_flush_then_fetch_round_trip():
     st = m.state
     st = dataclasses.replace(st, pool_k=st.pool_k.at[0, f].set(page),
                              seqs=dataclasses.replace(st.seqs, length=st.seqs.length.at[slot].set(8)))
-    st, host = jax.jit(flush_tail, donate_argnums=(0, 1), out_shardings=(None, m.host_shardings()))(st, m.host)
+    st, host = jitted_flush(m)(st, m.host)
     assert int(st.seqs.flushed[slot]) == 2
     hp = int(st.vtlb.host_page[0, slot, 1, 0, 1])
     np.testing.assert_array_equal(np.asarray(host.k[0, hp]), page)

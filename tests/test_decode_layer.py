@@ -7,9 +7,10 @@ import jax.numpy as jnp
 from ulacache_jax.cache.select import quest as selection
 from ulacache_jax.cache.config import TAIL_PAGES, CacheConfig
 from ulacache_jax.cache.state import overflow_frame
-from ulacache_jax.cache.decode_layer import DecodeOptions, attend_layer, flush_tail, plan_layer
+from ulacache_jax.cache.decode_layer import DecodeOptions, attend_layer, plan_layer
 from ulacache_jax.models.attention import dense_attention
 from ulacache_jax.runtime.sequences import CacheManager
+from cache_steps import copied, jitted_flush
 
 QPK = 2  # query heads per KV head
 
@@ -165,8 +166,7 @@ def test_flush_writes_completed_tail_pages_once():
                        jnp.ones(1, bool))
     import dataclasses
     state = dataclasses.replace(state, seqs=dataclasses.replace(state.seqs, length=state.seqs.length + 1))
-    # the host pool comes back where it lives (pinned_host on a GPU): flush_tail aliases it, as a decode does
-    state, host = jax.jit(flush_tail, donate_argnums=(0, 1), out_shardings=(None, m.host_shardings()))(state, m.host)
+    state, host = jitted_flush(m)(state, m.host)
     assert int(state.seqs.flushed[0]) == 2
     hp = int(state.vtlb.host_page[0, 0, 0, 0, 1])
     np.testing.assert_array_equal(np.asarray(host.k[0, hp, 7, 0]), kn[0, 0])
@@ -178,9 +178,7 @@ def test_compiled_flush_writes_the_host_pool_in_place():
     the module's contract): the compiled, donated flush copies no host array. Slicing the rank out and stacking it
     back made XLA copy the whole pool (K and V, twice each) on every flush; on a GPU such a copy of a pinned_host
     array is a host-side transient the size of the pool."""
-    from cache_steps import copied
     c, m, _, _ = setup([15, 30], token_budget=64)
-    txt = jax.jit(flush_tail, donate_argnums=(0, 1), out_shardings=(None, m.host_shardings())).lower(
-        m.state, m.host).compile().as_text()
+    txt = jitted_flush(m).lower(m.state, m.host).compile().as_text()
     assert copied(txt, [m.host.k, m.host.v]) == []
 

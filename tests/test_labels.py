@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.cache.select import labels
 from ulacache_jax.pallas_kernels import page_lse as pk
-from cache_steps import assert_covering_budget_equals_dense, copied, ingest_and_decode, tiny_model
+from cache_steps import assert_covering_budget_equals_dense, copied, ingest_and_decode, jitted_flush, tiny_model
 
 PAGE, C, D = 8, 4, 16
 
@@ -202,10 +202,8 @@ def test_flush_writes_the_labels_in_place():
     """A flush scatters the completed pages' codes and scales into the cache's [R, ...] arrays where they lie: the
     compiled flush (state donated) copies neither array. Slicing the rank axis out and adding it back made XLA copy
     every layer's codes twice a flush (at the 8B shape, 128K x 3: 3.2 GB of codes, a transient the size of the copy)."""
-    from ulacache_jax.cache.decode_layer import flush_tail
     m, state, host, _ = ingest_and_decode(label_config(4), [37, 61, 8], 1, np.random.default_rng(1))
-    txt = jax.jit(flush_tail, donate_argnums=(0, 1), out_shardings=(None, m.host_shardings())).lower(
-        state, host).compile().as_text()
+    txt = jitted_flush(m).lower(state, host).compile().as_text()
     assert copied(txt, [state.sel.kc, state.sel.ksc]) == []
 
 
