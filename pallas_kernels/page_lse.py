@@ -84,6 +84,47 @@ def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: in
     _over_blocks(block, kc_ref.shape[0], bp)
 
 
+MMA_ROWS = 16    # the query rows of the mma variant's matrix: Triton's dot needs every dimension >= 16
+BF16_128 = 0x4300  # bfloat16 bits of 128.0: 0x4300 | n (n < 16) is exactly 128 + n (one OR, no conversion)
+
+
+def _label_mma_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int):
+    # The labels on the tensor cores, one bfloat16 dot a half: per page and KV head, logits [T, R] = codes [T, Cs]
+    # @ (scale * q) [Cs, R], the page's scales folded into the query matrix (rounded to bfloat16: ref_page_lse's
+    # bf16_queries) instead of multiplied into every code. kc_ref [p, T, g * Cs]; sc_ref [p, g * C] bf16 scales;
+    # q_ref [C, g * R] float32 (queries transposed, rows zero-padded to R); out_ref [g * R, p]. 4-bit codes become
+    # bfloat16 by bits (128 + nibble, exact), and 136 x sum(q') takes the offset (128 + the stored + 8) off after
+    # the dots; int8 codes convert (exact in bfloat16).
+    p = kc_ref.shape[0]
+    cs = kc_ref.shape[2] // g
+    c = cs * 2 if bits == 4 else cs
+    for i in range(g):
+        for j in range(p):
+            raw = kc_ref[j, :, pl.ds(i * cs, cs)]                                         # [T, Cs]
+            if bits == 4:
+                b = raw.astype(jnp.int32)
+                halves = [(jax.lax.bitcast_convert_type(((b & 15) | BF16_128).astype(jnp.uint16), jnp.bfloat16), 0),
+                          (jax.lax.bitcast_convert_type(((b >> 4) | BF16_128).astype(jnp.uint16), jnp.bfloat16),
+                           cs)]
+            else:
+                halves = [(raw.astype(jnp.bfloat16), 0)]
+            logit, qsum = None, None
+            for v, c0 in halves:
+                q = q_ref[pl.ds(c0, cs), pl.ds(i * rows, rows)]                              # [Cs, R]
+                s = sc_ref[j, pl.ds(i * c + c0, cs)].astype(jnp.float32)                     # [Cs]
+                qs = (q * s.reshape(cs, 1)).astype(jnp.bfloat16)                               # [Cs, R]
+                d = jax.lax.dot_general(v, qs, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                logit = d if logit is None else logit + d                                    # [T, R]
+                if bits == 4:
+                    o = jnp.sum(qs.astype(jnp.float32), axis=0)                                # [R]
+                    qsum = o if qsum is None else qsum + o
+            if qsum is not None:
+                logit = logit - 136.0 * qsum[None, :]
+            m = jnp.max(logit, axis=0)                                                      # [R]
+            lse = m + jnp.log(jnp.sum(jnp.exp(logit - m[None, :]), axis=0))
+            out_ref[pl.ds(i * rows, rows), pl.ds(j, 1)] = lse[:, None]
+
+
 def _over_blocks(block, span: int, bp: int | None):
     """Runs block(pages) over a program's span of pages: once over all of it (bp None: the slice `:`, the default
     launch's code) or bp pages an iteration of a loop, so a program covers many blocks (fewer, longer programs)
@@ -171,10 +212,11 @@ def _span(num_pages: int, block_pages: int, pages_per_program: int | None) -> in
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "interpret", "block_pages", "num_warps", "bits",
-                                             "pages_per_program", "bitcast"))
+                                             "pages_per_program", "bitcast", "mma"))
 def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages: int | None = None,
                     num_warps: int | None = None, scale=None, bits: int = 0, pages_per_program: int | None = None,
-                    bitcast: bool = False):
+                    bitcast: bool = False,
+                    mma: bool = False):
     """kc [S, L, G, P, T, g, C] the key copy (any float dtype); qc [S, G, g, H, C] float32 query rows at the copy's
     channels, already scaled -> lse [S, G, g * H, P] float32 for `layer`. block_pages: a power of two dividing P
     (default: the largest within BLOCK_ELEMS). Labels (bits 8 / 4): kc [S, L, G, P, T, g, Cs] codes and scale
@@ -185,8 +227,16 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     Labels default to one page a program at LABEL_WARPS warps (LABEL_BLOCK_PAGES; the fastest launch measured at
     the 8B shape, docs/BENCHMARKS.md); the key copy to the largest block within BLOCK_ELEMS at DEFAULT_WARPS.
     bitcast (labels): codes to floats by bits and the scales folded into the queries (_label_kernel), the
-    candidate bench_labels times beside the default conversion (not yet run on a GPU)."""
+    candidate bench_labels times beside the default conversion (not yet run on a GPU).
+    mma (labels, one block a program): the codes times the scale-folded queries, rounded to bfloat16, on the
+    tensor cores (_label_mma_kernel; matches ref_page_lse(bf16_queries=True)), the other candidate."""
     _check(kc, qc, pow2=True, bits=bits, scale=scale)
+    if mma:
+        if bitcast or pages_per_program is not None:
+            raise ValueError(f"mma = True launches one block of pages a program with its own unpacking: "
+                             f"bitcast = {bitcast} and pages_per_program = {pages_per_program} do not apply")
+        return _page_lse_mma(kc, qc, layer=layer, interpret=interpret, block_pages=block_pages,
+                             num_warps=num_warps, scale=scale, bits=bits)
     if bits:
         block_pages = block_pages or LABEL_BLOCK_PAGES
         num_warps = num_warps or LABEL_WARPS
@@ -219,6 +269,33 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     return out.reshape(S, G, g, Hp, P)[:, :, :, :H].reshape(S, G, g * H, P)
 
 
+def _page_lse_mma(kc, qc, *, layer: int, interpret: bool, block_pages: int | None, num_warps: int | None, scale,
+                  bits: int):
+    """page_lse_pallas(mma=True): one program a (sequence, group, block of pages), _label_mma_kernel."""
+    if bits not in (4, 8):
+        raise ValueError(f"mma = True scores labels (bits 4 or 8), not bits = {bits}")
+    S, L, G, P, T, g, Cs = kc.shape
+    C, H = qc.shape[4], qc.shape[3]
+    R = max(MMA_ROWS, next_pow2(H))
+    if not interpret and min(T, Cs) < 16:
+        raise ValueError(f"mma = True needs a page size and code channels (C / 2 at 4 bits) of at least 16 for "
+                         f"Triton's dot; got page {T}, {Cs} code channels")
+    # [S, G, g, H, C] -> [S, G, C, g * R]: channels down, each KV head's rows (zero-padded to R) across
+    qp = jnp.pad(qc.astype(jnp.float32), ((0, 0),) * 3 + ((0, R - H), (0, 0)))
+    qt = qp.transpose(0, 1, 4, 2, 3).reshape(S, G, C, g * R)
+    bp = _block_pages(P, T, C, block_pages or LABEL_BLOCK_PAGES)
+    out = pl.pallas_call(
+        functools.partial(_label_mma_kernel, g=g, rows=R, bits=bits),
+        grid=(S, G, P // bp), interpret=interpret, name="label_page_lse_mma",
+        in_specs=[pl.BlockSpec((None, None, None, bp, T, g * Cs), lambda s, j, b: (s, layer, j, b, 0, 0)),
+                  pl.BlockSpec((None, None, None, bp, g * C), lambda s, j, b: (s, layer, j, b, 0)),
+                  pl.BlockSpec((None, None, C, g * R), lambda s, j, b: (s, j, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, g * R, bp), lambda s, j, b: (s, j, 0, b)),
+        out_shape=jax.ShapeDtypeStruct((S, G, g * R, P), jnp.float32), **_launch(interpret, num_warps or LABEL_WARPS),
+    )(kc.reshape(S, L, G, P, T, g * Cs), _scale_view(scale, kc), qt)
+    return out.reshape(S, G, g, R, P)[:, :, :, :H].reshape(S, G, g * H, P)
+
+
 def ref_dequant(codes, scale, bits: int):
     """codes [..., P, T, g, Cs], scale [..., P, g, C] -> [..., P, T, g, C] float32: the labels' values (int8, or
     two int4 a byte: channel j low nibble, j + C/2 high, each stored + 8)."""
@@ -230,12 +307,23 @@ def ref_dequant(codes, scale, bits: int):
     return v * scale.astype(jnp.float32)[..., None, :, :]
 
 
-def ref_page_lse(kc, qc, *, layer: int, scale=None, bits: int = 0):
-    """Plain jnp reference of `page_lse_pallas` (float32 products at full precision)."""
+def ref_page_lse(kc, qc, *, layer: int, scale=None, bits: int = 0, bf16_queries: bool = False):
+    """Plain jnp reference of `page_lse_pallas` (float32 products at full precision). bf16_queries (labels): the
+    mma variant's arithmetic, each page's scales folded into the query rows and the products rounded to bfloat16
+    (the codes stay exact), then float32 products at full precision."""
     S, L, G, P, T, g, _ = kc.shape
+    hi = jax.lax.Precision.HIGHEST
+    if bf16_queries:
+        if not bits:
+            raise ValueError("bf16_queries is the labels' mma arithmetic: it needs bits 4 or 8, not 0")
+        sc = scale[:, layer].astype(jnp.float32).transpose(0, 1, 3, 2, 4)             # [S, G, g, P, C]
+        qf = (sc[:, :, :, :, None] * qc.astype(jnp.float32)[:, :, :, None]).astype(jnp.bfloat16)  # [S,G,g,P,H,C]
+        qf = qf.astype(jnp.float32)
+        one = jnp.ones_like(scale[:, layer])
+        logit = jnp.einsum("sjptic,sjiphc->sjihpt", ref_dequant(kc[:, layer], one, bits), qf, precision=hi)
+        return jax.nn.logsumexp(logit, axis=-1).reshape(S, G, g * qc.shape[3], P)
     k = ref_dequant(kc[:, layer], scale[:, layer], bits) if bits else kc[:, layer].astype(jnp.float32)
-    logit = jnp.einsum("sjptic,sjihc->sjihpt", k, qc.astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST)                             # [S, G, g, H, P, T]
+    logit = jnp.einsum("sjptic,sjihc->sjihpt", k, qc.astype(jnp.float32), precision=hi)  # [S, G, g, H, P, T]
     return jax.nn.logsumexp(logit, axis=-1).reshape(S, G, g * qc.shape[3], P)
 
 

@@ -6,8 +6,11 @@ P=2048 pages of T=64 tokens (128K tokens), C=64 label channels at 4 bits (Cs=32 
 the codes array holds --layers layers so the kernel indexes a real layer, and so do the scales [S, L, G, P, g, C]
 bf16. Variants: `ref` (ref_page_lse, XLA), `kernel` (one program a block of block_pages pages, the default launch,
 at every --blocks x --warps), `bitcast` (the same launches with the codes made floats by bits and the scales
-folded into the queries: page_lse_pallas(bitcast=True), the candidate) and `span` (pages_per_program: one program
-loops over the blocks of a span of pages, at every --spans x --warps, block_pages --span-block). Every variant is
+folded into the queries: page_lse_pallas(bitcast=True), a candidate), `mma` (the codes times the scale-folded
+queries rounded to bfloat16 on the tensor cores: page_lse_pallas(mma=True), the other candidate, checked against
+ref_page_lse(bf16_queries=True), its distance to the exact reference recorded as err_vs_exact) and `span`
+(pages_per_program: one program loops over the blocks of a span of pages, at every --spans x --warps, block_pages
+--span-block). Every variant is
 checked before it is timed, against ref_page_lse (float32, rtol 1e-4, atol 1e-3 on the lse) on random inputs and
 on adversarial ones (a page of zero codes with zero scales, a page of the extreme codes +-7 / +-127 at a large
 scale, one query row 100x the others);
@@ -116,7 +119,7 @@ def variants(a) -> list[dict]:
     valid (pages_per_program, num_warps). Invalid launch shapes (not dividing P) are left out, not failed."""
     P = a.pages
     rows = [dict(impl="ref")]
-    rows += [dict(impl=impl, block_pages=bp, num_warps=w) for impl in ("kernel", "bitcast") for bp in a.blocks
+    rows += [dict(impl=impl, block_pages=bp, num_warps=w) for impl in ("kernel", "bitcast", "mma") for bp in a.blocks
              for w in a.warps if P % bp == 0 and bp & (bp - 1) == 0]
     sb = a.span_block or pk.default_block_pages(P, a.page, a.channels)
     rows += [dict(impl="span", block_pages=sb, pages_per_program=sp, num_warps=w) for sp in a.spans
@@ -131,7 +134,7 @@ def score_fn(v: dict, a, layer: int):
     return lambda c, s, q: pk.page_lse_pallas(
         c, q, layer=layer, interpret=not on_gpu(), scale=s, bits=a.bits, block_pages=v["block_pages"],
         num_warps=v["num_warps"], pages_per_program=v.get("pages_per_program"),
-        bitcast=v["impl"] == "bitcast")
+        bitcast=v["impl"] == "bitcast", mma=v["impl"] == "mma")
 
 
 def check(f, inputs, wants) -> dict:
@@ -160,6 +163,10 @@ def run_variant(v: dict, a, layer: int, inputs, wants, nbytes: int, ceiling: flo
         if v["impl"] == "ref":        # the reference against float64 numpy on (sequence 0, group 0)
             row.update(check(lambda c, s, q: f(c, s, q)[0, 0], inputs,
                              [numpy_lse(c, s, q, layer, a.bits) for c, s, q in inputs]))
+        elif v["impl"] == "mma":      # its own arithmetic's reference; how far that is from the exact one, recorded
+            bf = [np.asarray(pk.ref_page_lse(c, q, layer=layer, scale=s, bits=a.bits, bf16_queries=True))
+                  for c, s, q in inputs]
+            row.update(check(f, inputs, bf), err_vs_exact=max(float(np.max(np.abs(b - w))) for b, w in zip(bf, wants)))
         else:
             row.update(check(f, inputs, wants))
         if not row["ok"]:
@@ -211,11 +218,11 @@ def variant_name(r: dict, sep: str = " ") -> str:
 
 
 def plot(res: Results, path: str):
-    """Bars of the fraction of the read ceiling per timed variant (kernel blue, bitcast orange, span green, ref
+    """Bars of the fraction of the read ceiling per timed variant (kernel blue, bitcast orange, mma red, span green, ref
     grey)."""
     plt = pyplot()
     rows = [r for r in res.rows if "us" in r]
-    color = dict(ref="tab:gray", kernel="tab:blue", bitcast="tab:orange", span="tab:green")
+    color = dict(ref="tab:gray", kernel="tab:blue", bitcast="tab:orange", mma="tab:red", span="tab:green")
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(rows)), 4))
     ax.bar(range(len(rows)), [r["fraction_of_read"] for r in rows], color=[color[r["impl"]] for r in rows])
     for i, r in enumerate(rows):

@@ -81,6 +81,16 @@ def test_kernel_equals_reference(bits, g, H):
             got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits, block_pages=4,
                                      bitcast=bitcast)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        # the mma candidate: its arithmetic's reference (the page-folded queries rounded to bfloat16), which stays
+        # within bfloat16's rounding of the exact lse
+        want_bf = pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=bits, bf16_queries=True)
+        for bp in (1, 4):
+            got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits, block_pages=bp,
+                                     mma=True)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want_bf), rtol=1e-5, atol=1e-5)
+        k = pk.ref_dequant(codes[:, layer], scale[:, layer], bits)                   # [S, G, P, T, g, C]
+        bound = 2.0 ** -8 * jnp.einsum("sjptic,sjihc->sjihp", jnp.abs(k), jnp.abs(q)).reshape(want.shape)
+        assert (jnp.abs(want_bf - want) <= bound + 1e-5).all()
 
 
 def test_codes_become_floats_by_bits_exactly():
@@ -156,6 +166,15 @@ def test_spanning_programs_equal_reference(bits):
             got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits,
                                      block_pages=bp, pages_per_program=span)
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+        want_bf = np.asarray(pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=bits, bf16_queries=True))
+        np.testing.assert_allclose(want_bf[..., 0], np.log(T), rtol=1e-6)              # the zero page, mma's too
+        got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits, mma=True)
+        np.testing.assert_allclose(np.asarray(got), want_bf, rtol=1e-5, atol=1e-4)
+    for bad in (dict(bitcast=True), dict(pages_per_program=P)):
+        with pytest.raises(ValueError, match="mma = True launches one block"):
+            pk.page_lse_pallas(codes, q, layer=0, interpret=True, scale=scale, bits=bits, mma=True, **bad)
+    with pytest.raises(ValueError, match="mma = True scores labels"):
+        pk.page_lse_pallas(jnp.zeros((S, L, G, P, T, g, Cc), jnp.float32), q, layer=0, interpret=True, mma=True)
     for bp, span in ((2, 6), (4, 2), (2, 32), (2, 0)):
         with pytest.raises(ValueError, match=rf"pages_per_program = {span} must be a multiple of block_pages = "
                                              rf"{bp} dividing the page count {P}"):
@@ -175,9 +194,11 @@ def test_spanning_programs_lower_to_triton(bits):
     args = (spec((S, L, G, P, T, g, cs), jnp.int8 if bits == 8 else jnp.uint8),
             spec((S, L, G, P, g, Cc), jnp.bfloat16), spec((S, G, g, H, Cc), jnp.float32))
     try:
-        for bp, span, bitcast in ((None, None, False), (4, 64, False), (4, P, False), (None, None, True)):
+        for bp, span, bitcast, mma in ((None, None, False, False), (4, 64, False, False), (4, P, False, False),
+                                       (None, None, True, False), (None, None, False, True), (2, None, False, True)):
             txt = lower_for_h200(lambda c, sc, q: pk.page_lse_pallas(
-                c, q, layer=1, scale=sc, bits=bits, block_pages=bp, pages_per_program=span, bitcast=bitcast), *args)
+                c, q, layer=1, scale=sc, bits=bits, block_pages=bp, pages_per_program=span, bitcast=bitcast,
+                mma=mma), *args)
             assert txt.count(TRITON_CALL) == 1
     finally:
         jax.clear_caches()      # the GPU traces (interpret=False) must not be reused by a CPU test
@@ -266,12 +287,18 @@ def test_on_the_gpu_kernel_equals_reference():
         for bitcast in (False, True):
             got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, bitcast=bitcast)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+        want_bf = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits, bf16_queries=True)
+        got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, mma=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want_bf), rtol=1e-4, atol=1e-4)
     for bits in (8, 4):   # adversarial labels at the 8B shape's channels (C = 64), the default launch
         codes, scale, q = adversarial_labels(rng, bits, S, L, G, P, T, g, 64, H)
         want = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits)
         for bitcast in (False, True):
             got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, bitcast=bitcast)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+        want_bf = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits, bf16_queries=True)
+        got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, mma=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want_bf), rtol=1e-5, atol=1e-3)
 
 
 def test_offline_calibration_writes_a_table_the_lookup_finds(tmp_path):
