@@ -287,9 +287,6 @@ def test_on_the_gpu_kernel_equals_reference():
         for bitcast in (False, True):
             got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, bitcast=bitcast)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
-        want_bf = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits, bf16_queries=True)
-        got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, mma=True)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want_bf), rtol=1e-4, atol=1e-4)
     for bits in (8, 4):   # adversarial labels at the 8B shape's channels (C = 64), the default launch
         codes, scale, q = adversarial_labels(rng, bits, S, L, G, P, T, g, 64, H)
         want = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits)
@@ -297,7 +294,7 @@ def test_on_the_gpu_kernel_equals_reference():
             got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, bitcast=bitcast)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
         want_bf = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits, bf16_queries=True)
-        got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, mma=True)
+        got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, mma=True)   # Triton's dot: Cs >= 16
         np.testing.assert_allclose(np.asarray(got), np.asarray(want_bf), rtol=1e-5, atol=1e-3)
 
 
