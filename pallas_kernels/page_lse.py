@@ -26,11 +26,11 @@ from . import next_pow2, on_gpu, pick_impl
 
 DEFAULT_WARPS = 4
 BLOCK_ELEMS = 16384  # fp32 values of one block's copy (pages x T x C): 64 a thread at 4 warps, no spill
-# The label kernel's launch: its work a page (unpack, scale, a product and a sum a query row) is instruction-bound,
-# so more pages or warps a program only add registers and reductions; one page at 2 warps was the fastest of
-# blocks 1 / 2 / 4 / 8 x warps 2 / 4 / 8 (bench_labels, H200)
+# The label kernel's launch: its work a page (unpack, a product and a sum a query row) is instruction-bound, so
+# more pages or warps a program only add registers and reductions; one page at one warp was the fastest of blocks
+# 1 / 2 x warps 1 / 2 / 4 (bench_labels, H200, docs/BENCHMARKS.md)
 LABEL_BLOCK_PAGES = 1
-LABEL_WARPS = 2
+LABEL_WARPS = 1
 
 
 def _lse_kernel(kc_ref, q_ref, out_ref, *, g: int, rows: int, bp: int | None = None):
@@ -56,73 +56,24 @@ def small_ints(x, bias: float):
     return jax.lax.bitcast_convert_type(x | 0x4B000000, jnp.float32) - (TWO23 + bias)
 
 
-def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int, bp: int | None = None,
-                  bitcast: bool = False):
+def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int, bp: int | None = None):
     # kc_ref [p, T, g * Cs] label codes (int8, or uint8 two channels a byte at 4 bits); sc_ref [p, g * C] scales
     # per page and channel as stored (bfloat16: widened here, so no float32 copy of them is written per layer);
     # q_ref, out_ref, bp as _lse_kernel's. Dequantised in registers: codes are read once. At 4 bits the low nibbles
-    # are channels [0, C/2) and the high ones [C/2, C): two halves, no interleave. Codes become floats by
-    # conversion and the scales multiply every code; bitcast (the candidate, not yet run on a GPU): by bits
-    # (small_ints), each page's scales multiplying the query row (per page and channel, not per token).
+    # are channels [0, C/2) and the high ones [C/2, C): two halves, no interleave. Codes become floats by bits
+    # (small_ints: two full-rate ops, not a conversion), and each page's scales multiply the query row (per page
+    # and channel) instead of every code (per token): the faster of the two measured on the H200.
     def block(pg):
         p = kc_ref.shape[0] if bp is None else bp
         cs = kc_ref.shape[2] // g
         c = cs * 2 if bits == 4 else cs
         for i in range(g):
-            raw = kc_ref[pg, :, pl.ds(i * cs, cs)]                                      # [p, T, Cs]
-            b = raw.astype(jnp.int32)
-            if bitcast:
-                halves = ([(small_ints(b + 128, 128.0), 0)] if bits == 8 else
-                          [(small_ints(b & 15, 8.0), 0), (small_ints(b >> 4, 8.0), cs)])
-                parts = [(v, c0, sc_ref[pg, pl.ds(i * c + c0, cs)].astype(jnp.float32)) for v, c0 in halves]
-            else:
-                halves = ([(raw.astype(jnp.float32), 0)] if bits == 8 else
-                          [(((b & 15) - 8).astype(jnp.float32), 0), (((b >> 4) - 8).astype(jnp.float32), cs)])
-                parts = [(v * sc_ref[pg, pl.ds(i * c + c0, cs)].astype(jnp.float32).reshape(p, 1, cs), c0, None)
-                         for v, c0 in halves]
+            b = kc_ref[pg, :, pl.ds(i * cs, cs)].astype(jnp.int32)                     # [p, T, Cs]
+            halves = ([(small_ints(b + 128, 128.0), 0)] if bits == 8 else
+                      [(small_ints(b & 15, 8.0), 0), (small_ints(b >> 4, 8.0), cs)])
+            parts = [(v, c0, sc_ref[pg, pl.ds(i * c + c0, cs)].astype(jnp.float32)) for v, c0 in halves]
             _rows_lse(parts, q_ref, out_ref, i, rows, pg, p)
     _over_blocks(block, kc_ref.shape[0], bp)
-
-
-MMA_ROWS = 16    # the query rows of the mma variant's matrix: Triton's dot needs every dimension >= 16
-BF16_128 = 0x4300  # bfloat16 bits of 128.0: 0x4300 | n (n < 16) is exactly 128 + n (one OR, no conversion)
-
-
-def _label_mma_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: int):
-    # The labels on the tensor cores, one bfloat16 dot a half: per page and KV head, logits [T, R] = codes [T, Cs]
-    # @ (scale * q) [Cs, R], the page's scales folded into the query matrix (rounded to bfloat16: ref_page_lse's
-    # bf16_queries) instead of multiplied into every code. kc_ref [p, T, g * Cs]; sc_ref [p, g * C] bf16 scales;
-    # q_ref [C, g * R] float32 (queries transposed, rows zero-padded to R); out_ref [g * R, p]. 4-bit codes become
-    # bfloat16 by bits (128 + nibble, exact), and 136 x sum(q') takes the offset (128 + the stored + 8) off after
-    # the dots; int8 codes convert (exact in bfloat16).
-    p = kc_ref.shape[0]
-    cs = kc_ref.shape[2] // g
-    c = cs * 2 if bits == 4 else cs
-    for i in range(g):
-        for j in range(p):
-            raw = kc_ref[j, :, pl.ds(i * cs, cs)]                                         # [T, Cs]
-            if bits == 4:
-                b = raw.astype(jnp.int32)
-                halves = [(jax.lax.bitcast_convert_type(((b & 15) | BF16_128).astype(jnp.uint16), jnp.bfloat16), 0),
-                          (jax.lax.bitcast_convert_type(((b >> 4) | BF16_128).astype(jnp.uint16), jnp.bfloat16),
-                           cs)]
-            else:
-                halves = [(raw.astype(jnp.bfloat16), 0)]
-            logit, qsum = None, None
-            for v, c0 in halves:
-                q = q_ref[pl.ds(c0, cs), pl.ds(i * rows, rows)]                              # [Cs, R]
-                s = sc_ref[j, pl.ds(i * c + c0, cs)].astype(jnp.float32)                     # [Cs]
-                qs = (q * s.reshape(cs, 1)).astype(jnp.bfloat16)                               # [Cs, R]
-                d = jax.lax.dot_general(v, qs, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-                logit = d if logit is None else logit + d                                    # [T, R]
-                if bits == 4:
-                    o = jnp.sum(qs.astype(jnp.float32), axis=0)                                # [R]
-                    qsum = o if qsum is None else qsum + o
-            if qsum is not None:
-                logit = logit - 136.0 * qsum[None, :]
-            m = jnp.max(logit, axis=0)                                                      # [R]
-            lse = m + jnp.log(jnp.sum(jnp.exp(logit - m[None, :]), axis=0))
-            out_ref[pl.ds(i * rows, rows), pl.ds(j, 1)] = lse[:, None]
 
 
 def _over_blocks(block, span: int, bp: int | None):
@@ -212,11 +163,9 @@ def _span(num_pages: int, block_pages: int, pages_per_program: int | None) -> in
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "interpret", "block_pages", "num_warps", "bits",
-                                             "pages_per_program", "bitcast", "mma"))
+                                             "pages_per_program"))
 def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages: int | None = None,
-                    num_warps: int | None = None, scale=None, bits: int = 0, pages_per_program: int | None = None,
-                    bitcast: bool = False,
-                    mma: bool = False):
+                    num_warps: int | None = None, scale=None, bits: int = 0, pages_per_program: int | None = None):
     """kc [S, L, G, P, T, g, C] the key copy (any float dtype); qc [S, G, g, H, C] float32 query rows at the copy's
     channels, already scaled -> lse [S, G, g * H, P] float32 for `layer`. block_pages: a power of two dividing P
     (default: the largest within BLOCK_ELEMS). Labels (bits 8 / 4): kc [S, L, G, P, T, g, Cs] codes and scale
@@ -225,18 +174,8 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     launches one program a span of that many pages, looping over its blocks (S * G * P / pages_per_program
     programs instead of S * G * P / block_pages: fewer launches of more work, the same registers an iteration).
     Labels default to one page a program at LABEL_WARPS warps (LABEL_BLOCK_PAGES; the fastest launch measured at
-    the 8B shape, docs/BENCHMARKS.md); the key copy to the largest block within BLOCK_ELEMS at DEFAULT_WARPS.
-    bitcast (labels): codes to floats by bits and the scales folded into the queries (_label_kernel), the
-    candidate bench_labels times beside the default conversion (not yet run on a GPU).
-    mma (labels, one block a program): the codes times the scale-folded queries, rounded to bfloat16, on the
-    tensor cores (_label_mma_kernel; matches ref_page_lse(bf16_queries=True)), the other candidate."""
+    the 8B shape, docs/BENCHMARKS.md); the key copy to the largest block within BLOCK_ELEMS at DEFAULT_WARPS."""
     _check(kc, qc, pow2=True, bits=bits, scale=scale)
-    if mma:
-        if bitcast or pages_per_program is not None:
-            raise ValueError(f"mma = True launches one block of pages a program with its own unpacking: "
-                             f"bitcast = {bitcast} and pages_per_program = {pages_per_program} do not apply")
-        return _page_lse_mma(kc, qc, layer=layer, interpret=interpret, block_pages=block_pages,
-                             num_warps=num_warps, scale=scale, bits=bits)
     if bits:
         block_pages = block_pages or LABEL_BLOCK_PAGES
         num_warps = num_warps or LABEL_WARPS
@@ -258,7 +197,7 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     inner = dict(g=g, rows=Hp, bp=bp if span else None)
     if bits:
         out = pl.pallas_call(
-            functools.partial(_label_kernel, bits=bits, bitcast=bitcast, **inner),
+            functools.partial(_label_kernel, bits=bits, **inner),
             in_specs=[kspec, pl.BlockSpec((None, None, None, sp, g * C), lambda s, j, b: (s, layer, j, b, 0)), qspec],
             name="label_page_lse" if span is None else "label_page_lse_span",
             **common)(view, _scale_view(scale, kc), qp)
@@ -267,33 +206,6 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
                              name="key_copy_page_lse" if span is None else "key_copy_page_lse_span",
                              **common)(view, qp)
     return out.reshape(S, G, g, Hp, P)[:, :, :, :H].reshape(S, G, g * H, P)
-
-
-def _page_lse_mma(kc, qc, *, layer: int, interpret: bool, block_pages: int | None, num_warps: int | None, scale,
-                  bits: int):
-    """page_lse_pallas(mma=True): one program a (sequence, group, block of pages), _label_mma_kernel."""
-    if bits not in (4, 8):
-        raise ValueError(f"mma = True scores labels (bits 4 or 8), not bits = {bits}")
-    S, L, G, P, T, g, Cs = kc.shape
-    C, H = qc.shape[4], qc.shape[3]
-    R = max(MMA_ROWS, next_pow2(H))
-    if not interpret and min(T, Cs) < 16:
-        raise ValueError(f"mma = True needs a page size and code channels (C / 2 at 4 bits) of at least 16 for "
-                         f"Triton's dot; got page {T}, {Cs} code channels")
-    # [S, G, g, H, C] -> [S, G, C, g * R]: channels down, each KV head's rows (zero-padded to R) across
-    qp = jnp.pad(qc.astype(jnp.float32), ((0, 0),) * 3 + ((0, R - H), (0, 0)))
-    qt = qp.transpose(0, 1, 4, 2, 3).reshape(S, G, C, g * R)
-    bp = _block_pages(P, T, C, block_pages or LABEL_BLOCK_PAGES)
-    out = pl.pallas_call(
-        functools.partial(_label_mma_kernel, g=g, rows=R, bits=bits),
-        grid=(S, G, P // bp), interpret=interpret, name="label_page_lse_mma",
-        in_specs=[pl.BlockSpec((None, None, None, bp, T, g * Cs), lambda s, j, b: (s, layer, j, b, 0, 0)),
-                  pl.BlockSpec((None, None, None, bp, g * C), lambda s, j, b: (s, layer, j, b, 0)),
-                  pl.BlockSpec((None, None, C, g * R), lambda s, j, b: (s, j, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, g * R, bp), lambda s, j, b: (s, j, 0, b)),
-        out_shape=jax.ShapeDtypeStruct((S, G, g * R, P), jnp.float32), **_launch(interpret, num_warps or LABEL_WARPS),
-    )(kc.reshape(S, L, G, P, T, g * Cs), _scale_view(scale, kc), qt)
-    return out.reshape(S, G, g, R, P)[:, :, :, :H].reshape(S, G, g * H, P)
 
 
 def ref_dequant(codes, scale, bits: int):
@@ -307,23 +219,12 @@ def ref_dequant(codes, scale, bits: int):
     return v * scale.astype(jnp.float32)[..., None, :, :]
 
 
-def ref_page_lse(kc, qc, *, layer: int, scale=None, bits: int = 0, bf16_queries: bool = False):
-    """Plain jnp reference of `page_lse_pallas` (float32 products at full precision). bf16_queries (labels): the
-    mma variant's arithmetic, each page's scales folded into the query rows and the products rounded to bfloat16
-    (the codes stay exact), then float32 products at full precision."""
+def ref_page_lse(kc, qc, *, layer: int, scale=None, bits: int = 0):
+    """Plain jnp reference of `page_lse_pallas` (float32 products at full precision)."""
     S, L, G, P, T, g, _ = kc.shape
-    hi = jax.lax.Precision.HIGHEST
-    if bf16_queries:
-        if not bits:
-            raise ValueError("bf16_queries is the labels' mma arithmetic: it needs bits 4 or 8, not 0")
-        sc = scale[:, layer].astype(jnp.float32).transpose(0, 1, 3, 2, 4)             # [S, G, g, P, C]
-        qf = (sc[:, :, :, :, None] * qc.astype(jnp.float32)[:, :, :, None]).astype(jnp.bfloat16)  # [S,G,g,P,H,C]
-        qf = qf.astype(jnp.float32)
-        one = jnp.ones_like(scale[:, layer])
-        logit = jnp.einsum("sjptic,sjiphc->sjihpt", ref_dequant(kc[:, layer], one, bits), qf, precision=hi)
-        return jax.nn.logsumexp(logit, axis=-1).reshape(S, G, g * qc.shape[3], P)
     k = ref_dequant(kc[:, layer], scale[:, layer], bits) if bits else kc[:, layer].astype(jnp.float32)
-    logit = jnp.einsum("sjptic,sjihc->sjihpt", k, qc.astype(jnp.float32), precision=hi)  # [S, G, g, H, P, T]
+    logit = jnp.einsum("sjptic,sjihc->sjihpt", k, qc.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)                             # [S, G, g, H, P, T]
     return jax.nn.logsumexp(logit, axis=-1).reshape(S, G, g * qc.shape[3], P)
 
 

@@ -5,14 +5,9 @@ Shape (default: the Llama-8B decode of the labels rule): S=3 sequences x G=8 gro
 P=2048 pages of T=64 tokens (128K tokens), C=64 label channels at 4 bits (Cs=32 code bytes a token) or 8 bits;
 the codes array holds --layers layers so the kernel indexes a real layer, and so do the scales [S, L, G, P, g, C]
 bf16. Variants: `ref` (ref_page_lse, XLA), `kernel` (one program a block of block_pages pages, the default launch,
-at every --blocks x --warps), `bitcast` (the same launches with the codes made floats by bits and the scales
-folded into the queries: page_lse_pallas(bitcast=True), a candidate), `mma` (the codes times the scale-folded
-queries rounded to bfloat16 on the tensor cores: page_lse_pallas(mma=True), the other candidate, checked against
-ref_page_lse(bf16_queries=True), its distance to the exact reference recorded as err_vs_exact) and `span`
-(pages_per_program: one program loops over the blocks of a span of pages, at every --spans x --warps, block_pages
---span-block). Every variant is
-checked before it is timed, against ref_page_lse (float32, rtol 1e-4, atol 1e-3 on the lse) on random inputs and
-on adversarial ones (a page of zero codes with zero scales, a page of the extreme codes +-7 / +-127 at a large
+at every --blocks x --warps) and `span` (pages_per_program: one program loops over the blocks of a span of pages,
+at every --spans x --warps, block_pages --span-block). Every variant is checked before it is timed, against
+ref_page_lse (float32, rtol 1e-4, atol 1e-3 on the lse) on random inputs and on adversarial ones (a page of zero codes with zero scales, a page of the extreme codes +-7 / +-127 at a large
 scale, one query row 100x the others);
 the reference itself is checked against float64 numpy on the first (sequence, group). A variant that fails a check
 is recorded with ok=false and not timed. Time = median over --reps of a jitted fori_loop of --calls calls, each
@@ -119,7 +114,7 @@ def variants(a) -> list[dict]:
     valid (pages_per_program, num_warps). Invalid launch shapes (not dividing P) are left out, not failed."""
     P = a.pages
     rows = [dict(impl="ref")]
-    rows += [dict(impl=impl, block_pages=bp, num_warps=w) for impl in ("kernel", "bitcast", "mma") for bp in a.blocks
+    rows += [dict(impl=impl, block_pages=bp, num_warps=w) for impl in ("kernel",) for bp in a.blocks
              for w in a.warps if P % bp == 0 and bp & (bp - 1) == 0]
     sb = a.span_block or pk.default_block_pages(P, a.page, a.channels)
     rows += [dict(impl="span", block_pages=sb, pages_per_program=sp, num_warps=w) for sp in a.spans
@@ -133,8 +128,7 @@ def score_fn(v: dict, a, layer: int):
         return jax.jit(lambda c, s, q: pk.ref_page_lse(c, q, layer=layer, scale=s, bits=a.bits))
     return lambda c, s, q: pk.page_lse_pallas(
         c, q, layer=layer, interpret=not on_gpu(), scale=s, bits=a.bits, block_pages=v["block_pages"],
-        num_warps=v["num_warps"], pages_per_program=v.get("pages_per_program"),
-        bitcast=v["impl"] == "bitcast", mma=v["impl"] == "mma")
+        num_warps=v["num_warps"], pages_per_program=v.get("pages_per_program"))
 
 
 def check(f, inputs, wants) -> dict:
@@ -163,10 +157,6 @@ def run_variant(v: dict, a, layer: int, inputs, wants, nbytes: int, ceiling: flo
         if v["impl"] == "ref":        # the reference against float64 numpy on (sequence 0, group 0)
             row.update(check(lambda c, s, q: f(c, s, q)[0, 0], inputs,
                              [numpy_lse(c, s, q, layer, a.bits) for c, s, q in inputs]))
-        elif v["impl"] == "mma":      # its own arithmetic's reference; how far that is from the exact one, recorded
-            bf = [np.asarray(pk.ref_page_lse(c, q, layer=layer, scale=s, bits=a.bits, bf16_queries=True))
-                  for c, s, q in inputs]
-            row.update(check(f, inputs, bf), err_vs_exact=max(float(np.max(np.abs(b - w))) for b, w in zip(bf, wants)))
         else:
             row.update(check(f, inputs, wants))
         if not row["ok"]:
@@ -218,13 +208,13 @@ def variant_name(r: dict, sep: str = " ") -> str:
 
 
 def plot(res: Results, path: str):
-    """Bars of the fraction of the read ceiling per timed variant (kernel blue, bitcast orange, mma red, span green, ref
-    grey)."""
+    """Bars of the fraction of the read ceiling per timed variant (kernel blue, span green, ref grey; rows of
+    variants since deleted, kept in a committed result, orange)."""
     plt = pyplot()
     rows = [r for r in res.rows if "us" in r]
-    color = dict(ref="tab:gray", kernel="tab:blue", bitcast="tab:orange", mma="tab:red", span="tab:green")
+    color = dict(ref="tab:gray", kernel="tab:blue", span="tab:green")
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(rows)), 4))
-    ax.bar(range(len(rows)), [r["fraction_of_read"] for r in rows], color=[color[r["impl"]] for r in rows])
+    ax.bar(range(len(rows)), [r["fraction_of_read"] for r in rows], color=[color.get(r["impl"], "tab:orange") for r in rows])
     for i, r in enumerate(rows):
         ax.text(i, r["fraction_of_read"], f"{r['us']:.0f}", ha="center", va="bottom", fontsize=6)
     ax.set_xticks(range(len(rows)), [variant_name(r, "\n") for r in rows], fontsize=6, rotation=90)

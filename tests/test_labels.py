@@ -77,20 +77,9 @@ def test_kernel_equals_reference(bits, g, H):
     q = jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32)
     for layer in range(L):
         want = pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=bits)
-        for bitcast in (True, False):
-            got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits, block_pages=4,
-                                     bitcast=bitcast)
+        for bp in (None, 4):
+            got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits, block_pages=bp)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-        # the mma candidate: its arithmetic's reference (the page-folded queries rounded to bfloat16), which stays
-        # within bfloat16's rounding of the exact lse
-        want_bf = pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=bits, bf16_queries=True)
-        for bp in (1, 4):
-            got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits, block_pages=bp,
-                                     mma=True)
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want_bf), rtol=1e-5, atol=1e-5)
-        k = pk.ref_dequant(codes[:, layer], scale[:, layer], bits)                   # [S, G, P, T, g, C]
-        bound = 2.0 ** -8 * jnp.einsum("sjptic,sjihc->sjihp", jnp.abs(k), jnp.abs(q)).reshape(want.shape)
-        assert (jnp.abs(want_bf - want) <= bound + 1e-5).all()
 
 
 def test_codes_become_floats_by_bits_exactly():
@@ -166,15 +155,6 @@ def test_spanning_programs_equal_reference(bits):
             got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits,
                                      block_pages=bp, pages_per_program=span)
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
-        want_bf = np.asarray(pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=bits, bf16_queries=True))
-        np.testing.assert_allclose(want_bf[..., 0], np.log(T), rtol=1e-6)              # the zero page, mma's too
-        got = pk.page_lse_pallas(codes, q, layer=layer, interpret=True, scale=scale, bits=bits, mma=True)
-        np.testing.assert_allclose(np.asarray(got), want_bf, rtol=1e-5, atol=1e-4)
-    for bad in (dict(bitcast=True), dict(pages_per_program=P)):
-        with pytest.raises(ValueError, match="mma = True launches one block"):
-            pk.page_lse_pallas(codes, q, layer=0, interpret=True, scale=scale, bits=bits, mma=True, **bad)
-    with pytest.raises(ValueError, match="mma = True scores labels"):
-        pk.page_lse_pallas(jnp.zeros((S, L, G, P, T, g, Cc), jnp.float32), q, layer=0, interpret=True, mma=True)
     for bp, span in ((2, 6), (4, 2), (2, 32), (2, 0)):
         with pytest.raises(ValueError, match=rf"pages_per_program = {span} must be a multiple of block_pages = "
                                              rf"{bp} dividing the page count {P}"):
@@ -184,8 +164,8 @@ def test_spanning_programs_equal_reference(bits):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_spanning_programs_lower_to_triton(bits):
-    """The 8B shape's label kernel (the default launch, spans of 16 blocks and of all 2048 pages, the bit-cast
-    candidate) lowers to one Triton call for an H200 without a GPU (test_gpu_lowering's abstract device): the
+    """The 8B shape's label kernel (the default launch, spans of 16 blocks and of all 2048 pages) lowers to one
+    Triton call for an H200 without a GPU (test_gpu_lowering's abstract device): the
     in-kernel loop over blocks, its dynamic page slices and the bit casts are Triton-lowerable. Triton's compile to
     PTX runs only on the GPU."""
     from test_gpu_lowering import TRITON_CALL, lower_for_h200, spec
@@ -194,11 +174,9 @@ def test_spanning_programs_lower_to_triton(bits):
     args = (spec((S, L, G, P, T, g, cs), jnp.int8 if bits == 8 else jnp.uint8),
             spec((S, L, G, P, g, Cc), jnp.bfloat16), spec((S, G, g, H, Cc), jnp.float32))
     try:
-        for bp, span, bitcast, mma in ((None, None, False, False), (4, 64, False, False), (4, P, False, False),
-                                       (None, None, True, False), (None, None, False, True), (2, None, False, True)):
+        for bp, span in ((None, None), (4, 64), (4, P)):
             txt = lower_for_h200(lambda c, sc, q: pk.page_lse_pallas(
-                c, q, layer=1, scale=sc, bits=bits, block_pages=bp, pages_per_program=span, bitcast=bitcast,
-                mma=mma), *args)
+                c, q, layer=1, scale=sc, bits=bits, block_pages=bp, pages_per_program=span), *args)
             assert txt.count(TRITON_CALL) == 1
     finally:
         jax.clear_caches()      # the GPU traces (interpret=False) must not be reused by a CPU test
@@ -271,7 +249,7 @@ def test_generate_covering_budget_equals_dense(model, bits):
 
 @pytest.mark.gpu
 def test_on_the_gpu_kernel_equals_reference():
-    """Compiled on the GPU: the label kernel and its bit-cast candidate at the 8B shape's group (g = 1, 4 query rows,
+    """Compiled on the GPU: the label kernel (codes to floats by bits) at the 8B shape's group (g = 1, 4 query rows,
     C = 16, page 64), on random labels and on adversarial ones at C = 64."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
@@ -284,18 +262,13 @@ def test_on_the_gpu_kernel_equals_reference():
         scale = jnp.asarray(rng.uniform(0, 0.1, (S, L, G, P, g, Cc)), jnp.bfloat16)
         q = jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32)
         want = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits)
-        for bitcast in (False, True):
-            got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, bitcast=bitcast)
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+        got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
     for bits in (8, 4):   # adversarial labels at the 8B shape's channels (C = 64), the default launch
         codes, scale, q = adversarial_labels(rng, bits, S, L, G, P, T, g, 64, H)
         want = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits)
-        for bitcast in (False, True):
-            got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, bitcast=bitcast)
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
-        want_bf = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits, bf16_queries=True)
-        got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits, mma=True)   # Triton's dot: Cs >= 16
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want_bf), rtol=1e-5, atol=1e-3)
+        got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
 def test_offline_calibration_writes_a_table_the_lookup_finds(tmp_path):

@@ -48,8 +48,8 @@ class CostModel:
     pcie_bytes_per_s: float = 48.2e9      # missed pages host -> HBM (the fetch kernel alone: 51 GB/s)
     # the page log-sum-exp kernel's rate over the key copy / labels a rule's `kernel_bytes` names: it is bound by
     # instructions (unpack, scale, a product and a sum per query row), far below HBM; measured alone at the 8B
-    # shape (labels 64 @ 4 bits, one page a program at 2 warps; bench_labels, docs/BENCHMARKS.md)
-    score_kernel_bytes_per_s: float = 494e9
+    # shape (labels 64 @ 4 bits, codes to floats by bits, one page a program at 1 warp; bench_labels, BENCHMARKS.md)
+    score_kernel_bytes_per_s: float = 597e9
     # PB-LRU hit rate by pool frames / one step's selection frames, on SmolLM2's own selections over 8K-token
     # windows on the H200 (BENCHMARKS.md, quality section: 58.9% at 1x, 94.5% at 1.25x, 97.9% at 1.5x, 99.3% at
     # 2x; CPU's 1K windows gave 59.5 / 95.3 / 98.4 / 99.0%); linear in between, 0 at 0
