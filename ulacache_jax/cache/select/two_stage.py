@@ -28,22 +28,22 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 
 from ulacache_jax.cache.select import registry
-from ulacache_jax.cache.select.quest import Quest
+from ulacache_jax.cache.select.quest import Quest, select_pages
 from ulacache_jax.cache.select.rule import SelectionRule
 
 
-def shortlist(first, flushed, *, keep_pages: int):
+def shortlist(first, flushed, *, keep_pages: int, impl: str = "ref"):
     """first [S, G, P] float32 page bounds; flushed [S] int32 flushed pages -> (pages [S, G, K] int32 the ids of the
-    K = min(keep_pages, P) pages of highest bound among the flushed ones; ok [S, G, K] bool: the page is flushed,
-    false where fewer than K are)."""
-    S, G, P = first.shape
-    live = jnp.arange(P)[None, None, :] < flushed[:, None, None]                                # [S, 1, P]
-    _, pages = jax.lax.top_k(jnp.where(live, first, -jnp.inf), min(keep_pages, P))            # [S, G, K]
-    return pages.astype(jnp.int32), pages < flushed[:, None, None]
+    K = min(keep_pages, P) pages of highest bound among the flushed ones, in page order; ok [S, G, K] bool: a page
+    was chosen there, false (page 0) where fewer than K are flushed). The decode's own page top-k (quest.select_pages,
+    no sink or recent pages forced; impl as its), so the shortlist takes the radix-select kernel where the decode's
+    selection does, not XLA's top-k, which costs a layer as much as the sieve and the vTLB update together."""
+    ids = select_pages(first, flushed, select_pages=keep_pages, sink_pages=0, recent_pages=0, impl=impl)
+    ok = ids >= 0
+    return jnp.where(ok, ids, 0), ok
 
 
 def spread(scores, pages, ok, num_pages: int):
@@ -107,7 +107,7 @@ class TwoStage(SelectionRule):
     def score(self, state, layer, q, flushed, options):
         c = state.config
         first = Quest(c.summary_split).score(state, layer, q, flushed, options)                # [S, G, P]
-        pages, ok = shortlist(first, flushed, keep_pages=self.keep_pages)                      # [S, G, K]
+        pages, ok = shortlist(first, flushed, keep_pages=self.keep_pages, impl=options.topk)   # [S, G, K]
         sc = self.second.score_pages(state, layer, q, flushed, pages, ok, options)             # [S, G, K]
         return spread(jnp.where(ok, sc, -jnp.inf), pages, ok, c.max_pages_per_seq)
 
