@@ -7,8 +7,8 @@ the codes array holds --layers layers so the kernel indexes a real layer, and so
 bf16. Variants: `ref` (ref_page_lse, XLA), `kernel` (one program a block of block_pages pages, the default launch,
 at every --blocks x --warps) and `span` (pages_per_program: one program loops over the blocks of a span of pages,
 at every --spans x --warps, block_pages --span-block). Every variant is checked before it is timed, against
-ref_page_lse (float32, rtol 1e-4, atol 1e-3 on the lse) on random inputs and on adversarial ones (a page of zero codes with zero scales, a page of the extreme codes +-7 / +-127 at a large
-scale, one query row 100x the others);
+ref_page_lse (float32, rtol 1e-4, atol 1e-3 on the lse) on random inputs and on adversarial ones (a page of zero
+codes with zero scales, a page of the extreme codes +-7 / +-127 at a large scale, one query row 100x the others);
 the reference itself is checked against float64 numpy on the first (sequence, group). A variant that fails a check
 is recorded with ok=false and not timed. Time = median over --reps of a jitted fori_loop of --calls calls, each
 call's queries depending on the previous result (nothing hoisted but what does not depend on the queries: XLA may
@@ -114,8 +114,8 @@ def variants(a) -> list[dict]:
     valid (pages_per_program, num_warps). Invalid launch shapes (not dividing P) are left out, not failed."""
     P = a.pages
     rows = [dict(impl="ref")]
-    rows += [dict(impl=impl, block_pages=bp, num_warps=w) for impl in ("kernel",) for bp in a.blocks
-             for w in a.warps if P % bp == 0 and bp & (bp - 1) == 0]
+    rows += [dict(impl="kernel", block_pages=bp, num_warps=w) for bp in a.blocks for w in a.warps
+             if P % bp == 0 and bp & (bp - 1) == 0]
     sb = a.span_block or pk.default_block_pages(P, a.page, a.channels)
     rows += [dict(impl="span", block_pages=sb, pages_per_program=sp, num_warps=w) for sp in a.spans
              for w in a.warps if sp % sb == 0 and P % sp == 0]
@@ -214,7 +214,8 @@ def plot(res: Results, path: str):
     rows = [r for r in res.rows if "us" in r]
     color = dict(ref="tab:gray", kernel="tab:blue", span="tab:green")
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(rows)), 4))
-    ax.bar(range(len(rows)), [r["fraction_of_read"] for r in rows], color=[color.get(r["impl"], "tab:orange") for r in rows])
+    ax.bar(range(len(rows)), [r["fraction_of_read"] for r in rows],
+           color=[color.get(r["impl"], "tab:orange") for r in rows])
     for i, r in enumerate(rows):
         ax.text(i, r["fraction_of_read"], f"{r['us']:.0f}", ha="center", va="bottom", fontsize=6)
     ax.set_xticks(range(len(rows)), [variant_name(r, "\n") for r in rows], fontsize=6, rotation=90)
