@@ -47,7 +47,7 @@ class CostModel:
     sparse_frame_s: float = 0.050e-9      # per HBM pool frame and layer (the sieve reads the PB-LRU state)
     pcie_bytes_per_s: float = 48.2e9      # missed pages host -> HBM (the fetch kernel alone: 51 GB/s)
     # the page log-sum-exp kernel's rate over the key copy / labels a rule's `kernel_bytes` names: it is bound by
-    # instructions (unpack, scale, a product and a sum per query row), far below HBM; measured alone at the 8B
+    # instructions (unpack, a product and a sum per query row and channel), far below HBM; measured alone at the 8B
     # shape (labels 64 @ 4 bits, codes to floats by bits, one page a program at 1 warp; bench_labels, BENCHMARKS.md)
     score_kernel_bytes_per_s: float = 597e9
     # PB-LRU hit rate by pool frames / one step's selection frames, on SmolLM2's own selections over 8K-token
