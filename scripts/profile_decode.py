@@ -9,7 +9,8 @@ under `jax.profiler.trace`. The trace's device events are summarised three ways:
 - the chunk: device busy time, idle time (gaps between launches), wall time per step.
 Writes `decode_profile.json` (rows + the ordered layer of each row) to --out and prints a table per row.
 `--key-channels C --label-bits B` profile the sparse rows with the key copy or labels (rows record them),
-`--hot-share X` fills them as bench_decode --hot-share does (the trace's hit rate instead of random weights').
+`--hot-share X` fills them as bench_decode --hot-share does (the trace's hit rate instead of random weights'),
+`--two-stage MULT` profiles them as a two-stage rule's second stage (bench_decode --two-stage).
 """
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
     from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
     mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
     model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    ns = argparse.Namespace(chunks=2, budget=args.budget)
+    ns = argparse.Namespace(chunks=2, budget=args.budget, two_stage=args.two_stage)
     cfg = bd.bench_config(mc, attention, batch, ctx, ns, args.kv_fraction, key_channels=args.key_channels,
                           label_bits=args.label_bits)
     gen = Generator(model, cfg, attention=attention, options=DecodeOptions())
@@ -186,6 +187,7 @@ def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
                key_channels=cfg.key_channels if attention == "sparse" else None,
                label_bits=cfg.label_bits if attention == "sparse" else None,
                hot_share=args.hot_share if attention == "sparse" else None,
+               two_stage=args.two_stage if attention == "sparse" else None,
                device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                step_ms=res["span_us"] / cfg.page_size / 1e3)
     return res
@@ -237,6 +239,12 @@ def bd_hot_share(text: str) -> float:
     return hot_share_arg(text)
 
 
+def bd_two_stage(text: str) -> int:
+    """--two-stage's argparse type: bench_decode's."""
+    from scripts.bench_decode import two_stage_arg
+    return two_stage_arg(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="sparse:131072:1,dense:131072:1,sparse:262144:1,dense:262144:1",
@@ -252,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8), help="sparse rows with --key-channels: "
                    "labels at 4 or 8 bits")
     p.add_argument("--hot-share", type=bd_hot_share, default=0.0, help="sparse rows: bench_decode --hot-share")
+    p.add_argument("--two-stage", type=bd_two_stage, default=None, metavar="MULT",
+                   help="sparse rows: the rule above as a TwoStage's second stage (bench_decode --two-stage)")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # child: run the single row
     return add_common_args(p, files="decode_profile.json")
 
@@ -276,7 +286,7 @@ def main(argv=None):
         cmd = [sys.executable, os.path.abspath(__file__), "--one", "--rows", f"{a}:{c}:{b}", "--layers",
                str(args.layers), "--budget", str(args.budget), "--kv-fraction", str(args.kv_fraction),
                "--key-channels", str(args.key_channels), "--label-bits", str(args.label_bits),
-               "--hot-share", str(args.hot_share)]
+               "--hot-share", str(args.hot_share)] + (["--two-stage", str(args.two_stage)] if args.two_stage else [])
         row = row_in_child(cmd, args.row_timeout, attention=a, context=c, batch=b)
         row["commit"] = commit
         rows.append(row)

@@ -96,8 +96,9 @@ def test_attach_sources_maps_kernel_names_and_removes_the_dump(prof, tmp_path):
 
 
 def test_rule_options_reach_each_row_process(prof, tmp_path, monkeypatch):
-    """--key-channels / --label-bits / --hot-share go to every row's child process (the row is built there), and
-    a bad --hot-share is refused by name before anything runs."""
+    """--key-channels / --label-bits / --hot-share / --two-stage go to every row's child process (the row is built
+    there); a bad --hot-share or --two-stage is refused by name before anything runs, and no --two-stage passes
+    none on."""
     import scripts.bench_meta as bm
     seen = []
 
@@ -107,9 +108,12 @@ def test_rule_options_reach_each_row_process(prof, tmp_path, monkeypatch):
 
     monkeypatch.setattr(bm, "row_in_child", fake_child)
     prof.main(["--out", str(tmp_path), "--rows", "sparse:4096:1", "--key-channels", "64", "--label-bits", "4",
-               "--hot-share", "0.9", "--commit", "abc"])
+               "--hot-share", "0.9", "--two-stage", "4", "--commit", "abc"])
     cmd = seen[0]
-    for flag, value in (("--key-channels", "64"), ("--label-bits", "4"), ("--hot-share", "0.9")):
+    for flag, value in (("--key-channels", "64"), ("--label-bits", "4"), ("--hot-share", "0.9"), ("--two-stage", "4")):
         assert cmd[cmd.index(flag) + 1] == value
-    with pytest.raises(SystemExit):
-        prof.build_parser().parse_args(["--hot-share", "2"])
+    prof.main(["--out", str(tmp_path / "b"), "--rows", "sparse:4096:1", "--commit", "abc"])
+    assert "--two-stage" not in seen[1]
+    for bad in (["--hot-share", "2"], ["--two-stage", "0"], ["--two-stage", "x"]):
+        with pytest.raises(SystemExit):
+            prof.build_parser().parse_args(bad)
