@@ -296,6 +296,27 @@ def test_offline_calibration_writes_a_table_the_lookup_finds(tmp_path):
     assert calibration.channel_table(str(tmp_path / "missing.gguf"), 4, folder=tmp_path) is None
 
 
+def test_shipped_tables_belong_to_a_preset_and_follow_their_own_scores():
+    """Every table shipped in ulacache_jax/models/calibration is named by a pretrained preset's pinned sha256 (so the
+    preset finds it without hashing its file), and each of its channel lists is exactly select/labels.pair_channels of
+    the table's own recorded scores: whole rotary pairs, C / 2 of the largest pair score, per layer and KV head."""
+    import json
+    import jax.numpy as jnp
+    from ulacache_jax.cache.select.labels import pair_channels
+    from ulacache_jax.models import calibration
+    from ulacache_jax.models.pretrained import PRETRAINED
+    pinned = {getattr(m, "sha256", None): name for name, m in PRETRAINED.items()}
+    files = sorted(calibration.FOLDER.glob("*.json"))
+    assert len(files) >= 2
+    for f in files:
+        data = json.loads(f.read_text())
+        assert f.stem == data["model_digest"][:16] and pinned.get(data["model_digest"]) == data["model"], f.name
+        score = jnp.asarray(data["score"], jnp.float32)                                  # [L, KV, D]
+        for c, tab in data["channels"].items():
+            assert np.asarray(tab).shape == (*score.shape[:2], int(c)), (f.name, c)
+            np.testing.assert_array_equal(np.asarray(tab), np.asarray(pair_channels(score, int(c))), err_msg=f.name)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_offline_table_shares_prefixes(model, bits):
     """With an offline channel table the channels are fixed, so shared prefixes are allowed: an attached prefix holds
