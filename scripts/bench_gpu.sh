@@ -5,7 +5,8 @@
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
 #                              decode-prefill longctx-16k longctx-32k longctx-100 longctx-diag decode-labels
 #                              quality-austen32k
-#                              quality-austen32k-quest quality-austen32k-1of16 profile-labels
+#                              quality-austen32k-quest quality-austen32k-1of16 profile-labels profile-two-stage
+#                              longctx-15b
 #                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2
 #                              serve]
 #                              (default: select sieve tiers ingest attention layer decode, in order)
@@ -139,6 +140,22 @@ for b in "${names[@]}"; do
                   --budget 4096 --key-channels 64 --label-bits 4 --hot-share 0.9 --rows sparse:131072:3 && \
                 step profile-labels 300 scripts/profile_decode.py --out "$OUT/labels" "${C[@]}" --append \
                   --row-timeout 250 --budget 4096 --rows sparse:131072:3 ;;
+    profile-two-stage) # where the two-stage rule's extra ~2 ms a step over Quest goes at 128K x 3, 1/32 (the
+                    # shortlist's top-k, the labels over it, the spread, the second top-k), beside Quest's layer
+                step profile-two-stage 560 scripts/profile_decode.py --out "$OUT/two_stage" "${C[@]}" \
+                  --row-timeout 250 --budget 4096 --key-channels 64 --label-bits 4 --two-stage 4 --hot-share 0.9 \
+                  --rows sparse:131072:3 && \
+                step profile-two-stage 300 scripts/profile_decode.py --out "$OUT/two_stage" "${C[@]}" --append \
+                  --row-timeout 250 --budget 4096 --hot-share 0.9 --rows sparse:131072:3 ;;
+    longctx-15b)    # issue 48's quality target on Qwen2.5-Coder-1.5B (head dim 128, like the 8B shape): one task of
+                    # longctx-100's prompt files (the 1.5B shares the 0.5B's tokenizer) at 1/32, dense and the labels
+                    # at D/2 and D/4 with the shipped offline table (so they share prompt prefixes as dense does)
+                tab=ulacache_jax/models/calibration/cc324af070c2ecbf.json
+                step "$b" 580 scripts/bench_longctx.py --prompts "${PROMPTS:?PROMPTS=prompt file}" \
+                  --model "${MODEL:?MODEL=the 1.5B GGUF}" --contexts 32768 --tasks "${TASK:?TASK=task}" \
+                  --name "longctx15b_${TASK}" --out "$OUT" --deadline 540 \
+                  --rules "${RULES:-dense,labels:64:4:$tab,labels:32:4:$tab}" --budget-ratios 0.03125 --batch 24 \
+                  "${C[@]}" ;;
     decode-labels)  # issue 48's speed rows at 1/32 (budget 4096 of 128K) with labels 64 of 128 @ 4 bits, the hit
                     # rate held under the Qwen 32K trace's (0.970 at pool 1/4) by planted hot pages; Quest and dense
                     # in the same call
@@ -186,7 +203,7 @@ for b in "${names[@]}"; do
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2 longctx-16k" \
             "longctx-32k longctx-100 longctx-diag decode-labels quality-austen32k quality-austen32k-quest quality-austen32k-1of16" \
-            "profile-labels serve)"; exit 2 ;;
+            "profile-labels profile-two-stage longctx-15b serve)"; exit 2 ;;
   esac
 done
 exit $status
