@@ -13,6 +13,7 @@ import pytest
 from ulacache_jax.runtime import cost_model as cm
 from ulacache_jax.runtime.cost_model import CostModel, Decision, choose_attention
 from ulacache_jax.models import get_preset
+from ulacache_jax.cache.select.quest import Quest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH_JSONS = ("decode.json",)   # its rows of variant one_program were decode_one_program.json
@@ -286,7 +287,7 @@ def test_summary_split_reads_its_summaries():
     mc = get_preset("llama-3.1-8b")
     shape = dict(batch=3, context=131072, token_budget=2048, page_size=64, itemsize=2, pool_frames=4096,
                  hit_rate=0.9)
-    one, two = (CostModel().step_terms("sparse", mc, summary_split=s, **shape) for s in (1, 2))
+    one, two = (CostModel().step_terms("sparse", mc, rule=Quest(split=s), **shape) for s in (1, 2))
     summ = 131072 // 64 * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
     assert two["hbm"] - one["hbm"] == pytest.approx(3 * summ)
     assert {k: v for k, v in two.items() if k != "hbm"} == {k: v for k, v in one.items() if k != "hbm"}

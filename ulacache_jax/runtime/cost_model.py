@@ -25,8 +25,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ulacache_jax.cache.select.key_copy import KeyCopy
-from ulacache_jax.cache.select.labels import Labels
 from ulacache_jax.cache.select.quest import Quest
 
 KINDS = ("sparse", "dense")
@@ -105,16 +103,13 @@ class CostModel:
     # ---- time -----------------------------------------------------------------------------------------------
     def step_terms(self, kind: str, mc, *, batch: int, context: int, token_budget: int, page_size: int,
                    itemsize: int, tp: int = 1, pool_frames: int | None = None,
-                   hit_rate: float | None = None, summary_split: int = 1,
-                   key_channels: int = 0, label_bits: int = 0, rule=None,
+                   hit_rate: float | None = None, rule=None,
                    kv_itemsize: float | None = None) -> dict[str, float]:
         """The step model's terms (module docstring) in the units their constants multiply: 'hbm' bytes, 'pcie'
         bytes, 'layer' (L), 'page' (L * B * G * P), 'frame' (L * F). pool_frames None: the auto pool; hit_rate
-        None: `expected_hit_rate` of that pool; summary_split: key summaries per page (CacheConfig.summary_split),
-        whose bytes the scores read every step; key_channels: CacheConfig.key_channels, whose per-token key copy
-        the scores read instead; label_bits (CacheConfig.label_bits): that copy at 8 / 4 bits a channel plus a
-        2-byte scale per page and channel. rule: a selection rule object (CacheConfig.selection_rule), whose
-        `step_bytes` replaces the three fields above (None: the built-in rule they name). kv_itemsize: bytes a
+        None: `expected_hit_rate` of that pool; rule: the selection rule object (CacheConfig.selection_rule: Quest
+        at any summary split, the key copy, labels, a two-stage rule or one of a user's), whose `step_bytes` the
+        scores read every step, `kernel_bytes` of them through the page-lse kernel (None: Quest). kv_itemsize: bytes a
         stored K/V element takes (the page format's: CacheConfig.page_bytes per element, scales included; 1 and a
         bit for fp8), None: `itemsize`; the weights and the selection metadata stay at `itemsize`."""
         L, B, T = mc.num_layers, batch, context
@@ -136,8 +131,7 @@ class CostModel:
                                               pool_frames=pool_frames, tp=tp)
         attended = min(T, token_budget + TAIL_TOKENS_PAGES * page_size)
         if rule is None:
-            rule = (Labels(channels=key_channels, bits=label_bits) if label_bits else
-                    KeyCopy(channels=key_channels) if key_channels else Quest(split=summary_split))
+            rule = Quest()
         rule_shape = dict(context=T, num_layers=L, kv_heads=kv_heads, head_dim=mc.head_dim, itemsize=itemsize,
                           page_size=page_size)
         kern = rule.kernel_bytes(**rule_shape)                              # read by the page-lse kernel
@@ -245,8 +239,7 @@ def itemsize(dtype) -> int:
 
 def choose_attention(model_config, *, max_seqs: int, max_context: int, token_budget: int, page_size: int, dtype,
                      hbm_bytes: int, tp: int = 1, pool_frames: int | None = None, requested: str = "auto",
-                     hbm_source: str = "given", summary_split: int = 1, key_channels: int = 0,
-                     label_bits: int = 0, rule=None, kv_itemsize: float | None = None,
+                     hbm_source: str = "given", rule=None, kv_itemsize: float | None = None,
                      costs: CostModel = CostModel()) -> Decision:
     """The attention for a Generator of max_seqs slots of up to max_context tokens (a full batch at the max
     context: the decision holds for its whole life). Dense when its cache fits in `hbm_bytes` and it is predicted
@@ -271,8 +264,7 @@ def choose_attention(model_config, *, max_seqs: int, max_context: int, token_bud
     pool_frames = _positive_int("pool_frames", pool_frames)
     hit = costs.expected_hit_rate(mc, batch=S, context=T, token_budget=budget, page_size=page,
                                   pool_frames=pool_frames, tp=tp)
-    sparse = costs.tokens_per_s("sparse", mc, pool_frames=pool_frames, hit_rate=hit, summary_split=summary_split,
-                                key_channels=key_channels, label_bits=label_bits, rule=rule, **shape)
+    sparse = costs.tokens_per_s("sparse", mc, pool_frames=pool_frames, hit_rate=hit, rule=rule, **shape)
     need = costs.dense_hbm_bytes(mc, max_seqs=S, max_context=T, itemsize=isz, tp=tp, kv_itemsize=kv_itemsize)
     usable = costs.hbm_usable * hbm
     fits = need <= usable
@@ -341,6 +333,5 @@ def resolve_attention(attention, model_config, cache_config, device=None, costs:
     return choose_attention(model_config, max_seqs=c.max_seqs, max_context=c.max_context,
                             token_budget=c.token_budget, page_size=c.page_size, dtype=c.dtype, hbm_bytes=hbm,
                             tp=c.tp, pool_frames=c.num_frames, requested=attention, hbm_source=source,
-                            summary_split=c.summary_split, key_channels=c.key_channels,
-                            label_bits=c.label_bits, rule=c.selection_rule, costs=costs,
+                            rule=c.selection_rule, costs=costs,
                             kv_itemsize=c.page_bytes / (c.page_size * c.kv_heads_per_group * c.head_dim))
