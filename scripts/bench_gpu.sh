@@ -150,11 +150,10 @@ for b in "${names[@]}"; do
     longctx-15b)    # issue 48's quality target on Qwen2.5-Coder-1.5B (head dim 128, like the 8B shape): one task of
                     # longctx-100's prompt files (the 1.5B shares the 0.5B's tokenizer) at 1/32, dense and the labels
                     # at D/2 and D/4 with the shipped offline table (so they share prompt prefixes as dense does)
-                tab=ulacache_jax/models/calibration/cc324af070c2ecbf.json
                 step "$b" 580 scripts/bench_longctx.py --prompts "${PROMPTS:?PROMPTS=prompt file}" \
                   --model "${MODEL:?MODEL=the 1.5B GGUF}" --contexts 32768 --tasks "${TASK:?TASK=task}" \
                   --name "longctx15b_${TASK}" --out "$OUT" --deadline 540 \
-                  --rules "${RULES:-dense,labels:64:4:$tab,labels:32:4:$tab}" --budget-ratios 0.03125 --batch 24 \
+                  --rules "${RULES:-dense,labels:64:4:auto,labels:32:4:auto}" --budget-ratios 0.03125 --batch 24 \
                   "${C[@]}" ;;
     decode-labels)  # issue 48's speed rows at 1/32 (budget 4096 of 128K) with labels 64 of 128 @ 4 bits, the hit
                     # rate held under the Qwen 32K trace's (0.970 at pool 1/4) by planted hot pages; Quest and dense

@@ -15,12 +15,13 @@ Prompts: `ruler_tasks.grid(tasks, contexts, depths, num_prompts, seed)`, each ma
 message of at most `context - max_new_tokens - chat template tokens` tokens, then shrunk until the chat-templated
 prompt plus its max new tokens fits the context. Without --prompts / --make-prompts they are made in-process. With
 --prompts, --tasks / --contexts / --depths pick a subset of the file (one run split over several device calls).
-Rules (`--rules`, comma list): dense; quest; key_copy:C (CacheConfig.key_channels = C, label_bits = 0); labels:C:BITS
-(label_bits 8 or 4) and labels:C:BITS:TABLE (an offline channel table, JSON {"model_digest", "channels":
-[L][KV][C]}, passed as CacheConfig.channel_table); two:MULT:<rule> (not dense): that rule ranks the shortlist of a
-TwoStage (Quest's page bound shortlists MULT x the budget; rows carry two_stage MULT). Every sparse rule runs at
-every budget (--budgets, plus --budget-ratios x context, rounded to the page size; a budget >= the context is dense
-by construction and skipped); dense runs once per context, first.
+Rules (`--rules`, comma list): dense; quest; key_copy:C (CacheConfig.key_channels = C, label_bits = 0);
+labels:C:BITS (label_bits 8 or 4) and labels:C:BITS:TABLE (an offline channel table, JSON {"model_digest",
+"channels": [L][KV][C]}, passed as CacheConfig.channel_table; TABLE 'auto': the model's shipped table,
+models/calibration); two:MULT:<rule> (not dense): that rule ranks the shortlist of a TwoStage (Quest's page bound
+shortlists MULT x the budget; rows carry two_stage MULT). Every sparse rule runs at every budget (--budgets, plus
+--budget-ratios x context, rounded to the page size; a budget >= the context is dense by construction and skipped);
+dense runs once per context, first.
 Cells: the unit of work is one generate call, (context, rule, budget, max_new_tokens) over every task and depth of
 that context with that answer length, batched through `--batch` cache slots (more prompts queue in the engine);
 its cache config is `generation.default_cache_config` for (batch, context) with `dataclasses.replace` for the rule,
@@ -118,6 +119,8 @@ def parse_rule(spec: str) -> Rule:
                 raise ValueError(f"label bits {bits} must be 8 or 4")
             if len(parts) == 3:
                 return Rule(spec, name, channels=int(parts[1]), label_bits=bits)
+            if parts[3] == "auto":   # the model's shipped table: resolve_tables, once the model is known
+                return Rule(spec, name, channels=int(parts[1]), label_bits=bits, table_path="auto")
             with open(parts[3]) as fh:
                 tab = json.load(fh)
             channels = tab["channels"]
@@ -127,8 +130,29 @@ def parse_rule(spec: str) -> Rule:
                         table=channels, table_digest=tab.get("model_digest"))
     except (ValueError, OSError, KeyError, TypeError) as e:
         raise SystemExit(f"--rules {spec!r}: {type(e).__name__}: {e}") from None
-    raise SystemExit(f"--rules {spec!r}: one of dense, quest, key_copy:C, labels:C:BITS[:TABLE], "
+    raise SystemExit(f"--rules {spec!r}: one of dense, quest, key_copy:C, labels:C:BITS[:TABLE|:auto], "
                      "two:MULT:<one of those but dense>")
+
+
+def resolve_tables(rules: list[Rule], model: str) -> list[Rule]:
+    """Rules whose table is 'auto' (labels:C:BITS:auto) with the model's shipped table for C (models.calibration:
+    found by the model file's sha256); SystemExit naming the rule when the model has none, or none for C."""
+    from ulacache_jax.models import calibration
+    out = []
+    for r in rules:
+        if r.table_path == "auto":
+            try:
+                digest = calibration.model_digest(model)
+                table = calibration.channel_table(model, r.channels) if digest else None
+            except (ValueError, OSError, KeyError) as e:
+                raise SystemExit(f"--rules {r.spec!r}: {e}") from None
+            if table is None:
+                raise SystemExit(f"--rules {r.spec!r}: no shipped label-channel table for --model {model!r} "
+                                 f"(tables: {calibration.FOLDER}; make one with python -m scripts.calibrate_labels)")
+            r = dataclasses.replace(r, table_path=str(calibration.FOLDER / f"{digest[:16]}.json"), table=table,
+                                    table_digest=digest)
+        out.append(r)
+    return out
 
 
 def parse_rules(text: str) -> list[Rule]:
@@ -269,8 +293,8 @@ def run(args, prompts: list, prompt_meta: dict) -> dict:
     from scripts.bench_meta import Results, run_meta
 
     t_start = time.monotonic()
-    rules = parse_rules(args.rules)
     spec = model_spec(args)
+    rules = resolve_tables(parse_rules(args.rules), spec)
     t0 = time.perf_counter()
     model, tok = load_model(spec, args.dtype)
     log(f"model {spec} loaded in {time.perf_counter() - t0:.1f} s")

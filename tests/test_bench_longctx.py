@@ -91,3 +91,22 @@ def test_rules_and_budgets(tmp_path):
     with pytest.raises(SystemExit):
         bl.parse_rules("topk")
     assert bl.budgets_for(16384, [512, 1000, 16384], [0.0078125, 0.03125], 64) == ([128, 512, 1024], [16384])
+
+
+def test_auto_table_is_the_models_shipped_one():
+    """labels:C:BITS:auto takes the shipped table of the model (found by its preset's pinned sha256: no file is
+    read or hashed); a model without a table, or a C its table lacks, is refused naming the rule before any model
+    loads."""
+    from ulacache_jax.models import calibration
+    rule, = bl.parse_rules("labels:32:4:auto")
+    assert rule.table_path == "auto" and rule.table is None
+    got, = bl.resolve_tables([rule], "qwen2.5-coder-0.5b")
+    assert got.table == calibration.channel_table("qwen2.5-coder-0.5b", 32)
+    assert got.table_digest == calibration.model_digest("qwen2.5-coder-0.5b")
+    assert os.path.basename(got.table_path) == got.table_digest[:16] + ".json"
+    with pytest.raises(SystemExit, match=r"labels:32:4:auto.*no shipped label-channel table"):
+        bl.resolve_tables([rule], "tiny")
+    with pytest.raises(SystemExit, match=r"labels:12:4:auto.*C = \[8, 16, 32\], not 12"):
+        bl.resolve_tables(bl.parse_rules("labels:12:4:auto"), "qwen2.5-coder-0.5b")
+    untouched = bl.parse_rules("quest,labels:32:4")
+    assert bl.resolve_tables(untouched, "tiny") == untouched
