@@ -146,14 +146,15 @@ def scorer_bytes(rule, D: int, page: int, shortlist: float = 1.0) -> float:
 
 
 def plot(rows, path: str) -> str:
-    """Recall vs the scorer's bytes per token, one panel per context, one marker per budget, a line per budget."""
+    """Recall vs the scorer's bytes per token, one panel per (model, context), one marker colour per budget."""
     from scripts import bench_meta
     plt = bench_meta.pyplot()
-    contexts = sorted({r["context"] for r in rows})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
-    for ax, ctx in zip(axes[0], contexts):
-        for b in sorted({r["budget"] for r in rows if r["context"] == ctx}):
-            rs = sorted((r for r in rows if r["context"] == ctx and r["budget"] == b),
+    panels = sorted({(r["model"], r["context"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (model, ctx) in zip(axes[0], panels):
+        mine = [r for r in rows if r["model"] == model and r["context"] == ctx]
+        for b in sorted({r["budget"] for r in mine}):
+            rs = sorted((r for r in mine if r["budget"] == b),
                         key=lambda r: r["scorer_bytes_per_token"])
             ax.plot([r["scorer_bytes_per_token"] for r in rs], [r["recall"] for r in rs], "o", label=f"budget {b}")
             for r in rs:
@@ -162,7 +163,7 @@ def plot(rows, path: str) -> str:
                     (f" x{r['shortlist_mult']}" if r.get("shortlist_mult") else "")
                 ax.annotate(name, (r["scorer_bytes_per_token"], r["recall"]), fontsize=5)
         ax.set_xscale("log")
-        ax.set(title=f"{rows[0]['model']}, {ctx} tokens", xlabel="scorer bytes / token / KV head",
+        ax.set(title=f"{model}, {ctx} tokens", xlabel="scorer bytes / token / KV head",
                ylabel="attention recall")
         ax.legend(fontsize=7)
     return bench_meta.save_figure(fig, path)
