@@ -31,14 +31,21 @@ def model_digest(model: str | os.PathLike) -> str | None:
     return file_digest(p)
 
 
-def channel_table(model: str | os.PathLike, num_channels: int, folder: str | os.PathLike | None = None):
+def table_path(digest: str, folder: str | os.PathLike | None = None) -> pathlib.Path:
+    """Where the table of the model with this digest is filed (it may not exist)."""
+    return pathlib.Path(folder or FOLDER) / f"{digest[:16]}.json"
+
+
+def channel_table(model: str | os.PathLike, num_channels: int, folder: str | os.PathLike | None = None,
+                  digest: str | None = None):
     """The shipped table [L][KV][C] for `model` at C = num_channels, or None when there is none (the labels then
     calibrate online from each sequence's first prefill block). ValueError when the model has a table but not for
-    this C (names the Cs it has)."""
-    digest = model_digest(model)
+    this C (names the Cs it has). digest: the model's `model_digest`, if the caller has it (a GGUF file is hashed
+    once, not once a lookup)."""
+    digest = digest or model_digest(model)
     if digest is None:
         return None
-    path = pathlib.Path(folder or FOLDER) / f"{digest[:16]}.json"
+    path = table_path(digest, folder)
     if not path.is_file():
         return None
     data = json.loads(path.read_text())

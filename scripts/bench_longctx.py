@@ -138,18 +138,18 @@ def resolve_tables(rules: list[Rule], model: str) -> list[Rule]:
     """Rules whose table is 'auto' (labels:C:BITS:auto) with the model's shipped table for C (models.calibration:
     found by the model file's sha256); SystemExit naming the rule when the model has none, or none for C."""
     from ulacache_jax.models import calibration
-    out = []
+    out, digest = [], None
     for r in rules:
         if r.table_path == "auto":
             try:
-                digest = calibration.model_digest(model)
-                table = calibration.channel_table(model, r.channels) if digest else None
+                digest = digest or calibration.model_digest(model)      # hashed once for every 'auto' rule
+                table = calibration.channel_table(model, r.channels, digest=digest) if digest else None
             except (ValueError, OSError, KeyError) as e:
                 raise SystemExit(f"--rules {r.spec!r}: {e}") from None
             if table is None:
                 raise SystemExit(f"--rules {r.spec!r}: no shipped label-channel table for --model {model!r} "
                                  f"(tables: {calibration.FOLDER}; make one with python -m scripts.calibrate_labels)")
-            r = dataclasses.replace(r, table_path=str(calibration.FOLDER / f"{digest[:16]}.json"), table=table,
+            r = dataclasses.replace(r, table_path=str(calibration.table_path(digest)), table=table,
                                     table_digest=digest)
         out.append(r)
     return out
