@@ -41,6 +41,19 @@ def test_residual_at_exact_mass_with_uniform_pages_is_dense():
     assert not np.allclose(topk, got, atol=1e-3)   # the budget drops pages: top-k alone is not exact here
 
 
+@pytest.mark.parametrize("rule", ["topk_vnorm", "topk_pvnorm", "topk_out"])
+def test_value_aware_rules_skip_a_page_of_zero_values(rule):
+    """Two candidate pages of equal mass (every key zero: every logit equal), the first with zero values: at a
+    budget of one page the value-aware rules take the second, so the output is the mean over it and the query's
+    own page (plain top-k, ranking by mass alone, may take either)."""
+    T, page, D = 48, 16, 8
+    q = jnp.ones((1, 2, D), jnp.float32)
+    k = jnp.zeros((T, 1, D), jnp.float32)
+    v = jnp.concatenate([jnp.zeros((16, 1, D)), jnp.ones((16, 1, D)), jnp.full((16, 1, D), 3.0)]).astype(jnp.float32)
+    got = rm.attend(q, k, v, jnp.array([T - 1], jnp.int32), page=page, budget=page, rule=rule)
+    np.testing.assert_allclose(got, jnp.full((1, 2, D), (16 * 1.0 + 16 * 3.0) / 32), rtol=1e-6)
+
+
 def test_unknown_rule_is_refused():
     q, k, v, qpos = _inputs()
     with pytest.raises(ValueError, match="rule"):

@@ -11,6 +11,14 @@ pages before the query's own page, whose tokens up to the query are always atten
 - `topk_meanq`: `topk` with the pages ranked by the mass of the group's mean query (one row per KV head instead of
   one per query head: a scorer reading each key once for the group would do a quarter of the products at the 8B
   shape's 4 query heads a KV head).
+- `topk_vnorm`: `topk` with the pages ranked by their value-weighted mass, sum over rows and tokens of a_t |v_t|
+  (a_t the row's exact softmax weight): a page of high mass whose values are near zero (sink-like tokens) adds
+  little to the output, so value-aware ranking may spend the budget better; a scorer would need one scalar a
+  token (log |v_t|, added to its logits before the page's log-sum-exp).
+- `topk_pvnorm`: `topk` with each page's mass times the mean |v_t| of its tokens: the value-aware ranking a
+  scorer gets from one scalar a page and KV head (kept at flush like Quest's summaries), its kernel unchanged.
+- `topk_out`: `topk` with the pages ranked by the norm of their contribution to the output, sum over rows of
+  |sum_t a_t v_t|: the oracle of any ranking that knows the values.
 - `res_exact`: + every unselected full page p as one term exp(L_p) * vbar_p in the softmax's numerator and
   exp(L_p) in its denominator, L_p the page's exact log-sum-exp of the logits, vbar_p its mean value: the ceiling
   of any such correction (only the within-page weights are lost).
@@ -36,7 +44,7 @@ import jax.numpy as jnp
 
 from scripts.bench_meta import Results, add_common_args, run_meta
 
-RULES = ("topk", "topk_meanq", "res_exact", "res_mean", "res_labels")
+RULES = ("topk", "topk_meanq", "topk_vnorm", "topk_pvnorm", "topk_out", "res_exact", "res_mean", "res_labels")
 
 
 def attend(q, k, v, qpos, page: int, budget: int, rule: str, channels: int = 32):
@@ -60,6 +68,19 @@ def attend(q, k, v, qpos, page: int, budget: int, rule: str, channels: int = 32)
         / jnp.sqrt(jnp.float32(D)), axis=-1)                                           # [N, KV, 1, n]
     Lm = jnp.where(full[:, None, None], Ls, -jnp.inf)
     mass = jnp.exp(Lm - jax.nn.logsumexp(Lm, axis=-1, keepdims=True)).sum(axis=2)     # [N, KV, n]
+    if rule == "topk_pvnorm":
+        mass = mass * jnp.linalg.norm(vf[: n * page].reshape(n, page, KV, D), axis=-1).mean(axis=1).T[None]
+    if rule in ("topk_vnorm", "topk_out"):
+        # the rows' softmax over the candidate pages' tokens (the same normaliser as `mass`), then per page either
+        # sum_t a_t |v_t| or |sum_t a_t v_t|, summed over the rows
+        sp = s[..., : n * page].reshape(N, KV, G, n, page)
+        a = jnp.exp(sp - jax.nn.logsumexp(Lm, axis=-1)[..., None, None])                # [N, KV, G, n, page]
+        a = jnp.where(full[:, None, None, :, None], a, 0.0)
+        vp = vf[: n * page].reshape(n, page, KV, D)
+        if rule == "topk_vnorm":
+            mass = jnp.einsum("NKGnt,ntK->NKn", a, jnp.linalg.norm(vp, axis=-1))
+        else:
+            mass = jnp.linalg.norm(jnp.einsum("NKGnt,ntKD->NKGnD", a, vp), axis=-1).sum(axis=2)
     K = budget // page
     top = jax.lax.top_k(jnp.where(full[:, None], mass, -1.0), K)[1]                    # [N, KV, K]
     sel = jnp.zeros((N, KV, n), bool).at[jnp.arange(N)[:, None, None], jnp.arange(KV)[None, :, None], top].set(True)
@@ -67,7 +88,7 @@ def attend(q, k, v, qpos, page: int, budget: int, rule: str, channels: int = 32)
     tok_sel = jnp.repeat(sel, page, axis=-1)                                           # [N, KV, T]
     tok = tok_sel[:, :, None] | own[:, None, None]                                     # [N, KV, 1, T]
     logits = jnp.where(tok, s, -jnp.inf)                                               # [N, KV, G, T]
-    if rule in ("topk", "topk_meanq"):
+    if rule in ("topk", "topk_meanq", "topk_vnorm", "topk_pvnorm", "topk_out"):
         p = jax.nn.softmax(logits, axis=-1)
         return jnp.einsum("NKGT,TKD->NKGD", p, vf).reshape(N, H, D)
     vbar = vf[: n * page].reshape(n, page, KV, D).mean(axis=1)                         # [n, KV, D]
