@@ -44,7 +44,8 @@ import jax.numpy as jnp
 
 from scripts.bench_meta import Results, add_common_args, run_meta
 
-RULES = ("topk", "topk_meanq", "topk_vnorm", "topk_pvnorm", "topk_out", "res_exact", "res_mean", "res_labels")
+TOPK_RULES = ("topk", "topk_meanq", "topk_vnorm", "topk_pvnorm", "topk_out")    # selected pages only, no residual
+RULES = TOPK_RULES + ("res_exact", "res_mean", "res_labels")
 
 
 def attend(q, k, v, qpos, page: int, budget: int, rule: str, channels: int = 32):
@@ -68,15 +69,15 @@ def attend(q, k, v, qpos, page: int, budget: int, rule: str, channels: int = 32)
         / jnp.sqrt(jnp.float32(D)), axis=-1)                                           # [N, KV, 1, n]
     Lm = jnp.where(full[:, None, None], Ls, -jnp.inf)
     mass = jnp.exp(Lm - jax.nn.logsumexp(Lm, axis=-1, keepdims=True)).sum(axis=2)     # [N, KV, n]
+    vp = vf[: n * page].reshape(n, page, KV, D)                                        # the candidate pages' values
     if rule == "topk_pvnorm":
-        mass = mass * jnp.linalg.norm(vf[: n * page].reshape(n, page, KV, D), axis=-1).mean(axis=1).T[None]
+        mass = mass * jnp.linalg.norm(vp, axis=-1).mean(axis=1).T[None]
     if rule in ("topk_vnorm", "topk_out"):
         # the rows' softmax over the candidate pages' tokens (the same normaliser as `mass`), then per page either
         # sum_t a_t |v_t| or |sum_t a_t v_t|, summed over the rows
         sp = s[..., : n * page].reshape(N, KV, G, n, page)
         a = jnp.exp(sp - jax.nn.logsumexp(Lm, axis=-1)[..., None, None])                # [N, KV, G, n, page]
         a = jnp.where(full[:, None, None, :, None], a, 0.0)
-        vp = vf[: n * page].reshape(n, page, KV, D)
         if rule == "topk_vnorm":
             mass = jnp.einsum("NKGnt,ntK->NKn", a, jnp.linalg.norm(vp, axis=-1))
         else:
@@ -88,10 +89,10 @@ def attend(q, k, v, qpos, page: int, budget: int, rule: str, channels: int = 32)
     tok_sel = jnp.repeat(sel, page, axis=-1)                                           # [N, KV, T]
     tok = tok_sel[:, :, None] | own[:, None, None]                                     # [N, KV, 1, T]
     logits = jnp.where(tok, s, -jnp.inf)                                               # [N, KV, G, T]
-    if rule in ("topk", "topk_meanq", "topk_vnorm", "topk_pvnorm", "topk_out"):
+    if rule in TOPK_RULES:
         p = jax.nn.softmax(logits, axis=-1)
         return jnp.einsum("NKGT,TKD->NKGD", p, vf).reshape(N, H, D)
-    vbar = vf[: n * page].reshape(n, page, KV, D).mean(axis=1)                         # [n, KV, D]
+    vbar = vp.mean(axis=1)                                                             # [n, KV, D]
     if rule == "res_exact":
         Lp = L
     elif rule == "res_mean":
