@@ -31,6 +31,8 @@ BLOCK_ELEMS = 16384  # fp32 values of one block's copy (pages x T x C): 64 a thr
 # 1 / 2 x warps 1 / 2 / 4 (bench_labels, H200, docs/BENCHMARKS.md)
 LABEL_BLOCK_PAGES = 1
 LABEL_WARPS = 1
+# Code bytes a token read at a time: a whole 32-byte row at C = 64 (4 bits) is read as two 16-byte halves
+CHUNK_BYTES = 16
 
 
 def _lse_kernel(kc_ref, q_ref, out_ref, *, g: int, rows: int, bp: int | None = None):
@@ -42,7 +44,7 @@ def _lse_kernel(kc_ref, q_ref, out_ref, *, g: int, rows: int, bp: int | None = N
         c = kc_ref.shape[2] // g
         for i in range(g):
             k = kc_ref[pg, :, pl.ds(i * c, c)].astype(jnp.float32)                     # [p, T, C]
-            _rows_lse([(k, 0, None)], q_ref, out_ref, i, rows, pg, p)
+            _rows_lse([(k, 0)], q_ref, out_ref, i, rows, pg, p)
     _over_blocks(block, kc_ref.shape[0], bp)
 
 
@@ -61,17 +63,24 @@ def _label_kernel(kc_ref, sc_ref, q_ref, out_ref, *, g: int, rows: int, bits: in
     # per page and channel as stored (bfloat16: widened here, so no float32 copy of them is written per layer);
     # q_ref, out_ref, bp as _lse_kernel's. Dequantised in registers: codes are read once. At 4 bits the low nibbles
     # are channels [0, C/2) and the high ones [C/2, C): two halves, no interleave. Codes become floats by bits
-    # (small_ints: two full-rate ops, not a conversion), and each page's scales multiply the query row (per page
-    # and channel) instead of every code (per token): the faster of the two measured on the H200.
+    # (small_ints: two full-rate ops, not a conversion) and are read CHUNK_BYTES code bytes a token at a time;
+    # each value is multiplied by its page's channel scale. Scaling the codes (a product a value) rather than every
+    # query row per page (rows x C products in every thread, which holds all of a page's query values) was the
+    # faster of the two on an H100 (docs/BENCHMARKS.md, labels.json run C).
     def block(pg):
         p = kc_ref.shape[0] if bp is None else bp
         cs = kc_ref.shape[2] // g
         c = cs * 2 if bits == 4 else cs
+        w = min(cs, CHUNK_BYTES)
         for i in range(g):
-            b = kc_ref[pg, :, pl.ds(i * cs, cs)].astype(jnp.int32)                     # [p, T, Cs]
-            halves = ([(small_ints(b + 128, 128.0), 0)] if bits == 8 else
-                      [(small_ints(b & 15, 8.0), 0), (small_ints(b >> 4, 8.0), cs)])
-            parts = [(v, c0, sc_ref[pg, pl.ds(i * c + c0, cs)].astype(jnp.float32)) for v, c0 in halves]
+            parts = []
+            for b0 in range(0, cs, w):
+                b = kc_ref[pg, :, pl.ds(i * cs + b0, w)].astype(jnp.int32)             # [p, T, w]
+                vals = ([(small_ints(b + 128, 128.0), b0)] if bits == 8 else
+                        [(small_ints(b & 15, 8.0), b0), (small_ints(b >> 4, 8.0), cs + b0)])
+                for v, c0 in vals:
+                    s = sc_ref[pg, pl.ds(i * c + c0, w)].astype(jnp.float32)               # [p, w]
+                    parts.append((v * s.reshape(p, 1, w), c0))                            # [p, T, w]
             _rows_lse(parts, q_ref, out_ref, i, rows, pg, p)
     _over_blocks(block, kc_ref.shape[0], bp)
 
@@ -92,18 +101,15 @@ def _over_blocks(block, span: int, bp: int | None):
 
 
 def _rows_lse(parts, q_ref, out_ref, i: int, rows: int, pg, p: int):
-    """parts: (k [p, T, w] float32, c0, scale [p, w] float32 or None) slices of KV head i's keys over channels
-    [c0, c0 + w), their per-page scales not yet applied (or None: applied) -> out_ref rows i * rows + x at the
-    pages pg (a slice of p pages): each query row's page log-sum-exps. A scale multiplies the query row per page
-    ([p, w] products) rather than every key ([p, T, w])."""
+    """parts: (k [p, T, w] float32, c0) slices of KV head i's keys over channels [c0, c0 + w), scales applied ->
+    out_ref rows i * rows + x at the pages pg (a slice of p pages): each query row's page log-sum-exps."""
     for x in range(rows):
         r = i * rows + x
         logit = 0.0
-        for k, c0, sc in parts:
+        for k, c0 in parts:
             w = k.shape[2]
             qr = q_ref[pl.ds(r, 1), pl.ds(c0, w)]                                        # [1, w]
-            qw = (qr if sc is None else qr * sc).reshape(-1, 1, w)                       # [1 or p, 1, w]
-            logit = logit + jnp.sum(k * qw, axis=2)                                      # [p, T]
+            logit = logit + jnp.sum(k * qr.reshape(1, 1, w), axis=2)                     # [p, T]
         m = jnp.max(logit, axis=1)                                                      # [p]
         out_ref[pl.ds(r, 1), pg] = (m + jnp.log(jnp.sum(jnp.exp(logit - m[:, None]), axis=1))).reshape(1, p)
 
