@@ -4,7 +4,8 @@ shape and, where a decode row of the same rule and budget ratio exists, its meas
 
     python -m scripts.frontier [--longctx docs/benchmarks/longctx.json]
         [--decode docs/benchmarks/decode.json docs/benchmarks/decode_variants.json] [--out docs/benchmarks]
-        -> OUT/frontier.json, OUT/frontier.png
+        [--head-dim 64] [--name frontier] -> OUT/NAME.json, OUT/NAME.png
+    (the 1.5B's harness: --longctx docs/benchmarks/longctx15b.json --head-dim 128 --name frontier15b)
 
 Quality (per rule spec, context and budget, over the prompts of `longctx.json`'s outputs): `kept` = of the prompts
 dense answers right (score 1), the share the rule answers right too (the issue's ">= 95% of the answers dense gets
@@ -128,7 +129,7 @@ def load_rows(path: str) -> list[dict]:
     return d["rows"] if isinstance(d, dict) else d
 
 
-def plot(rows: list[dict], path: str) -> str:
+def plot(rows: list[dict], path: str, model: str = "Qwen2.5-Coder-0.5B") -> str:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, key, label in ((axes[0], "fraction_of_dense", "bytes a decode step / dense's (8B shape, 128K x 3)"),
@@ -142,7 +143,7 @@ def plot(rows: list[dict], path: str) -> str:
         ax.set_xlabel(label)
         ax.set_ylabel("% of dense's right answers kept (o 16K, s 32K)")
     axes[1].axvline(2.0, color="k", ls=":", lw=0.8)
-    fig.suptitle("Selection rules: quality (Qwen2.5-Coder-0.5B needles) vs bytes and speed")
+    fig.suptitle(f"Selection rules: quality ({model} needles) vs bytes and speed")
     return save_figure(fig, path)
 
 
@@ -152,7 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode", nargs="*", default=["docs/benchmarks/decode.json",
                                                      "docs/benchmarks/decode_variants.json"])
     ap.add_argument("--head-dim", type=int, default=64, help="head_dim of the model the harness ran (Qwen 0.5B: 64)")
-    return add_common_args(ap, files="frontier.json, frontier.png")
+    ap.add_argument("--model-label", default="Qwen2.5-Coder-0.5B", help="the harness's model, for the plot's title")
+    ap.add_argument("--name", default="frontier", help="output files NAME.json and NAME.png (e.g. frontier15b for "
+                    "the 1.5B's harness: --longctx docs/benchmarks/longctx15b.json --head-dim 128)")
+    return add_common_args(ap, files="NAME.json, NAME.png (--name, default frontier)")
 
 
 def main(argv=None):
@@ -169,9 +173,10 @@ def main(argv=None):
         rows.append(row)
     meta = run_meta(args.commit, sources=dict(longctx=args.longctx, decode=args.decode), shape=SHAPE,
                     context=CONTEXT, batch=BATCH, weight_bytes=WEIGHT_BYTES)
-    out = os.path.join(args.out, "frontier.json")
-    write_json(out, dict(meta=meta, rows=rows))
-    plot(rows, os.path.join(args.out, "frontier.png"))
+    if not args.name or any(bad in args.name for bad in ("/", "\\", "..")):
+        raise SystemExit(f"--name {args.name!r} must be a plain file stem (no '/', '\\' or '..'): files go in --out")
+    write_json(os.path.join(args.out, f"{args.name}.json"), dict(meta=meta, rows=rows))
+    plot(rows, os.path.join(args.out, f"{args.name}.png"), args.model_label)
     print(f"{'context':>7} {'rule':<26} {'budget':>6} {'n':>3} {'kept':>6} {'bytes/dense':>11} {'speedup':>8}")
     for r in rows:
         kept = "-" if r["kept"] is None else f"{100 * r['kept']:.0f}%"

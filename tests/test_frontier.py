@@ -85,3 +85,21 @@ def test_a_two_stage_decode_row_names_its_second_stage_and_is_matched_by_it(tmp_
     by = {r["spec"]: r for r in out}
     assert by["two:4:labels:32:4"]["speedup"] == pytest.approx(1.5)
     assert by["labels:32:4"]["speedup"] == pytest.approx(1.1)
+
+
+def test_name_writes_its_own_files_and_refuses_a_path(tmp_path):
+    """--name NAME writes NAME.json / NAME.png in --out (the 1.5B's frontier beside the 0.5B's); a name that is a
+    path is refused before anything is written."""
+    dec = tmp_path / "decode.json"
+    dec.write_text(json.dumps(dict(rows=[])))
+    args = ["--longctx", str(_longctx(tmp_path)), "--decode", str(dec), "--out", str(tmp_path / "o"), "--commit", "abc",
+            "--head-dim", "128", "--model-label", "Qwen2.5-Coder-1.5B"]
+    rows = frontier.main(args + ["--name", "frontier15b"])
+    assert {r["spec"] for r in rows} == {"dense", "labels:32:4"}
+    assert next(r for r in rows if r["spec"] == "labels:32:4")["channels_8b"] == 32      # 32 of 128 stays 32
+    assert json.loads((tmp_path / "o" / "frontier15b.json").read_text())["meta"]["commit"] == "abc"
+    assert not (tmp_path / "o" / "frontier.json").exists()
+    for bad in ("../x", "a/b", ""):
+        with pytest.raises(SystemExit, match="plain file stem"):
+            frontier.main(args + ["--name", bad])
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["frontier15b.json", "frontier15b.png"]
