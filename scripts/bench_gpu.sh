@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The benchmarks on a GPU machine (written for an H200), one step per name, each within one 600 s device call:
-#   bash scripts/bench_gpu.sh [select labels labels-8bit sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e quality-passkey16
+#   bash scripts/bench_gpu.sh [select labels labels-8bit sieve sieve-decode sieve-buckets tiers ingest attention layer
+#                              decode profile e2e quality-passkey16
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
 #                              decode-prefill longctx-16k longctx-32k longctx-100 longctx-diag decode-labels
@@ -73,11 +74,13 @@ for b in "${names[@]}"; do
     quality-passkey|quality-passkey16|quality-passkey64)   # the target cells (budgets >= 512), Quest and key copy 32
                   pg=16; [ "$b" = quality-passkey64 ] && pg=64
                   step "$b" 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey \
-                  --pages "$pg" --budgets 512,1024 --key-channels 0,32 --batch 32 --out "$OUT" --name "q_pk$pg" "${C[@]}" ;;
+                  --pages "$pg" --budgets 512,1024 --key-channels 0,32 --batch 32 \
+                  --out "$OUT" --name "q_pk$pg" "${C[@]}" ;;
     quality-passkey-low16|quality-passkey-low64)           # the speed shapes' ratios (budgets 64-256)
                   pg=16; [ "$b" = quality-passkey-low64 ] && pg=64
                   step "$b" 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey \
-                  --pages "$pg" --budgets 64,128,256 --key-channels 0,32 --batch 32 --out "$OUT" --name "q_pklow$pg" "${C[@]}" ;;
+                  --pages "$pg" --budgets 64,128,256 --key-channels 0,32 --batch 32 \
+                  --out "$OUT" --name "q_pklow$pg" "${C[@]}" ;;
     quality-ppl16)    step quality-ppl16 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
                   --tasks ppl --pages 16 --key-channels 0 --out "$OUT" --name q_ppl16 "${C[@]}" ;;
     quality-ppl16-copy) step quality-ppl16-copy 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
@@ -163,7 +166,9 @@ for b in "${names[@]}"; do
                 step decode-labels 300 scripts/bench_decode.py --out "$OUT/labels" "${C[@]}" --chunks 4 --append \
                   --row-timeout 130 --budget 4096 --key-channels 64 --label-bits 4 --hot-share 0.9 \
                   --rows sparse:131072:3 ;;
-    quality-passkey-split2) step quality-passkey-split2 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" --tasks passkey --contexts 8192 --pages 16 --budgets 512,1024 --summary-split 2 --out "$OUT" --name q_passkey_split2 "${C[@]}" ;;
+    quality-passkey-split2) step quality-passkey-split2 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
+                  --tasks passkey --contexts 8192 --pages 16 --budgets 512,1024 --summary-split 2 --out "$OUT" \
+                  --name q_passkey_split2 "${C[@]}" ;;
     # attention="auto" against both paths, same run (issue 21): short contexts, then the long ones appended
     auto-short) step auto-short 580 scripts/bench_decode.py --out "$OUT/auto" "${C[@]}" --chunks 4 --row-timeout 180 \
                   --rows sparse:8192:8,dense:8192:8,auto:8192:8,sparse:32768:1,dense:32768:1,auto:32768:1 ;;
@@ -197,11 +202,13 @@ for b in "${names[@]}"; do
                   --clients 32 --prompt-lengths 1024,4096,32768 --weights 0.6,0.3,0.1 --max-tokens 256 \
                   --page-size 64 --token-budget 2048 --prefill-chunk-tokens 2048 --max-context 33024 \
                   --compile-cache "$OUT/jax_cache" --time-limit 300 --startup-timeout 240 --out "$OUT" "${C[@]}" ;;
-    *) echo "unknown benchmark '$b' (select labels labels-8bit sieve sieve-decode sieve-buckets tiers ingest attention layer decode profile e2e" \
+    *) echo "unknown benchmark '$b' (select labels labels-8bit sieve sieve-decode sieve-buckets tiers ingest" \
+            "attention layer decode profile e2e" \
             "quality-passkey16 quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16" \
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2 longctx-16k" \
-            "longctx-32k longctx-100 longctx-diag decode-labels quality-austen32k quality-austen32k-quest quality-austen32k-1of16" \
+            "longctx-32k longctx-100 longctx-diag" \
+            "decode-labels quality-austen32k quality-austen32k-quest quality-austen32k-1of16" \
             "profile-labels profile-two-stage longctx-15b serve)"; exit 2 ;;
   esac
 done
