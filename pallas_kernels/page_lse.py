@@ -31,7 +31,9 @@ BLOCK_ELEMS = 16384  # fp32 values of one block's copy (pages x T x C): 64 a thr
 # 1 / 2 x warps 1 / 2 / 4 (bench_labels, H200, docs/BENCHMARKS.md)
 LABEL_BLOCK_PAGES = 1
 LABEL_WARPS = 1
-# Code bytes a token read at a time: a whole 32-byte row at C = 64 (4 bits) is read as two 16-byte halves
+# Code bytes a token read at a time (a 32-byte row at C = 64, 4 bits, is two 16-byte reads). Measured only together
+# with scaling the codes (labels.json run C: 157.4 vs 156.7 us at C = 64, no gain; with the query-row scaling it
+# lost, 199.3); at C <= 32 a row is one chunk, so it changes nothing there
 CHUNK_BYTES = 16
 
 
