@@ -2,10 +2,10 @@
 
 lse[s, j, r, p] = log sum_{t in page p} exp(kc[s, layer, j, p, t, i(r)] . qc[s, j, r])
 for each query row r of group j (r = i * H + x: KV head i of the group, its x-th query row; a verification's rows
-and a KV head's query heads are all rows here). The caller (ulacache_jax.cache.select.key_copy.page_mass) masks unflushed pages,
-normalises each row over the pages (a softmax over every flushed token, done per page so the token weights are
-never written) and sums the rows. XLA's version materialises the float32 logits [S, rows, P, page] of every layer
-and reads them back; this kernel reads the copy once and writes [S, G, rows, P].
+and a KV head's query heads are all rows here). The caller (ulacache_jax.cache.select.key_copy.page_mass) masks
+unflushed pages, normalises each row over the pages (a softmax over every flushed token, done per page so the token
+weights are never written) and sums the rows. XLA's version materialises the float32 logits [S, rows, P, page] of
+every layer and reads them back; this kernel reads the copy once and writes [S, G, rows, P].
 One program per (sequence, group, block of pages), or with `pages_per_program` per (sequence, group, span of
 pages) looping over the span's blocks (fewer, longer programs: at the 8B shape one block is 4 pages, 8 KB of 4-bit
 codes, and a layer launches S * G * P / 4 programs); the layer is a static index into the full copy (no per-layer
