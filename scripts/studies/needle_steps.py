@@ -10,7 +10,7 @@ writes the first one or two values and stops where dense writes all four, and th
 its answers are dense's word for word: the loss is selection's. This study asks which step loses it. One dense
 forward per prompt over the chat-templated prompt followed by the right answer ("v1, v2, v3, v4" and the end of
 turn, teacher-forced) records every layer's post-RoPE keys and the queries of every answer position
-(selection_recall.record's recipe). At each answer position, for every layer and KV head, the true attention of the
+(selection_recall.record). At each answer position, for every layer and KV head, the true attention of the
 group's queries gives each page its mass (selection_recall.page_truth over the keys so far); each rule scores the
 flushed pages as the library does (selection_recall.rule_scores) and selects within the budget
 (selection_recall.select). For each needle (the page holding its value's tokens in the prompt), **needle recall** is
@@ -31,35 +31,6 @@ import numpy as np
 
 from scripts import bench_meta
 from scripts.studies import selection_recall as sr
-
-
-def record_at(model, ids, positions):
-    """ids [T] -> (keys [L, T, KV, D] float32, queries [L, A, H, D] float32 at `positions` [A]), post-RoPE."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from ulacache_jax.models.attention import blocked_attention
-    L, KV = model.config.num_layers, model.config.num_kv_heads
-    H, D = model.config.num_heads, model.config.head_dim
-    T, at = len(ids), jnp.asarray(positions, jnp.int32)
-    graphdef, params = nnx.split(model)
-
-    @jax.jit
-    def run(params, ids):
-        m = nnx.merge(graphdef, params)
-        pos = jnp.arange(T, dtype=jnp.int32)[None]
-
-        def attn(cache, q, k, v, meta, layer):
-            cache = (cache[0].at[layer].set(k[0].astype(jnp.float32)),
-                     cache[1].at[layer].set(q[0, at].astype(jnp.float32)))
-            return cache, blocked_attention(q, k, v, meta, meta)
-
-        zero = (jnp.zeros((L, T, KV, D), jnp.float32), jnp.zeros((L, len(positions), H, D), jnp.float32))
-        (ks, qs), _ = m.forward_with_cache(zero, ids, pos, pos, attn)
-        return ks, qs
-
-    ks, qs = run(params, jnp.asarray(ids, jnp.int32)[None])
-    return np.asarray(ks), np.asarray(qs)
 
 
 def find(seq: list[int], sub: list[int], end: int) -> int:
@@ -144,7 +115,7 @@ def main(argv=None) -> int:
         if min(starts) < 0:
             raise SystemExit(f"prompt {i}: a value of {pr.answers} is not in the prompt's tokens")
         needle_page = [s // page for s in starts]
-        ks, qs = record_at(model, ids, [p for _, p, _ in steps])
+        ks, qs = sr.record(model, ids, [p for _, p, _ in steps])
         print(f"prompt {i}: {len(prompt)} + {len(ids) - len(prompt)} tokens, needle pages {needle_page}, "
               f"recorded at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         for a, (phase, pos, needles) in enumerate(steps):

@@ -29,8 +29,9 @@ import numpy as np
 from scripts import bench_meta
 
 
-def record(model, ids):
-    """ids [T] -> (keys [L, T, KV, D] float32, query [L, H, D] float32 of the last position), post-RoPE."""
+def record(model, ids, positions=None):
+    """ids [T] -> (keys [L, T, KV, D] float32, queries), post-RoPE: the query [L, H, D] float32 of the last
+    position, or with `positions` [A] those positions' queries [L, A, H, D] (needle_steps: every answer step)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -38,6 +39,7 @@ def record(model, ids):
     L, KV = model.config.num_layers, model.config.num_kv_heads
     H, D = model.config.num_heads, model.config.head_dim
     T = len(ids)
+    at = jnp.asarray([T - 1] if positions is None else positions, jnp.int32)
     graphdef, params = nnx.split(model)
 
     @jax.jit
@@ -46,15 +48,16 @@ def record(model, ids):
         pos = jnp.arange(T, dtype=jnp.int32)[None]
 
         def attn(cache, q, k, v, meta, layer):
-            cache = (cache[0].at[layer].set(k[0].astype(jnp.float32)), cache[1].at[layer].set(q[0, -1].astype(jnp.float32)))
+            cache = (cache[0].at[layer].set(k[0].astype(jnp.float32)),
+                     cache[1].at[layer].set(q[0, at].astype(jnp.float32)))
             return cache, blocked_attention(q, k, v, meta, meta)
 
-        zero = (jnp.zeros((L, T, KV, D), jnp.float32), jnp.zeros((L, H, D), jnp.float32))
+        zero = (jnp.zeros((L, T, KV, D), jnp.float32), jnp.zeros((L, len(at), H, D), jnp.float32))
         (ks, qs), _ = m.forward_with_cache(zero, ids, pos, pos, attn)
         return ks, qs
 
     ks, qs = run(params, jnp.asarray(ids, jnp.int32)[None])
-    return np.asarray(ks), np.asarray(qs)
+    return np.asarray(ks), np.asarray(qs)[:, 0] if positions is None else np.asarray(qs)
 
 
 def page_truth(k, q, page: int):
