@@ -38,6 +38,7 @@ from flax import nnx
 
 from scripts import bench_meta
 from ulacache_jax.cache.select import two_stage
+from ulacache_jax.cache.select.labels import Labels
 from scripts.bench_meta import (add_common_args, appended_meta, child_env, copy_ceiling, earlier_run, git_commit,
                                 read_ceiling, utc_now)
 
@@ -167,7 +168,9 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1, ke
     cfg = default_cache_config(mc, num_seqs=batch, max_tokens=need * page, page_size=page,
                                token_budget=args.budget, dtype="bfloat16", tp=tp, **kw)
     if attention == "sparse" and getattr(args, "two_stage", None):
-        cfg = two_stage.configure(cfg, args.two_stage)
+        first = getattr(args, "first_channels", 0)
+        cfg = two_stage.configure(cfg, args.two_stage, first=Labels(channels=first, bits=cfg.label_bits or 4)
+                                  if first else None)
     # host pool: the pages admit reserves (`need` per sequence, layer and group), not the padded page-table width:
     # at 32K x 27 the padding (518 -> 640 pages) alone would pin 28 GB more host memory
     return dataclasses.replace(cfg, host_pages=batch * cfg.num_layers * cfg.groups_per_rank * need)
@@ -183,6 +186,9 @@ def scorer_fields(cfg) -> dict:
     out = dict(rule=cfg.rule, key_channels=getattr(scorer, "channels", 0), label_bits=getattr(scorer, "bits", 0))
     if second is not None:
         out["second_rule"] = second.name
+    first = getattr(rule, "first", None)
+    if first is not None:
+        out.update(first_rule=first.name, first_channels=first.channels, first_bits=first.bits)
     return out
 
 
@@ -365,7 +371,7 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
                "--fill", args.fill, "--key-channels", str(args.key_channels), "--label-bits", str(args.label_bits),
                "--scores", args.scores, "--hot-share", str(getattr(args, "hot_share", 0.0))]
         if getattr(args, "two_stage", None):
-            cmd += ["--two-stage", str(args.two_stage)]
+            cmd += ["--two-stage", str(args.two_stage), "--first-channels", str(getattr(args, "first_channels", 0))]
         if args.score_launch:
             cmd += ["--score-launch", *map(str, args.score_launch)]
         proc = None
@@ -393,6 +399,17 @@ def two_stage_arg(text: str) -> int:
         return two_stage.parse_spec(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def first_channels_arg(text: str) -> int:
+    """--first-channels: an even int >= 0 (whole rotary pairs); the model's head_dim bounds it when a row is built."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0 or v % 2:
+        raise argparse.ArgumentTypeError(f"--first-channels {text!r} must be an even int >= 0 (whole rotary pairs)")
+    return v
 
 
 def two_stage_label(v) -> str:
@@ -440,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--two-stage", type=two_stage_arg, default=None, metavar="MULT",
                    help="sparse rows: the rule above as the second stage of a TwoStage (Quest's page bound "
                         "shortlists MULT x the budget; cache/select/two_stage.py)")
+    p.add_argument("--first-channels", type=first_channels_arg, default=0, metavar="C",
+                   help="with --two-stage: labels over C channels (whole rotary pairs, --label-bits or 4 bits, picked "
+                        "online) shortlist in place of Quest's bound (0: Quest)")
     p.add_argument("--scores", default="auto", choices=("auto", "ref", "pallas"),
                    help="sparse rows: page-score kernel (Quest bounds or the key copy's page mass): auto (the Pallas "
                         "kernel on GPU), ref (XLA) or pallas")
@@ -461,6 +481,10 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     from ulacache_jax.models import LlamaModel, get_preset
     mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
+    if args.first_channels and not args.two_stage:
+        raise SystemExit(f"--first-channels {args.first_channels} needs --two-stage MULT (it names the first stage)")
+    if args.first_channels > mc.head_dim:
+        raise SystemExit(f"--first-channels {args.first_channels} must be <= the model's head_dim {mc.head_dim}")
     rows = []
     plan = parse_rows(args.rows or ",".join(f"{side}:{ctx}:{b}" for ctx in args.contexts.split(",")
                                             for b in args.batches.split(",") for side in args.sides.split(",")))

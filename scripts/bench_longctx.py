@@ -19,7 +19,8 @@ Rules (`--rules`, comma list): dense; quest; key_copy:C (CacheConfig.key_channel
 labels:C:BITS (label_bits 8 or 4) and labels:C:BITS:TABLE (an offline channel table, JSON {"model_digest",
 "channels": [L][KV][C]}, passed as CacheConfig.channel_table; TABLE 'auto': the model's shipped table,
 models/calibration); two:MULT:<rule> (not dense): that rule ranks the shortlist of a TwoStage (Quest's page bound
-shortlists MULT x the budget; rows carry two_stage MULT). Every sparse rule runs at every budget (--budgets, plus
+shortlists MULT x the budget; rows carry two_stage MULT); two:MULT:<first>+<rule>: <first> (key_copy or labels)
+shortlists instead of Quest (rows also carry first_rule, first_channels, first_bits). Every sparse rule runs at every budget (--budgets, plus
 --budget-ratios x context, rounded to the page size; a budget >= the context is dense by construction and skipped);
 dense runs once per context, first.
 Cells: the unit of work is one generate call, (context, rule, budget, max_new_tokens) over every task and depth of
@@ -50,7 +51,7 @@ import time
 import numpy as np
 
 from scripts import ruler_tasks
-from ulacache_jax.cache.select import two_stage
+from ulacache_jax.cache.select import registry, two_stage
 from scripts.bench_meta import add_common_args
 
 # answer lengths (new tokens) per task: 7-digit numbers are 7 tokens in Qwen's / Llama-3's tokenizers
@@ -76,6 +77,7 @@ class Rule:
     table: tuple | None = None   # [L][KV][C] channel ids
     table_digest: str | None = None
     two_stage: int | None = None   # the shortlist's multiple of the budget: this rule ranks a TwoStage's shortlist
+    first: "Rule | None" = None    # that TwoStage's first stage (None: Quest's page bound)
 
     @property
     def attention(self) -> str:
@@ -89,12 +91,15 @@ class Rule:
         else:
             cfg = dataclasses.replace(base, key_channels=self.channels, label_bits=self.label_bits,
                                       channel_table=self.table)
-        return two_stage.configure(cfg, self.two_stage) if self.two_stage else cfg
+        if not self.two_stage:
+            return cfg
+        first = None if self.first is None else registry.resolve(self.first.cache_config(base))
+        return two_stage.configure(cfg, self.two_stage, first=first)
 
 
 def parse_rule(spec: str) -> Rule:
     spec = spec.strip()
-    if spec.startswith("two:"):   # two:MULT:<rule>: <rule> reranks a TwoStage's shortlist
+    if spec.startswith("two:"):   # two:MULT:[<first>+]<rule>: <rule> reranks a TwoStage's shortlist
         parts = spec.split(":", 2)
         try:
             if len(parts) < 3:
@@ -102,10 +107,17 @@ def parse_rule(spec: str) -> Rule:
             mult = two_stage.parse_spec(parts[1])
         except ValueError as e:
             raise SystemExit(f"--rules {spec!r}: {e}") from None
-        inner = parse_rule(parts[2])
+        stages = parts[2].split("+")
+        if len(stages) > 2:
+            raise SystemExit(f"--rules {spec!r}: two:MULT:<first>+<second> takes two stages, not {len(stages)}")
+        inner = parse_rule(stages[-1])
         if inner.rule == "dense" or inner.two_stage:
             raise SystemExit(f"--rules {spec!r}: the second stage must be quest, key_copy:C or labels:C:BITS")
-        return dataclasses.replace(inner, spec=spec, two_stage=mult)
+        first = parse_rule(stages[0]) if len(stages) == 2 else None
+        if first is not None and (first.rule in ("dense", "quest") or first.two_stage):
+            raise SystemExit(f"--rules {spec!r}: the first stage must be key_copy:C or labels:C:BITS (Quest's bound "
+                             "is the first stage when none is given)")
+        return dataclasses.replace(inner, spec=spec, two_stage=mult, first=first)
     parts = spec.split(":", 3)
     name = parts[0]
     try:
@@ -140,6 +152,8 @@ def resolve_tables(rules: list[Rule], model: str) -> list[Rule]:
     from ulacache_jax.models import calibration
     out, digest = [], None
     for r in rules:
+        if r.first is not None:
+            r = dataclasses.replace(r, first=resolve_tables([r.first], model)[0])
         if r.table_path == "auto":
             try:
                 digest = digest or calibration.model_digest(model)      # hashed once for every 'auto' rule
@@ -153,6 +167,13 @@ def resolve_tables(rules: list[Rule], model: str) -> list[Rule]:
                                     table_digest=digest)
         out.append(r)
     return out
+
+
+def first_fields(rule: Rule) -> dict:
+    """A two-stage row's first stage when it is a rule (first_rule, first_channels, first_bits); none for Quest's
+    bound (the rows before first stages existed read the same)."""
+    f = rule.first
+    return {} if f is None else dict(first_rule=f.rule, first_channels=f.channels, first_bits=f.label_bits)
 
 
 def parse_rules(text: str) -> list[Rule]:
@@ -383,7 +404,7 @@ def run(args, prompts: list, prompt_meta: dict) -> dict:
                             if all(p["id"] in dense_out for p in sel) else None)
                     res.add(dict(model=model_name(spec), attention=rule.attention, rule=rule.rule,
                                  channels=rule.channels, label_bits=rule.label_bits,
-                                 two_stage=rule.two_stage, kv_dtype=str(cc.codec.storage_dtype(cc.dtype)), task=task,
+                                 two_stage=rule.two_stage, **first_fields(rule), kv_dtype=str(cc.codec.storage_dtype(cc.dtype)), task=task,
                                  context=context, prompt_tokens=float(np.mean([len(ids[p["id"]]) for p in sel])),
                                  depth=depth, batch=cc.max_seqs, budget=budget, page_size=cc.page_size,
                                  accuracy=float(np.mean([scores[p["id"]] for p in sel])),

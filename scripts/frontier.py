@@ -36,14 +36,18 @@ CONTEXT, BATCH = 131072, 3
 WEIGHT_BYTES = 16.06e9
 
 
-def rule_object(name: str, channels: int, bits: int, two: int | None, budget_pages: int):
-    """The library's rule for a harness row's fields at the 8B shape (channels already scaled)."""
+def rule_object(name: str, channels: int, bits: int, two: int | None, budget_pages: int, first: int = 0):
+    """The library's rule for a harness row's fields at the 8B shape (channels already scaled); first: a two-stage
+    rule's first-stage label channels (scaled too; 0: Quest's bound)."""
     rule = {"quest": lambda: Quest(), "key_copy": lambda: KeyCopy(channels=channels),
             "labels": lambda: Labels(channels=channels, bits=bits)}[name]()
-    return TwoStage(second=rule, keep_pages=two * budget_pages) if two else rule
+    if not two:
+        return rule
+    return TwoStage(second=rule, keep_pages=two * budget_pages,
+                    first=Labels(channels=first, bits=bits or 4) if first else None)
 
 
-def step_bytes(name: str, channels: int, bits: int, two: int | None, ratio: float | None) -> dict:
+def step_bytes(name: str, channels: int, bits: int, two: int | None, ratio: float | None, first: int = 0) -> dict:
     """Bytes of one decode step at the 8B shape, 128K x 3: scorer, selected K/V, weights, and the total as a
     fraction of dense's."""
     kv_token = SHAPE["num_layers"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2 * SHAPE["itemsize"]
@@ -52,7 +56,7 @@ def step_bytes(name: str, channels: int, bits: int, two: int | None, ratio: floa
         return dict(scorer_gb=0.0, selected_gb=BATCH * CONTEXT * kv_token / 1e9, total_gb=dense / 1e9,
                     fraction_of_dense=1.0)
     budget = round(ratio * CONTEXT / SHAPE["page_size"]) * SHAPE["page_size"]
-    rule = rule_object(name, channels, bits, two, budget // SHAPE["page_size"])
+    rule = rule_object(name, channels, bits, two, budget // SHAPE["page_size"], first)
     scorer = BATCH * rule.step_bytes(context=CONTEXT, **SHAPE)
     selected = BATCH * (budget + SHAPE["page_size"]) * kv_token
     total = WEIGHT_BYTES + scorer + selected
@@ -61,9 +65,11 @@ def step_bytes(name: str, channels: int, bits: int, two: int | None, ratio: floa
 
 
 def rule_fields(rows: list[dict]) -> dict:
-    """{spec: (rule, channels, label_bits, two_stage multiple or None)} as the harness's rows record them; the
-    rows of the deleted page-group two-stage rule (two_stage [group, multiple]) are left out."""
-    return {r["spec"]: (r["rule"], r["channels"], r["label_bits"], r.get("two_stage")) for r in rows
+    """{spec: (rule, channels, label_bits, two_stage multiple or None, first-stage label channels or 0)} as the
+    harness's rows record them; the rows of the deleted page-group two-stage rule (two_stage [group, multiple]) are
+    left out."""
+    return {r["spec"]: (r["rule"], r["channels"], r["label_bits"], r.get("two_stage"), r.get("first_channels") or 0)
+            for r in rows
             if not isinstance(r.get("two_stage"), list)}
 
 
@@ -86,6 +92,7 @@ def quality_cells(longctx: dict) -> list[dict]:
         right = [pid for pid, _ in scores if dense.get(pid) == 1.0]
         kept = [s for pid, s in scores if dense.get(pid) == 1.0]
         out.append(dict(spec=spec, rule=parsed[0], channels=parsed[1], label_bits=parsed[2], two_stage=parsed[3],
+                        first_channels=parsed[4],
                         context=context, budget=budget,
                         budget_ratio=None if budget is None else budget / context, n=len(scores),
                         accuracy=sum(s for _, s in scores) / len(scores),
@@ -101,6 +108,7 @@ def speed_of(cell: dict, head_dim: int, decode_rows: list[dict]):
     if cell["rule"] == "dense":
         return None
     chans = cell["channels"] * SHAPE["head_dim"] // head_dim
+    first = cell.get("first_channels", 0) * SHAPE["head_dim"] // head_dim
     want_budget = round(cell["budget_ratio"] * CONTEXT)
     best = None
     for r in decode_rows:
@@ -111,7 +119,7 @@ def speed_of(cell: dict, head_dim: int, decode_rows: list[dict]):
             rule = r.get("second_rule")
         if (rule != cell["rule"] or (r.get("key_channels") or 0) != chans or (r.get("label_bits") or 0)
                 != cell["label_bits"] or r.get("budget") != want_budget or bool(r.get("two_stage")) != bool(
-                cell["two_stage"])):
+                cell["two_stage"]) or (r.get("first_channels") or 0) != first):
             continue
         call = (r.get("variant"), r.get("run"), r.get("device"))
         dense = [d for d in decode_rows if d.get("attention") == "dense" and d.get("context") == CONTEXT
@@ -167,8 +175,10 @@ def main(argv=None):
     rows = []
     for cell in quality_cells(longctx):
         chans = cell["channels"] * SHAPE["head_dim"] // args.head_dim
-        row = dict(cell, channels_8b=chans,
-                   **step_bytes(cell["rule"], chans, cell["label_bits"], cell["two_stage"], cell["budget_ratio"]))
+        first = cell["first_channels"] * SHAPE["head_dim"] // args.head_dim
+        row = dict(cell, channels_8b=chans, first_channels_8b=first,
+                   **step_bytes(cell["rule"], chans, cell["label_bits"], cell["two_stage"], cell["budget_ratio"],
+                                first))
         row.update(speed_of(cell, args.head_dim, decode_rows) or {})
         rows.append(row)
     meta = run_meta(args.commit, sources=dict(longctx=args.longctx, decode=args.decode), shape=SHAPE,
@@ -177,11 +187,11 @@ def main(argv=None):
         raise SystemExit(f"--name {args.name!r} must be a plain file stem (no '/', '\\' or '..'): files go in --out")
     write_json(os.path.join(args.out, f"{args.name}.json"), dict(meta=meta, rows=rows))
     plot(rows, os.path.join(args.out, f"{args.name}.png"), args.model_label)
-    print(f"{'context':>7} {'rule':<26} {'budget':>6} {'n':>3} {'kept':>6} {'bytes/dense':>11} {'speedup':>8}")
+    print(f"{'context':>7} {'rule':<40} {'budget':>6} {'n':>3} {'kept':>6} {'bytes/dense':>11} {'speedup':>8}")
     for r in rows:
         kept = "-" if r["kept"] is None else f"{100 * r['kept']:.0f}%"
         sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
-        print(f"{r['context']:>7} {r['spec'][:26]:<26} {str(r['budget'] or '-'):>6} {r['n']:>3} {kept:>6} "
+        print(f"{r['context']:>7} {r['spec'][:40]:<40} {str(r['budget'] or '-'):>6} {r['n']:>3} {kept:>6} "
               f"{r['fraction_of_dense']:>11.3f} {sp:>8}")
     return rows
 

@@ -83,7 +83,17 @@ def test_rules_and_budgets(tmp_path):
     assert (two.two_stage, two.rule, tc.rule) == (4, "labels", "two_stage")
     assert (tc.selection.keep_pages, tc.selection.second.channels, tc.selection.second.bits) == \
         (4 * base.select_pages, 4, 4)
-    for bad in ("two:0:quest", "two:4:dense", "two:4", "two:8:4:quest", "two:4:two:2:quest"):
+    # two:MULT:<first>+<rule>: <first> shortlists in Quest's place (rows say which)
+    lf = bl.parse_rules(f"two:4:labels:4:4:{table}+labels:16:4")[0]
+    lc = lf.cache_config(base)
+    assert (lf.two_stage, lf.rule, lf.channels, lc.rule) == (4, "labels", 16, "two_stage")
+    first = lc.selection.first
+    assert (first.channels, first.bits, first.table, lc.selection.second.channels) == (4, 4, cc.channel_table, 16)
+    assert bl.first_fields(lf) == dict(first_rule="labels", first_channels=4, first_bits=4)
+    assert bl.first_fields(two) == {}
+    for bad in ("two:0:quest", "two:4:dense", "two:4", "two:8:4:quest", "two:4:two:2:quest", "two:4:quest+labels:4:4",
+                "two:4:dense+labels:4:4", "two:4:labels:4:4+dense", "two:4:labels:4:4+labels:4:4+labels:4:4",
+                "two:4:labels:4:3+labels:4:4"):
         with pytest.raises(SystemExit):
             bl.parse_rules(bad)
     with pytest.raises(SystemExit):
@@ -110,3 +120,5 @@ def test_auto_table_is_the_models_shipped_one():
         bl.resolve_tables(bl.parse_rules("labels:12:4:auto"), "qwen2.5-coder-0.5b")
     untouched = bl.parse_rules("quest,labels:32:4")
     assert bl.resolve_tables(untouched, "tiny") == untouched
+    two, = bl.resolve_tables(bl.parse_rules("two:4:labels:16:4:auto+labels:64:4"), "qwen2.5-coder-0.5b")
+    assert two.first.table == calibration.channel_table("qwen2.5-coder-0.5b", 16) and two.table is None

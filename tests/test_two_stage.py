@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import jax
 import jax.numpy as jnp
 
 from ulacache_jax.cache.config import CacheConfig
@@ -14,11 +15,12 @@ from ulacache_jax.cache.select.key_copy import KeyCopy, KeyCopyState
 from ulacache_jax.cache.select.labels import Labels
 from ulacache_jax.cache.select.quest import Quest
 from ulacache_jax.cache.select.registry import resolve
-from ulacache_jax.cache.select.two_stage import TwoStage, parse_spec, shortlist, spread
+from ulacache_jax.cache.select.two_stage import TwoStage, TwoStageState, parse_spec, shortlist, spread
 from cache_steps import assert_covering_budget_equals_dense, ingest_and_decode, tiny_model
 
 PAGE, D = 8, 16
 TABLE = (((0, 1, 8, 9), (2, 3, 10, 11)), ((4, 5, 12, 13), (6, 7, 14, 15)))     # tiny: [L][KV][C], whole pairs
+ALL = ((tuple(range(D)),) * 2,) * 2                                              # [L][KV][D]: every channel
 
 
 @pytest.fixture(scope="module")
@@ -113,23 +115,62 @@ def test_small_shortlist_holds_quests_top_pages(second, split):
                 np.testing.assert_allclose(two[s, g, top], bound[s, g, top], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rule", [TwoStage(Quest(), keep_pages=8), TwoStage(Labels(channels=4, bits=4), keep_pages=8)],
-                         ids=["quest", "labels"])
+def test_label_first_stage_shortlists_its_top_pages_and_keeps_both_states():
+    """A first rule (labels over 4 channels) in place of Quest's bound: the state holds both stages' own (each rule's
+    hooks wrote its part as it would alone: the same codes as that rule's cache), the pages scored are exactly the
+    5 of highest first-stage mass, and a shortlist of every page scores as the second stage alone."""
+    first, second = Labels(channels=4, bits=4), Labels(channels=D, bits=4)
+    rng = np.random.default_rng(7)
+    c = _config(TwoStage(second, keep_pages=5, first=first))
+    _, state, _, _ = ingest_and_decode(c, [50, 77, 20], 3, rng)
+    assert isinstance(state.sel, TwoStageState) and state.sel.first.kc.shape[-1] == 2
+    assert state.sel.second.kc.shape[-1] == D // 2
+    for rule, sel in ((first, state.sel.first), (second, state.sel.second)):   # each stage as if it ran alone
+        _, alone, _, _ = ingest_and_decode(_config(rule), [50, 77, 20], 3, np.random.default_rng(7))
+        for a, b in zip(jax.tree.leaves(alone.sel), jax.tree.leaves(sel)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    q = jnp.asarray(rng.standard_normal((3, 1, 4, D)), jnp.float32)
+    flushed = state.seqs.flushed
+    opts = DecodeOptions(scores="ref")
+    two = np.asarray(resolve(c).score(state, 1, q, flushed, opts))                    # [S, G, P]
+    view = lambda part: dataclasses.replace(state, sel=part)
+    mass = np.asarray(first.score(view(state.sel.first), 1, q, flushed, opts))
+    for s in range(3):
+        f = int(flushed[s])
+        for g in range(2):
+            top = np.argsort(-mass[s, g, :f], kind="stable")[:min(5, f)]
+            assert set(np.flatnonzero(np.isfinite(two[s, g])).tolist()) == set(top.tolist())
+    every = dataclasses.replace(c, selection=TwoStage(second, keep_pages=32, first=first))
+    two = np.asarray(every.selection.score(dataclasses.replace(state, config=every), 1, q, flushed, opts))
+    one = np.asarray(second.score(view(state.sel.second), 1, q, flushed, opts))
+    for s in range(3):
+        f = int(flushed[s])
+        np.testing.assert_allclose(two[s, :, :f], one[s, :, :f], rtol=1e-5, atol=1e-6)
+        assert np.isneginf(two[s, :, f:]).all()
+
+
+@pytest.mark.parametrize("rule", [TwoStage(Quest(), keep_pages=8), TwoStage(Labels(channels=4, bits=4), keep_pages=8),
+                                  TwoStage(Labels(channels=D, bits=4), keep_pages=8,
+                                           first=Labels(channels=4, bits=4))],
+                         ids=["quest", "labels", "labels_first"])
 def test_covering_budget_equals_dense(model, rule):
     assert_covering_budget_equals_dense(model, selection=rule)
 
 
 def test_small_budget_with_shared_prefixes_and_speculative(model):
-    """Budget 4 pages of 16, a shortlist of 8 reranked by labels over a fixed channel table (the labels' hooks run
-    through the two-stage rule; a table allows shared prefixes): the Engine's tokens are the same with shared
-    prefixes (attach writes the labels) and with greedy speculative decoding (commit rewrites the tail's)."""
+    """Budget 4 pages of 16, a shortlist of 8 chosen by labels over 4 channels and reranked by labels over all 16,
+    both over fixed channel tables (both rules' hooks run through the two-stage rule, each on its own state; tables
+    allow shared prefixes): the Engine's tokens are the same with shared prefixes (attach writes both stages'
+    labels) and with greedy speculative decoding (commit rewrites the tail's). The chunked-prefill test below runs
+    a Quest first stage through the Engine."""
     from ulacache_jax.runtime.engine import Engine, SamplingParams
     from ulacache_jax.runtime.generation import Generator, default_cache_config
     from ulacache_jax.runtime.speculative.rules import SpecConfig
     rng = np.random.default_rng(2)
     doc = [int(t) for t in rng.integers(0, 256, 100)]
     prompts = [doc + [int(t) for t in rng.integers(0, 256, n)] for n in (5, 23)]
-    rule = TwoStage(Labels(channels=4, bits=4, table=TABLE), keep_pages=8)
+    rule = TwoStage(Labels(channels=D, bits=4, table=ALL), keep_pages=8,
+                    first=Labels(channels=4, bits=4, table=TABLE))
     cfg = default_cache_config(model.config, num_seqs=2, max_tokens=192, page_size=16, token_budget=64,
                                verify_rows=4, selection=rule)
     outs = {}
@@ -151,8 +192,16 @@ def test_bad_values_and_bytes():
                     (dict(keep_pages=True), "keep_pages = True"), (dict(keep_pages=8.0), "keep_pages = 8.0")):
         with pytest.raises(ValueError, match=msg):
             _config(TwoStage(Quest(), **kw))
-    with pytest.raises(ValueError, match="another TwoStage"):
+    with pytest.raises(ValueError, match="the second stage cannot be another TwoStage"):
         _config(TwoStage(TwoStage(Quest(), keep_pages=8), keep_pages=8))
+    with pytest.raises(ValueError, match="the first stage cannot be another TwoStage"):
+        _config(TwoStage(Quest(), keep_pages=8, first=TwoStage(Quest(), keep_pages=8)))
+    with pytest.raises(ValueError, match="the first stage 'quest' is not a SelectionRule"):
+        _config(TwoStage(Quest(), keep_pages=8, first="quest"))
+    with pytest.raises(ValueError, match="Labels: bits = 3"):                           # the first rule's own check
+        _config(TwoStage(Quest(), keep_pages=8, first=Labels(channels=4, bits=3)))
+    with pytest.raises(ValueError, match=r"channels = 20 must be in \[1, head_dim = 16\]"):
+        _config(TwoStage(Quest(), keep_pages=8, first=Labels(channels=20, bits=4)))
     with pytest.raises(TypeError):
         TwoStage(Quest(), keep_pages=8, group_pages=8)                                 # page groups are gone
     for spec, mult in (("4", 4), ("1", 1), ("16", 16)):
@@ -169,6 +218,14 @@ def test_bad_values_and_bytes():
     assert abs(quest - 0.537e9) < 0.01e9
     assert two == quest + labels.step_bytes(**dict(shape, context=512 * 64))
     assert two - quest == pytest.approx(labels.step_bytes(**shape) / 8) and two < 1.14 * quest   # 512 of 4096 pages
+    # a label first stage: 32 channels over every page, then all 128 over a 4x shortlist (512 pages): 24 bytes a
+    # token and head (plus the scales) where labels over all 128 read 64, all in the page-lse kernel
+    small, full = Labels(channels=32, bits=4), Labels(channels=128, bits=4)
+    lf = TwoStage(full, keep_pages=512, first=small)
+    assert lf.step_bytes(**shape) == small.step_bytes(**shape) + full.step_bytes(**dict(shape, context=512 * 64))
+    assert lf.kernel_bytes(**shape) == lf.step_bytes(**shape)
+    assert lf.step_bytes(**shape) == pytest.approx(full.step_bytes(**shape) * (32 + 128 / 8) / 128)
+    assert TwoStage(labels, keep_pages=512).kernel_bytes(**shape) == labels.kernel_bytes(**dict(shape, context=512 * 64))
     short = dict(shape, context=16 * 64)                                              # context under the shortlist
     assert TwoStage(labels, keep_pages=512).step_bytes(**short) == Quest().step_bytes(**short) + \
         labels.step_bytes(**short)

@@ -1,33 +1,45 @@
-"""Two-stage page selection: Quest's page bound shortlists pages, a finer rule ranks only the shortlist.
+"""Two-stage page selection: a cheap first stage shortlists pages, a finer rule ranks only the shortlist.
 
 Why: measured (below), a cheap bound over every page and a finer estimate of the attention mass over a few of
 them choose better than either alone, and the finer rule's bytes are read over the shortlist only. A two-stage rule
 
-1. **shortlists** with Quest's bound over the page summaries every cache keeps (`kmin` / `kmax`, quest.py: no
-   state of its own) the `keep_pages` flushed pages of highest bound per (sequence, group of KV heads), a multiple
-   of the budget's pages;
+1. **shortlists** the `keep_pages` flushed pages of highest first-stage score per (sequence, group of KV heads), a
+   multiple of the budget's pages. The first stage is Quest's bound over the page summaries every cache keeps
+   (`kmin` / `kmax`, quest.py: no state of its own; `first` None), or any other rule (`first`: e.g. labels over a
+   quarter of the channels, whose own state the two-stage rule keeps beside the second stage's);
 2. **reranks** them with `second.score_pages`, which gathers only the shortlisted pages' summaries / labels by page
    id (the rest score -inf, so they are chosen only after every shortlisted page, which `keep_pages >=
    select_pages` rules out). Labels' page mass is normalised over the shortlist (the pages outside it have the
-   lowest bound, so their mass is the smallest part of the softmax).
+   lowest first-stage score, so their mass is the smallest part of the softmax).
+
+Why a label first stage: on the needle studies (docs/BENCHMARKS.md) labels over a quarter of the head's channels
+keep most of a needle's attention when the model writes a value, but lose it at the step that decides whether to
+go on to the next value, where labels over every channel keep what the exact attention does; every channel over
+the whole context is what makes labels slow. Labels over a quarter of the channels everywhere, then every channel
+over a 4x shortlist, read 16 + 64 / 8 = 24 bytes a token a head-step at head dim 128 and 4 bits, against 64.
 
 Measured on an H200 (Qwen2.5-Coder-0.5B, needle in a haystack at 16K / 32K, budget 1/32): Quest's bound
 shortlisting 4x the budget for labels to rerank kept 46% of the answers, against 21-38% for Quest alone and 38% for
 labels alone. An earlier first stage, Quest's bound over summaries of groups of 8 or 16 pages (to read a fraction
 of Quest's bytes), kept 0-8% and decoded no faster than Quest (0.97x): it was deleted.
 
-Bytes a step (one sequence, all layers) = Quest's summaries of the whole context + the second stage's bytes over
-keep_pages pages (`step_bytes`, the cost model's term): on the 8B shape at 256K, 0.54 GB + 0.07 GB for 16-channel
-4-bit labels over a 4x shortlist of an 8K budget, 13% above Quest alone.
+Bytes a step (one sequence, all layers) = the first stage's over the whole context (Quest's summaries, or a first
+rule's `step_bytes`) + the second stage's bytes over keep_pages pages (`step_bytes`, the cost model's term): on the
+8B shape at 256K, 0.54 GB + 0.07 GB for 16-channel 4-bit labels over a 4x shortlist of an 8K budget, 13% above
+Quest alone.
 
-State: the second stage's own, as is (`CacheState.sel`; None for a Quest second stage), and its hooks run as they
-would alone. A Quest second stage's hooks do not run here: Quest's run for every cache (registry.kept_rules).
+State: with a Quest first stage, the second stage's own, as is (`CacheState.sel`; None for a Quest second stage),
+and its hooks run as they would alone. With a first rule, a `TwoStageState` of both rules' states, each rule's
+hooks running on its own (a rule reads and writes `state.sel`: each sees its own part there). A Quest stage's hooks
+do not run here: Quest's run for every cache (registry.kept_rules).
 """
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from ulacache_jax.cache.select import registry
@@ -55,12 +67,28 @@ def spread(scores, pages, ok, num_pages: int):
         scores.astype(jnp.float32), mode="drop")
 
 
+@partial(jax.tree_util.register_dataclass, data_fields=["first", "second"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class TwoStageState:
+    """CacheState.sel of a two-stage rule with a first rule: each stage's own state (a pytree of [R, ...] leaves, or
+    None for a stage without state)."""
+    first: object
+    second: object
+
+
+def _stateful(rule) -> bool:
+    """Whether a stage's hooks run here: Quest's already run for every cache (registry.kept_rules)."""
+    return rule is not None and not isinstance(rule, Quest)
+
+
 @dataclasses.dataclass(frozen=True)
 class TwoStage(SelectionRule):
-    """Quest's page bound shortlists `keep_pages` pages per (sequence, group of KV heads), `second` ranks them
-    (module docstring). keep_pages >= every page a sequence has: `second` alone (the shortlist holds every page)."""
+    """`first` (None: Quest's page bound) shortlists `keep_pages` pages per (sequence, group of KV heads), `second`
+    ranks them (module docstring). keep_pages >= every page a sequence has: `second` alone (the shortlist holds
+    every page)."""
     second: SelectionRule
     keep_pages: int
+    first: SelectionRule | None = None
     name: ClassVar[str] = "two_stage"
 
     def check(self, config):
@@ -70,20 +98,45 @@ class TwoStage(SelectionRule):
         if v < config.select_pages:
             raise ValueError(f"TwoStage: keep_pages = {v} must be >= token_budget // page_size = "
                              f"{config.select_pages} (the shortlist holds the pages attended)")
-        if isinstance(self.second, TwoStage):
-            raise ValueError("TwoStage: the second stage cannot be another TwoStage")
+        for stage, rule in (("second", self.second), ("first", self.first)):
+            if isinstance(rule, TwoStage):
+                raise ValueError(f"TwoStage: the {stage} stage cannot be another TwoStage")
+            if rule is not None and not isinstance(rule, SelectionRule):
+                raise ValueError(f"TwoStage: the {stage} stage {rule!r} is not a SelectionRule")
         self.second.check(config)
+        if self.first is not None:
+            self.first.check(config)
 
-    # ---- the second stage's state and hooks, as they would be alone -----------------------------------------------
-    def _own(self) -> bool:
-        """Whether the second stage's hooks run here: Quest's already run for every cache (registry.kept_rules)."""
-        return not isinstance(self.second, Quest)
+    # ---- each stage's state and hooks, as they would be alone ----------------------------------------------------
+    def _paired(self) -> bool:
+        """Whether CacheState.sel is a TwoStageState (a first rule with state of its own), else the second's."""
+        return _stateful(self.first)
+
+    def _run(self, rule, hook: str, state, sel, *args):
+        """`rule`'s hook on `state` with `sel` as its CacheState.sel -> the rule's new sel (as is for Quest)."""
+        if not _stateful(rule):
+            return sel
+        return getattr(rule, hook)(dataclasses.replace(state, sel=sel), *args).sel
 
     def _call(self, hook: str, state, *args):
-        return getattr(self.second, hook)(state, *args) if self._own() else state
+        if not self._paired():
+            return dataclasses.replace(state, sel=self._run(self.second, hook, state, state.sel, *args))
+        sel = state.sel
+        return dataclasses.replace(state, sel=TwoStageState(
+            first=self._run(self.first, hook, state, sel.first, *args),
+            second=self._run(self.second, hook, state, sel.second, *args)))
+
+    def _view(self, state, stage: str):
+        """`state` as the named stage sees it (its own sel)."""
+        if stage == "second" and not self._paired():
+            return state
+        return dataclasses.replace(state, sel=getattr(state.sel, stage))
 
     def init(self, config, ranks):
-        return self.second.init(config, ranks) if self._own() else None
+        second = self.second.init(config, ranks) if _stateful(self.second) else None
+        if not self._paired():
+            return second
+        return TwoStageState(first=self.first.init(config, ranks), second=second)
 
     def ingest(self, state, slot, layer0, page0, kp, live, first):
         return self._call("ingest", state, slot, layer0, page0, kp, live, first)
@@ -106,38 +159,44 @@ class TwoStage(SelectionRule):
     # ---- scoring -------------------------------------------------------------------------------------------------
     def score(self, state, layer, q, flushed, options):
         c = state.config
-        first = Quest(c.summary_split).score(state, layer, q, flushed, options)                # [S, G, P]
+        if not self._paired():                                                                 # Quest's bound
+            first = (self.first or Quest(c.summary_split)).score(state, layer, q, flushed, options)   # [S, G, P]
+        else:
+            first = self.first.score(self._view(state, "first"), layer, q, flushed, options)
         pages, ok = shortlist(first, flushed, keep_pages=self.keep_pages, impl=options.topk)   # [S, G, K]
-        sc = self.second.score_pages(state, layer, q, flushed, pages, ok, options)             # [S, G, K]
+        sc = self.second.score_pages(self._view(state, "second"), layer, q, flushed, pages, ok, options)
         return spread(jnp.where(ok, sc, -jnp.inf), pages, ok, c.max_pages_per_seq)
 
     def step_bytes(self, *, context, num_layers, kv_heads, head_dim, itemsize, page_size):
-        """Quest's summaries of the whole context (one per page: this protocol has no config to read a
-        summary_split from), and the second stage's bytes over the shortlist."""
+        """The first stage's bytes over the whole context (Quest's: one summary per page, as this protocol has no
+        config to read a summary_split from), and the second stage's over the shortlist."""
         shape = dict(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize,
                      page_size=page_size)
-        return (Quest().step_bytes(context=context, **shape)
+        return ((self.first or Quest()).step_bytes(context=context, **shape)
                 + self.second.step_bytes(context=self.shortlist_tokens(context, page_size), **shape))
 
     def kernel_bytes(self, *, context, page_size, **shape):
-        """The second stage's kernel bytes over the shortlist (Quest's summaries are read at the HBM rate)."""
-        return self.second.kernel_bytes(context=self.shortlist_tokens(context, page_size), page_size=page_size,
-                                        **shape)
+        """Those of the page-lse kernel: the first rule's over the context (none for Quest's summaries, read at the
+        HBM rate), and the second stage's over the shortlist."""
+        first = self.first.kernel_bytes(context=context, page_size=page_size, **shape) if self.first else 0.0
+        return first + self.second.kernel_bytes(context=self.shortlist_tokens(context, page_size),
+                                                page_size=page_size, **shape)
 
     def shortlist_tokens(self, context: int, page_size: int) -> int:
         """The tokens the second stage scores a step: the shortlist's pages, at most the context."""
         return min(context, self.keep_pages * page_size)
 
     def prefix_sharing(self, config):
-        return self.second.prefix_sharing(config)
+        why = self.first.prefix_sharing(config) if self.first is not None else None
+        return why or self.second.prefix_sharing(config)
 
 
-def configure(config, shortlist_mult: int):
+def configure(config, shortlist_mult: int, first: SelectionRule | None = None):
     """`config` with its own rule (registry.resolve: Quest, the key copy or labels, from its fields) as the second
-    stage of a TwoStage whose shortlist is `shortlist_mult` x the budget's pages. The rule object carries the
-    channels / bits / table from here on, so the config's own fields are reset (they would describe a second rule
-    beside it)."""
-    rule = TwoStage(registry.resolve(config), keep_pages=shortlist_mult * config.select_pages)
+    stage of a TwoStage whose shortlist is `shortlist_mult` x the budget's pages, chosen by `first` (None: Quest's
+    bound). The rule object carries the channels / bits / table from here on, so the config's own fields are reset
+    (they would describe a second rule beside it)."""
+    rule = TwoStage(registry.resolve(config), keep_pages=shortlist_mult * config.select_pages, first=first)
     return dataclasses.replace(config, key_channels=0, label_bits=0, channel_table=None, selection=rule)
 
 
