@@ -39,8 +39,9 @@ def table_path(digest: str, folder: str | os.PathLike | None = None) -> pathlib.
 def channel_table(model: str | os.PathLike, num_channels: int, folder: str | os.PathLike | None = None,
                   digest: str | None = None):
     """The shipped table [L][KV][C] for `model` at C = num_channels, or None when there is none (the labels then
-    calibrate online from each sequence's first prefill block). ValueError when the model has a table but not for
-    this C (names the Cs it has). digest: the model's `model_digest`, if the caller has it (a GGUF file is hashed
+    calibrate online from each sequence's first prefill block). C = the head dim (every channel) is the identity
+    table, from the file's per-channel scores' shape. ValueError when the model has a table but not for this C (names
+    the Cs it has). digest: the model's `model_digest`, if the caller has it (a GGUF file is hashed
     once, not once a lookup)."""
     digest = digest or model_digest(model)
     if digest is None:
@@ -52,6 +53,10 @@ def channel_table(model: str | os.PathLike, num_channels: int, folder: str | os.
     if data.get("model_digest") != digest:
         raise ValueError(f"{path}: model_digest {data.get('model_digest')!r} is not the model's {digest!r}")
     tables = data["channels"]
+    score = data.get("score")                                    # [L][KV][D] each channel's share of q.k
+    if str(num_channels) not in tables and score and num_channels == len(score[0][0]):
+        # every channel: the table is the identity for every layer and head, whatever the calibration measured
+        return [[list(range(num_channels)) for _ in layer] for layer in score]
     if str(num_channels) not in tables:
         raise ValueError(f"{path} has label-channel tables for C = {sorted(map(int, tables))}, not {num_channels}: "
                          f"run `python -m scripts.calibrate_labels --channels {num_channels}`")

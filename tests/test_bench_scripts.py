@@ -308,3 +308,28 @@ def test_hot_pages_raise_the_synthetic_rows_hit_rate():
     for bad in ("-0.1", "1.5", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match=bad if bad == "x" else "must be in"):
             bd.hot_share_arg(bad)
+
+
+def test_a_label_first_stage_row_runs_and_names_its_stages():
+    """bench_decode --two-stage MULT --first-channels C: labels over C channels shortlist for the labels the row's
+    --key-channels name (the row records both stages); --first-channels needs --two-stage, an even count and at
+    most the head dim."""
+    import argparse
+    import pytest
+    from scripts import bench_decode as bd
+    model = LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    D = model.config.head_dim
+    args = argparse.Namespace(budget=512, chunks=2, kv_fraction=0.25, sieve="auto", topk="auto", attention_impl="auto",
+                              score_launch=None, tp=1, fill="synthetic", key_channels=D, label_bits=4, scores="auto",
+                              hot_share=0.0, two_stage=2, first_channels=4)
+    row = bd.run_side(model, model.config, "sparse", 2, 4096, args, copy_bw=1e11)
+    assert (row["rule"], row["second_rule"], row["key_channels"], row["first_rule"], row["first_channels"],
+            row["first_bits"], row["two_stage"]) == ("two_stage", "labels", D, "labels", 4, 4, 2)
+    assert row["tokens_per_s"] > 0 and "first=Labels(channels=4" in row["selection"]
+    for bad in ("3", "-2", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"--first-channels {bad!r} must be an even int"):
+            bd.first_channels_arg(bad)
+    with pytest.raises(SystemExit, match="--first-channels 4 needs --two-stage"):
+        bd.main(["--first-channels", "4", "--out", "unused"])
+    with pytest.raises(SystemExit, match="--first-channels 256 must be <= the model's head_dim 128"):
+        bd.main(["--first-channels", "256", "--two-stage", "4", "--out", "unused"])

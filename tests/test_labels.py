@@ -273,7 +273,8 @@ def test_on_the_gpu_kernel_equals_reference():
 
 def test_offline_calibration_writes_a_table_the_lookup_finds(tmp_path):
     """scripts/calibrate_labels.py (tiny model): the table holds whole pairs per layer and KV head, named by the
-    digest; models.calibration finds a GGUF's table by the file's sha256 and names the Cs it has."""
+    digest; models.calibration finds a GGUF's table by the file's sha256 and names the Cs it has; every channel
+    (C = the head dim) is the identity table."""
     import json
     from scripts import calibrate_labels
     from ulacache_jax.models import calibration
@@ -293,6 +294,8 @@ def test_offline_calibration_writes_a_table_the_lookup_finds(tmp_path):
     assert calibration.channel_table(str(gguf), 4, folder=tmp_path) == data["channels"]["4"]
     with pytest.raises(ValueError, match=r"tables for C = \[4\], not 8"):
         calibration.channel_table(str(gguf), 8, folder=tmp_path)
+    every = calibration.channel_table(str(gguf), D, folder=tmp_path)                  # C = D: the identity
+    assert np.asarray(every).shape == tab.shape[:2] + (D,) and (np.asarray(every) == np.arange(D)).all()
     assert calibration.channel_table(str(tmp_path / "missing.gguf"), 4, folder=tmp_path) is None
 
 
