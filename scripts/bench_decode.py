@@ -169,7 +169,7 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1, ke
                                token_budget=args.budget, dtype="bfloat16", tp=tp, **kw)
     if attention == "sparse" and getattr(args, "two_stage", None):
         first = getattr(args, "first_channels", 0)
-        cfg = two_stage.configure(cfg, args.two_stage, first=Labels(channels=first, bits=cfg.label_bits or 4)
+        cfg = two_stage.configure(cfg, args.two_stage, first=Labels(channels=first, bits=4)
                                   if first else None)
     # host pool: the pages admit reserves (`need` per sequence, layer and group), not the padded page-table width:
     # at 32K x 27 the padding (518 -> 640 pages) alone would pin 28 GB more host memory
@@ -458,8 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sparse rows: the rule above as the second stage of a TwoStage (Quest's page bound "
                         "shortlists MULT x the budget; cache/select/two_stage.py)")
     p.add_argument("--first-channels", type=first_channels_arg, default=0, metavar="C",
-                   help="with --two-stage: labels over C channels (whole rotary pairs, --label-bits or 4 bits, picked "
-                        "online) shortlist in place of Quest's bound (0: Quest)")
+                   help="with --two-stage: labels over C channels (whole rotary pairs, 4 bits, picked online) "
+                        "shortlist in place of Quest's bound (0: Quest)")
     p.add_argument("--scores", default="auto", choices=("auto", "ref", "pallas"),
                    help="sparse rows: page-score kernel (Quest bounds or the key copy's page mass): auto (the Pallas "
                         "kernel on GPU), ref (XLA) or pallas")
