@@ -451,14 +451,38 @@ def print_table(rows) -> None:
               f"{same:>6}")
 
 
+def bar_by_task(ax, rows, tasks) -> None:
+    """Grouped bars on `ax`: accuracy of each spec per task (n-weighted over depths and runs), specs in first-seen
+    order, n under each task's label."""
+    specs = list(dict.fromkeys(r["spec"] for r in rows))
+    w = 0.8 / len(specs)
+    for k, spec in enumerate(specs):
+        acc = []
+        for t in tasks:
+            rs = [r for r in rows if r["spec"] == spec and r["task"] == t]
+            n = sum(r["n"] for r in rs)
+            acc.append(sum(r["accuracy"] * r["n"] for r in rs) / n if n else 0.0)
+        ax.bar([i + w * k - 0.4 + w / 2 for i in range(len(tasks))], acc, w, label=spec)
+    ax.set_xticks(range(len(tasks)), tasks, fontsize=8)
+    ax.set_ylim(0, 1.02)
+    ax.set_ylabel("accuracy (mean score)")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2)
+
+
 def plot(rows, path: str, title: str) -> str:
     from scripts.bench_meta import pyplot, save_figure
     plt = pyplot()
     summ = summarise(rows)
     contexts = sorted({s["context"] for s in summ})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(contexts), figsize=(7 * len(contexts), 5.5), squeeze=False)
     for ax, context in zip(axes[0], contexts):
         cs = [s for s in summ if s["context"] == context]
+        tasks = sorted({r["task"] for r in rows if r["context"] == context})
+        if len({s["budget"] for s in cs if s["spec"] != "dense"}) == 1 and len(tasks) > 1:
+            # one budget over several tasks: accuracy per task (a line over budgets would average unlike tasks)
+            bar_by_task(ax, [r for r in rows if r["context"] == context], tasks)
+            ax.set_title(f"{title}, context {context}")
+            continue
         for s in cs:
             if s["spec"] == "dense":
                 ax.axhline(s["accuracy"], color="k", ls="--", label="dense")
