@@ -36,8 +36,9 @@ Hooks (defaults: do nothing), in the order a sequence meets them:
 Static per-model arrays (a calibrated channel table) are fields of the rule object, as nested tuples so the rule
 stays hashable; `init` turns them into arrays.
 
-Two-stage: `two_stage.TwoStage(second, keep_pages)` lets Quest's bound over the page summaries every cache keeps
-shortlist `keep_pages` pages per (sequence, group) for another rule, which scores only those (`score_pages`).
+Two-stage: `two_stage.TwoStage(second, keep_pages, first=None)` lets Quest's bound over the page summaries every
+cache keeps (or the rule `first`, with its own state) shortlist `keep_pages` pages per (sequence, group) for another
+rule, which scores only those (`score_pages`).
 
 Adding a rule: one file with a SelectionRule subclass (its kernel and resolver row, if it has one) and a config
 value, `CacheConfig(..., selection=MyRule(...))`; no other file changes (tests/test_select_protocol.py does it

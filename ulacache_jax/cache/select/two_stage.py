@@ -12,11 +12,10 @@ them choose better than either alone, and the finer rule's bytes are read over t
    select_pages` rules out). Labels' page mass is normalised over the shortlist (the pages outside it have the
    lowest first-stage score, so their mass is the smallest part of the softmax).
 
-Why a label first stage: on the needle studies (docs/BENCHMARKS.md) labels over a quarter of the head's channels
-keep most of a needle's attention when the model writes a value, but lose it at the step that decides whether to
-go on to the next value, where labels over every channel keep what the exact attention does; every channel over
-the whole context is what makes labels slow. Labels over a quarter of the channels everywhere, then every channel
-over a 4x shortlist, read 16 + 64 / 8 = 24 bytes a token a head-step at head dim 128 and 4 bits, against 64.
+Any rule may shortlist for another (the selection protocol's "one rule shortlists for another"). Labels over a
+quarter of the channels shortlisting for labels over every channel gained little on multi-value needles and decoded no
+faster than dense (docs/BENCHMARKS.md, `longctx15b.json` runs B, C; `decode_variants.json` run V): the seam is kept, no
+default uses it.
 
 Measured on an H200 (Qwen2.5-Coder-0.5B, needle in a haystack at 16K / 32K, budget 1/32): Quest's bound
 shortlisting 4x the budget for labels to rerank kept 46% of the answers, against 21-38% for Quest alone and 38% for
