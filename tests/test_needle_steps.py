@@ -46,6 +46,25 @@ def test_study_rows_on_the_tiny_model(tmp_path):
             assert abs(r["needle_recall"] - 1) < 1e-9
 
 
+def test_rows_by_layer_keep_a_share_of_all_attention(tmp_path):
+    """--by-layer: rows per layer, each with attention_kept, the share of the whole true attention in the selected
+    pages and the tail: a fraction, 1 where the budget covers every page, and the oracle's (the top-mass pages
+    beside the same forced sink and recent pages) at least any rule's at every (budget, phase, layer)."""
+    assert ns.main(["--tiny", "--context", "1024", "--prompts", "1", "--page-size", "16", "--budgets", "64,1024",
+                    "--rules", "mass,labels:8:4", "--by-layer", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "needle_steps.json").read_text())["rows"]
+    layers = {r["layer"] for r in rows}
+    assert layers == set(range(models.get_preset("tiny").num_layers))
+    by = {(r["rule"], r["budget"], r["phase"], r["layer"]): r["attention_kept"] for r in rows}
+    labels, = {r["rule"] for r in rows} - {"mass"}                     # the rule's name as the rows spell it
+    assert all(0 <= v <= 1 + 1e-6 for v in by.values())
+    for (rule, b, phase, layer), v in by.items():
+        if b == 1024:
+            assert abs(v - 1) < 1e-5
+        if rule == "mass":
+            assert v >= by[(labels, b, phase, layer)] - 1e-6
+
+
 def test_bad_rules_and_budgets_are_refused_by_name(tmp_path):
     with pytest.raises(SystemExit):
         ns.main(["--tiny", "--budgets", "40", "--page-size", "16", "--out", str(tmp_path)])

@@ -14,7 +14,9 @@ turn, teacher-forced) records every layer's post-RoPE keys and the queries of ev
 group's queries gives each page its mass (selection_recall.page_truth over the keys so far); each rule scores the
 flushed pages as the library does (selection_recall.rule_scores) and selects within the budget
 (selection_recall.select). For each needle (the page holding its value's tokens in the prompt), **needle recall** is
-the true attention on that page in the selected set over the true attention on it, summed over layers and heads.
+the true attention on that page in the selected set over the true attention on it, summed over layers and heads
+(--by-layer: per layer, with attention_kept, the share of all the true attention the selected pages and the tail
+hold: where attention is broad, a page budget keeps little of it whatever the rule).
 Rows per (rule, budget, phase): phase `write j` = the positions that predict value j's tokens (recall of needle j's
 page: is the page being copied from attended?), `after j` = the position that predicts what follows value j (a
 separator or the end of the turn: the continue-or-stop decision; recall of the needles not yet written). The oracle
@@ -68,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--rules", default="mass,quest,labels:32:4", help="mass (the true page mass: the oracle) or "
                     "selection_recall's rules (quest, key_copy:C, labels:C:BITS[:online|table])")
+    ap.add_argument("--by-layer", action="store_true",
+                    help="rows per layer too (layer = the index; default: summed over layers), each with the share of "
+                         "the whole true attention the selection keeps there (attention_kept)")
     ap.add_argument("--name", default="needle_steps")
     return bench_meta.add_common_args(ap, out_required=True, files="NAME.json (--name)", model="qwen2.5-coder-0.5b")
 
@@ -101,7 +106,8 @@ def main(argv=None) -> int:
     res = bench_meta.Results(os.path.join(args.out, f"{args.name}.json"),
                              bench_meta.run_meta(args.commit, model=label, task=args.task, haystack=args.haystack,
                                                  context=args.context, page_size=page))
-    kept, total = {}, {}                                   # (rule, budget, phase) -> true mass kept / on the needles
+    kept, total = {}, {}                                   # (rule, budget, phase, layer) -> true mass kept / on the needles
+    att, att_n = {}, {}                                    # (rule, budget, phase, layer) -> attention kept / heads x steps
     t0 = time.perf_counter()
     for i in range(args.prompts):
         depth = 0.1 + 0.8 * i / max(1, args.prompts - 1)
@@ -123,25 +129,33 @@ def main(argv=None) -> int:
                 for g in range(KV):
                     k = ks[layer, :pos + 1, g]
                     q = qs[layer, a, g * (H // KV):(g + 1) * (H // KV)]
-                    mass, _ = sr.page_truth(k, q, page)
+                    mass, tail = sr.page_truth(k, q, page)
+                    lkey = layer if args.by_layer else None
                     for rule in rules:
                         sc = mass if rule[0] == "mass" else sr.rule_scores(rule, k, q, page)
                         for b in budgets:
                             sel = set(sr.select(sc, b // page).tolist())
-                            key = (rule, b, phase)
+                            key = (rule, b, phase, lkey)
+                            att[key] = att.get(key, 0.0) + tail + float(sum(mass[p] for p in sel if p < len(mass)))
+                            att_n[key] = att_n.get(key, 0) + 1
                             for n in needles:
                                 m = mass[needle_page[n]] if needle_page[n] < len(mass) else 0.0
                                 total[key] = total.get(key, 0.0) + m
                                 kept[key] = kept.get(key, 0.0) + (m if needle_page[n] in sel else 0.0)
-    for (rule, b, phase), tot in sorted(total.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2])):
+    for (rule, b, phase, layer), tot in sorted(total.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2],
+                                                                             kv[0][3] or 0)):
+        key = (rule, b, phase, layer)
         res.add(dict(model=label, rule=":".join(str(x) for x in rule), budget=b, budget_ratio=b / args.context,
                      page_size=page, phase=phase, prompts=args.prompts, needle_mass=tot,
-                     needle_recall=kept[(rule, b, phase)] / tot if tot > 0 else None))
+                     needle_recall=kept[key] / tot if tot > 0 else None,
+                     **({} if layer is None else dict(layer=layer, attention_kept=att[key] / att_n[key]))))
     res.save()
-    print(f"{'rule':<16}{'budget':>7} {'phase':<8}{'needle mass':>12}{'recall':>8}")
+    print(f"{'rule':<16}{'budget':>7} {'phase':<8}{'layer':>6}{'needle mass':>12}{'recall':>8}{'attn kept':>10}")
     for r in res.rows:
         rec = "-" if r["needle_recall"] is None else f"{r['needle_recall']:.3f}"
-        print(f"{r['rule']:<16}{r['budget']:>7} {r['phase']:<8}{r['needle_mass']:>12.2f}{rec:>8}")
+        ak = f"{r['attention_kept']:.3f}" if "attention_kept" in r else "-"
+        print(f"{r['rule']:<16}{r['budget']:>7} {r['phase']:<8}{str(r.get('layer', '-')):>6}"
+              f"{r['needle_mass']:>12.2f}{rec:>8}{ak:>10}")
     return 0
 
 
