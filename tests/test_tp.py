@@ -1,12 +1,12 @@
 """Head-sharded tensor parallelism (ulacache_jax/runtime/tp.py) on CPU with forced host devices.
 
 The main pytest process has already started jax with one CPU device, so the multi-device checks run this file
-as a script in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8 set before jax starts, and
-read back a JSON report. Checks: TP = 2, 4, 8 give the same greedy tokens as TP = 1 and as the single-device
-`generation.generate`, with prefill and decode logits within fp32 tolerance; each rank's PB-LRU holds only pages of
-its own groups (and its vTLB slice agrees with it); the shards of every per-rank array live on their own device;
-the compiled step has exactly two psums (all-reduces) per layer and no other collective; more ranks than KV heads
-replicate heads and still match TP = 1.
+as a script in subprocesses with XLA_FLAGS=--xla_force_host_platform_device_count=8 set before jax starts, and
+read back their JSON reports (two parts side by side: TP = 2, and the rest). Checks: TP = 2, 4, 8 give the same
+greedy tokens as TP = 1 and as the single-device `generation.generate`, with prefill and decode logits within fp32
+tolerance; each rank's PB-LRU holds only pages of its own groups (and its vTLB slice agrees with it); the shards of
+every per-rank array live on their own device; the compiled step has exactly two psums (all-reduces) per layer and
+no other collective; more ranks than KV heads replicate heads and still match TP = 1.
 """
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ NUM_DEVICES = 8
 # the TP sizes of the shared checks: 1 (the reference), 2 (two KV heads a rank; the dense, key-copy and compiled
 # checks run here) and 8 (one head a rank). TP = 4 would repeat 2's case at a quarter of the suite's TP time.
 CHECK_TPS = [1, 2, 8]
+# the shared checks in two subprocesses that run at once (mode, TPs): TP = 2 (the dense, key-copy and compiled
+# checks) takes about as long as the references, TP = 1 and 8, the cache manager and init_model together; one
+# process would leave the second core (and the second pytest-xdist worker, waiting on the shared result) idle.
+CHECK_PARTS = [("checks", [1, 8]), ("checks-more", [2])]
 MAX_NEW = 20
 
 
@@ -74,7 +78,9 @@ def _drive(gen, prompts, cfg):
     keys = jax.random.split(jax.random.key(0), S)      # one PRNG key per slot (greedy: unused)
     args = (jnp.asarray(tok), jnp.asarray(done), jnp.asarray(rem), keys, SamplingArrays.fill(S),
             jnp.asarray([-1], jnp.int32))
-    out, _, _ = gen.decode_chunk(*args)
+    # phase 0: every slot at a flush point, as phase None says, but the program the Engine runs (generate, just
+    # before, compiled it at this TP): a chunk of page_size steps flushes every slot either way
+    out, _, _ = gen.decode_chunk(*args, phase=np.zeros(S, np.int32))
     out = np.asarray(out)
     last = np.where(done, 0, out[:, -1]).astype(np.int32)
     nxt = np.asarray(gen.next_logits(last))
@@ -131,18 +137,23 @@ def _ownership(gen) -> dict:
     return {"ranks": report, "shards_on_own_device": all(placed)}
 
 
-def run_checks(tps: list[int]) -> dict:
+def run_checks(tps: list[int], reference: bool = True) -> dict:
+    """The TP checks at each TP in tps; with `reference`, also the single-device references they are held to
+    (`generate` sparse and dense, a Generator's prefill logits)."""
     import jax
     from ulacache_jax.runtime.generation import Generator, generate
 
     model, cfg, prompts = _setup()
     res: dict = {"devices": len(jax.devices()), "tp": {}}
     t0 = time.perf_counter()
-    res["reference"] = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention="sparse")
-    res["dense_reference"] = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention="dense")
-    base = Generator(model, cfg)
-    res["reference_prefill"] = [np.asarray(base.prefill(base.admit(len(p) + MAX_NEW), p)).tolist() for p in prompts]
-    res["reference_s"] = time.perf_counter() - t0
+    if reference:
+        res["reference"] = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention="sparse")
+        res["dense_reference"] = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg,
+                                          attention="dense")
+        base = Generator(model, cfg)
+        res["reference_prefill"] = [np.asarray(base.prefill(base.admit(len(p) + MAX_NEW), p)).tolist()
+                                    for p in prompts]
+        res["reference_s"] = time.perf_counter() - t0
     for tp in tps:
         t0 = time.perf_counter()
         c = dataclasses.replace(cfg, tp=tp)
@@ -299,6 +310,21 @@ def run_replicated(tps: list[int]) -> dict:
 
 
 # ---- the pytest side -------------------------------------------------------------------------------------------
+def _run_subprocesses(parts: list[tuple[str, list[int]]]) -> list[dict]:
+    """Run each (mode, TPs) of parts in a fresh process with NUM_DEVICES CPU devices, all at once -> their reports."""
+    env = forced_devices(NUM_DEVICES)
+    procs = [subprocess.Popen([sys.executable, __file__, mode, ",".join(map(str, tps))], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for mode, tps in parts]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:            # a timeout (or an interrupt) leaves no process behind
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
 def _run_subprocess(mode: str, tps: list[int], share: str | None = None) -> dict:
     """Run the checks in a fresh process with NUM_DEVICES CPU devices. Under pytest-xdist a module fixture runs once
     per worker, so `share` (a path unique to this test run) lets the workers run it once and share the result."""
@@ -313,11 +339,15 @@ def _run_subprocess(mode: str, tps: list[int], share: str | None = None) -> dict
             with open(share, "w") as f:
                 json.dump(res, f)
             return res
-    env = forced_devices(NUM_DEVICES)
-    p = subprocess.run([sys.executable, __file__, mode, ",".join(map(str, tps))], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    if mode == "checks":       # the shared checks: CHECK_PARTS side by side, one report
+        first, *rest = _run_subprocesses(CHECK_PARTS)
+        for part in rest:
+            assert part["devices"] == first["devices"], (part["devices"], first["devices"])
+            first["tp"].update(part["tp"])
+            first.update({k: v for k, v in part.items() if k not in first})
+        assert sorted(map(int, first["tp"])) == sorted(tps), (list(first["tp"]), tps)
+        return first
+    return _run_subprocesses([(mode, tps)])[0]
 
 
 @pytest.fixture(scope="module")
@@ -518,6 +548,8 @@ if __name__ == "__main__":
         out["init_model"] = run_init_model(2)
         import jax
         out["platform"] = jax.default_backend()
+    elif mode == "checks-more":    # the TPs of CHECK_PARTS' second part: held to the first part's references
+        out = run_checks(tps, reference=False)
     else:
         out = run_replicated(tps)
     print(json.dumps(out))
