@@ -78,9 +78,7 @@ def _drive(gen, prompts, cfg):
     keys = jax.random.split(jax.random.key(0), S)      # one PRNG key per slot (greedy: unused)
     args = (jnp.asarray(tok), jnp.asarray(done), jnp.asarray(rem), keys, SamplingArrays.fill(S),
             jnp.asarray([-1], jnp.int32))
-    # phase 0: every slot at a flush point, as phase None says, but the program the Engine runs (generate, just
-    # before, compiled it at this TP): a chunk of page_size steps flushes every slot either way
-    out, _, _ = gen.decode_chunk(*args, phase=np.zeros(S, np.int32))
+    out, _, _ = gen.decode_chunk(*args)
     out = np.asarray(out)
     last = np.where(done, 0, out[:, -1]).astype(np.int32)
     nxt = np.asarray(gen.next_logits(last))
