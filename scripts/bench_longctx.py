@@ -20,9 +20,9 @@ labels:C:BITS (label_bits 8 or 4) and labels:C:BITS:TABLE (an offline channel ta
 "channels": [L][KV][C]}, passed as CacheConfig.channel_table; TABLE 'auto': the model's shipped table,
 models/calibration); two:MULT:<rule> (not dense): that rule ranks the shortlist of a TwoStage (Quest's page bound
 shortlists MULT x the budget; rows carry two_stage MULT); two:MULT:<first>+<rule>: <first> (key_copy or labels)
-shortlists instead of Quest (rows also carry first_rule, first_channels, first_bits). Every sparse rule runs at every budget (--budgets, plus
---budget-ratios x context, rounded to the page size; a budget >= the context is dense by construction and skipped);
-dense runs once per context, first.
+shortlists instead of Quest (rows also carry first_rule, first_channels, first_bits). Every sparse rule runs at
+every budget (--budgets, plus --budget-ratios x context, rounded to the page size; a budget >= the context is dense
+by construction and skipped); dense runs once per context, first.
 Cells: the unit of work is one generate call, (context, rule, budget, max_new_tokens) over every task and depth of
 that context with that answer length, batched through `--batch` cache slots (more prompts queue in the engine);
 its cache config is `generation.default_cache_config` for (batch, context) with `dataclasses.replace` for the rule,
@@ -404,7 +404,8 @@ def run(args, prompts: list, prompt_meta: dict) -> dict:
                             if all(p["id"] in dense_out for p in sel) else None)
                     res.add(dict(model=model_name(spec), attention=rule.attention, rule=rule.rule,
                                  channels=rule.channels, label_bits=rule.label_bits,
-                                 two_stage=rule.two_stage, **first_fields(rule), kv_dtype=str(cc.codec.storage_dtype(cc.dtype)), task=task,
+                                 two_stage=rule.two_stage, **first_fields(rule),
+                                 kv_dtype=str(cc.codec.storage_dtype(cc.dtype)), task=task,
                                  context=context, prompt_tokens=float(np.mean([len(ids[p["id"]]) for p in sel])),
                                  depth=depth, batch=cc.max_seqs, budget=budget, page_size=cc.page_size,
                                  accuracy=float(np.mean([scores[p["id"]] for p in sel])),

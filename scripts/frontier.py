@@ -36,18 +36,20 @@ CONTEXT, BATCH = 131072, 3
 WEIGHT_BYTES = 16.06e9
 
 
-def rule_object(name: str, channels: int, bits: int, two: int | None, budget_pages: int, first: int = 0):
+def rule_object(name: str, channels: int, bits: int, two: int | None, budget_pages: int, first: int = 0,
+                first_bits: int = 4):
     """The library's rule for a harness row's fields at the 8B shape (channels already scaled); first: a two-stage
-    rule's first-stage label channels (scaled too; 0: Quest's bound)."""
+    rule's first-stage label channels (scaled too; 0: Quest's bound) at first_bits."""
     rule = {"quest": lambda: Quest(), "key_copy": lambda: KeyCopy(channels=channels),
             "labels": lambda: Labels(channels=channels, bits=bits)}[name]()
     if not two:
         return rule
     return TwoStage(second=rule, keep_pages=two * budget_pages,
-                    first=Labels(channels=first, bits=bits or 4) if first else None)
+                    first=Labels(channels=first, bits=first_bits) if first else None)
 
 
-def step_bytes(name: str, channels: int, bits: int, two: int | None, ratio: float | None, first: int = 0) -> dict:
+def step_bytes(name: str, channels: int, bits: int, two: int | None, ratio: float | None, first: int = 0,
+               first_bits: int = 4) -> dict:
     """Bytes of one decode step at the 8B shape, 128K x 3: scorer, selected K/V, weights, and the total as a
     fraction of dense's."""
     kv_token = SHAPE["num_layers"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2 * SHAPE["itemsize"]
@@ -56,7 +58,7 @@ def step_bytes(name: str, channels: int, bits: int, two: int | None, ratio: floa
         return dict(scorer_gb=0.0, selected_gb=BATCH * CONTEXT * kv_token / 1e9, total_gb=dense / 1e9,
                     fraction_of_dense=1.0)
     budget = round(ratio * CONTEXT / SHAPE["page_size"]) * SHAPE["page_size"]
-    rule = rule_object(name, channels, bits, two, budget // SHAPE["page_size"], first)
+    rule = rule_object(name, channels, bits, two, budget // SHAPE["page_size"], first, first_bits)
     scorer = BATCH * rule.step_bytes(context=CONTEXT, **SHAPE)
     selected = BATCH * (budget + SHAPE["page_size"]) * kv_token
     total = WEIGHT_BYTES + scorer + selected
@@ -65,10 +67,11 @@ def step_bytes(name: str, channels: int, bits: int, two: int | None, ratio: floa
 
 
 def rule_fields(rows: list[dict]) -> dict:
-    """{spec: (rule, channels, label_bits, two_stage multiple or None, first-stage label channels or 0)} as the
-    harness's rows record them; the rows of the deleted page-group two-stage rule (two_stage [group, multiple]) are
-    left out."""
-    return {r["spec"]: (r["rule"], r["channels"], r["label_bits"], r.get("two_stage"), r.get("first_channels") or 0)
+    """{spec: (rule, channels, label_bits, two_stage multiple or None, first-stage label channels and bits or 0)}
+    as the harness's rows record them; the rows of the deleted page-group two-stage rule (two_stage [group,
+    multiple]) are left out."""
+    return {r["spec"]: (r["rule"], r["channels"], r["label_bits"], r.get("two_stage"), r.get("first_channels") or 0,
+                        r.get("first_bits") or 0)
             for r in rows
             if not isinstance(r.get("two_stage"), list)}
 
@@ -92,7 +95,7 @@ def quality_cells(longctx: dict) -> list[dict]:
         right = [pid for pid, _ in scores if dense.get(pid) == 1.0]
         kept = [s for pid, s in scores if dense.get(pid) == 1.0]
         out.append(dict(spec=spec, rule=parsed[0], channels=parsed[1], label_bits=parsed[2], two_stage=parsed[3],
-                        first_channels=parsed[4],
+                        first_channels=parsed[4], first_bits=parsed[5],
                         context=context, budget=budget,
                         budget_ratio=None if budget is None else budget / context, n=len(scores),
                         accuracy=sum(s for _, s in scores) / len(scores),
@@ -119,7 +122,8 @@ def speed_of(cell: dict, head_dim: int, decode_rows: list[dict]):
             rule = r.get("second_rule")
         if (rule != cell["rule"] or (r.get("key_channels") or 0) != chans or (r.get("label_bits") or 0)
                 != cell["label_bits"] or r.get("budget") != want_budget or bool(r.get("two_stage")) != bool(
-                cell["two_stage"]) or (r.get("first_channels") or 0) != first):
+                cell["two_stage"]) or (r.get("first_channels") or 0) != first
+                or (r.get("first_bits") or 0) != cell.get("first_bits", 0)):
             continue
         call = (r.get("variant"), r.get("run"), r.get("device"))
         dense = [d for d in decode_rows if d.get("attention") == "dense" and d.get("context") == CONTEXT
@@ -178,7 +182,7 @@ def main(argv=None):
         first = cell["first_channels"] * SHAPE["head_dim"] // args.head_dim
         row = dict(cell, channels_8b=chans, first_channels_8b=first,
                    **step_bytes(cell["rule"], chans, cell["label_bits"], cell["two_stage"], cell["budget_ratio"],
-                                first))
+                                first, cell["first_bits"] or 4))
         row.update(speed_of(cell, args.head_dim, decode_rows) or {})
         rows.append(row)
     meta = run_meta(args.commit, sources=dict(longctx=args.longctx, decode=args.decode), shape=SHAPE,

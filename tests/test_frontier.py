@@ -89,23 +89,28 @@ def test_a_two_stage_decode_row_names_its_second_stage_and_is_matched_by_it(tmp_
     by = {r["spec"]: r for r in out}
     assert by["two:4:labels:32:4"]["speedup"] == pytest.approx(1.5)
     assert by["labels:32:4"]["speedup"] == pytest.approx(1.1)
-    # a label first stage: its harness row is matched only by the decode row with that stage (channels scaled by
-    # the head dim, 64 -> 128), and its bytes are the first stage's over the context plus the rerank's
-    lc["outputs"] += [dict(id=f"p{i}", spec="two:4:labels:16:4+labels:64:4", budget=512, score=1.0) for i in range(4)]
-    lc["rows"].append(dict(spec="two:4:labels:16:4+labels:64:4", rule="labels", channels=64, label_bits=4,
-                           two_stage=4, first_rule="labels", first_channels=16, first_bits=4))
+    # a label first stage (4 bits) before an 8-bit rerank: its harness row is matched only by the decode row with
+    # that stage (channels scaled by the head dim, 64 -> 128), and its bytes are the first stage's over the context
+    # at its own bits plus the rerank's
+    spec = "two:4:labels:16:4+labels:64:8"
+    lc["outputs"] += [dict(id=f"p{i}", spec=spec, budget=512, score=1.0) for i in range(4)]
+    lc["rows"].append(dict(spec=spec, rule="labels", channels=64, label_bits=8, two_stage=4, first_rule="labels",
+                           first_channels=16, first_bits=4))
     path.write_text(json.dumps(lc))
     rows = json.loads(dec.read_text())["rows"]
-    rows.append(dict(common, key_channels=128, rule="two_stage", second_rule="labels", two_stage=4, first_rule="labels",
-                     first_channels=32, first_bits=4, tokens_per_s=130.0))
-    rows.append(dict(common, key_channels=128, rule="two_stage", second_rule="labels", two_stage=4,
-                     tokens_per_s=170.0))                                             # a Quest first stage: not it
+    two = dict(common, key_channels=128, label_bits=8, rule="two_stage", second_rule="labels", two_stage=4)
+    rows.append(dict(two, first_rule="labels", first_channels=32, first_bits=4, tokens_per_s=130.0))
+    rows.append(dict(two, first_rule="labels", first_channels=32, first_bits=8, tokens_per_s=190.0))   # other bits
+    rows.append(dict(two, tokens_per_s=170.0))                                     # a Quest first stage: not it
     dec.write_text(json.dumps(dict(rows=rows)))
     out = frontier.main(["--longctx", str(path), "--decode", str(dec), "--out", str(tmp_path / "o")])
-    lf = {r["spec"]: r for r in out}["two:4:labels:16:4+labels:64:4"]
+    lf = {r["spec"]: r for r in out}[spec]
     assert lf["speedup"] == pytest.approx(1.3) and lf["first_channels_8b"] == 32
-    assert lf["scorer_gb"] == pytest.approx(frontier.step_bytes("labels", 128, 4, 4, lf["budget_ratio"], 32)["scorer_gb"])
-    assert lf["scorer_gb"] < frontier.step_bytes("labels", 128, 4, None, lf["budget_ratio"])["scorer_gb"] / 2
+    want = frontier.step_bytes("labels", 128, 8, 4, lf["budget_ratio"], 32, first_bits=4)
+    assert lf["scorer_gb"] == pytest.approx(want["scorer_gb"])
+    assert want["scorer_gb"] < frontier.step_bytes("labels", 128, 8, 4, lf["budget_ratio"], 32,
+                                                   first_bits=8)["scorer_gb"]
+    assert lf["scorer_gb"] < frontier.step_bytes("labels", 128, 8, None, lf["budget_ratio"])["scorer_gb"] / 2
 
 
 def test_name_writes_its_own_files_and_refuses_a_path(tmp_path):

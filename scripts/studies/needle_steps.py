@@ -106,8 +106,9 @@ def main(argv=None) -> int:
     res = bench_meta.Results(os.path.join(args.out, f"{args.name}.json"),
                              bench_meta.run_meta(args.commit, model=label, task=args.task, haystack=args.haystack,
                                                  context=args.context, page_size=page))
-    kept, total = {}, {}                                   # (rule, budget, phase, layer) -> true mass kept / on the needles
-    att, att_n = {}, {}                                    # (rule, budget, phase, layer) -> attention kept / heads x steps
+    # keyed by (rule, budget, phase, layer; layer None unless --by-layer)
+    kept, total = {}, {}                                   # true mass on the needles kept / in all
+    att, att_n = {}, {}                                    # attention kept (--by-layer) / heads x steps summed
     t0 = time.perf_counter()
     for i in range(args.prompts):
         depth = 0.1 + 0.8 * i / max(1, args.prompts - 1)
@@ -136,8 +137,10 @@ def main(argv=None) -> int:
                         for b in budgets:
                             sel = set(sr.select(sc, b // page).tolist())
                             key = (rule, b, phase, lkey)
-                            att[key] = att.get(key, 0.0) + tail + float(sum(mass[p] for p in sel if p < len(mass)))
-                            att_n[key] = att_n.get(key, 0) + 1
+                            if args.by_layer:
+                                att[key] = att.get(key, 0.0) + tail + float(sum(mass[p] for p in sel
+                                                                                if p < len(mass)))
+                                att_n[key] = att_n.get(key, 0) + 1
                             for n in needles:
                                 m = mass[needle_page[n]] if needle_page[n] < len(mass) else 0.0
                                 total[key] = total.get(key, 0.0) + m
