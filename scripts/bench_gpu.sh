@@ -152,7 +152,8 @@ for b in "${names[@]}"; do
                   --row-timeout 250 --budget 4096 --hot-share 0.9 --rows sparse:131072:3 ;;
     longctx-15b)    # issue 48's quality target on Qwen2.5-Coder-1.5B (head dim 128, like the 8B shape): one task of
                     # longctx-100's prompt files (the 1.5B shares the 0.5B's tokenizer) at 1/32, dense and the labels
-                    # at D/2 and D/4 with the shipped offline table (so they share prompt prefixes as dense does)
+                    # at D/2 and D/4 with the shipped offline table (so they share prompt prefixes as dense does);
+                    # its calls' rows and outputs join docs/benchmarks/longctx100.json as runs, each with its `model`
                 step "$b" 580 scripts/bench_longctx.py --prompts "${PROMPTS:?PROMPTS=prompt file}" \
                   --model "${MODEL:?MODEL=the 1.5B GGUF}" --contexts 32768 --tasks "${TASK:?TASK=task}" \
                   --name "longctx15b_${TASK}" --out "$OUT" --deadline 540 \

@@ -392,8 +392,8 @@ def run(args, prompts: list, prompt_meta: dict) -> dict:
                 if rule.rule == "dense":
                     dense_out.update(texts)
                 for p in group:
-                    outputs.append(dict(id=p["id"], spec=rule.spec, rule=rule.rule, budget=budget,
-                                        output=texts[p["id"]], score=scores[p["id"]]))
+                    outputs.append(dict(id=p["id"], model=model_name(spec), spec=rule.spec, rule=rule.rule,
+                                        budget=budget, output=texts[p["id"]], score=scores[p["id"]]))
                 meta["calls"].append(dict(context=context, spec=rule.spec, budget=budget, max_new_tokens=mn,
                                           prompts=len(group), new_tokens=new_tokens, seconds=round(seconds, 2)))
                 cell_keys = sorted({(p["task"], -1.0 if p["depth"] is None else p["depth"]) for p in group})
@@ -471,18 +471,23 @@ def bar_by_task(ax, rows, tasks) -> None:
 
 
 def plot(rows, path: str, title: str) -> str:
+    """One panel per (model, context): bars per task where there are several, else accuracy over budgets per spec."""
     from scripts.bench_meta import pyplot, save_figure
     plt = pyplot()
-    summ = summarise(rows)
-    contexts = sorted({s["context"] for s in summ})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(7 * len(contexts), 5.5), squeeze=False)
-    for ax, context in zip(axes[0], contexts):
-        cs = [s for s in summ if s["context"] == context]
-        tasks = sorted({r["task"] for r in rows if r["context"] == context})
-        if len({s["budget"] for s in cs if s["spec"] != "dense"}) == 1 and len(tasks) > 1:
-            # one budget over several tasks: accuracy per task (a line over budgets would average unlike tasks)
-            bar_by_task(ax, [r for r in rows if r["context"] == context], tasks)
-            ax.set_title(f"{title}, context {context}")
+    panels = sorted({(r.get("model") or "", r["context"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False)
+    for ax, (model, context) in zip(axes[0], panels):
+        mine = [r for r in rows if (r.get("model") or "") == model and r["context"] == context]
+        cs = summarise(mine)
+        name = f"{title}{', ' + model if len({m for m, _ in panels}) > 1 else ''}, context {context}"
+        tasks = sorted({r["task"] for r in mine})
+        if len(tasks) > 1:
+            # several tasks: accuracy per task (a line over budgets would average unlike tasks, which need not have
+            # run at the same budgets); a bar per spec, and per budget where several ran
+            several = len({s["budget"] for s in cs if s["spec"] != "dense"}) > 1
+            bar_by_task(ax, [dict(r, spec=f"{r['spec']} @ {r['budget']}") if several and r["budget"] else r
+                             for r in mine], tasks)
+            ax.set_title(name)
             continue
         for s in cs:
             if s["spec"] == "dense":
@@ -494,7 +499,7 @@ def plot(rows, path: str, title: str) -> str:
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("token budget")
         ax.set_ylabel("accuracy (mean score)")
-        ax.set_title(f"{title}, context {context}")
+        ax.set_title(name)
         ax.legend(fontsize=8)
     return save_figure(fig, path)
 

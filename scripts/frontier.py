@@ -5,7 +5,9 @@ shape and, where a decode row of the same rule and budget ratio exists, its meas
     python -m scripts.frontier [--longctx docs/benchmarks/longctx.json]
         [--decode docs/benchmarks/decode.json docs/benchmarks/decode_variants.json] [--out docs/benchmarks]
         [--head-dim 64] [--name frontier] -> OUT/NAME.json, OUT/NAME.png
-    (the 1.5B's harness: --longctx docs/benchmarks/longctx15b.json --head-dim 128 --name frontier15b)
+        [--also FILE:HEAD_DIM:LABEL[:MODEL] ...]
+    (both models: --also docs/benchmarks/longctx100.json:128:Qwen2.5-Coder-1.5B:qwen2.5-coder-1.5b adds the 1.5B's
+    cells of a harness file holding several models, its rows and outputs picked by their `model`)
 
 Quality (per rule spec, context and budget, over the prompts of `longctx.json`'s outputs): `kept` = of the prompts
 dense answers right (score 1), the share the rule answers right too (the issue's ">= 95% of the answers dense gets
@@ -76,12 +78,14 @@ def rule_fields(rows: list[dict]) -> dict:
             if not isinstance(r.get("two_stage"), list)}
 
 
-def quality_cells(longctx: dict) -> list[dict]:
-    """Per (spec, context, budget): kept share of dense's right answers, accuracy, n (module docstring)."""
+def quality_cells(longctx: dict, model: str | None = None) -> list[dict]:
+    """Per (spec, context, budget): kept share of dense's right answers, accuracy, n (module docstring). model: only
+    the rows and outputs whose `model` is this (a harness file of several models; None: all)."""
     prompts = {p["id"]: p for p in longctx["prompts"]}
-    fields = rule_fields(longctx["rows"])
+    mine = lambda x: model is None or x.get("model") == model
+    fields = rule_fields([r for r in longctx["rows"] if mine(r)])
     last: dict = {}
-    for o in longctx["outputs"]:                          # later runs replace earlier outputs of one prompt
+    for o in filter(mine, longctx["outputs"]):            # later runs replace earlier outputs of one prompt
         last[(o["spec"], o["budget"], o["id"])] = o["score"]
     dense = {pid: s for (spec, _, pid), s in last.items() if spec == "dense"}
     cells: dict = {}
@@ -141,21 +145,26 @@ def load_rows(path: str) -> list[dict]:
     return d["rows"] if isinstance(d, dict) else d
 
 
-def plot(rows: list[dict], path: str, model: str = "Qwen2.5-Coder-0.5B") -> str:
+def plot(rows: list[dict], path: str) -> str:
+    """Kept answers against bytes and speed, a colour per model (the rows' `model`), o 16K / s 32K."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    models = list(dict.fromkeys(r["model"] for r in rows))
     for ax, key, label in ((axes[0], "fraction_of_dense", "bytes a decode step / dense's (8B shape, 128K x 3)"),
                            (axes[1], "speedup", "decode tok/s / dense's, same call (8B shape, 128K x 3)")):
         for context, marker in ((16384, "o"), (32768, "s")):
             pts = [r for r in rows if r["context"] == context and r.get(key) is not None and r["kept"] is not None]
             for r in pts:
-                ax.scatter(r[key], 100 * r["kept"], marker=marker, s=30)
+                ax.scatter(r[key], 100 * r["kept"], marker=marker, s=30, color=f"C{models.index(r['model'])}",
+                           label=r["model"])
                 ax.annotate(f"{r['spec'][:22]} {r['budget'] or ''}", (r[key], 100 * r["kept"]), fontsize=6)
         ax.axhline(95, color="k", ls=":", lw=0.8)
         ax.set_xlabel(label)
         ax.set_ylabel("% of dense's right answers kept (o 16K, s 32K)")
     axes[1].axvline(2.0, color="k", ls=":", lw=0.8)
-    fig.suptitle(f"Selection rules: quality ({model} needles) vs bytes and speed")
+    handles = {h.get_label(): h for h in axes[0].collections}                          # one legend entry a model
+    axes[0].legend(handles.values(), handles.keys(), fontsize=7)
+    fig.suptitle(f"Selection rules: quality ({', '.join(models)} needles) vs bytes and speed")
     return save_figure(fig, path)
 
 
@@ -165,38 +174,51 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode", nargs="*", default=["docs/benchmarks/decode.json",
                                                      "docs/benchmarks/decode_variants.json"])
     ap.add_argument("--head-dim", type=int, default=64, help="head_dim of the model the harness ran (Qwen 0.5B: 64)")
-    ap.add_argument("--model-label", default="Qwen2.5-Coder-0.5B", help="the harness's model, for the plot's title")
-    ap.add_argument("--name", default="frontier", help="output files NAME.json and NAME.png (e.g. frontier15b for "
-                    "the 1.5B's harness: --longctx docs/benchmarks/longctx15b.json --head-dim 128)")
+    ap.add_argument("--model-label", default="Qwen2.5-Coder-0.5B", help="the harness's model, each row's `model`")
+    ap.add_argument("--also", action="append", type=source_arg, default=[], metavar="FILE:HEAD_DIM:LABEL[:MODEL]",
+                    help="another harness file's cells in the same JSON and plot: its model's head_dim, the rows' "
+                         "`model` label and, for a file of several models, the `model` its rows and outputs carry")
+    ap.add_argument("--name", default="frontier", help="output files NAME.json and NAME.png")
     return add_common_args(ap, files="NAME.json, NAME.png (--name, default frontier)")
+
+
+def source_arg(text: str) -> tuple:
+    """--also FILE:HEAD_DIM:LABEL[:MODEL] -> (file, head_dim, label, model or None)."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not parts[1].isdigit() or int(parts[1]) < 1 or not parts[2]:
+        raise argparse.ArgumentTypeError(f"--also {text!r} must be FILE:HEAD_DIM:LABEL[:MODEL] (HEAD_DIM an int >= 1)")
+    return parts[0], int(parts[1]), parts[2], parts[3] if len(parts) == 4 else None
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    with open(args.longctx) as fh:
-        longctx = json.load(fh)
     decode_rows = [r for p in args.decode for r in load_rows(p)]
     rows = []
-    for cell in quality_cells(longctx):
-        chans = cell["channels"] * SHAPE["head_dim"] // args.head_dim
-        first = cell["first_channels"] * SHAPE["head_dim"] // args.head_dim
-        row = dict(cell, channels_8b=chans, first_channels_8b=first,
-                   **step_bytes(cell["rule"], chans, cell["label_bits"], cell["two_stage"], cell["budget_ratio"],
-                                first, cell["first_bits"] or 4))
-        row.update(speed_of(cell, args.head_dim, decode_rows) or {})
-        rows.append(row)
-    meta = run_meta(args.commit, sources=dict(longctx=args.longctx, decode=args.decode), shape=SHAPE,
+    for path, head_dim, label, model in [(args.longctx, args.head_dim, args.model_label, None), *args.also]:
+        with open(path) as fh:
+            longctx = json.load(fh)
+        for cell in quality_cells(longctx, model):
+            chans = cell["channels"] * SHAPE["head_dim"] // head_dim
+            first = cell["first_channels"] * SHAPE["head_dim"] // head_dim
+            row = dict(cell, model=label, channels_8b=chans, first_channels_8b=first,
+                       **step_bytes(cell["rule"], chans, cell["label_bits"], cell["two_stage"], cell["budget_ratio"],
+                                    first, cell["first_bits"] or 4))
+            row.update(speed_of(cell, head_dim, decode_rows) or {})
+            rows.append(row)
+    meta = run_meta(args.commit, sources=dict(longctx=args.longctx, also=[":".join(map(str, a)) for a in args.also],
+                                              decode=args.decode), shape=SHAPE,
                     context=CONTEXT, batch=BATCH, weight_bytes=WEIGHT_BYTES)
     if not args.name or any(bad in args.name for bad in ("/", "\\", "..")):
         raise SystemExit(f"--name {args.name!r} must be a plain file stem (no '/', '\\' or '..'): files go in --out")
     write_json(os.path.join(args.out, f"{args.name}.json"), dict(meta=meta, rows=rows))
-    plot(rows, os.path.join(args.out, f"{args.name}.png"), args.model_label)
-    print(f"{'context':>7} {'rule':<40} {'budget':>6} {'n':>3} {'kept':>6} {'bytes/dense':>11} {'speedup':>8}")
+    plot(rows, os.path.join(args.out, f"{args.name}.png"))
+    print(f"{'model':<20} {'context':>7} {'rule':<40} {'budget':>6} {'n':>3} {'kept':>6} {'bytes/dense':>11} "
+          f"{'speedup':>8}")
     for r in rows:
         kept = "-" if r["kept"] is None else f"{100 * r['kept']:.0f}%"
         sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
-        print(f"{r['context']:>7} {r['spec'][:40]:<40} {str(r['budget'] or '-'):>6} {r['n']:>3} {kept:>6} "
-              f"{r['fraction_of_dense']:>11.3f} {sp:>8}")
+        print(f"{r['model'][:20]:<20} {r['context']:>7} {r['spec'][:40]:<40} {str(r['budget'] or '-'):>6} "
+              f"{r['n']:>3} {kept:>6} {r['fraction_of_dense']:>11.3f} {sp:>8}")
     return rows
 
 

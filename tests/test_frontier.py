@@ -129,3 +129,32 @@ def test_name_writes_its_own_files_and_refuses_a_path(tmp_path):
         with pytest.raises(SystemExit, match="plain file stem"):
             frontier.main(args + ["--name", bad])
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["frontier15b.json", "frontier15b.png"]
+
+
+def test_also_adds_another_models_cells_picked_by_model(tmp_path):
+    """--also FILE:HEAD_DIM:LABEL:MODEL adds the cells of a file holding several models' rows and outputs (the
+    same prompt ids), only those whose `model` is MODEL, scaled by that head dim and labelled LABEL in each row's
+    `model`; a bad --also is a usage error."""
+    base = json.loads(_longctx(tmp_path).read_text())
+    two = dict(prompts=base["prompts"], outputs=[], rows=[])
+    for model, labels_right in (("small", (1.0, 0.0, 1.0, 1.0)), ("big", (1.0, 1.0, 1.0, 0.0))):
+        two["rows"] += [dict(r, model=model) for r in base["rows"][:2]]
+        two["outputs"] += [dict(id=f"p{i}", model=model, spec="dense", budget=None, score=s)
+                           for i, s in enumerate((1.0, 1.0, 1.0, 0.0))]
+        two["outputs"] += [dict(id=f"p{i}", model=model, spec="labels:32:4", budget=512, score=s)
+                           for i, s in enumerate(labels_right)]
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps(two))
+    dec = tmp_path / "decode.json"
+    dec.write_text(json.dumps(dict(rows=[])))
+    rows = frontier.main(["--longctx", str(_longctx(tmp_path)), "--decode", str(dec), "--out", str(tmp_path / "o"),
+                          "--also", f"{both}:128:Big-1.5B:big"])
+    big = {r["spec"]: r for r in rows if r["model"] == "Big-1.5B"}
+    assert {r["model"] for r in rows} == {"Qwen2.5-Coder-0.5B", "Big-1.5B"} and set(big) == {"dense", "labels:32:4"}
+    assert big["labels:32:4"]["kept"] == 1.0 and big["labels:32:4"]["n"] == 4       # big's outputs only (small: 2/3)
+    assert big["labels:32:4"]["channels_8b"] == 32                                    # 32 of 128 stays 32
+    meta = json.loads((tmp_path / "o" / "frontier.json").read_text())["meta"]
+    assert meta["sources"]["also"] == [f"{both}:128:Big-1.5B:big"]
+    for bad in (f"{both}:x:Big", f"{both}:128", f"{both}:0:Big", f"{both}:128::big"):
+        with pytest.raises(SystemExit):
+            frontier.main(["--out", str(tmp_path / "p"), "--also", bad])

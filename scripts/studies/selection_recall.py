@@ -149,13 +149,14 @@ def scorer_bytes(rule, D: int, page: int, shortlist: float = 1.0) -> float:
 
 
 def plot(rows, path: str) -> str:
-    """Recall vs the scorer's bytes per token, one panel per (model, context), one marker colour per budget."""
+    """Recall vs the scorer's bytes per token, one panel per (model, context, variant: merged runs apart), one
+    marker colour per budget."""
     from scripts import bench_meta
     plt = bench_meta.pyplot()
-    panels = sorted({(r["model"], r["context"]) for r in rows})
+    panels = sorted({(r["model"], r["context"], r.get("variant") or "") for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (model, ctx) in zip(axes[0], panels):
-        mine = [r for r in rows if r["model"] == model and r["context"] == ctx]
+    for ax, (model, ctx, variant) in zip(axes[0], panels):
+        mine = [r for r in rows if (r["model"], r["context"], r.get("variant") or "") == (model, ctx, variant)]
         for b in sorted({r["budget"] for r in mine}):
             rs = sorted((r for r in mine if r["budget"] == b),
                         key=lambda r: r["scorer_bytes_per_token"])
@@ -166,8 +167,8 @@ def plot(rows, path: str) -> str:
                     (f" x{r['shortlist_mult']}" if r.get("shortlist_mult") else "")
                 ax.annotate(name, (r["scorer_bytes_per_token"], r["recall"]), fontsize=5)
         ax.set_xscale("log")
-        ax.set(title=f"{model}, {ctx} tokens", xlabel="scorer bytes / token / KV head",
-               ylabel="attention recall")
+        ax.set(title=f"{model}, {ctx} tokens{', ' + variant if variant else ''}",
+               xlabel="scorer bytes / token / KV head", ylabel="attention recall")
         ax.legend(fontsize=7)
     return bench_meta.save_figure(fig, path)
 

@@ -14,7 +14,7 @@ them choose better than either alone, and the finer rule's bytes are read over t
 
 Any rule may shortlist for another (the selection protocol's "one rule shortlists for another"). Labels over a
 quarter of the channels shortlisting for labels over every channel gained little on multi-value needles and decoded no
-faster than dense (docs/BENCHMARKS.md, `longctx15b.json` runs B, C; `decode_variants.json` run V): the seam is kept, no
+faster than dense (docs/BENCHMARKS.md, `longctx100.json` runs D, E; `decode_variants.json` run V): the seam is kept, no
 default uses it.
 
 Measured on an H200 (Qwen2.5-Coder-0.5B, needle in a haystack at 16K / 32K, budget 1/32): Quest's bound
