@@ -37,6 +37,7 @@ def test_study_rows_on_the_tiny_model(tmp_path):
     assert ns.main(["--tiny", "--context", "1024", "--prompts", "1", "--page-size", "16", "--budgets", "64,1024",
                     "--rules", "mass,labels:8:4", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "needle_steps.json").read_text())["rows"]
+    assert (tmp_path / "needle_steps.png").stat().st_size > 0
     phases = {r["phase"] for r in rows}
     assert phases == {"write 1", "write 2", "write 3", "write 4", "after 1", "after 2", "after 3"}
     assert len(rows) == 2 * 2 * len(phases)
@@ -53,6 +54,7 @@ def test_rows_by_layer_keep_a_share_of_all_attention(tmp_path):
     assert ns.main(["--tiny", "--context", "1024", "--prompts", "1", "--page-size", "16", "--budgets", "64,1024",
                     "--rules", "mass,labels:8:4", "--by-layer", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "needle_steps.json").read_text())["rows"]
+    assert (tmp_path / "needle_steps.png").stat().st_size > 0                        # the per-layer panel too
     layers = {r["layer"] for r in rows}
     assert layers == set(range(models.get_preset("tiny").num_layers))
     by = {(r["rule"], r["budget"], r["phase"], r["layer"]): r["attention_kept"] for r in rows}

@@ -59,6 +59,36 @@ def teacher_forced(tok, prompt_ids: list[int], answers) -> tuple[list[int], list
     return ids, [s for s in steps if s[2]]
 
 
+def plot(rows: list[dict], path: str) -> str:
+    """Left: needle recall per answer phase, a line per (rule, budget) (rows summed over layers; a merged file's
+    runs apart). Right, where rows per layer exist: attention_kept per layer, a line per (rule, budget, phase kind:
+    writing a value or deciding to go on)."""
+    plt = bench_meta.pyplot()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    summed = [r for r in rows if r.get("layer") is None and r["needle_recall"] is not None]
+    phases = sorted({r["phase"] for r in summed}, key=lambda ph: (int(ph.split()[1]), ph.split()[0] != "write"))
+    for key in dict.fromkeys((r.get("run"), r["rule"], r["budget"]) for r in summed):
+        pts = {r["phase"]: r["needle_recall"] for r in summed if (r.get("run"), r["rule"], r["budget"]) == key}
+        xs = [i for i, ph in enumerate(phases) if ph in pts]
+        ax.plot(xs, [pts[phases[i]] for i in xs], "o-", label=" ".join(str(k) for k in key if k is not None))
+    ax.set_xticks(range(len(phases)), phases, fontsize=7, rotation=45)
+    ax.set(ylabel="true attention on needle pages kept", ylim=(0, 1.02))
+    if summed:
+        ax.legend(fontsize=6)
+    per = [r for r in rows if r.get("layer") is not None]
+    for key in dict.fromkeys((r["rule"], r["budget"], r["phase"].split()[0]) for r in per):
+        by: dict = {}
+        for r in per:
+            if (r["rule"], r["budget"], r["phase"].split()[0]) == key:
+                by.setdefault(r["layer"], []).append(r["attention_kept"])
+        layers = sorted(by)
+        ax2.plot(layers, [sum(by[x]) / len(by[x]) for x in layers], ".-", label=" ".join(map(str, key)))
+    ax2.set(xlabel="layer", ylabel="share of all true attention kept", ylim=(0, 1.02))
+    if per:
+        ax2.legend(fontsize=6)
+    return bench_meta.save_figure(fig, path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="the tiny random model and byte tokenizer (tests)")
@@ -74,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rows per layer too (layer = the index; default: summed over layers), each with the share of "
                          "the whole true attention the selection keeps there (attention_kept)")
     ap.add_argument("--name", default="needle_steps")
-    return bench_meta.add_common_args(ap, out_required=True, files="NAME.json (--name)", model="qwen2.5-coder-0.5b")
+    return bench_meta.add_common_args(ap, out_required=True, files="NAME.json, NAME.png (--name)", model="qwen2.5-coder-0.5b")
 
 
 def main(argv=None) -> int:
@@ -153,6 +183,7 @@ def main(argv=None) -> int:
                      needle_recall=kept[key] / tot if tot > 0 else None,
                      **({} if layer is None else dict(layer=layer, attention_kept=att[key] / att_n[key]))))
     res.save()
+    plot(res.rows, os.path.join(args.out, f"{args.name}.png"))
     print(f"{'rule':<16}{'budget':>7} {'phase':<8}{'layer':>6}{'needle mass':>12}{'recall':>8}{'attn kept':>10}")
     for r in res.rows:
         rec = "-" if r["needle_recall"] is None else f"{r['needle_recall']:.3f}"
