@@ -245,3 +245,105 @@ def page_lse(kc, qc, *, layer: int, impl: str = "auto", scale=None, bits: int = 
     if pick_impl(impl) == "ref" or T & (T - 1) or C & (C - 1) or Cs & (Cs - 1):
         return ref_page_lse(kc, qc, layer=layer, scale=scale, bits=bits)
     return page_lse_pallas(kc, qc, layer=layer, interpret=not on_gpu(), scale=scale, bits=bits)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4-bit labels on the tensor cores, a span of pages a program (candidate; bench_labels times it beside the above)
+# ---------------------------------------------------------------------------------------------------------------
+MMA_MIN = 16        # Triton's dot needs every dimension >= 16: tokens a page, code bytes a KV head, matrix columns
+F16_1024 = 0x6400   # float16 bits of 1024.0: 0x6400 | n (n < 16) is exactly 1024 + n (one OR, no conversion)
+
+
+def mma_shape(rows: int) -> tuple[int, int]:
+    """(N, pages a dot) of the tensor-core label kernel for `rows` query rows a KV head: the rows padded to a power
+    of two (Hp), N = max(16, Hp) matrix columns, N / Hp pages side by side in them (so at 4 rows, four pages fill
+    the 16 columns instead of 12 columns of padding: no exp is spent on padding)."""
+    hp = next_pow2(rows)
+    n = max(MMA_MIN, hp)
+    return n, n // hp
+
+
+def _label_mma_span_kernel(kc_ref, sc_ref, b_ref, out_ref, *, g: int, hp: int, pd: int):
+    # One program = (sequence, group, span of pages), a loop over the span pd pages at a time. kc_ref [p, T, g * Cs]
+    # 4-bit codes; sc_ref [p, g * C] bf16 scales; b_ref [g, 2, 2, pd, Cs, N] float16 query matrices (KV head,
+    # nibble half, high / low float16 part of the float32 query, page slot, channel, column): slot j holds the
+    # query rows in columns [j * hp, j * hp + rows) and zeros elsewhere, so the pd pages' dots add into one [T, N]
+    # accumulator whose column j * hp + r is page j's logit of row r. out_ref [g, p * hp]: (page, row) flattened.
+    # Codes are exact in float16 (1024 + n by bits, minus 1032) and so are code * scale (a 4-bit value times a
+    # bfloat16 scale has <= 11 significant bits) while the scale is a normal float16 (6.1e-5 .. 8188); the query is
+    # split into two float16 parts, so the products are float32-accurate.
+    span, T = kc_ref.shape[0], kc_ref.shape[1]
+    cs = kc_ref.shape[2] // g
+    c = 2 * cs
+    n = b_ref.shape[-1]
+
+    def body(it, carry):
+        p0 = pl.multiple_of(it * pd, pd)
+        for i in range(g):
+            acc = jnp.zeros((T, n), jnp.float32)
+            for j in range(pd):
+                b = kc_ref[p0 + j, :, pl.ds(i * cs, cs)].astype(jnp.int32)                     # [T, Cs]
+                for h, nib in enumerate((b & 15, b >> 4)):
+                    v = jax.lax.bitcast_convert_type((nib | F16_1024).astype(jnp.uint16), jnp.float16)
+                    s = sc_ref[pl.ds(p0 + j, 1), pl.ds(i * c + h * cs, cs)].astype(jnp.float16)  # [1, Cs]
+                    a = (v - jnp.float16(1032.0)) * s                                           # [T, Cs] exact
+                    for part in range(2):
+                        acc = acc + jax.lax.dot_general(a, b_ref[i, h, part, j], (((1,), (0,)), ((), ())),
+                                                        preferred_element_type=jnp.float32)   # [T, N]
+            m = jnp.max(acc, axis=0)                                                             # [N]
+            lse = m + jnp.log(jnp.sum(jnp.exp(acc - m[None, :]), axis=0))
+            out_ref[pl.ds(i, 1), pl.ds(pl.multiple_of(it * n, n), n)] = lse.reshape(1, n)
+        return carry
+
+    jax.lax.fori_loop(0, span // pd, body, 0)
+
+
+def mma_queries(qc, rows: int):
+    """qc [S, G, g, H, C] float32 scaled query rows -> [S, G, g, 2, 2, pd, C/2, N] float16: per KV head, nibble
+    half (channels [0, C/2), [C/2, C)), high and low float16 parts (q = hi + lo to ~22 bits) and page slot j, the
+    rows transposed into columns [j * hp, j * hp + H) (zeros elsewhere)."""
+    S, G, g, H, C = qc.shape
+    n, pd = mma_shape(rows)
+    hp = n // pd
+    q = jnp.pad(qc.astype(jnp.float32), ((0, 0),) * 3 + ((0, hp - H), (0, 0)))             # [S, G, g, hp, C]
+    hi = q.astype(jnp.float16)
+    lo = (q - hi.astype(jnp.float32)).astype(jnp.float16)
+    parts = jnp.stack([hi, lo], axis=3)                                                    # [S, G, g, 2, hp, C]
+    parts = parts.reshape(S, G, g, 2, hp, 2, C // 2).transpose(0, 1, 2, 5, 3, 6, 4)       # [S,G,g,2h,2p,C/2,hp]
+    eye = jnp.eye(pd, dtype=jnp.float16)                                                   # slot j -> block j
+    b = jnp.einsum("sgihpcr,jk->sgihpjckr", parts, eye)                                    # [..., pd, C/2, pd, hp]
+    return b.reshape(S, G, g, 2, 2, pd, C // 2, n)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "interpret", "pages_per_program", "num_warps",
+                                             "num_stages"))
+def label_lse_mma(kc, qc, *, layer: int, scale, interpret: bool = False, pages_per_program: int = 64,
+                  num_warps: int = 4, num_stages: int | None = None):
+    """page_lse_pallas for 4-bit labels on the tensor cores: kc [S, L, G, P, T, g, C/2] codes, scale
+    [S, L, G, P, g, C] bf16, qc [S, G, g, H, C] float32 -> lse [S, G, g * H, P] float32 for `layer`. One program
+    per (sequence, group, pages_per_program pages), looping over them a dot's pages at a time (mma_shape), the
+    query matrices loaded once a program. Needs T >= 16 and C/2 >= 16 (Triton's dot)."""
+    S, L, G, P, T, g, Cs = kc.shape
+    H, C = qc.shape[3], qc.shape[4]
+    _check(kc, qc, pow2=True, bits=4, scale=scale)
+    n, pd = mma_shape(H)
+    hp = n // pd
+    if T < MMA_MIN or Cs < MMA_MIN:
+        raise ValueError(f"the tensor-core label kernel needs a page size and C / 2 code bytes of at least "
+                         f"{MMA_MIN}; got page {T}, {Cs} code bytes (C = {C})")
+    span = pages_per_program
+    if span % pd or P % span:
+        raise ValueError(f"pages_per_program = {span} must be a multiple of {pd} pages dividing the page count {P}")
+    params = {} if interpret else {"compiler_params": pltr.CompilerParams(num_warps=num_warps,
+                                                                             num_stages=num_stages)}
+    out = pl.pallas_call(
+        functools.partial(_label_mma_span_kernel, g=g, hp=hp, pd=pd),
+        grid=(S, G, P // span), interpret=interpret, name="label_page_lse_mma",
+        in_specs=[pl.BlockSpec((None, None, None, span, T, g * Cs), lambda s, j, b: (s, layer, j, b, 0, 0)),
+                  pl.BlockSpec((None, None, None, span, g * C), lambda s, j, b: (s, layer, j, b, 0)),
+                  pl.BlockSpec((None, None, g, 2, 2, pd, Cs, n), lambda s, j, b: (s, j, 0, 0, 0, 0, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, g, span * hp), lambda s, j, b: (s, j, 0, b)),
+        out_shape=jax.ShapeDtypeStruct((S, G, g, P * hp), jnp.float32), **params,
+    )(kc.reshape(S, L, G, P, T, g * Cs), _scale_view(scale, kc), mma_queries(qc, H))
+    lse = out.reshape(S, G, g, P, hp)[..., :H]                                            # [S, G, g, P, H]
+    return lse.transpose(0, 1, 2, 4, 3).reshape(S, G, g * H, P)

@@ -36,8 +36,8 @@ from ulacache_jax.pallas_kernels import page_lse as pk
 from ulacache_jax.cache.select.labels import QMAX     # the labels' largest code magnitude
 
 RTOL, ATOL = 1e-4, 1e-3
-TINY = dict(batch=1, groups=2, rows=4, pages=16, page=16, channels=16, layers=2, calls=2, reps=2,
-            blocks=[1, 4], warps=[4], spans=[4, 16], span_block=2)
+TINY = dict(batch=1, groups=2, rows=4, pages=16, page=16, channels=32, layers=2, calls=2, reps=2,
+            blocks=[1, 4], warps=[4], spans=[4, 16], span_block=2, mma_spans=[8], mma_warps=[4], mma_stages=[2])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,8 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 4, 8], help="block_pages of the kernel rows")
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8], help="num_warps of the kernel and span rows")
-    p.add_argument("--spans", type=int, nargs="+", default=[16, 64, 256, 2048],
+    p.add_argument("--spans", type=int, nargs="*", default=[16, 64, 256, 2048],
                    help="pages_per_program of the span rows (those dividing P)")
+    p.add_argument("--mma-spans", type=int, nargs="*", default=[32, 64, 128],
+                   help="pages_per_program of the tensor-core rows (4-bit labels; label_lse_mma)")
+    p.add_argument("--mma-warps", type=int, nargs="*", default=[1, 4], help="num_warps of the tensor-core rows")
+    p.add_argument("--mma-stages", type=int, nargs="*", default=[2, 3], help="num_stages of the tensor-core rows")
     p.add_argument("--span-block", type=int, default=0,
                    help="block_pages of the span rows; 0: the kernel's default (BLOCK_ELEMS)")
     p.add_argument("--tiny", action="store_true", help="small shapes for CPU interpret mode (the tests): "
@@ -119,6 +123,10 @@ def variants(a) -> list[dict]:
     sb = a.span_block or pk.default_block_pages(P, a.page, a.channels)
     rows += [dict(impl="span", block_pages=sb, pages_per_program=sp, num_warps=w) for sp in a.spans
              for w in a.warps if sp % sb == 0 and P % sp == 0]
+    if a.bits == 4 and min(a.page, a.channels // 2) >= pk.MMA_MIN:
+        pd = pk.mma_shape(a.rows)[1]
+        rows += [dict(impl="mma", pages_per_program=sp, num_warps=w, num_stages=st) for sp in a.mma_spans
+                 for w in a.mma_warps for st in a.mma_stages if sp % pd == 0 and P % sp == 0]
     return rows
 
 
@@ -126,6 +134,10 @@ def score_fn(v: dict, a, layer: int):
     """f(codes, scale, q) -> lse [S, G, g * H, P] of the variant."""
     if v["impl"] == "ref":
         return jax.jit(lambda c, s, q: pk.ref_page_lse(c, q, layer=layer, scale=s, bits=a.bits))
+    if v["impl"] == "mma":
+        return lambda c, s, q: pk.label_lse_mma(
+            c, q, layer=layer, scale=s, interpret=not on_gpu(), pages_per_program=v["pages_per_program"],
+            num_warps=v["num_warps"], num_stages=v["num_stages"])
     return lambda c, s, q: pk.page_lse_pallas(
         c, q, layer=layer, interpret=not on_gpu(), scale=s, bits=a.bits, block_pages=v["block_pages"],
         num_warps=v["num_warps"], pages_per_program=v.get("pages_per_program"))
@@ -191,7 +203,7 @@ def main(argv=None):
     for v in variants(a):
         row = run_variant(v, a, layer, inputs, wants, nbytes, ceiling)
         if "pages_per_program" in row or "block_pages" in row:
-            row["programs"] = a.batch * a.groups * a.pages // row.get("pages_per_program", row["block_pages"])
+            row["programs"] = a.batch * a.groups * a.pages // (row.get("pages_per_program") or row["block_pages"])
         res.add(row)
         print(json.dumps(row), flush=True)
     plot(res, os.path.join(a.out, f"{name}.png"))
@@ -204,6 +216,8 @@ def variant_name(r: dict, sep: str = " ") -> str:
     if r["impl"] == "ref":
         return "ref"
     span = f"{sep}span={r['pages_per_program']}" if "pages_per_program" in r else ""
+    if r["impl"] == "mma":
+        return f"mma{span}{sep}w={r['num_warps']} st={r['num_stages']}"
     return f"{r['impl']}{span}{sep}bp={r['block_pages']} w={r['num_warps']}"
 
 
@@ -212,7 +226,7 @@ def plot(res: Results, path: str):
     variants since deleted, kept in a committed result, orange)."""
     plt = pyplot()
     rows = [r for r in res.rows if "us" in r]
-    color = dict(ref="tab:gray", kernel="tab:blue", span="tab:green")
+    color = dict(ref="tab:gray", kernel="tab:blue", span="tab:green", mma="tab:red")
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(rows)), 4))
     ax.bar(range(len(rows)), [r["fraction_of_read"] for r in rows],
            color=[color.get(r["impl"], "tab:orange") for r in rows])
