@@ -10,6 +10,9 @@ One program per (sequence, group, block of pages), or with `pages_per_program` p
 pages) looping over the span's blocks (fewer, longer programs: at the 8B shape one block is 4 pages, 8 KB of 4-bit
 codes, and a layer launches S * G * P / 4 programs); the layer is a static index into the full copy (no per-layer
 slice is materialised). Rows beyond the caller's (padding to a power of two) compute garbage the caller drops.
+4-bit labels with a page and C / 2 code bytes of >= 16 take label_lse_mma instead: the codes made float16 in
+registers by inline PTX, times the queries (truncated to 11 bits) on the tensor cores, a span of pages a program
+with the codes of later pages in flight (2.1x the label kernel above at the 8B shape, docs/BENCHMARKS.md).
 Axis alphabet: S sequences, L layers, G groups, P pages, T tokens of a page, g KV heads per group, C copy channels,
 H query rows per KV head, p pages of a block (or of a program's span).
 """
@@ -216,42 +219,16 @@ def page_lse_pallas(kc, qc, *, layer: int, interpret: bool = False, block_pages:
     return out.reshape(S, G, g, Hp, P)[:, :, :, :H].reshape(S, G, g * H, P)
 
 
-def ref_dequant(codes, scale, bits: int):
-    """codes [..., P, T, g, Cs], scale [..., P, g, C] -> [..., P, T, g, C] float32: the labels' values (int8, or
-    two int4 a byte: channel j low nibble, j + C/2 high, each stored + 8)."""
-    if bits == 8:
-        v = codes.astype(jnp.float32)
-    else:
-        b = codes.astype(jnp.int32)
-        v = jnp.concatenate([(b & 15) - 8, (b >> 4) - 8], axis=-1).astype(jnp.float32)
-    return v * scale.astype(jnp.float32)[..., None, :, :]
-
-
-def ref_page_lse(kc, qc, *, layer: int, scale=None, bits: int = 0):
-    """Plain jnp reference of `page_lse_pallas` (float32 products at full precision)."""
-    S, L, G, P, T, g, _ = kc.shape
-    k = ref_dequant(kc[:, layer], scale[:, layer], bits) if bits else kc[:, layer].astype(jnp.float32)
-    logit = jnp.einsum("sjptic,sjihc->sjihpt", k, qc.astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST)                             # [S, G, g, H, P, T]
-    return jax.nn.logsumexp(logit, axis=-1).reshape(S, G, g * qc.shape[3], P)
-
-
-def page_lse(kc, qc, *, layer: int, impl: str = "auto", scale=None, bits: int = 0):
-    """impl: 'auto' (kernel on GPU, reference elsewhere), 'pallas' (kernel; interpret mode off GPU) or 'ref'.
-    A copy whose page size or channel count is not a power of two takes the reference. bits 8 / 4: kc holds
-    label codes and scale their scales, every layer's [S, L, G, P, g, C]."""
-    _check(kc, qc, pow2=False, bits=bits, scale=scale)
-    T, C, Cs = kc.shape[4], qc.shape[4], kc.shape[6]
-    if pick_impl(impl) == "ref" or T & (T - 1) or C & (C - 1) or Cs & (Cs - 1):
-        return ref_page_lse(kc, qc, layer=layer, scale=scale, bits=bits)
-    return page_lse_pallas(kc, qc, layer=layer, interpret=not on_gpu(), scale=scale, bits=bits)
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# 4-bit labels on the tensor cores, a span of pages a program (candidate; bench_labels times it beside the above)
+# 4-bit labels on the tensor cores: a span of pages a program (the 4-bit labels' kernel where T, C / 2 >= 16)
 # ---------------------------------------------------------------------------------------------------------------
 MMA_MIN = 16        # Triton's dot needs every dimension >= 16: tokens a page, code bytes a KV head, matrix columns
 F16_1024 = 0x6400   # float16 bits of 1024.0: 0x6400 | n (n < 16) is exactly 1024 + n (one OR, no conversion)
+# The launch measured fastest at the 8B shape (bench_labels, docs/BENCHMARKS.md): one warp a program, 32 pages a
+# program (fewer programs or more warps were slower), three pipeline stages (the codes of later pages in flight)
+MMA_SPAN = 32
+MMA_WARPS = 1
+MMA_STAGES = 3
 
 
 def mma_shape(rows: int) -> tuple[int, int]:
@@ -263,18 +240,93 @@ def mma_shape(rows: int) -> tuple[int, int]:
     return n, n // hp
 
 
-def _label_mma_span_kernel(kc_ref, sc_ref, b_ref, out_ref, *, g: int, hp: int, pd: int):
+def mma_span(num_pages: int, rows: int, pages_per_program: int | None = None) -> int | None:
+    """Pages a program of the tensor-core label kernel: pages_per_program, checked (a multiple of the pages a dot
+    dividing the page count), or by default the largest of MMA_SPAN, 16, 8, 4, 2, 1 that is one; None where the
+    default finds none."""
+    pd = mma_shape(rows)[1]
+    if pages_per_program is not None:
+        if pages_per_program % pd or num_pages % pages_per_program:
+            raise ValueError(f"pages_per_program = {pages_per_program} must be a multiple of {pd} pages dividing "
+                             f"the page count {num_pages}")
+        return pages_per_program
+    for span in (MMA_SPAN, 16, 8, 4, 2, 1):
+        if span % pd == 0 and num_pages % span == 0:
+            return span
+    return None
+
+
+def mma_fits(kc, qc, bits: int) -> bool:
+    """Whether the tensor-core kernel scores these labels: 4 bits, a page and C / 2 code bytes of >= 16 (Triton's
+    dot), and a span of pages dividing the page count."""
+    T, Cs, P, H = kc.shape[4], kc.shape[6], kc.shape[3], qc.shape[3]
+    return bits == 4 and T >= MMA_MIN and Cs >= MMA_MIN and mma_span(P, H) is not None
+
+
+def truncate_f16(q):
+    """q float32 -> float32 keeping q's top 11 significant bits (a float16 value where in float16's range): the
+    mantissa masked, not rounded, so every backend gives the same bits (XLA on GPU may drop a float32 -> float16 ->
+    float32 round trip: excess precision allowed)."""
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(q, jnp.uint32) & jnp.uint32(0xFFFFE000),
+                                        jnp.float32)
+
+
+def unpack_bits(raw, s_lo, s_hi):
+    """raw [T, Cs] uint8 two 4-bit codes a byte (stored + 8); s_lo, s_hi [1, Cs] bf16 the scales of the low / high
+    nibbles' channels -> (low, high) [T, Cs] float16 values times their scales, exact (jnp ops: 1024 + n by bits).
+    unpack_asm's values, in interpret mode (no PTX there)."""
+    b = raw.astype(jnp.int32)
+    out = []
+    for nib, sc in ((b & 15, s_lo), (b >> 4, s_hi)):
+        v = jax.lax.bitcast_convert_type((nib | F16_1024).astype(jnp.uint16), jnp.float16)
+        out.append((v - jnp.float16(1032.0)) * sc.astype(jnp.float16))
+    return out
+
+
+# Four code bytes (one register $2, byte k = element k) -> one nibble of each as float16 pairs ($0: elements 0, 1;
+# $1: 2, 3) times its scale pair ($3, $4): bytes spread to the two halves by PRMT, nibble OR 1024 by LOP3 (0xEA:
+# (a & b) | c), the offset off by one packed subtract, the scale on by one packed multiply: 8 instructions for 4
+# values. MASK / OFFSET: the low nibble (0x000F000F, 1024 + 8) or the high one in place (0x00F000F0: 1024 + 16 n
+# - 1152 = 16 (n - 8), its scale pair divided by 16, exact). One call a nibble: Pallas lowers one result an asm.
+UNPACK4_ASM = """{
+.reg .b32 t0, t1, k;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+mov.b32 k, OFFSET;
+lop3.b32 $0, t0, MASK, 0x64006400, 0xEA;
+lop3.b32 $1, t1, MASK, 0x64006400, 0xEA;
+sub.f16x2 $0, $0, k;
+sub.f16x2 $1, $1, k;
+mul.f16x2 $0, $0, $3;
+mul.f16x2 $1, $1, $4;
+}"""
+
+
+def unpack_asm(raw, s_lo, s_hi):
+    """unpack_bits by inline PTX (UNPACK4_ASM), the same values in packed half2 arithmetic, which the compiler
+    does not make of the jnp form (measured: the kernel 77 vs 126 us with the query split in two parts)."""
+    T, cs = raw.shape
+    out = []
+    for mask, offset, sc in (("0x000F000F", "0x64086408", s_lo.astype(jnp.float16)),
+                             ("0x00F000F0", "0x64806480", (s_hi.astype(jnp.float32) * 0.0625).astype(jnp.float16))):
+        [v] = pltr.elementwise_inline_asm(
+            UNPACK4_ASM.replace("MASK", mask).replace("OFFSET", offset),
+            args=[raw, jnp.broadcast_to(sc, (T, cs))], constraints="=r,=r,r,r,r", pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct((T, cs), jnp.float16)])
+        out.append(v)
+    return out
+
+
+def _label_mma_kernel(kc_ref, sc_ref, b_ref, out_ref, *, g: int, pd: int, unpack):
     # One program = (sequence, group, span of pages), a loop over the span pd pages at a time. kc_ref [p, T, g * Cs]
-    # 4-bit codes; sc_ref [p, g * C] bf16 scales; b_ref [g, 2, 2, pd, Cs, N] float16 query matrices (KV head,
-    # nibble half, high / low float16 part of the float32 query, page slot, channel, column): slot j holds the
-    # query rows in columns [j * hp, j * hp + rows) and zeros elsewhere, so the pd pages' dots add into one [T, N]
-    # accumulator whose column j * hp + r is page j's logit of row r. out_ref [g, p * hp]: (page, row) flattened.
-    # Codes are exact in float16 (1024 + n by bits, minus 1032) and so are code * scale (a 4-bit value times a
-    # bfloat16 scale has <= 11 significant bits) while the scale is a normal float16 (6.1e-5 .. 8188); the query is
-    # split into two float16 parts, so the products are float32-accurate.
+    # 4-bit codes; sc_ref [p, g * C] bf16 scales; b_ref [g, 2, pd, Cs, N] float16 query matrices (KV head, nibble
+    # half, page slot, channel, column): slot j holds the query rows in columns [j * hp, j * hp + rows) and zeros
+    # elsewhere, so the pd pages' dots add into one [T, N] accumulator whose column j * hp + r is page j's logit of
+    # row r. out_ref [g, p * hp]: (page, row) flattened. code * scale is exact in float16 (a 4-bit value times a
+    # bfloat16 scale has <= 11 significant bits) while the scale is a normal float16 (6.1e-5 .. 8188); the products
+    # with the float16 queries are exact in the float32 accumulator.
     span, T = kc_ref.shape[0], kc_ref.shape[1]
     cs = kc_ref.shape[2] // g
-    c = 2 * cs
     n = b_ref.shape[-1]
 
     def body(it, carry):
@@ -282,14 +334,11 @@ def _label_mma_span_kernel(kc_ref, sc_ref, b_ref, out_ref, *, g: int, hp: int, p
         for i in range(g):
             acc = jnp.zeros((T, n), jnp.float32)
             for j in range(pd):
-                b = kc_ref[p0 + j, :, pl.ds(i * cs, cs)].astype(jnp.int32)                     # [T, Cs]
-                for h, nib in enumerate((b & 15, b >> 4)):
-                    v = jax.lax.bitcast_convert_type((nib | F16_1024).astype(jnp.uint16), jnp.float16)
-                    s = sc_ref[pl.ds(p0 + j, 1), pl.ds(i * c + h * cs, cs)].astype(jnp.float16)  # [1, Cs]
-                    a = (v - jnp.float16(1032.0)) * s                                           # [T, Cs] exact
-                    for part in range(2):
-                        acc = acc + jax.lax.dot_general(a, b_ref[i, h, part, j], (((1,), (0,)), ((), ())),
-                                                        preferred_element_type=jnp.float32)   # [T, N]
+                raw = kc_ref[p0 + j, :, pl.ds(i * cs, cs)]                                      # [T, Cs] uint8
+                s = [sc_ref[pl.ds(p0 + j, 1), pl.ds((2 * i + h) * cs, cs)] for h in range(2)]  # 2 x [1, Cs]
+                for h, a in enumerate(unpack(raw, *s)):                                         # [T, Cs] f16
+                    acc = acc + jax.lax.dot_general(a, b_ref[i, h, j], (((1,), (0,)), ((), ())),
+                                                    preferred_element_type=jnp.float32)       # [T, N]
             m = jnp.max(acc, axis=0)                                                             # [N]
             lse = m + jnp.log(jnp.sum(jnp.exp(acc - m[None, :]), axis=0))
             out_ref[pl.ds(i, 1), pl.ds(pl.multiple_of(it * n, n), n)] = lse.reshape(1, n)
@@ -299,51 +348,91 @@ def _label_mma_span_kernel(kc_ref, sc_ref, b_ref, out_ref, *, g: int, hp: int, p
 
 
 def mma_queries(qc, rows: int):
-    """qc [S, G, g, H, C] float32 scaled query rows -> [S, G, g, 2, 2, pd, C/2, N] float16: per KV head, nibble
-    half (channels [0, C/2), [C/2, C)), high and low float16 parts (q = hi + lo to ~22 bits) and page slot j, the
-    rows transposed into columns [j * hp, j * hp + H) (zeros elsewhere)."""
+    """qc [S, G, g, H, C] float32 scaled query rows -> [S, G, g, 2, pd, C/2, N] float16: per KV head, nibble half
+    (channels [0, C/2), [C/2, C)) and page slot j, the rows truncated to 11 bits (truncate_f16) and transposed into
+    columns [j * hp, j * hp + H) (zeros elsewhere)."""
     S, G, g, H, C = qc.shape
     n, pd = mma_shape(rows)
     hp = n // pd
     q = jnp.pad(qc.astype(jnp.float32), ((0, 0),) * 3 + ((0, hp - H), (0, 0)))             # [S, G, g, hp, C]
-    hi = q.astype(jnp.float16)
-    lo = (q - hi.astype(jnp.float32)).astype(jnp.float16)
-    parts = jnp.stack([hi, lo], axis=3)                                                    # [S, G, g, 2, hp, C]
-    parts = parts.reshape(S, G, g, 2, hp, 2, C // 2).transpose(0, 1, 2, 5, 3, 6, 4)       # [S,G,g,2h,2p,C/2,hp]
-    eye = jnp.eye(pd, dtype=jnp.float16)                                                   # slot j -> block j
-    b = jnp.einsum("sgihpcr,jk->sgihpjckr", parts, eye)                                    # [..., pd, C/2, pd, hp]
-    return b.reshape(S, G, g, 2, 2, pd, C // 2, n)
+    q = truncate_f16(q).astype(jnp.float16).reshape(S, G, g, hp, 2, C // 2)
+    q = q.transpose(0, 1, 2, 4, 5, 3)                                                      # [S, G, g, 2, C/2, hp]
+    b = jnp.einsum("sgihcr,jk->sgihjckr", q, jnp.eye(pd, dtype=jnp.float16))               # slot j -> block j
+    return b.reshape(S, G, g, 2, pd, C // 2, n)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "interpret", "pages_per_program", "num_warps",
                                              "num_stages"))
-def label_lse_mma(kc, qc, *, layer: int, scale, interpret: bool = False, pages_per_program: int = 64,
-                  num_warps: int = 4, num_stages: int | None = None):
-    """page_lse_pallas for 4-bit labels on the tensor cores: kc [S, L, G, P, T, g, C/2] codes, scale
-    [S, L, G, P, g, C] bf16, qc [S, G, g, H, C] float32 -> lse [S, G, g * H, P] float32 for `layer`. One program
-    per (sequence, group, pages_per_program pages), looping over them a dot's pages at a time (mma_shape), the
-    query matrices loaded once a program. Needs T >= 16 and C/2 >= 16 (Triton's dot)."""
+def label_lse_mma(kc, qc, *, layer: int, scale, interpret: bool = False, pages_per_program: int | None = None,
+                  num_warps: int = MMA_WARPS, num_stages: int = MMA_STAGES):
+    """The 4-bit labels' page lse on the tensor cores: kc [S, L, G, P, T, g, C/2] codes, scale [S, L, G, P, g, C]
+    bf16, qc [S, G, g, H, C] float32 -> lse [S, G, g * H, P] float32 for `layer`, = ref_page_lse(f16_queries=True)
+    (the queries truncated to 11 bits: a relative logit error of <= 2^-10, far under the 4-bit codes' own; the
+    queries split into two float16 parts for float32 products ran at half the speed, 77 vs 43 us). One program per
+    (sequence, group, pages_per_program pages; default mma_span), looping over them a dot's pages at a time
+    (mma_shape), the query matrices loaded once a program; codes to float16 by inline PTX (unpack_asm; interpret
+    mode: unpack_bits, the same values). Needs T >= 16 and C/2 >= 16 (mma_fits)."""
     S, L, G, P, T, g, Cs = kc.shape
     H, C = qc.shape[3], qc.shape[4]
     _check(kc, qc, pow2=True, bits=4, scale=scale)
-    n, pd = mma_shape(H)
-    hp = n // pd
     if T < MMA_MIN or Cs < MMA_MIN:
         raise ValueError(f"the tensor-core label kernel needs a page size and C / 2 code bytes of at least "
                          f"{MMA_MIN}; got page {T}, {Cs} code bytes (C = {C})")
-    span = pages_per_program
-    if span % pd or P % span:
-        raise ValueError(f"pages_per_program = {span} must be a multiple of {pd} pages dividing the page count {P}")
+    span = mma_span(P, H, pages_per_program)
+    if span is None:
+        raise ValueError(f"no span of pages divides the page count {P} in whole dots of {mma_shape(H)[1]} pages")
+    n, pd = mma_shape(H)
+    hp = n // pd
     params = {} if interpret else {"compiler_params": pltr.CompilerParams(num_warps=num_warps,
                                                                              num_stages=num_stages)}
     out = pl.pallas_call(
-        functools.partial(_label_mma_span_kernel, g=g, hp=hp, pd=pd),
+        functools.partial(_label_mma_kernel, g=g, pd=pd, unpack=unpack_bits if interpret else unpack_asm),
         grid=(S, G, P // span), interpret=interpret, name="label_page_lse_mma",
         in_specs=[pl.BlockSpec((None, None, None, span, T, g * Cs), lambda s, j, b: (s, layer, j, b, 0, 0)),
                   pl.BlockSpec((None, None, None, span, g * C), lambda s, j, b: (s, layer, j, b, 0)),
-                  pl.BlockSpec((None, None, g, 2, 2, pd, Cs, n), lambda s, j, b: (s, j, 0, 0, 0, 0, 0, 0))],
+                  pl.BlockSpec((None, None, g, 2, pd, Cs, n), lambda s, j, b: (s, j, 0, 0, 0, 0, 0))],
         out_specs=pl.BlockSpec((None, None, g, span * hp), lambda s, j, b: (s, j, 0, b)),
         out_shape=jax.ShapeDtypeStruct((S, G, g, P * hp), jnp.float32), **params,
     )(kc.reshape(S, L, G, P, T, g * Cs), _scale_view(scale, kc), mma_queries(qc, H))
     lse = out.reshape(S, G, g, P, hp)[..., :H]                                            # [S, G, g, P, H]
     return lse.transpose(0, 1, 2, 4, 3).reshape(S, G, g * H, P)
+
+
+def ref_dequant(codes, scale, bits: int):
+    """codes [..., P, T, g, Cs], scale [..., P, g, C] -> [..., P, T, g, C] float32: the labels' values (int8, or
+    two int4 a byte: channel j low nibble, j + C/2 high, each stored + 8)."""
+    if bits == 8:
+        v = codes.astype(jnp.float32)
+    else:
+        b = codes.astype(jnp.int32)
+        v = jnp.concatenate([(b & 15) - 8, (b >> 4) - 8], axis=-1).astype(jnp.float32)
+    return v * scale.astype(jnp.float32)[..., None, :, :]
+
+
+def ref_page_lse(kc, qc, *, layer: int, scale=None, bits: int = 0, f16_queries: bool = False):
+    """Plain jnp reference of `page_lse_pallas` (float32 products at full precision). f16_queries: the queries
+    truncated to 11 significant bits first (truncate_f16: label_lse_mma's arithmetic)."""
+    S, L, G, P, T, g, _ = kc.shape
+    if f16_queries:
+        qc = truncate_f16(qc.astype(jnp.float32))
+    k = ref_dequant(kc[:, layer], scale[:, layer], bits) if bits else kc[:, layer].astype(jnp.float32)
+    logit = jnp.einsum("sjptic,sjihc->sjihpt", k, qc.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)                             # [S, G, g, H, P, T]
+    return jax.nn.logsumexp(logit, axis=-1).reshape(S, G, g * qc.shape[3], P)
+
+
+def page_lse(kc, qc, *, layer: int, impl: str = "auto", scale=None, bits: int = 0):
+    """impl: 'auto' (kernel on GPU, reference elsewhere), 'pallas' (kernel; interpret mode off GPU) or 'ref'.
+    A copy whose page size or channel count is not a power of two takes the reference. bits 8 / 4: kc holds
+    label codes and scale their scales, every layer's [S, L, G, P, g, C]. 4-bit labels score with the queries
+    truncated to 11 bits on every path (truncate_f16), the arithmetic of their tensor-core kernel (label_lse_mma,
+    taken where mma_fits), so a rule selects the same pages whichever kernel or reference runs."""
+    _check(kc, qc, pow2=False, bits=bits, scale=scale)
+    T, C, Cs = kc.shape[4], qc.shape[4], kc.shape[6]
+    if bits == 4:
+        qc = truncate_f16(qc.astype(jnp.float32))
+    if pick_impl(impl) == "ref" or T & (T - 1) or C & (C - 1) or Cs & (Cs - 1):
+        return ref_page_lse(kc, qc, layer=layer, scale=scale, bits=bits)
+    if mma_fits(kc, qc, bits):
+        return label_lse_mma(kc, qc, layer=layer, scale=scale, interpret=not on_gpu())
+    return page_lse_pallas(kc, qc, layer=layer, interpret=not on_gpu(), scale=scale, bits=bits)

@@ -1,5 +1,5 @@
 """scripts/bench_labels.py at its --tiny shapes (CPU interpret mode): every variant (the reference, the kernel's
-launch shapes, the spanning launch) is checked against the reference on random and
+launch shapes, the spanning launch, the tensor-core kernel at 4 bits) is checked against the reference on random and
 adversarial inputs and timed, and the JSON and PNG are written under --out."""
 import json
 
@@ -14,7 +14,7 @@ def test_tiny_run_checks_every_variant_and_writes(tmp_path, bits):
     name = "labels" if bits == 4 else "labels_8bit"
     data = json.loads((tmp_path / f"{name}.json").read_text())
     rows = data["rows"]
-    assert {r["impl"] for r in rows} == {"ref", "kernel", "span"}
+    assert {r["impl"] for r in rows} == ({"ref", "kernel", "span", "mma"} if bits == 4 else {"ref", "kernel", "span"})
     assert any(r.get("pages_per_program") == data["shapes"]["P"] for r in rows)     # one program a (s, j)
     for r in rows:
         assert r["ok"] and "error" not in r, r
@@ -25,9 +25,10 @@ def test_tiny_run_checks_every_variant_and_writes(tmp_path, bits):
 
 def test_variants_leave_out_launch_shapes_the_pages_cannot_split():
     a = bench_labels.build_parser().parse_args(["--pages", "48", "--blocks", "3", "4", "32", "--warps", "4",
-                                                "--spans", "16", "32", "48", "--span-block", "4"])
+                                                "--spans", "16", "32", "48", "--span-block", "4",
+                                                "--mma-spans", "8", "32", "--mma-stages", "3"])
     got = [(v["impl"], v.get("block_pages"), v.get("pages_per_program")) for v in bench_labels.variants(a)]
-    assert got == [("ref", None, None), ("kernel", 4, None), ("span", 4, 16), ("span", 4, 48)]
+    assert got == [("ref", None, None), ("kernel", 4, None), ("span", 4, 16), ("span", 4, 48), ("mma", None, 8)]
 
 
 def test_a_variant_that_misses_the_reference_is_recorded_and_not_timed(tmp_path, monkeypatch):

@@ -182,6 +182,76 @@ def test_spanning_programs_lower_to_triton(bits):
         jax.clear_caches()      # the GPU traces (interpret=False) must not be reused by a CPU test
 
 
+def exact_bound(codes, scale, q, layer):
+    """The largest logit change 11-bit queries can make: 2^-10 x max over tokens of sum_c |k_c q_c|, per (s, group,
+    row, page) [S, G, g * H, P]: the tensor-core kernel's lse stays within it of the exact lse."""
+    k = jnp.abs(pk.ref_dequant(codes[:, layer], scale[:, layer], 4))                   # [S, G, P, T, g, C]
+    mag = jnp.einsum("sjptic,sjihc->sjihpt", k, jnp.abs(q), precision="highest").max(-1)
+    return np.asarray(mag.reshape(q.shape[0], q.shape[1], -1, k.shape[2])) * 2.0 ** -10
+
+
+@pytest.mark.parametrize("g,H,T,span", [(1, 4, 16, None), (2, 3, 16, 4), (1, 20, 32, 2), (1, 1, 16, 16)])
+def test_tensor_core_kernel_equals_its_reference(g, H, T, span):
+    """label_lse_mma (interpret mode here, compiled in the GPU test): equal to ref_page_lse(f16_queries=True), its
+    arithmetic, on random and adversarial labels at every layer and row count (pages side by side in the dot's
+    columns at 1, 3 and 4 rows, one page a dot at 20), and within the 11-bit queries' bound of the exact lse."""
+    rng = np.random.default_rng(g * 100 + H)
+    S, L, G, P, Cc = 2, 2, 2, 16, 32
+    for adv in (False, True):
+        if adv:
+            codes, scale, q = adversarial_labels(rng, 4, S, L, G, P, T, g, Cc, H)
+        else:
+            codes = jnp.asarray(rng.integers(0, 256, (S, L, G, P, T, g, Cc // 2)), jnp.uint8)
+            scale = jnp.asarray(rng.uniform(0, 0.3, (S, L, G, P, g, Cc)), jnp.bfloat16)
+            q = jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32)
+        for layer in range(L):
+            got = np.asarray(pk.label_lse_mma(codes, q, layer=layer, scale=scale, interpret=True,
+                                              pages_per_program=span))
+            want = pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=4, f16_queries=True)
+            np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-4)
+            exact = np.asarray(pk.ref_page_lse(codes, q, layer=layer, scale=scale, bits=4))
+            assert np.all(np.abs(got - exact) <= exact_bound(codes, scale, q, layer) + 1e-4)
+
+
+def test_four_bit_labels_score_alike_on_every_path():
+    """page_lse truncates 4-bit labels' queries on every path: the reference, the tensor-core kernel (taken where
+    mma_fits) and the label kernel (a page of 8 tokens: Triton's dot needs 16) agree; 8-bit labels keep float32
+    queries. Launches the tensor-core kernel cannot make are refused by name."""
+    rng = np.random.default_rng(3)
+    for T in (16, 8):
+        codes = jnp.asarray(rng.integers(0, 256, (1, 2, 2, 8, T, 1, 16)), jnp.uint8)
+        scale = jnp.asarray(rng.uniform(0, 0.3, (1, 2, 2, 8, 1, 32)), jnp.bfloat16)
+        q = jnp.asarray(rng.standard_normal((1, 2, 1, 4, 32)) * 3, jnp.float32)
+        assert pk.mma_fits(codes, q, 4) == (T == 16)
+        ref = np.asarray(pk.page_lse(codes, q, layer=1, scale=scale, bits=4, impl="ref"))
+        got = np.asarray(pk.page_lse(codes, q, layer=1, scale=scale, bits=4, impl="pallas"))
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(ref, pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=4, f16_queries=True),
+                                   rtol=1e-6)
+        assert not np.allclose(ref, pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=4), rtol=1e-7, atol=0)
+    with pytest.raises(ValueError, match="page size and C / 2 code bytes of at least 16"):
+        pk.label_lse_mma(codes, q, layer=0, scale=scale, interpret=True)
+    codes16 = jnp.zeros((1, 2, 2, 8, 16, 1, 16), jnp.uint8)
+    with pytest.raises(ValueError, match="pages_per_program = 6 must be a multiple of 4 pages dividing"):
+        pk.label_lse_mma(codes16, q, layer=0, scale=scale, interpret=True, pages_per_program=6)
+    assert pk.mma_span(8, 4) == 8 and pk.mma_span(2048, 4) == pk.MMA_SPAN and pk.mma_span(6, 4) is None
+
+
+def test_tensor_core_kernel_lowers_to_triton():
+    """At the 8B shape (C = 32 of 128 channels, 4 query rows, 2048 pages) the tensor-core kernel, its inline PTX
+    unpacking included, lowers to one Triton call for an H200 without a GPU; Triton's PTX compile runs on the GPU
+    (the GPU test)."""
+    from test_gpu_lowering import TRITON_CALL, lower_for_h200, spec
+    S, L, G, P, T, g, H, Cc = 3, 2, 8, 2048, 64, 1, 4, 32
+    args = (spec((S, L, G, P, T, g, Cc // 2), jnp.uint8), spec((S, L, G, P, g, Cc), jnp.bfloat16),
+            spec((S, G, g, H, Cc), jnp.float32))
+    try:
+        txt = lower_for_h200(lambda c, sc, q: pk.label_lse_mma(c, q, layer=1, scale=sc), *args)
+        assert txt.count(TRITON_CALL) == 1
+    finally:
+        jax.clear_caches()
+
+
 def label_config(bits, *, table=None, seqs=3):
     return CacheConfig(num_layers=2, num_kv_heads=2, head_dim=D, max_seqs=seqs, max_pages_per_seq=32,
                        page_size=PAGE, num_buckets=4, slots_per_bucket=8, host_pages=512, token_budget=32,
@@ -250,7 +320,8 @@ def test_generate_covering_budget_equals_dense(model, bits):
 @pytest.mark.gpu
 def test_on_the_gpu_kernel_equals_reference():
     """Compiled on the GPU: the label kernel (codes to floats by bits) at the 8B shape's group (g = 1, 4 query rows,
-    C = 16, page 64), on random labels and on adversarial ones at C = 64."""
+    C = 16, page 64), on random labels and on adversarial ones at C = 64; the tensor-core kernel (inline PTX) at
+    C = 32 and 64, random and adversarial, and page_lse taking it."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     rng = np.random.default_rng(0)
@@ -269,6 +340,19 @@ def test_on_the_gpu_kernel_equals_reference():
         want = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=bits)
         got = pk.page_lse_pallas(codes, q, layer=1, scale=scale, bits=bits)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+    for adv in (False, True):   # the tensor-core kernel (4 bits, C = 32 and 64), against its arithmetic's reference
+        for Cc in (32, 64):
+            if adv:
+                codes, scale, q = adversarial_labels(rng, 4, S, L, G, P, T, g, Cc, H)
+            else:
+                codes = jnp.asarray(rng.integers(0, 256, (S, L, G, P, T, g, Cc // 2)), jnp.uint8)
+                scale = jnp.asarray(rng.uniform(0, 0.1, (S, L, G, P, g, Cc)), jnp.bfloat16)
+                q = jnp.asarray(rng.standard_normal((S, G, g, H, Cc)), jnp.float32)
+            want = pk.ref_page_lse(codes, q, layer=1, scale=scale, bits=4, f16_queries=True)
+            got = np.asarray(pk.label_lse_mma(codes, q, layer=1, scale=scale))
+            np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(pk.page_lse(codes, q, layer=1, scale=scale, bits=4)), got,
+                                       rtol=1e-6, atol=1e-6)
 
 
 def test_offline_calibration_writes_a_table_the_lookup_finds(tmp_path):
