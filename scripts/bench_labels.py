@@ -225,8 +225,8 @@ def variant_name(r: dict, sep: str = " ") -> str:
     if r["impl"] == "ref":
         return "ref"
     span = f"{sep}span={r['pages_per_program']}" if "pages_per_program" in r else ""
-    if r["impl"] == "mma":
-        return f"mma{span}{sep}w={r['num_warps']} st={r['num_stages']}"
+    if "num_stages" in r:       # the tensor-core kernel (and its deleted candidates in committed results)
+        return f"{r['impl']}{span}{sep}w={r['num_warps']} st={r['num_stages']}"
     return f"{r['impl']}{span}{sep}bp={r['block_pages']} w={r['num_warps']}"
 
 
@@ -241,11 +241,14 @@ def plot(res: Results, path: str):
            color=[color.get(r["impl"], "tab:orange") for r in rows])
     for i, r in enumerate(rows):
         ax.text(i, r["fraction_of_read"], f"{r['us']:.0f}", ha="center", va="bottom", fontsize=6)
-    ax.set_xticks(range(len(rows)), [variant_name(r, "\n") for r in rows], fontsize=6, rotation=90)
+    ax.set_xticks(range(len(rows)), [("" if "run" not in r else f"{r['run']} ") + variant_name(r, "\n")
+                                     for r in rows], fontsize=6, rotation=90)
     ax.set_ylabel("fraction of HBM read ceiling (labels: us a call)")
     s = res.extra["shapes"]
+    merged = any("run" in r for r in rows)          # a committed result of several runs: C and device per run
     ax.set_title(f"label page-lse, {s['bits']}-bit, S={s['S']} G={s['G']} H={s['H']} P={s['P']} T={s['T']} "
-                 f"C={s['C']}, {res.meta['device']}", fontsize=8)
+                 + ("(C and device per run: labels.json)" if merged else f"C={s['C']}, {res.meta['device']}"),
+                 fontsize=8)
     save_figure(fig, path)
 
 
