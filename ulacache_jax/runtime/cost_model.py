@@ -46,7 +46,9 @@ class CostModel:
     pcie_bytes_per_s: float = 48.2e9      # missed pages host -> HBM (the fetch kernel alone: 51 GB/s)
     # the page log-sum-exp kernel's rate over the key copy / labels a rule's `kernel_bytes` names: it is bound by
     # instructions (unpack, a product and a sum per query row and channel), far below HBM; measured alone at the 8B
-    # shape (labels 64 @ 4 bits, codes to floats by bits, one page a program at 1 warp; bench_labels, BENCHMARKS.md)
+    # shape (labels 64 @ 4 bits, codes to floats by bits, one page a program at 1 warp; bench_labels, BENCHMARKS.md).
+    # 4-bit labels now take the tensor-core kernel (page_lse.label_lse_mma), 1.9x this kernel's rate on an H100 in
+    # one call; not refit here until an H200 measures it, so for 4-bit labels this rate errs slow (auto leans dense)
     score_kernel_bytes_per_s: float = 597e9
     # PB-LRU hit rate by pool frames / one step's selection frames, on SmolLM2's own selections over 8K-token
     # windows on the H200 (BENCHMARKS.md, quality section: 58.9% at 1x, 94.5% at 1.25x, 97.9% at 1.5x, 99.3% at
