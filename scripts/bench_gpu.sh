@@ -37,8 +37,9 @@ names=("$@")
 for b in "${names[@]}"; do
   case $b in
     select)     step select 300 scripts/bench_select.py --out "$OUT" "${C[@]}" --reps 5 ;;
-    labels|labels-8bit)   # the labels rule's page scoring alone at the 8B shape (128K x 3, C = 64): the default
-                # launch (block_pages x warps) beside pages_per_program spans; labels.json (4 bits) or labels_8bit.json
+    labels|labels-8bit)   # the labels rule's page scoring alone at the 8B shape (128K x 3, C = 32): the CUDA-core
+                # kernel's default launch beside the tensor-core kernel's spans x stages (4 bits); labels.json or
+                # labels_8bit.json
                 bits=4; [ "$b" = labels-8bit ] && bits=8
                 step "$b" 300 scripts/bench_labels.py --out "$OUT" "${C[@]}" --bits "$bits" ;;
     sieve)      step sieve 560 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --requests 8192 65536 \

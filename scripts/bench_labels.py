@@ -2,20 +2,21 @@
 several launch shapes beside its jnp reference, one layer of one decode step.
 
 Shape (default: the Llama-8B decode of the labels rule): S=3 sequences x G=8 groups x g=1 KV head x H=4 query rows,
-P=2048 pages of T=64 tokens (128K tokens), C=64 label channels at 4 bits (Cs=32 code bytes a token) or 8 bits;
-the codes array holds --layers layers so the kernel indexes a real layer, and so do the scales [S, L, G, P, g, C]
-bf16. Variants: `ref` (ref_page_lse, XLA), `kernel` (one program a block of block_pages pages, the default launch,
-at every --blocks x --warps) and `span` (pages_per_program: one program loops over the blocks of a span of pages,
-at every --spans x --warps, block_pages --span-block) and, at 4 bits, `mma` (label_lse_mma: the tensor-core
-kernel at every --mma-spans x --mma-warps x --mma-stages). Every variant is checked before it is timed, against
-ref_page_lse (float32, rtol 1e-4, atol 1e-3 on the lse; `mma` against ref_page_lse(f16_queries=True), its own
-arithmetic, recording its largest relative error against the exact lse) on random inputs and on adversarial ones (a page of zero
-codes with zero scales, a page of the extreme codes +-7 / +-127 at a large scale, one query row 100x the others);
-the reference itself is checked against float64 numpy on the first (sequence, group). A variant that fails a check
-is recorded with ok=false and not timed. Time = median over --reps of a jitted fori_loop of --calls calls, each
-call's queries depending on the previous result (nothing hoisted but what does not depend on the queries: XLA may
-hoist the reference's dequantisation). Bytes = what one call must read: the layer's codes + bf16 scales + float32
-queries; GB/s and the fraction of the HBM read ceiling (read_ceiling, measured in the same run) follow from them.
+P=2048 pages of T=64 tokens (128K tokens), C=32 label channels (D/4, the frontier's pick) at 4 bits (Cs=16 code
+bytes a token) or 8 bits; the codes array holds --layers layers so the kernel indexes a real layer, and so do the
+scales [S, L, G, P, g, C] bf16. Variants: `ref` (ref_page_lse, XLA), `kernel` (one program a block of block_pages
+pages, the default launch, at every --blocks x --warps; default block 1 at 1 warp, its own default) and `span`
+(pages_per_program: one program loops over the blocks of a span of pages, at every --spans x --warps, block_pages
+--span-block; none by default) and, at 4 bits, `mma` (label_lse_mma: the tensor-core kernel at every --mma-spans x
+--mma-warps x --mma-stages). Every variant is checked before it is timed, against ref_page_lse (float32, rtol 1e-4,
+atol 1e-3 on the lse; `mma` against ref_page_lse(f16_queries=True), its own arithmetic, recording its largest
+relative error against the exact lse) on random inputs and on adversarial ones (a page of zero codes with zero
+scales, a page of the extreme codes +-7 / +-127 at a large scale, one query row 100x the others); the reference
+itself is checked against float64 numpy on the first (sequence, group). A variant that fails a check is recorded
+with ok=false and not timed. Time = median over --reps of a jitted fori_loop of --calls calls, each call's queries
+depending on the previous result (nothing hoisted but what does not depend on the queries: XLA may hoist the
+reference's dequantisation). Bytes = what one call must read: the layer's codes + bf16 scales + float32 queries;
+GB/s and the fraction of the HBM read ceiling (read_ceiling, measured in the same run) follow from them.
 
 Run (GPU): PYTHONPATH=. python3 -m scripts.bench_labels --out DIR [--bits 8] [--commit SHA]
            -> DIR/labels.json, DIR/labels.png (--bits 8 writes labels_8bit.*); or `bash scripts/bench_gpu.sh labels`.
@@ -50,14 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=4, help="H query rows per KV head")
     p.add_argument("--pages", type=int, default=2048, help="P pages per sequence")
     p.add_argument("--page", type=int, default=64, help="T tokens per page")
-    p.add_argument("--channels", type=int, default=64, help="C label channels")
+    p.add_argument("--channels", type=int, default=32, help="C label channels")
     p.add_argument("--bits", type=int, default=4, choices=[4, 8])
     p.add_argument("--layers", type=int, default=2, help="layers in the codes array (the last is scored)")
     p.add_argument("--calls", type=int, default=16)
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 4, 8], help="block_pages of the kernel rows")
-    p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8], help="num_warps of the kernel and span rows")
-    p.add_argument("--spans", type=int, nargs="*", default=[16, 64, 256, 2048],
+    p.add_argument("--blocks", type=int, nargs="*", default=[1], help="block_pages of the kernel rows")
+    p.add_argument("--warps", type=int, nargs="*", default=[1], help="num_warps of the kernel and span rows")
+    p.add_argument("--spans", type=int, nargs="*", default=[],
                    help="pages_per_program of the span rows (those dividing P)")
     p.add_argument("--mma-spans", type=int, nargs="*", default=[16, 32, 64],
                    help="pages_per_program of the tensor-core rows (4-bit labels; label_lse_mma)")
