@@ -323,8 +323,9 @@ def _label_mma_kernel(kc_ref, sc_ref, b_ref, out_ref, *, g: int, pd: int, unpack
     # half, page slot, channel, column): slot j holds the query rows in columns [j * hp, j * hp + rows) and zeros
     # elsewhere, so the pd pages' dots add into one [T, N] accumulator whose column j * hp + r is page j's logit of
     # row r. out_ref [g, p * hp]: (page, row) flattened. code * scale is exact in float16 (a 4-bit value times a
-    # bfloat16 scale has <= 11 significant bits) while the scale is a normal float16 (6.1e-5 .. 8188); the products
-    # with the float16 queries are exact in the float32 accumulator.
+    # bfloat16 scale has <= 11 significant bits) for scales from 6.1e-5 (float16's smallest normal; below, a
+    # subnormal rounds) to 8192 (labels.SCALE_MAX4); the products with the float16 queries are exact in the float32
+    # accumulator.
     span, T = kc_ref.shape[0], kc_ref.shape[1]
     cs = kc_ref.shape[2] // g
     n = b_ref.shape[-1]

@@ -52,6 +52,26 @@ def test_quantize_roundtrip_and_adversarial_values():
         np.testing.assert_array_equal(np.asarray(pk.ref_dequant(codes, scale, bits)), back)
 
 
+def test_huge_keys_saturate_and_stay_finite_on_the_tensor_cores():
+    """A 4-bit page channel whose keys pass 57,000 gets the largest scale (labels.SCALE_MAX4): its values saturate
+    at +-7 x 8192 instead of overflowing float16 in the tensor-core kernel, which stays finite and equal to its
+    reference; 8-bit labels keep the exact scale."""
+    x = np.zeros((4, 16, 1, 32), np.float32)                                        # [P, T, g, C]
+    x[:, :, :, :] = np.random.default_rng(1).standard_normal(x.shape)
+    x[1, 3, 0, 5] = 1e6
+    codes, scale = labels.quantize(jnp.asarray(x), 4)
+    assert float(scale[1, 0, 5]) == labels.SCALE_MAX4 and float(scale[0, 0, 5]) < 1.0
+    assert float(labels.quantize(jnp.asarray(x), 8)[1][1, 0, 5]) > 7000.0
+    back = np.asarray(labels.dequantize(codes, scale, 4))
+    assert back[1, 3, 0, 5] == 7 * labels.SCALE_MAX4
+    kc, sc = codes[None, None, None], scale[None, None, None]                      # S = L = G = 1
+    q = jnp.asarray(np.random.default_rng(2).standard_normal((1, 1, 1, 4, 32)) * 1e-3, jnp.float32)
+    got = np.asarray(pk.label_lse_mma(kc, q, layer=0, scale=sc, interpret=True))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, pk.ref_page_lse(kc, q, layer=0, scale=sc, bits=4, f16_queries=True),
+                               rtol=1e-5, atol=1e-4)
+
+
 def test_pair_channels_keep_whole_rotary_pairs():
     score = jnp.asarray([[0, 5, 1, 0, 0, 0, 4, 0],              # pairs (d, d+4): 0, 5, 5, 0 -> tie: pair 1 first
                          [9, 0, 0, 0, 0, 0, 0, 1]], jnp.float32)

@@ -30,6 +30,11 @@ from ulacache_jax.cache.select.key_copy import KeyCopy
 from ulacache_jax.pallas_kernels.page_lse import ref_dequant
 
 QMAX = {8: 127, 4: 7}
+# The largest 4-bit scale: a code as quantize writes it (|v| <= 7) times 8192 (exact in bfloat16 and float16) is
+# 57,344, under float16's largest finite value, so it stays finite in the tensor-core kernel's float16 operand
+# (page_lse.label_lse_mma). Only a channel whose keys pass 57,000 in magnitude on a page meets it; its values
+# saturate at +-7 x 8192 there instead of overflowing to inf.
+SCALE_MAX4 = 8192.0
 
 
 def code_channels(num_channels: int, bits: int) -> int:
@@ -63,10 +68,11 @@ def quantize(x, bits: int):
     """x [..., T, g, C] one page's channel values (T the page's tokens) -> (codes [..., T, g, Cs], scale
     [..., g, C] bfloat16). Symmetric per page and channel: scale = max_t |x| / qmax, codes = round(x / scale). At
     4 bits channel j and j + C/2 share byte j (low, high nibble), each stored + 8 so a byte is two values in
-    [1, 15]."""
+    [1, 15], and the scale is at most SCALE_MAX4 (larger values saturate at +-7 steps)."""
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=-3)                                                # [..., g, C]
-    scale = (amax / QMAX[bits]).astype(jnp.bfloat16)
+    step = amax / QMAX[bits]
+    scale = (jnp.minimum(step, SCALE_MAX4) if bits == 4 else step).astype(jnp.bfloat16)
     sf = scale.astype(jnp.float32)[..., None, :, :]                                    # [..., 1, g, C]
     q = jnp.clip(jnp.round(xf / jnp.where(sf > 0, sf, 1.0)), -QMAX[bits], QMAX[bits]).astype(jnp.int32)
     if bits == 8:
