@@ -63,6 +63,11 @@ GROUPINGS = ("scan", "sort")
 SCAN_MAX_WORK = 1 << 23  # "scan" grouping while N * B <= 2**23 (8K requests x 1024 buckets): each program reads all N
 MIN_BUCKETS = 128        # sieve_geometry's fewest buckets: about one program per SM of the H200 (132)
 MIN_SLOTS = 32           # ... unless a bucket would hold fewer slots than this (small pools keep larger buckets)
+# sieve_geometry's largest slot chunk: buckets of up to 512 slots, not the kernel's 1024. At the decode's pools of
+# 1/4 of the KV (8B shape, 1/32 budgets: 1024 requests into 262,144 frames, 1536 into 393,216) 512-slot chunks
+# took 11.9 / 28.4 us against 23.2 / 47.1 with the 1024-slot chunks of half as many buckets, and no measured
+# decode-sized access was slower with them (docs/BENCHMARKS.md, the PB-LRU sieve)
+GEOMETRY_SLOT_CHUNK = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +117,8 @@ def sieve_geometry(num_frames: int, num_requests: int, *, min_buckets: int = MIN
     """(num_buckets, slots_per_bucket) for a pool of about `num_frames` frames accessed `num_requests` at a time:
     the fewest buckets, from `min_buckets` up (fewer while a bucket would hold under MIN_SLOTS slots), with which
     an access stays on the kernel's fast path (a bucket's load, mean + 4 sigma of a Poisson, fits one request chunk
-    and its slots one slot chunk) and groups requests inside the kernel (N * B <= SCAN_MAX_WORK). When no bucket
+    and its slots one slot chunk of at most GEOMETRY_SLOT_CHUNK) and groups requests inside the kernel
+    (N * B <= SCAN_MAX_WORK). When no bucket
     count satisfies both, buckets of 64 slots (the general path handles any load).
     Why not fewer, larger buckets (closer to a global LRU): a program's compare tiles grow with its bucket, and
     below about one program per SM the launch takes longer, not shorter (256 requests into 16384 frames: 32 buckets
@@ -126,7 +132,7 @@ def sieve_geometry(num_frames: int, num_requests: int, *, min_buckets: int = MIN
         b *= 2
     while b <= num_frames:
         s = -(-num_frames // b)
-        cfg = choose_config(num_requests, b, s)
+        cfg = choose_config(num_requests, b, s, max_slot_chunk=GEOMETRY_SLOT_CHUNK)
         if (s <= cfg.slot_chunk and _bucket_load_chunk(num_requests, b) <= cfg.req_chunk
                 and cfg.req_chunk * max(cfg.req_chunk, cfg.slot_chunk) <= TILE_ELEMS and cfg.grouping == "scan"):
             return b, s

@@ -280,7 +280,7 @@ def test_compiled_realistic_size(nb, ns, grouping):
 
 def test_sieve_geometry_fewest_buckets_on_the_fast_path():
     def fast(n, b, s):
-        c = sv.choose_config(n, b, s)
+        c = sv.choose_config(n, b, s, max_slot_chunk=sv.GEOMETRY_SLOT_CHUNK)
         mean = n / b
         return (s <= c.slot_chunk and int(mean + 4 * np.sqrt(mean) + 1) <= c.req_chunk
                 and c.req_chunk * max(c.req_chunk, c.slot_chunk) <= sv.TILE_ELEMS and c.grouping == "scan")
@@ -297,9 +297,11 @@ def test_sieve_geometry_fewest_buckets_on_the_fast_path():
         b1, s1 = sv.sieve_geometry(frames, n, min_buckets=1)          # no floor: the fewest on the fast path
         assert fast(n, b1, s1) and (b1 == 1 or not fast(n, b1 // 2, -(-frames // (b1 // 2)))), (frames, n, b1)
     # the decode's pools: the 8B's auto pool at B = 1 (1.5 x 8192 frames) in 128 buckets, not 32 (the sieve took
-    # 4.2 us there against 15.9 on the H200); pools of 1/4 of the KV keep the fast path's own count
+    # 4.2 us there against 15.9 on the H200); pools of 1/4 of the KV take buckets of at most 512 slots, twice as
+    # many as the kernel's 1024-slot chunk allows (1024 requests into 262,144 frames: 11.9 us against 23.2, H100)
     assert sv.sieve_geometry(12288, 256) == (128, 96)
-    assert sv.sieve_geometry(262144, 256) == (256, 1024) and sv.sieve_geometry(393216, 768) == (512, 768)
+    assert sv.sieve_geometry(262144, 256) == (512, 512) and sv.sieve_geometry(393216, 768) == (1024, 384)
+    assert sv.sieve_geometry(262144, 1024) == (512, 512) and sv.sieve_geometry(393216, 1536) == (1024, 384)
     assert sv.sieve_geometry(100, 3) == (2, 50)                       # 32-slot buckets at least
     # no bucket count keeps both (65536 requests exceed the scan's N x B bound): 64-slot buckets
     assert sv.sieve_geometry(65536, 65536) == (1024, 64)
