@@ -19,7 +19,9 @@ from ulacache_jax.models import LlamaModel, get_preset
 
 P = 16
 CHUNK = 32
-MAX_NEW = 24
+# the prefill's token and two whole decode chunks of P steps: a run compiles the P-step decode program alone (a
+# shorter last chunk compiles its own)
+MAX_NEW = 33
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +118,10 @@ def test_decode_cadence_keeps_tokens(gens, prompts, kind):
     """Chunks of 4 or 1 steps give the tokens chunks of a page give, greedy and seeded, and deliver them that
     often; a slot flushes only at its own flush points (every page_size steps from its prefill)."""
     gen = gens[kind]
-    params = [SamplingParams(max_new_tokens=40), SamplingParams(max_new_tokens=37, temperature=0.9, seed=3),
-              SamplingParams(max_new_tokens=33, temperature=1.2, top_k=30), SamplingParams(max_new_tokens=40)]
+    # lengths of 2 pages + 4 or 2 pages of decode steps: the page-long run's last chunks take 4 steps, the program
+    # the cadence-4 run compiles anyway
+    params = [SamplingParams(max_new_tokens=37), SamplingParams(max_new_tokens=37, temperature=0.9, seed=3),
+              SamplingParams(max_new_tokens=33, temperature=1.2, top_k=30), SamplingParams(max_new_tokens=37)]
     _, ref = _run(gen, prompts, params, prefix_cache=False)
     for cadence in (4, 1) if kind == "sparse" else (4,):
         eng = Engine(generator=gen, prefix_cache=False, decode_chunk_steps=cadence)
@@ -228,5 +232,7 @@ def test_short_prompt_overtakes_a_long_one_being_prefilled(model_cfg, prompts):
     assert steps == -(-(left - CHUNK) // CHUNK)                 # one chunk a step from there on
     while eng.has_unfinished():
         eng.step()
-    _, ref = _run(gen, [prompts[0], prompts[3], short_c], params, prefix_cache=False)
+    # the reference at the same cadence (its own program; chunks of 4 give page-long chunks' tokens:
+    # test_decode_cadence_keeps_tokens), so the overtaking is all that differs
+    _, ref = _run(gen, [prompts[0], prompts[3], short_c], params, prefix_cache=False, decode_chunk_steps=4)
     assert [eng.get(i).tokens for i in (a, b, c)] == [r.tokens for r in ref]

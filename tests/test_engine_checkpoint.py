@@ -198,7 +198,9 @@ def test_cli_killed_run_resumes_from_its_checkpoint(tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": [int(t) for t in rng.integers(3, 250, n)]})
                            + "\n" for i, n in enumerate((30, 50, 20))))
-    args = ["--input", str(inp), "--compile-cache", str(tmp_path / "jax_cache"), "--max-new-tokens", "300",
+    # 160 tokens a request: 10 chunks each, 20 steps in all, so the kill at step 3 and the SIGTERM 3 steps after
+    # the resume both land mid-run (each run pays the decode of every token it makes: 300 took ~2x as long)
+    args = ["--input", str(inp), "--compile-cache", str(tmp_path / "jax_cache"), "--max-new-tokens", "160",
             "--page-size", "16", "--token-budget", "64", "--max-seqs", "2", "--stop-ids", "none"]
     ref = tmp_path / "ref.jsonl"
     r = subprocess.run(_cmd(*args, "--output", str(ref)), capture_output=True, text=True, timeout=300)

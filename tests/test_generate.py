@@ -37,11 +37,13 @@ def greedy_full_forward(model, prompt, n):
 
 
 def test_sparse_covering_budget_equals_dense_and_full_forward(model, prompts):
-    dense = generate(model, prompts, max_new_tokens=20, attention="dense")
-    sparse = generate(model, prompts, max_new_tokens=20, attention="sparse")
+    # 17 tokens: the prefill's and one whole decode chunk of page_size steps (a shorter last chunk would compile a
+    # program of its own)
+    dense = generate(model, prompts, max_new_tokens=17, attention="dense")
+    sparse = generate(model, prompts, max_new_tokens=17, attention="sparse")
     assert sparse == dense
-    assert dense[0] == greedy_full_forward(model, prompts[0], 20)
-    assert all(len(t) == 20 for t in sparse)
+    assert dense[0] == greedy_full_forward(model, prompts[0], 17)
+    assert all(len(t) == 17 for t in sparse)
 
 
 def test_ragged_batch_equals_each_prompt_alone(model, prompts):
@@ -57,8 +59,8 @@ def test_sparse_small_budget_runs_and_uses_the_host_tier(model):
     cfg = default_cache_config(model.config, num_seqs=1, max_tokens=400, page_size=16, token_budget=64,
                                num_buckets=2, slots_per_bucket=4)
     gen = Generator(model, cfg)
-    out = run(gen, long, 40)
-    assert len(out[0]) == 40 and all(0 <= t < 258 for t in out[0])
+    out = run(gen, long, 33)              # two whole decode chunks: one decode program
+    assert len(out[0]) == 33 and all(0 <= t < 258 for t in out[0])
     assert int(gen.stats.misses) > 0 and int(gen.stats.hits) > 0   # pages came from host, some stayed in HBM
 
 
@@ -81,12 +83,13 @@ def test_prompt_lengths_are_bucketed_no_recompilation(model, attention):
     # dense: its first cache once was uncommitted, so the second request compiled prefill and decode again
     cfg = default_cache_config(model.config, num_seqs=1, max_tokens=256, page_size=16)
     gen = Generator(model, cfg, attention=attention)
+    # 17 tokens: the prefill's and one page-long decode chunk, so the decode runs the one program checked below
     for n in (65, 80, 100, 128):          # one bucket (128); prompts differ from their first page on, so no
-        run(gen, [[n] + [1] * (n - 1)], 20)  # stored prefix is shared (that prefill is another program)
+        run(gen, [[n] + [1] * (n - 1)], 17)  # stored prefix is shared (that prefill is another program)
     prog = gen.program
     decode = prog.decode_steps(cfg.page_size, phased=True)        # the Engine's page-long chunk
     assert prog.prefill_layer._cache_size() == 1 and decode._cache_size() == 1
-    run(gen, [[20] + [1] * 19], 2)        # a second bucket (32)
+    run(gen, [[20] + [1] * 19], 17)       # a second bucket (32): its own prefill, the same decode
     assert prog.prefill_layer._cache_size() == 2 and decode._cache_size() == 1
     assert prog.embed._cache_size() == 2 and prog.logits._cache_size() == 2
 

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import pathlib
 import sys
+from unittest import mock
 
 import pytest
 
@@ -258,10 +259,20 @@ def test_byte_tokenizer_plain_template():
 # --- SmolLM2 ---------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def smollm2():
+    """(SmolLM2 in float32, its tokenizer), loaded once for the tests below, both through one reader of the GGUF:
+    each loader opens the file (gguf_loader.open_gguf), and parsing its header (a 49K-token vocabulary and its
+    merges) takes seconds a time."""
+    reader = gguf_loader.open_gguf(models.resolve_pretrained("smollm2-135m"))
+    with mock.patch.object(gguf_loader, "open_gguf", lambda file: reader):
+        return models.from_pretrained("smollm2-135m", dtype=jnp.float32), models.load_tokenizer("smollm2-135m")
+
+
 @needs_smollm2
-def test_smollm2_tokenizer_matches_llama_cpp():
+def test_smollm2_tokenizer_matches_llama_cpp(smollm2):
     ref = json.loads((FIXTURES / "smollm2_tokens.json").read_text())
-    tok = models.load_tokenizer("smollm2-135m")
+    tok = smollm2[1]
     for case in ref["cases"]:
         ids = tok.encode(case["text"], add_special_tokens=False)
         assert ids == case["ids"], case["text"]
@@ -270,12 +281,11 @@ def test_smollm2_tokenizer_matches_llama_cpp():
 
 
 @needs_smollm2
-def test_smollm2_answers_paris():
-    model = models.from_pretrained("smollm2-135m", dtype=jnp.float32)
+def test_smollm2_answers_paris(smollm2):
+    model, tok = smollm2
     c = model.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
     assert c.tie_word_embeddings and c.rope_theta == 100000.0 and c.vocab_size == 49152
-    tok = models.load_tokenizer("smollm2-135m")
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     steps, width = 8, 64  # one compiled shape: the prompt right-padded to `width` (causal: padding is unseen)
     assert len(prompt) + steps <= width

@@ -5,7 +5,10 @@ Checks: two sequences with one long prompt decoding in one batch hold the shared
 fewer pages than the same run without sharing (frames per sharer), with the same greedy tokens; ids are given from
 [max_seqs, 2**20), held by their node and by every sequence naming them, and when the last holder goes their
 frames are emptied before the id returns to the free list; an id reused by a prefix with other tokens (the
-stale-tag danger) still gives exact outputs. Tiny float32 model, CPU, page 16, token budget 64 (4 pages)."""
+stale-tag danger) still gives exact outputs. Tiny float32 model, CPU, page 16, token budget 64 (4 pages).
+
+Requests make 1 + 16k tokens (17, 33): the prefill's and whole decode chunks of 16 steps, so the file compiles the
+16-step decode program alone (a shorter last chunk compiles its own, ~3 s each on CPU)."""
 import numpy as np
 import pytest
 import jax
@@ -44,7 +47,7 @@ def _tags(gen):
     return list(zip(seq.tolist(), layer.tolist(), group.tolist(), tok.tolist()))
 
 
-def _run_pair(model, prompt, on, max_new=24):
+def _run_pair(model, prompt, on, max_new=33):
     """Two requests with one prompt, decoding in one batch. -> (tokens, stats, frames after the first decode)."""
     gen = _gen(model)
     eng = Engine(generator=gen, prefix_cache=on)
@@ -92,7 +95,7 @@ def test_ids_held_released_cleared_and_reused_exactly(model):
     doc_a, doc_b = _doc(2), _doc(3)
     reqs_a = [doc_a + _doc(10 + i, 9) for i in range(2)]
     reqs_b = [doc_b + _doc(20 + i, 9) for i in range(3)]
-    sp = SamplingParams(max_new_tokens=20)
+    sp = SamplingParams(max_new_tokens=17)
     got_a = [r.tokens for r in eng.run(reqs_a, sp)]
     ids_a = set(pre.ids.values())
     assert ids_a and min(ids_a) >= S and not pre.free_ids
@@ -116,8 +119,8 @@ def test_a_live_sharer_keeps_the_id_after_its_node_is_evicted(model):
     pre = gen.prefixes
     S = gen.config.max_seqs
     doc = _doc(4)
-    eng.run([doc + [1, 2, 3]], SamplingParams(max_new_tokens=2))        # stores the document's 6 pages
-    rid = eng.add_request(doc + [4, 5, 6], SamplingParams(max_new_tokens=40))
+    eng.run([doc + [1, 2, 3]], SamplingParams(max_new_tokens=17))       # stores the document's 6 pages
+    rid = eng.add_request(doc + [4, 5, 6], SamplingParams(max_new_tokens=33))
     eng.step()                                                          # admitted (attaches 6 pages), prefilled
     slot = eng.get(rid).slot
     named = pre.owner_of[slot]
@@ -144,8 +147,8 @@ def test_turning_sharing_off_mid_run_releases_every_id(model):
     eng = Engine(generator=gen)
     S = gen.config.max_seqs
     doc = _doc(5)
-    sp = SamplingParams(max_new_tokens=30)
-    first = eng.run([doc + [7, 8]], SamplingParams(max_new_tokens=2))[0].tokens
+    sp = SamplingParams(max_new_tokens=33)
+    first = eng.run([doc + [7, 8]], SamplingParams(max_new_tokens=17))[0].tokens
     rid = eng.add_request(doc + [9, 10, 11], sp)
     while not any(t[0] >= S for t in _tags(gen)):
         eng.step()
@@ -155,7 +158,7 @@ def test_turning_sharing_off_mid_run_releases_every_id(model):
     while eng.has_unfinished():
         eng.step()
     off = Engine(generator=_gen(model), prefix_cache=False)
-    assert off.run([doc + [7, 8]], SamplingParams(max_new_tokens=2))[0].tokens == first
+    assert off.run([doc + [7, 8]], SamplingParams(max_new_tokens=17))[0].tokens == first
     assert eng.get(rid).tokens == off.run([doc + [9, 10, 11]], sp)[0].tokens
 
 

@@ -15,14 +15,15 @@ shifts logits by tenths to whole units) and 60x below the smallest greedy top-1/
 (0.28), so the greedy ids must match exactly. (On a GPU, float32 dots may run as TF32, ~1e-3 relative: this
 bound is for CPU, where the model cache is.)
 
-Cost (2 slow cores): loading the model ~25 s and its tokenizer ~10 s, the logits ~10 s, the dense greedy run
-~25-35 s; one test does all of it so that pytest-xdist workers do not each load the 2 GB float32 model. The
-sparse run (its own compile, 40-100 s) is opt-in: ULACACHE_QWEN_SPARSE=1.
+Cost (2 slow cores): the GGUF's header ~10 s (parsed once for the model and its tokenizer: `loaded`), the weights
+~10 s, the logits ~10 s, the dense greedy run ~25-35 s; one test does all of it so that pytest-xdist workers do
+not each load the 2 GB float32 model. The sparse run (its own compile, 40-100 s) is opt-in: ULACACHE_QWEN_SPARSE=1.
 """
 
 import json
 import os
 import pathlib
+from unittest import mock
 
 import pytest
 
@@ -32,7 +33,7 @@ from flax import nnx
 
 import ulacache_jax
 from ulacache_jax import models
-from ulacache_jax.models import pretrained
+from ulacache_jax.models import gguf_loader, pretrained
 
 NAME = "qwen2.5-coder-0.5b"
 FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures" / f"{NAME}.json"
@@ -49,9 +50,13 @@ def _gguf_path() -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def loaded():
-    """(model in float32, tokenizer), both from the cached GGUF."""
+    """(model in float32, tokenizer), both from the cached GGUF through one reader: the model and the tokenizer
+    loaders each open the file (gguf_loader.open_gguf), and parsing its header (the metadata of a 151K-token
+    vocabulary and its merges) takes ~10 s a time on CPU; both load from the same parsed header here."""
     path = _gguf_path()
-    return models.from_pretrained(path, dtype=jnp.float32), models.load_tokenizer(path)
+    reader = gguf_loader.open_gguf(path)
+    with mock.patch.object(gguf_loader, "open_gguf", lambda file: reader):
+        return models.from_pretrained(path, dtype=jnp.float32), models.load_tokenizer(path)
 
 
 def test_fixture_is_of_the_pinned_gguf():

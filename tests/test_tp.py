@@ -30,7 +30,9 @@ CHECK_TPS = [1, 2, 8]
 # checks) takes about as long as the references, TP = 1 and 8, the cache manager and init_model together; one
 # process would leave the second core (and the second pytest-xdist worker, waiting on the shared result) idle.
 CHECK_PARTS = [("checks", [1, 8]), ("checks-more", [2])]
-MAX_NEW = 20
+# the first token from the prefill, then 16 decode steps: two whole chunks of page_size (8) steps, so each config
+# compiles one decode program (a shorter last chunk compiles its own: 20 tokens took ~15 s more per part)
+MAX_NEW = 17
 
 
 # ---- the subprocess side ---------------------------------------------------------------------------------------
@@ -298,10 +300,11 @@ def run_replicated(tps: list[int]) -> dict:
     rng = np.random.default_rng(1)
     prompts = [list(map(int, rng.integers(0, 256, n))) for n in (45, 60)]
     # the budget covers the context, so sparse attention is exact: greedy full-forward decoding is the reference
-    res = {"reference": [_greedy_full_forward(model, p, 12) for p in prompts], "tp": {}}
+    # MAX_NEW tokens: one decode program per TP (see MAX_NEW)
+    res = {"reference": [_greedy_full_forward(model, p, MAX_NEW) for p in prompts], "tp": {}}
     for tp in tps:
         rep = tp_mod.prepare_model(model, tp)
-        res["tp"][tp] = {"tokens": generate(model, prompts, max_new_tokens=12, tp=tp, cache_config=cfg,
+        res["tp"][tp] = {"tokens": generate(model, prompts, max_new_tokens=MAX_NEW, tp=tp, cache_config=cfg,
                                               attention="sparse"),
                          "kv_heads": rep.config.num_kv_heads}
     return res
