@@ -16,7 +16,10 @@ Row kinds (--rows side:context:batch[:kv_fraction[:sieve]]): sparse, dense, and 
 (cost_model.resolve_attention on the cache this shape's sparse row gets, so a sparse/dense/auto triple of one
 shape is a same-run comparison): an auto row records "attention": "auto", the path it took ("attention_path"),
 why, and the model's predicted tokens/s per path; every row records the model's prediction for its own path
-("predicted_tokens_per_s", with the row's measured hit rate) beside the measurement.
+("predicted_tokens_per_s", with the row's measured hit rate) beside the measurement. --kv-dtype float8_e4m3fn
+stores both sides' pages as e4m3 codes with a scale per page and KV head (the dense side walks them with the Triton
+attention kernel on GPU, or, with --dense-attention xla, reads them decoded by XLA); the bytes floor counts a byte a
+value then.
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ from jax import lax
 from flax import nnx
 
 from scripts import bench_meta
+from ulacache_jax.cache.codec import KV_DTYPES
+from ulacache_jax.cache.kernel_choice import DENSE_IMPLS
 from ulacache_jax.cache.select import two_stage
 from ulacache_jax.cache.select.labels import Labels
 from scripts.bench_meta import (add_common_args, appended_meta, child_env, copy_ceiling, earlier_run, git_commit,
@@ -100,17 +105,17 @@ def synthetic_fill_dense(gen, batch, ctx, seed):
     # zero array is donated, so the largest batch that fits in HBM can be filled (distinct bytes per sequence)
 
     def make(old, key):
-        b = jax.random.normal(key, (S, blk, KV, D), c.jnp_dtype)
+        # in the cache's own dtype: fp8 pages get codes of unit scale (their scales stay 1)
+        b = jax.random.normal(key, (S, blk, KV, D), c.jnp_dtype).astype(old.dtype)
         # written INTO the donated array: jit prunes an unused argument, and a pruned donation is no donation (the
         # old zeros stayed alive beside the new cache: the H200's 128K x 7 and 256K x 3 dense rows ran out of HBM
         # one 1.75 GiB layer array short and XLA's allocator retried until the row's time limit)
         return lax.dynamic_update_slice(old, jnp.tile(b, (1, -(-T // blk), 1, 1))[:, :T], (0, 0, 0, 0))
 
     fill = jax.jit(make, donate_argnums=0)
-    from ulacache_jax.runtime.generation import DenseCache
     key = lambda l, i: jax.random.key(seed * 1_000_003 + 2 * l + i)
-    gen.dense = DenseCache(tuple(fill(x, key(l, 0)) for l, x in enumerate(gen.dense.k)),
-                           tuple(fill(x, key(l, 1)) for l, x in enumerate(gen.dense.v)))
+    gen.dense = dataclasses.replace(gen.dense, k=tuple(fill(x, key(l, 0)) for l, x in enumerate(gen.dense.k)),
+                                    v=tuple(fill(x, key(l, 1)) for l, x in enumerate(gen.dense.v)))
     # committed where the generator keeps it: an uncommitted length array made the first timed chunk compile the
     # decode program again (the H200's dense rows: p99 3-9x their p50, one chunk in four)
     gen.dense_len = jax.device_put(jnp.where(jnp.arange(c.max_seqs) < batch, ctx, 0).astype(jnp.int32),
@@ -166,7 +171,8 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1, ke
     else:
         kw = dict(max_pages_per_seq=need)
     cfg = default_cache_config(mc, num_seqs=batch, max_tokens=need * page, page_size=page,
-                               token_budget=args.budget, dtype="bfloat16", tp=tp, **kw)
+                               token_budget=args.budget, dtype="bfloat16", tp=tp,
+                               kv_dtype=getattr(args, "kv_dtype", "auto"), **kw)
     if attention == "sparse" and getattr(args, "two_stage", None):
         first = getattr(args, "first_channels", 0)
         cfg = two_stage.configure(cfg, args.two_stage, first=Labels(channels=first, bits=4)
@@ -279,7 +285,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     log = lambda what: print(f"[{attention} {ctx}x{batch}] {what} at {time.perf_counter() - t_setup:.1f} s",
                              file=sys.stderr, flush=True)  # phase times survive a row timeout (run_isolated)
     opts = DecodeOptions(sieve=sieve, topk=args.topk, attention=args.attention_impl, score_launch=score_launch(args),
-                         scores=args.scores)
+                         scores=args.scores, dense_attention=getattr(args, "dense_attention", "auto"))
     gen = Generator(model, cfg, attention=decision or attention, options=opts)   # a mesh of cfg.tp GPUs
     S = cfg.max_seqs
     log(f"cache made (host pool {cfg.host_pages * cfg.page_bytes * 2 / 1e9:.1f} GB)")
@@ -318,7 +324,9 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
     hits, misses = int(st.hits), int(st.misses)
     # bytes floor per decode step: weights + KV bytes read (dense: whole context; sparse: attended pages + summaries)
     wbytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
-    kv_tok = 2 * mc.num_kv_heads * mc.head_dim * 2 * mc.num_layers          # K+V bytes per token, all layers
+    # K+V bytes per token, all layers, in the page format (fp8: a byte a value, plus its page's 4-byte scale)
+    code = jnp.dtype(cfg.storage_dtype).itemsize
+    kv_tok = 2 * mc.num_kv_heads * (mc.head_dim * code + (4 / page if cfg.codec.scaled else 0)) * mc.num_layers
     if attention == "dense":
         step_bytes = wbytes + batch * (ctx + args.chunks * page / 2) * kv_tok
     else:
@@ -342,6 +350,8 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                **(scorer_fields(cfg) if attention == "sparse" else dict(key_channels=None, label_bits=None,
                                                                          rule=None)),
                two_stage=getattr(args, "two_stage", None) if attention == "sparse" else None,
+               kv_dtype=cfg.kv_dtype,
+               dense_attention=gen.backend.ops.kernels.dense_attention if attention == "dense" else None,
                selection=repr(cfg.selection_rule) if attention == "sparse" else None,
                scores=args.scores if attention == "sparse" else None,
                setup_s=setup_s,
@@ -369,7 +379,9 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
                "--steps", str(args.steps), "--kv-fraction", str(args.kv_fraction), "--sieve", args.sieve,
                "--topk", args.topk, "--attention-impl", args.attention_impl, "--tp", str(args.tp),
                "--fill", args.fill, "--key-channels", str(args.key_channels), "--label-bits", str(args.label_bits),
-               "--scores", args.scores, "--hot-share", str(getattr(args, "hot_share", 0.0))]
+               "--scores", args.scores, "--hot-share", str(getattr(args, "hot_share", 0.0)),
+               "--kv-dtype", getattr(args, "kv_dtype", "auto"),
+               "--dense-attention", getattr(args, "dense_attention", "auto")]
         if getattr(args, "two_stage", None):
             cmd += ["--two-stage", str(args.two_stage), "--first-channels", str(getattr(args, "first_channels", 0))]
         if args.score_launch:
@@ -460,6 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-channels", type=first_channels_arg, default=0, metavar="C",
                    help="with --two-stage: labels over C channels (whole rotary pairs, 4 bits, picked online) "
                         "shortlist in place of Quest's bound (0: Quest)")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="both sides: the K/V page format (CacheConfig.kv_dtype; float8_e4m3fn: e4m3 codes with a "
+                        "scale per page and KV head, in the HBM frames, the host pool and the dense cache)")
+    p.add_argument("--dense-attention", default="auto", choices=DENSE_IMPLS,
+                   help="dense rows: the decode attention (auto: cuDNN, or over fp8 pages the Triton page walk; "
+                        "xla: the cache decoded by XLA, then the jnp attention)")
     p.add_argument("--scores", default="auto", choices=("auto", "ref", "pallas"),
                    help="sparse rows: page-score kernel (Quest bounds or the key copy's page mass): auto (the Pallas "
                         "kernel on GPU), ref (XLA) or pallas")

@@ -57,6 +57,7 @@ class DecodeOptions:
     copy: str = "auto"            # page copies between tiers
     fused_fetch: bool = False     # misses read by the attention kernel and stored into their frames in one pass
     softcap: float | None = None
+    dense_attention: str = "auto"  # the dense baseline's decode attention: 'cudnn', 'xla' or (fp8 pages) 'pallas'
 
 
 def append_token(state: CacheState, layer: int, k_new, v_new, pos, live, *, impl: str = "ref") -> CacheState:

@@ -27,6 +27,7 @@ from ulacache_jax.pallas_kernels.sparse_decode_attention import mosaic_applies
 # Choices a caller may force, per step ('auto' = decided here).
 ATTENTION_IMPLS = ("auto", "mosaic", "pallas", "ref")
 KERNEL_IMPLS = ("auto", "pallas", "ref")
+DENSE_IMPLS = ("auto", "cudnn", "xla", "pallas")
 # The longest padded score row the top-k kernel was compiled and timed at on a GPU (a row lives in one program's
 # registers); 4224 pages = 256K tokens at page 64 pads to 8192. Longer rows take lax.top_k.
 TOPK_MAX_PAGES = 8192
@@ -68,12 +69,12 @@ class ResolvedKernels:
     topk: str               # page top-k: 'pallas' (radix select) or 'ref' (lax.top_k)
     copy: str               # page copies between tiers (fetch, flush, ingest): 'pallas' or 'ref'
     prefill_attention: str  # causal attention over a prompt: 'cudnn' or 'xla'
-    dense_attention: str    # the dense baseline's decode attention: 'cudnn' or 'xla'
+    dense_attention: str    # the dense baseline's decode attention: 'cudnn', 'xla' or 'pallas' (fp8 pages)
 
     def decode_options(self, options):
         """`options` (a DecodeOptions) with this resolution's choices in place of its 'auto's."""
         return dataclasses.replace(options, attention=self.attention, sieve=self.sieve, scores=self.scores,
-                                   topk=self.topk, copy=self.copy)
+                                   topk=self.topk, copy=self.copy, dense_attention=self.dense_attention)
 
 
 def _check(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -91,8 +92,11 @@ def resolve(options, config: CacheConfig, platform: Platform, *, query_dtype=Non
     'auto' rules (docs/KERNELS.md): on GPU the Pallas kernels, with the Mosaic attention on Hopper where it
     applies (half precision, one KV head per group, head_dim and page a multiple of 64, pages resident: not the
     fused fetch, which reads the host pool), the top-k kernel for score rows up to TOPK_MAX_PAGES padded pages,
-    cuDNN for prefill and dense decode attention in half precision; off GPU the jnp references."""
+    cuDNN for prefill and dense decode attention in half precision, except that a dense cache of scaled pages (fp8)
+    is walked page by page by the Triton attention kernel, which dequantises in registers (XLA would write the
+    decoded cache and cuDNN read it again); off GPU the jnp references."""
     _check("attention", options.attention, ATTENTION_IMPLS)
+    _check("dense_attention", options.dense_attention, DENSE_IMPLS)
     for name in ("sieve", "scores", "topk", "copy"):
         _check(name, getattr(options, name), KERNEL_IMPLS)
     c = config
@@ -115,15 +119,20 @@ def resolve(options, config: CacheConfig, platform: Platform, *, query_dtype=Non
                                                 reads_host=options.fused_fetch or not c.codec.ring_in_pool)
     topk = kernel if next_pow2(c.max_pages_per_seq) <= TOPK_MAX_PAGES else "ref"
     flash = "cudnn" if gpu and qdt in HALF_DTYPES else "xla"
+    dense = pick(options.dense_attention, "pallas" if gpu and c.codec.scaled else flash)
+    if dense == "pallas" and not c.codec.scaled:
+        raise ValueError(f"dense_attention = 'pallas' walks a scaled page format's pages (kv_dtype "
+                         f"'float8_e4m3fn'); this cache stores kv_dtype {c.kv_dtype!r}: use 'auto', 'cudnn' or 'xla'")
     return ResolvedKernels(
         attention=pick(options.attention, "mosaic" if gpu and mosaic else kernel),
         sieve=pick(options.sieve, kernel), scores=pick(options.scores, kernel), topk=pick(options.topk, topk),
-        copy=pick(options.copy, kernel), prefill_attention=flash, dense_attention=flash)
+        copy=pick(options.copy, kernel), prefill_attention=flash, dense_attention=dense)
 
 
 def is_resolved(options) -> bool:
     """Whether every kernel choice of `options` is concrete (none left 'auto')."""
-    return "auto" not in (options.attention, options.sieve, options.scores, options.topk, options.copy)
+    return "auto" not in (options.attention, options.sieve, options.scores, options.topk, options.copy,
+                          options.dense_attention)
 
 
 def resolved_options(options, config: CacheConfig, q):

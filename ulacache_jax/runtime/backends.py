@@ -31,6 +31,7 @@ from ulacache_jax.cache.decode_layer import (DecodeOptions, LayerStats, attend_l
                            verify_layer)
 from ulacache_jax.cache.kernel_choice import Platform, ResolvedKernels, resolve
 from ulacache_jax.models.attention import dense_attention
+from ulacache_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
 from ulacache_jax.runtime.prefix_cache import DensePrefixes, SparsePrefixes, dense_attach, sparse_attach
 from ulacache_jax.runtime.sequences import CacheManager, CapacityError, ingest_chunk
 from ulacache_jax.runtime.tp import host_specs, TP_AXIS
@@ -160,13 +161,41 @@ class DenseCache:
                           put(self.rv, rv))
 
 
+def dense_page_walk(view, q, pos, live, *, page_size: int, impl: str = "pallas"):
+    """Dense decode attention over a scaled page format's cache without decoding it: view (DenseCache.layer's
+    six arrays: codes ck, cv [S, T, KV, D], scales cks, cvs [S, T / P, 1, KV, 1], rings rk, rv [S, P, KV, D]),
+    q [S, 1, H, D], pos [S] the new token's position (written to the ring), live [S] bool -> out [S, 1, H, D].
+    The codes are the attention kernel's pool (pallas_kernels/sparse_decode_attention.py): S * T / P frames of
+    [P, KV, D], frame s * T / P + p holding sequence s's page p, one group of every KV head. A sequence reads its
+    complete pages 0 .. pos // P - 1 from their frames with their scales (dequantised in registers), its page
+    pos // P from its ring slot (the kernel's second page source, in the model's dtype), and no page past it.
+    impl: the kernel's ('pallas': Triton on GPU, interpret mode elsewhere; 'ref': its jnp reference)."""
+    ck, cv, cks, cvs, rk, rv = view
+    S, T, KV, D = ck.shape
+    P = page_size
+    n = T // P
+    pg = jnp.arange(n)[None, :]                                                       # [1, n]
+    cur = (pos // P)[:, None]                                                         # [S, 1]
+    src = jnp.where(live[:, None], jnp.where(pg < cur, 1, jnp.where(pg == cur, 2, 0)), 0)   # [S, n]
+    frame = jnp.arange(S)[:, None] * n + pg                                           # [S, n]
+    start = jnp.where(src > 0, pg * P, -1)
+    ring = jnp.where(src == 2, jnp.arange(S)[:, None], -1)
+    seq_len = jnp.where(live, pos + 1, 0).astype(jnp.int32)
+    return sparse_decode_attention(
+        q, ck.reshape(S * n, P, KV, D), cv.reshape(S * n, P, KV, D), frame[:, None].astype(jnp.int32),
+        start[:, None].astype(jnp.int32), seq_len, host_k=rk, host_v=rv, page_host=ring[:, None].astype(jnp.int32),
+        page_src=src[:, None].astype(jnp.int32), k_scale=cks.reshape(S * n, 1, KV, 1),
+        v_scale=cvs.reshape(S * n, 1, KV, 1), impl=impl)
+
+
 @dataclasses.dataclass(frozen=True)
 class DenseOps(_Kernels):
     """The dense baseline inside the program: cache = (DenseCache, length [S]), host = (). Decode attention by
     `kernels.dense_attention` (cuDNN or the jnp reference). A scaled page format (cache/codec.py: fp8) stores
     complete pages as codes with a scale per page and KV head and each slot's page under construction in the
-    model's dtype (DenseCache); attention reads the decoded pages (dequantised by XLA before the attention: a fused
-    fp8 dense kernel is not built)."""
+    model's dtype (DenseCache); on GPU its attention walks the codes page by page (`dense_page_walk`: the Triton
+    attention kernel dequantises in registers, so each code byte is read once), elsewhere ('xla', or 'cudnn' when
+    forced) it reads the pages decoded by XLA."""
     kind: ClassVar[str] = "dense"
     codec: object = None        # the page format (CacheConfig.codec)
     page_size: int = 0
@@ -281,9 +310,12 @@ class DenseOps(_Kernels):
         dense, length = cache
         T = dense.k[layer].shape[1]
         S = q.shape[0]
-        if dense.ks is not None:      # a scaled page format: the ring, its page encoded; attention over decoded K/V
+        if dense.ks is not None:      # a scaled page format: the ring, its page encoded
             view = self._append_scaled(dense.layer(layer), k, v, pos, live)
             dense = dense.set_layer(layer, *view)
+            if self.kernels.dense_attention == "pallas":
+                o = dense_page_walk(view, q, pos, live, page_size=self.page_size, impl="pallas")
+                return (dense, length), o, LayerStats.zeros()
             ck, cv = self._decoded(view, pos)
         else:
             w = jnp.where(live, pos, T)                               # write index, T = dropped
