@@ -22,6 +22,7 @@ NOT_RESULT_SCRIPTS = {
     "scripts.ruler_tasks": "a library (RULER-style tasks)",
     "scripts.scoring": "a library (the teacher-forced scorer)",
     "scripts.gguf_parts": "splits / joins a model file; writes no results",
+    "scripts.probes.dense_walk_tuning": "prints a launch table of the dense fp8 page walk; writes no results",
     "scripts.pick_launch": "prints bench_decode options read from select.json",
     "scripts.batch_infer": "the `ulacache generate` command under another name",
     "scripts.probes.sampling_cost": "prints a decode step's time per sampling option; writes no results",
