@@ -32,6 +32,22 @@ def test_dense_fill_consumes_the_zero_cache():
     assert list(np.asarray(gen.dense_len)) == [100, 100, 0]
 
 
+def test_dense_fill_of_fp8_pages():
+    """bench_decode --kv-dtype float8_e4m3fn: the dense fill writes e4m3 codes (random, distinct per sequence) into the
+    donated code arrays and keeps the scale and ring arrays of the page format (unit scales)."""
+    model = LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    cfg = default_cache_config(model.config, num_seqs=3, max_tokens=256, page_size=16, kv_dtype="float8_e4m3fn")
+    gen = Generator(model, cfg, attention="dense")
+    old = gen.dense.k + gen.dense.v
+    synthetic_fill_dense(gen, 2, 100, seed=1)
+    assert all(x.is_deleted() for x in old)
+    k = gen.dense.k[0]
+    assert k.dtype == jnp.float8_e4m3fn and gen.dense.ks is not None and gen.dense.rk is not None
+    k = np.asarray(k.astype(jnp.float32))
+    assert np.abs(k[0]).sum() > 0 and not np.array_equal(k[0], k[1])
+    assert (np.asarray(gen.dense.ks[0]) == 1).all()
+
+
 def test_dense_fill_keeps_one_decode_program():
     """After the fill, decode chunks reuse one compiled program: an uncommitted dense_len once made the first
     timed chunk compile it again (the H200 dense rows' p99)."""
