@@ -18,20 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from scripts.bench_meta import read_ceiling
-from ulacache_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
-
-
-def walk_args(S, T, KV, D, P, pos):
-    """dense_page_walk's operands for sequences at positions pos [S] (the kernel call it makes)."""
-    n = T // P
-    pg = jnp.arange(n)[None, :]
-    cur = (pos // P)[:, None]
-    src = jnp.where(pg < cur, 1, jnp.where(pg == cur, 2, 0))
-    frame = jnp.arange(S)[:, None] * n + pg
-    start = jnp.where(src > 0, pg * P, -1)
-    ring = jnp.where(src == 2, jnp.arange(S)[:, None], -1)
-    return (frame[:, None].astype(jnp.int32), start[:, None].astype(jnp.int32), ring[:, None].astype(jnp.int32),
-            src[:, None].astype(jnp.int32))
+from ulacache_jax.runtime.backends import dense_page_walk
 
 
 def main(argv=None):
@@ -45,22 +32,19 @@ def main(argv=None):
     args = ap.parse_args(argv)
     S, T, KV, H, D, P = args.batch, args.context, 8, 32, 128, 64
     key = jax.random.key(0)
-    ck = jax.random.normal(key, (S * T // P, P, KV, D), jnp.bfloat16).astype(jnp.float8_e4m3fn)
-    cv = jax.random.normal(jax.random.fold_in(key, 1), (S * T // P, P, KV, D), jnp.bfloat16).astype(jnp.float8_e4m3fn)
-    sc = jnp.ones((S * T // P, 1, KV, 1), jnp.float32)
+    ck = jax.random.normal(key, (S, T, KV, D), jnp.bfloat16).astype(jnp.float8_e4m3fn)
+    cv = jax.random.normal(jax.random.fold_in(key, 1), (S, T, KV, D), jnp.bfloat16).astype(jnp.float8_e4m3fn)
+    sc = jnp.ones((S, T // P, 1, KV, 1), jnp.float32)
     rk = jax.random.normal(jax.random.fold_in(key, 2), (S, P, KV, D), jnp.bfloat16)
     q = jax.random.normal(jax.random.fold_in(key, 3), (S, 1, H, D), jnp.bfloat16)
     pos = jnp.full((S,), T - 1, jnp.int32)
-    frame, start, ring, src = walk_args(S, T, KV, D, P, pos)
-    seq_len = pos + 1
+    live = jnp.ones((S,), bool)
+    view = (ck, cv, sc, sc, rk, rk)
     nbytes = 2 * ck.size
     ceil = read_ceiling(4 << 30)
 
     def run(impl, tuning=None):
-        f = jax.jit(lambda q: sparse_decode_attention(q, ck, cv, frame, start, seq_len, host_k=rk, host_v=rk,
-                                                      page_host=ring, page_src=src, k_scale=sc, v_scale=sc,
-                                                      impl=impl, tuning=tuning))
-        return f
+        return jax.jit(lambda q: dense_page_walk(view, q, pos, live, page_size=P, impl=impl, tuning=tuning))
 
     want = np.asarray(run("ref")(q), np.float32)
     print(f"read ceiling {ceil / 1e12:.2f} TB/s; codes {nbytes / 1e6:.0f} MB a layer", flush=True)

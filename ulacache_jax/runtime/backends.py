@@ -161,7 +161,7 @@ class DenseCache:
                           put(self.rv, rv))
 
 
-def dense_page_walk(view, q, pos, live, *, page_size: int, impl: str = "pallas"):
+def dense_page_walk(view, q, pos, live, *, page_size: int, impl: str = "pallas", tuning=None):
     """Dense decode attention over a scaled page format's cache without decoding it: view (DenseCache.layer's
     six arrays: codes ck, cv [S, T, KV, D], scales cks, cvs [S, T / P, 1, KV, 1], rings rk, rv [S, P, KV, D]),
     q [S, 1, H, D], pos [S] the new token's position (written to the ring), live [S] bool -> out [S, 1, H, D].
@@ -169,7 +169,8 @@ def dense_page_walk(view, q, pos, live, *, page_size: int, impl: str = "pallas")
     [P, KV, D], frame s * T / P + p holding sequence s's page p, one group of every KV head. A sequence reads its
     complete pages 0 .. pos // P - 1 from their frames with their scales (dequantised in registers), its page
     pos // P from its ring slot (the kernel's second page source, in the model's dtype), and no page past it.
-    impl: the kernel's ('pallas': Triton on GPU, interpret mode elsewhere; 'ref': its jnp reference)."""
+    impl: the kernel's ('pallas': Triton on GPU, interpret mode elsewhere; 'ref': its jnp reference); tuning: its
+    launch (None: the kernel's default_tuning; scripts/probes/dense_walk_tuning.py times others)."""
     ck, cv, cks, cvs, rk, rv = view
     S, T, KV, D = ck.shape
     P = page_size
@@ -185,7 +186,7 @@ def dense_page_walk(view, q, pos, live, *, page_size: int, impl: str = "pallas")
         q, ck.reshape(S * n, P, KV, D), cv.reshape(S * n, P, KV, D), frame[:, None].astype(jnp.int32),
         start[:, None].astype(jnp.int32), seq_len, host_k=rk, host_v=rv, page_host=ring[:, None].astype(jnp.int32),
         page_src=src[:, None].astype(jnp.int32), k_scale=cks.reshape(S * n, 1, KV, 1),
-        v_scale=cvs.reshape(S * n, 1, KV, 1), impl=impl)
+        v_scale=cvs.reshape(S * n, 1, KV, 1), impl=impl, tuning=tuning)
 
 
 @dataclasses.dataclass(frozen=True)
