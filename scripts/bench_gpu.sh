@@ -5,6 +5,7 @@
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
 #                              decode-prefill longctx-16k longctx-32k longctx-100 longctx-diag decode-labels
+#                              decode-labels-256k dense-fp8
 #                              quality-austen32k
 #                              quality-austen32k-quest quality-austen32k-1of16 profile-labels profile-two-stage
 #                              longctx-15b
@@ -160,14 +161,25 @@ for b in "${names[@]}"; do
                   --name "longctx15b_${TASK}" --out "$OUT" --deadline 540 \
                   --rules "${RULES:-dense,labels:64:4:auto,labels:32:4:auto}" --budget-ratios 0.03125 --batch 24 \
                   "${C[@]}" ;;
-    decode-labels)  # issue 48's speed rows at 1/32 (budget 4096 of 128K) with labels 64 of 128 @ 4 bits, the hit
+    decode-labels|decode-labels-256k)
+                    # issue 48's speed rows at 1/32 (budget 4096 of 128K x 3, or 8192 of 256K x 1) with labels 32 of
+                    # 128 @ 4 bits (a quarter of the head dimension: the quality rows' fraction on the 1.5B), the hit
                     # rate held under the Qwen 32K trace's (0.970 at pool 1/4) by planted hot pages; Quest and dense
-                    # in the same call
-                step decode-labels 580 scripts/bench_decode.py --out "$OUT/labels" "${C[@]}" --chunks 4 \
-                  --row-timeout 130 --budget 4096 --rows sparse:131072:3,dense:131072:3 && \
-                step decode-labels 300 scripts/bench_decode.py --out "$OUT/labels" "${C[@]}" --chunks 4 --append \
-                  --row-timeout 130 --budget 4096 --key-channels 64 --label-bits 4 --hot-share 0.9 \
-                  --rows sparse:131072:3 ;;
+                    # in the same call (one call each; ~65 s a row on an H100)
+                rows=sparse:131072:3,dense:131072:3; budget=4096
+                [ "$b" = decode-labels-256k ] && { rows=sparse:262144:1,dense:262144:1; budget=8192; }
+                step "$b" 400 scripts/bench_decode.py --out "$OUT/labels" "${C[@]}" --chunks 4 --append \
+                  --row-timeout 130 --budget "$budget" --rows "$rows" && \
+                step "$b" 180 scripts/bench_decode.py --out "$OUT/labels" "${C[@]}" --chunks 4 --append \
+                  --row-timeout 130 --budget "$budget" --key-channels 32 --label-bits 4 --hot-share 0.9 \
+                  --rows "${rows%%,*}" ;;
+    dense-fp8)      # issue 50: the dense baseline over fp8 pages (the page walk, and XLA's decoded cache) beside
+                    # dense bf16, 128K x 3, one call; then the walk's launch shapes
+                for a in "--kv-dtype float8_e4m3fn" "--kv-dtype float8_e4m3fn --dense-attention xla" ""; do
+                  step dense-fp8 130 scripts/bench_decode.py --out "$OUT/fp8" "${C[@]}" --chunks 4 --append \
+                    --row-timeout 120 --rows dense:131072:3 $a
+                done
+                step dense-fp8 200 scripts/probes/dense_walk_tuning.py --batch 3 --context 131072 ;;
     quality-passkey-split2) step quality-passkey-split2 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
                   --tasks passkey --contexts 8192 --pages 16 --budgets 512,1024 --summary-split 2 --out "$OUT" \
                   --name q_passkey_split2 "${C[@]}" ;;
@@ -210,7 +222,8 @@ for b in "${names[@]}"; do
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2 longctx-16k" \
             "longctx-32k longctx-100 longctx-diag" \
-            "decode-labels quality-austen32k quality-austen32k-quest quality-austen32k-1of16" \
+            "decode-labels decode-labels-256k dense-fp8 quality-austen32k quality-austen32k-quest" \
+            "quality-austen32k-1of16" \
             "profile-labels profile-two-stage longctx-15b serve)"; exit 2 ;;
   esac
 done
