@@ -45,12 +45,12 @@ for b in "${names[@]}"; do
                 step "$b" 300 scripts/bench_labels.py --out "$OUT" "${C[@]}" --bits "$bits" ;;
     sieve)      step sieve 560 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --requests 8192 65536 \
                   --pools 65536 1048576 --buckets 64 128 256 1024 --budget-s 0.2 --max-seconds 420 ;;
-    sieve-decode)   # the decode's accesses (issue 21): 256 requests a layer (256K x 1) and 768 (128K x 3) into its
-                    # pools of 1/4 of the KV, at bucket counts from sieve_geometry's (256 / 512: 1024 / 768 slots a
-                    # bucket) up: does scanning fewer slots a program cut the sieve's ~11 / ~21 us a layer?
+    sieve-decode)   # the decode's accesses: 256 / 768 requests a layer (256K x 1 / 128K x 3 at budget 2048) and
+                    # 1024 / 1536 (at 1/32) into pools of 1/4 of the KV, at bucket counts around sieve_geometry's
+                    # (512 / 1024 since d2548a7: buckets of <= 512 slots), warps 4 <-> 8 beside them
                     step sieve-decode 400 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --name sieve_decode \
-                      --requests 256 768 --pools 262144 393216 --buckets 256 512 1024 2048 4096 --budget-s 0.2 \
-                      --max-seconds 300 ;;
+                      --requests 256 768 1024 1536 --pools 262144 393216 --buckets 256 512 1024 2048 --budget-s 0.2 \
+                      --kernel-only --variants --max-seconds 360 ;;
     sieve-buckets)  # the bucket floor (issue 21, sieve_geometry >= 128 buckets): the auto pools' frames at B = 1
                     # and 3 (256 / 768 requests) split into 32 to 256 buckets, the sieve alone
                     step sieve-buckets 400 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --name sieve_buckets \
