@@ -42,7 +42,7 @@ from flax import nnx
 from scripts import bench_meta
 from ulacache_jax.cache.codec import KV_DTYPES
 from ulacache_jax.cache.kernel_choice import DENSE_IMPLS
-from ulacache_jax.cache.select import reuse, two_stage
+from ulacache_jax.cache.select import two_stage
 from ulacache_jax.cache.select.labels import Labels
 from scripts.bench_meta import (add_common_args, appended_meta, child_env, copy_ceiling, earlier_run, git_commit,
                                 read_ceiling, utc_now)
@@ -177,8 +177,6 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1, ke
         first = getattr(args, "first_channels", 0)
         cfg = two_stage.configure(cfg, args.two_stage, first=Labels(channels=first, bits=4)
                                   if first else None)
-    if attention == "sparse" and getattr(args, "reuse_layers", None):
-        cfg = reuse.configure(cfg, reuse.parse_spec(args.reuse_layers, mc.num_layers))
     # host pool: the pages admit reserves (`need` per sequence, layer and group), not the padded page-table width:
     # at 32K x 27 the padding (518 -> 640 pages) alone would pin 28 GB more host memory
     return dataclasses.replace(cfg, host_pages=batch * cfg.num_layers * cfg.groups_per_rank * need)
@@ -352,7 +350,6 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                **(scorer_fields(cfg) if attention == "sparse" else dict(key_channels=None, label_bits=None,
                                                                          rule=None)),
                two_stage=getattr(args, "two_stage", None) if attention == "sparse" else None,
-               reuse_layers=getattr(args, "reuse_layers", None) if attention == "sparse" else None,
                kv_dtype=cfg.kv_dtype,
                dense_attention=gen.backend.ops.kernels.dense_attention if attention == "dense" else None,
                selection=repr(cfg.selection_rule) if attention == "sparse" else None,
@@ -387,8 +384,6 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
                "--dense-attention", getattr(args, "dense_attention", "auto")]
         if getattr(args, "two_stage", None):
             cmd += ["--two-stage", str(args.two_stage), "--first-channels", str(getattr(args, "first_channels", 0))]
-        if getattr(args, "reuse_layers", None):
-            cmd += ["--reuse-layers", args.reuse_layers]
         if args.score_launch:
             cmd += ["--score-launch", *map(str, args.score_launch)]
         proc = None
@@ -477,9 +472,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-channels", type=first_channels_arg, default=0, metavar="C",
                    help="with --two-stage: labels over C channels (whole rotary pairs, 4 bits, picked online) "
                         "shortlist in place of Quest's bound (0: Quest)")
-    p.add_argument("--reuse-layers", default=None, metavar="SPEC",
-                   help="sparse rows: the rule scores at these layers only (every:N or a comma list, 0 first), the "
-                        "others reuse the nearest listed layer's page scores (cache/select/reuse.py)")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="both sides: the K/V page format (CacheConfig.kv_dtype; float8_e4m3fn: e4m3 codes with a "
                         "scale per page and KV head, in the HBM frames, the host pool and the dense cache)")
@@ -511,11 +503,6 @@ def main(argv=None):
         raise SystemExit(f"--first-channels {args.first_channels} needs --two-stage MULT (it names the first stage)")
     if args.first_channels > mc.head_dim:
         raise SystemExit(f"--first-channels {args.first_channels} must be <= the model's head_dim {mc.head_dim}")
-    if args.reuse_layers:
-        try:
-            reuse.parse_spec(args.reuse_layers, mc.num_layers)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
     rows = []
     plan = parse_rows(args.rows or ",".join(f"{side}:{ctx}:{b}" for ctx in args.contexts.split(",")
                                             for b in args.batches.split(",") for side in args.sides.split(",")))

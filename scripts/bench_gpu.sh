@@ -5,7 +5,7 @@
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
 #                              decode-prefill longctx-16k longctx-32k longctx-100 longctx-diag decode-labels
-#                              decode-labels-256k decode-reuse dense-fp8
+#                              decode-labels-256k dense-fp8
 #                              quality-austen32k
 #                              quality-austen32k-quest quality-austen32k-1of16 profile-labels profile-two-stage
 #                              longctx-15b
@@ -173,13 +173,6 @@ for b in "${names[@]}"; do
                 step "$b" 180 scripts/bench_decode.py --out "$OUT/labels" "${C[@]}" --chunks 4 --append \
                   --row-timeout 130 --budget "$budget" --key-channels 32 --label-bits 4 --hot-share 0.9 \
                   --rows "${rows%%,*}" ;;
-    decode-reuse)   # cross-layer reuse of the labels' page scores (cache/select/reuse.py) at 128K x 3, 1/32, hot
-                    # share 0.9: labels 32 @ 4 at every layer, every 2nd, every 4th, one call
-                for spec in "" every:2 every:4; do
-                  step decode-reuse 170 scripts/bench_decode.py --out "$OUT/reuse" "${C[@]}" --chunks 4 --append \
-                    --row-timeout 160 --budget 4096 --key-channels 32 --label-bits 4 --hot-share 0.9 \
-                    --rows sparse:131072:3 ${spec:+--reuse-layers $spec}
-                done ;;
     dense-fp8)      # issue 50: the dense baseline over fp8 pages (the page walk, and XLA's decoded cache) beside
                     # dense bf16, 128K x 3, one call; then the walk's launch shapes
                 for a in "--kv-dtype float8_e4m3fn" "--kv-dtype float8_e4m3fn --dense-attention xla" ""; do
@@ -229,7 +222,7 @@ for b in "${names[@]}"; do
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2 longctx-16k" \
             "longctx-32k longctx-100 longctx-diag" \
-            "decode-labels decode-labels-256k decode-reuse dense-fp8 quality-austen32k quality-austen32k-quest" \
+            "decode-labels decode-labels-256k dense-fp8 quality-austen32k quality-austen32k-quest" \
             "quality-austen32k-1of16" \
             "profile-labels profile-two-stage longctx-15b serve)"; exit 2 ;;
   esac
