@@ -191,23 +191,18 @@ def decode_options(args):
 def selection_fields(args, kc: int) -> dict:
     """The CacheConfig fields of a sparse cell's rule: key_channels = kc (0: Quest summaries) and, for kc > 0,
     --label-bits (0: the key copy in the model's dtype; 4 / 8: labels, channels picked online from the prompt);
-    two_stage: --two-stage's multiple (that rule reranks Quest's shortlist; make_config wraps it); reuse:
-    --reuse-layers (the layers that score; the others reuse their scores: cache/select/reuse.py)."""
-    return dict(key_channels=kc, label_bits=args.label_bits if kc else 0, two_stage=args.two_stage,
-                reuse=getattr(args, "reuse_layers", None))
+    two_stage: --two-stage's multiple (that rule reranks Quest's shortlist; make_config wraps it)."""
+    return dict(key_channels=kc, label_bits=args.label_bits if kc else 0, two_stage=args.two_stage)
 
 
-def make_config(mc, *, grid, max_tokens, budget, page, dtype, two_stage=None, reuse=None, **overrides):
+def make_config(mc, *, grid, max_tokens, budget, page, dtype, two_stage=None, **overrides):
     """A cell's CacheConfig; two_stage MULT: its rule becomes a TwoStage's second stage behind Quest's shortlist of
-    MULT x the budget's pages (cache/select/two_stage.configure); reuse: a --reuse-layers spec, the rule scores at
-    those layers only (cache/select/reuse.configure)."""
-    from ulacache_jax.cache.select import reuse as reuse_mod
+    MULT x the budget's pages (cache/select/two_stage.configure)."""
     from ulacache_jax.cache.select import two_stage as two
     from ulacache_jax.runtime.generation import default_cache_config
     cc = default_cache_config(mc, num_seqs=grid.batch, max_tokens=max_tokens, page_size=page,
                               token_budget=budget, dtype=dtype, **overrides)
-    cc = two.configure(cc, two_stage) if two_stage else cc
-    return reuse_mod.configure(cc, reuse_mod.parse_spec(reuse, mc.num_layers)) if reuse else cc
+    return two.configure(cc, two_stage) if two_stage else cc
 
 
 # ---- passkey ----------------------------------------------------------------------------------------------------
@@ -661,14 +656,13 @@ def markdown(rows, meta) -> str:
     return "\n".join(out)
 
 
-def sel_of(r) -> tuple:
-    """A row's selection rule: (summary split, key channels, label bits, two-stage multiple, --reuse-layers spec);
-    (1, 0, 0, 0, "") for dense rows (no selection) and for rows written before the options (Quest over whole-page
-    summaries, scored at every layer)."""
+def sel_of(r) -> tuple[int, int, int, int]:
+    """A row's selection rule: (summary split, key channels, label bits, two-stage multiple); (1, 0, 0, 0) for
+    dense rows (no selection) and for rows written before the options (Quest over whole-page summaries)."""
     if r.get("attention") == "dense":
-        return (1, 0, 0, 0, "")
+        return (1, 0, 0, 0)
     return (int(r.get("summary_split") or 1), int(r.get("key_channels") or 0), int(r.get("label_bits") or 0),
-            int(r.get("two_stage") or 0), r.get("reuse_layers") or "")
+            int(r.get("two_stage") or 0))
 
 
 def prompts_of(r) -> str:
@@ -695,12 +689,11 @@ def line_styles():
     return itertools.cycle([ls + m for m in "os^vxd*p+<>" for ls in ("-", "--", "-.", ":")])
 
 
-def sel_name(sel: tuple) -> str:
+def sel_name(sel: tuple[int, int, int, int]) -> str:
     """The label suffix of a selection rule (empty for plain Quest)."""
-    sp, kc, bits, two, reuse = sel
+    sp, kc, bits, two = sel
     copy = (f", labels {kc} @ {bits} bits" if bits else f", key copy {kc}") if kc else ""
-    return ((f", summary split {sp}" if sp > 1 else "") + copy + (f", two-stage {two}x" if two else "")
-            + (f", scored at layers {reuse}" if reuse else ""))
+    return (f", summary split {sp}" if sp > 1 else "") + copy + (f", two-stage {two}x" if two else "")
 
 
 def row_id(r) -> tuple:
@@ -778,9 +771,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--two-stage", type=two_stage_arg, default=None, metavar="MULT",
                     help="the sparse cells' rule (--key-channels C > 0) reranks Quest's shortlist of MULT x the "
                          "budget's pages (cache/select/two_stage.py)")
-    ap.add_argument("--reuse-layers", default=None, metavar="SPEC",
-                    help="the sparse cells' rule scores at these layers only (every:N or a comma list, 0 first); "
-                         "the others reuse the nearest listed layer's page scores (cache/select/reuse.py)")
     ap.add_argument("--key-channels", default="0",
                     help="comma list: CacheConfig.key_channels of the sparse cells, each value its own cells against "
                          "one dense run (pages scored from an HBM copy of this many channels of every key; "
@@ -867,19 +857,12 @@ def main(argv=None):
     from scripts.bench_meta import git_commit
     t0 = time.time()
     model, tok, label = load_model(args)
-    if args.reuse_layers:
-        from ulacache_jax.cache.select import reuse
-        try:
-            reuse.parse_spec(args.reuse_layers, model.config.num_layers)
-        except ValueError as e:
-            ap.error(str(e))
     text, provenance = corpus_text(args.text)
     text_ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
     log(f"model {label} ({time.time() - t0:.1f} s); text {provenance['chars']} chars = {len(text_ids)} tokens")
     stamp = dict(device=jax.devices()[0].device_kind, commit=args.commit or git_commit(), jax=jax.__version__,
                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 summary_split=args.summary_split, **({"two_stage": args.two_stage} if args.two_stage else {}),
-                 **({"reuse_layers": args.reuse_layers} if args.reuse_layers else {}))
+                 summary_split=args.summary_split, **({"two_stage": args.two_stage} if args.two_stage else {}))
     meta = dict(model=label, mode=kind, dtype=args.dtype, grid=dataclasses.asdict(grid), text=provenance,
                 tasks=args.tasks, key_channels=list(args.key_channels), label_bits=args.label_bits,
                 command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),

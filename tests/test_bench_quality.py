@@ -259,13 +259,3 @@ def test_selection_ceiling_study_hooks(tmp_path):
         assert [r["budget"] for r in rows if r["task"] == "ppl" and r["attention"] == "sparse"] == [64]
     finally:
         scoring.TeacherForcedScorer, decode_layer.selection = keep
-
-
-def test_reuse_layers_spec_is_checked_against_the_model(tmp_path, capsys):
-    """--reuse-layers names layers of the loaded model: a list not starting at 0 or past its layers is refused by
-    name before any cell runs."""
-    bq = _load_script()
-    for bad in ("1,2", "0,99", "every:0"):
-        with pytest.raises(SystemExit):
-            bq.main(["--tiny", "--out", str(tmp_path), "--tasks", "ppl", "--reuse-layers", bad])
-        assert "--reuse-layers" in capsys.readouterr().err

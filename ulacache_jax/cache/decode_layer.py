@@ -154,7 +154,6 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     # 1. Selection among flushed pages (Quest bound, or the key copy's mass), static count K per (sequence, group).
     flushed = jnp.where(live, state.seqs.flushed, 0)
     scores = _scores(state, layer, q, flushed, options)                               # [S, G, P]
-    state = c.selection_rule.scored(state, layer, scores)     # kept for later layers by a rule that reuses them
     sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [S, G, K]
     if budget is not None:      # per-sequence budgets: the winners past a sequence's budget rank are dropped

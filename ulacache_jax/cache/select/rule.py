@@ -26,8 +26,6 @@ Hooks (defaults: do nothing), in the order a sequence meets them:
 - `release(state, slot)` all ranks: the slot was freed.
 - `score(state, layer, q, flushed, options)` one rank -> [S, G, P] float32: higher = attend first; pages at or
   past `flushed` are never chosen (the caller masks them), the first `sink_pages` and last `recent_pages` always.
-- `scored(state, layer, scores)` one rank: the decode step scored layer `layer`'s pages ([S, G, P], as `score`
-  returned them); a rule that keeps them for later layers stores them here (reuse.py), others do nothing.
 - `score_pages(state, layer, q, flushed, pages, ok, options)` one rank -> [S, G, K] float32: the scores of the listed pages
   only (a two-stage rule's second stage, two_stage.py); the default scores every page and gathers, a rule that
   can read just the listed pages' state overrides it.
@@ -103,10 +101,6 @@ class SelectionRule:
     def score(self, state, layer, q, flushed, options):
         """One rank. q [S, 1, Hr, D]; flushed [S] int32 candidate pages -> [S, G, P] float32."""
         raise NotImplementedError(f"{type(self).__name__}.score")
-
-    def scored(self, state, layer, scores):
-        """One rank. scores [S, G, P] float32: what `score` gave layer `layer` in this decode step."""
-        return state
 
     def score_pages(self, state, layer, q, flushed, pages, ok, options):
         """One rank. flushed [S] int32; pages [S, G, K] int32 page ids, ok [S, G, K] bool (the listed page is a
