@@ -118,8 +118,8 @@ def sieve_geometry(num_frames: int, num_requests: int, *, min_buckets: int = MIN
     the fewest buckets, from `min_buckets` up (fewer while a bucket would hold under MIN_SLOTS slots), with which
     an access stays on the kernel's fast path (a bucket's load, mean + 4 sigma of a Poisson, fits one request chunk
     and its slots one slot chunk of at most GEOMETRY_SLOT_CHUNK) and groups requests inside the kernel
-    (N * B <= SCAN_MAX_WORK). When no bucket
-    count satisfies both, buckets of 64 slots (the general path handles any load).
+    (N * B <= SCAN_MAX_WORK). When no bucket count satisfies both, buckets of 64 slots (the general path handles any
+    load).
     Why not fewer, larger buckets (closer to a global LRU): a program's compare tiles grow with its bucket, and
     below about one program per SM the launch takes longer, not shorter (256 requests into 16384 frames: 32 buckets
     15.9 us, 128 buckets 4.2 us on the H200), while on SmolLM2's selection trace PB-LRU's hit rate barely moves

@@ -13,7 +13,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ulacache_jax.cache.codec import Pages, codec_for
+from ulacache_jax.cache.codec import codec_for
 from ulacache_jax.cache.decode_layer import DecodeOptions
 from ulacache_jax.cache.kernel_choice import Platform
 from ulacache_jax.models import get_preset
@@ -28,7 +28,7 @@ T = P * NPAGES
 def make_view(rng, dtype, pos):
     """Random K/V of every position in the model's dtype, encoded page by page (garbage past each position too:
     the kernel must not read it), and each sequence's page under construction (the one holding pos) in its ring,
-    as DenseOps._append_scaled leaves them. -> (view, k, v) with k, v [S, T, KV, D] the exact values."""
+    as DenseOps._append_scaled leaves them -> the layer's six arrays (DenseCache.layer)."""
     codec = codec_for("float8_e4m3fn")
     k = jnp.asarray(rng.standard_normal((S, T, KV, D)) * rng.uniform(0.1, 8.0, (S, NPAGES * P, KV, 1)), dtype)
     v = jnp.asarray(rng.standard_normal((S, T, KV, D)), dtype)
@@ -36,8 +36,7 @@ def make_view(rng, dtype, pos):
     cur = np.asarray(pos) // P
     rk = jnp.stack([k[s, c * P:(c + 1) * P] for s, c in enumerate(cur)])             # [S, P, KV, D]
     rv = jnp.stack([v[s, c * P:(c + 1) * P] for s, c in enumerate(cur)])
-    view = (enc.k.reshape(S, T, KV, D), enc.v.reshape(S, T, KV, D), enc.ks, enc.vs, rk, rv)
-    return view, k, v
+    return enc.k.reshape(S, T, KV, D), enc.v.reshape(S, T, KV, D), enc.ks, enc.vs, rk, rv
 
 
 def xla_path(view, q, pos, live, dtype):
@@ -51,19 +50,24 @@ def xla_path(view, q, pos, live, dtype):
     return dense_attention(q, ck, cv, pos[:, None], kpos, k_valid=kpos < seen[:, None])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_page_walk_equals_the_decoded_cache(dtype):
-    rng = np.random.default_rng(0)
-    # first token of page 2 (the ring holds one token), the last position, the very first token, a dead slot
+def check_against_the_decoded_cache(dtype, seed, walk):
+    """walk(view, q, pos, live) -> out: equal to the decoded-cache path on the live slots, at the first token of
+    page 2 (the ring holds one token), the last position, the very first token, beside a dead slot."""
+    rng = np.random.default_rng(seed)
     pos = jnp.asarray([2 * P, T - 1, 0, 37], jnp.int32)
     live = jnp.asarray([True, True, True, False])
-    view, _, _ = make_view(rng, dtype, pos)
+    view = make_view(rng, dtype, pos)
     q = jnp.asarray(rng.standard_normal((S, 1, H, D)) * 2.0, dtype)
     want = np.asarray(xla_path(view, q, pos, live, dtype), np.float32)[:3]
-    for impl in ("pallas", "ref"):
-        got = np.asarray(dense_page_walk(view, q, pos, live, page_size=P, impl=impl), np.float32)[:3]
-        tol = 2e-5 if dtype == jnp.float32 else 2e-2
-        np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=impl)
+    got = np.asarray(walk(view, q, pos, live), np.float32)[:3]
+    tol = 2e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("impl", ["pallas", "ref"])
+def test_page_walk_equals_the_decoded_cache(dtype, impl):
+    check_against_the_decoded_cache(dtype, 0, lambda *a: dense_page_walk(*a, page_size=P, impl=impl))
 
 
 def test_page_walk_reads_no_page_past_the_position():
@@ -71,7 +75,7 @@ def test_page_walk_reads_no_page_past_the_position():
     rng = np.random.default_rng(1)
     pos = jnp.asarray([P + 3, P - 1, 2 * P, 5], jnp.int32)
     live = jnp.ones(S, bool)
-    view, _, _ = make_view(rng, jnp.float32, pos)
+    view = make_view(rng, jnp.float32, pos)
     q = jnp.asarray(rng.standard_normal((S, 1, H, D)), jnp.float32)
     base = np.asarray(dense_page_walk(view, q, pos, live, page_size=P, impl="pallas"))
     ck, cv, cks, cvs, rk, rv = view
@@ -107,15 +111,8 @@ def test_page_walk_compiled_on_the_gpu():
     """The Triton kernel compiled (the machine's GPU) against the decoded cache, at the 8B's head shape."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    rng = np.random.default_rng(2)
-    pos = jnp.asarray([2 * P, T - 1, 0, 37], jnp.int32)
-    live = jnp.asarray([True, True, True, False])
-    view, _, _ = make_view(rng, jnp.bfloat16, pos)
-    q = jnp.asarray(rng.standard_normal((S, 1, H, D)) * 2.0, jnp.bfloat16)
-    want = np.asarray(xla_path(view, q, pos, live, jnp.bfloat16), np.float32)[:3]
-    got = np.asarray(jax.jit(lambda *a: dense_page_walk(*a, page_size=P, impl="pallas"))(view, q, pos, live),
-                     np.float32)[:3]
-    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+    check_against_the_decoded_cache(jnp.bfloat16, 2, jax.jit(lambda *a: dense_page_walk(*a, page_size=P,
+                                                                                          impl="pallas")))
 
 
 def test_generate_dense_fp8_through_the_page_walk():

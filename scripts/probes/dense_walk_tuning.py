@@ -67,7 +67,7 @@ def main(argv=None):
         print("measured", rows[-1], flush=True)       # each launch as it is measured: a cut run keeps them
     print("| pages/step | splits | warps | stages | check | us | fraction of read ceiling |")
     print("|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: r[5] if r[5] == r[5] else 1e9):
+    for r in sorted(rows, key=lambda r: (np.isnan(r[5]), r[5])):            # failed launches last
         print("| " + " | ".join(f"{x:.1f}" if isinstance(x, float) and x > 1 else
                                 (f"{x:.3f}" if isinstance(x, float) else str(x)) for x in r) + " |")
 
