@@ -20,7 +20,9 @@ labels:C:BITS (label_bits 8 or 4) and labels:C:BITS:TABLE (an offline channel ta
 "channels": [L][KV][C]}, passed as CacheConfig.channel_table; TABLE 'auto': the model's shipped table,
 models/calibration); two:MULT:<rule> (not dense): that rule ranks the shortlist of a TwoStage (Quest's page bound
 shortlists MULT x the budget; rows carry two_stage MULT); two:MULT:<first>+<rule>: <first> (key_copy or labels)
-shortlists instead of Quest (rows also carry first_rule, first_channels, first_bits). Every sparse rule runs at
+shortlists instead of Quest (rows also carry first_rule, first_channels, first_bits); exact:K:<rule> (not dense):
+exact mode, <rule> drafts K tokens with sparse attention and dense attention verifies them (SpecConfig("sparse",
+K); rows carry exact K, acceptance, verifications, tokens_per_verification). Every sparse rule runs at
 every budget (--budgets, plus --budget-ratios x context, rounded to the page size; a budget >= the context is dense
 by construction and skipped); dense runs once per context, first.
 Cells: the unit of work is one generate call, (context, rule, budget, max_new_tokens) over every task and depth of
@@ -78,10 +80,11 @@ class Rule:
     table_digest: str | None = None
     two_stage: int | None = None   # the shortlist's multiple of the budget: this rule ranks a TwoStage's shortlist
     first: "Rule | None" = None    # that TwoStage's first stage (None: Quest's page bound)
+    exact: int | None = None       # exact mode: this rule drafts K = exact tokens, dense attention verifies them
 
     @property
     def attention(self) -> str:
-        return "dense" if self.rule == "dense" else "sparse"
+        return "dense" if self.rule == "dense" or self.exact else "sparse"
 
     def cache_config(self, base):
         if self.rule in ("dense", "quest"):
@@ -99,6 +102,20 @@ class Rule:
 
 def parse_rule(spec: str) -> Rule:
     spec = spec.strip()
+    if spec.startswith("exact:"):   # exact:K:<rule>: <rule> drafts K tokens a step, dense verifies (SpecConfig sparse)
+        parts = spec.split(":", 2)
+        try:
+            if len(parts) < 3:
+                raise ValueError("needs exact:K:<rule>")
+            k = int(parts[1])
+            if k < 1:
+                raise ValueError(f"K = {k} must be >= 1")
+        except ValueError as e:
+            raise SystemExit(f"--rules {spec!r}: {e}") from None
+        inner = parse_rule(parts[2])
+        if inner.rule == "dense" or inner.exact:
+            raise SystemExit(f"--rules {spec!r}: the drafting rule must be a sparse one (quest, key_copy, labels, two)")
+        return dataclasses.replace(inner, spec=spec, exact=k)
     if spec.startswith("two:"):   # two:MULT:[<first>+]<rule>: <rule> reranks a TwoStage's shortlist
         parts = spec.split(":", 2)
         try:
@@ -143,7 +160,7 @@ def parse_rule(spec: str) -> Rule:
     except (ValueError, OSError, KeyError, TypeError) as e:
         raise SystemExit(f"--rules {spec!r}: {type(e).__name__}: {e}") from None
     raise SystemExit(f"--rules {spec!r}: one of dense, quest, key_copy:C, labels:C:BITS[:TABLE|:auto], "
-                     "two:MULT:<one of those but dense>")
+                     "two:MULT:<one of those but dense>, exact:K:<one of those but dense>")
 
 
 def resolve_tables(rules: list[Rule], model: str) -> list[Rule]:
@@ -174,6 +191,25 @@ def first_fields(rule: Rule) -> dict:
     bound (the rows before first stages existed read the same)."""
     f = rule.first
     return {} if f is None else dict(first_rule=f.rule, first_channels=f.channels, first_bits=f.label_bits)
+
+
+def exact_generate(model, prompts, max_new: int, cache_config, k: int, stop_ids):
+    """An exact-mode cell (rule exact:K:<rule>): the prompts through an Engine whose dense cache verifies the drafts
+    of the model's own sparse decoding on `cache_config`'s rule (SpecConfig("sparse", K)) -> (token lists in prompt
+    order, the speculative counters: acceptance = accepted / proposed drafts, tokens_per_verification = tokens
+    delivered by the decode steps / verifications)."""
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.speculative.rules import SpecConfig
+    eng = Engine(model, cache_config, attention="dense", speculative=SpecConfig("sparse", k))
+    reqs = eng.run(prompts, SamplingParams(max_new_tokens=max_new, stop_ids=tuple(stop_ids or ())))
+    for r in reqs:
+        if r.finish_reason == "error":
+            raise RuntimeError(r.error)
+    sp = eng.spec
+    decoded = sum(max(0, len(r.tokens) - 1) for r in reqs)      # the first token of each comes from its prefill
+    return [r.tokens for r in reqs], dict(acceptance=sp.acceptance_rate, verifications=int(sp.steps),
+                                          proposed=int(sp.proposed), accepted=int(sp.accepted),
+                                          tokens_per_verification=decoded / max(1, sp.steps))
 
 
 def parse_rules(text: str) -> list[Rule]:
@@ -323,7 +359,7 @@ def run(args, prompts: list, prompt_meta: dict) -> dict:
     mc = model.config
     budgets = [int(b) for b in args.budgets.split(",") if b.strip()] if args.budgets else []
     ratios = [float(r) for r in args.budget_ratios.split(",") if r.strip()] if args.budget_ratios else []
-    if any(r.attention == "sparse" for r in rules) and not (budgets or ratios):
+    if any(r.rule != "dense" for r in rules) and not (budgets or ratios):
         raise SystemExit("sparse rules need --budgets and/or --budget-ratios")
 
     for rule in rules:       # a rule this model's cache refuses (channels > head_dim, a table's shape): now
@@ -364,8 +400,8 @@ def run(args, prompts: list, prompt_meta: dict) -> dict:
         run_b, too_big = budgets_for(context, budgets, ratios, args.page_size)
         for b in too_big:
             meta["skipped"].append(dict(context=context, budget=b, reason="budget >= context: dense by construction"))
-        cells = [(r, None) if r.attention == "dense" else (r, b) for r in rules
-                 for b in ([None] if r.attention == "dense" else run_b)]
+        cells = [(r, None) if r.rule == "dense" else (r, b) for r in rules
+                 for b in ([None] if r.rule == "dense" else run_b)]
         for rule, budget in cells:
             base = default_cache_config(mc, num_seqs=args.batch, max_tokens=max(context, longest),
                                         page_size=args.page_size, token_budget=budget or 2048, dtype=model.dtype)
@@ -382,8 +418,13 @@ def run(args, prompts: list, prompt_meta: dict) -> dict:
                     log(f"skip {label}: past the deadline")
                     continue
                 t0 = time.perf_counter()
-                gen = ulacache_jax.generate(model, [ids[p["id"]] for p in group], max_new_tokens=mn,
-                                            cache_config=cc, attention=rule.attention, stop_ids=stop_ids)
+                spec_counts = {}
+                if rule.exact:
+                    gen, spec_counts = exact_generate(model, [ids[p["id"]] for p in group], mn, cc, rule.exact,
+                                                      stop_ids)
+                else:
+                    gen = ulacache_jax.generate(model, [ids[p["id"]] for p in group], max_new_tokens=mn,
+                                                cache_config=cc, attention=rule.attention, stop_ids=stop_ids)
                 seconds = time.perf_counter() - t0
                 new_tokens = sum(len(g) for g in gen)
                 tps = new_tokens / seconds if seconds > 0 else None
@@ -413,7 +454,7 @@ def run(args, prompts: list, prompt_meta: dict) -> dict:
                                  tokens_per_s=tps, device=device, commit=commit, spec=rule.spec,
                                  channel_table=rule.table_path and os.path.basename(rule.table_path),
                                  haystack=haystack, budget_ratio=None if budget is None else budget / context,
-                                 seconds=round(seconds, 2)))
+                                 seconds=round(seconds, 2), exact=rule.exact, **spec_counts))
                 acc = float(np.mean(list(scores.values())))
                 same_all = (np.mean([texts[i] == dense_out[i] for i in texts]) if all(i in dense_out for i in texts)
                             else float("nan"))

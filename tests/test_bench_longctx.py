@@ -122,3 +122,21 @@ def test_auto_table_is_the_models_shipped_one():
     assert bl.resolve_tables(untouched, "tiny") == untouched
     two, = bl.resolve_tables(bl.parse_rules("two:4:labels:16:4:auto+labels:64:4"), "qwen2.5-coder-0.5b")
     assert two.first.table == calibration.channel_table("qwen2.5-coder-0.5b", 16) and two.table is None
+
+
+def test_exact_rule(tmp_path):
+    """exact:K:<rule>: the rule drafts with sparse attention, dense attention verifies, so (float32) every answer
+    equals dense's; rows carry K and the speculative counters."""
+    ex = bl.parse_rules("exact:3:labels:4:4")[0]
+    assert (ex.exact, ex.rule, ex.channels, ex.attention) == (3, "labels", 4, "dense")
+    for bad in ("exact:0:quest", "exact:x:quest", "exact:2:dense", "exact:2", "exact:2:exact:2:quest"):
+        with pytest.raises(SystemExit):
+            bl.parse_rules(bad)
+    out = str(tmp_path / "out")
+    res = bl.main([*PROMPT_ARGS, "--dtype", "float32", "--rules", "dense,exact:3:quest", "--budgets", "256",
+                   "--batch", "4", "--out", out, "--commit", "test"])
+    rows = [r for r in res["rows"] if r["spec"] == "exact:3:quest"]
+    assert len(rows) == 2 and all(r["same_as_dense"] == 1.0 and r["budget"] == 256 and r["exact"] == 3
+                                  and r["attention"] == "dense" for r in rows)
+    assert all(0.0 <= r["acceptance"] <= 1.0 and r["verifications"] > 0 and r["tokens_per_verification"] >= 1.0
+               for r in rows)

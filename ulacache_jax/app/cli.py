@@ -174,10 +174,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(dense where it is predicted faster and fits, else sparse; printed, and in the report); "
                         "sparse = UlaCache; dense = every K/V in HBM (the baseline)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks (needs ulacache_jax.runtime.tp)")
-    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+    p.add_argument("--speculative", choices=("ngram", "draft", "sparse"), default=None,
                    help="speculative decoding: ngram = prompt lookup (drafts copied from the prompt and the text so "
-                        "far), draft = a smaller model of the same tokenizer (--draft-model); greedy output is "
-                        "unchanged, sampled output keeps its distribution (default: off)")
+                        "far), draft = a smaller model of the same tokenizer (--draft-model), sparse = exact mode "
+                        "(the model drafts with sparse attention on a second cache, dense attention verifies: "
+                        "dense's tokens; --attention auto means dense); greedy output is unchanged, sampled output "
+                        "keeps its distribution (default: off)")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                    help="drafts verified per step at most (with --speculative; < --page-size; default 4)")
     p.add_argument("--draft-model", default=None, metavar="PATH",
@@ -439,7 +441,8 @@ def _spec_config(args):
         if args.draft_model is not None:
             raise UsageError("--draft-model needs --speculative draft")
         if args.num_speculative_tokens is not None and not args.deterministic:
-            raise UsageError(f"--num-speculative-tokens {args.num_speculative_tokens} needs --speculative ngram|draft "
+            raise UsageError(f"--num-speculative-tokens {args.num_speculative_tokens} needs --speculative "
+                             "ngram|draft|sparse "
                              "or --deterministic (without them nothing is drafted or verified)")
         if not args.deterministic:
             return None
@@ -450,6 +453,9 @@ def _spec_config(args):
         raise UsageError(f"--num-speculative-tokens {k} must be < --page-size {args.page_size}")
     if args.draft_model is not None:
         check_model_spec(args.draft_model, "--draft-model")
+    if args.speculative == "sparse" and args.attention == "sparse":
+        raise UsageError("--speculative sparse (exact mode) verifies with dense attention: --attention sparse would "
+                         "verify sparse drafts with sparse attention; use --attention dense or auto")
     from ulacache_jax.runtime.speculative.rules import SpecConfig
     return SpecConfig(args.speculative or "none", k, draft_model=args.draft_model, deterministic=args.deterministic)
 
@@ -646,6 +652,10 @@ def check_tier_flags(args) -> None:
     given = [f for f, v in (("--hbm-pages", args.hbm_pages), ("--host-gb", args.host_gb)) if v is not None]
     if not given:
         return
+    if args.speculative == "sparse":
+        raise UsageError(f"{' and '.join(given)} size the sparse cache's tiers; with --speculative sparse (exact "
+                         "mode) the run's cache is dense and the drafter's pool is sized like --attention auto's "
+                         "(drop them)")
     if args.attention == "dense":
         raise UsageError(f"{' and '.join(given)} size the sparse cache's tiers; --attention dense keeps every K/V in "
                          "HBM and has neither (drop them, or use --attention sparse)")
@@ -724,11 +734,20 @@ def make_engine(args, loaded: model_loading.LoadedModel, cfg, param_bytes: int, 
     from ulacache_jax.cache.state import device_memory_bytes
     from ulacache_jax.runtime.cost_model import resolve_attention
     from ulacache_jax.runtime.engine import Engine
-    decision = resolve_attention(args.attention, loaded.model.config, cfg)
+    from ulacache_jax.runtime.speculative.rules import target_attention
+    spec = _spec_config(args)
+    decision = resolve_attention(target_attention(spec, args.attention), loaded.model.config, cfg)
     print(f"ulacache: attention {decision.summary()}", file=sys.stderr)
     check_device_memory(args, cfg, param_bytes // args.tp, *device_memory_bytes(), attention=decision.kind,
                         rebuild=rebuild)
-    spec = _spec_config(args)
+    if spec is not None and spec.method == "sparse":
+        # exact mode's drafter holds a sparse cache beside the dense one: checked with the dense cache counted as
+        # taken, so the error names the drafter's pool
+        from ulacache_jax.runtime import backends
+        from ulacache_jax.runtime.speculative.decoder import drafter_config
+        taken = param_bytes // args.tp + backends.backend_class("dense").footprint(cfg)["hbm_bytes"] // args.tp
+        check_device_memory(args, drafter_config(loaded.model.config, cfg), taken, *device_memory_bytes(),
+                            attention="sparse")
     if spec is not None and spec.method == "draft":
         # the draft loads as --model does (a preset, a packaged model, a GGUF or a folder), in the run's dtype
         draft = model_loading.load_model(args.draft_model, args.dtype, args.seed)

@@ -150,8 +150,14 @@ def build_report(engine, requests=None, *, wall_s: float | None = None, model_la
         rep["occupancy_at_end"] = engine.occupancy()
     spec = getattr(engine, "spec", None)
     if spec is not None:   # the figures `ulacache serve` exports as spec_*_tokens (app/metrics.py)
-        rep["speculative"] = {"proposed_tokens": int(spec.proposed), "accepted_tokens": int(spec.accepted),
+        rep["speculative"] = {"method": spec.spec.method, "proposed_tokens": int(spec.proposed),
+                              "accepted_tokens": int(spec.accepted),
                               "acceptance_rate": spec.acceptance_rate if spec.proposed else None}
+        draft = getattr(spec, "draft", None)
+        if draft is not None:   # the draft model's (exact mode: the sparse drafter's) own cache, beside the footprint
+            dfp = draft.backend.footprint(draft.config)
+            rep["speculative"]["draft_cache"] = {"attention": draft.attention, "hbm_bytes": dfp["hbm_bytes"],
+                                                 "host_bytes": dfp["host_bytes"]}
     if extra:
         rep.update(extra)
     return rep
@@ -225,8 +231,11 @@ def format_report(rep: dict) -> str:
                      f"{_fmt_bytes(pc['host_bytes_saved'])}")
     sp = rep.get("speculative")
     if sp:
-        lines.append(f"  speculative: {sp['accepted_tokens']} of {sp['proposed_tokens']} draft tokens accepted "
-                     f"(rate {_f(sp['acceptance_rate'], '{:.3f}')})")
+        dc = sp.get("draft_cache")
+        lines.append(f"  speculative ({sp['method']}): {sp['accepted_tokens']} of {sp['proposed_tokens']} draft "
+                     f"tokens accepted (rate {_f(sp['acceptance_rate'], '{:.3f}')})"
+                     + (f"; draft cache ({dc['attention']}) HBM {_fmt_bytes(dc['hbm_bytes'])}, host "
+                        f"{_fmt_bytes(dc['host_bytes'])}" if dc else ""))
     if rep.get("input_errors"):
         lines.append(f"  input errors: {len(rep['input_errors'])} lines (see stderr / the output file)")
     lines.append("=" * 78)

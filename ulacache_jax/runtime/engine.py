@@ -70,7 +70,7 @@ from ulacache_jax.runtime.sampling import MAX_LOGPROBS, PenaltyState, SamplingAr
 from ulacache_jax.runtime.sequences import CapacityError
 from ulacache_jax.runtime.slots import SlotTable
 from ulacache_jax.runtime.speculative.decoder import SpecDecoder
-from ulacache_jax.runtime.speculative.rules import SpecConfig
+from ulacache_jax.runtime.speculative.rules import SpecConfig, target_attention
 from ulacache_jax.runtime.text import apply_stop, encode_prompt
 from ulacache_jax.runtime.tp import prepare_model
 
@@ -151,6 +151,7 @@ class Engine:
         tp = validate.check_tp_count(tp)
         validate.check_speculative(speculative, SpecConfig)
         if generator is None:
+            attention = target_attention(speculative, attention)   # exact mode verifies with dense attention
             if cache_config is None:
                 model = prepare_model(model, tp)
                 mc = model.config

@@ -15,7 +15,7 @@ from ulacache_jax.cache.decode_layer import DecodeOptions
 from ulacache_jax.runtime.engine import Engine, SamplingParams
 from ulacache_jax.runtime.generator import DenseCache, Generator, bucket_length, bucket_pages, default_cache_config  # noqa: F401
 from ulacache_jax.runtime import validate
-from ulacache_jax.runtime.speculative.rules import SpecConfig
+from ulacache_jax.runtime.speculative.rules import SpecConfig, target_attention
 from ulacache_jax.runtime.text import check_stop_strings, encode_prompt, is_text
 from ulacache_jax.runtime.tp import check_tp, prepare_model
 
@@ -56,7 +56,9 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
     prompts than slots queue and are admitted as slots free up. A request's tokens do not depend on what shares
     its batch; sampled tokens are seeded by `seed` and the prompt's index. speculative: a
     speculative.SpecConfig (drafts verified K + 1 rows at a time; greedy tokens equal plain decoding's in float32;
-    with deterministic=True, those of SpecConfig("none", K, deterministic=True) in any dtype), None = off.
+    with deterministic=True, those of SpecConfig("none", K, deterministic=True) in any dtype), None = off;
+    SpecConfig("sparse") is exact mode: sparse attention drafts, dense attention verifies (attention "auto" means
+    dense then), so the tokens are dense decoding's.
     min_p, presence_penalty, frequency_penalty, repetition_penalty, logprobs: as SamplingParams' (the penalties
     and logprobs are refused with speculative decoding); with logprobs (an int k), each output is a pair (tokens or
     text, list of requests.TokenLogprob: each token's raw model logprob and the k best alternatives).
@@ -65,6 +67,7 @@ def generate(model, prompts, *, max_new_tokens: int, tokenizer=None, stop=(), st
     validate.check_model(model)
     tp = validate.check_tp_count(tp)
     validate.check_speculative(speculative, SpecConfig)
+    attention = target_attention(speculative, attention)      # exact mode verifies with dense attention
     k0 = model.config.num_kv_heads
     model = prepare_model(model, tp)
     mc = model.config

@@ -138,18 +138,35 @@ class Generator:
     def __init__(self, model, cache_config: CacheConfig, *, attention: str = "sparse",
                  options: DecodeOptions = DecodeOptions(), mesh: Mesh | None = None):
         c = cache_config
-        check_model_fits_cache(model.config, c)
         mesh = make_mesh(c.tp) if mesh is None else mesh
         if mesh.shape.get(TP_AXIS) != c.tp:
             raise ValueError(f"mesh axis {TP_AXIS!r} has {mesh.shape.get(TP_AXIS)} devices, cache_config.tp = {c.tp}")
-        self.model_config, self.config, self.options, self.mesh = model.config, c, options, mesh
+        check_model_fits_cache(model.config, c)
+        self._build(model.config, model.dtype, tp_graphdef(model), shard_params(nnx.split(model)[1], mesh), c,
+                    attention, options, mesh)
+
+    def sibling(self, cache_config: CacheConfig, *, attention: str) -> "Generator":
+        """A Generator of this one's model over another cache (same mesh and options): the graphdef and the placed
+        parameters are shared, not copied, so a second cache of the same model (exact mode's sparse drafter,
+        speculative/decoder.py) costs its cache's memory only."""
+        if cache_config.tp != self.config.tp:
+            raise ValueError(f"sibling cache_config.tp = {cache_config.tp} must be this generator's {self.config.tp}")
+        check_model_fits_cache(self.model_config, cache_config)
+        gen = object.__new__(Generator)
+        gen._build(self.model_config, self._dtype, self._graphdef, self.params, cache_config, attention,
+                   self.options, self.mesh)
+        return gen
+
+    def _build(self, model_config, dtype, graphdef, params, c: CacheConfig, attention, options, mesh) -> None:
+        """The constructor's body over a model's parts (config, dtype, graphdef, params placed on `mesh`)."""
+        self.model_config, self.config, self.options, self.mesh = model_config, c, options, mesh
+        self._dtype, self._graphdef = dtype, graphdef
         # 'auto' is resolved here, once: the backend, the program and the reports see only the kind it became
-        self.decision = resolve_attention(attention, model.config, c, mesh.devices.flat[0])
+        self.decision = resolve_attention(attention, model_config, c, mesh.devices.flat[0])
         attention = self.decision.kind
-        self.backend = make_backend(attention, c, mesh, options, query_dtype=model.dtype,
-                                    query_heads_per_kv=model.config.num_queries_per_kv)
-        graphdef = tp_graphdef(model)
-        self.params = shard_params(nnx.split(model)[1], mesh)
+        self.backend = make_backend(attention, c, mesh, options, query_dtype=dtype,
+                                    query_heads_per_kv=model_config.num_queries_per_kv)
+        self.params = params
         self.layer_params = [self.params["layers"][l] for l in range(c.num_layers)]
         specs = param_specs(self.params)
         cache_spec, host_spec, host_sh = self.backend.specs()

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ulacache_jax.models import from_pretrained
+from ulacache_jax.runtime.cost_model import pool_headroom
 from ulacache_jax.runtime.generator import Generator, default_cache_config
 from ulacache_jax.runtime.speculative.rules import NgramIndex, SpecConfig, gate_rows, next_flush
 from ulacache_jax.runtime.tp import prepare_model
@@ -75,7 +76,7 @@ class SpecDecoder:
         self._hist = None
         self._hist_len = np.full(S, -1, np.int64)      # tokens of the slot's request in the device history, -1: none
         self.draft = None
-        if spec.method == "draft":
+        if spec.method in ("draft", "sparse"):
             self.draft = draft_gen if draft_gen is not None else make_draft_generator(gen, spec)
             dc = self.draft.config
             if dc.page_size != c.page_size or dc.max_seqs != c.max_seqs:
@@ -309,7 +310,10 @@ class SpecDecoder:
 
 
 def make_draft_generator(gen, spec: SpecConfig):
-    """A Generator for spec.draft_model with the target's slots, context, page size and token budget."""
+    """A Generator for spec.draft_model with the target's slots, context, page size and token budget; for exact
+    mode (method "sparse"), `sparse_drafter`."""
+    if spec.method == "sparse":
+        return sparse_drafter(gen)
     model = spec.draft_model
     if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
         model = from_pretrained(model, dtype=gen.config.jnp_dtype)
@@ -318,3 +322,27 @@ def make_draft_generator(gen, spec: SpecConfig):
     cfg = default_cache_config(model.config, num_seqs=c.max_seqs, max_tokens=c.max_context, page_size=c.page_size,
                                token_budget=c.token_budget, dtype=model.dtype, tp=c.tp)
     return Generator(model, cfg, attention=spec.draft_attention or gen.attention, mesh=gen.mesh)
+
+
+# the cache fields that say how a sparse cache selects and stores pages: exact mode's drafter keeps the target's
+SELECTION_FIELDS = ("summary_split", "key_channels", "label_bits", "channel_table", "selection", "kv_dtype",
+                    "page_codec")
+
+
+def drafter_config(model_config, c):
+    """Exact mode's drafter cache for a target cache `c`: UlaCache with the target's slots, context, page size,
+    token budget and selection fields (SELECTION_FIELDS: rule, channels, bits, page format), its HBM pool sized as
+    attention="auto" sizes one (cost_model.pool_headroom)."""
+    same = {f: getattr(c, f) for f in SELECTION_FIELDS}
+    return default_cache_config(model_config, num_seqs=c.max_seqs, max_tokens=c.max_context, page_size=c.page_size,
+                                token_budget=c.token_budget, dtype=c.dtype, tp=c.tp,
+                                pool_headroom=pool_headroom("auto"), **same)
+
+
+def sparse_drafter(gen):
+    """Exact mode's drafter: the target's own model (parameters shared: Generator.sibling) decoding with sparse
+    attention on the cache `drafter_config` gives. The target must be dense: it verifies."""
+    if gen.attention != "dense":
+        raise ValueError(f"speculative method 'sparse' (exact mode) verifies with dense attention: the target's "
+                         f"attention is {gen.attention!r}; build it with attention 'dense' (or 'auto')")
+    return gen.sibling(drafter_config(gen.model_config, gen.config), attention="sparse")

@@ -4,8 +4,10 @@ pure functions that the compiled programs (program.py) trace and the host step (
 nothing of the runtime but sampling, so program.py can sit below the decoder that drives a Generator.
 
 - `SpecConfig`: method "ngram" (prompt lookup: the continuation of the latest earlier match of the last n tokens
-  in the prompt and the generated text, no second model) or "draft" (a smaller model of the same tokenizer
-  decoding on its own cache), `num_tokens` = K drafts a step at most.
+  in the prompt and the generated text, no second model), "draft" (a smaller model of the same tokenizer
+  decoding on its own cache) or "sparse" (exact mode: the target model itself drafts with sparse attention on a
+  UlaCache cache of its own and dense attention verifies, so the tokens are dense decoding's; `target_attention`),
+  `num_tokens` = K drafts a step at most.
 - Verification (program.Program.verify): row j of a sequence is its token at position length + j, and computes
   what a plain decode step at that position computes (its own page selection and causal view of the tail ring;
   the S x (K + 1) rows are one virtual decode batch: one sieve access, one attention launch: decode_layer.
@@ -43,13 +45,16 @@ import jax.numpy as jnp
 
 from ulacache_jax.runtime.sampling import SamplingArrays, truncated_sorted
 
-METHODS = ("ngram", "draft", "none")
+METHODS = ("ngram", "draft", "sparse", "none")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding: method "ngram" (prompt lookup) or "draft" (draft_model: a LlamaModel, or a path or
-    pretrained name for models.from_pretrained, of the target's tokenizer), num_tokens = K drafts a step at most,
+    """Speculative decoding: method "ngram" (prompt lookup), "draft" (draft_model: a LlamaModel, or a path or
+    pretrained name for models.from_pretrained, of the target's tokenizer) or "sparse" (exact mode: the target
+    drafts with sparse attention over a second, UlaCache cache of its own (the target's selection rule, budget and
+    page format; parameters shared, not copied) and the target's dense cache verifies: the tokens are dense
+    decoding's, at dense's cost per verification; `target_attention`), num_tokens = K drafts a step at most,
     ngram_max = the longest suffix matched by the ngram drafter (it tries ngram_max down to 1).
     draft_attention: the draft model's cache kind (None: the target's).
     min_drafts_per_slot: a verification runs K + 1 rows a slot only where the step's drafts number at least this
@@ -93,6 +98,21 @@ class SpecConfig:
                              f"{self.num_tokens}]")
         if self.draft_attention not in (None, "sparse", "dense"):
             raise ValueError(f"draft_attention = {self.draft_attention!r} must be None, 'sparse' or 'dense'")
+        if self.method == "sparse" and self.draft_attention == "dense":
+            raise ValueError("speculative method 'sparse' drafts with sparse attention: draft_attention = 'dense' "
+                             "would draft with the verifier's own attention (leave it None)")
+
+
+def target_attention(spec: SpecConfig | None, attention):
+    """The target's attention under `spec`: exact mode (method "sparse") verifies with dense attention, so "auto"
+    becomes "dense" and "sparse" (or a sparse cost_model.Decision) is refused by name; other methods keep it."""
+    if spec is None or spec.method != "sparse":
+        return attention
+    kind = getattr(attention, "kind", attention)
+    if kind == "sparse":
+        raise ValueError("speculative method 'sparse' (exact mode) verifies with dense attention: attention = "
+                         "'sparse' would verify sparse drafts with sparse attention; use attention 'dense' or 'auto'")
+    return "dense" if kind == "auto" else attention
 
 
 # ---- the acceptance rule (traced) -------------------------------------------------------------------------------

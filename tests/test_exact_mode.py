@@ -1,0 +1,179 @@
+"""Exact mode (SpecConfig("sparse")): the model drafts with sparse attention on a UlaCache cache of its own and
+dense attention verifies, so the tokens are dense decoding's. Tiny random model on CPU: prompts longer than the
+token budget (the drafter really selects pages), the labels rule as well as Quest, float32 (greedy speculative
+equals plain) and bfloat16 in deterministic mode; the drafter shares the target's parameters; the refusals."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ulacache_jax.models import LlamaModel, get_preset
+from ulacache_jax.runtime.cost_model import resolve_attention
+from ulacache_jax.runtime.engine import Engine, SamplingParams
+from ulacache_jax.runtime.generation import Generator, default_cache_config, generate
+from ulacache_jax.runtime.speculative.decoder import drafter_config
+from ulacache_jax.runtime.speculative.rules import SpecConfig, target_attention
+
+K = 3
+MAX_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def setup():
+    mc = get_preset("tiny")
+    model = LlamaModel(mc, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (150, 230, 190)]
+    return model, prompts
+
+
+def _cfg(model, **kw):
+    return default_cache_config(model.config, num_seqs=2, max_tokens=320, page_size=16, token_budget=64, **kw)
+
+
+@pytest.mark.parametrize("rule", [{}, dict(key_channels=8, label_bits=4)], ids=["quest", "labels"])
+def test_exact_mode_tokens_are_dense_tokens(setup, rule):
+    """Greedy exact mode = plain dense decoding token for token (float32), with a sparse drafter that selects
+    64 of up to 260 tokens: drafts are accepted only in part, so verification and rollback both run."""
+    model, prompts = setup
+    cfg = _cfg(model, **rule)
+    dense = generate(model, prompts, max_new_tokens=MAX_NEW, cache_config=cfg, attention="dense")
+    eng = Engine(model, cfg, attention="auto", speculative=SpecConfig("sparse", K))
+    reqs = eng.run(prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [r.tokens for r in reqs] == dense
+    spec, gen = eng.spec, eng.gen
+    assert gen.attention == "dense" and spec.draft.attention == "sparse"
+    assert spec.draft.config.selection_rule == cfg.selection_rule
+    assert spec.draft.config.token_budget == 64 < spec.draft.config.max_context
+    assert 0.0 < spec.acceptance_rate < 1.0, spec.acceptance_rate
+    # the drafter runs on the target's parameters (Generator.sibling), not a copy
+    same = jax.tree.leaves(jax.tree.map(lambda a, b: a is b, gen.params, spec.draft.params))
+    assert same and all(same)
+    # every draft slot released with its target slot
+    assert sorted(spec.draft.backend.manager.alloc.free_slots) == [0, 1]
+
+
+def test_exact_mode_deterministic_bfloat16(setup):
+    """In bfloat16 the K + 1-row verification rounds unlike the one-row step; deterministic mode verifies every
+    step with K + 1 rows, so exact mode's tokens equal dense decoding through those shapes with nothing drafted
+    (method "none"), whatever the drafts were."""
+    model, prompts = setup
+    bf = LlamaModel(get_preset("tiny"), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    cfg = _cfg(bf, dtype=jnp.bfloat16)
+    ref = generate(bf, prompts[:2], max_new_tokens=24, cache_config=cfg, attention="dense",
+                   speculative=SpecConfig("none", K, deterministic=True))
+    got = generate(bf, prompts[:2], max_new_tokens=24, cache_config=cfg,
+                   speculative=SpecConfig("sparse", K, deterministic=True))
+    assert got == ref
+
+
+def test_generate_auto_means_dense(setup):
+    """generate(attention="auto") with exact mode builds a dense target (the verifier), whatever auto would pick."""
+    model, prompts = setup
+    got = generate(model, prompts[:1], max_new_tokens=8, token_budget=64, page_size=16,
+                   speculative=SpecConfig("sparse", 2))
+    want = generate(model, prompts[:1], max_new_tokens=8, token_budget=64, page_size=16, attention="dense")
+    assert got == want
+
+
+def test_target_attention_rule():
+    spec = SpecConfig("sparse", 2)
+    assert target_attention(spec, "auto") == "dense"
+    assert target_attention(spec, "dense") == "dense"
+    assert target_attention(None, "auto") == "auto"
+    assert target_attention(SpecConfig("ngram", 2), "sparse") == "sparse"
+    with pytest.raises(ValueError, match="verifies with dense attention.*'sparse'"):
+        target_attention(spec, "sparse")
+    mc = get_preset("tiny")
+    cfg = default_cache_config(mc, num_seqs=1, max_tokens=256, page_size=16, token_budget=64)
+    d = resolve_attention("sparse", mc, cfg)
+    with pytest.raises(ValueError, match="verifies with dense attention"):
+        target_attention(spec, d)
+    dd = resolve_attention("dense", mc, cfg)
+    assert target_attention(spec, dd) is dd
+
+
+def test_refusals(setup):
+    model, prompts = setup
+    with pytest.raises(ValueError, match="draft_attention = 'dense'"):
+        SpecConfig("sparse", 2, draft_attention="dense")
+    with pytest.raises(ValueError, match="takes no draft_model"):
+        SpecConfig("sparse", 2, draft_model=model)
+    with pytest.raises(ValueError, match="verifies with dense attention"):
+        generate(model, prompts[:1], max_new_tokens=4, attention="sparse", speculative=SpecConfig("sparse", 2))
+    cfg = _cfg(model, verify_rows=K + 1)
+    gen = Generator(model, cfg, attention="sparse")
+    with pytest.raises(ValueError, match="target's attention is 'sparse'"):
+        Engine(generator=gen, speculative=SpecConfig("sparse", K))
+    # a sibling over another tp, or a cache of another model shape, is refused before anything is built
+    dense = Generator(model, cfg, attention="dense")
+    with pytest.raises(ValueError, match="head_dim"):
+        dense.sibling(dataclasses.replace(cfg, head_dim=32), attention="sparse")
+
+
+def test_drafter_config_keeps_selection(setup):
+    """The drafter's cache: the target's slots, context, page, budget and selection fields; a sized HBM pool."""
+    model, _ = setup
+    cfg = _cfg(model, key_channels=8, label_bits=4, kv_dtype="float8_e4m3fn")
+    d = drafter_config(model.config, cfg)
+    for f in ("max_seqs", "max_context", "page_size", "token_budget", "key_channels", "label_bits", "kv_dtype"):
+        assert getattr(d, f) == getattr(cfg, f), f
+    groups = d.num_kv_heads // d.kv_heads_per_group
+    assert d.num_frames >= d.max_seqs * d.num_layers * groups * (d.token_budget // d.page_size)
+
+
+def _cli(tmp_path, *extra, expect_rc=0):
+    from ulacache_jax.app import cli
+    inp = tmp_path / "p.jsonl"
+    if not inp.exists():
+        rng = np.random.default_rng(5)
+        inp.write_text("".join(json.dumps({"id": str(i), "prompt_ids": [int(t) for t in rng.integers(0, 256, 180)]})
+                               + "\n" for i in range(2)))
+    out = tmp_path / f"o{len(list(tmp_path.iterdir()))}.jsonl"
+    rc = cli.main(["generate", "--model", "tiny", "--input", str(inp), "--output", str(out), "--max-new-tokens",
+                   "12", "--token-budget", "64", "--page-size", "16", *extra])
+    assert rc == expect_rc
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if rc == 0 else []
+    return {r["id"]: r["token_ids"] for r in rows}      # lines are written as requests finish
+
+
+def test_cli_exact_mode(tmp_path, capsys):
+    from ulacache_jax.app import cli
+    dense = _cli(tmp_path, "--attention", "dense")
+    exact = _cli(tmp_path, "--speculative", "sparse")
+    assert exact == dense and sorted(dense) == ["0", "1"]
+    cap = capsys.readouterr()
+    err = cap.out + cap.err                            # the report is printed on stdout, the notes on stderr
+    assert "attention dense" in err and "speculative (sparse):" in err and "draft cache (sparse) HBM" in err
+    for bad, msg in ((["--attention", "sparse"], "--speculative sparse (exact mode) verifies with dense"),
+                     (["--hbm-pages", "64"], "with --speculative sparse (exact mode) the run's cache is dense")):
+        rc = cli.main(["generate", "--model", "tiny", "--input", str(tmp_path / "p.jsonl"), "--output",
+                       str(tmp_path / "bad.jsonl"), "--max-new-tokens", "4", "--speculative", "sparse", *bad])
+        assert rc == cli.EXIT_USAGE and msg in capsys.readouterr().err
+        assert not (tmp_path / "bad.jsonl").exists()
+
+
+def test_bench_exact_small(tmp_path):
+    """scripts/bench_exact.py --small: the reference check, then one row's timings and the modelled tok/s (every
+    draft accepted: K + 1 tokens a cycle; none: one)."""
+    from scripts import bench_exact
+    res = bench_exact.main(["--small", "--out", str(tmp_path), "--ks", "2", "--acceptance", "0,1", "--commit", "t"])
+    (row,) = res.rows
+    assert (row["context"], row["batch"], row["num_tokens"], row["key_channels"]) == (512, 2, 2, 4)
+    assert row["reps"] == 3 and row["cycle_ms"] > 0 and row["dense_ms"] > 0 and 0 <= row["hit_rate"] <= 1
+    cyc_s = row["cycle_ms"] / 1e3
+    assert row["at_acceptance"]["0"]["tok_s"] == pytest.approx(2 / cyc_s)
+    assert row["at_acceptance"]["1"]["tok_s"] == pytest.approx(2 * 3 / cyc_s) == pytest.approx(row["bound_tok_s"])
+    with open(tmp_path / "exact.json") as fh:
+        assert json.load(fh)["meta"]["commit"] == "t"
+    with pytest.raises(SystemExit, match="exists"):
+        bench_exact.main(["--small", "--out", str(tmp_path)])
+    for bad in (["--ks", "0"], ["--acceptance", "1.5"], ["--rows", "x:1"]):
+        with pytest.raises(SystemExit):
+            bench_exact.main(["--out", str(tmp_path / "b"), *bad])
