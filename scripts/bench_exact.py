@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
+    from ulacache_jax.cache.state import raise_host_limit
+    raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")   # both caches beside the weights
     args = build_parser().parse_args(argv)
     args.ks = sorted({int(k) for k in args.ks.split(",")})
     args.acceptance = [float(a) for a in args.acceptance.split(",")]
