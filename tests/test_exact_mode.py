@@ -177,3 +177,50 @@ def test_bench_exact_small(tmp_path):
     for bad in (["--ks", "0"], ["--acceptance", "1.5"], ["--rows", "x:1"]):
         with pytest.raises(SystemExit):
             bench_exact.main(["--out", str(tmp_path / "b"), *bad])
+
+
+def _verify_case(dtype, T=300):
+    """Rows of three sequences: 5 counted rows mid-cache, 3 of 5 near its end, none (a dead slot)."""
+    import jax.numpy as jnp
+    S, Q, H, KV, D = 3, 5, 8, 2, 64
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.normal(size=s), dtype) for s in ((S, Q, H, D), (S, T, KV, D), (S, T, KV, D)))
+    pos, nrows, live = jnp.asarray([10, T - 5, 0]), jnp.asarray([5, 3, 0]), jnp.asarray([True, True, False])
+    qpos = pos[:, None] + jnp.arange(Q)[None]
+    ok = live[:, None] & (jnp.arange(Q)[None] < nrows[:, None])
+    return q, k, v, qpos, ok
+
+
+def _verify_reference(q, k, v, qpos):
+    """Each row on its own through the jnp attention, seeing keys 0 .. its position."""
+    import jax.numpy as jnp
+    from ulacache_jax.models.attention import dense_attention
+    S, T = k.shape[:2]
+    kpos = jnp.broadcast_to(jnp.arange(T)[None], (S, T))
+    return jnp.stack([dense_attention(q[:, j:j + 1], k, v, qpos[:, j:j + 1], kpos, k_valid=kpos <= qpos[:, j:j + 1])
+                      [:, 0] for j in range(q.shape[1])], 1)
+
+
+def test_verify_attention_is_each_rows_causal_view():
+    """The dense verification's one-call attention (the mask cuDNN gets) = each row's own causal attention, on
+    the rows that count; the others are finite."""
+    from ulacache_jax.runtime.backends import verify_attention
+    q, k, v, qpos, ok = _verify_case(jnp.float32)
+    got = np.asarray(verify_attention(q, k, v, qpos, ok, implementation="xla"))
+    want = np.asarray(_verify_reference(q, k, v, qpos))
+    okn = np.asarray(ok)
+    np.testing.assert_allclose(got[okn], want[okn], atol=2e-6, rtol=2e-6)
+    assert np.isfinite(got).all()
+
+
+@pytest.mark.gpu
+def test_verify_attention_cudnn_on_the_gpu():
+    """cuDNN's fused attention with the rows' mask, compiled on the GPU, against the per-row reference (bf16)."""
+    from ulacache_jax.runtime.backends import verify_attention
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q, k, v, qpos, ok = _verify_case(jnp.bfloat16, T=4096)
+    got = np.asarray(jax.jit(lambda *a: verify_attention(*a, implementation="cudnn"))(q, k, v, qpos, ok), np.float32)
+    want = np.asarray(_verify_reference(q, k, v, qpos), np.float32)
+    okn = np.asarray(ok)
+    np.testing.assert_allclose(got[okn], want[okn], atol=2e-2, rtol=2e-2)
