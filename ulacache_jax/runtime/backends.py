@@ -161,19 +161,6 @@ class DenseCache:
                           put(self.rv, rv))
 
 
-def verify_attention(q, k, v, qpos, ok, *, implementation: str | None = "cudnn"):
-    """Verification rows over a dense cache with one fused attention call: q [S, Q, H, D] at positions qpos
-    [S, Q], k/v [S, T, KV, D] already holding the rows' own K/V, ok [S, Q] the rows that count -> [S, Q, H, D].
-    Row j of a sequence sees keys 0 .. qpos[j] (its causal view), passed as a mask [S, 1, Q, T]: cuDNN's own causal
-    mask aligns query 0 with key 0, not with the sequence's position. A row that does not count sees key 0 only (a
-    defined result, discarded). The jnp `dense_attention` over the same view reads K and V several times over
-    (scores in float32, a masked copy of V): ~3-6x a decode step at 128K-256K on an H100."""
-    T = k.shape[1]
-    kpos = jnp.arange(T)[None, None, :]                                               # [1, 1, T]
-    mask = (kpos <= jnp.where(ok, qpos, 0)[:, :, None])[:, None]                      # [S, 1, Q, T]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
-
-
 def dense_page_walk(view, q, pos, live, *, page_size: int, impl: str = "pallas", tuning=None):
     """Dense decode attention over a scaled page format's cache without decoding it: view (DenseCache.layer's
     six arrays: codes ck, cv [S, T, KV, D], scales cks, cvs [S, T / P, 1, KV, 1], rings rk, rv [S, P, KV, D]),
@@ -365,11 +352,8 @@ class DenseOps(_Kernels):
         ck = dense.k[layer].at[s, w].set(k.astype(dense.k[layer].dtype), mode="drop")
         cv = dense.v[layer].at[s, w].set(v.astype(dense.v[layer].dtype), mode="drop")
         kpos = jnp.broadcast_to(jnp.arange(T)[None], (S, T))
-        if self.kernels.dense_attention == "cudnn":
-            o = verify_attention(q, ck, cv, qpos, ok, implementation="cudnn")
-        else:
-            seen = jnp.where(live, pos + jnp.maximum(nrows, 1), 0)
-            o = dense_attention(q, ck, cv, qpos, kpos, k_valid=kpos < seen[:, None])
+        seen = jnp.where(live, pos + jnp.maximum(nrows, 1), 0)
+        o = dense_attention(q, ck, cv, qpos, kpos, k_valid=kpos < seen[:, None])
         return (dense.set_layer(layer, ck, cv), length), o, LayerStats.zeros()
 
     def commit(self, cache, host, length, flush):
