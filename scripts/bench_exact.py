@@ -9,7 +9,8 @@ model's trace, `bench_decode.synthetic_fill_sparse`), budget --budget-ratio x th
 --key-channels @ --label-bits. Timed (medians, host syncs included as the Engine runs them):
 - dense_ms / sparse_ms: a plain decode step of each cache (a page_size-step chunk / page_size);
 - cycle_ms at each K of --ks: propose (K + 1 drafter steps in one call) + dense verification of K + 1 rows + the
-  drafter's commit, over reps whose rows are not cut by a flush point.
+  drafter's commit, over reps whose rows are not cut by a flush point; propose_ms / verify_ms / commit_ms its parts
+  (each ended by a host sync: the commit's is added to time it, the Engine's next step waits on it anyway).
 Random weights accept drafts at an arbitrary rate (their `acceptance` is recorded, not used), so tokens/s is
 given for a drafter accepting each draft with probability a (--acceptance, e.g. a trained model's measured rate
 from `bench_longctx --rules exact:K:<rule>`): a cycle yields 1 + a + ... + a^K tokens a sequence, so
@@ -90,17 +91,21 @@ class Cycle:
         tokens = np.zeros((S, K + 1), np.int32)
         tokens[:, 0] = self.tok
         tokens[:, 1:] = np.asarray(drafts) if forced is None else forced
+        t_propose = time.perf_counter()
         gb = self.gen.backend
         a = jax.device_put((tokens, nrows, np.full(S, b, np.int32), keys, self.sampling, probs), self.gen.replicated)
         gb.cache, gb.host, out, n_new, length, flush, _ = self.gen.program.verify(K + 1, True)(
             self.gen.params, gb.cache, gb.host, *a)
+        out, n_new = np.asarray(out), np.asarray(n_new)
+        t_verify = time.perf_counter()
         db.cache, db.host = self.dg.program.commit(db.cache, db.host, length, flush,
                                                    jax.device_put(self.live, self.dg.replicated))
-        out, n_new = np.asarray(out), np.asarray(n_new)
-        sec = time.perf_counter() - t
+        jax.block_until_ready(db.cache)
+        end = time.perf_counter()
+        self.parts = dict(propose=t_propose - t, verify=t_verify - t_propose, commit=end - t_verify)
         self.tok = np.where(self.live, out[np.arange(S), np.maximum(n_new - 1, 0)], 0).astype(np.int32)
         self.L += int(n_new[0])
-        return n_new, n, sec, out
+        return n_new, n, end - t, out
 
 
 def run_row(args, res, ctx: int, batch: int) -> None:
@@ -141,13 +146,14 @@ def run_row(args, res, ctx: int, batch: int) -> None:
     length = ctx + args.chunks * page
     for k in args.ks:
         cyc = Cycle(gen, dg, batch, ctx, length, k)
-        times, acc, prop = [], 0, 0
+        times, acc, prop, parts = [], 0, 0, []
         step = 0
         while len(times) < args.reps + 1:
             n_new, n, sec, _ = cyc.run(step)
             step += 1
             if n == k + 1:                              # cut rows (at a flush point) are not a K cycle
                 times.append(sec)
+                parts.append(cyc.parts)
                 acc += int(n_new[:batch].sum() - batch)
                 prop += k * batch
         length = cyc.L
@@ -157,6 +163,7 @@ def run_row(args, res, ctx: int, batch: int) -> None:
                    key_channels=args.key_channels, label_bits=args.label_bits, kv_fraction=args.kv_fraction,
                    hot_share=args.hot_share, dense_ms=dense_ms, sparse_ms=sparse_ms, cycle_ms=cycle_ms,
                    cycle_over_dense=cycle_ms / dense_ms, hit_rate=hits / max(1, hits + misses),
+                   **{f"{p}_ms": 1e3 * statistics.median(x[p] for x in parts[1:]) for p in parts[0]},
                    random_acceptance=acc / max(1, prop), dense_tok_s=dense_tok_s, sparse_tok_s=batch / (sparse_ms / 1e3),
                    bound_tok_s=exact_tok_s(batch, k, 1.0, cycle_ms / 1e3), reps=len(times) - 1,
                    at_acceptance={f"{a:g}": dict(tok_s=exact_tok_s(batch, k, a, cycle_ms / 1e3),
@@ -229,11 +236,14 @@ def main(argv=None):
     check(args)
     for ctx, batch in rows:
         run_row(args, res, ctx, batch)
-    print(f"{'ctx':>7} {'B':>2} {'K':>2} {'dense ms':>9} {'sparse ms':>9} {'cycle ms':>9} {'hit':>6} "
+    print(f"{'ctx':>7} {'B':>2} {'K':>2} {'dense ms':>9} {'sparse ms':>9} {'cycle ms':>9} {'propose':>8} "
+          f"{'verify':>7} {'commit':>7} {'hit':>6} "
           + " ".join(f"{'x@' + k:>7}" for k in (f"{a:g}" for a in args.acceptance)))
+    nan = float("nan")
     for r in res.rows:
         print(f"{r['context']:>7} {r['batch']:>2} {r['num_tokens']:>2} {r['dense_ms']:>9.2f} {r['sparse_ms']:>9.2f} "
-              f"{r['cycle_ms']:>9.2f} {r['hit_rate']:>6.3f} "
+              f"{r['cycle_ms']:>9.2f} {r.get('propose_ms', nan):>8.2f} {r.get('verify_ms', nan):>7.2f} "
+              f"{r.get('commit_ms', nan):>7.2f} {r['hit_rate']:>6.3f} "
               + " ".join(f"{v['ratio_vs_dense']:>7.2f}" for v in r["at_acceptance"].values()))
     return res
 
