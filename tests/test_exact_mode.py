@@ -177,3 +177,44 @@ def test_bench_exact_small(tmp_path):
     for bad in (["--ks", "0"], ["--acceptance", "1.5"], ["--rows", "x:1"]):
         with pytest.raises(SystemExit):
             bench_exact.main(["--out", str(tmp_path / "b"), *bad])
+
+
+def _verify_case(dtype, T=300):
+    """Rows of three sequences at positions 10 (5 rows), T - 5 (5) and 1 (3)."""
+    S, Q, H, KV, D = 3, 5, 8, 2, 64
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.normal(size=s), dtype) for s in ((S, Q, H, D), (S, T, KV, D), (S, T, KV, D)))
+    pos = jnp.asarray([10, T - 5, 1])
+    qpos = pos[:, None] + jnp.arange(Q)[None]
+    s = jnp.arange(S)[:, None]
+    return q, k, v, k[s, qpos], v[s, qpos], pos, qpos
+
+
+def _verify_reference(q, k, v, qpos):
+    """Each row on its own through the jnp attention, seeing keys 0 .. its position."""
+    from ulacache_jax.models.attention import dense_attention
+    S, T = k.shape[:2]
+    kpos = jnp.broadcast_to(jnp.arange(T)[None], (S, T))
+    return jnp.stack([dense_attention(q[:, j:j + 1], k, v, qpos[:, j:j + 1], kpos, k_valid=kpos <= qpos[:, j:j + 1])
+                      [:, 0] for j in range(q.shape[1])], 1)
+
+
+def test_verify_attention_is_each_rows_causal_view():
+    """The dense verification's split attention (committed keys by one fused call, the rows' own keys as a causal
+    block, merged by log-sum-exp) = each row's own causal attention."""
+    from ulacache_jax.runtime.backends import verify_attention
+    q, k, v, kn, vn, pos, qpos = _verify_case(jnp.float32)
+    got = np.asarray(verify_attention(q, k, v, kn, vn, pos, implementation="xla"))
+    np.testing.assert_allclose(got, np.asarray(_verify_reference(q, k, v, qpos)), atol=3e-6, rtol=3e-6)
+
+
+@pytest.mark.gpu
+def test_verify_attention_cudnn_on_the_gpu():
+    """cuDNN's flash attention with its log-sum-exp, compiled on the GPU, against the per-row reference (bf16)."""
+    from ulacache_jax.runtime.backends import verify_attention
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q, k, v, kn, vn, pos, qpos = _verify_case(jnp.bfloat16, T=4096)
+    got = jax.jit(lambda *a: verify_attention(*a, implementation="cudnn"))(q, k, v, kn, vn, pos)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(_verify_reference(q, k, v, qpos), np.float32),
+                               atol=2e-2, rtol=2e-2)
