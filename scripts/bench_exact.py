@@ -196,6 +196,29 @@ def check(args) -> None:
     print("check: exact mode = dense decoding (tiny model, float32)", flush=True)
 
 
+def plot(rows: list[dict], path: str) -> str | None:
+    """Exact mode's tok/s over dense's against the drafts' acceptance rate, one line per row (context x batch, K,
+    variant), the break-even at 1; None where matplotlib is missing (the GPU machine: `--png` draws it later)."""
+    try:
+        from scripts.bench_meta import pyplot, save_figure
+        plt = pyplot()
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for i, r in enumerate(rows):
+        acc = sorted(r["at_acceptance"], key=float)
+        label = (f"{r['context'] // 1024}K x {r['batch']}, K={r['num_tokens']}"
+                 + (f", {r['variant']}" if r.get("variant") else "") + f" ({r['cycle_ms']:.0f} ms a cycle)")
+        ax.plot([float(a) for a in acc], [r["at_acceptance"][a]["ratio_vs_dense"] for a in acc], marker="o",
+                color=f"C{i}", label=label)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("draft acceptance rate")
+    ax.set_ylabel("exact mode tok/s / dense tok/s")
+    ax.set_title("exact mode (sparse drafts, dense verification), 8B shape", fontsize=9)
+    ax.legend(fontsize=6)
+    return save_figure(fig, path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(p, files="exact.json")
@@ -211,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=8, help="timed cycles per K (after one that compiles)")
     p.add_argument("--append", action="store_true", help="keep the rows already in --out's exact.json")
     p.add_argument("--small", action="store_true", help="the tiny model in float32 (a CPU check of the script)")
+    p.add_argument("--png", default=None, metavar="JSON", help="draw JSON's PNG beside it (no run) and exit")
     return p
 
 
@@ -219,6 +243,10 @@ def main(argv=None):
     raise_host_limit()  # before JAX starts: XLA's pinned host pool is 64 GiB by default
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")   # both caches beside the weights
     args = build_parser().parse_args(argv)
+    if args.png:
+        with open(args.png) as f:
+            print(plot(json.load(f)["rows"], os.path.splitext(args.png)[0] + ".png"))
+        return None
     args.ks = sorted({int(k) for k in args.ks.split(",")})
     args.acceptance = [float(a) for a in args.acceptance.split(",")]
     if not args.ks or min(args.ks) < 1 or not all(0 <= a <= 1 for a in args.acceptance):
@@ -236,6 +264,7 @@ def main(argv=None):
     check(args)
     for ctx, batch in rows:
         run_row(args, res, ctx, batch)
+    plot(res.rows, os.path.splitext(path)[0] + ".png")
     print(f"{'ctx':>7} {'B':>2} {'K':>2} {'dense ms':>9} {'sparse ms':>9} {'cycle ms':>9} {'propose':>8} "
           f"{'verify':>7} {'commit':>7} {'hit':>6} "
           + " ".join(f"{'x@' + k:>7}" for k in (f"{a:g}" for a in args.acceptance)))

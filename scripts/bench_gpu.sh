@@ -5,7 +5,7 @@
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
 #                              decode-prefill longctx-16k longctx-32k longctx-100 longctx-diag decode-labels
-#                              decode-labels-256k dense-fp8
+#                              decode-labels-256k dense-fp8 exact
 #                              quality-austen32k
 #                              quality-austen32k-quest quality-austen32k-1of16 profile-labels profile-two-stage
 #                              longctx-15b
@@ -200,6 +200,11 @@ for b in "${names[@]}"; do
     speculative-b4) step speculative-b4 580 scripts/bench_speculative.py --model "${MODEL:-smollm2-135m}" \
                   --batches 4 --tasks continue,quote,sampled --append --out "$OUT" \
                   "${C[@]}" ;;
+    exact)          # exact mode at the 8B shape (issue 48 item 5): dense step, labels drafter step, the cycle and its
+                    # parts; one row a process (128K x 3 does not fit an H100 with both caches)
+                for r in 131072:2 262144:1; do
+                  step exact 290 scripts/bench_exact.py --out "$OUT" "${C[@]}" --append --rows "$r" --ks 2,4 --reps 6
+                done ;;
     speculative-step) step speculative-step 580 scripts/bench_speculative.py --step-cost \
                   --out "$OUT" "${C[@]}" ;;
     # shared prefixes (issue 24): 16 questions over one 128K document with and without sharing, then SmolLM2 at 8K
@@ -222,7 +227,7 @@ for b in "${names[@]}"; do
             "quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long decode-prefill" \
             "speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2 longctx-16k" \
             "longctx-32k longctx-100 longctx-diag" \
-            "decode-labels decode-labels-256k dense-fp8 quality-austen32k quality-austen32k-quest" \
+            "decode-labels decode-labels-256k dense-fp8 exact quality-austen32k quality-austen32k-quest" \
             "quality-austen32k-1of16" \
             "profile-labels profile-two-stage longctx-15b serve)"; exit 2 ;;
   esac
