@@ -197,7 +197,7 @@ def exact_generate(model, prompts, max_new: int, cache_config, k: int, stop_ids)
     """An exact-mode cell (rule exact:K:<rule>): the prompts through an Engine whose dense cache verifies the drafts
     of the model's own sparse decoding on `cache_config`'s rule (SpecConfig("sparse", K)) -> (token lists in prompt
     order, the speculative counters: acceptance = accepted / proposed drafts, tokens_per_verification = tokens
-    delivered by the decode steps / verifications)."""
+    delivered by the decode steps, summed over the batch, / verifications (each verifies every running sequence))."""
     from ulacache_jax.runtime.engine import Engine, SamplingParams
     from ulacache_jax.runtime.speculative.rules import SpecConfig
     eng = Engine(model, cache_config, attention="dense", speculative=SpecConfig("sparse", k))
