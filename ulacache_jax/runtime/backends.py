@@ -167,9 +167,9 @@ def verify_attention(q, k_cache, v_cache, k_new, v_new, pos, *, implementation: 
     sequence has its prompt), k_new / v_new [S, Q, KV, D] the rows' own K/V -> [S, Q, H, D] in q's dtype.
     Row j's causal view is split in two: every committed key (one `dot_product_attention` call over the first pos
     keys, no mask: cuDNN's flash kernel, with its log-sum-exp) and the rows' own keys 0 .. j (a Q x Q causal
-    block in jnp), merged by their log-sum-exps. One call with the whole view as a mask took cuDNN off its fast
-    path (213 ms at 256K x 1 on an H100), and the jnp attention (scores in float32, a masked copy of V) took
-    ~5x a decode step."""
+    block in jnp), merged by their log-sum-exps. One call with the whole view as a mask takes cuDNN off its flash
+    path, and the jnp attention writes float32 scores and a masked copy of V: both read far more than the K/V
+    (docs/BENCHMARKS.md, exact mode)."""
     S, Q, H, D = q.shape
     KV = k_new.shape[2]
     f32 = jnp.float32
