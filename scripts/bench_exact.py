@@ -62,7 +62,7 @@ class Cycle:
     def __init__(self, gen, dg, batch: int, prompt: int, length: int, k: int):
         import numpy as np
         from ulacache_jax.runtime.sampling import SamplingArrays
-        self.gen, self.dg, self.B, self.K = gen, dg, batch, k
+        self.gen, self.dg, self.K = gen, dg, k
         S = gen.config.max_seqs
         self.S, self.page = S, gen.config.page_size
         self.L = length                            # committed tokens of every live slot
@@ -71,9 +71,9 @@ class Cycle:
         self.live = np.arange(S) < batch
         self.sampling = SamplingArrays.fill(S)
 
-    def run(self, step: int, forced=None):
+    def run(self, step: int):
         """One cycle -> (tokens delivered per slot [S], rows verified (K + 1 unless a flush point cuts them),
-        seconds). forced [S, K] ids: the drafts to verify instead of the drafter's (the check)."""
+        seconds, its parts in `self.parts`)."""
         import numpy as np
         import jax
         import jax.numpy as jnp
@@ -90,7 +90,7 @@ class Cycle:
         db.cache, drafts, probs = self.dg.program.propose(K + 1)(self.dg.params, db.cache, db.host, *args)
         tokens = np.zeros((S, K + 1), np.int32)
         tokens[:, 0] = self.tok
-        tokens[:, 1:] = np.asarray(drafts) if forced is None else forced
+        tokens[:, 1:] = np.asarray(drafts)
         t_propose = time.perf_counter()
         gb = self.gen.backend
         a = jax.device_put((tokens, nrows, np.full(S, b, np.int32), keys, self.sampling, probs), self.gen.replicated)
@@ -105,7 +105,7 @@ class Cycle:
         self.parts = dict(propose=t_propose - t, verify=t_verify - t_propose, commit=end - t_verify)
         self.tok = np.where(self.live, out[np.arange(S), np.maximum(n_new - 1, 0)], 0).astype(np.int32)
         self.L += int(n_new[0])
-        return n_new, n, end - t, out
+        return n_new, n, end - t
 
 
 def run_row(args, res, ctx: int, batch: int) -> None:
@@ -149,7 +149,7 @@ def run_row(args, res, ctx: int, batch: int) -> None:
         times, acc, prop, parts = [], 0, 0, []
         step = 0
         while len(times) < args.reps + 1:
-            n_new, n, sec, _ = cyc.run(step)
+            n_new, n, sec = cyc.run(step)
             step += 1
             if n == k + 1:                              # cut rows (at a flush point) are not a K cycle
                 times.append(sec)

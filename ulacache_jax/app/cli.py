@@ -453,11 +453,14 @@ def _spec_config(args):
         raise UsageError(f"--num-speculative-tokens {k} must be < --page-size {args.page_size}")
     if args.draft_model is not None:
         check_model_spec(args.draft_model, "--draft-model")
-    if args.speculative == "sparse" and args.attention == "sparse":
+    from ulacache_jax.runtime.speculative.rules import SpecConfig, target_attention
+    spec = SpecConfig(args.speculative or "none", k, draft_model=args.draft_model, deterministic=args.deterministic)
+    try:    # the library's rule (exact mode verifies with dense attention), said in the flags' words
+        target_attention(spec, args.attention)
+    except ValueError:
         raise UsageError("--speculative sparse (exact mode) verifies with dense attention: --attention sparse would "
-                         "verify sparse drafts with sparse attention; use --attention dense or auto")
-    from ulacache_jax.runtime.speculative.rules import SpecConfig
-    return SpecConfig(args.speculative or "none", k, draft_model=args.draft_model, deterministic=args.deterministic)
+                         "verify sparse drafts with sparse attention; use --attention dense or auto") from None
+    return spec
 
 
 def check_model_spec(spec: str, flag: str) -> None:
