@@ -146,14 +146,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk-tokens", type=positive_int, default=None,
                    help="prefill long prompts this many tokens at a time (page size times a power of two), a decode "
                         "chunk of the running requests between chunks (default: whole prompts)")
-    p.add_argument("--key-channels", type=int, default=0,
-                   help="sparse page selection from an HBM copy of this many channels of every key (0 = Quest's "
-                        "per-page key summaries; 16 of 64: 12.5%% of the context's K + V bytes in HBM); shared "
-                        "prefixes are off with it")
-    p.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8),
-                   help="with --key-channels C (even): keep the C channels as whole rotary pairs in int8 (8) or "
-                        "int4 (4) with a scale per page and channel, so the scorer reads C * bits / 8 bytes a token "
-                        "(label channels); 0 = the copy in the model's dtype")
+    p.add_argument("--key-channels", type=_channels_arg, default="auto",
+                   help="page selection from an HBM copy of C channels of every key, scored as attention mass: "
+                        "'auto' (the default rule: label channels, 32 or half the head dimension, whichever is "
+                        "less, at --label-bits), an even C, or 0 for Quest's per-page key summaries")
+    p.add_argument("--label-bits", type=_bits_arg, default="auto",
+                   help="the C channels as whole rotary pairs in int8 (8) or int4 (4) with a scale per page and "
+                        "channel, so the scorer reads C * bits / 8 bytes a token (label channels); 0 = the copy in "
+                        "the model's dtype (the key copy); 'auto': 4 with channels, 0 with Quest")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float8_e4m3fn"),
                    help="K/V page format: 'auto' (the model's dtype) or 'float8_e4m3fn' (e4m3 with a float32 scale "
                         "per page and KV head: half of bf16's page bytes; the tail ring stays in the model's dtype)")
@@ -473,23 +473,52 @@ def check_model_spec(spec: str, flag: str) -> None:
                      f"{', '.join(models.PRESETS)}) or a packaged model ({', '.join(models.PRETRAINED)})")
 
 
-def _channel_table(args):
-    """--channel-table for the labels (None without --label-bits, or online)."""
-    if not args.label_bits or args.channel_table == "online":
+def _channels_arg(text: str):
+    """--key-channels: 'auto' or an int >= 0."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 'auto' or an int >= 0 (0: Quest)")
+    return n
+
+
+def _bits_arg(text: str):
+    """--label-bits: 'auto', 0, 4 or 8."""
+    if text not in ("auto", "0", "4", "8"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be 'auto', 0, 4 or 8")
+    return text if text == "auto" else int(text)
+
+
+def selection_args(args, head_dim: int) -> tuple[int, int]:
+    """(key channels, label bits) of --key-channels / --label-bits for a model of this head dimension: 'auto' is
+    the library's default rule (select/labels.py: default_channels, DEFAULT_BITS); bits 'auto' are 0 with Quest."""
+    from ulacache_jax.cache.select import labels
+    kc = labels.default_channels(head_dim) if args.key_channels == "auto" else args.key_channels
+    bits = (labels.DEFAULT_BITS if kc else 0) if args.label_bits == "auto" else args.label_bits
+    return kc, bits
+
+
+def _channel_table(args, key_channels: int, label_bits: int):
+    """--channel-table for the labels (None without label bits, or online)."""
+    if not label_bits or args.channel_table == "online":
         return None
     from ulacache_jax.models import calibration
     if args.channel_table == "auto":
         try:
-            return calibration.channel_table(args.model or DEFAULT_MODEL, args.key_channels)
+            return calibration.channel_table(args.model or DEFAULT_MODEL, key_channels)
         except ValueError as e:
             raise UsageError(f"--channel-table auto: {e}") from None
     path = pathlib.Path(args.channel_table)
     try:
         data = json.loads(path.read_text())
-        return data["channels"][str(args.key_channels)]
+        return data["channels"][str(key_channels)]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UsageError(f"--channel-table {args.channel_table!r}: not a calibration file with a table for "
-                         f"--key-channels {args.key_channels} ({type(e).__name__}: {e})") from None
+                         f"--key-channels {key_channels} ({type(e).__name__}: {e})") from None
 
 
 def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
@@ -499,10 +528,16 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     from ulacache_jax.runtime.generation import default_cache_config
     from ulacache_jax.cache.select import two_stage
 
+    kc, bits = selection_args(args, mc.head_dim)
+    table = _channel_table(args, kc, bits)
+    if table is not None and len(table[0]) < mc.num_kv_heads:
+        # KV heads replicated for more ranks than heads (tp.prepare_model: adjacent copies): so are their rows
+        rep = mc.num_kv_heads // len(table[0])
+        table = [[row for row in layer for _ in range(rep)] for layer in table]
+
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
-                  dtype=dtype, key_channels=args.key_channels, label_bits=args.label_bits,
-                  channel_table=_channel_table(args), kv_dtype=args.kv_dtype)
+                  dtype=dtype, key_channels=kc, label_bits=bits, channel_table=table, kv_dtype=args.kv_dtype)
         cfg = default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
         if args.two_stage is None:
             return cfg

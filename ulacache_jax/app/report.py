@@ -96,6 +96,7 @@ def build_report(engine, requests=None, *, wall_s: float | None = None, model_la
         "attention": backend.kind,
         "host_tier": backend.host_tier,
         "cache_config": dataclasses.asdict(c),
+        "selection": describe_selection(c) if sparse else None,
         "requests": {"total": len(reqs), "ok": len(ok), "failed": reasons["error"], "finish_reasons": reasons},
         "tokens": {"prompt": prompt_tokens, "generated": gen_tokens},
         "wall_s": wall,
@@ -190,6 +191,18 @@ def _time_line(rep: dict) -> str:
             f"{steady:.2f} s steady steps + {rest:.2f} s other (between steps, writing results)")
 
 
+def describe_selection(c: CacheConfig) -> str:
+    """The page-selection rule in words, for the report: its name, and for the key copy and the labels their
+    channels, bits and where the channels come from."""
+    rule = c.selection_rule
+    if c.selection is not None or not c.key_channels:
+        return rule.name
+    bits = f"{c.label_bits}-bit" if c.label_bits else c.dtype
+    source = ("an offline table" if c.channel_table is not None else
+              f"each prompt's first {rule.calibration_tokens(c)} tokens")
+    return f"{rule.name}: {c.key_channels} of {c.head_dim} key channels, {bits}, chosen from {source}"
+
+
 def format_report(rep: dict) -> str:
     c = rep["cache_config"]
     q, tp, lat, ca, fp = rep["requests"], rep["throughput"], rep["latency_ms"], rep["cache"], rep["footprint"]
@@ -203,6 +216,7 @@ def format_report(rep: dict) -> str:
         f"max_seqs {c['max_seqs']}, max context {c['max_pages_per_seq'] * c['page_size']} tokens, "
         f"HBM frames {c['num_buckets'] * c['slots_per_bucket']}, host pages {c['host_pages']}, dtype {c['dtype']}"
         + (f", kv_dtype {c['kv_dtype']}" if c.get("kv_dtype", "auto") != "auto" else ""),
+        *([f"  selection: {rep['selection']}"] if rep.get("selection") else []),
         f"  requests: {q['total']} ({q['ok']} ok, {q['failed']} failed; finish reasons {q['finish_reasons']})",
         f"  tokens:   {rep['tokens']['prompt']} prompt, {rep['tokens']['generated']} generated",
         _time_line(rep),

@@ -109,7 +109,6 @@ class CacheConfig:
                  and tab.min() >= 0 and tab.max() < self.head_dim,
                  f"channel_table shape {tab.shape} must be [num_layers, num_kv_heads, key_channels] = "
                  f"[{self.num_layers}, {self.num_kv_heads}, {kc}] of channel ids in [0, {self.head_dim})")
-            need(self.tp == 1, f"channel_table needs tp = 1 (it is {self.tp}): per-rank tables are not built yet")
         if self.selection is not None:
             _static_object("selection", self.selection, SelectionRule, "ulacache_jax/cache/select/rule.py")
             need(not kc, f"selection = {self.selection!r} replaces the built-in rules: leave key_channels at 0")

@@ -14,8 +14,8 @@ One `step()`:
    latency stays bounded by one chunk of prefill while a long prompt is admitted. A chunk attends to the earlier
    chunks' K/V read back from the cache (Generator.prefill_next: sparse, from the host pool, s x L x KV x D x 2
    x dtype bytes over PCIe for a chunk starting at token s; dense, from HBM); its tokens are a whole prefill's
-   (up to the order of float sums in attention, as with shared prefixes). The selection rules that take state
-   from a prompt's first prefill block (the key copy) refuse it, as they refuse shared prefixes;
+   (up to the order of float sums in attention, as with shared prefixes). A selection rule that calibrates on a
+   prompt's first N tokens (online label channels: SelectionRule.calibration_tokens) needs C >= N;
 2. one decode chunk (`decode_chunk_steps` steps, default page_size; one host sync) for every running request:
    sampled tokens reach the caller, and a queued prompt starts its prefill, within that many steps (a server
    wants <= 8). When every running request needs fewer tokens, the chunk runs only the next power of two >= the
@@ -88,7 +88,7 @@ def as_token_logprobs(tokens, lp, top_ids, top_lp, k: int) -> list[TokenLogprob]
 
 def _check_prefill_chunk(tokens: int | None, c: CacheConfig) -> int | None:
     """prefill_chunk_tokens: None, or page_size times a power of two (chunks reuse the compiled prefill
-    buckets); refused where the selection rule takes state from a prompt's first prefill block."""
+    buckets), at least the tokens the selection rule calibrates on (its first chunk holds them)."""
     if tokens is None:
         return None
     P = c.page_size
@@ -96,10 +96,11 @@ def _check_prefill_chunk(tokens: int | None, c: CacheConfig) -> int | None:
             or (tokens // P) & (tokens // P - 1)):
         raise ValueError(f"prefill_chunk_tokens = {tokens!r} must be page_size = {P} times a power of two "
                          f"({P}, {2 * P}, {4 * P}, ...) or None (whole prompts)")
-    why = c.selection_rule.prefix_sharing(c)
-    if why is not None:
-        raise ValueError(f"prefill_chunk_tokens = {tokens}: a chunked prompt's first prefill block is its first "
-                         f"chunk, and this cache's selection rule takes state from that block: {why}")
+    need = c.selection_rule.calibration_tokens(c)
+    if tokens < need:
+        raise ValueError(f"prefill_chunk_tokens = {tokens} is under the {need} tokens the selection rule "
+                         f"({c.rule}) picks its label channels from, which a prompt's first chunk must "
+                         f"hold: give at least {need}, or a channel table (CacheConfig.channel_table)")
     return int(tokens)
 
 
@@ -177,10 +178,9 @@ class Engine:
         if generator is None:
             generator = Generator(model, cache_config, attention=attention, options=options)
         self.gen = generator
-        # shared prefixes (prefix_cache.py), on by default (None) unless the selection rule refuses them (the key
-        # copy: they would change its channels; Generator.set_prefix_cache): prompts that start with the complete
-        # pages of a stored prompt attach them instead of prefilling them; prefix_cache=False prefills every
-        # prompt whole
+        # shared prefixes (prefix_cache.py), on by default (None) unless the selection rule refuses them
+        # (Generator.set_prefix_cache): prompts that start with the complete pages of a stored prompt attach them
+        # instead of prefilling them; prefix_cache=False prefills every prompt whole
         if prefix_cache is None:
             prefix_cache = generator.config.selection_rule.prefix_sharing(generator.config) is None
         if bool(prefix_cache) != (generator.prefixes is not None):

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ulacache_jax.runtime.backends import DenseCache, make_backend
 from ulacache_jax.cache.config import CacheConfig
+from ulacache_jax.cache.select import labels
 from ulacache_jax.runtime.cost_model import resolve_attention
 from ulacache_jax.cache.decode_layer import DecodeOptions, LayerStats
 from ulacache_jax.pallas_kernels.pb_lru_sieve import pool_slots, sieve_geometry
@@ -55,7 +56,10 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
     KV-head groups). page_size None: 64, or 16 when max_tokens <= 512 (short contexts keep more pages to choose
     from). pool_headroom: HBM frames per frame of one step's selections, at most one per page
     (cost_model.pool_headroom: PB-LRU's buckets hit only with headroom), rounded up to the slots the sieve scans
-    anyway (`scanned_slots`). `overrides` replace any CacheConfig field."""
+    anyway (`scanned_slots`). Selection: the library's default rule, label channels (select/labels.py:
+    `default_channels(head_dim)` channels at DEFAULT_BITS bits, calibrated online from each prompt unless
+    `channel_table` is given), where `overrides` name no key_channels or selection rule (key_channels=0: Quest;
+    key_channels=C alone: the key copy in the model's dtype). `overrides` replace any CacheConfig field."""
     mc = model_config
     if page_size is None:
         page_size = 64 if max_tokens > 512 else 16
@@ -82,6 +86,8 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
               dtype=jnp.dtype(dtype or "float32").name, num_buckets=buckets, slots_per_bucket=slots,
               host_pages=every_page, token_budget=budget,
               sink_pages=min(1, budget // page_size), recent_pages=min(2, max(0, budget // page_size - 1)), tp=tp)
+    if "key_channels" not in overrides and overrides.get("selection") is None:
+        kw.update(key_channels=labels.default_channels(mc.head_dim), label_bits=labels.DEFAULT_BITS)
     kw.update(overrides)
     return CacheConfig(**kw)
 
@@ -195,9 +201,9 @@ class Generator:
         """Turn shared prefixes on (prompts sharing complete pages with a stored prompt attach them instead of
         prefilling them; stored prompts keep at most `budget_pages` host pages, None = as long as the pool has
         room) or off (the stored prefixes are dropped). Call it with no sequence admitted. Refused where the
-        selection rule says so (SelectionRule.prefix_sharing): the key copy picks a sequence's channels from its
-        first prefill block, which an attached prefix would change, so outputs would depend on what other prompts
-        stored."""
+        selection rule says so (SelectionRule.prefix_sharing); a rule that calibrates on a prompt's first N
+        tokens gets only prefixes that cover them (SelectionRule.calibration_tokens), so outputs never depend on
+        what other prompts stored."""
         why = self.config.selection_rule.prefix_sharing(self.config)
         if on and why:
             raise ValueError(why)

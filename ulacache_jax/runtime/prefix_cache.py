@@ -330,6 +330,8 @@ class SparsePrefixes:
             self.index.stats.lookups += 1
             nodes = self.index.match(prompt, max_pages=max_shared_pages(len(prompt), c.page_size, c.max_context))
             nodes = nodes[:max_shared_pages(len(prompt), c.page_size, c.max_context, at_most=len(nodes))]
+            if len(nodes) * c.page_size < c.selection_rule.calibration_tokens(c):
+                nodes = []     # the rule calibrates on more of the prompt than this prefix: prefill it whole
         shared = np.stack([n.payload for n in nodes], axis=-1) if nodes else None     # [L, G, m]
         ids = [self._id_of(n) for n in nodes]
         for ident in ids:              # held first: a reclaim evicting these nodes cannot release the ids

@@ -86,11 +86,16 @@ def check_tp(config: CacheConfig, tp: int | None = None) -> None:
                else "tp must divide num_kv_heads or be a multiple of it"))
 
 
-def local_config(config: CacheConfig) -> CacheConfig:
-    """One rank's view of a TP cache: tp = 1 with that rank's KV heads. Every per-rank size (groups_per_rank,
-    frames, tail ring, host pages) is unchanged, so single-device code runs on one shard as is."""
+def local_config(config: CacheConfig, rank: int = 0) -> CacheConfig:
+    """One rank's view of a TP cache: tp = 1 with that rank's KV heads (and their rows of a label channel table,
+    which only a fresh cache's state reads: `init_sharded` builds each rank from its own). Every per-rank size
+    (groups_per_rank, frames, tail ring, host pages) is unchanged, so single-device code runs on one shard as is."""
     check_tp(config)
-    return dataclasses.replace(config, tp=1, num_kv_heads=config.num_kv_heads // config.tp)
+    kv = config.num_kv_heads // config.tp
+    table = config.channel_table
+    if table is not None:
+        table = tuple(layer[rank * kv:(rank + 1) * kv] for layer in table)
+    return dataclasses.replace(config, tp=1, num_kv_heads=kv, channel_table=table)
 
 
 def state_specs(state: CacheState) -> CacheState:
@@ -114,12 +119,11 @@ def init_sharded(config: CacheConfig, mesh: Mesh, *, check: bool = True) -> tupl
     devices = list(mesh.devices.flat)
     if len(devices) != config.tp:
         raise ValueError(f"mesh has {len(devices)} devices but cache_config.tp = {config.tp}")
-    one = local_config(config)
     parts = []
-    for d in devices:
+    for rank, d in enumerate(devices):
         with jax.default_device(d):
-            s, h = cache_state_mod.init(one, device=d, check=check)
-        parts.append((s, h))
+            s, h = cache_state_mod.init(local_config(config, rank), device=d, check=check)
+        parts.append((dataclasses.replace(s, config=config), h))   # one static config, so the trees join
     specs = state_specs(parts[0][0])
     kind = host_memory_kind(devices[0])
 

@@ -3,8 +3,9 @@
 Quest's per-page min/max bound (quest.py) ranks pages by an upper bound of one logit; on a trained model it
 misses needles whose page is otherwise unremarkable (docs/BENCHMARKS.md, "A compressed copy of every key"). With
 CacheConfig.key_channels = C > 0 the cache also keeps, for every token of every flushed page, C of its key's D
-channels: those of largest energy (sum of k_d^2 over the keys the sequence's first prefill block holds), chosen
-per (sequence, layer, KV head) when that block is written and fixed for the sequence's life. A page then scores the
+channels: those of largest energy (sum of k_d^2 over the keys of the sequence's first CALIB_TOKENS tokens), chosen
+per (sequence, layer, KV head) when its first prefill block is written (or its shared prefix attached) and fixed
+for the sequence's life; or fixed for the cache's life by an offline table. A page then scores the
 attention mass it would get: each query head's softmax over the approximate logits q[chan] . k[chan] / sqrt(D) of
 every flushed token, summed over the page's tokens and the group's query heads. The copy costs C / (2 D) of the
 context's K + V bytes in HBM (16 of 128 channels: 6.25%) and is read in full every step.
@@ -26,6 +27,11 @@ import jax.numpy as jnp
 
 from ulacache_jax.cache.select.rule import SelectionRule
 from ulacache_jax.pallas_kernels.page_lse import page_lse
+
+# Online channels come from the keys of a prompt's first CALIB_TOKENS tokens, a window fixed in tokens so that a
+# sequence's channels depend on its own prompt only: a shared prefix that covers the window, or a chunked prefill
+# whose first chunk holds it, gives the channels a whole-prompt prefill picks (`calibration_tokens`).
+CALIB_TOKENS = 1024
 
 
 def pick_channels(k, live, num_channels: int):
@@ -147,7 +153,9 @@ class KeyCopy(SelectionRule):
         at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer0, jnp.int32), zero)
         flat = kp.reshape(R, Lb, G, n * page, g, D)
         old = jax.lax.dynamic_slice(sel.chan, at + (zero, zero), (R, 1, Lb, G, g, C))[:, 0]   # [R, Lb, G, g, C]
-        ch = old if self.table is not None else jnp.where(first, self.pick(flat, live.reshape(-1), C), old)
+        # a first block starts at token 0, so its token i is position i: the window is its first CALIB_TOKENS
+        window = live.reshape(-1) & (jnp.arange(n * page) < CALIB_TOKENS)
+        ch = old if self.table is not None else jnp.where(first, self.pick(flat, window, C), old)
         block = compress(flat, ch).reshape(R, 1, Lb, G, n, page, g, C)
         at_page = at + (jnp.asarray(page0, jnp.int32), zero, zero)
         codes, scale = self.encode(block, sel.kc.dtype)              # [R, 1, Lb, G, n, page, g, Cs], [.., n, g, C]
@@ -157,16 +165,23 @@ class KeyCopy(SelectionRule):
         return dataclasses.replace(state, sel=KeyCopyState(kc=kc, chan=chan, ksc=ksc))
 
     def attach(self, state, slot, layer, kp, live):
-        """An attached shared prefix's pages [0, n) of one layer join the copy, as ingestion writes them: only with
-        fixed channels (`table`), the one case `prefix_sharing` allows (online channels come from a sequence's own
-        first block, which an attached prefix would replace)."""
+        """An attached shared prefix's pages [0, n) of one layer join the copy, as ingestion writes them. Online
+        channels are picked here from the prefix's first CALIB_TOKENS tokens (the prefix cache attaches only
+        prefixes that cover them, `calibration_tokens`, so they are the channels the sequence's own first block
+        would give); the rest of the prompt is ingested as a later block and keeps them."""
         sel = state.sel
         R, G, n, P, g, D = kp.shape
         C = self.channels
         zero = jnp.zeros((), jnp.int32)
         at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer, jnp.int32), zero)
-        ch = jax.lax.dynamic_slice(sel.chan, at + (zero, zero), (R, 1, 1, G, g, C))[:, 0, 0]    # [R, G, g, C]
-        x = compress(kp.reshape(R, G, n * P, g, D), ch).reshape(R, 1, 1, G, n, P, g, C)
+        flat = kp.reshape(R, G, n * P, g, D)
+        chan = sel.chan
+        if self.table is None:
+            window = jnp.repeat(live, P) & (jnp.arange(n * P) < CALIB_TOKENS)                 # [n * P]
+            picked = self.pick(flat, window, C)                                                # [R, G, g, C]
+            chan = jax.lax.dynamic_update_slice(chan, picked[:, None, None], at + (zero, zero))
+        ch = jax.lax.dynamic_slice(chan, at + (zero, zero), (R, 1, 1, G, g, C))[:, 0, 0]       # [R, G, g, C]
+        x = compress(flat, ch).reshape(R, 1, 1, G, n, P, g, C)
         codes, scale = self.encode(x, sel.kc.dtype)                 # [R, 1, 1, G, n, P, g, Cs], [.., n, g, C]
         size = codes.shape
         old = jax.lax.dynamic_slice(sel.kc, at + (zero,) * 4, size)
@@ -175,7 +190,7 @@ class KeyCopy(SelectionRule):
         if scale is not None:
             old = jax.lax.dynamic_slice(sel.ksc, at + (zero,) * 3, scale.shape)
             ksc = jax.lax.dynamic_update_slice(sel.ksc, jnp.where(live[:, None, None], scale, old), at + (zero,) * 3)
-        return dataclasses.replace(state, sel=dataclasses.replace(sel, kc=kc, ksc=ksc))
+        return dataclasses.replace(state, sel=dataclasses.replace(sel, kc=kc, ksc=ksc, chan=chan))
 
     def flush(self, state, kp, page):
         """The completed tail pages join the copy (read from their ring frames), one rank."""
@@ -194,9 +209,12 @@ class KeyCopy(SelectionRule):
         return dataclasses.replace(state, sel=dataclasses.replace(sel, kc=kc, ksc=ksc))
 
     def release(self, state, slot):
-        """A freed slot's channels go back to the initial ones; the copy itself needs no clearing: a sequence reads
-        only its flushed pages."""
+        """A freed slot's online channels go back to the initial ones (a table's never change, and a rank's slice
+        of it is not known inside the per-rank program); the copy itself needs no clearing: a sequence reads only
+        its flushed pages."""
         sel = state.sel
+        if self.table is not None:
+            return state
         chan = sel.chan.at[:, slot].set(self.initial_channels(state.config, sel.chan.shape[0])[:, 0])
         return dataclasses.replace(state, sel=dataclasses.replace(sel, chan=chan))
 
@@ -225,10 +243,7 @@ class KeyCopy(SelectionRule):
         """All of them: the copy (or the labels, whose `step_bytes` this calls) is scored by the page-lse kernel."""
         return self.step_bytes(**shape)
 
-    def prefix_sharing(self, config):
-        """Shared prefixes need fixed channels: an offline table (`attach` writes the copy as ingestion would)."""
-        if self.table is not None:
-            return None
-        return (f"shared prefixes need cache_config.key_channels = 0 (it is {self.channels}) or a channel table: "
-                "each sequence picks its key-copy channels from its own first prefill block; turn prefix_cache off "
-                "or give a channel table")
+    def calibration_tokens(self, config):
+        """Online channels come from a prompt's first CALIB_TOKENS tokens (at most the context); a table needs
+        none."""
+        return 0 if self.table is not None else min(CALIB_TOKENS, config.max_context)

@@ -30,11 +30,23 @@ from ulacache_jax.cache.select.key_copy import KeyCopy
 from ulacache_jax.pallas_kernels.page_lse import ref_dequant
 
 QMAX = {8: 127, 4: 7}
+# The library's default selection (runtime/generator.default_cache_config): labels of DEFAULT_CHANNELS channels
+# (at most half the head dimension) at DEFAULT_BITS bits, 16 bytes a token and KV head. Chosen on the quality /
+# speed frontier (docs/BENCHMARKS.md, issue 48): they keep the needles dense finds at 1/32 of a 32K context where
+# Quest loses most, and decode faster than dense at the 8B shape at the same ratio.
+DEFAULT_CHANNELS = 32
+DEFAULT_BITS = 4
 # The largest 4-bit scale: a code as quantize writes it (|v| <= 7) times 8192 (exact in bfloat16 and float16) is
 # 57,344, under float16's largest finite value, so it stays finite in the tensor-core kernel's float16 operand
 # (page_lse.label_lse_mma). Only a channel whose keys pass 57,000 in magnitude on a page meets it; its values
 # saturate at +-7 x 8192 there instead of overflowing to inf.
 SCALE_MAX4 = 8192.0
+
+
+def default_channels(head_dim: int) -> int:
+    """The default label channel count for a head dimension: DEFAULT_CHANNELS, at most half of it (whole rotary
+    pairs, so even, and at least one pair)."""
+    return max(2, min(DEFAULT_CHANNELS, head_dim // 4 * 2))
 
 
 def code_channels(num_channels: int, bits: int) -> int:

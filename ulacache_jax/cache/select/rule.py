@@ -32,6 +32,9 @@ Hooks (defaults: do nothing), in the order a sequence meets them:
 - `step_bytes(...)` -> bytes the score reads per sequence and decode step (the cost model's term);
   `kernel_bytes(...)` -> the part of them the page log-sum-exp kernel reads (timed at that kernel's own rate).
 - `prefix_sharing(config)` -> None where a sharer may attach another prompt's pages, else the reason why not.
+- `calibration_tokens(config)` -> N: the rule's state depends on a prompt's first N tokens as a whole (online
+  label channels); a shared prefix is attached only where it covers them, and a chunked prefill's first chunk
+  must hold them, so neither changes a sequence's tokens. 0 (the default): nothing of the kind.
 - `check(config)`: raise ValueError for a config the rule cannot serve.
 Static per-model arrays (a calibrated channel table) are fields of the rule object, as nested tuples so the rule
 stays hashable; `init` turns them into arrays.
@@ -120,6 +123,10 @@ class SelectionRule:
         bound by its instructions, not by HBM, so the cost model times them at the kernel's measured rate
         (CostModel.score_kernel_bytes_per_s). 0 for a rule that does not score through it."""
         return 0.0
+
+    def calibration_tokens(self, config) -> int:
+        """Tokens at the start of a prompt this rule calibrates on as a whole (module docstring); 0: none."""
+        return 0
 
     def prefix_sharing(self, config) -> str | None:
         """None: prompts may attach another prompt's stored pages (`attach` fills this rule's state for them).

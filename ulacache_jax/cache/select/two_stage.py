@@ -189,6 +189,10 @@ class TwoStage(SelectionRule):
         why = self.first.prefix_sharing(config) if self.first is not None else None
         return why or self.second.prefix_sharing(config)
 
+    def calibration_tokens(self, config):
+        return max(self.second.calibration_tokens(config),
+                   self.first.calibration_tokens(config) if self.first is not None else 0)
+
 
 def configure(config, shortlist_mult: int, first: SelectionRule | None = None):
     """`config` with its own rule (registry.resolve: Quest, the key copy or labels, from its fields) as the second
