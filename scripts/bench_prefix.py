@@ -5,7 +5,8 @@ Rows (each mode of each document in its own process: its compiles, HBM and pinne
   questions of 16-200 ids (sparse: 16 copies of a 128K document's K/V do not fit a 128 GiB host, nor HBM dense);
 - `smollm2:<tokens>`: SmolLM2-135M-Instruct, a real document (this Python's standard-library sources, as
   bench_e2e) and real questions about it, sparse and dense;
-- `tiny:<tokens>`: the tiny random preset (CPU checks of the script; --small).
+- `tiny:<tokens>`: the tiny random preset (CPU checks of the script; --small), with Quest's selection: a short
+  document is under the tokens the default rule's online channels calibrate on, which a shared prefix must cover.
 Every mode runs the same requests through one Engine: `--questions` prompts (document + question), `--max-new`
 greedy tokens each, over `--slots` sequence slots. The cache of both modes is the same: HBM for every slot, a host
 pool of `--host-docs` documents plus every slot's own pages, so without sharing fewer documents' K/V fit at once
@@ -83,14 +84,16 @@ def run_mode(kind: str, tokens: int, attention: str, share: bool, args) -> dict:
     page = args.page
     pages_of = lambda n: -(-n // page)
     mc = model.config
+    rule = dict(key_channels=0) if kind == "tiny" else {}
     base = default_cache_config(mc, num_seqs=args.slots, max_tokens=longest, page_size=page, dtype=model.dtype,
-                                token_budget=args.token_budget)
+                                token_budget=args.token_budget, **rule)
     per_page = base.num_layers * base.groups_per_rank
     if args.host_docs:
         own = max(pages_of(len(q) + args.max_new) + 1 for q in qs)
         host_pages = per_page * (args.host_docs * pages_of(len(doc)) + args.slots * own)
         cfg = default_cache_config(mc, num_seqs=args.slots, max_tokens=longest, page_size=page, dtype=model.dtype,
-                                   token_budget=args.token_budget, host_pages=min(host_pages, base.host_pages))
+                                   token_budget=args.token_budget, host_pages=min(host_pages, base.host_pages),
+                                   **rule)
     else:
         cfg = base
     gen = Generator(model, cfg, attention=attention)

@@ -28,7 +28,8 @@ MAX_NEW = 33
 def model_cfg():
     mc = get_preset("tiny")
     model = LlamaModel(mc, rngs=nnx.Rngs(0))
-    cfg = default_cache_config(mc, num_seqs=2, max_tokens=256, page_size=P, token_budget=64)
+    # Quest: chunking's mechanics; the labels' calibration window (a first chunk must hold it) is checked below
+    cfg = default_cache_config(mc, num_seqs=2, max_tokens=256, page_size=P, token_budget=64, key_channels=0)
     return model, cfg
 
 
@@ -198,9 +199,11 @@ def test_bad_options_are_refused_before_anything_changes(gens, model_cfg):
             Engine(generator=gen, prefix_cache=not had, decode_chunk_steps=bad)
     assert (gen.prefixes is not None) == had                   # the refused engines left the generator as it was
     model, cfg = model_cfg
-    kc = Generator(model, dataclasses.replace(cfg, key_channels=8), attention="sparse")
-    with pytest.raises(ValueError, match="first prefill block"):
+    # online label channels come from a prompt's first min(1024, context) = 256 tokens: a first chunk holds them
+    kc = Generator(model, dataclasses.replace(cfg, key_channels=8, label_bits=4), attention="sparse")
+    with pytest.raises(ValueError, match="prefill_chunk_tokens = 32 is under the 256 tokens"):
         Engine(generator=kc, prefill_chunk_tokens=CHUNK)
+    Engine(generator=kc, prefill_chunk_tokens=256)
     Engine(generator=kc, decode_chunk_steps=4)                  # the cadence is any rule's
 
 

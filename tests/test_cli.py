@@ -127,9 +127,10 @@ def check_resume(d):
     # without --resume an existing output is not clobbered
     rc, _, err = run_cli(["generate", "--input", str(d / "in.jsonl"), "--output", str(cut), *ARGS])
     assert rc == 2 and "--resume" in err
-    # the rerun prefills in chunks of 2 pages (not a setting that changes tokens: the same file resumes)
+    # the rerun prefills in chunks of 16 pages, the whole window (--max-context 256) the default labels pick their
+    # channels from (not a setting that changes tokens: the same file resumes)
     rc, out, err = run_cli(["generate", "--input", str(d / "in.jsonl"), "--output", str(cut), "--resume",
-                            "--prefill-chunk-tokens", "32", *ARGS])
+                            "--prefill-chunk-tokens", "256", *ARGS])
     assert rc == 1                                        # the input still has the failing lines
     after = cut.read_text().splitlines()
     assert after[:len(done)] == rows[:-1]                 # kept as they were

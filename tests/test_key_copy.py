@@ -167,7 +167,8 @@ def test_generate_covering_budget_equals_dense(model):
 def test_engine_small_budget_and_speculative(model):
     """Budget 4 pages of 16 (prompts of 100+ tokens select pages): the key copy runs through the Engine; greedy
     speculative decoding (verification scores each row from the copy) gives the plain run's tokens. Shared prefixes
-    are off by default with a key copy and refused when asked for (an attached prefix would change the block a
+    are on, but the 96-token shared prefix is under the window the online channels come from (the first
+    min(1024, context) = 192 tokens), so it is prefilled, not attached (an attached prefix would change the tokens a
     sequence picks its channels from)."""
     from ulacache_jax.runtime.engine import Engine, SamplingParams
     from ulacache_jax.runtime.generation import Generator, default_cache_config
@@ -182,16 +183,14 @@ def test_engine_small_budget_and_speculative(model):
     gen = Generator(model, cfg, attention="sparse")
     for name, kw in (("plain", {}), ("spec", dict(speculative=SpecConfig("ngram", 3)))):
         eng = Engine(generator=gen, **kw)
-        assert gen.prefixes is None
+        assert gen.prefixes is not None
         reqs = eng.run(prompts, params)
         assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
+        assert eng.prefix_stats().lookups == 2 and eng.prefix_stats().hits == 0
         outs[name] = [r.tokens for r in reqs]
     assert outs["spec"] == outs["plain"]
     quest = Engine(generator=Generator(model, dataclasses.replace(cfg, key_channels=0), attention="sparse"))
     assert [r.tokens for r in quest.run(prompts, params)] != outs["plain"]     # the copy selected other pages
-    with pytest.raises(ValueError, match=r"shared prefixes need cache_config.key_channels = 0 \(it is 8\)"):
-        Engine(generator=gen, prefix_cache=True)
-    assert gen.prefixes is None
 
 
 @pytest.mark.gpu

@@ -428,7 +428,7 @@ def test_shipped_tables_belong_to_a_preset_and_follow_their_own_scores():
 def test_offline_table_shares_prefixes(model, bits):
     """With an offline channel table the channels are fixed, so shared prefixes are allowed: an attached prefix holds
     the labels (codes and scales) the ingesting slot wrote, and the Engine's tokens with the prefix cache on equal
-    those with it off (budget 4 pages of 16: pages are selected). Online channels still refuse them."""
+    those with it off (budget 4 pages of 16: pages are selected)."""
     from ulacache_jax.runtime.engine import Engine, SamplingParams
     from ulacache_jax.runtime.generation import Generator, default_cache_config
     table = (((0, 1, 8, 9), (2, 3, 10, 11)), ((4, 5, 12, 13), (6, 7, 14, 15)))       # [L][KV][C], whole pairs
@@ -453,6 +453,38 @@ def test_offline_table_shares_prefixes(model, bits):
     outs = [[r.tokens for r in Engine(generator=Generator(model, cfg, attention="sparse"), prefix_cache=on)
              .run(prompts, params)] for on in (False, True)]
     assert outs[0] == outs[1]
-    online = dataclasses.replace(cfg, channel_table=None)
-    with pytest.raises(ValueError, match="or give a channel table"):
-        Generator(model, online, attention="sparse").set_prefix_cache(True)
+
+
+@pytest.mark.parametrize("window, hits", [(32, 6 * 16), (192, 0)])
+def test_online_channels_share_prefixes_that_cover_their_window(model, window, hits):
+    """Online channels come from a prompt's first `window` tokens: a shared prefix covering them (96 tokens >= 32)
+    is attached, its channels picked from the attached keys as the owner's were from its own (the same tokens), so
+    the sharer's channels, labels and tokens are those of a run without sharing; a shorter prefix (96 < 192) is
+    prefilled instead."""
+    from ulacache_jax.cache.select.labels import Labels
+    from ulacache_jax.runtime.engine import Engine, SamplingParams
+    from ulacache_jax.runtime.generation import Generator, default_cache_config
+    rng = np.random.default_rng(5)
+    doc = [int(t) for t in rng.integers(0, 256, 100)]
+    a, b = [doc + [int(t) for t in rng.integers(0, 256, n)] for n in (5, 23)]
+    cfg = default_cache_config(model.config, num_seqs=2, max_tokens=192, page_size=16, token_budget=64,
+                               key_channels=0, selection=Labels(channels=4, bits=4, window=window))
+    assert cfg.selection_rule.calibration_tokens(cfg) == window
+    gens = []
+    for share in (True, False):
+        gen = Generator(model, cfg, attention="sparse")
+        gen.set_prefix_cache(share)
+        for p in (a, b):
+            gen.prefill(gen.admit(len(p) + 8, p), p)
+        gens.append(gen)
+    assert gens[0].prefix_stats().hit_tokens == hits
+    on, off = (g.cache.state.sel for g in gens)
+    np.testing.assert_array_equal(np.asarray(on.chan), np.asarray(off.chan))
+    np.testing.assert_array_equal(np.asarray(on.chan[:, 0]), np.asarray(on.chan[:, 1]))   # same first 32 tokens
+    for x, y in ((on.kc, off.kc), (on.ksc, off.ksc)):
+        np.testing.assert_array_equal(np.asarray(x[:, :, :, :, :7]), np.asarray(y[:, :, :, :, :7]))
+    if hits:
+        params = SamplingParams(max_new_tokens=12)
+        outs = [[r.tokens for r in Engine(generator=Generator(model, cfg, attention="sparse"), prefix_cache=on)
+                 .run([a, b], params)] for on in (False, True)]
+        assert outs[0] == outs[1]

@@ -157,7 +157,10 @@ def prompts():
 
 
 def _cfg(model, seqs):
-    return default_cache_config(model.config, num_seqs=seqs, max_tokens=256, page_size=P, token_budget=64)
+    # Quest: sharing's mechanics on short prompts (online label channels attach only prefixes that cover the
+    # tokens they calibrate on: test_labels)
+    return default_cache_config(model.config, num_seqs=seqs, max_tokens=256, page_size=P, token_budget=64,
+                                key_channels=0)
 
 
 @pytest.fixture(scope="module", params=["sparse", "dense"])
@@ -240,7 +243,7 @@ def test_cli_reports_and_turns_off_sharing(tmp_path):
     rows = [{"id": i, "prompt": doc + q} for i, q in enumerate(["Who kept them?", "How many?", "Which light?"])]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     args = ["--model", "tiny", "--page-size", "16", "--token-budget", "64", "--max-seqs", "2", "--max-context", "256",
-            "--max-new-tokens", "6", "--no-progress", "--stop-ids", "none", "--compile-cache", "off",
+            "--key-channels", "0", "--max-new-tokens", "6", "--no-progress", "--stop-ids", "none", "--compile-cache", "off",
             "--attention", "sparse"]
     outs = {}
     for flag in ([], ["--no-prefix-cache"]):

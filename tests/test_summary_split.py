@@ -206,7 +206,7 @@ def test_engine_small_budget_shared_prefix_and_speculative(model):
     doc = [int(t) for t in rng.integers(0, 256, 100)]
     prompts = [doc + [int(t) for t in rng.integers(0, 256, n)] for n in (5, 23)]
     cfg = default_cache_config(model.config, num_seqs=2, max_tokens=192, page_size=16, token_budget=64,
-                               summary_split=2, verify_rows=4)
+                               summary_split=2, verify_rows=4, key_channels=0)      # Quest's sub-page bound
     params = SamplingParams(max_new_tokens=16)
     outs = {}
     for name, kw in (("plain", dict(prefix_cache=False)), ("shared", dict(prefix_cache=True)),
@@ -227,7 +227,7 @@ def test_attached_prefix_summaries_equal_ingested_ones(model):
     rng = np.random.default_rng(3)
     doc = [int(t) for t in rng.integers(0, 256, 70)]                # 4 complete pages of 16
     cfg = default_cache_config(model.config, num_seqs=2, max_tokens=128, page_size=16, token_budget=64,
-                               summary_split=2)
+                               summary_split=2, key_channels=0)                     # Quest's sub-page bound
     gen = Generator(model, cfg, attention="sparse")
     gen.set_prefix_cache(True)
     a = doc + [1, 2, 3]

@@ -33,7 +33,7 @@ from ulacache_jax.cache.kernel_choice import Platform, ResolvedKernels, resolve
 from ulacache_jax.models.attention import dense_attention
 from ulacache_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
 from ulacache_jax.runtime.prefix_cache import DensePrefixes, SparsePrefixes, dense_attach, sparse_attach
-from ulacache_jax.runtime.sequences import CacheManager, CapacityError, ingest_chunk
+from ulacache_jax.runtime.sequences import CacheManager, CapacityError, ingest_chunk, reingest_selection
 from ulacache_jax.runtime.tp import host_specs, TP_AXIS
 
 ATTENTION_KINDS = ("sparse", "dense")
@@ -64,12 +64,17 @@ class SparseOps(_Kernels):
         state, host = view
         return ingest_chunk(state, host, slot, k[None], v[None], start, length, layer0=layer, impl=self.options.copy)
 
-    def prefill_attach(self, view, layer, slot, src, start):
+    def prefill_attach(self, view, layer, slot, src, start, rest=None, length=None):
         """The attached shared prefix (tokens [0, start), whole pages) of one layer: its K/V from the host pool and
-        its page summaries (prefix_cache.sparse_attach). src [Tp]: only its length is used. -> (view, k, v [Tp,
-        KVr, D])."""
+        its page summaries (prefix_cache.sparse_attach). src [Tp]: only its length is used. rest [T, KVr, D]: the
+        keys of tokens [start, start + T) stored before (prefill_store), of a prompt `length` long: encoded again
+        for a rule whose online channels the prefix has just set (sequences.reingest_selection).
+        -> (view, k, v [Tp, KVr, D])."""
         state, host = view
         state, k, v = sparse_attach(state, host, layer, slot, start, src.shape[0], impl=self.options.copy)
+        c = state.config
+        if rest is not None and c.selection_rule.calibration_tokens(c):
+            state = reingest_selection(state, slot, rest[None], start, length, layer0=layer)
         return (state, host), k, v
 
     def begin_chunk(self, cache: CacheState) -> CacheState:
@@ -306,9 +311,10 @@ class DenseOps(_Kernels):
         cvs = cvs.at[jnp.arange(S), page].set(enc.vs, mode="drop")
         return ck, cv, cks, cvs, rk, rv
 
-    def prefill_attach(self, view, layer, slot, src, start):
+    def prefill_attach(self, view, layer, slot, src, start, rest=None, length=None):
         """The shared prefix (tokens [0, start)) of one layer copied into `slot`'s rows from the slots that hold
-        it, src [Tp] per token (prefix_cache.dense_attach); a scaled format's page scales with them.
+        it, src [Tp] per token (prefix_cache.dense_attach); a scaled format's page scales with them. rest, length:
+        unused (no selection state).
         -> (view, k, v [Tp, KVr, D] in the model's dtype)."""
         if len(view) == 2:
             ck, cv, k, v = dense_attach(*view, slot, src, start)

@@ -254,7 +254,7 @@ class Program:
         # taking the store's output orders it after the in-place write. The other order left the pool (host pool,
         # sparse) with an unordered reader beside an in-place writer, and XLA copied it to keep both valid.
         view = self.ops.prefill_store(view, layer, slot, k[0], v[0], length, start=start)
-        view, kp, vp = self.ops.prefill_attach(view, layer, slot, src, start)
+        view, kp, vp = self.ops.prefill_attach(view, layer, slot, src, start, k[0], length)
         attn = prefix_attention(q, k, v, kp[None], vp[None], start, self.ops.kernels.prefill_attention)
         return view, _token_chunks(block.finish, C, x, attn)
 

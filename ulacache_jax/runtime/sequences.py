@@ -178,6 +178,27 @@ def split_groups(config: CacheConfig, x):
     return x.reshape(x.shape[:-2] + (c.tp, c.groups_per_rank, c.kv_heads_per_group, c.head_dim))
 
 
+def block_pages(config: CacheConfig, x):
+    """Prefill K or V [Lc, C, KV, D] (C whole pages) -> [R, Lc, G, n, page, g, D] in the model's dtype: the layout
+    the selection rules' `ingest` takes."""
+    c = config
+    L, C = x.shape[0], x.shape[1]
+    x = x.astype(c.jnp_dtype).reshape(L, C // c.page_size, c.page_size, c.num_kv_heads, c.head_dim)
+    return split_groups(c, x).transpose(3, 0, 4, 1, 2, 5, 6)
+
+
+def reingest_selection(state: CacheState, slot, k, start, length, *, layer0):
+    """The selection rule's `ingest` of a stored prefill block again: k [Lc, C, KV, D] tokens [start, start + C) of
+    layers [layer0, layer0 + Lc). A sharer's rest is stored before its attached prefix is read (program.py's order:
+    the host pool is written before it is read), but a rule that calibrates on the prompt's first tokens (online
+    label channels) picks its channels when the prefix is attached: the rest is encoded again with them."""
+    c = state.config
+    C, page = k.shape[1], c.page_size
+    tok = start + jnp.arange(C).reshape(C // page, page)                              # [n, page]
+    return c.selection_rule.ingest(state, slot, layer0, start // page, block_pages(c, k),
+                                   tok < jnp.minimum(length, start + C), jnp.asarray(start) == 0)
+
+
 def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *, layer0: int = 0,
                  impl: str = "auto"):
     """Write prefill K/V of tokens [start, start + C) of sequence `slot` into the cache.
@@ -193,10 +214,7 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
     page, R, G = c.page_size, c.tp, c.groups_per_rank
     n = C // page
     p0 = start // page
-    dt = c.jnp_dtype
-    # [L, n, page, R, G, g, D] -> [R, L, G, n, page, g, D]
-    kp = split_groups(c, k.astype(dt).reshape(L, n, page, c.num_kv_heads, c.head_dim)).transpose(3, 0, 4, 1, 2, 5, 6)
-    vp = split_groups(c, v.astype(dt).reshape(L, n, page, c.num_kv_heads, c.head_dim)).transpose(3, 0, 4, 1, 2, 5, 6)
+    kp, vp = block_pages(c, k), block_pages(c, v)                                    # [R, L, G, n, page, g, D]
     end = jnp.minimum(length, start + C)
     tok = start + jnp.arange(C).reshape(n, page)                                     # [n, page]
     page_ids = p0 + jnp.arange(n)
@@ -212,7 +230,7 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
     src_idx = jnp.arange(L * G * n, dtype=jnp.int32)
     page_shape = (L * G * n, page, c.kv_heads_per_group, c.head_dim)
     # the page format (cache/codec.py): complete pages are encoded once here, on their way to the host pool
-    enc = c.codec.encode(kp.reshape((R,) + page_shape), vp.reshape((R,) + page_shape), dt)      # [R, L*G*n, ...]
+    enc = c.codec.encode(kp.reshape((R,) + page_shape), vp.reshape((R,) + page_shape), c.jnp_dtype)   # [R, L*G*n, ..]
     arrays = host.arrays()
     for r in range(R):
         # the rank is indexed inside the kernel (rank=r): no XLA slice or stack of the pinned_host pool, which

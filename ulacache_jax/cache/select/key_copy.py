@@ -93,9 +93,11 @@ class KeyCopyState:
 class KeyCopy(SelectionRule):
     """C = `channels` channels of every flushed key in the model's dtype, picked per (sequence, layer, KV head)
     from the first prefill block's key energy, or fixed by `table` ([L][KV][C] channel ids, nested tuples: an
-    offline calibration, kept for the cache's life). Pages score the attention mass the copy predicts."""
+    offline calibration, kept for the cache's life). Pages score the attention mass the copy predicts. Online
+    channels come from the keys of a prompt's first `window` tokens."""
     channels: int
     table: tuple | None = None
+    window: int = CALIB_TOKENS
     name: ClassVar[str] = "key_copy"
     bits: ClassVar[int] = 0        # the stored copy's bits a channel; 0: the model's dtype (labels.py: 8 / 4)
 
@@ -104,6 +106,8 @@ class KeyCopy(SelectionRule):
         return cls(channels=config.key_channels, table=config.channel_table)
 
     def check(self, config):
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"{type(self).__name__}: window = {self.window!r} must be an int >= 1 (tokens)")
         if not 0 < self.channels <= config.head_dim:
             raise ValueError(f"{type(self).__name__}: channels = {self.channels} must be in [1, head_dim = "
                              f"{config.head_dim}]")
@@ -153,8 +157,8 @@ class KeyCopy(SelectionRule):
         at = (zero, jnp.asarray(slot, jnp.int32), jnp.asarray(layer0, jnp.int32), zero)
         flat = kp.reshape(R, Lb, G, n * page, g, D)
         old = jax.lax.dynamic_slice(sel.chan, at + (zero, zero), (R, 1, Lb, G, g, C))[:, 0]   # [R, Lb, G, g, C]
-        # a first block starts at token 0, so its token i is position i: the window is its first CALIB_TOKENS
-        window = live.reshape(-1) & (jnp.arange(n * page) < CALIB_TOKENS)
+        # a first block starts at token 0, so its token i is position i: the window is its first `window` tokens
+        window = live.reshape(-1) & (jnp.arange(n * page) < self.window)
         ch = old if self.table is not None else jnp.where(first, self.pick(flat, window, C), old)
         block = compress(flat, ch).reshape(R, 1, Lb, G, n, page, g, C)
         at_page = at + (jnp.asarray(page0, jnp.int32), zero, zero)
@@ -166,7 +170,7 @@ class KeyCopy(SelectionRule):
 
     def attach(self, state, slot, layer, kp, live):
         """An attached shared prefix's pages [0, n) of one layer join the copy, as ingestion writes them. Online
-        channels are picked here from the prefix's first CALIB_TOKENS tokens (the prefix cache attaches only
+        channels are picked here from the prefix's first `window` tokens (the prefix cache attaches only
         prefixes that cover them, `calibration_tokens`, so they are the channels the sequence's own first block
         would give); the rest of the prompt is ingested as a later block and keeps them."""
         sel = state.sel
@@ -177,7 +181,7 @@ class KeyCopy(SelectionRule):
         flat = kp.reshape(R, G, n * P, g, D)
         chan = sel.chan
         if self.table is None:
-            window = jnp.repeat(live, P) & (jnp.arange(n * P) < CALIB_TOKENS)                 # [n * P]
+            window = jnp.repeat(live, P) & (jnp.arange(n * P) < self.window)                  # [n * P]
             picked = self.pick(flat, window, C)                                                # [R, G, g, C]
             chan = jax.lax.dynamic_update_slice(chan, picked[:, None, None], at + (zero, zero))
         ch = jax.lax.dynamic_slice(chan, at + (zero, zero), (R, 1, 1, G, g, C))[:, 0, 0]       # [R, G, g, C]
@@ -244,6 +248,5 @@ class KeyCopy(SelectionRule):
         return self.step_bytes(**shape)
 
     def calibration_tokens(self, config):
-        """Online channels come from a prompt's first CALIB_TOKENS tokens (at most the context); a table needs
-        none."""
-        return 0 if self.table is not None else min(CALIB_TOKENS, config.max_context)
+        """Online channels come from a prompt's first `window` tokens (at most the context); a table needs none."""
+        return 0 if self.table is not None else min(self.window, config.max_context)
