@@ -110,6 +110,9 @@ def check_report(d, rc, out):
     fp = rep["footprint"]
     assert fp["hbm_bytes"] > 0 and fp["host_bytes"] > 0 and fp["param_bytes"] > 0
     assert rep["cache_config"]["page_size"] == 16 and rep["cache_config"]["token_budget"] == 64
+    # the default rule: labels of half the tiny model's head dimension (16) at 4 bits; no shipped table for it
+    assert rep["selection"] == "labels: 8 of 16 key channels, 4-bit, chosen from each prompt's first 256 tokens"
+    assert "selection: labels: 8 of 16" in out
     assert rep["timeline"] and {"t_end_s", "hit_rate", "tokens_per_s"} <= set(rep["timeline"][0])
     png = pathlib.Path(rep["plot"])
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -245,3 +248,29 @@ def test_default_model_loads_when_installed(monkeypatch):
     loaded = model_loading.load_model(None, "float32", 0)
     assert "smollm2-135m" in loaded.label and loaded.tokenizer is not None
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])[-1] != 0
+
+
+def test_selection_flags_resolve_and_fingerprint():
+    """--key-channels / --label-bits: 'auto' is the default rule (labels, 32 or half the head dimension, 4 bits),
+    0 channels Quest (bits 'auto' -> 0), C alone labels of C at 4 bits, --label-bits 0 the key copy; bad values are
+    refused by name. The resume fingerprint keeps Quest's as it was before labels were the default (so Quest files
+    made then resume with --key-channels 0) and tells every other choice apart."""
+    from ulacache_jax.app import resume
+    parse = lambda *a: cli.build_parser().parse_args(["generate", "--input", "i", "--output", "o", *a])
+    cases = {(): (32, 4), ("--key-channels", "0"): (0, 0), ("--key-channels", "16"): (16, 4),
+             ("--key-channels", "16", "--label-bits", "0"): (16, 0), ("--label-bits", "8"): (32, 8)}
+    prints = set()
+    for flags, want in cases.items():
+        args = parse(*flags)
+        assert cli.selection_args(args, head_dim=128) == want
+        s = resume.run_settings(args)
+        prints.add(json.dumps(s, sort_keys=True))
+        if flags == ("--key-channels", "0"):
+            assert "key_channels" not in s and "label_bits" not in s        # the fingerprint of a Quest file
+    assert len(prints) == len(cases)
+    assert cli.selection_args(parse(), head_dim=16) == (8, 4)
+    for bad in (("--key-channels", "-1"), ("--key-channels", "x"), ("--label-bits", "3")):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+            parse(*bad)
+        assert bad[0] in err.getvalue() and bad[1] in err.getvalue()

@@ -151,11 +151,22 @@ def test_cli_exact_mode(tmp_path, capsys):
         assert not (tmp_path / "bad.jsonl").exists()
 
 
-def test_bench_exact_small(tmp_path):
-    """scripts/bench_exact.py --small: the reference check, then one row's timings and the modelled tok/s (every
-    draft accepted: K + 1 tokens a cycle; none: one)."""
+def test_bench_exact_small(tmp_path, monkeypatch):
+    """scripts/bench_exact.py --small: the reference check runs before the timings (its comparison, exact mode's
+    tokens = dense decoding's through `generate`, is test_exact_mode_tokens_are_dense_tokens's: recorded here, not
+    compiled twice), then one row's timings and the modelled tok/s (every draft accepted: K + 1 tokens a cycle;
+    none: one)."""
     from scripts import bench_exact
+    order = []
+    monkeypatch.setattr(bench_exact, "check", lambda args: order.append("check"))
+    real_cycle = bench_exact.Cycle
+
+    def cycle(*a, **kw):
+        order.append("cycle")
+        return real_cycle(*a, **kw)
+    monkeypatch.setattr(bench_exact, "Cycle", cycle)
     res = bench_exact.main(["--small", "--out", str(tmp_path), "--ks", "2", "--acceptance", "0,1", "--commit", "t"])
+    assert order[:2] == ["check", "cycle"]
     (row,) = res.rows
     assert (row["context"], row["batch"], row["num_tokens"], row["key_channels"]) == (512, 2, 2, 4)
     assert row["reps"] == 3 and row["cycle_ms"] > 0 and row["dense_ms"] > 0 and 0 <= row["hit_rate"] <= 1

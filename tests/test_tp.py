@@ -502,6 +502,27 @@ def test_num_groups_not_divisible_is_a_clear_error():
                     tp=4)
 
 
+def test_each_rank_gets_its_heads_rows_of_a_label_channel_table():
+    """A channel table at TP = 2 (4 KV heads, 2 a rank): each rank's one-rank config holds its own heads' rows, and
+    the state `init_sharded` builds a rank from starts every slot on them (online channels need no table)."""
+    import numpy as np
+    from ulacache_jax.cache import state as cache_state
+    from ulacache_jax.cache.config import CacheConfig
+    from ulacache_jax.runtime import tp as tp_mod
+
+    table = [[[2 * h, 2 * h + 1, 2 * h + 8, 2 * h + 9] for h in range(4)] for _ in range(2)]     # [L][KV][C]
+    cfg = CacheConfig(num_layers=2, num_kv_heads=4, head_dim=16, page_size=8, token_budget=32, max_seqs=2,
+                      max_pages_per_seq=8, host_pages=64, key_channels=4, label_bits=4, channel_table=table, tp=2)
+    for rank in (0, 1):
+        one = tp_mod.local_config(cfg, rank)
+        assert one.tp == 1 and one.num_kv_heads == 2
+        assert np.asarray(one.channel_table).tolist() == [layer[2 * rank:2 * rank + 2] for layer in table]
+        state, _ = cache_state.init(one, check=False)
+        chan = np.asarray(state.sel.chan)                                   # [1, S, L, G, g, C]
+        want = np.asarray(table)[:, 2 * rank:2 * rank + 2].reshape(2, chan.shape[3], chan.shape[4], 4)
+        assert (chan == want[None, None]).all()
+
+
 def test_prepare_model_checks_and_replicates():
     import jax.numpy as jnp
     from flax import nnx
