@@ -61,3 +61,17 @@ def channel_table(model: str | os.PathLike, num_channels: int, folder: str | os.
         raise ValueError(f"{path} has label-channel tables for C = {sorted(map(int, tables))}, not {num_channels}: "
                          f"run `python -m scripts.calibrate_labels --channels {num_channels}`")
     return tables[str(num_channels)]
+
+
+def fit_heads(table, num_kv_heads: int):
+    """A table [L][KV][C] for a model whose KV heads were replicated for more ranks than heads (tp.prepare_model:
+    each head's adjacent copies): each head's row repeated as its head is; as is where the counts match, None where
+    they cannot (a table of another model)."""
+    kv = len(table[0])
+    if kv == num_kv_heads:
+        return table
+    if num_kv_heads % kv:
+        return None
+    rep = num_kv_heads // kv
+    return [[row for row in layer for _ in range(rep)] for layer in table]
+

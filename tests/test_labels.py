@@ -488,3 +488,27 @@ def test_online_channels_share_prefixes_that_cover_their_window(model, window, h
         outs = [[r.tokens for r in Engine(generator=Generator(model, cfg, attention="sparse"), prefix_cache=on)
                  .run([a, b], params)] for on in (False, True)]
         assert outs[0] == outs[1]
+
+
+def test_default_config_finds_the_shipped_table_by_the_weights_digest():
+    """The default rule with a model whose config names its weights file (ModelConfig.file_sha256, set by
+    from_pretrained for a preset): the table shipped for that file at the default C, its rows repeated where KV heads
+    were replicated for TP; no digest, or one without a table: online channels. A bad digest is refused."""
+    from ulacache_jax.models import ModelConfig, calibration
+    from ulacache_jax.models.pretrained import PRETRAINED
+    from ulacache_jax.runtime.generation import default_cache_config
+    sha = PRETRAINED["smollm2-135m"].sha256
+    mc = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                     num_heads=9, num_kv_heads=3, head_dim=64, file_sha256=sha)     # SmolLM2-135M's shapes
+    want = calibration.channel_table("smollm2-135m", 32)
+    cfg = default_cache_config(mc, num_seqs=1, max_tokens=512)
+    assert (cfg.rule, cfg.key_channels, cfg.label_bits) == ("labels", 32, 4)
+    assert np.asarray(cfg.channel_table).tolist() == want and cfg.selection_rule.calibration_tokens(cfg) == 0
+    rep = default_cache_config(mc.replace(num_heads=18, num_kv_heads=6), num_seqs=1, max_tokens=512)
+    assert np.asarray(rep.channel_table)[:, ::2].tolist() == want == np.asarray(rep.channel_table)[:, 1::2].tolist()
+    for other in (None, "0" * 64):
+        assert default_cache_config(mc.replace(file_sha256=other), num_seqs=1, max_tokens=512).channel_table is None
+    assert default_cache_config(mc, num_seqs=1, max_tokens=512, key_channels=0).rule == "quest"
+    assert ModelConfig.from_dict(mc.to_dict()) == mc
+    with pytest.raises(ValueError, match="file_sha256"):
+        mc.replace(file_sha256="abc")

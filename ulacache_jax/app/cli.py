@@ -530,10 +530,9 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
 
     kc, bits = selection_args(args, mc.head_dim)
     table = _channel_table(args, kc, bits)
-    if table is not None and len(table[0]) < mc.num_kv_heads:
-        # KV heads replicated for more ranks than heads (tp.prepare_model: adjacent copies): so are their rows
-        rep = mc.num_kv_heads // len(table[0])
-        table = [[row for row in layer for _ in range(rep)] for layer in table]
+    if table is not None:
+        from ulacache_jax.models import calibration
+        table = calibration.fit_heads(table, mc.num_kv_heads)    # KV heads replicated for more ranks than heads
 
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ulacache_jax.runtime.backends import DenseCache, make_backend
 from ulacache_jax.cache.config import CacheConfig
 from ulacache_jax.cache.select import labels
+from ulacache_jax.models import calibration
 from ulacache_jax.runtime.cost_model import resolve_attention
 from ulacache_jax.cache.decode_layer import DecodeOptions, LayerStats
 from ulacache_jax.pallas_kernels.pb_lru_sieve import pool_slots, sieve_geometry
@@ -48,6 +49,18 @@ def bucket_pages(n: int) -> int:
     return -(-n // step) * step
 
 
+def shipped_table(model_config, num_channels: int):
+    """The label-channel table shipped for the model's weights file (ModelConfig.file_sha256, models/calibration)
+    at C = num_channels, fitted to its KV heads; None where there is none (online channels then)."""
+    if model_config.file_sha256 is None:
+        return None
+    try:
+        table = calibration.channel_table(None, num_channels, digest=model_config.file_sha256)
+    except ValueError:                  # tables, but not for this C
+        return None
+    return None if table is None else calibration.fit_heads(table, model_config.num_kv_heads)
+
+
 def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_size: int | None = None,
                          token_budget: int = 2048, dtype=None, tp: int = 1, pool_headroom: float = 1.0,
                          **overrides) -> CacheConfig:
@@ -57,8 +70,9 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
     from). pool_headroom: HBM frames per frame of one step's selections, at most one per page
     (cost_model.pool_headroom: PB-LRU's buckets hit only with headroom), rounded up to the slots the sieve scans
     anyway (`scanned_slots`). Selection: the library's default rule, label channels (select/labels.py:
-    `default_channels(head_dim)` channels at DEFAULT_BITS bits, calibrated online from each prompt unless
-    `channel_table` is given), where `overrides` name no key_channels or selection rule (key_channels=0: Quest;
+    `default_channels(head_dim)` channels at DEFAULT_BITS bits: the table shipped for the model's weights file
+    where ModelConfig.file_sha256 finds one (`shipped_table`), else calibrated online from each prompt's first
+    tokens), where `overrides` name no key_channels or selection rule (key_channels=0: Quest;
     key_channels=C alone: the key copy in the model's dtype). `overrides` replace any CacheConfig field."""
     mc = model_config
     if page_size is None:
@@ -88,6 +102,8 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
               sink_pages=min(1, budget // page_size), recent_pages=min(2, max(0, budget // page_size - 1)), tp=tp)
     if "key_channels" not in overrides and overrides.get("selection") is None:
         kw.update(key_channels=labels.default_channels(mc.head_dim), label_bits=labels.DEFAULT_BITS)
+        if "channel_table" not in overrides:
+            kw["channel_table"] = shipped_table(mc, kw["key_channels"])
     kw.update(overrides)
     return CacheConfig(**kw)
 
