@@ -30,8 +30,8 @@ that context with that answer length, batched through `--batch` cache slots (mor
 its cache config is `generation.default_cache_config` for (batch, context) with `dataclasses.replace` for the rule,
 so every call of one context and rule reuses one compiled program (prompt lengths are bucketed by the library:
 the next power of two of the prompt; a 16K-context prompt always lands in the 16K bucket). generate's Engine
-attaches shared prompt prefixes for dense and quest (its default; the prompts of one index share their haystack up
-to the first needle) and prefills whole for key-copy / label rules (a key copy refuses shared prefixes).
+attaches shared prompt prefixes (its default; the prompts of one index share their haystack up to the first
+needle; key-copy / label rules with online channels only prefixes that cover the tokens they calibrate on).
 Rows (one per (rule, budget, task, context, depth)): model, attention, rule, channels, label_bits, kv_dtype, task,
 context, prompt_tokens (mean chat-templated prompt length), depth, batch (cache slots), budget, page_size, accuracy
 (mean ruler_tasks.score), same_as_dense (fraction of prompts whose output text equals dense's), n, tokens_per_s

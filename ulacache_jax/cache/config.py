@@ -59,7 +59,7 @@ class CacheConfig:
                                      # 8 or 4: label channels (select/labels.py): whole rotary pairs, int8 / int4
                                      # codes with a scale per page and channel
     channel_table: tuple | None = None  # labels' offline calibration: [num_layers][num_kv_heads][C] channel ids
-                                        # (scripts/calibrate_labels.py); None: each sequence's first prefill block
+                                        # (scripts/calibrate_labels.py); None: each prompt's first tokens (online)
     selection: SelectionRule | None = None  # None: the built-in rule the fields above name (quest / key_copy /
                                             # labels); a rule object (select/rule.py): that rule (select/registry.py)
     kv_dtype: str = "auto"           # the page format (cache/codec.py): "auto" = the model's dtype (`dtype`), or

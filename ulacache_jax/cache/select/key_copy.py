@@ -92,9 +92,8 @@ class KeyCopyState:
 @dataclasses.dataclass(frozen=True)
 class KeyCopy(SelectionRule):
     """C = `channels` channels of every flushed key in the model's dtype, picked per (sequence, layer, KV head)
-    from the first prefill block's key energy, or fixed by `table` ([L][KV][C] channel ids, nested tuples: an
-    offline calibration, kept for the cache's life). Pages score the attention mass the copy predicts. Online
-    channels come from the keys of a prompt's first `window` tokens."""
+    from the key energy of its prompt's first `window` tokens, or fixed by `table` ([L][KV][C] channel ids, nested
+    tuples: an offline calibration, kept for the cache's life). Pages score the attention mass the copy predicts."""
     channels: int
     table: tuple | None = None
     window: int = CALIB_TOKENS
@@ -127,7 +126,7 @@ class KeyCopy(SelectionRule):
 
     def initial_channels(self, config, ranks: int = 1):
         """[R, S, L, G, g, C] int32: a free slot's channels. The offline table's (one rank) where there is one,
-        else 0..C-1 until a sequence's first prefill block picks its own."""
+        else 0..C-1 until a sequence's first tokens pick its own."""
         c, C = config, self.channels
         shape = (ranks, c.max_seqs, c.num_layers, c.groups_per_rank, c.kv_heads_per_group, C)
         if self.table is None:

@@ -7,7 +7,8 @@ with two changes that cut the bytes the scorer reads each step (Double Sparsity,
   channel d with channel d + D/2, so a channel's share of q.k only holds together with its partner. Channels are
   picked as whole pairs, C/2 pairs of the largest pair score. The score is either an offline table (mean |q_d|
   times mean |k_d| per layer and KV head over calibration text, scripts/calibrate_labels.py, passed in as
-  `CacheConfig.channel_table`) or, online, each sequence's own first prefill block (key energy per pair).
+  `CacheConfig.channel_table`) or, online, the key energy per pair of each prompt's first tokens
+  (key_copy.CALIB_TOKENS).
 - **How many bits** (`CacheConfig.label_bits`): 8 (int8) or 4 (two channels a byte: channel j in the low nibble,
   channel j + C/2 in the high one), symmetric, with one scale per page and channel (a bf16 scale per page and
   channel is 2 bytes per 64 tokens, 1/32 of a byte a token at page 64; a per-token scale would add 50% at 4 bits).
