@@ -498,8 +498,7 @@ def selection_args(args, head_dim: int) -> tuple[int, int]:
     the library's default rule (select/labels.py: default_channels, DEFAULT_BITS); bits 'auto' are 0 with Quest."""
     from ulacache_jax.cache.select import labels
     kc = labels.default_channels(head_dim) if args.key_channels == "auto" else args.key_channels
-    bits = (labels.DEFAULT_BITS if kc else 0) if args.label_bits == "auto" else args.label_bits
-    return kc, bits
+    return kc, labels.resolve_bits(args.label_bits, kc)
 
 
 def _channel_table(args, key_channels: int, label_bits: int):

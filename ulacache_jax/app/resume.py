@@ -66,9 +66,9 @@ def run_settings(args) -> dict:
                 "attention": args.attention}
     for name, default in FINGERPRINTED_WHEN_SET.items():
         v = num_speculative_tokens(args) if name == "num_speculative_tokens" else getattr(args, name)
-        if name == "label_bits" and v == "auto":      # what it means: none with Quest, so Quest files written
-            from ulacache_jax.cache.select.labels import DEFAULT_BITS     # before the labels' default still resume
-            v = 0 if args.key_channels == 0 else DEFAULT_BITS
+        if name == "label_bits":      # what 'auto' means: none with Quest, so Quest files written before the
+            from ulacache_jax.cache.select.labels import resolve_bits      # labels' default still resume
+            v = resolve_bits(v, args.key_channels)
         if v != default:
             if name == "channel_table" and v != "online":
                 p = pathlib.Path(v)

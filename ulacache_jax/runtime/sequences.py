@@ -187,16 +187,25 @@ def block_pages(config: CacheConfig, x):
     return split_groups(c, x).transpose(3, 0, 4, 1, 2, 5, 6)
 
 
+def ingest_rules(state: CacheState, rules, slot, layer0, kp, start, length):
+    """Each of `rules`' `ingest` of a prefill block kp [R, Lc, G, n, page, g, D] (layers [layer0, layer0 + Lc),
+    tokens [start, start + n * page), start page-aligned) of a prompt `length` long; a sequence's first block
+    starts at 0."""
+    n, page = kp.shape[3], kp.shape[4]
+    tok = start + jnp.arange(n * page).reshape(n, page)                              # [n, page]
+    live = tok < jnp.minimum(length, start + n * page)
+    for rule in rules:
+        state = rule.ingest(state, slot, layer0, start // page, kp, live, jnp.asarray(start) == 0)
+    return state
+
+
 def reingest_selection(state: CacheState, slot, k, start, length, *, layer0):
     """The selection rule's `ingest` of a stored prefill block again: k [Lc, C, KV, D] tokens [start, start + C) of
     layers [layer0, layer0 + Lc). A sharer's rest is stored before its attached prefix is read (program.py's order:
     the host pool is written before it is read), but a rule that calibrates on the prompt's first tokens (online
     label channels) picks its channels when the prefix is attached: the rest is encoded again with them."""
     c = state.config
-    C, page = k.shape[1], c.page_size
-    tok = start + jnp.arange(C).reshape(C // page, page)                              # [n, page]
-    return c.selection_rule.ingest(state, slot, layer0, start // page, block_pages(c, k),
-                                   tok < jnp.minimum(length, start + C), jnp.asarray(start) == 0)
+    return ingest_rules(state, (c.selection_rule,), slot, layer0, block_pages(c, k), start, length)
 
 
 def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *, layer0: int = 0,
@@ -216,7 +225,6 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
     p0 = start // page
     kp, vp = block_pages(c, k), block_pages(c, v)                                    # [R, L, G, n, page, g, D]
     end = jnp.minimum(length, start + C)
-    tok = start + jnp.arange(C).reshape(n, page)                                     # [n, page]
     page_ids = p0 + jnp.arange(n)
     has_tok = page_ids * page < end                                                  # [n]
     zero = jnp.zeros((), jnp.int32)
@@ -251,8 +259,7 @@ def ingest_chunk(state: CacheState, host: HostPool, slot, k, v, start, length, *
                                flushed=state.seqs.flushed.at[slot].set(end // page))
     state = dataclasses.replace(state, seqs=seqs)
     # the summaries of every page touched, the rule's own state (a sequence's first block: start 0)
-    for rule in kept_rules(c):
-        state = rule.ingest(state, slot, layer0, p0, kp, tok < end, jnp.asarray(start) == 0)
+    state = ingest_rules(state, kept_rules(c), slot, layer0, kp, start, length)
     return state, host
 
 

@@ -133,7 +133,6 @@ def init_sharded(config: CacheConfig, mesh: Mesh, *, check: bool = True) -> tupl
         return jax.make_array_from_single_device_arrays(shape, sh, list(xs))
 
     state = jax.tree.map(join, specs, *[p[0] for p in parts])
-    state = dataclasses.replace(state, config=config)
     host = jax.tree.map(lambda spec, *xs: join(spec, *xs, memory_kind=kind), host_specs(config), *[p[1] for p in parts])
     return state, host
 

@@ -181,9 +181,10 @@ class KeyCopy(SelectionRule):
         chan = sel.chan
         if self.table is None:
             window = jnp.repeat(live, P) & (jnp.arange(n * P) < self.window)                  # [n * P]
-            picked = self.pick(flat, window, C)                                                # [R, G, g, C]
-            chan = jax.lax.dynamic_update_slice(chan, picked[:, None, None], at + (zero, zero))
-        ch = jax.lax.dynamic_slice(chan, at + (zero, zero), (R, 1, 1, G, g, C))[:, 0, 0]       # [R, G, g, C]
+            ch = self.pick(flat, window, C)                                                    # [R, G, g, C]
+            chan = jax.lax.dynamic_update_slice(chan, ch[:, None, None], at + (zero, zero))
+        else:
+            ch = jax.lax.dynamic_slice(chan, at + (zero, zero), (R, 1, 1, G, g, C))[:, 0, 0]   # [R, G, g, C]
         x = compress(flat, ch).reshape(R, 1, 1, G, n, P, g, C)
         codes, scale = self.encode(x, sel.kc.dtype)                 # [R, 1, 1, G, n, P, g, Cs], [.., n, g, C]
         size = codes.shape

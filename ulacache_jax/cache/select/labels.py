@@ -50,6 +50,14 @@ def default_channels(head_dim: int) -> int:
     return max(2, min(DEFAULT_CHANNELS, head_dim // 4 * 2))
 
 
+def resolve_bits(label_bits, key_channels: int) -> int:
+    """Label bits as the CLI takes them: 'auto' is DEFAULT_BITS with channels and 0 (no labels) with Quest
+    (key_channels 0); an int as given."""
+    if label_bits != "auto":
+        return label_bits
+    return DEFAULT_BITS if key_channels else 0
+
+
 def code_channels(num_channels: int, bits: int) -> int:
     """The last axis of the stored copy: C values, or C / 2 bytes at 4 bits."""
     return num_channels // 2 if bits == 4 else num_channels
