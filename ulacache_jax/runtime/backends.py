@@ -174,15 +174,20 @@ def verify_attention(q, k_cache, v_cache, k_new, v_new, pos, *, implementation: 
     keys, no mask: cuDNN's flash kernel, with its log-sum-exp) and the rows' own keys 0 .. j (a Q x Q causal
     block in jnp), merged by their log-sum-exps. One call with the whole view as a mask takes cuDNN off its flash
     path, and the jnp attention writes float32 scores and a masked copy of V: both read far more than the K/V
-    (docs/BENCHMARKS.md, exact mode)."""
+    (docs/BENCHMARKS.md, exact mode). Every row sees the same committed keys, so the G query heads of a KV head go
+    in as G x Q query rows of one head: the kernel reads each KV head's keys once, not once per query head."""
     S, Q, H, D = q.shape
     KV = k_new.shape[2]
+    G = H // KV
     f32 = jnp.float32
-    o1, lse1 = jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=jnp.maximum(pos, 1),
+    qg = q.reshape(S, Q, KV, G, D)                                                     # head h = kv * G + g
+    qrows = qg.transpose(0, 1, 3, 2, 4).reshape(S, Q * G, KV, D)                       # rows (j, g) a KV head
+    o1, lse1 = jax.nn.dot_product_attention(qrows, k_cache, v_cache, key_value_seq_lengths=jnp.maximum(pos, 1),
                                             implementation=implementation, return_residual=True)
-    if lse1.shape != (S, Q, H):                        # [S, H, Q]: the layout some implementations return
+    if lse1.shape != (S, Q * G, KV):                   # [S, KV, rows]: the layout some implementations return
         lse1 = jnp.swapaxes(lse1, 1, 2)
-    qg = q.reshape(S, Q, KV, H // KV, D)
+    o1 = o1.reshape(S, Q, G, KV, D).transpose(0, 1, 3, 2, 4).reshape(S, Q, H, D)
+    lse1 = lse1.reshape(S, Q, G, KV).transpose(0, 1, 3, 2).reshape(S, Q, H)
     s2 = jnp.einsum("SQKGD,SPKD->SKGQP", qg, k_new, preferred_element_type=f32) * D ** -0.5
     causal = jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :]                          # [Q, P]: key P <= row Q
     s2 = jnp.where(causal, s2, jnp.finfo(f32).min)
