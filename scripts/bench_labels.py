@@ -13,9 +13,10 @@ atol 1e-3 on the lse; `mma` against ref_page_lse(f16_queries=True), its own arit
 relative error against the exact lse) on random inputs and on adversarial ones (a page of zero codes with zero
 scales, a page of the extreme codes +-7 / +-127 at a large scale, one query row 100x the others); the reference
 itself is checked against float64 numpy on the first (sequence, group). A variant that fails a check is recorded
-with ok=false and not timed. Time = median over --reps of a jitted fori_loop of --calls calls, each call's queries
+with ok=false and not timed. Time = median over --reps of a chain of up to --calls calls, each call's queries
 depending on the previous result (nothing hoisted but what does not depend on the queries: XLA may hoist the
-reference's dequantisation). Bytes = what one call must read: the layer's codes + bf16 scales + float32 queries;
+reference's dequantisation), the calls unrolled in one jit (bench_meta.time_chain: no loop step between them, as
+between a decode step's layers); the kernel's own time (kernel_us) from the profiler's GPU events beside it. Bytes = what one call must read: the layer's codes + bf16 scales + float32 queries;
 GB/s and the fraction of the HBM read ceiling (read_ceiling, measured in the same run) follow from them.
 
 Run (GPU): PYTHONPATH=. python3 -m scripts.bench_labels --out DIR [--bits 8] [--commit SHA]
@@ -32,8 +33,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from scripts.bench_meta import Results, add_common_args, pyplot, read_ceiling, run_meta, save_figure
-from scripts.bench_select import loop_time
+from scripts.bench_meta import (Results, add_common_args, device_events, pyplot, read_ceiling, run_meta,
+                                save_figure, time_chain)
 from ulacache_jax.pallas_kernels import on_gpu
 from ulacache_jax.pallas_kernels import page_lse as pk
 from ulacache_jax.cache.select.labels import QMAX     # the labels' largest code magnitude
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--channels", type=int, default=32, help="C label channels")
     p.add_argument("--bits", type=int, default=4, choices=[4, 8])
     p.add_argument("--layers", type=int, default=2, help="layers in the codes array (the last is scored)")
-    p.add_argument("--calls", type=int, default=16)
+    p.add_argument("--calls", type=int, default=16, help="most calls a timed chain")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--blocks", type=int, nargs="*", default=[1], help="block_pages of the kernel rows")
     p.add_argument("--warps", type=int, nargs="*", default=[1], help="num_warps of the kernel and span rows")
@@ -191,11 +192,27 @@ def run_variant(v: dict, a, layer: int, inputs, wants, nbytes: int, ceiling: flo
         if not row["ok"]:
             return row
         codes, scale, q = inputs[0]
-        sec = loop_time(lambda x: jnp.sum(f(codes, scale, x)), q, a.calls, a.reps)
+        sec, _ = time_chain(lambda c, x: c + jnp.sum(f(codes, scale, x + c * 1e-30)) * 1e-30, jnp.float32(0), q,
+                            reps=a.reps, max_n=a.calls)
         row.update(us=sec * 1e6, bytes=nbytes, gb_s=nbytes / sec / 1e9, fraction_of_read=nbytes / sec / ceiling)
+        row.update(kernel_time(f, codes, scale, q, nbytes, ceiling))
     except Exception as e:  # one launch shape failing to compile must not lose the others
         row.update(ok=False, error=repr(e)[:300])
     return row
+
+
+def kernel_time(f, codes, scale, q, nbytes: int, ceiling: float) -> dict:
+    """The Pallas kernel's own GPU time per call (the profiler's events named like the kernel: `label` or
+    `key_copy`), apart from the call's glue (the query matrices, the output's layout): kernel_us and its fraction
+    of the read ceiling; {} where the profiler gives no GPU events (CPU)."""
+    g = jax.jit(f)
+    jax.block_until_ready(g(codes, scale, q))
+    dt = device_events(lambda: g(codes, scale, q), reps=5)
+    ns = sum(t for name, t in (dt.by_name.items() if dt else ()) if "label" in name or "key_copy" in name)
+    if not ns:
+        return {}
+    return dict(kernel_us=ns / 1e3, kernel_fraction_of_read=nbytes / (ns * 1e-9) / ceiling,
+                call_events=dt.events)
 
 
 def main(argv=None):
@@ -264,13 +281,15 @@ def plot(res: Results, path: str):
 
 def print_table(res: Results, nbytes: int, ceiling: float):
     print(f"\n{res.extra['shapes']}: {nbytes / 1e6:.2f} MB a call, read ceiling {ceiling / 1e12:.2f} TB/s")
-    print("| variant | programs | us | GB/s | of read | check |\n|---|---|---|---|---|---|")
+    print("| variant | programs | us | GB/s | of read | kernel us | kernel of read | check |\n"
+          "|---|---|---|---|---|---|---|---|")
     for r in res.rows:
         v, n = variant_name(r), r.get("programs", "")
         if "us" in r:
-            print(f"| {v} | {n} | {r['us']:.1f} | {r['gb_s']:.1f} | {r['fraction_of_read']:.2f} | ok |")
+            k = (f"{r['kernel_us']:.1f} | {r['kernel_fraction_of_read']:.2f}" if "kernel_us" in r else "- | -")
+            print(f"| {v} | {n} | {r['us']:.1f} | {r['gb_s']:.1f} | {r['fraction_of_read']:.2f} | {k} | ok |")
         else:
-            print(f"| {v} | {n} | - | - | - | FAILED {r.get('error', '')[:80] or 'max abs err %.3g' % r['max_abs_err']} |")
+            print(f"| {v} | {n} | - | - | - | - | - | FAILED {r.get('error', '')[:80] or 'max abs err %.3g' % r['max_abs_err']} |")
 
 
 if __name__ == "__main__":

@@ -203,12 +203,17 @@ def _verify_reference(q, k, v, qpos):
 
 
 def test_verify_attention_is_each_rows_causal_view():
-    """The dense verification's split attention (committed keys by one fused call, the rows' own keys as a causal
-    block, merged by log-sum-exp) = each row's own causal attention."""
-    from ulacache_jax.runtime.backends import verify_attention
+    """The dense verification's split attention (committed keys by one fused call, in one piece or several, the
+    rows' own keys as a causal block, merged by log-sum-exp) = each row's own causal attention."""
+    from ulacache_jax.runtime.backends import verify_attention, verify_splits
     q, k, v, kn, vn, pos, qpos = _verify_case(jnp.float32)
-    got = np.asarray(verify_attention(q, k, v, kn, vn, pos, implementation="xla"))
-    np.testing.assert_allclose(got, np.asarray(_verify_reference(q, k, v, qpos)), atol=3e-6, rtol=3e-6)
+    want = np.asarray(_verify_reference(q, k, v, qpos))
+    for splits in (None, 1, 2, 4):     # pieces of the committed keys: a row at 1 or 10 leaves later pieces empty
+        got = np.asarray(verify_attention(q, k, v, kn, vn, pos, implementation="xla", splits=splits))
+        np.testing.assert_allclose(got, want, atol=3e-6, rtol=3e-6)
+    with pytest.raises(ValueError, match="splits = 7 must be >= 1 and divide the cache's 300 keys"):
+        verify_attention(q, k, v, kn, vn, pos, implementation="xla", splits=7)
+    assert verify_splits(131072) == 8 and verify_splits(300) == 1 and verify_splits(32768) == 2
 
 
 @pytest.mark.gpu
@@ -218,6 +223,7 @@ def test_verify_attention_cudnn_on_the_gpu():
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     q, k, v, kn, vn, pos, qpos = _verify_case(jnp.bfloat16, T=4096)
-    got = jax.jit(lambda *a: verify_attention(*a, implementation="cudnn"))(q, k, v, kn, vn, pos)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(_verify_reference(q, k, v, qpos), np.float32),
-                               atol=2e-2, rtol=2e-2)
+    want = np.asarray(_verify_reference(q, k, v, qpos), np.float32)
+    for splits in (1, 4):
+        got = jax.jit(lambda *a: verify_attention(*a, implementation="cudnn", splits=splits))(q, k, v, kn, vn, pos)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)

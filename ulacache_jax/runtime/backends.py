@@ -166,37 +166,59 @@ class DenseCache:
                           put(self.rv, rv))
 
 
-def verify_attention(q, k_cache, v_cache, k_new, v_new, pos, *, implementation: str | None = "cudnn"):
+VERIFY_CHUNK = 16384   # committed keys a cuDNN call's sequence holds: the verification's split (verify_splits)
+
+
+def verify_splits(T: int, chunk: int = VERIFY_CHUNK) -> int:
+    """Pieces the committed keys of a T-key cache are cut into for the verification: the largest power of two
+    dividing T with pieces of at least `chunk` keys (1 below 2 * chunk). cuDNN's flash kernel runs one program per
+    (sequence, head, block of query rows), so a few verification rows over a long cache make S x H programs that
+    each walk every key; cut in pieces, the pieces run side by side and are merged by their log-sum-exps."""
+    c = 1
+    while T % (c * 2) == 0 and T // (c * 2) >= chunk:
+        c *= 2
+    return c
+
+
+def verify_attention(q, k_cache, v_cache, k_new, v_new, pos, *, implementation: str | None = "cudnn",
+                     splits: int | None = None):
     """Verification rows over a dense cache, the committed keys read once by a fused kernel: q [S, Q, H, D] the rows
     at positions pos [S] + j, k_cache / v_cache [S, T, KV, D] (keys < pos committed; pos >= 1, as every decoding
     sequence has its prompt), k_new / v_new [S, Q, KV, D] the rows' own K/V -> [S, Q, H, D] in q's dtype.
-    Row j's causal view is split in two: every committed key (one `dot_product_attention` call over the first pos
-    keys, no mask: cuDNN's flash kernel, with its log-sum-exp) and the rows' own keys 0 .. j (a Q x Q causal
-    block in jnp), merged by their log-sum-exps. One call with the whole view as a mask takes cuDNN off its flash
-    path, and the jnp attention writes float32 scores and a masked copy of V: both read far more than the K/V
-    (docs/BENCHMARKS.md, exact mode). Every row sees the same committed keys, so the G query heads of a KV head go
-    in as G x Q query rows of one head: the kernel reads each KV head's keys once, not once per query head."""
+    Row j's causal view is split in two: every committed key (`dot_product_attention` over the first pos keys, no
+    mask: cuDNN's flash kernel, with its log-sum-exp) and the rows' own keys 0 .. j (a Q x Q causal block in jnp),
+    merged by their log-sum-exps. One call with the whole view as a mask takes cuDNN off its flash path, and the
+    jnp attention writes float32 scores and a masked copy of V: both read far more than the K/V (docs/BENCHMARKS.md,
+    exact mode). The committed keys go in as `splits` pieces of T / splits keys (default verify_splits(T)), each
+    piece a sequence of the call's batch (a free reshape), so the pieces' programs fill the GPU (split-K)."""
     S, Q, H, D = q.shape
-    KV = k_new.shape[2]
-    G = H // KV
+    T, KV = k_cache.shape[1], k_new.shape[2]
+    c = verify_splits(T) if splits is None else splits
+    if c < 1 or T % c:
+        raise ValueError(f"splits = {c} must be >= 1 and divide the cache's {T} keys")
     f32 = jnp.float32
-    qg = q.reshape(S, Q, KV, G, D)                                                     # head h = kv * G + g
-    qrows = qg.transpose(0, 1, 3, 2, 4).reshape(S, Q * G, KV, D)                       # rows (j, g) a KV head
-    o1, lse1 = jax.nn.dot_product_attention(qrows, k_cache, v_cache, key_value_seq_lengths=jnp.maximum(pos, 1),
-                                            implementation=implementation, return_residual=True)
-    if lse1.shape != (S, Q * G, KV):                   # [S, KV, rows]: the layout some implementations return
+    seen = jnp.clip(pos[:, None] - (jnp.arange(c) * (T // c))[None, :], 0, T // c)      # [S, c] keys a piece
+    qc = jnp.broadcast_to(q[:, None], (S, c, Q, H, D)).reshape(S * c, Q, H, D)
+    o1, lse1 = jax.nn.dot_product_attention(
+        qc, k_cache.reshape(S * c, T // c, KV, D), v_cache.reshape(S * c, T // c, KV, D),
+        key_value_seq_lengths=jnp.maximum(seen, 1).reshape(S * c), implementation=implementation,
+        return_residual=True)
+    if lse1.shape != (S * c, Q, H):                    # [S, H, Q]: the layout some implementations return
         lse1 = jnp.swapaxes(lse1, 1, 2)
-    o1 = o1.reshape(S, Q, G, KV, D).transpose(0, 1, 3, 2, 4).reshape(S, Q, H, D)
-    lse1 = lse1.reshape(S, Q, G, KV).transpose(0, 1, 3, 2).reshape(S, Q, H)
+    lse1 = jnp.where(seen[:, :, None, None] > 0, lse1.reshape(S, c, Q, H), -jnp.inf)     # an empty piece: no mass
+    o1 = o1.reshape(S, c, Q, H, D).astype(f32)
+    qg = q.reshape(S, Q, KV, H // KV, D)
     s2 = jnp.einsum("SQKGD,SPKD->SKGQP", qg, k_new, preferred_element_type=f32) * D ** -0.5
     causal = jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :]                          # [Q, P]: key P <= row Q
     s2 = jnp.where(causal, s2, jnp.finfo(f32).min)
     lse2 = jax.nn.logsumexp(s2, axis=-1)                                               # [S, KV, G, Q]
     o2 = jnp.einsum("SKGQP,SPKD->SQKGD", jnp.exp(s2 - lse2[..., None]), v_new.astype(f32)).reshape(S, Q, H, D)
     lse2 = jnp.moveaxis(lse2, 3, 1).reshape(S, Q, H)
-    m = jnp.maximum(lse1, lse2)
-    w1, w2 = jnp.exp(lse1 - m)[..., None], jnp.exp(lse2 - m)[..., None]
-    return ((o1.astype(f32) * w1 + o2 * w2) / (w1 + w2)).astype(q.dtype)
+    m = jnp.maximum(jnp.max(lse1, axis=1), lse2)                                       # [S, Q, H]
+    w1 = jnp.exp(lse1 - m[:, None])[..., None]                                         # [S, c, Q, H, 1]
+    w2 = jnp.exp(lse2 - m)[..., None]
+    num = jnp.sum(o1 * w1, axis=1) + o2 * w2
+    return (num / (jnp.sum(w1, axis=1) + w2)).astype(q.dtype)
 
 
 def dense_page_walk(view, q, pos, live, *, page_size: int, impl: str = "pallas", tuning=None):
