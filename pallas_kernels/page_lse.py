@@ -317,41 +317,37 @@ def unpack_asm(raw, s_lo, s_hi):
     return out
 
 
-def _label_mma_kernel(kc_ref, sc_ref, b_ref, out_ref, *, g: int, pd: int, unpack, dots: int = 1,
-                      hoist: bool = False):
-    # One program = (sequence, group, span of pages), a loop over the span dots * pd pages at a time. kc_ref
-    # [p, T, g * Cs] 4-bit codes; sc_ref [p, g * C] bf16 scales; b_ref [g, 2, pd, Cs, N] float16 query matrices
-    # (KV head, nibble half, page slot, channel, column): slot j holds the query rows in columns [j * hp, j * hp +
-    # rows) and zeros elsewhere, so the pd pages' dots add into one [T, N] accumulator whose column j * hp + r is
-    # page j's logit of row r. out_ref [g, p * hp]: (page, row) flattened. dots: accumulators an iteration (more
-    # code bytes a loop step for the pipeline to keep in flight); hoist: the query matrices loaded once before the
-    # loop instead of every iteration. code * scale is exact in float16 (a 4-bit value times a bfloat16 scale has
-    # <= 11 significant bits) for scales from 6.1e-5 (float16's smallest normal; below, a subnormal rounds) to 8192
-    # (labels.SCALE_MAX4); the products with the float16 queries are exact in the float32 accumulator.
+def _label_mma_kernel(kc_ref, sc_ref, b_ref, out_ref, *, g: int, pd: int, unpack):
+    # One program = (sequence, group, span of pages), a loop over the span pd pages at a time. kc_ref [p, T, g * Cs]
+    # 4-bit codes; sc_ref [p, g * C] bf16 scales; b_ref [g, 2, pd, Cs, N] float16 query matrices (KV head, nibble
+    # half, page slot, channel, column): slot j holds the query rows in columns [j * hp, j * hp + rows) and zeros
+    # elsewhere, so the pd pages' dots add into one [T, N] accumulator whose column j * hp + r is page j's logit of
+    # row r. out_ref [g, p * hp]: (page, row) flattened. The query matrices are loaded once, before the loop (read
+    # in the loop, the pipeline staged them every iteration beside the codes). code * scale is exact in float16 (a
+    # 4-bit value times a bfloat16 scale has <= 11 significant bits) for scales from 6.1e-5 (float16's smallest
+    # normal; below, a subnormal rounds) to 8192 (labels.SCALE_MAX4); the products with the float16 queries are
+    # exact in the float32 accumulator.
     span, T = kc_ref.shape[0], kc_ref.shape[1]
     cs = kc_ref.shape[2] // g
     n = b_ref.shape[-1]
-    step = pd * dots
-    held = [[[b_ref[i, h, j] for j in range(pd)] for h in range(2)] for i in range(g)] if hoist else None
+    bq = [[[b_ref[i, h, j] for j in range(pd)] for h in range(2)] for i in range(g)]      # [Cs, N] f16 each
 
     def body(it, carry):
-        for d in range(dots):
-            p0 = pl.multiple_of(it * step + d * pd, pd)
-            for i in range(g):
-                acc = jnp.zeros((T, n), jnp.float32)
-                for j in range(pd):
-                    raw = kc_ref[p0 + j, :, pl.ds(i * cs, cs)]                                   # [T, Cs] uint8
-                    s = [sc_ref[pl.ds(p0 + j, 1), pl.ds((2 * i + h) * cs, cs)] for h in range(2)]  # 2 x [1, Cs]
-                    for h, a in enumerate(unpack(raw, *s)):                                      # [T, Cs] f16
-                        b = held[i][h][j] if hoist else b_ref[i, h, j]                           # [Cs, N] f16
-                        acc = acc + jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
-                                                        preferred_element_type=jnp.float32)    # [T, N]
-                m = jnp.max(acc, axis=0)                                                          # [N]
-                lse = m + jnp.log(jnp.sum(jnp.exp(acc - m[None, :]), axis=0))
-                out_ref[pl.ds(i, 1), pl.ds(pl.multiple_of((it * dots + d) * n, n), n)] = lse.reshape(1, n)
+        p0 = pl.multiple_of(it * pd, pd)
+        for i in range(g):
+            acc = jnp.zeros((T, n), jnp.float32)
+            for j in range(pd):
+                raw = kc_ref[p0 + j, :, pl.ds(i * cs, cs)]                                      # [T, Cs] uint8
+                s = [sc_ref[pl.ds(p0 + j, 1), pl.ds((2 * i + h) * cs, cs)] for h in range(2)]  # 2 x [1, Cs]
+                for h, a in enumerate(unpack(raw, *s)):                                         # [T, Cs] f16
+                    acc = acc + jax.lax.dot_general(a, bq[i][h][j], (((1,), (0,)), ((), ())),
+                                                    preferred_element_type=jnp.float32)       # [T, N]
+            m = jnp.max(acc, axis=0)                                                             # [N]
+            lse = m + jnp.log(jnp.sum(jnp.exp(acc - m[None, :]), axis=0))
+            out_ref[pl.ds(i, 1), pl.ds(pl.multiple_of(it * n, n), n)] = lse.reshape(1, n)
         return carry
 
-    jax.lax.fori_loop(0, span // step, body, 0)
+    jax.lax.fori_loop(0, span // pd, body, 0)
 
 
 def mma_queries(qc, rows: int):
@@ -371,18 +367,16 @@ def mma_queries(qc, rows: int):
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "interpret", "pages_per_program", "num_warps",
-                                             "num_stages", "dots_per_step", "hoist_queries"))
+                                             "num_stages"))
 def label_lse_mma(kc, qc, *, layer: int, scale, interpret: bool = False, pages_per_program: int | None = None,
-                  num_warps: int = MMA_WARPS, num_stages: int = MMA_STAGES, dots_per_step: int = 1,
-                  hoist_queries: bool = False):
+                  num_warps: int = MMA_WARPS, num_stages: int = MMA_STAGES):
     """The 4-bit labels' page lse on the tensor cores: kc [S, L, G, P, T, g, C/2] codes, scale [S, L, G, P, g, C]
     bf16, qc [S, G, g, H, C] float32 -> lse [S, G, g * H, P] float32 for `layer`, = ref_page_lse(f16_queries=True)
     (the queries truncated to 11 bits: a relative logit error of <= 2^-10, far under the 4-bit codes' own; the
     queries split into two float16 parts for float32 products ran at half the speed, 77 vs 43 us). One program per
     (sequence, group, pages_per_program pages; default mma_span), looping over them a dot's pages at a time
     (mma_shape), the query matrices loaded once a program; codes to float16 by inline PTX (unpack_asm; interpret
-    mode: unpack_bits, the same values). Needs T >= 16 and C/2 >= 16 (mma_fits). dots_per_step: dots' pages a
-    loop iteration (a divisor of the span's dots); hoist_queries: the query matrices loaded before the loop."""
+    mode: unpack_bits, the same values). Needs T >= 16 and C/2 >= 16 (mma_fits)."""
     S, L, G, P, T, g, Cs = kc.shape
     H, C = qc.shape[3], qc.shape[4]
     _check(kc, qc, pow2=True, bits=4, scale=scale)
@@ -394,13 +388,10 @@ def label_lse_mma(kc, qc, *, layer: int, scale, interpret: bool = False, pages_p
         raise ValueError(f"no span of pages divides the page count {P} in whole dots of {mma_shape(H)[1]} pages")
     n, pd = mma_shape(H)
     hp = n // pd
-    if dots_per_step < 1 or (span // pd) % dots_per_step:
-        raise ValueError(f"dots_per_step = {dots_per_step} must divide the span's {span // pd} dots of {pd} pages")
     params = {} if interpret else {"compiler_params": pltr.CompilerParams(num_warps=num_warps,
                                                                              num_stages=num_stages)}
     out = pl.pallas_call(
-        functools.partial(_label_mma_kernel, g=g, pd=pd, unpack=unpack_bits if interpret else unpack_asm,
-                          dots=dots_per_step, hoist=hoist_queries),
+        functools.partial(_label_mma_kernel, g=g, pd=pd, unpack=unpack_bits if interpret else unpack_asm),
         grid=(S, G, P // span), interpret=interpret, name="label_page_lse_mma",
         in_specs=[pl.BlockSpec((None, None, None, span, T, g * Cs), lambda s, j, b: (s, layer, j, b, 0, 0)),
                   pl.BlockSpec((None, None, None, span, g * C), lambda s, j, b: (s, layer, j, b, 0)),

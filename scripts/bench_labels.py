@@ -41,8 +41,7 @@ from ulacache_jax.cache.select.labels import QMAX     # the labels' largest code
 
 RTOL, ATOL = 1e-4, 1e-3
 TINY = dict(batch=1, groups=2, rows=4, pages=16, page=16, channels=32, layers=2, calls=2, reps=2,
-            blocks=[1, 4], warps=[4], spans=[4, 16], span_block=2, mma_spans=[8], mma_warps=[4], mma_stages=[2],
-            mma_dots=[1, 2], mma_hoist=[0, 1])
+            blocks=[1, 4], warps=[4], spans=[4, 16], span_block=2, mma_spans=[8], mma_warps=[4], mma_stages=[2])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,10 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pages_per_program of the tensor-core rows (4-bit labels; label_lse_mma)")
     p.add_argument("--mma-warps", type=int, nargs="*", default=[1], help="num_warps of the tensor-core rows")
     p.add_argument("--mma-stages", type=int, nargs="*", default=[2, 3], help="num_stages of the tensor-core rows")
-    p.add_argument("--mma-dots", type=int, nargs="*", default=[1],
-                   help="dots_per_step of the tensor-core rows (dots' pages a loop iteration)")
-    p.add_argument("--mma-hoist", type=int, nargs="*", default=[0], choices=[0, 1],
-                   help="hoist_queries of the tensor-core rows (1: query matrices loaded before the loop)")
     p.add_argument("--span-block", type=int, default=0,
                    help="block_pages of the span rows; 0: the kernel's default (BLOCK_ELEMS)")
     p.add_argument("--tiny", action="store_true", help="small shapes for CPU interpret mode (the tests): "
@@ -134,9 +129,8 @@ def variants(a) -> list[dict]:
              for w in a.warps if sp % sb == 0 and P % sp == 0]
     if a.bits == 4 and min(a.page, a.channels // 2) >= pk.MMA_MIN:
         pd = pk.mma_shape(a.rows)[1]
-        rows += [dict(impl="mma", pages_per_program=sp, num_warps=w, num_stages=st, dots_per_step=d,
-                      hoist_queries=bool(hq)) for sp in a.mma_spans for w in a.mma_warps for st in a.mma_stages
-                 for d in a.mma_dots for hq in a.mma_hoist if sp % (pd * d) == 0 and P % sp == 0]
+        rows += [dict(impl="mma", pages_per_program=sp, num_warps=w, num_stages=st) for sp in a.mma_spans
+                 for w in a.mma_warps for st in a.mma_stages if sp % pd == 0 and P % sp == 0]
     return rows
 
 
@@ -147,8 +141,7 @@ def score_fn(v: dict, a, layer: int):
     if v["impl"] == "mma":
         return lambda c, s, q: pk.label_lse_mma(
             c, q, layer=layer, scale=s, interpret=not on_gpu(), pages_per_program=v["pages_per_program"],
-            num_warps=v["num_warps"], num_stages=v["num_stages"], dots_per_step=v.get("dots_per_step", 1),
-            hoist_queries=v.get("hoist_queries", False))
+            num_warps=v["num_warps"], num_stages=v["num_stages"])
     return lambda c, s, q: pk.page_lse_pallas(
         c, q, layer=layer, interpret=not on_gpu(), scale=s, bits=a.bits, block_pages=v["block_pages"],
         num_warps=v["num_warps"], pages_per_program=v.get("pages_per_program"))
