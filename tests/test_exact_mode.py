@@ -217,6 +217,21 @@ def test_verify_attention_is_each_rows_causal_view():
     assert verify_splits(131072) == 8 and verify_splits(300) == 1 and verify_splits(32768) == 2
 
 
+def test_verify_walk_is_each_rows_causal_view():
+    """The verification by the decode kernel over the cache's frames (rows' own K/V written first) = each row's own
+    causal attention, through the kernel (interpret mode) and its reference."""
+    from ulacache_jax.runtime.backends import verify_walk
+    q, k, v, kn, vn, pos, qpos = _verify_case(jnp.float32, T=320)
+    s = jnp.arange(q.shape[0])[:, None]
+    k, v = k.at[s, qpos].set(kn), v.at[s, qpos].set(vn)
+    want = np.asarray(_verify_reference(q, k, v, qpos))
+    for impl in ("ref", "pallas"):
+        got = np.asarray(verify_walk(q, k, v, pos, page_size=64, impl=impl))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="320 keys must be whole pages of 48"):
+        verify_walk(q, k, v, pos, page_size=48)
+
+
 @pytest.mark.gpu
 def test_verify_attention_cudnn_on_the_gpu():
     """cuDNN's flash attention with its log-sum-exp, compiled on the GPU, against the per-row reference (bf16)."""
@@ -229,3 +244,9 @@ def test_verify_attention_cudnn_on_the_gpu():
         got = jax.jit(lambda *a: verify_attention(*a, implementation="cudnn", splits=splits, fold=fold))(
             q, k, v, kn, vn, pos)
         np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
+    from ulacache_jax.runtime.backends import verify_walk
+    s = jnp.arange(q.shape[0])[:, None]
+    kw, vw = k.at[s, qpos].set(kn), v.at[s, qpos].set(vn)
+    got = jax.jit(lambda *a: verify_walk(*a, page_size=64))(q, kw, vw, pos)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(_verify_reference(q, kw, vw, qpos), np.float32),
+                               atol=2e-2, rtol=2e-2)

@@ -1,6 +1,6 @@
 """Exact mode's dense verification (runtime/backends.verify_attention) for one layer at the Llama-8B shape, with the
-committed keys cut into 1 .. 32 pieces (split-K over cuDNN's flash kernel): each piece count checked against the
-one-piece result, then timed as a chain of calls in one jit (bench_meta.time_chain); GB/s of the K/V read against
+committed keys cut into 4 .. 32 pieces (split-K over cuDNN's flash kernel), with and without the query heads folded
+into rows, and by the decode kernel over the cache's frames (verify_walk): each checked against the first, then timed as a chain of calls in one jit (bench_meta.time_chain); GB/s of the K/V read against
 the read ceiling measured in the same run. A diagnostic for choosing VERIFY_CHUNK (bench_exact times the cycle).
 Run (GPU): PYTHONPATH=. python3 -m scripts.probes.verify_split [--batch 2] [--context 131072] [--rows 5]"""
 import argparse
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from scripts.bench_meta import read_ceiling, time_chain
-from ulacache_jax.runtime.backends import verify_attention, verify_splits
+from ulacache_jax.runtime.backends import verify_attention, verify_splits, verify_walk
 
 
 def main(argv=None):
@@ -29,6 +29,9 @@ def main(argv=None):
     kn = jax.random.normal(ks[3], (S, Q, KV, D), jnp.bfloat16)
     vn = jax.random.normal(ks[4], (S, Q, KV, D), jnp.bfloat16)
     pos = jnp.full((S,), T - Q - 3, jnp.int32)
+    qpos = pos[:, None] + jnp.arange(Q)[None, :]
+    s_ = jnp.arange(S)[:, None]
+    k, v = k.at[s_, qpos].set(kn), v.at[s_, qpos].set(vn)          # the rows' own K/V in the cache (the walk reads it)
     ceiling = read_ceiling(1 << 30)
     nbytes = 2 * S * int(pos[0]) * KV * D * 2
     base = None
@@ -45,6 +48,11 @@ def main(argv=None):
             sec, _ = time_chain(lambda x, f=f: x + f(x) * 1e-3, q, target_s=0.01, reps=5, max_n=8)
             print(f"| {c} | {fold} | {err:.3g} | {sec * 1e6:.0f} | {nbytes / sec / 1e9:.0f} | "
                   f"{nbytes / sec / ceiling:.2f} |", flush=True)
+    f = jax.jit(lambda q: verify_walk(q, k, v, pos, page_size=64))
+    err = float(np.max(np.abs(np.asarray(f(q), np.float32) - base)))
+    sec, _ = time_chain(lambda x: x + f(x) * 1e-3, q, target_s=0.01, reps=5, max_n=8)
+    print(f"| walk (Triton decode kernel) | - | {err:.3g} | {sec * 1e6:.0f} | {nbytes / sec / 1e9:.0f} | "
+          f"{nbytes / sec / ceiling:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

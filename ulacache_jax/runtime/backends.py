@@ -227,6 +227,28 @@ def verify_attention(q, k_cache, v_cache, k_new, v_new, pos, *, implementation: 
     return (num / (jnp.sum(w1, axis=1) + w2)).astype(q.dtype)
 
 
+def verify_walk(q, k_cache, v_cache, pos, *, page_size: int = 64, impl: str = "pallas", tuning=None):
+    """Verification rows over a dense cache by the decode attention kernel, the cache read in place as frames:
+    q [S, Q, H, D] the rows at positions pos [S] + j, k_cache / v_cache [S, T, KV, D] holding every key up to
+    pos + Q - 1 (the rows' own written first) -> [S, Q, H, D]. The cache is S * T / page_size frames of
+    [page_size, KV, D] (one group of every KV head; a free reshape) and each sequence attends its pages below
+    pos + Q; the kernel's causal rows (row j sees positions <= pos + j) give each row its view, so the Q x G rows
+    of a KV head share one read of its keys. impl: the kernel's ('pallas' Triton on GPU, interpret mode
+    elsewhere; 'ref' its jnp reference)."""
+    S, Q, H, D = q.shape
+    T, KV = k_cache.shape[1], k_cache.shape[2]
+    if T % page_size:
+        raise ValueError(f"the cache's {T} keys must be whole pages of {page_size}")
+    n = T // page_size
+    seq = (pos + Q).astype(jnp.int32)                                                  # [S]
+    pg = jnp.arange(n)[None, :] * page_size                                            # [1, n]
+    start = jnp.where(pg < seq[:, None], pg, -1)[:, None, :].astype(jnp.int32)         # [S, 1, n]
+    frame = (jnp.arange(S)[:, None] * n + jnp.arange(n)[None, :])[:, None, :].astype(jnp.int32)
+    return sparse_decode_attention(q, k_cache.reshape(S * n, page_size, KV, D),
+                                   v_cache.reshape(S * n, page_size, KV, D), frame, start, seq, impl=impl,
+                                   tuning=tuning)
+
+
 def dense_page_walk(view, q, pos, live, *, page_size: int, impl: str = "pallas", tuning=None):
     """Dense decode attention over a scaled page format's cache without decoding it: view (DenseCache.layer's
     six arrays: codes ck, cv [S, T, KV, D], scales cks, cvs [S, T / P, 1, KV, 1], rings rk, rv [S, P, KV, D]),
