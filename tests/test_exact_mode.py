@@ -209,9 +209,8 @@ def test_verify_attention_is_each_rows_causal_view():
     q, k, v, kn, vn, pos, qpos = _verify_case(jnp.float32)
     want = np.asarray(_verify_reference(q, k, v, qpos))
     for splits in (None, 1, 2, 4):     # pieces of the committed keys: a row at 1 or 10 leaves later pieces empty
-        for fold in (False, True):
-            got = np.asarray(verify_attention(q, k, v, kn, vn, pos, implementation="xla", splits=splits, fold=fold))
-            np.testing.assert_allclose(got, want, atol=3e-6, rtol=3e-6)
+        got = np.asarray(verify_attention(q, k, v, kn, vn, pos, implementation="xla", splits=splits))
+        np.testing.assert_allclose(got, want, atol=3e-6, rtol=3e-6)
     with pytest.raises(ValueError, match="splits = 7 must be >= 1 and divide the cache's 300 keys"):
         verify_attention(q, k, v, kn, vn, pos, implementation="xla", splits=7)
     assert verify_splits(131072) == 8 and verify_splits(300) == 1 and verify_splits(32768) == 2
@@ -240,9 +239,8 @@ def test_verify_attention_cudnn_on_the_gpu():
         pytest.skip("needs a GPU")
     q, k, v, kn, vn, pos, qpos = _verify_case(jnp.bfloat16, T=4096)
     want = np.asarray(_verify_reference(q, k, v, qpos), np.float32)
-    for splits, fold in ((1, False), (4, False), (4, True)):
-        got = jax.jit(lambda *a: verify_attention(*a, implementation="cudnn", splits=splits, fold=fold))(
-            q, k, v, kn, vn, pos)
+    for splits in (1, 4):
+        got = jax.jit(lambda *a: verify_attention(*a, implementation="cudnn", splits=splits))(q, k, v, kn, vn, pos)
         np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
     from ulacache_jax.runtime.backends import verify_walk
     s = jnp.arange(q.shape[0])[:, None]

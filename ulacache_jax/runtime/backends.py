@@ -181,7 +181,7 @@ def verify_splits(T: int, chunk: int = VERIFY_CHUNK) -> int:
 
 
 def verify_attention(q, k_cache, v_cache, k_new, v_new, pos, *, implementation: str | None = "cudnn",
-                     splits: int | None = None, fold: bool = False):
+                     splits: int | None = None):
     """Verification rows over a dense cache, the committed keys read once by a fused kernel: q [S, Q, H, D] the rows
     at positions pos [S] + j, k_cache / v_cache [S, T, KV, D] (keys < pos committed; pos >= 1, as every decoding
     sequence has its prompt), k_new / v_new [S, Q, KV, D] the rows' own K/V -> [S, Q, H, D] in q's dtype.
@@ -198,19 +198,13 @@ def verify_attention(q, k_cache, v_cache, k_new, v_new, pos, *, implementation: 
         raise ValueError(f"splits = {c} must be >= 1 and divide the cache's {T} keys")
     f32 = jnp.float32
     seen = jnp.clip(pos[:, None] - (jnp.arange(c) * (T // c))[None, :], 0, T // c)      # [S, c] keys a piece
-    G = H // KV
-    qr = q.reshape(S, Q, KV, G, D).transpose(0, 1, 3, 2, 4).reshape(S, Q * G, KV, D) if fold else q
-    R, N = qr.shape[1], qr.shape[2]
-    qc = jnp.broadcast_to(qr[:, None], (S, c, R, N, D)).reshape(S * c, R, N, D)
+    qc = jnp.broadcast_to(q[:, None], (S, c, Q, H, D)).reshape(S * c, Q, H, D)
     o1, lse1 = jax.nn.dot_product_attention(
         qc, k_cache.reshape(S * c, T // c, KV, D), v_cache.reshape(S * c, T // c, KV, D),
         key_value_seq_lengths=jnp.maximum(seen, 1).reshape(S * c), implementation=implementation,
         return_residual=True)
-    if lse1.shape != (S * c, R, N):                    # [S, H, Q]: the layout some implementations return
+    if lse1.shape != (S * c, Q, H):                    # [S, H, Q]: the layout some implementations return
         lse1 = jnp.swapaxes(lse1, 1, 2)
-    if fold:
-        o1 = o1.reshape(S * c, Q, G, KV, D).transpose(0, 1, 3, 2, 4)
-        lse1 = lse1.reshape(S * c, Q, G, KV).transpose(0, 1, 3, 2)
     lse1 = jnp.where(seen[:, :, None, None] > 0, lse1.reshape(S, c, Q, H), -jnp.inf)     # an empty piece: no mass
     o1 = o1.reshape(S, c, Q, H, D).astype(f32)
     qg = q.reshape(S, Q, KV, H // KV, D)
