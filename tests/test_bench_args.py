@@ -27,6 +27,7 @@ NOT_RESULT_SCRIPTS = {
     "scripts.batch_infer": "the `ulacache generate` command under another name",
     "scripts.probes.sampling_cost": "prints a decode step's time per sampling option; writes no results",
     "scripts.probes.label_ncu": "launches a label kernel for ncu to read; writes no results",
+    "scripts.probes.verify_split": "prints a table of exact mode's verification variants; writes no results",
     "scripts.studies.selection_ceiling": "bench_quality with a study's hook: the arguments after -- are bench_quality's",
     # runs as a file with an OLDER tree on PYTHONPATH (regression_profile.sh): it may import only what both trees
     # share, so not this tree's bench_meta helper; its --out are the trace / diff JSON files it writes whole
