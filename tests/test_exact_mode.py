@@ -214,6 +214,7 @@ def test_verify_attention_is_each_rows_causal_view():
     with pytest.raises(ValueError, match="splits = 7 must be >= 1 and divide the cache's 300 keys"):
         verify_attention(q, k, v, kn, vn, pos, implementation="xla", splits=7)
     assert verify_splits(131072) == 8 and verify_splits(300) == 1 and verify_splits(32768) == 2
+    assert verify_splits(100000) == 5 and verify_splits(131136) == 8      # any even divisor, not powers of two
 
 
 def test_verify_walk_is_each_rows_causal_view():

@@ -170,14 +170,14 @@ VERIFY_CHUNK = 16384   # committed keys a cuDNN call's sequence holds: the verif
 
 
 def verify_splits(T: int, chunk: int = VERIFY_CHUNK) -> int:
-    """Pieces the committed keys of a T-key cache are cut into for the verification: the largest power of two
-    dividing T with pieces of at least `chunk` keys (1 below 2 * chunk). cuDNN's flash kernel runs one program per
-    (sequence, head, block of query rows), so a few verification rows over a long cache make S x H programs that
-    each walk every key; cut in pieces, the pieces run side by side and are merged by their log-sum-exps."""
-    c = 1
-    while T % (c * 2) == 0 and T // (c * 2) >= chunk:
-        c *= 2
-    return c
+    """Pieces the committed keys of a T-key cache are cut into for the verification: the most pieces of at least
+    `chunk` keys that divide T evenly (1 below 2 * chunk). cuDNN's flash kernel runs one program per (sequence,
+    head, block of query rows), so a few verification rows over a long cache make S x H programs that each walk
+    every key; cut in pieces, the pieces run side by side and are merged by their log-sum-exps."""
+    for c in range(max(1, T // chunk), 0, -1):
+        if T % c == 0:
+            return c
+    return 1
 
 
 def verify_attention(q, k_cache, v_cache, k_new, v_new, pos, *, implementation: str | None = "cudnn",
