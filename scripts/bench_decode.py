@@ -245,12 +245,17 @@ def parse_rows(spec: str) -> list[tuple]:
     return plan
 
 
+def page_size(args) -> int:
+    """The rows' page size: --page-size (64 where a Namespace built by hand, as in the tests, has none)."""
+    return getattr(args, "page_size", 64)
+
+
 def auto_decision(mc, batch, ctx, args, kv_fraction, tp=1, key_channels=0):
     """attention='auto' for one row, resolved as a Generator resolves it (cost_model.resolve_attention, against
     this device's memory), on the cache this shape's sparse row gets (its pool of kv_fraction of the KV)."""
     from ulacache_jax.runtime.cost_model import resolve_attention
     return resolve_attention("auto", mc, bench_config(mc, "sparse", batch, ctx, args, kv_fraction, tp=tp,
-                                                      key_channels=key_channels))
+                                                      key_channels=key_channels, page=page_size(args)))
 
 
 def predicted_tokens_per_s(mc, kind, batch, ctx, cfg, hit_rate=None) -> float:
@@ -268,7 +273,7 @@ def predicted_tokens_per_s(mc, kind, batch, ctx, cfg, hit_rate=None) -> float:
 def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None, read_bw=None):
     from ulacache_jax.runtime.generation import Generator
     from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
-    page = 64
+    page = page_size(args)
     kv_fraction = args.kv_fraction if kv_fraction is None else kv_fraction
     sieve = sieve or args.sieve
     tp = args.tp
@@ -278,7 +283,8 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
         attention = decision.kind        # from here on the row is that path's; it is recorded as "auto"
     if tp > 1 and attention != "sparse":
         raise ValueError(f"--tp {tp}: only the sparse side runs head-sharded; got {attention}")
-    cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction, tp=tp, key_channels=args.key_channels)
+    cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction, tp=tp, key_channels=args.key_channels,
+                       page=page)
     hot_share = getattr(args, "hot_share", 0.0)      # a Namespace built by hand (tests) may lack it
     from ulacache_jax.cache.decode_layer import DecodeOptions
     t_setup = time.perf_counter()
@@ -437,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", default="32768,131072")
     p.add_argument("--batches", default="1,4")
     p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=64, choices=[16, 32, 64, 128],
+                   help="tokens a page, both sides (smaller pages select finer at the same budget)")
     p.add_argument("--layers", type=int, default=32, help="fewer layers for a quick check")
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)

@@ -111,7 +111,7 @@ for b in "${names[@]}"; do
                 step "$b" 580 scripts/bench_longctx.py --prompts "${PROMPTS:?PROMPTS=prompt file}" \
                   --model "${MODEL:?MODEL=gguf path}" --contexts 32768 --tasks "${TASK:?TASK=task}" \
                   --name "longctx100_${TASK}" --out "$OUT" --deadline 540 --rules "${RULES:-dense,labels:32:4}" \
-                  --budget-ratios 0.03125 --batch 24 "${C[@]}" ;;
+                  --budget-ratios 0.03125 --batch 24 --page-size "${PAGE:-64}" "${C[@]}" ;;
     longctx-diag)   # issue 48: are the 32K answers labels 32 @ 4 lose at 1/32 lost to selection? the same rule at a
                     # near-covering budget (496 of 512 pages): dense's answers there = selection loses them
                 step longctx-diag 580 scripts/bench_longctx.py --prompts "${PROMPTS:?PROMPTS=prompt file}" \
@@ -165,14 +165,15 @@ for b in "${names[@]}"; do
                     # issue 48's speed rows at 1/32 (budget 4096 of 128K x 3, or 8192 of 256K x 1) with labels 32 of
                     # 128 @ 4 bits (a quarter of the head dimension: the quality rows' fraction on the 1.5B), the hit
                     # rate held under the Qwen 32K trace's (0.970 at pool 1/4) by planted hot pages; Quest and dense
-                    # in the same call (one call each; ~65 s a row on an H100)
+                    # in the same call (one call each; ~65 s a row on an H100); PAGE: the page size (default 64;
+                    # longctx-100 takes it too, for quality and speed at the same page)
                 rows=sparse:131072:3,dense:131072:3; budget=4096
                 [ "$b" = decode-labels-256k ] && { rows=sparse:262144:1,dense:262144:1; budget=8192; }
                 step "$b" 400 scripts/bench_decode.py --out "$OUT/labels" "${C[@]}" --chunks 4 --append \
-                  --row-timeout 130 --budget "$budget" --rows "$rows" && \
+                  --row-timeout 130 --budget "$budget" --rows "$rows" --page-size "${PAGE:-64}" && \
                 step "$b" 180 scripts/bench_decode.py --out "$OUT/labels" "${C[@]}" --chunks 4 --append \
                   --row-timeout 130 --budget "$budget" --key-channels 32 --label-bits 4 --hot-share 0.9 \
-                  --rows "${rows%%,*}" ;;
+                  --rows "${rows%%,*}" --page-size "${PAGE:-64}" ;;
     dense-fp8)      # issue 50: the dense baseline over fp8 pages (the page walk, and XLA's decoded cache) beside
                     # dense bf16, 128K x 3, one call; then the walk's launch shapes
                 for a in "--kv-dtype float8_e4m3fn" "--kv-dtype float8_e4m3fn --dense-attention xla" ""; do

@@ -326,6 +326,20 @@ def test_hot_pages_raise_the_synthetic_rows_hit_rate():
             bd.hot_share_arg(bad)
 
 
+def test_page_size_reaches_both_sides_rows():
+    """bench_decode --page-size: the row's cache and its record take the page (32 here), both sides."""
+    import argparse
+    from scripts import bench_decode as bd
+    model = LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert bd.build_parser().parse_args(["--page-size", "32"]).page_size == 32
+    for side in ("sparse", "dense"):
+        args = argparse.Namespace(budget=512, chunks=2, kv_fraction=0.25, sieve="auto", topk="auto",
+                                  attention_impl="auto", score_launch=None, tp=1, fill="synthetic", key_channels=8,
+                                  label_bits=4, scores="auto", hot_share=0.0, page_size=32)
+        row = bd.run_side(model, model.config, side, 2, 2048, args, copy_bw=1e11)
+        assert row["page"] == 32 and row["tokens_per_s"] > 0
+
+
 def test_a_label_first_stage_row_runs_and_names_its_stages():
     """bench_decode --two-stage MULT --first-channels C: labels over C channels shortlist for the labels the row's
     --key-channels name (the row records both stages); --first-channels needs --two-stage, an even count and at
