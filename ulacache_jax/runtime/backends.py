@@ -174,10 +174,7 @@ def verify_splits(T: int, chunk: int = VERIFY_CHUNK) -> int:
     `chunk` keys that divide T evenly (1 below 2 * chunk). cuDNN's flash kernel runs one program per (sequence,
     head, block of query rows), so a few verification rows over a long cache make S x H programs that each walk
     every key; cut in pieces, the pieces run side by side and are merged by their log-sum-exps."""
-    for c in range(max(1, T // chunk), 0, -1):
-        if T % c == 0:
-            return c
-    return 1
+    return next(c for c in range(max(1, T // chunk), 0, -1) if T % c == 0)      # c = 1 always divides
 
 
 def verify_attention(q, k_cache, v_cache, k_new, v_new, pos, *, implementation: str | None = "cudnn",
