@@ -1,0 +1,255 @@
+"""Do the layers whose attention is broad need to stay dense? Greedy answers under an oracle page selection with
+some layers left dense, on a trained model's long-context needle prompts.
+
+    python -m scripts.studies.dense_layers --prompts out/mv8k.json --model qwen2.5-coder-0.5b --page-size 16 \
+        --budget 256 --dense-sets none 0,1 0,1,-1 --out docs/benchmarks
+    python -m scripts.studies.dense_layers --tiny --out /tmp/d      # tests: random weights, byte prompts
+
+Page selection at 1/32 loses RULER multi-value answers that dense gets right (docs/BENCHMARKS.md, long-context
+quality), and the selection-recall study found that no page rule keeps much of layers 0-1 and the last layer's
+attention (the oracle itself keeps 75-80% there, 83-98% between): their attention is broad. Systems such as Quest
+leave such layers dense. This study asks whether that would bring the answers back before the cache is taught it.
+Each prompt (a prompt file of scripts/bench_longctx.py, chat-templated) is prefilled once, densely; then every
+configuration decodes greedily from a copy of that cache with its own attention: in a *sparse* layer each KV head
+attends the `budget // page_size` flushed pages of largest true attention mass (summed over its query heads: the
+oracle, the ceiling of any page rule at the budget; the first `sink` and last `recent` flushed pages always) plus
+the unflushed tail page; a *dense* layer attends every key. Rows: per configuration, the harness's accuracy
+(scripts/ruler_tasks.score), the share of answers identical to dense's, and the attended share of K/V bytes a step
+(sparse layers at the budget, dense layers whole), which is what the dense layers cost in reads.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from scripts import bench_meta
+
+
+def parse_set(text: str, num_layers: int) -> tuple[int, ...]:
+    """'none' -> (); '0,1,-1' -> (0, 1, L - 1); every index within [-L, L)."""
+    if text in ("none", ""):
+        return ()
+    out = []
+    for part in text.split(","):
+        i = int(part)
+        if not -num_layers <= i < num_layers:
+            raise SystemExit(f"--dense-sets {text!r}: layer {i} outside [-{num_layers}, {num_layers})")
+        out.append(i % num_layers)
+    return tuple(sorted(set(out)))
+
+
+def oracle_keep(s, pos, *, page: int, keep: int, sink: int, recent: int):
+    """Keys a sparse layer attends, one decode step: s [KV, g, T] float32 logits (keys past pos masked to -inf),
+    pos [] int32 the current token's position -> bool [KV, T]. Each KV head keeps the `keep` flushed pages
+    (pages wholly before pos's page) of largest true mass (softmax over the visible keys, summed over its g query
+    heads), the first `sink` and last `recent` flushed pages always, and the tail page (pos's own)."""
+    import jax
+    import jax.numpy as jnp
+    KV, g, T = s.shape
+    npg = T // page
+    p = jax.nn.softmax(s, axis=-1).sum(axis=1)                                     # [KV, T]
+    mass = p.reshape(KV, npg, page).sum(-1)                                       # [KV, npg]
+    flushed = pos // page
+    pid = jnp.arange(npg)
+    forced = (pid < sink) | ((pid >= flushed - recent) & (pid < flushed))
+    score = jnp.where(pid < flushed, jnp.where(forced, jnp.inf, mass), -jnp.inf)  # [KV, npg]
+    _, top = jax.lax.top_k(score, min(keep, npg))                                 # [KV, keep]
+    chosen = jnp.zeros((KV, npg), bool).at[jnp.arange(KV)[:, None], top].set(True)
+    chosen = (chosen & (pid < flushed)) | (pid >= flushed)                        # the tail is always read
+    return jnp.repeat(chosen, page, axis=1)                                       # [KV, T]
+
+
+def make_decoder(model, total: int, *, page: int, keep: int, sink: int, recent: int, dense_layers: tuple):
+    """-> step(params, cache, token [1, 1], pos []) -> (cache, logits [V]) under this configuration; cache =
+    (k, v) [L, 1, total, KV, D] float32. `total` must be a multiple of `page`."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    graphdef, _ = nnx.split(model)
+    D = model.config.head_dim
+
+    def attn(cache, q, k, v, pos, layer):
+        ck = cache[0].at[layer, :, pos].set(k[:, 0].astype(jnp.float32))
+        cv = cache[1].at[layer, :, pos].set(v[:, 0].astype(jnp.float32))
+        K, V = ck[layer, 0], cv[layer, 0]                                         # [T, KV, D]
+        KVh = K.shape[1]
+        qg = q[0, 0].astype(jnp.float32).reshape(KVh, -1, D)                      # [KV, g, D]
+        s = jnp.einsum("kgd,tkd->kgt", qg, K) / np.sqrt(D)                        # [KV, g, T]
+        seen = jnp.arange(total) <= pos
+        s = jnp.where(seen[None, None], s, -jnp.inf)
+        if layer not in dense_layers:
+            s = jnp.where(oracle_keep(s, pos, page=page, keep=keep, sink=sink, recent=recent)[:, None], s, -jnp.inf)
+        o = jnp.einsum("kgt,tkd->kgd", jax.nn.softmax(s, axis=-1), V)            # [KV, g, D]
+        return (ck, cv), o.reshape(1, 1, -1, D).astype(q.dtype)
+
+    @jax.jit
+    def step(params, cache, tok, pos):
+        m = nnx.merge(graphdef, params)
+        cache, logits = m.forward_with_cache(cache, tok, jnp.full((1, 1), pos, jnp.int32), pos, attn)
+        return cache, logits[0, -1]
+    return step
+
+
+def prefill(model, ids: list[int], total: int):
+    """Dense prefill of ids -> (cache (k, v) [L, 1, total, KV, D] float32, logits of the last position [V])."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from ulacache_jax.models.attention import blocked_attention
+    c = model.config
+    T = len(ids)
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def run(params, ids):
+        m = nnx.merge(graphdef, params)
+        pos = jnp.arange(T, dtype=jnp.int32)[None]
+
+        def attn(cache, q, k, v, meta, layer):
+            cache = (cache[0].at[layer, :, :T].set(k.astype(jnp.float32)),
+                     cache[1].at[layer, :, :T].set(v.astype(jnp.float32)))
+            return cache, blocked_attention(q, k, v, meta, meta)
+
+        z = jnp.zeros((c.num_layers, 1, total, c.num_kv_heads, c.head_dim), jnp.float32)
+        cache, h = m.run_layers((z, z), m.embed(ids), pos, pos, attn)
+        return cache, m.logits(h[:, -1:])[0, -1]
+    return run(params, jnp.asarray(ids, jnp.int32)[None])
+
+
+def decode(step, params, cache, first_logits, start: int, max_new: int, stop_ids) -> list[int]:
+    import jax.numpy as jnp
+    out, logits = [], first_logits
+    for j in range(max_new):
+        tok = int(jnp.argmax(logits))
+        if tok in stop_ids:
+            break
+        out.append(tok)
+        if j + 1 == max_new:
+            break
+        cache, logits = step(params, cache, jnp.asarray([[tok]], jnp.int32), jnp.int32(start + j))
+    return out
+
+
+def plot(runs, path: str) -> str:
+    """Accuracy against the K/V read share a step, one point per configuration, one series per run."""
+    plt = bench_meta.pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for r in runs:
+        xs = [s["read_share"] for s in r["summary"]]
+        ys = [s["accuracy"] for s in r["summary"]]
+        ax.plot(xs, ys, "o", label=f"{r['run'] or r['model']} (page {r['page_size']}, budget {r['budget']})")
+        for s, x, y in zip(r["summary"], xs, ys):
+            ax.annotate(s["config"].replace("oracle, dense layers ", "dense "), (x, y), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("K/V read a step / dense's")
+    ax.set_ylabel("accuracy (ruler_tasks.score)")
+    ax.set_title("Oracle page selection with some layers dense")
+    ax.legend(fontsize=7)
+    return bench_meta.save_figure(fig, path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", help="a prompt file of scripts/bench_longctx.py --make-prompts")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--budget", type=int, default=256, help="tokens a sparse layer selects (flushed pages)")
+    p.add_argument("--sink", type=int, default=1)
+    p.add_argument("--recent", type=int, default=2)
+    p.add_argument("--dense-sets", nargs="+", default=["none", "0,1", "0,1,-1"],
+                   help="layers left dense per configuration: 'none' or comma-separated indices (negative from the "
+                        "end)")
+    p.add_argument("--max-prompts", type=int, default=0, help="the first N prompts (0: all)")
+    p.add_argument("--tiny", action="store_true", help="random tiny model, two made-up prompts (tests)")
+    p.add_argument("--run", default="", help="a label for this run in the JSON")
+    return bench_meta.add_common_args(p, out_required=True, files="dense_layers.json (each call appends a run), dense_layers.png",
+                                      model="qwen2.5-coder-0.5b", dtype="float32")
+
+
+def tiny_prompts():
+    text = "the value of k is 4821. " * 3 + "filler " * 20 + "what is k?"
+    return [{"id": f"tiny/{i}", "task": "niah_single", "context": 256, "depth": 0.5, "seed": i, "text": text,
+             "answers": ["4821"], "prompt_tokens": 0, "max_new_tokens": 6} for i in range(2)]
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    from scripts import bench_longctx as lc
+    from scripts import ruler_tasks
+    if a.page_size <= 0 or a.budget <= 0 or a.budget % a.page_size:
+        raise SystemExit(f"--budget {a.budget} must be a positive multiple of --page-size {a.page_size}")
+    if a.tiny:
+        import jax.numpy as jnp
+        from flax import nnx
+        from ulacache_jax import models
+        model = models.LlamaModel(models.get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+        tok = models.ByteTokenizer()
+        prompts, stop = tiny_prompts(), ()
+        ids_of = tok.encode
+    else:
+        if not a.prompts:
+            raise SystemExit("--prompts FILE is required (or --tiny)")
+        prompts, _ = lc.read_prompt_file(a.prompts)
+        model, tok = lc.load_model(a.model, a.dtype)
+        stop = lc.stop_ids_of(model, tok)
+        ids_of = functools.partial(lc.chat_ids, tok)
+    if a.max_prompts:
+        prompts = prompts[:a.max_prompts]
+    L = model.config.num_layers
+    sets = [parse_set(s, L) for s in a.dense_sets]
+    from flax import nnx
+    _, params = nnx.split(model)
+    rows, answers = [], {}
+    t0 = time.time()
+    for n, p in enumerate(prompts):
+        ids = ids_of(p["text"])
+        max_new = int(p["max_new_tokens"])
+        total = -(-(len(ids) + max_new) // a.page_size) * a.page_size
+        cache, first = prefill(model, ids, total)
+        configs = [("dense", tuple(range(L)))] + [("sparse", s) for s in sets]
+        for kind, dl in configs:
+            step = make_decoder(model, total, page=a.page_size, keep=a.budget // a.page_size, sink=a.sink,
+                                recent=a.recent, dense_layers=dl)
+            toks = decode(step, params, cache, first, len(ids), max_new, stop)
+            text = tok.decode(toks)
+            name = "dense" if kind == "dense" else "oracle, dense layers " + (",".join(map(str, dl)) or "none")
+            acc = float(ruler_tasks.score(lc.as_prompt(p), text)) if not a.tiny else float("4821" in text)
+            answers.setdefault(name, []).append(text)
+            rows.append({"prompt": p["id"], "config": name, "dense_layers": list(dl), "accuracy": acc,
+                         "same_as_dense": text == answers["dense"][-1], "text": text,
+                         "read_share": (len(dl) + (L - len(dl)) * min(1.0, a.budget / len(ids))) / L})
+            print(f"[{time.time() - t0:6.0f}s] prompt {n + 1}/{len(prompts)} {name}: {acc:.2f} {text[:60]!r}",
+                  flush=True)
+    summary = []
+    for name in answers:
+        rs = [r for r in rows if r["config"] == name]
+        summary.append({"config": name, "dense_layers": rs[0]["dense_layers"], "prompts": len(rs),
+                        "accuracy": float(np.mean([r["accuracy"] for r in rs])),
+                        "fully_right": int(sum(r["accuracy"] == 1.0 for r in rs)),
+                        "same_as_dense": float(np.mean([r["same_as_dense"] for r in rs])),
+                        "read_share": float(np.mean([r["read_share"] for r in rs]))})
+    print("| configuration | accuracy | fully right | = dense | K/V read share |\n|---|---|---|---|---|")
+    for s in summary:
+        print(f"| {s['config']} | {s['accuracy']:.3f} | {s['fully_right']} | {s['same_as_dense']:.2f} | "
+              f"{s['read_share']:.3f} |")
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "dense_layers.json")
+    data = json.load(open(path)) if os.path.exists(path) else {"runs": []}
+    data["runs"].append({"meta": bench_meta.run_meta(a.commit),
+                         "run": a.run, "model": a.model if not a.tiny else "tiny", "page_size": a.page_size,
+                         "budget": a.budget, "sink": a.sink, "recent": a.recent,
+                         "prompts_file": os.path.basename(a.prompts or "tiny"), "summary": summary, "rows": rows})
+    with open(path + ".tmp", "w") as fh:
+        json.dump(data, fh, indent=1)
+    os.replace(path + ".tmp", path)
+    plot(data["runs"], os.path.join(a.out, "dense_layers.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""scripts/studies/dense_layers.py: the oracle keeps the sink, recent, tail and heaviest pages; a budget covering the
+context, or every layer dense, decodes dense's tokens; layer sets parse with negative indices and refuse others."""
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scripts.studies import dense_layers as dl
+
+
+def test_oracle_keeps_forced_and_heaviest_pages():
+    page, T = 4, 32                                     # 8 pages; pos 29 -> 7 flushed pages, page 7 the tail
+    logits = np.full((1, 2, T), -5.0, np.float32)
+    logits[:, :, 12:16] = 5.0                           # page 3 carries the mass
+    logits[:, :, 30:] = -np.inf                         # past pos
+    keep = np.asarray(dl.oracle_keep(jnp.asarray(logits), jnp.int32(29), page=page, keep=4, sink=1, recent=2))
+    pages = sorted({t // page for t in range(T) if keep[0, t]})
+    assert pages == [0, 3, 5, 6, 7]                     # sink, heaviest, the two recent, the tail
+    every = np.asarray(dl.oracle_keep(jnp.asarray(logits), jnp.int32(29), page=page, keep=8, sink=1, recent=2))
+    assert every.all()
+
+
+def test_parse_set():
+    assert dl.parse_set("none", 24) == () and dl.parse_set("0,1,-1", 24) == (0, 1, 23)
+    with pytest.raises(SystemExit, match="layer 24 outside"):
+        dl.parse_set("24", 24)
+
+
+def test_covering_budget_and_all_dense_decode_dense_tokens(tmp_path):
+    assert dl.main(["--tiny", "--page-size", "8", "--budget", "512", "--dense-sets", "none", "0,-1",
+                    "--out", str(tmp_path)]) == 0
+    run = json.loads((tmp_path / "dense_layers.json").read_text())["runs"][-1]
+    assert all(r["same_as_dense"] for r in run["rows"])
+    assert (tmp_path / "dense_layers.png").stat().st_size > 0
+    assert dl.main(["--tiny", "--page-size", "8", "--budget", "16", "--dense-sets", "0,1",
+                    "--out", str(tmp_path)]) == 0
+    run = json.loads((tmp_path / "dense_layers.json").read_text())["runs"][-1]
+    assert all(r["same_as_dense"] for r in run["rows"])   # tiny has 2 layers: both dense = dense
+    assert [s["read_share"] for s in run["summary"]] == [1.0, 1.0]
+
+
+def test_bad_budget_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="multiple of --page-size"):
+        dl.main(["--tiny", "--page-size", "8", "--budget", "12", "--out", str(tmp_path)])
