@@ -1,8 +1,8 @@
 """Do the layers whose attention is broad need to stay dense? Greedy answers under an oracle page selection with
 some layers left dense, on a trained model's long-context needle prompts.
 
-    python -m scripts.studies.dense_layers --prompts out/mv8k.json --model qwen2.5-coder-0.5b --page-size 16 \
-        --budget 256 --dense-sets none 0,1 0,1,-1 --out docs/benchmarks
+    python -m scripts.studies.dense_layers --prompts out/mv8k.json --model qwen2.5-coder-0.5b \
+        --page-size 16 32 64 --budget 256 --dense-sets none 0,1,-1 --out docs/benchmarks
     python -m scripts.studies.dense_layers --tiny --out /tmp/d      # tests: random weights, byte prompts
 
 Page selection at 1/32 loses RULER multi-value answers that dense gets right (docs/BENCHMARKS.md, long-context
@@ -143,9 +143,9 @@ def plot(runs, path: str) -> str:
     for r in runs:
         xs = [s["read_share"] for s in r["summary"]]
         ys = [s["accuracy"] for s in r["summary"]]
-        ax.plot(xs, ys, "o", label=f"{r['run'] or r['model']} (page {r['page_size']}, budget {r['budget']})")
+        ax.plot(xs, ys, "o", label=f"{r['run'] or r['model']} (budget {r['budget']})")
         for s, x, y in zip(r["summary"], xs, ys):
-            ax.annotate(s["config"].replace("oracle, dense layers ", "dense "), (x, y), fontsize=7)
+            ax.annotate(s["config"].replace("oracle, ", "").replace("dense layers ", "dense "), (x, y), fontsize=7)
     ax.set_xscale("log")
     ax.set_xlabel("K/V read a step / dense's")
     ax.set_ylabel("accuracy (ruler_tasks.score)")
@@ -157,7 +157,8 @@ def plot(runs, path: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", help="a prompt file of scripts/bench_longctx.py --make-prompts")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, nargs="+", default=[16],
+                   help="page sizes, each decoded from the same prefill")
     p.add_argument("--budget", type=int, default=256, help="tokens a sparse layer selects (flushed pages)")
     p.add_argument("--sink", type=int, default=1)
     p.add_argument("--recent", type=int, default=2)
@@ -181,8 +182,9 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     from scripts import bench_longctx as lc
     from scripts import ruler_tasks
-    if a.page_size <= 0 or a.budget <= 0 or a.budget % a.page_size:
-        raise SystemExit(f"--budget {a.budget} must be a positive multiple of --page-size {a.page_size}")
+    for pg in a.page_size:
+        if pg <= 0 or a.budget <= 0 or a.budget % pg:
+            raise SystemExit(f"--budget {a.budget} must be a positive multiple of --page-size {pg}")
     if a.tiny:
         import jax.numpy as jnp
         from flax import nnx
@@ -209,18 +211,21 @@ def main(argv=None) -> int:
     for n, p in enumerate(prompts):
         ids = ids_of(p["text"])
         max_new = int(p["max_new_tokens"])
-        total = -(-(len(ids) + max_new) // a.page_size) * a.page_size
+        unit = int(np.lcm.reduce(a.page_size))
+        total = -(-(len(ids) + max_new) // unit) * unit
         cache, first = prefill(model, ids, total)
-        configs = [("dense", tuple(range(L)))] + [("sparse", s) for s in sets]
-        for kind, dl in configs:
-            step = make_decoder(model, total, page=a.page_size, keep=a.budget // a.page_size, sink=a.sink,
-                                recent=a.recent, dense_layers=dl)
+        configs = [("dense", unit, tuple(range(L)))] + [("sparse", pg, s) for pg in a.page_size for s in sets]
+        for kind, pg, dl in configs:
+            step = make_decoder(model, total, page=pg, keep=a.budget // pg, sink=a.sink, recent=a.recent,
+                                dense_layers=dl)
             toks = decode(step, params, cache, first, len(ids), max_new, stop)
             text = tok.decode(toks)
-            name = "dense" if kind == "dense" else "oracle, dense layers " + (",".join(map(str, dl)) or "none")
+            name = "dense" if kind == "dense" else \
+                f"oracle, page {pg}, dense layers " + (",".join(map(str, dl)) or "none")
             acc = float(ruler_tasks.score(lc.as_prompt(p), text)) if not a.tiny else float("4821" in text)
             answers.setdefault(name, []).append(text)
-            rows.append({"prompt": p["id"], "config": name, "dense_layers": list(dl), "accuracy": acc,
+            rows.append({"prompt": p["id"], "config": name, "page_size": pg if kind != "dense" else None,
+                         "dense_layers": list(dl), "accuracy": acc,
                          "same_as_dense": text == answers["dense"][-1], "text": text,
                          "read_share": (len(dl) + (L - len(dl)) * min(1.0, a.budget / len(ids))) / L})
             print(f"[{time.time() - t0:6.0f}s] prompt {n + 1}/{len(prompts)} {name}: {acc:.2f} {text[:60]!r}",
@@ -228,7 +233,8 @@ def main(argv=None) -> int:
     summary = []
     for name in answers:
         rs = [r for r in rows if r["config"] == name]
-        summary.append({"config": name, "dense_layers": rs[0]["dense_layers"], "prompts": len(rs),
+        summary.append({"config": name, "page_size": rs[0]["page_size"], "dense_layers": rs[0]["dense_layers"],
+                        "prompts": len(rs),
                         "accuracy": float(np.mean([r["accuracy"] for r in rs])),
                         "fully_right": int(sum(r["accuracy"] == 1.0 for r in rs)),
                         "same_as_dense": float(np.mean([r["same_as_dense"] for r in rs])),
@@ -241,7 +247,7 @@ def main(argv=None) -> int:
     path = os.path.join(a.out, "dense_layers.json")
     data = json.load(open(path)) if os.path.exists(path) else {"runs": []}
     data["runs"].append({"meta": bench_meta.run_meta(a.commit),
-                         "run": a.run, "model": a.model if not a.tiny else "tiny", "page_size": a.page_size,
+                         "run": a.run, "model": a.model if not a.tiny else "tiny", "page_sizes": a.page_size,
                          "budget": a.budget, "sink": a.sink, "recent": a.recent,
                          "prompts_file": os.path.basename(a.prompts or "tiny"), "summary": summary, "rows": rows})
     with open(path + ".tmp", "w") as fh:
