@@ -29,34 +29,45 @@ import numpy as np
 from scripts import bench_meta
 
 
-def record(model, ids, positions=None):
-    """ids [T] -> (keys [L, T, KV, D] float32, queries), post-RoPE: the query [L, H, D] float32 of the last
-    position, or with `positions` [A] those positions' queries [L, A, H, D] (needle_steps: every answer step)."""
+def dense_forward(model, ids, init, store):
+    """One jitted dense forward over ids [T] (positions 0..T-1, blocked attention) that threads `init` through
+    every layer's store(cache, q, k, v, layer) -> cache (q [1, T, H, D], k/v [1, T, KV, D], post-RoPE) -> (cache,
+    h [1, T, E] before the final norm). What the studies record from a prompt (record; dense_layers.prefill)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
     from ulacache_jax.models.attention import blocked_attention
-    L, KV = model.config.num_layers, model.config.num_kv_heads
-    H, D = model.config.num_heads, model.config.head_dim
     T = len(ids)
-    at = jnp.asarray([T - 1] if positions is None else positions, jnp.int32)
     graphdef, params = nnx.split(model)
 
     @jax.jit
-    def run(params, ids):
+    def run(params, ids, init):
         m = nnx.merge(graphdef, params)
         pos = jnp.arange(T, dtype=jnp.int32)[None]
 
         def attn(cache, q, k, v, meta, layer):
-            cache = (cache[0].at[layer].set(k[0].astype(jnp.float32)),
-                     cache[1].at[layer].set(q[0, at].astype(jnp.float32)))
-            return cache, blocked_attention(q, k, v, meta, meta)
+            return store(cache, q, k, v, layer), blocked_attention(q, k, v, meta, meta)
 
-        zero = (jnp.zeros((L, T, KV, D), jnp.float32), jnp.zeros((L, len(at), H, D), jnp.float32))
-        (ks, qs), _ = m.forward_with_cache(zero, ids, pos, pos, attn)
-        return ks, qs
+        return m.run_layers(init, m.embed(ids), pos, pos, attn)
 
-    ks, qs = run(params, jnp.asarray(ids, jnp.int32)[None])
+    return run(params, jnp.asarray(ids, jnp.int32)[None], init)
+
+
+def record(model, ids, positions=None):
+    """ids [T] -> (keys [L, T, KV, D] float32, queries), post-RoPE: the query [L, H, D] float32 of the last
+    position, or with `positions` [A] those positions' queries [L, A, H, D] (needle_steps: every answer step)."""
+    import jax.numpy as jnp
+    L, KV = model.config.num_layers, model.config.num_kv_heads
+    H, D = model.config.num_heads, model.config.head_dim
+    T = len(ids)
+    at = jnp.asarray([T - 1] if positions is None else positions, jnp.int32)
+
+    def store(cache, q, k, v, layer):
+        return (cache[0].at[layer].set(k[0].astype(jnp.float32)),
+                cache[1].at[layer].set(q[0, at].astype(jnp.float32)))
+
+    zero = (jnp.zeros((L, T, KV, D), jnp.float32), jnp.zeros((L, len(at), H, D), jnp.float32))
+    (ks, qs), _ = dense_forward(model, ids, zero, store)
     return np.asarray(ks), np.asarray(qs)[:, 0] if positions is None else np.asarray(qs)
 
 
