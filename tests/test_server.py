@@ -310,6 +310,11 @@ def test_disconnect_aborts_and_frees_slot_and_pages(server):
 
 
 def test_metrics_report_cache_figures(server):
+    """The cache's figures after this test's own request (its prompt of 200 bytes is longer than the 64-token
+    budget, so pages are selected, fetched and stored as a prefix): the test holds whatever ran before it on this
+    worker's server, or nothing."""
+    r = _client(server).completions.create(model=MODEL, prompt=" ".join(LOAD[:6]), max_tokens=MAX_TOKENS)
+    assert r.usage.prompt_tokens > 64
     _, text = _get(server["base"], "/metrics")
     text = text.decode()
     for name in ("ulacache_hbm_hits_total", "ulacache_hbm_misses_total", "ulacache_pcie_h2d_bytes_total",

@@ -92,7 +92,7 @@ class _CacheCollector:
         yield gauge("host_pages_used", "host pool pages in use (requests and stored prefixes)", s.host_pages_used)
         yield gauge("host_pages_of_requests", "host pool pages held by running requests", s.host_pages_of_requests)
         yield gauge("host_pages_total", "host pool pages (0: the dense cache has no host tier)", s.host_pages_total)
-        yield gauge("hbm_frames_used", "HBM frames holding a page (all ranks; pages stay until evicted)",
+        yield gauge("hbm_frames_used", "HBM frames holding a page (all ranks; stored prefix pages stay until evicted)",
                     s.hbm_frames_used)
         yield gauge("hbm_frames_total", "HBM frames (all ranks; 0: the dense cache has no frame pool)",
                     s.hbm_frames_total)

@@ -791,7 +791,8 @@ class Engine:
     def occupancy(self) -> dict[str, int]:
         """What the cache holds now: sequence slots in use and in all; host pool pages in use (by requests and
         stored prefixes), held by requests (shared pages counted per holder), in all and at most so far; HBM
-        frames holding a page (the PB-LRU pool, all ranks; a finished sequence's pages stay until evicted) and in
+        frames holding a page (the PB-LRU pool, all ranks; a finished sequence's own pages are emptied with its
+        slot, its pages stored as a shared prefix stay until evicted) and in
         all (host pages and frames: 0 with the dense cache, which has neither); speculative draft tokens proposed
         and accepted so far (0 without speculation). A server's metrics read it between steps (the frame count is
         one small device read)."""
