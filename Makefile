@@ -2,9 +2,9 @@
 # (scripts/find_python.sh), installs what it needs, and runs.
 VENV := .venv
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?= -n 2 -q
+PYTEST_ARGS ?= -n 2 -q --dist loadgroup
 
-.PHONY: demo test test-gpu bench-gpu clean fixtures fetch-model
+.PHONY: demo test test-all test-gpu bench-gpu clean fixtures fetch-model
 
 $(PY):
 	"$$(sh scripts/find_python.sh)" -m venv $(VENV)
@@ -28,12 +28,23 @@ demo: $(VENV)/.installed $(VENV)/.smollm2
 # their time is XLA's compile time: LLVM at -O0 without its expensive passes compiles faster (-19% on the
 # speculative tests), and a compilation cache shared by the workers and the tests' subprocesses (started empty each
 # run) compiles a program the suite builds twice only once (-7%). Tests that set XLA_FLAGS append to these.
+# --dist loadgroup: a module marked xdist_group (its module fixtures start a server, load SmolLM2 or compile a
+# shared program) runs on one worker, so the fixture is built once, not once per worker.
+# Two tiers keep `make test` (CI: two cores) within its 20 minutes: tests marked `slow` are the second, combinations
+# whose parts the first tier tests one by one (a rule with TP, speculation and shared prefixes together; the 8-bit
+# twin of a 4-bit test; the studies' and some benchmarks' drivers; SmolLM2 through the demo). `make test-all` runs
+# both tiers.
 TEST_JAX_CACHE := $(CURDIR)/.jax-test-cache
 TEST_XLA_FLAGS := --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true
+TEST_MARKS ?= not slow
 test: $(VENV)/.installed $(VENV)/.smollm2
 	rm -rf $(TEST_JAX_CACHE)
 	JAX_COMPILATION_CACHE_DIR=$(TEST_JAX_CACHE) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-	  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 XLA_FLAGS="$(TEST_XLA_FLAGS) $$XLA_FLAGS" $(PY) -m pytest $(PYTEST_ARGS)
+	  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 XLA_FLAGS="$(TEST_XLA_FLAGS) $$XLA_FLAGS" \
+	  $(PY) -m pytest $(PYTEST_ARGS) -m "$(TEST_MARKS)"
+
+test-all:
+	$(MAKE) test TEST_MARKS=
 
 # On a GPU machine, which has no package registry: the GPU-marked tests as ONE process, straight from the checkout
 # with the machine's own Python (nothing is installed; ulacache_jax/pallas_kernels and ulacache_jax/models are links

@@ -8,7 +8,7 @@ import pytest
 from scripts import bench_labels
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, pytest.param(8, marks=pytest.mark.slow)])   # 4: the default
 def test_tiny_run_checks_every_variant_and_writes(tmp_path, bits):
     bench_labels.main(["--tiny", "--bits", str(bits), "--out", str(tmp_path), "--commit", "test"])
     name = "labels" if bits == 4 else "labels_8bit"

@@ -124,6 +124,7 @@ def test_auto_table_is_the_models_shipped_one():
     assert two.first.table == calibration.channel_table("qwen2.5-coder-0.5b", 16) and two.table is None
 
 
+@pytest.mark.slow
 def test_exact_rule(tmp_path):
     """exact:K:<rule>: the rule drafts with sparse attention, dense attention verifies, so (float32) every answer
     equals dense's; rows carry K and the speculative counters."""

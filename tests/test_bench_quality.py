@@ -96,6 +96,7 @@ def test_tiny_mode_rows(tmp_path):
     assert meta["text"]["sha256"] and meta["refused"] == []
 
 
+@pytest.mark.slow
 def test_key_channels_list_rows(tmp_path):
     """--key-channels 0,8: each value its own sparse cells against one dense run; rows carry their value and a
     covering budget stays dense's answers with the key copy too."""
@@ -113,6 +114,7 @@ def test_key_channels_list_rows(tmp_path):
         bq.main(["--tiny", "--out", str(tmp_path), "--key-channels", "8,-1"])
 
 
+@pytest.mark.slow
 def test_label_bits_and_window_overrides(tmp_path):
     """--label-bits 4 makes the key-channel cells labels (rows and meta say so; Quest cells stay Quest), the ppl
     window / prefix / traced steps follow their overrides, and a prefix that leaves no scored position is refused."""
@@ -128,6 +130,7 @@ def test_label_bits_and_window_overrides(tmp_path):
         bq.main(["--tiny", "--out", str(tmp_path), "--ppl-window", "128", "--ppl-prefix", "128"])
 
 
+@pytest.mark.slow
 def test_two_stage_cells_rerank_quests_shortlist(tmp_path, capsys):
     """--two-stage MULT: the labels cells run as the second stage behind Quest's shortlist (rows carry two_stage, a
     cell apart from the plain rule's in row_id, named in the plot legend); a shortlist covering every page ranks
@@ -239,6 +242,7 @@ def test_noise_floor_dense_bf16_against_float32(tmp_path, model):
     assert "Noise floor" in bq.markdown(rows, meta)
 
 
+@pytest.mark.slow
 def test_selection_ceiling_study_hooks(tmp_path):
     """scripts/studies/selection_ceiling.py: every layer dense reproduces dense exactly; the cross-head allocation
     runs and keeps its budget (a cell like any other)."""

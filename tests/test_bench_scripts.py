@@ -2,6 +2,7 @@
 import os
 import sys
 
+import pytest
 import numpy as np
 import jax.numpy as jnp
 from flax import nnx
@@ -169,6 +170,7 @@ def test_selection_trace_records_what_the_sieve_sees(tmp_path):
     assert int(d["total_pages"]) > 0 and str(d["label"]) == "random-weight model trace"
 
 
+@pytest.mark.slow
 def test_decode_memory_probe_compiles_the_generators_program():
     """probes/decode_memory.py builds, without allocating, the very Program a Generator of that shape gets, and
     the tiny decode aliases the whole cache input -> output."""
@@ -340,6 +342,7 @@ def test_page_size_reaches_both_sides_rows():
         assert row["page"] == 32 and row["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_a_label_first_stage_row_runs_and_names_its_stages():
     """bench_decode --two-stage MULT --first-channels C: labels over C channels shortlist for the labels the row's
     --key-channels name (the row records both stages); --first-channels needs --two-stage, an even count and at

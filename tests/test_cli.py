@@ -165,6 +165,7 @@ def test_tp_needs_the_tp_module(tmp_path, monkeypatch):
     assert rc == 2 and "needs the TP module" in err
 
 
+@pytest.mark.slow
 def test_tp_cli_matches_tp1(tmp_path):
     if cli.find_tp_module() is None:
         pytest.skip("no ulacache_jax.runtime.tp in this install")

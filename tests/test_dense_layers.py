@@ -27,6 +27,7 @@ def test_parse_set():
         dl.parse_set("24", 24)
 
 
+@pytest.mark.slow
 def test_covering_budget_and_all_dense_decode_dense_tokens(tmp_path):
     assert dl.main(["--tiny", "--page-size", "8", "--budget", "512", "--dense-sets", "none", "0,-1",
                     "--out", str(tmp_path)]) == 0

@@ -249,6 +249,7 @@ def test_cli_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert r.returncode == 2 and "--checkpoint-dir" in r.stderr and "other settings" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_speculative_engine_restores(setup, tmp_path):
     """A speculative engine's checkpoint restores into a speculative engine (draft state and flush points from the
     prompt's end); greedy tokens equal the uninterrupted run's where the sequence stays within the token budget

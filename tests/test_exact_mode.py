@@ -135,6 +135,7 @@ def _cli(tmp_path, *extra):
     return {r["id"]: r["token_ids"] for r in rows}      # lines are written as requests finish
 
 
+@pytest.mark.slow
 def test_cli_exact_mode(tmp_path, capsys):
     from ulacache_jax.app import cli
     dense = _cli(tmp_path, "--attention", "dense")
@@ -151,6 +152,7 @@ def test_cli_exact_mode(tmp_path, capsys):
         assert not (tmp_path / "bad.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_bench_exact_small(tmp_path, monkeypatch):
     """scripts/bench_exact.py --small: the reference check runs before the timings (its comparison, exact mode's
     tokens = dense decoding's through `generate`, is test_exact_mode_tokens_are_dense_tokens's: recorded here, not

@@ -164,6 +164,7 @@ def test_generate_covering_budget_equals_dense(model):
     assert_covering_budget_equals_dense(model, key_channels=8)
 
 
+@pytest.mark.slow
 def test_engine_small_budget_and_speculative(model):
     """Budget 4 pages of 16 (prompts of 100+ tokens select pages): the key copy runs through the Engine; greedy
     speculative decoding (verification scores each row from the copy) gives the plain run's tokens. Shared prefixes

@@ -85,7 +85,8 @@ def step_logits(model, cfg, ps):
     return first, np.asarray(gen.next_logits(tok))[slots], out, gen
 
 
-@pytest.mark.parametrize("codec", ["float8_e4m3fn", Int8Pages()], ids=["fp8", "int8"])
+@pytest.mark.parametrize("codec", ["float8_e4m3fn", pytest.param(Int8Pages(), marks=pytest.mark.slow)],
+                         ids=["fp8", "int8"])
 def test_quantised_pages_keep_the_decode_logits(model, codec):
     ps = prompts()
     base = cache_config(model)
@@ -147,6 +148,7 @@ def test_dense_fp8_equals_sparse_fp8_at_a_covering_budget(model):
     assert DenseBackend.footprint(fp8)["hbm_detail"]["dense_kv"] < 0.52 * DenseBackend.footprint(bf16)["hbm_bytes"]
 
 
+@pytest.mark.slow
 def test_speculative_greedy_with_fp8_pages_gives_the_plain_tokens(model):
     """Verification rows read the same page format as a plain step (the ring in the model's dtype, flushed pages
     encoded once complete, whenever they flush), so greedy speculative decoding keeps the plain fp8 tokens."""

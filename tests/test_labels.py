@@ -332,7 +332,7 @@ def model():
     return tiny_model()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [pytest.param(8, marks=pytest.mark.slow), 4])   # 4: the default
 def test_generate_covering_budget_equals_dense(model, bits):
     assert_covering_budget_equals_dense(model, key_channels=8, label_bits=bits)
 
@@ -424,7 +424,7 @@ def test_shipped_tables_belong_to_a_preset_and_follow_their_own_scores():
             np.testing.assert_array_equal(np.asarray(tab), np.asarray(pair_channels(score, int(c))), err_msg=f.name)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [pytest.param(8, marks=pytest.mark.slow), 4])   # 4: the default
 def test_offline_table_shares_prefixes(model, bits):
     """With an offline channel table the channels are fixed, so shared prefixes are allowed: an attached prefix holds
     the labels (codes and scales) the ingesting slot wrote, and the Engine's tokens with the prefix cache on equal

@@ -33,6 +33,7 @@ def test_oracle_keeps_the_heaviest_needle_pages():
     assert 2 in sel and 0 in sel
 
 
+@pytest.mark.slow
 def test_study_rows_on_the_tiny_model(tmp_path):
     assert ns.main(["--tiny", "--context", "1024", "--prompts", "1", "--page-size", "16", "--budgets", "64,1024",
                     "--rules", "mass,labels:8:4", "--out", str(tmp_path)]) == 0

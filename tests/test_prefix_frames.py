@@ -198,6 +198,7 @@ def _tp_main():
     print(json.dumps(out))
 
 
+@pytest.mark.slow
 def test_tp2_sharers_share_frames_on_every_rank():
     import json, subprocess, sys
     env = forced_devices(2)

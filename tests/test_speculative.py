@@ -23,6 +23,9 @@ from ulacache_jax.models import LlamaModel, get_preset
 from ulacache_jax.runtime.sampling import SamplingArrays, row_keys, sample
 from ulacache_jax.runtime.speculative.rules import SpecConfig, accept, gate_rows, next_flush, ngram_propose, token_probs
 
+# one worker runs this module (make test: --dist loadgroup): its module fixtures are built once, not per worker
+pytestmark = pytest.mark.xdist_group("test_speculative")
+
 K = 3
 MAX_NEW = 40
 # every draft verified (no batch gate): the tiny random model's drafts are mostly rejected, so the gate

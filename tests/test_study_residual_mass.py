@@ -60,6 +60,7 @@ def test_unknown_rule_is_refused():
         rm.attend(q, k, v, qpos, page=16, budget=32, rule="nope")
 
 
+@pytest.mark.slow
 def test_driver_writes_a_row_per_rule_and_budget(tmp_path):
     """The study's driver end to end (tiny random model, byte tokenizer, pydoc text): a dense row and one row per
     rule and budget over every scored position of every window, in the JSON; a budget covering the window is dense

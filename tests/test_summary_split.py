@@ -195,6 +195,7 @@ def test_generate_covering_budget_equals_dense(model):
     assert_covering_budget_equals_dense(model, summary_split=2)
 
 
+@pytest.mark.slow
 def test_engine_small_budget_shared_prefix_and_speculative(model):
     """Budget 4 pages of 16 (prompts of 100+ tokens select pages): split 2 runs; shared prefixes on (the attach
     writes the stored pages' sub-page summaries) give the tokens of a run without them; greedy speculative decoding

@@ -22,6 +22,9 @@ import pytest
 
 from device_env import forced_devices
 
+# one worker runs this module (make test: --dist loadgroup): its module fixtures are built once, not per worker
+pytestmark = pytest.mark.xdist_group("test_tp")
+
 NUM_DEVICES = 8
 # the TP sizes of the shared checks: 1 (the reference), 2 (two KV heads a rank; the dense, key-copy and compiled
 # checks run here) and 8 (one head a rank). TP = 4 would repeat 2's case at a quarter of the suite's TP time.
@@ -454,6 +457,7 @@ def test_70b_shape_per_device_bytes_at_tp8():
     assert total / 8 < per < 24e9
 
 
+@pytest.mark.slow
 def test_more_ranks_than_kv_heads_replicates_heads():
     res = _run_subprocess("replicated", [8])      # 2 KV heads, each on 4 ranks
     assert list(res["tp"]) == ["8"]

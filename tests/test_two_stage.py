@@ -157,6 +157,7 @@ def test_covering_budget_equals_dense(model, rule):
     assert_covering_budget_equals_dense(model, selection=rule)
 
 
+@pytest.mark.slow
 def test_small_budget_with_shared_prefixes_and_speculative(model):
     """Budget 4 pages of 16, a shortlist of 8 chosen by labels over 4 channels and reranked by labels over all 16,
     both over fixed channel tables (both rules' hooks run through the two-stage rule, each on its own state; tables
@@ -259,6 +260,7 @@ def test_cli_two_stage(tmp_path, capsys):
         assert f"--two-stage {bad!r} must be MULT, an int >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_short_cadence_keep_the_tokens(model):
     """A prompt prefilled in chunks (blocks of 2 pages) and decoded in chunks shorter than a page gives the tokens
     of a whole prefill and page-long chunks (a shortlist of 6 for a budget of 4, reranked by labels)."""
