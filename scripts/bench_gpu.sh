@@ -4,7 +4,7 @@
 #                              decode profile e2e quality-passkey16
 #                              quality-passkey64 quality-passkey-low16 quality-passkey-low64 quality-ppl16
 #                              quality-ppl16-copy quality-ppl64 quality-trace quality-variants auto-short auto-long
-#                              decode-prefill longctx-16k longctx-32k longctx-100 longctx-diag decode-labels
+#                              decode-prefill longctx-16k longctx-32k longctx-100 longctx-diag oracle-32k decode-labels
 #                              decode-labels-256k dense-fp8 exact
 #                              quality-austen32k
 #                              quality-austen32k-quest quality-austen32k-1of16 profile-labels profile-two-stage
@@ -112,6 +112,13 @@ for b in "${names[@]}"; do
                   --model "${MODEL:?MODEL=gguf path}" --contexts 32768 --tasks "${TASK:?TASK=task}" \
                   --name "longctx100_${TASK}" --out "$OUT" --deadline 540 --rules "${RULES:-dense,labels:32:4}" \
                   --budget-ratios 0.03125 --batch 24 --page-size "${PAGE:-64}" "${C[@]}" ;;
+    oracle-32k)     # issue 48: is multi-value at 32K lost to the labels or to the budget? greedy answers under the
+                    # oracle page selection (the true page mass: scripts/studies/dense_layers.py), every layer
+                    # sparse, page 16, at 1/32 and 1/16, beside dense, from one prefill a prompt. PROMPTS: a
+                    # longctx-100 prompt file (.prompts/lc32k_niah_multivalue.json); MODEL: Qwen2.5-Coder-0.5B's GGUF
+                step oracle-32k 590 scripts/studies/dense_layers.py --prompts "${PROMPTS:?PROMPTS=prompt file}" \
+                  --model "${MODEL:?MODEL=gguf path}" --dtype bfloat16 --page-size 16 --budget 1024 2048 \
+                  --dense-sets none --deadline 500 --run oracle-32k --out "$OUT" "${C[@]}" ;;
     longctx-diag)   # issue 48: are the 32K answers labels 32 @ 4 lose at 1/32 lost to selection? the same rule at a
                     # near-covering budget (496 of 512 pages): dense's answers there = selection loses them
                 step longctx-diag 580 scripts/bench_longctx.py --prompts "${PROMPTS:?PROMPTS=prompt file}" \

@@ -30,7 +30,7 @@ def model():
     return LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("budget", [256, 32])
+@pytest.mark.parametrize("budget", [256, pytest.param(32, marks=pytest.mark.slow)])
 def test_scorer_matches_dense_and_generate(model, budget):
     """Budget 256 covers the 183-token windows: sparse log-probs equal dense ones. At both budgets the scorer's
     greedy argmax continuation is generate()'s tokens (the scorer's decode is generate's sparse decode)."""

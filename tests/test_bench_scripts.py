@@ -305,6 +305,7 @@ def test_fetch_latency_probe_checks_every_mode(tmp_path):
     assert all(r["check_ok"] for r in rows) and rows[0]["host_pages"] == int(0.004 * 2**30) // (2 * 16384)
 
 
+@pytest.mark.slow
 def test_hot_pages_raise_the_synthetic_rows_hit_rate():
     """bench_decode --hot-share: planted hot pages repeat in every step's selection, so the same row's hit rate
     rises from random weights' (no locality) towards 1; the row records the share; bad values are refused."""
@@ -328,6 +329,7 @@ def test_hot_pages_raise_the_synthetic_rows_hit_rate():
             bd.hot_share_arg(bad)
 
 
+@pytest.mark.slow
 def test_page_size_reaches_both_sides_rows():
     """bench_decode --page-size: the row's cache and its record take the page (32 here), both sides."""
     import argparse

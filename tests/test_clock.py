@@ -14,9 +14,6 @@ from ulacache_jax.runtime.engine import Engine, SamplingParams
 from ulacache_jax.runtime.generation import Generator, default_cache_config
 from ulacache_jax.models import LlamaModel, get_preset
 
-# one worker runs this module (make test: --dist loadgroup): its module fixtures are built once, not per worker
-pytestmark = pytest.mark.xdist_group("test_clock")
-
 
 @pytest.fixture(scope="module")
 def setup():

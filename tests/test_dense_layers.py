@@ -34,13 +34,36 @@ def test_covering_budget_and_all_dense_decode_dense_tokens(tmp_path):
     run = json.loads((tmp_path / "dense_layers.json").read_text())["runs"][-1]
     assert all(r["same_as_dense"] for r in run["rows"])
     assert (tmp_path / "dense_layers.png").stat().st_size > 0
-    assert dl.main(["--tiny", "--page-size", "8", "--budget", "16", "--dense-sets", "0,1",
+    assert dl.main(["--tiny", "--page-size", "8", "--budget", "16", "512", "--dense-sets", "0,1",
                     "--out", str(tmp_path)]) == 0
     run = json.loads((tmp_path / "dense_layers.json").read_text())["runs"][-1]
     assert all(r["same_as_dense"] for r in run["rows"])   # tiny has 2 layers: both dense = dense
-    assert [s["read_share"] for s in run["summary"]] == [1.0, 1.0]
+    assert [s["read_share"] for s in run["summary"]] == [1.0, 1.0, 1.0]
+    assert [s["budget"] for s in run["summary"]] == [None, 16, 512] and run["budgets"] == [16, 512]
 
 
 def test_bad_budget_is_refused(tmp_path):
-    with pytest.raises(SystemExit, match="multiple of --page-size"):
-        dl.main(["--tiny", "--page-size", "8", "--budget", "12", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--budget 12 must be a positive multiple of --page-size 8"):
+        dl.main(["--tiny", "--page-size", "8", "--budget", "16", "12", "--out", str(tmp_path)])
+    assert not (tmp_path / "dense_layers.json").exists()
+
+
+def test_padded_prefill_equals_the_unpadded_forward():
+    """The prefill right-pads to the cache length: the prompt's keys, values and last logits are the unpadded
+    forward's (causal attention never sees the padding)."""
+    from flax import nnx
+    from ulacache_jax import models
+    from scripts.studies.selection_recall import dense_forward
+    model = models.LlamaModel(models.get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    c = model.config
+    ids = [int(t) for t in np.random.default_rng(0).integers(0, 256, 37)]
+    _, params = nnx.split(model)
+    (k, v), last = dl.make_prefill(model)(params, ids, 64)
+
+    def store(cache, q, k, v, layer):
+        return cache[0].at[layer].set(k), cache[1].at[layer].set(v)
+    z = jnp.zeros((c.num_layers, 1, len(ids), c.num_kv_heads, c.head_dim), jnp.float32)
+    (k0, v0), h = dense_forward(model, ids, (z, z), store)
+    np.testing.assert_allclose(np.asarray(k[:, :, :len(ids)]), np.asarray(k0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(v[:, :, :len(ids)]), np.asarray(v0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(model.logits(h[:, -1:])[0, -1]), rtol=1e-4, atol=1e-4)

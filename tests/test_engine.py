@@ -12,9 +12,6 @@ from ulacache_jax.runtime.engine import Engine, SamplingParams
 from ulacache_jax.runtime.generation import Generator, default_cache_config, generate
 from ulacache_jax.models import LlamaModel, get_preset
 
-# one worker runs this module (make test: --dist loadgroup): its module fixtures are built once, not per worker
-pytestmark = pytest.mark.xdist_group("test_engine")
-
 LENS = (40, 100, 50, 120, 70)   # prefill buckets 64 and 128 only
 # the prefill's token and three whole decode chunks of page_size (16) steps: every chunk runs the 16-step program
 # (a shorter last chunk compiles its own)

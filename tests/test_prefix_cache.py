@@ -17,9 +17,6 @@ from ulacache_jax.models.attention import dense_attention
 from ulacache_jax.runtime.prefix_cache import PrefixIndex, max_shared_pages, page_keys, prefix_attention
 from ulacache_jax.runtime.sequences import CapacityError, HostAllocator
 
-# one worker runs this module (make test: --dist loadgroup): its module fixtures are built once, not per worker
-pytestmark = pytest.mark.xdist_group("test_prefix_cache")
-
 P = 16
 MAX_NEW = 16
 

@@ -21,9 +21,6 @@ from ulacache_jax.runtime.sampling import (MAX_LOGPROBS, PenaltyState, SamplingA
 from ulacache_jax.runtime.speculative.rules import SpecConfig
 from ulacache_jax.models import LlamaModel, get_preset
 
-# one worker runs this module (make test: --dist loadgroup): its module fixtures are built once, not per worker
-pytestmark = pytest.mark.xdist_group("test_sampling_options")
-
 NEW = 12
 
 

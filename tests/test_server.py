@@ -25,9 +25,6 @@ from ulacache_jax.app import cli  # noqa: E402
 from ulacache_jax.runtime.requests import SamplingParams  # noqa: E402
 from scripts.bench_serve import stop_server  # noqa: E402
 
-# one worker runs this module (make test: --dist loadgroup): its module fixtures are built once, not per worker
-pytestmark = pytest.mark.xdist_group("test_server")
-
 MAX_SEQS, MAX_QUEUE, MAX_TOKENS = 4, 40, 12
 # the tiny preset (RANDOM weights, byte tokenizer); page 16, budget 64 (4 pages), context 256: as test_cli.py.
 # MAX_TOKENS 12: the first token comes from the prefill and the other 11 from one 16-step chunk, the one the

@@ -23,9 +23,6 @@ from ulacache_jax.models import LlamaModel, get_preset
 from ulacache_jax.runtime.sampling import SamplingArrays, row_keys, sample
 from ulacache_jax.runtime.speculative.rules import SpecConfig, accept, gate_rows, next_flush, ngram_propose, token_probs
 
-# one worker runs this module (make test: --dist loadgroup): its module fixtures are built once, not per worker
-pytestmark = pytest.mark.xdist_group("test_speculative")
-
 K = 3
 MAX_NEW = 40
 # every draft verified (no batch gate): the tiny random model's drafts are mostly rejected, so the gate
@@ -136,7 +133,7 @@ def repetitive(setup):
                      for att in ("sparse", "dense")}
 
 
-@pytest.mark.parametrize("attention", ["sparse", "dense"])
+@pytest.mark.parametrize("attention", ["sparse", pytest.param("dense", marks=pytest.mark.slow)])
 def test_chunked_ngram_equals_plain_and_the_per_step_path(setup, repetitive, attention):
     """The device chunk (Program.spec_chunk, the Engine's default for ngram) against plain greedy and against one
     verification per step (chunk_steps = 0): the same tokens for a ragged batch with a queued request and lengths
@@ -203,7 +200,7 @@ def record_chunks(sp) -> list[int]:
     return per_chunk
 
 
-@pytest.mark.parametrize("attention", ["sparse", "dense"])
+@pytest.mark.parametrize("attention", ["sparse", pytest.param("dense", marks=pytest.mark.slow)])
 def test_chunk_at_batch_4_carries_every_slot_a_page(setup, attention):
     """Four slots, ragged repetitive prompts (their flush points fall at different verifications): greedy equal to
     plain, and a chunk does not end at the first slot's flush point: a slot there waits (sparse: its flush writes

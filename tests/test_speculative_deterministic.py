@@ -58,7 +58,7 @@ def run(gen, prompts, spec, monkeypatch, params=None):
     return [r.tokens for r in reqs], eng.spec, rows, fixed
 
 
-@pytest.mark.parametrize("attention", ["dense", "sparse"])
+@pytest.mark.parametrize("attention", [pytest.param("dense", marks=pytest.mark.slow), "sparse"])
 def test_deterministic_speculative_equals_deterministic_plain_bf16(setup, monkeypatch, attention):
     """The ngram drafter (device chunks, per-step verifications) against method "none": the same greedy tokens in
     bfloat16, drafts accepted, every verification K + 1 rows (no batch gate although most drafts are rejected)."""

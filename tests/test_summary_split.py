@@ -245,6 +245,7 @@ def test_attached_prefix_summaries_equal_ingested_ones(model):
     assert np.isfinite(np.asarray(st.kmin[:, sb, :, :, :n])).all()
 
 
+@pytest.mark.slow
 def test_bench_quality_summary_split_rows(tmp_path):
     """scripts/bench_quality.py --summary-split 2 (tiny mode): its sparse cells run with split 2, every row records
     summary_split, and split-2 rows combine beside split-1 rows of the same cell (row_id tells them apart)."""

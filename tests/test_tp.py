@@ -22,9 +22,6 @@ import pytest
 
 from device_env import forced_devices
 
-# one worker runs this module (make test: --dist loadgroup): its module fixtures are built once, not per worker
-pytestmark = pytest.mark.xdist_group("test_tp")
-
 NUM_DEVICES = 8
 # the TP sizes of the shared checks: 1 (the reference), 2 (two KV heads a rank; the dense, key-copy and compiled
 # checks run here) and 8 (one head a rank). TP = 4 would repeat 2's case at a quarter of the suite's TP time.

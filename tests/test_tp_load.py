@@ -20,9 +20,6 @@ import pytest
 
 from device_env import forced_devices
 
-# one worker runs this module (make test: --dist loadgroup): its module fixtures are built once, not per worker
-pytestmark = pytest.mark.xdist_group("test_tp_load")
-
 NUM_DEVICES = 8
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 

@@ -3,6 +3,8 @@ some layers left dense, on a trained model's long-context needle prompts.
 
     python -m scripts.studies.dense_layers --prompts out/mv8k.json --model qwen2.5-coder-0.5b \
         --page-size 16 32 64 --budget 256 --dense-sets none 0,1,-1 --out docs/benchmarks
+    python -m scripts.studies.dense_layers --prompts .prompts/lc32k_mv.json --model qwen2.5-coder-0.5b \
+        --dtype bfloat16 --page-size 16 --budget 1024 2048 --dense-sets none --out docs/benchmarks   # on a GPU
     python -m scripts.studies.dense_layers --tiny --out /tmp/d      # tests: random weights, byte prompts
 
 Page selection at 1/32 loses RULER multi-value answers that dense gets right (docs/BENCHMARKS.md, long-context
@@ -13,7 +15,9 @@ Each prompt (a prompt file of scripts/bench_longctx.py, chat-templated) is prefi
 configuration decodes greedily from a copy of that cache with its own attention: in a *sparse* layer each KV head
 attends the `budget // page_size` flushed pages of largest true attention mass (summed over its query heads: the
 oracle, the ceiling of any page rule at the budget; the first `sink` and last `recent` flushed pages always) plus
-the unflushed tail page; a *dense* layer attends every key. Rows: per configuration, the harness's accuracy
+the unflushed tail page; a *dense* layer attends every key. Page sizes, budgets and dense-layer sets are each an
+axis of the configurations, all decoded from the one prefill; a configuration's step is compiled once for every
+prompt whose cache rounds up to the same length (`CACHE_UNIT`). Rows: per configuration, the harness's accuracy
 (scripts/ruler_tasks.score), the share of answers identical to dense's, and the attended share of K/V bytes a step
 (sparse layers at the budget, dense layers whole), which is what the dense layers cost in reads.
 """
@@ -29,6 +33,11 @@ import time
 import numpy as np
 
 from scripts import bench_meta
+
+
+# the cache length is rounded up to a multiple of this (and of every page size), so prompts of nearly one length
+# share their configurations' compiled steps; the keys past a prompt are masked, so the rounding changes nothing
+CACHE_UNIT = 1024
 
 
 def parse_set(text: str, num_layers: int) -> tuple[int, ...]:
@@ -96,20 +105,27 @@ def make_decoder(model, total: int, *, page: int, keep: int, sink: int, recent: 
     return step
 
 
-def prefill(model, ids: list[int], total: int):
-    """Dense prefill of ids -> (cache (k, v) [L, 1, total, KV, D] float32, logits of the last position [V])."""
+def make_prefill(model):
+    """-> prefill(params, ids, total): the dense prefill of ids right-padded to `total` tokens -> (cache (k, v)
+    [L, 1, total, KV, D] float32, logits of the last prompt position [V]). Causal attention: the padding is unseen
+    by the prompt, and each decode step writes its position's K/V before attending with later positions masked,
+    so the padding's keys are never read; one compile serves every prompt of one padded length."""
     import jax.numpy as jnp
-    from scripts.studies.selection_recall import dense_forward
+    from scripts.studies.selection_recall import dense_forward_fn
     c = model.config
-    T = len(ids)
 
     def store(cache, q, k, v, layer):
-        return (cache[0].at[layer, :, :T].set(k.astype(jnp.float32)),
-                cache[1].at[layer, :, :T].set(v.astype(jnp.float32)))
+        return cache[0].at[layer].set(k.astype(jnp.float32)), cache[1].at[layer].set(v.astype(jnp.float32))
 
-    z = jnp.zeros((c.num_layers, 1, total, c.num_kv_heads, c.head_dim), jnp.float32)
-    cache, h = dense_forward(model, ids, (z, z), store)
-    return cache, model.logits(h[:, -1:])[0, -1]
+    fwd = dense_forward_fn(model, store)
+
+    def prefill(params, ids: list[int], total: int):
+        z = jnp.zeros((c.num_layers, 1, total, c.num_kv_heads, c.head_dim), jnp.float32)
+        padded = np.zeros((1, total), np.int32)
+        padded[0, :len(ids)] = ids
+        cache, h = fwd(params, jnp.asarray(padded), (z, z))
+        return cache, model.logits(h[:, len(ids) - 1:len(ids)])[0, -1]
+    return prefill
 
 
 def decode(step, params, cache, first_logits, start: int, max_new: int, stop_ids) -> list[int]:
@@ -133,9 +149,11 @@ def plot(runs, path: str) -> str:
     for r in runs:
         xs = [s["read_share"] for s in r["summary"]]
         ys = [s["accuracy"] for s in r["summary"]]
-        ax.plot(xs, ys, "o", label=f"{r['run'] or r['model']} (budget {r['budget']})")
+        budgets = r.get("budgets", [r.get("budget")])          # runs before budgets were an axis name one
+        ax.plot(xs, ys, "o", label=f"{r['run'] or r['model']} (budget {', '.join(map(str, budgets))})")
         for s, x, y in zip(r["summary"], xs, ys):
-            ax.annotate(s["config"].replace("oracle, ", "").replace("dense layers ", "dense "), (x, y), fontsize=7)
+            ax.annotate(s["config"].replace("oracle, ", "").replace("dense layers ", "dense ")
+                        .replace("budget ", "b"), (x, y), fontsize=7)
     ax.set_xscale("log")
     ax.set_xlabel("K/V read a step / dense's")
     ax.set_ylabel("accuracy (ruler_tasks.score)")
@@ -149,13 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="a prompt file of scripts/bench_longctx.py --make-prompts")
     p.add_argument("--page-size", type=int, nargs="+", default=[16],
                    help="page sizes, each decoded from the same prefill")
-    p.add_argument("--budget", type=int, default=256, help="tokens a sparse layer selects (flushed pages)")
+    p.add_argument("--budget", type=int, nargs="+", default=[256],
+                   help="tokens a sparse layer selects (flushed pages); each budget decoded from the same prefill")
     p.add_argument("--sink", type=int, default=1)
     p.add_argument("--recent", type=int, default=2)
     p.add_argument("--dense-sets", nargs="+", default=["none", "0,1", "0,1,-1"],
                    help="layers left dense per configuration: 'none' or comma-separated indices (negative from the "
                         "end)")
     p.add_argument("--max-prompts", type=int, default=0, help="the first N prompts (0: all)")
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="seconds after which no further prompt starts (0: none); the JSON holds the prompts done")
     p.add_argument("--tiny", action="store_true", help="random tiny model, two made-up prompts (tests)")
     p.add_argument("--run", default="", help="a label for this run in the JSON")
     return bench_meta.add_common_args(p, out_required=True, files="dense_layers.json (each call appends a run), dense_layers.png",
@@ -173,8 +194,9 @@ def main(argv=None) -> int:
     from scripts import bench_longctx as lc
     from scripts import ruler_tasks
     for pg in a.page_size:
-        if pg <= 0 or a.budget <= 0 or a.budget % pg:
-            raise SystemExit(f"--budget {a.budget} must be a positive multiple of --page-size {pg}")
+        for b in a.budget:
+            if pg <= 0 or b <= 0 or b % pg:
+                raise SystemExit(f"--budget {b} must be a positive multiple of --page-size {pg}")
     if a.tiny:
         import jax.numpy as jnp
         from flax import nnx
@@ -190,6 +212,8 @@ def main(argv=None) -> int:
         model, tok = lc.load_model(a.model, a.dtype)
         stop = lc.stop_ids_of(model, tok)
         ids_of = functools.partial(lc.chat_ids, tok)
+    if a.max_prompts < 0 or a.deadline < 0:
+        raise SystemExit(f"--max-prompts {a.max_prompts} and --deadline {a.deadline} must be >= 0")
     if a.max_prompts:
         prompts = prompts[:a.max_prompts]
     L = model.config.num_layers
@@ -198,32 +222,43 @@ def main(argv=None) -> int:
     _, params = nnx.split(model)
     rows, answers = [], {}
     t0 = time.time()
-    unit = int(np.lcm.reduce(a.page_size))           # the cache length serves every page size
+    unit = int(np.lcm.reduce([CACHE_UNIT, *a.page_size]))      # the cache length serves every page size
+    configs = [("dense", unit, None, tuple(range(L)))] + [("sparse", pg, b, s) for b in a.budget
+                                                          for pg in a.page_size for s in sets]
+    steps = {}                                       # (cache length, config) -> its compiled step
+    prefill = make_prefill(model)
+    done = 0
     for n, p in enumerate(prompts):
+        if a.deadline and time.time() - t0 > a.deadline:
+            print(f"deadline {a.deadline:.0f} s: {n} of {len(prompts)} prompts done", flush=True)
+            break
+        done = n + 1
         ids = ids_of(p["text"])
         max_new = int(p["max_new_tokens"])
         total = -(-(len(ids) + max_new) // unit) * unit
-        cache, first = prefill(model, ids, total)
-        configs = [("dense", unit, tuple(range(L)))] + [("sparse", pg, s) for pg in a.page_size for s in sets]
-        for kind, pg, dl in configs:
-            step = make_decoder(model, total, page=pg, keep=a.budget // pg, sink=a.sink, recent=a.recent,
-                                dense_layers=dl)
-            toks = decode(step, params, cache, first, len(ids), max_new, stop)
+        cache, first = prefill(params, ids, total)
+        for kind, pg, budget, dl in configs:
+            key = (total, pg, budget, dl)
+            if key not in steps:
+                steps[key] = make_decoder(model, total, page=pg, keep=(budget or total) // pg, sink=a.sink,
+                                          recent=a.recent, dense_layers=dl)
+            toks = decode(steps[key], params, cache, first, len(ids), max_new, stop)
             text = tok.decode(toks)
             name = "dense" if kind == "dense" else \
-                f"oracle, page {pg}, dense layers " + (",".join(map(str, dl)) or "none")
+                f"oracle, budget {budget}, page {pg}, dense layers " + (",".join(map(str, dl)) or "none")
             acc = float(ruler_tasks.score(lc.as_prompt(p), text))
             answers.setdefault(name, []).append(text)
+            share = 1.0 if kind == "dense" else (len(dl) + (L - len(dl)) * min(1.0, budget / len(ids))) / L
             rows.append({"prompt": p["id"], "config": name, "page_size": pg if kind != "dense" else None,
-                         "dense_layers": list(dl), "accuracy": acc,
-                         "same_as_dense": text == answers["dense"][-1], "text": text,
-                         "read_share": (len(dl) + (L - len(dl)) * min(1.0, a.budget / len(ids))) / L})
+                         "budget": budget, "dense_layers": list(dl), "accuracy": acc,
+                         "same_as_dense": text == answers["dense"][-1], "text": text, "read_share": share})
             print(f"[{time.time() - t0:6.0f}s] prompt {n + 1}/{len(prompts)} {name}: {acc:.2f} {text[:60]!r}",
                   flush=True)
     summary = []
     for name in answers:
         rs = [r for r in rows if r["config"] == name]
-        summary.append({"config": name, "page_size": rs[0]["page_size"], "dense_layers": rs[0]["dense_layers"],
+        summary.append({"config": name, "page_size": rs[0]["page_size"], "budget": rs[0]["budget"],
+                        "dense_layers": rs[0]["dense_layers"],
                         "prompts": len(rs),
                         "accuracy": float(np.mean([r["accuracy"] for r in rs])),
                         "fully_right": int(sum(r["accuracy"] == 1.0 for r in rs)),
@@ -238,8 +273,9 @@ def main(argv=None) -> int:
     data = json.load(open(path)) if os.path.exists(path) else {"runs": []}
     data["runs"].append({"meta": bench_meta.run_meta(a.commit),
                          "run": a.run, "model": a.model if not a.tiny else "tiny", "page_sizes": a.page_size,
-                         "budget": a.budget, "sink": a.sink, "recent": a.recent,
-                         "prompts_file": os.path.basename(a.prompts or "tiny"), "summary": summary, "rows": rows})
+                         "budgets": a.budget, "sink": a.sink, "recent": a.recent,
+                         "prompts_file": os.path.basename(a.prompts or "tiny"), "prompts": done,
+                         "prompts_in_file": len(prompts), "summary": summary, "rows": rows})
     with open(path + ".tmp", "w") as fh:
         json.dump(data, fh, indent=1)
     os.replace(path + ".tmp", path)

@@ -29,28 +29,36 @@ import numpy as np
 from scripts import bench_meta
 
 
-def dense_forward(model, ids, init, store):
-    """One jitted dense forward over ids [T] (positions 0..T-1, blocked attention) that threads `init` through
-    every layer's store(cache, q, k, v, layer) -> cache (q [1, T, H, D], k/v [1, T, KV, D], post-RoPE) -> (cache,
-    h [1, T, E] before the final norm). What the studies record from a prompt (record; dense_layers.prefill)."""
+def dense_forward_fn(model, store):
+    """The jitted dense forward fn(params, ids [1, T] int32, init) -> (cache, h [1, T, E] before the final norm):
+    positions 0..T-1, blocked attention, `init` threaded through every layer's store(cache, q, k, v, layer) ->
+    cache (q [1, T, H, D], k/v [1, T, KV, D], post-RoPE). One function compiles once per length, so a study that
+    pads its prompts to a few lengths reuses it (dense_layers)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
     from ulacache_jax.models.attention import blocked_attention
-    T = len(ids)
-    graphdef, params = nnx.split(model)
+    graphdef, _ = nnx.split(model)
 
     @jax.jit
     def run(params, ids, init):
         m = nnx.merge(graphdef, params)
-        pos = jnp.arange(T, dtype=jnp.int32)[None]
+        pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
 
         def attn(cache, q, k, v, meta, layer):
             return store(cache, q, k, v, layer), blocked_attention(q, k, v, meta, meta)
 
         return m.run_layers(init, m.embed(ids), pos, pos, attn)
 
-    return run(params, jnp.asarray(ids, jnp.int32)[None], init)
+    return run
+
+
+def dense_forward(model, ids, init, store):
+    """dense_forward_fn's forward over ids [T], once: what the studies record from a prompt (record)."""
+    import jax.numpy as jnp
+    from flax import nnx
+    _, params = nnx.split(model)
+    return dense_forward_fn(model, store)(params, jnp.asarray(ids, jnp.int32)[None], init)
 
 
 def record(model, ids, positions=None):
