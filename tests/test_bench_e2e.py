@@ -3,7 +3,10 @@ import importlib.util
 import json
 import pathlib
 
+import pytest
 
+
+@pytest.mark.slow
 def test_one_row_times_the_real_generate_path(capsys):
     path = pathlib.Path(__file__).parent.parent / "scripts" / "bench_e2e.py"
     spec = importlib.util.spec_from_file_location("bench_e2e", path)

@@ -30,7 +30,7 @@ def model():
     return LlamaModel(get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("budget", [256, pytest.param(32, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("budget", [256, 32])
 def test_scorer_matches_dense_and_generate(model, budget):
     """Budget 256 covers the 183-token windows: sparse log-probs equal dense ones. At both budgets the scorer's
     greedy argmax continuation is generate()'s tokens (the scorer's decode is generate's sparse decode)."""
@@ -219,6 +219,7 @@ def test_text_sources(tmp_path):
             bq.corpus_text(bad)
 
 
+@pytest.mark.slow
 def test_noise_floor_dense_bf16_against_float32(tmp_path, model):
     """dense_agreement of a model with itself is exact; bf16 against float32 (the same weights) agrees on most
     tokens with a small KL; --noise-floor adds that row to the ppl task and its line to the tables."""

@@ -127,6 +127,7 @@ def test_harness_timing_and_results(tmp_path):
     assert first["rows"] == [{"a": 1.5}] and first["shapes"] == {"B": 1} and first["meta"]["commit"] == "abc123"
 
 
+@pytest.mark.slow
 def test_bench_sieve_small_run_checks_and_writes(tmp_path):
     import json
     import subprocess
@@ -154,6 +155,7 @@ def test_bench_sieve_small_run_checks_and_writes(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 # scripts that drive the runtime's internals: run in the smallest shapes, so a refactor cannot silently break them
 # ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_selection_trace_records_what_the_sieve_sees(tmp_path):
     """selection_trace.py decodes through program.decode_layers with a recording backend: its replay check (the
     recorded pages reproduce the backend's hits) and its Engine check (same tokens) must both hold, and the trace
@@ -227,6 +229,7 @@ def test_bench_chunked_prefill_gaps_and_plot(tmp_path):
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_real_prefill_rows_take_generates_path():
     """bench_decode --fill prefill: the first tokens its prefill times are generate's first tokens for the same
     prompts (sparse and dense), the compiling prompt's slot is released, and a row records the time to first

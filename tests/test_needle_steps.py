@@ -48,6 +48,7 @@ def test_study_rows_on_the_tiny_model(tmp_path):
             assert abs(r["needle_recall"] - 1) < 1e-9
 
 
+@pytest.mark.slow
 def test_rows_by_layer_keep_a_share_of_all_attention(tmp_path):
     """--by-layer: rows per layer, each with attention_kept, the share of the whole true attention in the selected
     pages and the tail: a fraction, 1 where the budget covers every page, and the oracle's (the top-mass pages

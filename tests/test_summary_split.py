@@ -163,6 +163,7 @@ def test_ingested_partial_page_sentinel_never_wins_its_page():
     np.testing.assert_array_equal(np.asarray(state.kmin[0, 0, 0, :, 9, 0]), np.asarray(kn[0]))
 
 
+@pytest.mark.slow
 def test_commit_summaries_equal_token_by_token_appends():
     """Speculative commit (tail summaries recomputed from committed ring tokens) equals append_token's updates, per
     sub-page, across a page boundary and a partial sub-page; untouched sub-pages stay as they were."""

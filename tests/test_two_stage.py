@@ -74,6 +74,7 @@ def test_shortlist_radix_kernel_equals_reference():
 
 @pytest.mark.parametrize("second", [Quest(), KeyCopy(channels=4), Labels(channels=4, bits=8)],
                          ids=["quest", "key_copy", "labels"])
+@pytest.mark.slow
 def test_whole_shortlist_scores_as_the_second_stage(second):
     """A shortlist of every page (keep_pages = P): the gathered second stage ranks the flushed pages as the second
     rule scoring every page does (Quest: equal bounds; the key copy / labels: mass normalised over the same
@@ -92,6 +93,7 @@ def test_whole_shortlist_scores_as_the_second_stage(second):
         assert np.isneginf(two[s, :, f:]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("second", [Quest(), KeyCopy(channels=4)], ids=["quest", "key_copy"])
 def test_small_shortlist_holds_quests_top_pages(second, split):
