@@ -59,6 +59,7 @@ def test_exact_mode_tokens_are_dense_tokens(setup):
     assert sorted(spec.draft.backend.manager.alloc.free_slots) == [0, 1]
 
 
+@pytest.mark.slow
 def test_exact_mode_deterministic_bfloat16(setup):
     """In bfloat16 the K + 1-row verification rounds unlike the one-row step; deterministic mode verifies every
     step with K + 1 rows, so exact mode's tokens equal dense decoding through those shapes with nothing drafted

@@ -86,6 +86,7 @@ def run_per_step(gen, prompts, spec, monkeypatch, params):
     return run(gen, prompts, spec, monkeypatch, params)
 
 
+@pytest.mark.slow
 def test_deterministic_draft_model_equals_deterministic_plain_bf16(setup, monkeypatch):
     """A draft model (the target itself: every draft accepted) on the dense cache: verifications of K + 1 rows with
     the draft's distributions, the same greedy tokens as method "none"."""

@@ -117,6 +117,7 @@ def test_small_shortlist_holds_quests_top_pages(second, split):
                 np.testing.assert_allclose(two[s, g, top], bound[s, g, top], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_label_first_stage_shortlists_its_top_pages_and_keeps_both_states():
     """A first rule (labels over 4 channels) in place of Quest's bound: the state holds both stages' own (each rule's
     hooks wrote its part as it would alone: the same codes as that rule's cache), the pages scored are exactly the
@@ -152,8 +153,8 @@ def test_label_first_stage_shortlists_its_top_pages_and_keeps_both_states():
 
 
 @pytest.mark.parametrize("rule", [TwoStage(Quest(), keep_pages=8), TwoStage(Labels(channels=4, bits=4), keep_pages=8),
-                                  TwoStage(Labels(channels=D, bits=4), keep_pages=8,
-                                           first=Labels(channels=4, bits=4))],
+                                  pytest.param(TwoStage(Labels(channels=D, bits=4), keep_pages=8,
+                                                        first=Labels(channels=4, bits=4)), marks=pytest.mark.slow)],
                          ids=["quest", "labels", "labels_first"])
 def test_covering_budget_equals_dense(model, rule):
     assert_covering_budget_equals_dense(model, selection=rule)
