@@ -33,8 +33,7 @@ demo: $(VENV)/.installed $(VENV)/.smollm2
 # Two tiers keep `make test` (CI: two cores) within its 20 minutes: tests marked `slow` are the second, combinations
 # whose parts the first tier tests one by one (a rule with TP, speculation and shared prefixes together; the 8-bit
 # or dense twin of a test; the studies' and most benchmark scripts' rows, whose kernels the first tier checks against
-# their references; SmolLM2 through the demo). `make test-all` runs
-# both tiers.
+# their references; SmolLM2 through the demo). `make test-all` runs both tiers.
 TEST_JAX_CACHE := $(CURDIR)/.jax-test-cache
 TEST_XLA_FLAGS := --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true
 TEST_MARKS ?= not slow

@@ -311,8 +311,8 @@ def test_disconnect_aborts_and_frees_slot_and_pages(server):
 
 def test_metrics_report_cache_figures(server):
     """The cache's figures after this test's own request (its prompt of 200 bytes is longer than the 64-token
-    budget, so pages are selected, fetched and stored as a prefix): the test holds whatever ran before it on this
-    worker's server, or nothing."""
+    budget, so pages are selected, fetched and stored as a prefix), so it does not depend on which tests this
+    worker's server served before it."""
     r = _client(server).completions.create(model=MODEL, prompt=" ".join(LOAD[:6]), max_tokens=MAX_TOKENS)
     assert r.usage.prompt_tokens > 64
     _, text = _get(server["base"], "/metrics")

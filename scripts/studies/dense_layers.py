@@ -197,6 +197,8 @@ def main(argv=None) -> int:
         for b in a.budget:
             if pg <= 0 or b <= 0 or b % pg:
                 raise SystemExit(f"--budget {b} must be a positive multiple of --page-size {pg}")
+    if a.max_prompts < 0 or a.deadline < 0:
+        raise SystemExit(f"--max-prompts {a.max_prompts} and --deadline {a.deadline} must be >= 0")
     if a.tiny:
         import jax.numpy as jnp
         from flax import nnx
@@ -212,8 +214,6 @@ def main(argv=None) -> int:
         model, tok = lc.load_model(a.model, a.dtype)
         stop = lc.stop_ids_of(model, tok)
         ids_of = functools.partial(lc.chat_ids, tok)
-    if a.max_prompts < 0 or a.deadline < 0:
-        raise SystemExit(f"--max-prompts {a.max_prompts} and --deadline {a.deadline} must be >= 0")
     if a.max_prompts:
         prompts = prompts[:a.max_prompts]
     L = model.config.num_layers
