@@ -13,13 +13,13 @@ Quality (per rule spec, context and budget, over the prompts of `longctx.json`'s
 dense answers right (score 1), the share the rule answers right too (the issue's ">= 95% of the answers dense gets
 right"), `accuracy` and `dense_accuracy`, `n` prompts and `n_dense_right`. A prompt answered in several runs counts
 once (its last output).
-Bytes (a decode step at the 8B shape, Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16, page 64, 128K x 3): the
-rule's scorer (`SelectionRule.step_bytes`, channels scaled by the model's head_dim to 128: half of Qwen 0.5B's 64
-is 64 of 128) + the selected K/V (the budget ratio of the context, plus a tail page) + the weights (16.06 GB),
-as a fraction of dense's (weights + every K/V). Speed: the tok/s of the newest decode row (128K x 3, the last in
-the --decode files' order) of the same rule, channel fraction, bits and budget ratio over the dense row of the same
-call (same `run` or `variant`, same device); its hit rate and hot share (bench_decode --hot-share) are reported
-beside it, to be read against the rule's trace hit rate. Rows without one have no speed.
+Bytes (a decode step at the 8B shape, Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16, 128K x 3, at the cell's
+page size): the rule's scorer (`SelectionRule.step_bytes`, channels scaled by the model's head_dim to 128: half of
+Qwen 0.5B's 64 is 64 of 128) + the selected K/V (the budget ratio of the context, plus a tail page) + the weights
+(16.06 GB), as a fraction of dense's (weights + every K/V). Speed: the tok/s of the newest decode row (128K x 3, the
+last in the --decode files' order) of the same rule, channel fraction, bits, budget ratio and page size over the
+dense row of the same call (same `run` or `variant`, same device); its hit rate and hot share (bench_decode
+--hot-share) are reported beside it, to be read against the rule's trace hit rate. Rows without one have no speed.
 """
 from __future__ import annotations
 
@@ -51,29 +51,31 @@ def rule_object(name: str, channels: int, bits: int, two: int | None, budget_pag
 
 
 def step_bytes(name: str, channels: int, bits: int, two: int | None, ratio: float | None, first: int = 0,
-               first_bits: int = 4) -> dict:
-    """Bytes of one decode step at the 8B shape, 128K x 3: scorer, selected K/V, weights, and the total as a
-    fraction of dense's."""
-    kv_token = SHAPE["num_layers"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2 * SHAPE["itemsize"]
+               first_bits: int = 4, page_size: int = SHAPE["page_size"]) -> dict:
+    """Bytes of one decode step at the 8B shape, 128K x 3, with pages of page_size tokens (the harness cell's: a
+    smaller page selects at a finer grain, and the labels' per-page scales cost more a token): scorer, selected
+    K/V, weights, and the total as a fraction of dense's."""
+    shape = dict(SHAPE, page_size=page_size)
+    kv_token = shape["num_layers"] * shape["kv_heads"] * shape["head_dim"] * 2 * shape["itemsize"]
     dense = WEIGHT_BYTES + BATCH * CONTEXT * kv_token
     if name == "dense":
         return dict(scorer_gb=0.0, selected_gb=BATCH * CONTEXT * kv_token / 1e9, total_gb=dense / 1e9,
                     fraction_of_dense=1.0)
-    budget = round(ratio * CONTEXT / SHAPE["page_size"]) * SHAPE["page_size"]
-    rule = rule_object(name, channels, bits, two, budget // SHAPE["page_size"], first, first_bits)
-    scorer = BATCH * rule.step_bytes(context=CONTEXT, **SHAPE)
-    selected = BATCH * (budget + SHAPE["page_size"]) * kv_token
+    budget = round(ratio * CONTEXT / page_size) * page_size
+    rule = rule_object(name, channels, bits, two, budget // page_size, first, first_bits)
+    scorer = BATCH * rule.step_bytes(context=CONTEXT, **shape)
+    selected = BATCH * (budget + page_size) * kv_token
     total = WEIGHT_BYTES + scorer + selected
     return dict(scorer_gb=scorer / 1e9, selected_gb=selected / 1e9, total_gb=total / 1e9,
                 fraction_of_dense=total / dense)
 
 
 def rule_fields(rows: list[dict]) -> dict:
-    """{spec: (rule, channels, label_bits, two_stage multiple or None, first-stage label channels and bits or 0)}
-    as the harness's rows record them; the rows of the deleted page-group two-stage rule (two_stage [group,
-    multiple]) are left out."""
+    """{spec: (rule, channels, label_bits, two_stage multiple or None, first-stage label channels and bits or 0,
+    page size)} as the harness's rows record them (rows without a page size ran at 64, the harness's default); the
+    rows of the deleted page-group two-stage rule (two_stage [group, multiple]) are left out."""
     return {r["spec"]: (r["rule"], r["channels"], r["label_bits"], r.get("two_stage"), r.get("first_channels") or 0,
-                        r.get("first_bits") or 0)
+                        r.get("first_bits") or 0, r.get("page_size") or 64)
             for r in rows
             if not isinstance(r.get("two_stage"), list)}
 
@@ -99,7 +101,7 @@ def quality_cells(longctx: dict, model: str | None = None) -> list[dict]:
         right = [pid for pid, _ in scores if dense.get(pid) == 1.0]
         kept = [s for pid, s in scores if dense.get(pid) == 1.0]
         out.append(dict(spec=spec, rule=parsed[0], channels=parsed[1], label_bits=parsed[2], two_stage=parsed[3],
-                        first_channels=parsed[4], first_bits=parsed[5],
+                        first_channels=parsed[4], first_bits=parsed[5], page_size=parsed[6],
                         context=context, budget=budget,
                         budget_ratio=None if budget is None else budget / context, n=len(scores),
                         accuracy=sum(s for _, s in scores) / len(scores),
@@ -111,7 +113,8 @@ def quality_cells(longctx: dict, model: str | None = None) -> list[dict]:
 
 def speed_of(cell: dict, head_dim: int, decode_rows: list[dict]):
     """(speedup over the same call's dense row, hit rate, device, commit) of the newest decode row at 128K x 3
-    matching the cell's rule, channel fraction, bits and budget ratio; None if there is none."""
+    matching the cell's rule, channel fraction, bits, budget ratio and page size (the dense row may have any page:
+    dense reads every key either way); None if there is none."""
     if cell["rule"] == "dense":
         return None
     chans = cell["channels"] * SHAPE["head_dim"] // head_dim
@@ -127,7 +130,8 @@ def speed_of(cell: dict, head_dim: int, decode_rows: list[dict]):
         if (rule != cell["rule"] or (r.get("key_channels") or 0) != chans or (r.get("label_bits") or 0)
                 != cell["label_bits"] or r.get("budget") != want_budget or bool(r.get("two_stage")) != bool(
                 cell["two_stage"]) or (r.get("first_channels") or 0) != first
-                or (r.get("first_bits") or 0) != cell.get("first_bits", 0)):
+                or (r.get("first_bits") or 0) != cell.get("first_bits", 0)
+                or (r.get("page") or 64) != cell.get("page_size", 64)):
             continue
         call = (r.get("variant"), r.get("run"), r.get("device"))
         dense = [d for d in decode_rows if d.get("attention") == "dense" and d.get("context") == CONTEXT
@@ -202,7 +206,7 @@ def main(argv=None):
             first = cell["first_channels"] * SHAPE["head_dim"] // head_dim
             row = dict(cell, model=label, channels_8b=chans, first_channels_8b=first,
                        **step_bytes(cell["rule"], chans, cell["label_bits"], cell["two_stage"], cell["budget_ratio"],
-                                    first, cell["first_bits"] or 4))
+                                    first, cell["first_bits"] or 4, cell["page_size"]))
             row.update(speed_of(cell, head_dim, decode_rows) or {})
             rows.append(row)
     meta = run_meta(args.commit, sources=dict(longctx=args.longctx, also=[":".join(map(str, a)) for a in args.also],
@@ -212,13 +216,13 @@ def main(argv=None):
         raise SystemExit(f"--name {args.name!r} must be a plain file stem (no '/', '\\' or '..'): files go in --out")
     write_json(os.path.join(args.out, f"{args.name}.json"), dict(meta=meta, rows=rows))
     plot(rows, os.path.join(args.out, f"{args.name}.png"))
-    print(f"{'model':<20} {'context':>7} {'rule':<40} {'budget':>6} {'n':>3} {'kept':>6} {'bytes/dense':>11} "
-          f"{'speedup':>8}")
+    print(f"{'model':<20} {'context':>7} {'rule':<40} {'page':>4} {'budget':>6} {'n':>3} {'kept':>6} "
+          f"{'bytes/dense':>11} {'speedup':>8}")
     for r in rows:
         kept = "-" if r["kept"] is None else f"{100 * r['kept']:.0f}%"
         sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
-        print(f"{r['model'][:20]:<20} {r['context']:>7} {r['spec'][:40]:<40} {str(r['budget'] or '-'):>6} "
-              f"{r['n']:>3} {kept:>6} {r['fraction_of_dense']:>11.3f} {sp:>8}")
+        print(f"{r['model'][:20]:<20} {r['context']:>7} {r['spec'][:40]:<40} {r['page_size']:>4} "
+              f"{str(r['budget'] or '-'):>6} {r['n']:>3} {kept:>6} {r['fraction_of_dense']:>11.3f} {sp:>8}")
     return rows
 
 

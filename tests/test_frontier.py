@@ -158,3 +158,31 @@ def test_also_adds_another_models_cells_picked_by_model(tmp_path):
     for bad in (f"{both}:x:Big", f"{both}:128", f"{both}:0:Big", f"{both}:128::big"):
         with pytest.raises(SystemExit):
             frontier.main(["--out", str(tmp_path / "p"), "--also", bad])
+
+
+def test_a_page_16_cell_is_matched_by_page_16_rows_and_priced_at_page_16(tmp_path):
+    """A harness cell run at pages of 16 (row page_size 16) takes its speed only from a decode row at page 16 (the
+    page-64 row of the same rule and ratio is another configuration), its dense row from the same call at any
+    page; its bytes are those of page 16: the same selected share, but the labels' per-page scales cost 4x more a
+    token than at page 64."""
+    path = _longctx(tmp_path)
+    lc = json.loads(path.read_text())
+    lc["outputs"] += [dict(id=f"p{i}", spec="labels:32:4@p16", budget=512, score=1.0) for i in range(4)]
+    lc["rows"].append(dict(spec="labels:32:4@p16", rule="labels", channels=32, label_bits=4, two_stage=None,
+                           page_size=16))
+    path.write_text(json.dumps(lc))
+    dec = tmp_path / "decode.json"
+    common = dict(attention="sparse", context=131072, batch=3, budget=4096, rule="labels", key_channels=64,
+                  label_bits=4, run="X")
+    dec.write_text(json.dumps(dict(rows=[
+        dict(common, page=16, tokens_per_s=140.0),
+        dict(common, page=64, tokens_per_s=200.0),                          # the page-64 row: not the p16 cell's
+        dict(attention="dense", context=131072, batch=3, budget=4096, tokens_per_s=100.0, run="X", page=64)])))
+    out = frontier.main(["--longctx", str(path), "--decode", str(dec), "--out", str(tmp_path / "o")])
+    by = {r["spec"]: r for r in out}
+    assert by["labels:32:4@p16"]["speedup"] == pytest.approx(1.4) and by["labels:32:4@p16"]["page_size"] == 16
+    assert by["labels:32:4"]["speedup"] == pytest.approx(2.0) and by["labels:32:4"]["page_size"] == 64
+    p16, p64 = (frontier.step_bytes("labels", 64, 4, None, 1 / 32, page_size=p) for p in (16, 64))
+    assert p16["scorer_gb"] == pytest.approx(3 * 131072 * 32 * 8 * 64 * (0.5 + 2 / 16) / 1e9)
+    assert p16["scorer_gb"] > p64["scorer_gb"]
+    assert by["labels:32:4@p16"]["scorer_gb"] == pytest.approx(p16["scorer_gb"])
