@@ -13,13 +13,14 @@ Quality (per rule spec, context and budget, over the prompts of `longctx.json`'s
 dense answers right (score 1), the share the rule answers right too (the issue's ">= 95% of the answers dense gets
 right"), `accuracy` and `dense_accuracy`, `n` prompts and `n_dense_right`. A prompt answered in several runs counts
 once (its last output).
-Bytes (a decode step at the 8B shape, Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16, 128K x 3, at the cell's
-page size): the rule's scorer (`SelectionRule.step_bytes`, channels scaled by the model's head_dim to 128: half of
-Qwen 0.5B's 64 is 64 of 128) + the selected K/V (the budget ratio of the context, plus a tail page) + the weights
-(16.06 GB), as a fraction of dense's (weights + every K/V). Speed: the tok/s of the newest decode row (128K x 3, the
-last in the --decode files' order) of the same rule, channel fraction, bits, budget ratio and page size over the
-dense row of the same call (same `run` or `variant`, same device); its hit rate and hot share (bench_decode
---hot-share) are reported beside it, to be read against the rule's trace hit rate. Rows without one have no speed.
+Bytes (a decode step at the 8B shape, Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16, 128K x 3, at the cell's page
+size): the rule's scorer (`SelectionRule.step_bytes`, channels scaled by the model's head_dim to 128: half of Qwen
+0.5B's 64 is 64 of 128) + the selected K/V (the budget ratio of the context, plus a tail page) + the weights (16.06
+GB), as a fraction of dense's (weights + every K/V). Speed: the tok/s of the newest decode row (128K x 3, the last
+in the --decode files' order) of the same rule, channel fraction, bits, budget ratio, page size and page dtype (fp8
+pages are another configuration) over the dense row of the same call (same `run` or `variant`, same device); its hit
+rate and hot share (bench_decode --hot-share) are reported beside it, to be read against the rule's trace hit rate.
+Rows without one have no speed.
 """
 from __future__ import annotations
 
@@ -70,12 +71,19 @@ def step_bytes(name: str, channels: int, bits: int, two: int | None, ratio: floa
                 fraction_of_dense=total / dense)
 
 
+def page_dtype(kv_dtype):
+    """None for pages stored in the model's own dtype (a decode row's None / 'auto', a harness row's model dtype),
+    else the storage dtype's name (fp8 pages are another configuration, priced and timed apart)."""
+    return None if kv_dtype in (None, "auto", "bfloat16", "float16", "float32") else kv_dtype
+
+
 def rule_fields(rows: list[dict]) -> dict:
     """{spec: (rule, channels, label_bits, two_stage multiple or None, first-stage label channels and bits or 0,
-    page size)} as the harness's rows record them (rows without a page size ran at 64, the harness's default); the
-    rows of the deleted page-group two-stage rule (two_stage [group, multiple]) are left out."""
+    page size, page dtype)} as the harness's rows record them (rows without a page size ran at 64, the harness's
+    default; page_dtype names the pages' storage); the rows of the deleted page-group two-stage rule (two_stage
+    [group, multiple]) are left out."""
     return {r["spec"]: (r["rule"], r["channels"], r["label_bits"], r.get("two_stage"), r.get("first_channels") or 0,
-                        r.get("first_bits") or 0, r.get("page_size") or 64)
+                        r.get("first_bits") or 0, r.get("page_size") or 64, page_dtype(r.get("kv_dtype")))
             for r in rows
             if not isinstance(r.get("two_stage"), list)}
 
@@ -101,7 +109,7 @@ def quality_cells(longctx: dict, model: str | None = None) -> list[dict]:
         right = [pid for pid, _ in scores if dense.get(pid) == 1.0]
         kept = [s for pid, s in scores if dense.get(pid) == 1.0]
         out.append(dict(spec=spec, rule=parsed[0], channels=parsed[1], label_bits=parsed[2], two_stage=parsed[3],
-                        first_channels=parsed[4], first_bits=parsed[5], page_size=parsed[6],
+                        first_channels=parsed[4], first_bits=parsed[5], page_size=parsed[6], page_dtype=parsed[7],
                         context=context, budget=budget,
                         budget_ratio=None if budget is None else budget / context, n=len(scores),
                         accuracy=sum(s for _, s in scores) / len(scores),
@@ -113,8 +121,9 @@ def quality_cells(longctx: dict, model: str | None = None) -> list[dict]:
 
 def speed_of(cell: dict, head_dim: int, decode_rows: list[dict]):
     """(speedup over the same call's dense row, hit rate, device, commit) of the newest decode row at 128K x 3
-    matching the cell's rule, channel fraction, bits, budget ratio and page size (the dense row may have any page:
-    dense reads every key either way); None if there is none."""
+    matching the cell's rule, channel fraction, bits, budget ratio, page size and page dtype, over the same call's
+    dense row with pages in the model's dtype (at any page size: dense reads every key either way); None if there
+    is none."""
     if cell["rule"] == "dense":
         return None
     chans = cell["channels"] * SHAPE["head_dim"] // head_dim
@@ -131,11 +140,13 @@ def speed_of(cell: dict, head_dim: int, decode_rows: list[dict]):
                 != cell["label_bits"] or r.get("budget") != want_budget or bool(r.get("two_stage")) != bool(
                 cell["two_stage"]) or (r.get("first_channels") or 0) != first
                 or (r.get("first_bits") or 0) != cell.get("first_bits", 0)
-                or (r.get("page") or 64) != cell.get("page_size", 64)):
+                or (r.get("page") or 64) != cell.get("page_size", 64)
+                or page_dtype(r.get("kv_dtype")) != cell.get("page_dtype")):
             continue
         call = (r.get("variant"), r.get("run"), r.get("device"))
         dense = [d for d in decode_rows if d.get("attention") == "dense" and d.get("context") == CONTEXT
-                 and d.get("batch") == BATCH and (d.get("variant"), d.get("run"), d.get("device")) == call]
+                 and d.get("batch") == BATCH and (d.get("variant"), d.get("run"), d.get("device")) == call
+                 and page_dtype(d.get("kv_dtype")) is None]
         if dense:
             best = dict(speedup=r["tokens_per_s"] / dense[-1]["tokens_per_s"], tokens_per_s=r["tokens_per_s"],
                         dense_tokens_per_s=dense[-1]["tokens_per_s"], hit_rate=r.get("hit_rate"),

@@ -162,8 +162,8 @@ def test_also_adds_another_models_cells_picked_by_model(tmp_path):
 
 def test_a_page_16_cell_is_matched_by_page_16_rows_and_priced_at_page_16(tmp_path):
     """A harness cell run at pages of 16 (row page_size 16) takes its speed only from a decode row at page 16 (the
-    page-64 row of the same rule and ratio is another configuration), its dense row from the same call at any
-    page; its bytes are those of page 16: the same selected share, but the labels' per-page scales cost 4x more a
+    page-64 row of the same rule and ratio is another configuration, and so is a row over fp8 pages), its dense
+    row from the same call at any page but in the model's dtype; its bytes are those of page 16: the same selected share, but the labels' per-page scales cost 4x more a
     token than at page 64."""
     path = _longctx(tmp_path)
     lc = json.loads(path.read_text())
@@ -177,6 +177,9 @@ def test_a_page_16_cell_is_matched_by_page_16_rows_and_priced_at_page_16(tmp_pat
     dec.write_text(json.dumps(dict(rows=[
         dict(common, page=16, tokens_per_s=140.0),
         dict(common, page=64, tokens_per_s=200.0),                          # the page-64 row: not the p16 cell's
+        dict(common, page=64, kv_dtype="float8_e4m3fn", tokens_per_s=300.0),  # fp8 pages: another configuration
+        dict(attention="dense", context=131072, batch=3, budget=4096, tokens_per_s=50.0, run="X", page=64,
+             kv_dtype="float8_e4m3fn"),                                    # nor the baseline: dense over fp8
         dict(attention="dense", context=131072, batch=3, budget=4096, tokens_per_s=100.0, run="X", page=64)])))
     out = frontier.main(["--longctx", str(path), "--decode", str(dec), "--out", str(tmp_path / "o")])
     by = {r["spec"]: r for r in out}
