@@ -1,8 +1,8 @@
 """Record the page selections of a model decoding through UlaCache, as an eviction-study trace (issue 3).
 
-    python -m scripts.selection_trace [--out docs/benchmarks] [--name eviction_model_trace] [--steps 128] ...
+    python -m scripts.selection_trace [--out docs/studies] [--name eviction_model_trace] [--steps 128] ...
         (writes OUT/NAME.npz)
-    python -m scripts.studies.eviction_study --trace docs/benchmarks/eviction_model_trace.npz --name eviction_model ...
+    python -m scripts.studies.eviction_study --trace docs/studies/eviction_model_trace.npz --name eviction_model ...
 
 Model: by default a Llama-shaped decoder with RANDOM weights (4 layers, 32 query heads, 8 KV heads of dim 32,
 byte vocab). Random weights give real Quest selections over real key summaries, but WITHOUT the attention
@@ -36,7 +36,8 @@ once per call; with `--rows step`, the stamp of the step's first layer), `lib_hi
 Caveat of the default (random weights, greedy): generation collapses to a repeated token within a few steps, so
 the queries move only with position and the trace's step-to-step locality is high; `--temperature 1.0` (random
 byte tokens) gives the opposite extreme. A trained model's selections lie somewhere else; rerun with --model.
-Outputs in docs/benchmarks/: eviction_model*.json/.png (the commands are in each JSON's meta).
+The kept trace is docs/studies/eviction_model_trace.npz; the study's hit rates on it are rows of
+docs/benchmarks/eviction.json (the commands are in its meta).
 """
 from __future__ import annotations
 
@@ -202,9 +203,9 @@ def main(argv=None) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # float32: the dtype of the kept trace (docs/benchmarks/eviction_model_trace.npz); bf16 scores would rank
+    # float32: the dtype of the kept trace (docs/studies/eviction_model_trace.npz); bf16 scores would rank
     # near-tied pages differently and so record another trace
-    add_common_args(ap, files="NAME.npz (--name)", model=None,
+    add_common_args(ap, out_default="docs/studies", files="NAME.npz (--name)", model=None,
                     model_default_help="RANDOM weights (a Llama of --layers, --heads, ... with the byte tokenizer)",
                     dtype="float32")
     ap.add_argument("--name", default="eviction_model_trace", help="stem of the trace file, NAME.npz")

@@ -2,9 +2,9 @@
 some layers left dense, on a trained model's long-context needle prompts.
 
     python -m scripts.studies.dense_layers --prompts out/mv8k.json --model qwen2.5-coder-0.5b \
-        --page-size 16 32 64 --budget 256 --dense-sets none 0,1,-1 --out docs/benchmarks
+        --page-size 16 32 64 --budget 256 --dense-sets none 0,1,-1 --out docs/studies
     python -m scripts.studies.dense_layers --prompts .prompts/lc32k_mv.json --model qwen2.5-coder-0.5b \
-        --dtype bfloat16 --page-size 16 --budget 1024 2048 --dense-sets none --out docs/benchmarks   # on a GPU
+        --dtype bfloat16 --page-size 16 --budget 1024 2048 --dense-sets none --out docs/studies   # on a GPU
     python -m scripts.studies.dense_layers --tiny --out /tmp/d      # tests: random weights, byte prompts
 
 Page selection at 1/32 loses RULER multi-value answers that dense gets right (docs/BENCHMARKS.md, long-context

@@ -2,7 +2,7 @@
 at every step of writing the answer, on a trained model's real queries and keys.
 
     python -m scripts.studies.needle_steps --model qwen2.5-coder-0.5b --context 8192 --prompts 4 --page-size 16 \
-        --budgets 256 --out docs/benchmarks
+        --budgets 256 --out docs/studies
     python -m scripts.studies.needle_steps --tiny --context 512 --prompts 1 --page-size 16 --budgets 64 --out /tmp/n
 
 The long-context harness (scripts/bench_longctx.py) shows that on RULER's multi-value task the label rule at 1/32

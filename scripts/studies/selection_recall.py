@@ -1,7 +1,7 @@
 """How much of the true attention each page-selection rule keeps, on a trained model's real queries and keys.
 
     python -m scripts.studies.selection_recall --model qwen2.5-coder-0.5b --contexts 4096 --prompts 3 \
-        --out docs/benchmarks
+        --out docs/studies
     python -m scripts.studies.selection_recall --tiny --contexts 256 --prompts 1 --out /tmp/r   # tests
 
 A CPU-sized stand-in for the decode-path harness (scripts/bench_longctx.py) where no GPU is at hand: one dense
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rules", default="quest,key_copy:16,key_copy:8,labels:8:8,labels:8:4,labels:8:4:table,"
                                        "labels:16:4,labels:16:4:table,labels:4:4")
     ap.add_argument("--name", default="selection_recall")
-    # --out required: a study's rows go where the caller means them to (docs/benchmarks only when kept); the
+    # --out required: a study's rows go where the caller means them to (docs/studies when kept); the
     # default model is the 32K model whose label-channel tables ship (the rules ending in :table need one)
     return bench_meta.add_common_args(ap, out_required=True, files="NAME.json, NAME.png (--name)",
                                       model="qwen2.5-coder-0.5b")

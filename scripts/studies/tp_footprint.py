@@ -1,7 +1,7 @@
 """HBM pages each tensor-parallel rank needs: head-sharded sparse slicing vs every rank replicating the union of all
 heads' selections (DESIGN.md section 6, issue 9; the write-up claims a 57.1% smaller per-GPU footprint).
 
-Run (CPU is enough, ~1 min):  python scripts/studies/tp_footprint.py --out docs/benchmarks
+Run (CPU is enough, ~1 min):  python -m scripts.studies.tp_footprint --out docs/studies
 Writes tp_footprint.json and tp_footprint.png to --out and prints a table.
 
 Selection traces: for every decode step t and layer, the pages each KV-head group selects, computed by the
@@ -256,9 +256,9 @@ def plot(results: dict, path: str, windows) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(ap, files="tp_footprint.json, tp_footprint.png", model=None,
-                    model_default_help="RANDOM weights (--model-layers layers); a --model's KV heads must be a "
-                                       "multiple of 8 (kv_heads_per_group 1)")
+    add_common_args(ap, out_default="docs/studies", files="tp_footprint.json, tp_footprint.png", model=None,
+                    model_default_help="RANDOM weights (--model-layers layers); a --model's KV heads must be "
+                                       "a multiple of 8 (kv_heads_per_group 1)")
     ap.add_argument("--context", type=int, default=65536, help="tokens of context (synthetic traces)")
     ap.add_argument("--page", type=int, default=64, help="page size (synthetic traces)")
     ap.add_argument("--model-context", type=int, default=8192, help="tokens of context (model trace)")
