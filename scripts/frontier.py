@@ -10,8 +10,9 @@ shape and, where a decode row of the same rule and budget ratio exists, its meas
     cells of a harness file holding several models, its rows and outputs picked by their `model`)
 
 Quality (per rule spec, context and budget, over the prompts of `longctx.json`'s outputs): `kept` = of the prompts
-dense answers right (score 1), the share the rule answers right too (the issue's ">= 95% of the answers dense gets
-right"), `accuracy` and `dense_accuracy`, `n` prompts and `n_dense_right`. A prompt answered in several runs counts
+dense answers right (score 1), the share the rule answers right too, wholly (score 1: the issue's ">= 95% of the
+answers dense gets right"), `kept_score` its mean score on them (partial credit: a multi-value answer's values
+found), `accuracy` and `dense_accuracy`, `n` prompts and `n_dense_right`. A prompt answered in several runs counts
 once (its last output).
 Bytes (a decode step at the 8B shape, Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16, 128K x 3, at the cell's page
 size): the rule's scorer (`SelectionRule.step_bytes`, channels scaled by the model's head_dim to 128: half of Qwen
@@ -107,7 +108,7 @@ def quality_cells(longctx: dict, model: str | None = None) -> list[dict]:
         if parsed is None:
             continue
         right = [pid for pid, _ in scores if dense.get(pid) == 1.0]
-        kept = [s for pid, s in scores if dense.get(pid) == 1.0]
+        kept = [s for pid, s in scores if dense.get(pid) == 1.0]      # fractional on multi-value: values found
         out.append(dict(spec=spec, rule=parsed[0], channels=parsed[1], label_bits=parsed[2], two_stage=parsed[3],
                         first_channels=parsed[4], first_bits=parsed[5], page_size=parsed[6], page_dtype=parsed[7],
                         context=context, budget=budget,
@@ -115,7 +116,9 @@ def quality_cells(longctx: dict, model: str | None = None) -> list[dict]:
                         accuracy=sum(s for _, s in scores) / len(scores),
                         dense_accuracy=(sum(dense[pid] for pid, _ in scores if pid in dense)
                                         / max(1, sum(pid in dense for pid, _ in scores))),
-                        n_dense_right=len(right), kept=sum(kept) / len(kept) if kept else None))
+                        n_dense_right=len(right),
+                        kept=sum(k == 1.0 for k in kept) / len(kept) if kept else None,
+                        kept_score=sum(kept) / len(kept) if kept else None))
     return out
 
 

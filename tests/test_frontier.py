@@ -189,3 +189,21 @@ def test_a_page_16_cell_is_matched_by_page_16_rows_and_priced_at_page_16(tmp_pat
     assert p16["scorer_gb"] == pytest.approx(3 * 131072 * 32 * 8 * 64 * (0.5 + 2 / 16) / 1e9)
     assert p16["scorer_gb"] > p64["scorer_gb"]
     assert by["labels:32:4@p16"]["scorer_gb"] == pytest.approx(p16["scorer_gb"])
+
+
+def test_kept_counts_whole_answers_and_kept_score_the_partial_credit(tmp_path):
+    """On a task scored in fractions (multi-value: the share of values found), `kept` is the share of dense's
+    right answers the rule gets wholly right; `kept_score` is its mean score on them."""
+    path = _longctx(tmp_path)
+    lc = json.loads(path.read_text())
+    lc["outputs"] += [dict(id=f"p{i}", spec="labels:64:4", budget=512, score=s)
+                      for i, s in enumerate((1.0, 0.75, 0.5, 1.0))]               # dense right on p0-p2
+    lc["rows"].append(dict(spec="labels:64:4", rule="labels", channels=64, label_bits=4, two_stage=None))
+    path.write_text(json.dumps(lc))
+    dec = tmp_path / "decode.json"
+    dec.write_text(json.dumps(dict(rows=[])))
+    out = {r["spec"]: r for r in frontier.main(["--longctx", str(path), "--decode", str(dec),
+                                                "--out", str(tmp_path / "o")])}
+    assert out["labels:64:4"]["kept"] == pytest.approx(1 / 3)
+    assert out["labels:64:4"]["kept_score"] == pytest.approx(2.25 / 3)
+    assert out["labels:32:4"]["kept"] == out["labels:32:4"]["kept_score"] == 1.0
