@@ -94,8 +94,9 @@ for b in "${names[@]}"; do
     quality-variants) step quality-variants 580 scripts/bench_quality.py --model "${MODEL:-smollm2-135m}" \
                   --tasks ppl --variants --pages 16 --budgets 1024 --out "$OUT" --name q_variants "${C[@]}" ;;
     # long-context quality on a trained 32K model (issues 47, 48): $MODEL a GGUF path (on the GPU machine: joined
-    # by `python -m scripts.gguf_parts join`; its parts copied out of the checkout to /tmp one call at a time, since a
-    # call's carry replaces the folder it names; the image lacks the `gguf` package: carry its wheel), $PROMPTS the
+    # by `python -m scripts.gguf_parts join`; its parts, cut with `split --part-mib 48` so a part and the ~12 MB
+    # tree fit one call's 64 MiB, copied out of the checkout to /tmp one call at a time, since a call's carry
+    # replaces the folder it names; the image lacks the `gguf` package: carry its wheel), $PROMPTS the
     # prompt file made where the haystacks are (`python -m scripts.bench_longctx --make-prompts FILE --model
     # qwen2.5-coder-0.5b ...`); one context a step (24 prompts x 9 cells at 16K took ~250 s on the H200 at --batch 24)
     longctx-16k|longctx-32k)

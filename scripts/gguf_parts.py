@@ -1,6 +1,8 @@
 """Carries a model file to a machine without registry access (the GPU machine) in parts of at most 55 MiB.
 
-    python -m scripts.gguf_parts split FILE OUTDIR      # OUTDIR/<name>.part000 ... + OUTDIR/manifest.json
+    python -m scripts.gguf_parts split FILE OUTDIR [--part-mib N]   # OUTDIR/<name>.part000 ... + manifest.json
+                                                        # (N <= 55, default 55: a device call carries 64 MiB with
+                                                        # the working tree, so a larger tree needs smaller parts)
     python -m scripts.gguf_parts join PARTSDIR OUTFILE  # OUTFILE may be a folder (or end in /): the file keeps
                                                         # its name there
 
@@ -221,13 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("split", help=f"cut FILE into parts of at most {MAX_PART_BYTES >> 20} MiB + {MANIFEST}")
     sp.add_argument("file")
     sp.add_argument("outdir")
+    sp.add_argument("--part-mib", type=int, default=MAX_PART_BYTES >> 20,
+                    help=f"part size in MiB, 1 .. {MAX_PART_BYTES >> 20} (default): a device call carries the "
+                         "working tree beside the part, 64 MiB in all")
     jp = sub.add_parser("join", help="join the parts of PARTSDIR into OUTFILE (a file, or a folder), verified")
     jp.add_argument("partsdir")
     jp.add_argument("outfile")
     args = ap.parse_args(argv)
     try:
         if args.command == "split":
-            split_file(args.file, args.outdir)
+            if not 1 <= args.part_mib <= MAX_PART_BYTES >> 20:
+                raise PartsError(f"--part-mib {args.part_mib} outside 1 .. {MAX_PART_BYTES >> 20}")
+            split_file(args.file, args.outdir, part_size=args.part_mib << 20)
         else:
             join_parts(args.partsdir, args.outfile)
     except PartsError as err:

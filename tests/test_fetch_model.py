@@ -326,6 +326,21 @@ def test_parts_default_size_is_55_mib(tmp_path):
         gguf_parts.split_file(tmp_path, tmp_path / "p", part_size=gguf_parts.MAX_PART_BYTES + 1)
 
 
+def test_parts_cli_part_mib(tmp_path, capsys):
+    """`split --part-mib N` cuts N MiB parts (a device call carries the working tree beside a part, so a large tree
+    needs parts under the 55 MiB default); a size outside 1 .. 55 is refused by name, before anything is written."""
+    src = tmp_path / "m.gguf"
+    src.write_bytes(bytes(range(256)) * (12 * 1024))                          # 3 MiB
+    assert gguf_parts.main(["split", str(src), str(tmp_path / "p"), "--part-mib", "1"]) == 0
+    assert sorted(p.name for p in (tmp_path / "p").glob("*.part*")) == [f"m.gguf.part00{i}" for i in range(3)]
+    assert gguf_parts.main(["join", str(tmp_path / "p"), str(tmp_path / "j.gguf")]) == 0
+    assert (tmp_path / "j.gguf").read_bytes() == src.read_bytes()
+    for bad in ("0", "56"):
+        assert gguf_parts.main(["split", str(src), str(tmp_path / "q"), "--part-mib", bad]) == 1
+        assert f"--part-mib {bad} outside 1 .. 55" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
+
+
 def test_parts_tampered_part_refused(tmp_path, capsys):
     src, manifest = _parts_roundtrip(tmp_path)
     part = tmp_path / "parts" / manifest["parts"][1]["name"]
