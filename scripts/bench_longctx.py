@@ -493,6 +493,16 @@ def print_table(rows) -> None:
               f"{same:>6}")
 
 
+def page_series(rows) -> list[dict]:
+    """Rows with a spec that ran at several page sizes get the page in their spec (`labels:64:4@p16`), so a plot or
+    table keeps those runs apart instead of averaging them; dense, and a spec run at one page size, stay as they are."""
+    pages: dict = {}
+    for r in rows:
+        pages.setdefault(r["spec"], set()).add(r.get("page_size") or 64)
+    return [dict(r, spec=f"{r['spec']}@p{r.get('page_size') or 64}")
+            if r["spec"] != "dense" and len(pages[r["spec"]]) > 1 else r for r in rows]
+
+
 def bar_by_task(ax, rows, tasks) -> None:
     """Grouped bars on `ax`: accuracy of each spec per task (n-weighted over depths and runs), specs in first-seen
     order, n under each task's label."""
@@ -518,7 +528,7 @@ def plot(rows, path: str, title: str) -> str:
     panels = sorted({(r.get("model") or "", r["context"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False)
     for ax, (model, context) in zip(axes[0], panels):
-        mine = [r for r in rows if (r.get("model") or "") == model and r["context"] == context]
+        mine = page_series([r for r in rows if (r.get("model") or "") == model and r["context"] == context])
         cs = summarise(mine)
         name = f"{title}{', ' + model if len({m for m, _ in panels}) > 1 else ''}, context {context}"
         tasks = sorted({r["task"] for r in mine})

@@ -141,3 +141,14 @@ def test_exact_rule(tmp_path):
                                   and r["attention"] == "dense" for r in rows)
     assert all(0.0 <= r["acceptance"] <= 1.0 and r["verifications"] > 0 and r["tokens_per_verification"] >= 1.0
                for r in rows)
+
+
+def test_page_series_keeps_a_spec_run_at_several_pages_apart():
+    """A spec that ran at pages of 16 and 32 becomes two series (`spec@p16`, `spec@p32`) for the plot, so its runs
+    are not averaged; a spec at one page size and dense keep their names."""
+    rows = [dict(spec="dense", page_size=16), dict(spec="labels:64:4", page_size=16),
+            dict(spec="labels:64:4", page_size=32), dict(spec="labels:32:4:auto", page_size=16),
+            dict(spec="labels:32:4:auto", page_size=16), dict(spec="quest")]
+    assert [r["spec"] for r in bl.page_series(rows)] == [
+        "dense", "labels:64:4@p16", "labels:64:4@p32", "labels:32:4:auto", "labels:32:4:auto", "quest"]
+    assert rows[1]["spec"] == "labels:64:4"                                      # the caller's rows are not edited
