@@ -143,8 +143,8 @@ def speed_of(cell: dict, head_dim: int, decode_rows: list[dict]):
                 != cell["label_bits"] or r.get("budget") != want_budget or bool(r.get("two_stage")) != bool(
                 cell["two_stage"]) or (r.get("first_channels") or 0) != first
                 or (r.get("first_bits") or 0) != cell.get("first_bits", 0)
-                or (r.get("page") or 64) != cell.get("page_size", 64)
-                or page_dtype(r.get("kv_dtype")) != cell.get("page_dtype")):
+                or (r.get("page") or SHAPE["page_size"]) != cell["page_size"]
+                or page_dtype(r.get("kv_dtype")) != cell["page_dtype"]):
             continue
         call = (r.get("variant"), r.get("run"), r.get("device"))
         dense = [d for d in decode_rows if d.get("attention") == "dense" and d.get("context") == CONTEXT

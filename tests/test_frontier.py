@@ -163,8 +163,8 @@ def test_also_adds_another_models_cells_picked_by_model(tmp_path):
 def test_a_page_16_cell_is_matched_by_page_16_rows_and_priced_at_page_16(tmp_path):
     """A harness cell run at pages of 16 (row page_size 16) takes its speed only from a decode row at page 16 (the
     page-64 row of the same rule and ratio is another configuration, and so is a row over fp8 pages), its dense
-    row from the same call at any page but in the model's dtype; its bytes are those of page 16: the same selected share, but the labels' per-page scales cost 4x more a
-    token than at page 64."""
+    row from the same call at any page but in the model's dtype; its bytes are those of page 16: the same selected
+    share, but the labels' per-page scales cost 4x more a token than at page 64."""
     path = _longctx(tmp_path)
     lc = json.loads(path.read_text())
     lc["outputs"] += [dict(id=f"p{i}", spec="labels:32:4@p16", budget=512, score=1.0) for i in range(4)]
