@@ -160,7 +160,7 @@ def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
     from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
     mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
     model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    ns = argparse.Namespace(chunks=2, budget=args.budget, two_stage=args.two_stage)
+    ns = argparse.Namespace(chunks=2, budget=args.budget, two_stage=args.two_stage, page_size=args.page_size)
     cfg = bd.bench_config(mc, attention, batch, ctx, ns, args.kv_fraction, key_channels=args.key_channels,
                           label_bits=args.label_bits)
     gen = Generator(model, cfg, attention=attention, options=DecodeOptions())
@@ -183,7 +183,8 @@ def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
     mid = len(events) // 2
     res["sample_events"] = sorted(events, key=lambda e: e["ts"])[mid:mid + 40]   # raw, for reading the names
     res.update(attention=attention, context=ctx, batch=batch, budget=args.budget, layers=mc.num_layers,
-               steps=cfg.page_size, kv_fraction=args.kv_fraction if attention == "sparse" else 1.0,
+               steps=cfg.page_size, page_size=cfg.page_size,
+               kv_fraction=args.kv_fraction if attention == "sparse" else 1.0,
                key_channels=cfg.key_channels if attention == "sparse" else None,
                label_bits=cfg.label_bits if attention == "sparse" else None,
                hot_share=args.hot_share if attention == "sparse" else None,
@@ -221,7 +222,8 @@ def attach_sources(layer: list[dict], events: list[dict], dump: str) -> None:
 
 
 def print_row(r: dict, top: int = 12) -> None:
-    print(f"\n== {r['attention']} {r['context'] // 1024}K x {r['batch']}: {r['step_ms']:.3f} ms/step device span, "
+    print(f"\n== {r['attention']} {r['context'] // 1024}K x {r['batch']} page {r.get('page_size', 64)}: "
+          f"{r['step_ms']:.3f} ms/step device span, "
           f"busy {r['busy_us'] / 1e3:.2f} ms, idle {r['idle_us'] / 1e3:.2f} ms over {r['steps']} steps; "
           f"one layer {r.get('layer_us', 0):.1f} us in {len(r['layer'])} launches")
     print(f"{'op':48s} {'launch/ls':>9s} {'us/ls':>8s} {'share':>6s}")
@@ -251,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention:context:batch list")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=64, choices=[16, 32, 64, 128],
+                   help="tokens a page, both sides (bench_decode --page-size): a page-16 step does 4x the per-page "
+                   "work of a page-64 one at the same budget")
     p.add_argument("--kv-fraction", type=float, default=0.25)
     p.add_argument("--row-timeout", type=float, default=300)
     p.add_argument("--append", action="store_true", help="keep the rows (and commands) of an existing "
@@ -284,7 +289,8 @@ def main(argv=None):
                                                                                      else argv))
     for a, c, b in specs:           # each row in its own process: one row's HBM cannot starve the next
         cmd = [sys.executable, os.path.abspath(__file__), "--one", "--rows", f"{a}:{c}:{b}", "--layers",
-               str(args.layers), "--budget", str(args.budget), "--kv-fraction", str(args.kv_fraction),
+               str(args.layers), "--budget", str(args.budget), "--page-size", str(args.page_size),
+               "--kv-fraction", str(args.kv_fraction),
                "--key-channels", str(args.key_channels), "--label-bits", str(args.label_bits),
                "--hot-share", str(args.hot_share)] + (["--two-stage", str(args.two_stage)] if args.two_stage else [])
         row = row_in_child(cmd, args.row_timeout, attention=a, context=c, batch=b)
