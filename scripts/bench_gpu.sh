@@ -7,7 +7,8 @@
 #                              decode-prefill longctx-16k longctx-32k longctx-100 longctx-diag oracle-32k decode-labels
 #                              decode-labels-256k dense-fp8 exact
 #                              quality-austen32k
-#                              quality-austen32k-quest quality-austen32k-1of16 profile-labels profile-two-stage
+#                              quality-austen32k-quest quality-austen32k-1of16 profile-labels profile-page16
+#                              profile-two-stage
 #                              longctx-15b
 #                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2
 #                              serve]
@@ -153,6 +154,14 @@ for b in "${names[@]}"; do
                   --budget 4096 --key-channels 64 --label-bits 4 --hot-share 0.9 --rows sparse:131072:3 && \
                 step profile-labels 300 scripts/profile_decode.py --out "$OUT/labels" "${C[@]}" --append \
                   --row-timeout 250 --budget 4096 --rows sparse:131072:3 ;;
+    profile-page16) # issue 48: why every label channel at page 16 decodes at 0.92x dense while it reads 0.381 of
+                    # dense's bytes (page 64: 1.50x): one chunk traced at each page, 128K x 3, 1/32, hot share 0.9
+                step profile-page16 560 scripts/profile_decode.py --out "$OUT/page16" "${C[@]}" --row-timeout 250 \
+                  --budget 4096 --page-size 16 --key-channels 128 --label-bits 4 --hot-share 0.9 \
+                  --rows sparse:131072:3 && \
+                step profile-page16 300 scripts/profile_decode.py --out "$OUT/page16" "${C[@]}" --append \
+                  --row-timeout 250 --budget 4096 --page-size 64 --key-channels 128 --label-bits 4 --hot-share 0.9 \
+                  --rows sparse:131072:3 ;;
     profile-two-stage) # where the two-stage rule's extra ~2 ms a step over Quest goes at 128K x 3, 1/32 (the
                     # shortlist's top-k, the labels over it, the spread, the second top-k), beside Quest's layer
                 step profile-two-stage 560 scripts/profile_decode.py --out "$OUT/two_stage" "${C[@]}" \
@@ -174,14 +183,15 @@ for b in "${names[@]}"; do
                     # 128 @ 4 bits (a quarter of the head dimension: the quality rows' fraction on the 1.5B), the hit
                     # rate held under the Qwen 32K trace's (0.970 at pool 1/4) by planted hot pages; Quest and dense
                     # in the same call (one call each; ~65 s a row on an H100); PAGE: the page size (default 64;
-                    # longctx-100 takes it too, for quality and speed at the same page)
+                    # longctx-100 takes it too, for quality and speed at the same page); CHANNELS: the label
+                    # channels of 128 (default 32)
                 rows=sparse:131072:3,dense:131072:3; budget=4096
                 [ "$b" = decode-labels-256k ] && { rows=sparse:262144:1,dense:262144:1; budget=8192; }
                 step "$b" 400 scripts/bench_decode.py --out "$OUT/labels" "${C[@]}" --chunks 4 --append \
                   --row-timeout 130 --budget "$budget" --rows "$rows" --page-size "${PAGE:-64}" && \
                 step "$b" 180 scripts/bench_decode.py --out "$OUT/labels" "${C[@]}" --chunks 4 --append \
-                  --row-timeout 130 --budget "$budget" --key-channels 32 --label-bits 4 --hot-share 0.9 \
-                  --rows "${rows%%,*}" --page-size "${PAGE:-64}" ;;
+                  --row-timeout 130 --budget "$budget" --key-channels "${CHANNELS:-32}" --label-bits 4 \
+                  --hot-share 0.9 --rows "${rows%%,*}" --page-size "${PAGE:-64}" ;;
     dense-fp8)      # issue 50: the dense baseline over fp8 pages (the page walk, and XLA's decoded cache) beside
                     # dense bf16, 128K x 3, one call; then the walk's launch shapes
                 for a in "--kv-dtype float8_e4m3fn" "--kv-dtype float8_e4m3fn --dense-attention xla" ""; do
@@ -238,7 +248,7 @@ for b in "${names[@]}"; do
             "longctx-32k longctx-100 longctx-diag" \
             "decode-labels decode-labels-256k dense-fp8 exact quality-austen32k quality-austen32k-quest" \
             "quality-austen32k-1of16" \
-            "profile-labels profile-two-stage longctx-15b serve)"; exit 2 ;;
+            "profile-labels profile-page16 profile-two-stage longctx-15b serve)"; exit 2 ;;
   esac
 done
 exit $status
