@@ -148,15 +148,17 @@ def real_prefill(gen, batch: int, ctx: int, reserve: int, vocab: int):
     return first, running, dict(first_prefill_s=cold, ttft_s=med, prefill_tok_s=ctx / med)
 
 
-def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=64, tp=1, key_channels=0, label_bits=None):
+def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=None, tp=1, key_channels=0, label_bits=None):
     """The cache of one row: room for ctx + (chunks + 1) pages per sequence; sparse: an HBM frame pool of
     kv_fraction of the KV pages (at least one step's selection) and pages padded by `pad_page_count` (the host
     pool is sized to the context, not to a power of two); dense: exactly the tokens needed (HBM). tp > 1 (sparse
     only): frames and host pages are per rank (a rank holds its own KV-head groups' pages only). key_channels
-    (sparse only): CacheConfig.key_channels; label_bits (None: --label-bits): CacheConfig.label_bits."""
+    (sparse only): CacheConfig.key_channels; label_bits (None: --label-bits): CacheConfig.label_bits; page (None:
+    the args' --page-size, `page_size`, so a caller that builds its own Namespace cannot drop it)."""
     from ulacache_jax.runtime.generation import default_cache_config
     from ulacache_jax.pallas_kernels.page_scores import pad_page_count
     from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
+    page = page_size(args) if page is None else page
     need = (ctx + (args.chunks + 1) * page) // page + 1
     step_pages = batch * mc.num_kv_heads // tp * (args.budget // page)  # pages one layer of a step selects (rank)
     kv_pages = batch * mc.num_layers * mc.num_kv_heads // tp * (ctx // page)

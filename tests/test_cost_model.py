@@ -279,6 +279,12 @@ def test_bench_decode_rows_take_auto():
     assert bd.auto_decision(mc, 3, 131072, args, 0.25).kind == "sparse"
     cfg = bd.bench_config(mc, "sparse", 3, 131072, args, 0.25)
     assert bd.predicted_tokens_per_s(mc, "sparse", 3, 131072, cfg, 0.962) == pytest.approx(359.3, rel=0.05)
+    # the row's page comes from --page-size when the caller passes none (profile_decode built its own Namespace
+    # and traced page 64 where it asked for 16)
+    assert cfg.page_size == 64
+    paged = argparse.Namespace(chunks=4, budget=2048, page_size=16)
+    assert bd.bench_config(mc, "sparse", 3, 131072, paged, 0.25).page_size == 16
+    assert bd.bench_config(mc, "sparse", 3, 131072, paged, 0.25, page=32).page_size == 32
 
 
 def test_summary_split_reads_its_summaries():
