@@ -257,7 +257,7 @@ def auto_decision(mc, batch, ctx, args, kv_fraction, tp=1, key_channels=0):
     this device's memory), on the cache this shape's sparse row gets (its pool of kv_fraction of the KV)."""
     from ulacache_jax.runtime.cost_model import resolve_attention
     return resolve_attention("auto", mc, bench_config(mc, "sparse", batch, ctx, args, kv_fraction, tp=tp,
-                                                      key_channels=key_channels, page=page_size(args)))
+                                                      key_channels=key_channels))
 
 
 def predicted_tokens_per_s(mc, kind, batch, ctx, cfg, hit_rate=None) -> float:
@@ -285,8 +285,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
         attention = decision.kind        # from here on the row is that path's; it is recorded as "auto"
     if tp > 1 and attention != "sparse":
         raise ValueError(f"--tp {tp}: only the sparse side runs head-sharded; got {attention}")
-    cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction, tp=tp, key_channels=args.key_channels,
-                       page=page)
+    cfg = bench_config(mc, attention, batch, ctx, args, kv_fraction, tp=tp, key_channels=args.key_channels)
     hot_share = getattr(args, "hot_share", 0.0)      # a Namespace built by hand (tests) may lack it
     from ulacache_jax.cache.decode_layer import DecodeOptions
     t_setup = time.perf_counter()
