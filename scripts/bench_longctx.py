@@ -493,13 +493,19 @@ def print_table(rows) -> None:
               f"{same:>6}")
 
 
+def row_page(row: dict) -> int:
+    """A harness row's page size: its `page_size`, or 64 (--page-size's default) for a row written before rows
+    recorded it."""
+    return row.get("page_size") or 64
+
+
 def page_series(rows) -> list[dict]:
     """Rows with a spec that ran at several page sizes get the page in their spec (`labels:64:4@p16`), so a plot or
     table keeps those runs apart instead of averaging them; dense, and a spec run at one page size, stay as they are."""
     pages: dict = {}
     for r in rows:
-        pages.setdefault(r["spec"], set()).add(r.get("page_size") or 64)
-    return [dict(r, spec=f"{r['spec']}@p{r.get('page_size') or 64}")
+        pages.setdefault(r["spec"], set()).add(row_page(r))
+    return [dict(r, spec=f"{r['spec']}@p{row_page(r)}")
             if r["spec"] != "dense" and len(pages[r["spec"]]) > 1 else r for r in rows]
 
 

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 
+from scripts.bench_longctx import row_page
 from scripts.bench_meta import add_common_args, pyplot, run_meta, save_figure, write_json
 from ulacache_jax.cache.select.key_copy import KeyCopy
 from ulacache_jax.cache.select.labels import Labels
@@ -80,11 +81,10 @@ def page_dtype(kv_dtype):
 
 def rule_fields(rows: list[dict]) -> dict:
     """{spec: (rule, channels, label_bits, two_stage multiple or None, first-stage label channels and bits or 0,
-    page size, page dtype)} as the harness's rows record them (rows without a page size ran at 64, the harness's
-    default; page_dtype names the pages' storage); the rows of the deleted page-group two-stage rule (two_stage
-    [group, multiple]) are left out."""
+    page size, page dtype)} as the harness's rows record them (bench_longctx.row_page; page_dtype names the pages'
+    storage); the rows of the deleted page-group two-stage rule (two_stage [group, multiple]) are left out."""
     return {r["spec"]: (r["rule"], r["channels"], r["label_bits"], r.get("two_stage"), r.get("first_channels") or 0,
-                        r.get("first_bits") or 0, r.get("page_size") or 64, page_dtype(r.get("kv_dtype")))
+                        r.get("first_bits") or 0, row_page(r), page_dtype(r.get("kv_dtype")))
             for r in rows
             if not isinstance(r.get("two_stage"), list)}
 
