@@ -118,8 +118,11 @@ def sieve_geometry(num_frames: int, num_requests: int, *, min_buckets: int = MIN
     the fewest buckets, from `min_buckets` up (fewer while a bucket would hold under MIN_SLOTS slots), with which
     an access stays on the kernel's fast path (a bucket's load, mean + 4 sigma of a Poisson, fits one request chunk
     and its slots one slot chunk of at most GEOMETRY_SLOT_CHUNK) and groups requests inside the kernel
-    (N * B <= SCAN_MAX_WORK). When no bucket count satisfies both, buckets of 64 slots (the general path handles any
-    load).
+    (N * B <= SCAN_MAX_WORK). When no bucket count satisfies both (a pool too large for buckets of
+    GEOMETRY_SLOT_CHUNK slots at N * B <= SCAN_MAX_WORK: 6144 requests into 1.57M frames, page 16 at 128K x 3), the
+    fewest buckets on the fast path with the requests grouped by the sort: the sort costs the same at any bucket
+    count, while the earlier fallback, buckets of 64 slots, launched 8x the programs (32768 there). Failing that too,
+    buckets of 64 slots (the general path handles any load).
     Why not fewer, larger buckets (closer to a global LRU): a program's compare tiles grow with its bucket, and
     below about one program per SM the launch takes longer, not shorter (256 requests into 16384 frames: 32 buckets
     15.9 us, 128 buckets 4.2 us on the H200), while on SmolLM2's selection trace PB-LRU's hit rate barely moves
@@ -127,16 +130,19 @@ def sieve_geometry(num_frames: int, num_requests: int, *, min_buckets: int = MIN
     bucket count)."""
     if num_frames < 1 or num_requests < 1:
         raise ValueError(f"num_frames = {num_frames} and num_requests = {num_requests} must be >= 1")
-    b = 1
-    while b * 2 <= min_buckets and b * 2 * MIN_SLOTS <= num_frames:
-        b *= 2
-    while b <= num_frames:
-        s = -(-num_frames // b)
-        cfg = choose_config(num_requests, b, s, max_slot_chunk=GEOMETRY_SLOT_CHUNK)
-        if (s <= cfg.slot_chunk and _bucket_load_chunk(num_requests, b) <= cfg.req_chunk
-                and cfg.req_chunk * max(cfg.req_chunk, cfg.slot_chunk) <= TILE_ELEMS and cfg.grouping == "scan"):
-            return b, s
-        b *= 2
+    first = 1
+    while first * 2 <= min_buckets and first * 2 * MIN_SLOTS <= num_frames:
+        first *= 2
+    for grouping in ("scan", "sort"):
+        b = first
+        while b <= num_frames:
+            s = -(-num_frames // b)
+            cfg = choose_config(num_requests, b, s, max_slot_chunk=GEOMETRY_SLOT_CHUNK)
+            if (s <= cfg.slot_chunk and _bucket_load_chunk(num_requests, b) <= cfg.req_chunk
+                    and cfg.req_chunk * max(cfg.req_chunk, cfg.slot_chunk) <= TILE_ELEMS
+                    and cfg.grouping in ("scan", grouping)):
+                return b, s
+            b *= 2
     b = next_pow2(-(-num_frames // 64))
     return b, -(-num_frames // b)
 

@@ -27,6 +27,18 @@ def test_parse_set():
         dl.parse_set("24", 24)
 
 
+def test_summary_counts_dense_answers_kept():
+    def row(prompt, config, acc):
+        return {"prompt": prompt, "config": config, "page_size": None if config == "dense" else 16, "budget": None,
+                "dense_layers": [], "accuracy": acc, "same_as_dense": False, "read_share": 0.5}
+    rows = [row("a", "dense", 1.0), row("b", "dense", 1.0), row("c", "dense", 0.5),
+            row("a", "oracle", 1.0), row("b", "oracle", 0.75), row("c", "oracle", 1.0)]
+    dense, oracle = dl.summarize(rows)
+    assert (dense["fully_right"], dense["kept_of_dense"]) == (2, 2)
+    assert (oracle["config"], oracle["fully_right"], oracle["kept_of_dense"]) == ("oracle", 2, 1)  # c is not dense's
+    assert oracle["accuracy"] == pytest.approx(2.75 / 3)
+
+
 @pytest.mark.slow
 def test_covering_budget_and_all_dense_decode_dense_tokens(tmp_path):
     assert dl.main(["--tiny", "--page-size", "8", "--budget", "512", "--dense-sets", "none", "0,-1",

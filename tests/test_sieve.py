@@ -305,6 +305,11 @@ def test_sieve_geometry_fewest_buckets_on_the_fast_path():
     assert sv.sieve_geometry(100, 3) == (2, 50)                       # 32-slot buckets at least
     # no bucket count keeps both (65536 requests exceed the scan's N x B bound): 64-slot buckets
     assert sv.sieve_geometry(65536, 65536) == (1024, 64)
+    # a pool too large for 512-slot buckets under the scan's bound (page 16, 128K x 3, pool 1/4: 6144 requests into
+    # 1.57M frames): the fewest fast-path buckets with the sort's grouping, not 32768 buckets of 48 slots
+    b, s = sv.sieve_geometry(1572864, 6144)
+    cfg = sv.choose_config(6144, b, s)
+    assert (b, s) == (4096, 384) and cfg.grouping == "sort" and s <= cfg.slot_chunk <= sv.GEOMETRY_SLOT_CHUNK
     with pytest.raises(ValueError, match="num_frames = 0"):
         sv.sieve_geometry(0, 8)
 
