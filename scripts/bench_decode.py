@@ -382,7 +382,8 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
     spec = f"{side}:{ctx}:{batch}:{'' if frac is None else frac}:{sieve or ''}"
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, os.path.abspath(__file__), "--rows", spec, "--out", tmp, "--commit", commit,
-               "--budget", str(args.budget), "--layers", str(args.layers), "--chunks", str(args.chunks),
+               "--budget", str(args.budget), "--page-size", str(page_size(args)), "--layers", str(args.layers),
+               "--chunks", str(args.chunks),
                "--steps", str(args.steps), "--kv-fraction", str(args.kv_fraction), "--sieve", args.sieve,
                "--topk", args.topk, "--attention-impl", args.attention_impl, "--tp", str(args.tp),
                "--fill", args.fill, "--key-channels", str(args.key_channels), "--label-bits", str(args.label_bits),

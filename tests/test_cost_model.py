@@ -287,6 +287,32 @@ def test_bench_decode_rows_take_auto():
     assert bd.bench_config(mc, "sparse", 3, 131072, paged, 0.25, page=32).page_size == 32
 
 
+def test_bench_decode_isolated_rows_get_every_row_option(monkeypatch):
+    """A row run in its own process (several rows a call) gets the parent's row options: --page-size was missing,
+    so a multi-row call at page 16 measured page 64 in its children. Every option of the parser reaches the child
+    command except those about the whole run (which rows, where results go, isolation itself)."""
+    import subprocess
+    from scripts import bench_decode as bd
+    whole_run = {"-h", "--help", "--contexts", "--batches", "--sides", "--rows", "--out", "--append", "--run",
+                 "--no-isolate", "--row-timeout"}
+    argv = ["--rows", "sparse:131072:3,dense:131072:3", "--out", "o", "--page-size", "16", "--two-stage", "4",
+            "--score-launch", "4", "2"]
+    args = bd.build_parser().parse_args(argv)
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    row = bd.run_isolated(args, "abc", "sparse", 131072, 3, None, None)
+    assert "RuntimeError" in row["error"]
+    cmd = seen[0]
+    options = {o for a in bd.build_parser()._actions for o in a.option_strings}
+    assert options - whole_run <= set(cmd), sorted(options - whole_run - set(cmd))
+    assert cmd[cmd.index("--page-size") + 1] == "16"
+
+
 def test_summary_split_reads_its_summaries():
     """Half-page summaries (CacheConfig.summary_split = 2) double the summary bytes the scores read each step:
     the hbm term grows by exactly one more copy of them, and nothing else changes."""
