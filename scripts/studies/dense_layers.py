@@ -20,6 +20,9 @@ axis of the configurations, all decoded from the one prefill; a configuration's 
 prompt whose cache rounds up to the same length (`CACHE_UNIT`). Rows: per configuration, the harness's accuracy
 (scripts/ruler_tasks.score), the share of answers identical to dense's, and the attended share of K/V bytes a step
 (sparse layers at the budget, dense layers whole), which is what the dense layers cost in reads.
+Anchors (`--anchors N`, another axis): each sparse layer's KV heads also keep, inside the budget, N pages chosen once
+at prefill by the attention of the prompt's last `--anchor-window` queries (the question): can a selection that
+remembers what the question pointed at keep answers the per-step oracle, greedy step by step, loses?
 """
 from __future__ import annotations
 
@@ -53,11 +56,12 @@ def parse_set(text: str, num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-def oracle_keep(s, pos, *, page: int, keep: int, sink: int, recent: int):
+def oracle_keep(s, pos, *, page: int, keep: int, sink: int, recent: int, anchor=None):
     """Keys a sparse layer attends, one decode step: s [KV, g, T] float32 logits (keys past pos masked to -inf),
     pos [] int32 the current token's position -> bool [KV, T]. Each KV head keeps the `keep` flushed pages
     (pages wholly before pos's page) of largest true mass (softmax over the visible keys, summed over its g query
-    heads), the first `sink` and last `recent` flushed pages always, and the tail page (pos's own)."""
+    heads), the first `sink` and last `recent` flushed pages always, and the tail page (pos's own). anchor (None or
+    bool [KV, npg]): pages also kept always, inside the `keep` (prompt_anchors)."""
     import jax
     import jax.numpy as jnp
     KV, g, T = s.shape
@@ -67,6 +71,8 @@ def oracle_keep(s, pos, *, page: int, keep: int, sink: int, recent: int):
     flushed = pos // page
     pid = jnp.arange(npg)
     forced = (pid < sink) | ((pid >= flushed - recent) & (pid < flushed))
+    if anchor is not None:
+        forced = forced | anchor
     score = jnp.where(pid < flushed, jnp.where(forced, jnp.inf, mass), -jnp.inf)  # [KV, npg]
     _, top = jax.lax.top_k(score, min(keep, npg))                                 # [KV, keep]
     chosen = jnp.zeros((KV, npg), bool).at[jnp.arange(KV)[:, None], top].set(True)
@@ -74,16 +80,45 @@ def oracle_keep(s, pos, *, page: int, keep: int, sink: int, recent: int):
     return jnp.repeat(chosen, page, axis=1)                                       # [KV, T]
 
 
+def prompt_anchors(k, qw, n, *, page: int, count: int, sink: int):
+    """The pages each layer's KV heads pin for the whole decode, chosen once from the prompt: k [L, 1, T, KV, D]
+    float32 keys, qw [L, W, H, D] float32 queries of the prompt's last W positions (its question), n [] int32 the
+    prompt's length -> bool [L, KV, T // page]: per layer and KV head the `count` pages wholly inside the prompt
+    (past the `sink` pages, which are kept anyway) of largest attention mass from those queries (softmax per query
+    over the keys it sees, summed over the W queries and the KV head's query heads). Why: the oracle is greedy per
+    step, and a multi-value answer is lost where the next needle draws little attention at the step that decides
+    whether to go on (BENCHMARKS, which step loses it); the question's own attention at prefill finds every needle."""
+    import jax
+    import jax.numpy as jnp
+    L, _, T, KV, D = k.shape
+    W, H = qw.shape[1], qw.shape[2]
+    npg = T // page
+    qpos = jnp.maximum(n - W, 0) + jnp.arange(W)            # [W] (make_prefill's rows; past n for short prompts)
+    seen = jnp.arange(T)[None, :] <= qpos[:, None]                                # [W, T]
+    q = qw.reshape(L, W, KV, H // KV, D)
+    s = jnp.einsum("lwkgd,ltkd->lkgwt", q, k[:, 0]) / np.sqrt(D)                  # [L, KV, g, W, T]
+    p = jax.nn.softmax(jnp.where(seen, s, -jnp.inf), axis=-1)
+    p = jnp.where((qpos < n)[:, None], p, 0.0).sum(axis=(2, 3))                   # [L, KV, T]
+    mass = p.reshape(L, KV, npg, page).sum(-1)                                    # [L, KV, npg]
+    pid = jnp.arange(npg)
+    mass = jnp.where((pid >= sink) & (pid < n // page), mass, -jnp.inf)
+    _, top = jax.lax.top_k(mass, count)                                           # [L, KV, count]
+    pick = jnp.zeros((L, KV, npg), bool)
+    pick = pick.at[jnp.arange(L)[:, None, None], jnp.arange(KV)[None, :, None], top].set(True)
+    return pick & (pid < n // page)
+
+
 def make_decoder(model, total: int, *, page: int, keep: int, sink: int, recent: int, dense_layers: tuple):
-    """-> step(params, cache, token [1, 1], pos []) -> (cache, logits [V]) under this configuration; cache =
-    (k, v) [L, 1, total, KV, D] float32. `total` must be a multiple of `page`."""
+    """-> step(params, cache, token [1, 1], pos [], anchor [L, KV, total // page] bool) -> (cache, logits [V])
+    under this configuration; cache = (k, v) [L, 1, total, KV, D] float32; anchor: pages every sparse layer keeps
+    (prompt_anchors; all False for none). `total` must be a multiple of `page`."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
     graphdef, _ = nnx.split(model)
     D = model.config.head_dim
 
-    def attn(cache, q, k, v, pos, layer):
+    def attn(cache, q, k, v, pos, layer, anchor):
         ck = cache[0].at[layer, :, pos].set(k[:, 0].astype(jnp.float32))
         cv = cache[1].at[layer, :, pos].set(v[:, 0].astype(jnp.float32))
         K, V = ck[layer, 0], cv[layer, 0]                                         # [T, KV, D]
@@ -93,42 +128,52 @@ def make_decoder(model, total: int, *, page: int, keep: int, sink: int, recent: 
         seen = jnp.arange(total) <= pos
         s = jnp.where(seen[None, None], s, -jnp.inf)
         if layer not in dense_layers:
-            s = jnp.where(oracle_keep(s, pos, page=page, keep=keep, sink=sink, recent=recent)[:, None], s, -jnp.inf)
+            s = jnp.where(oracle_keep(s, pos, page=page, keep=keep, sink=sink, recent=recent,
+                                      anchor=anchor[layer])[:, None], s, -jnp.inf)
         o = jnp.einsum("kgt,tkd->kgd", jax.nn.softmax(s, axis=-1), V)            # [KV, g, D]
         return (ck, cv), o.reshape(1, 1, -1, D).astype(q.dtype)
 
     @jax.jit
-    def step(params, cache, tok, pos):
+    def step(params, cache, tok, pos, anchor):
         m = nnx.merge(graphdef, params)
-        cache, logits = m.forward_with_cache(cache, tok, jnp.full((1, 1), pos, jnp.int32), pos, attn)
+        cache, logits = m.forward_with_cache(
+            cache, tok, jnp.full((1, 1), pos, jnp.int32), pos,
+            lambda c, q, k, v, p, layer: attn(c, q, k, v, p, layer, anchor))
         return cache, logits[0, -1]
     return step
 
 
-def make_prefill(model):
+def make_prefill(model, window: int):
     """-> prefill(params, ids, total): the dense prefill of ids right-padded to `total` tokens -> (cache (k, v)
-    [L, 1, total, KV, D] float32, logits of the last prompt position [V]). Causal attention: the padding is unseen
-    by the prompt, and each decode step writes its position's K/V before attending with later positions masked,
-    so the padding's keys are never read; one compile serves every prompt of one padded length."""
+    [L, 1, total, KV, D] float32, logits of the last prompt position [V], the queries of the prompt's last `window`
+    positions [L, window, H, D] float32: prompt_anchors'). Causal attention: the padding is unseen by the prompt,
+    and each decode step writes its position's K/V before attending with later positions masked, so the padding's
+    keys are never read; one compile serves every prompt of one padded length."""
+    import jax
     import jax.numpy as jnp
     from scripts.studies.selection_recall import dense_forward_fn
     c = model.config
 
     def store(cache, q, k, v, layer):
-        return cache[0].at[layer].set(k.astype(jnp.float32)), cache[1].at[layer].set(v.astype(jnp.float32))
+        ck, cv, qw, start = cache
+        last = jax.lax.dynamic_slice_in_dim(q[0].astype(jnp.float32), start, window, axis=0)   # [W, H, D]
+        return (ck.at[layer].set(k.astype(jnp.float32)), cv.at[layer].set(v.astype(jnp.float32)),
+                qw.at[layer].set(last), start)
 
     fwd = dense_forward_fn(model, store)
 
     def prefill(params, ids: list[int], total: int):
         z = jnp.zeros((c.num_layers, 1, total, c.num_kv_heads, c.head_dim), jnp.float32)
+        qz = jnp.zeros((c.num_layers, window, c.num_heads, c.head_dim), jnp.float32)
         padded = np.zeros((1, total), np.int32)
         padded[0, :len(ids)] = ids
-        cache, h = fwd(params, jnp.asarray(padded), (z, z))
-        return cache, model.logits(h[:, len(ids) - 1:len(ids)])[0, -1]
+        start = jnp.int32(max(0, len(ids) - window))
+        (ck, cv, qw, _), h = fwd(params, jnp.asarray(padded), (z, z, qz, start))
+        return (ck, cv), model.logits(h[:, len(ids) - 1:len(ids)])[0, -1], qw
     return prefill
 
 
-def decode(step, params, cache, first_logits, start: int, max_new: int, stop_ids) -> list[int]:
+def decode(step, params, cache, first_logits, start: int, max_new: int, stop_ids, anchor) -> list[int]:
     import jax.numpy as jnp
     out, logits = [], first_logits
     for j in range(max_new):
@@ -138,7 +183,7 @@ def decode(step, params, cache, first_logits, start: int, max_new: int, stop_ids
         out.append(tok)
         if j + 1 == max_new:
             break
-        cache, logits = step(params, cache, jnp.asarray([[tok]], jnp.int32), jnp.int32(start + j))
+        cache, logits = step(params, cache, jnp.asarray([[tok]], jnp.int32), jnp.int32(start + j), anchor)
     return out
 
 
@@ -172,7 +217,7 @@ def summarize(rows: list) -> list:
         rs = [r for r in rows if r["config"] == name]
         right = {r["prompt"] for r in rs if r["accuracy"] == 1.0}
         summary.append({"config": name, "page_size": rs[0]["page_size"], "budget": rs[0]["budget"],
-                        "dense_layers": rs[0]["dense_layers"],
+                        "dense_layers": rs[0]["dense_layers"], "anchors": rs[0].get("anchors", 0),
                         "prompts": len(rs),
                         "accuracy": float(np.mean([r["accuracy"] for r in rs])),
                         "fully_right": len(right),
@@ -194,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-sets", nargs="+", default=["none", "0,1", "0,1,-1"],
                    help="layers left dense per configuration: 'none' or comma-separated indices (negative from the "
                         "end)")
+    p.add_argument("--anchors", type=int, nargs="+", default=[0],
+                   help="pages per layer and KV head every sparse layer keeps all the decode, chosen once from the "
+                        "attention of the prompt's last --anchor-window queries (prompt_anchors), inside the budget; "
+                        "each count an axis of the configurations (0: none)")
+    p.add_argument("--anchor-window", type=int, default=64, help="the prompt's last queries that choose the anchors")
     p.add_argument("--max-prompts", type=int, default=0, help="the first N prompts (0: all)")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="seconds after which no further prompt starts (0: none); the JSON holds the prompts done")
@@ -217,6 +267,13 @@ def main(argv=None) -> int:
         for b in a.budget:
             if pg <= 0 or b <= 0 or b % pg:
                 raise SystemExit(f"--budget {b} must be a positive multiple of --page-size {pg}")
+            free = b // pg - a.sink - a.recent
+            for count in a.anchors:
+                if count < 0 or count > max(free, 0):
+                    raise SystemExit(f"--anchors {count} must be in [0, {max(free, 0)}]: the pages --budget {b} at page "
+                                     f"{pg} selects beside --sink {a.sink} and --recent {a.recent}")
+    if a.anchor_window < 1:
+        raise SystemExit(f"--anchor-window {a.anchor_window} must be >= 1")
     if a.max_prompts < 0 or a.deadline < 0:
         raise SystemExit(f"--max-prompts {a.max_prompts} and --deadline {a.deadline} must be >= 0")
     if a.tiny:
@@ -243,10 +300,13 @@ def main(argv=None) -> int:
     rows, answers = [], {}
     t0 = time.time()
     unit = int(np.lcm.reduce([CACHE_UNIT, *a.page_size]))      # the cache length serves every page size
-    configs = [("dense", unit, None, tuple(range(L)))] + [("sparse", pg, b, s) for b in a.budget
-                                                          for pg in a.page_size for s in sets]
+    configs = [("dense", unit, None, tuple(range(L)), 0)] + [("sparse", pg, b, s, c) for b in a.budget
+                                                             for pg in a.page_size for s in sets for c in a.anchors]
     steps = {}                                       # (cache length, config) -> its compiled step
-    prefill = make_prefill(model)
+    prefill = make_prefill(model, a.anchor_window)
+    import jax
+    import jax.numpy as jnp
+    anchors_of = jax.jit(prompt_anchors, static_argnames=("page", "count", "sink"))
     done = 0
     for n, p in enumerate(prompts):
         if a.deadline and time.time() - t0 > a.deadline:
@@ -256,21 +316,24 @@ def main(argv=None) -> int:
         ids = ids_of(p["text"])
         max_new = int(p["max_new_tokens"])
         total = -(-(len(ids) + max_new) // unit) * unit
-        cache, first = prefill(params, ids, total)
-        for kind, pg, budget, dl in configs:
+        cache, first, qw = prefill(params, ids, total)
+        for kind, pg, budget, dl, count in configs:
             key = (total, pg, budget, dl)
             if key not in steps:
                 steps[key] = make_decoder(model, total, page=pg, keep=(budget or total) // pg, sink=a.sink,
                                           recent=a.recent, dense_layers=dl)
-            toks = decode(steps[key], params, cache, first, len(ids), max_new, stop)
+            anchor = anchors_of(cache[0], qw, jnp.int32(len(ids)), page=pg, count=count, sink=a.sink) if count \
+                else jnp.zeros((L, model.config.num_kv_heads, total // pg), bool)
+            toks = decode(steps[key], params, cache, first, len(ids), max_new, stop, anchor)
             text = tok.decode(toks)
             name = "dense" if kind == "dense" else \
-                f"oracle, budget {budget}, page {pg}, dense layers " + (",".join(map(str, dl)) or "none")
+                f"oracle, budget {budget}, page {pg}, dense layers " + (",".join(map(str, dl)) or "none") + \
+                (f", anchors {count}" if count else "")
             acc = float(ruler_tasks.score(lc.as_prompt(p), text))
             answers.setdefault(name, []).append(text)
             share = 1.0 if kind == "dense" else (len(dl) + (L - len(dl)) * min(1.0, budget / len(ids))) / L
             rows.append({"prompt": p["id"], "config": name, "page_size": pg if kind != "dense" else None,
-                         "budget": budget, "dense_layers": list(dl), "accuracy": acc,
+                         "budget": budget, "dense_layers": list(dl), "anchors": count, "accuracy": acc,
                          "same_as_dense": text == answers["dense"][-1], "text": text, "read_share": share})
             print(f"[{time.time() - t0:6.0f}s] prompt {n + 1}/{len(prompts)} {name}: {acc:.2f} {text[:60]!r}",
                   flush=True)
@@ -285,7 +348,8 @@ def main(argv=None) -> int:
     data = json.load(open(path)) if os.path.exists(path) else {"runs": []}
     data["runs"].append({"meta": bench_meta.run_meta(a.commit),
                          "run": a.run, "model": a.model if not a.tiny else "tiny", "page_sizes": a.page_size,
-                         "budgets": a.budget, "sink": a.sink, "recent": a.recent,
+                         "budgets": a.budget, "sink": a.sink, "recent": a.recent, "anchors": a.anchors,
+                         "anchor_window": a.anchor_window,
                          "prompts_file": os.path.basename(a.prompts or "tiny"), "prompts": done,
                          "prompts_in_file": len(prompts), "summary": summary, "rows": rows})
     with open(path + ".tmp", "w") as fh:
