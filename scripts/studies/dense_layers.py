@@ -270,8 +270,8 @@ def main(argv=None) -> int:
             free = b // pg - a.sink - a.recent
             for count in a.anchors:
                 if count < 0 or count > max(free, 0):
-                    raise SystemExit(f"--anchors {count} must be in [0, {max(free, 0)}]: the pages --budget {b} at page "
-                                     f"{pg} selects beside --sink {a.sink} and --recent {a.recent}")
+                    raise SystemExit(f"--anchors {count} must be in [0, {max(free, 0)}]: the pages --budget {b} "
+                                     f"at page {pg} selects beside --sink {a.sink} and --recent {a.recent}")
     if a.anchor_window < 1:
         raise SystemExit(f"--anchor-window {a.anchor_window} must be >= 1")
     if a.max_prompts < 0 or a.deadline < 0:
