@@ -8,7 +8,7 @@
 #                              decode-labels-256k dense-fp8 exact
 #                              quality-austen32k
 #                              quality-austen32k-quest quality-austen32k-1of16 profile-labels profile-page16
-#                              profile-two-stage
+#                              page16-rows profile-two-stage
 #                              longctx-15b
 #                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2
 #                              serve]
@@ -162,6 +162,17 @@ for b in "${names[@]}"; do
                 step profile-page16 300 scripts/profile_decode.py --out "$OUT/page16" "${C[@]}" --append \
                   --row-timeout 250 --budget 4096 --page-size 64 --key-channels 128 --label-bits 4 --hot-share 0.9 \
                   --rows sparse:131072:3 ;;
+    page16-rows)    # issue 48 after the sieve's sort fallback (9f3755c): every channel (128 @ 4) at page 16, 128K x 3,
+                    # hot share 0.9, one call: 1/32 with the default top-k (lax.top_k: 16384 padded pages is past
+                    # the radix kernel's TOPK_MAX_PAGES), the same with --topk pallas (the kernel at 16384: does it
+                    # compile, and is it faster?), 1/16 (budget 8192: the oracle keeps 82% of dense's multi-value
+                    # answers there, 66% at 1/32), and dense; each row its own process (~80 s a row on an H100)
+                pg16=(--out "$OUT/page16_rows" "${C[@]}" --append --chunks 4 --row-timeout 150 --page-size 16
+                      --key-channels 128 --label-bits 4 --hot-share 0.9)
+                step "$b" 160 scripts/bench_decode.py "${pg16[@]}" --budget 4096 --rows sparse:131072:3
+                step "$b" 160 scripts/bench_decode.py "${pg16[@]}" --budget 4096 --rows sparse:131072:3 --topk pallas
+                step "$b" 160 scripts/bench_decode.py "${pg16[@]}" --budget 8192 --rows sparse:131072:3
+                step "$b" 100 scripts/bench_decode.py "${pg16[@]}" --budget 4096 --rows dense:131072:3 ;;
     profile-two-stage) # where the two-stage rule's extra ~2 ms a step over Quest goes at 128K x 3, 1/32 (the
                     # shortlist's top-k, the labels over it, the spread, the second top-k), beside Quest's layer
                 step profile-two-stage 560 scripts/profile_decode.py --out "$OUT/two_stage" "${C[@]}" \
@@ -248,7 +259,7 @@ for b in "${names[@]}"; do
             "longctx-32k longctx-100 longctx-diag" \
             "decode-labels decode-labels-256k dense-fp8 exact quality-austen32k quality-austen32k-quest" \
             "quality-austen32k-1of16" \
-            "profile-labels profile-page16 profile-two-stage longctx-15b serve)"; exit 2 ;;
+            "profile-labels profile-page16 page16-rows profile-two-stage longctx-15b serve)"; exit 2 ;;
   esac
 done
 exit $status
