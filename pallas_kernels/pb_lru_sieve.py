@@ -9,12 +9,13 @@ requests are grouped by bucket first, so every slot and every request is written
 
 1. Grouping: requests are placed bucket by bucket (invalid ones last) into `sorder` (original index), `shi`,
    `slo`, bucket b owning positions [start_b, end_b), in original order inside each bucket.
-   - "scan" (default while N * B <= SCAN_MAX_WORK; the only one the decode uses, `sieve_geometry` keeps it there):
+   - "scan" (default while N * B <= SCAN_MAX_WORK; the decode's, `sieve_geometry` keeps it there where it can):
      inside the sieve kernel, one launch in all. Program b reads all N requests twice: start_b = valid requests
      of buckets < b, then its own requests written in original order into its region (`_scan_group`). No sort,
      no atomics, no other launch; O(N * B) work in all, so large N * B use the sort.
    - "sort" (`group_requests`): jnp, an int32 sort of bucket << nbits | index, a scatter-add histogram and a
-     cumsum (`bstart`); its cost is the XLA sort, independent of B.
+     cumsum (`bstart`); its cost is the XLA sort, independent of B. The decode's where a pool is too large for the
+     scan's bound (`sieve_geometry`: page 16 at 128K x 3, or 6144 requests a layer at larger batches).
 2. Sieve, grid (B + 1,): program b < B owns bucket b (S slots, frames b*S .. b*S+S-1), program B writes the
    outputs of invalid requests.
    Fast path (the bucket's slots fit one chunk, S <= T, and its requests fit one chunk, R <= C; chosen per
