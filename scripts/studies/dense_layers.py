@@ -317,13 +317,17 @@ def main(argv=None) -> int:
         max_new = int(p["max_new_tokens"])
         total = -(-(len(ids) + max_new) // unit) * unit
         cache, first, qw = prefill(params, ids, total)
+        anchors = {}                                 # (page, count) -> this prompt's anchors, shared by budgets
         for kind, pg, budget, dl, count in configs:
             key = (total, pg, budget, dl)
             if key not in steps:
                 steps[key] = make_decoder(model, total, page=pg, keep=(budget or total) // pg, sink=a.sink,
                                           recent=a.recent, dense_layers=dl)
-            anchor = anchors_of(cache[0], qw, jnp.int32(len(ids)), page=pg, count=count, sink=a.sink) if count \
-                else jnp.zeros((L, model.config.num_kv_heads, total // pg), bool)
+            if (pg, count) not in anchors:
+                anchors[pg, count] = anchors_of(cache[0], qw, jnp.int32(len(ids)), page=pg, count=count,
+                                                sink=a.sink) if count else \
+                    jnp.zeros((L, model.config.num_kv_heads, total // pg), bool)
+            anchor = anchors[pg, count]
             toks = decode(steps[key], params, cache, first, len(ids), max_new, stop, anchor)
             text = tok.decode(toks)
             name = "dense" if kind == "dense" else \
