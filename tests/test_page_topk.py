@@ -135,8 +135,11 @@ def test_compiled_matches_reference(case):
     if case == "random-decode-shape":        # B = 32 x 8 groups at 256K, budget 2048, page 64
         check(rng.standard_normal((256, 4224)), rng.integers(0, 4225, 32), 32, sink=1, recent=2, groups=8,
               interpret=False)
+        # B = 3 x 8 groups at 128K, page 16, budget 1/32: 8200 pages pad to 16384 lanes, the longest row taken
+        check(rng.standard_normal((24, 8200)), rng.integers(0, 8201, 3), 256, sink=1, recent=2, groups=8,
+              interpret=False)
     elif case == "long-ties":                # 128K rows (2112 pages, masked past them in 4096 lanes), longer rows
-        for p, k in ((2112, 32), (6000, 40), (8000, 64)):
+        for p, k in ((2112, 32), (6000, 40), (8000, 64), (16384, 512)):
             s = rng.integers(-2, 3, (8, p)).astype(np.float32)                   # thousands of exact ties
             s[1::2] = rng.standard_normal((4, p))
             check(s, [p, p - 130, 3, 4097 % p], k, sink=1, recent=2, groups=2, interpret=False)

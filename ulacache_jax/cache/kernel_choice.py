@@ -29,8 +29,9 @@ ATTENTION_IMPLS = ("auto", "mosaic", "pallas", "ref")
 KERNEL_IMPLS = ("auto", "pallas", "ref")
 DENSE_IMPLS = ("auto", "cudnn", "xla", "pallas")
 # The longest padded score row the top-k kernel was compiled and timed at on a GPU (a row lives in one program's
-# registers); 4224 pages = 256K tokens at page 64 pads to 8192. Longer rows take lax.top_k.
-TOPK_MAX_PAGES = 8192
+# registers); 8200 pages = 128K tokens at page 16 pads to 16384, where the kernel beat lax.top_k in the whole
+# decode step (BENCHMARKS.md). Longer rows take lax.top_k.
+TOPK_MAX_PAGES = 16384
 HALF_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention and the Mosaic kernel take
 
 

@@ -1,0 +1,34 @@
+import json
+import re
+
+import pytest
+
+from scripts.studies import oracle_ppl
+
+
+def test_every_page_is_dense_and_a_small_budget_is_not(tmp_path):
+    """The oracle with every page kept scores exactly what the dense pass scores; a budget of 4 pages of 16 does not;
+    runs append to the JSON."""
+    args = ["--tiny", "--window", "256", "--prefix", "192", "--windows", "2", "--page-size", "16",
+            "--budget", "64", "1024", "--out", str(tmp_path)]
+    assert oracle_ppl.main(args) == 0
+    assert oracle_ppl.main(args + ["--run", "again"]) == 0
+    data = json.load(open(tmp_path / "oracle_ppl.json"))
+    assert [r["run"] for r in data["runs"]] == ["", "again"]
+    s = {x["config"]: x for x in data["runs"][0]["summary"]}
+    dense, every, few = s["dense"], s["oracle, budget 1024, page 16"], s["oracle, budget 64, page 16"]
+    assert dense["n"] == every["n"] == few["n"] == 2 * (256 - 1 - 192)
+    assert every["ppl"] == pytest.approx(dense["ppl"], rel=1e-5) and every["top1_agreement"] == 1.0
+    assert every["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert few["kl"] > 1e-4 and few["top1_agreement"] < 1.0
+    assert (tmp_path / "oracle_ppl.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("bad, needle", [(["--prefix", "300"], "--prefix 300"),
+                                         (["--budget", "40"], "--budget 40"),
+                                         (["--budget", "48"], "more than --sink 1 + --recent 2"),
+                                         (["--windows", "0"], "--windows 0")])
+def test_bad_values_name_the_option(tmp_path, bad, needle):
+    with pytest.raises(SystemExit, match=re.escape(needle)):
+        oracle_ppl.main(["--tiny", "--window", "256", "--prefix", "192", "--out", str(tmp_path), *bad])
+    assert not (tmp_path / "oracle_ppl.json").exists()
