@@ -145,12 +145,19 @@ def main(argv=None) -> int:
     _, params = nnx.split(model)
     prefill = make_prefill(model, 1)
     scorers = {}
-    rows, t0, done = [], time.time(), 0
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "oracle_ppl.json")
+    data = json.load(open(path)) if os.path.exists(path) else {"runs": []}
+    run = {"meta": bench_meta.run_meta(a.commit), "run": a.run, "model": "tiny" if a.tiny else a.model,
+           "dtype": a.dtype, "text": source, "window": a.window, "prefix": a.prefix,
+           "scored_positions": f"{a.prefix}..{a.window - 2}", "windows": 0, "page_sizes": a.page_size,
+           "budgets": a.budget, "sink": a.sink, "recent": a.recent, "summary": [], "rows": []}
+    data["runs"].append(run)
+    rows, t0 = run["rows"], time.time()
     for w, ids in enumerate(wins):
         if a.deadline and time.time() - t0 > a.deadline:
             print(f"deadline {a.deadline:.0f} s: {w} of {len(wins)} windows done", flush=True)
             break
-        done = w + 1
         cache, _, _ = prefill(params, ids[:a.prefix], total)
         toks = jnp.asarray(ids[a.prefix:], jnp.int32)                            # [n + 1]: positions prefix..T-1
         ref_logp = ref_top = None
@@ -173,24 +180,18 @@ def main(argv=None) -> int:
                          "nll_sum": float(nll.sum()), "top1_same": int(same.sum()), "kl_sum": float(kl.sum())})
             print(f"[{time.time() - t0:6.0f}s] window {w + 1}/{len(wins)} {name}: ppl {np.exp(nll.mean()):.4f} "
                   f"top-1 {same.mean():.4f} kl {kl.mean():.5f}", flush=True)
+            # written row by row: a call cut by its time limit keeps every configuration it scored
+            run["windows"], run["summary"] = w + 1, summarize(rows)
+            with open(path + ".tmp", "w") as fh:
+                json.dump(data, fh, indent=1)
+            os.replace(path + ".tmp", path)
         del ref_logp
-    summary = summarize(rows)
     print("| configuration | budget / context | ppl | vs dense | top-1 vs dense | KL |\n|---|---|---|---|---|---|")
-    for s in summary:
+    for s in run["summary"]:
         print(f"| {s['config']} | {s['budget_ratio']:.4f} | {s['ppl']:.4f} | {100 * (s['ppl_ratio'] - 1):+.2f}% | "
               f"{s['top1_agreement']:.4f} | {s['kl']:.5f} |")
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "oracle_ppl.json")
-    data = json.load(open(path)) if os.path.exists(path) else {"runs": []}
-    data["runs"].append({"meta": bench_meta.run_meta(a.commit), "run": a.run, "model": "tiny" if a.tiny else a.model,
-                         "dtype": a.dtype, "text": source, "window": a.window, "prefix": a.prefix,
-                         "scored_positions": f"{a.prefix}..{a.window - 2}", "windows": done,
-                         "page_sizes": a.page_size, "budgets": a.budget, "sink": a.sink, "recent": a.recent,
-                         "summary": summary, "rows": rows})
-    with open(path + ".tmp", "w") as fh:
-        json.dump(data, fh, indent=1)
-    os.replace(path + ".tmp", path)
-    plot(summary, os.path.join(a.out, "oracle_ppl.png"))
+    if run["summary"]:
+        plot(run["summary"], os.path.join(a.out, "oracle_ppl.png"))
     return 0
 
 
