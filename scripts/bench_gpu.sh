@@ -8,7 +8,7 @@
 #                              decode-labels-256k dense-fp8 exact
 #                              quality-austen32k
 #                              quality-austen32k-quest quality-austen32k-1of16 profile-labels profile-page16
-#                              page16-rows profile-two-stage
+#                              page16-rows sieve-page16 profile-two-stage
 #                              longctx-15b
 #                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2
 #                              serve]
@@ -52,6 +52,12 @@ for b in "${names[@]}"; do
                     step sieve-decode 400 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --name sieve_decode \
                       --requests 256 768 1024 1536 --pools 262144 393216 --buckets 256 512 1024 2048 --budget-s 0.2 \
                       --kernel-only --variants --max-seconds 360 ;;
+    sieve-page16)   # the groupings where the scan's N x B bound is passed: 6144 / 12288 requests a layer (page 16 at
+                    # 128K x 3, 1/32 / 1/16) into the 1,572,864 frames of a 1/4 pool, at sieve_geometry's 4096
+                    # buckets: the sort (the default there since 9f3755c), the rank count, the scan
+                    step sieve-page16 300 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --name sieve_page16 \
+                      --requests 6144 12288 --pools 1572864 --buckets 4096 --budget-s 0.2 --kernel-only --variants \
+                      --max-seconds 240 ;;
     sieve-buckets)  # the bucket floor (issue 21, sieve_geometry >= 128 buckets): the auto pools' frames at B = 1
                     # and 3 (256 / 768 requests) split into 32 to 256 buckets, the sieve alone
                     step sieve-buckets 400 scripts/bench_sieve.py --out "$OUT" "${C[@]}" --name sieve_buckets \
