@@ -1,11 +1,13 @@
 import json
 import re
 
+import numpy as np
 import pytest
 
 from scripts.studies import oracle_ppl
 
 
+@pytest.mark.slow
 def test_every_page_is_dense_and_a_small_budget_is_not(tmp_path):
     """The oracle with every page kept scores exactly what the dense pass scores; a budget of 4 pages of 16 does not;
     runs append to the JSON."""
@@ -22,6 +24,22 @@ def test_every_page_is_dense_and_a_small_budget_is_not(tmp_path):
     assert every["kl"] == pytest.approx(0.0, abs=1e-6)
     assert few["kl"] > 1e-4 and few["top1_agreement"] < 1.0
     assert (tmp_path / "oracle_ppl.png").stat().st_size > 0
+
+
+def test_summary_pools_windows_by_their_positions():
+    """ppl over every scored position (not a mean of the windows' ppl), ratios to the dense row, top-1 and KL per
+    position."""
+    rows = [{"window": w, "config": c, "page_size": p, "budget": b, "budget_ratio": r, "n": n, "nll_sum": s,
+             "top1_same": t, "kl_sum": k}
+            for w, n in ((0, 10), (1, 30))
+            for c, p, b, r, s, t, k in (("dense", None, None, 1.0, 1.0 * n, n, 0.0),
+                                        ("oracle, budget 64, page 16", 16, 64, 0.25, (1.0 if w == 0 else 2.0) * n,
+                                         n // 2, 0.1 * n))]
+    dense, sparse = oracle_ppl.summarize(rows)
+    assert dense["n"] == sparse["n"] == 40 and dense["ppl"] == pytest.approx(np.e) and dense["ppl_ratio"] == 1.0
+    assert sparse["ppl"] == pytest.approx(np.exp((10 + 60) / 40))
+    assert sparse["ppl_ratio"] == pytest.approx(np.exp((10 + 60) / 40 - 1))
+    assert sparse["top1_agreement"] == pytest.approx(20 / 40) and sparse["kl"] == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("bad, needle", [(["--prefix", "300"], "--prefix 300"),
