@@ -16,6 +16,8 @@ requests are grouped by bucket first, so every slot and every request is written
    - "sort" (`group_requests`): jnp, an int32 sort of bucket << nbits | index, a scatter-add histogram and a
      cumsum (`bstart`); its cost is the XLA sort, independent of B. The decode's where a pool is too large for the
      scan's bound (`sieve_geometry`: page 16 at 128K x 3, or 6144 requests a layer at larger batches).
+   - "rank" (`group_requests`): jnp, the same order without a sort: each request's place is its bucket's start
+     plus the count of earlier requests in its bucket (an N x N compare-count fused into one reduction).
 2. Sieve, grid (B + 1,): program b < B owns bucket b (S slots, frames b*S .. b*S+S-1), program B writes the
    outputs of invalid requests.
    Fast path (the bucket's slots fit one chunk, S <= T, and its requests fit one chunk, R <= C; chosen per
@@ -60,7 +62,7 @@ MARK = -2                 # stamp of a slot hit or filled in this batch (general
 NONE = 2**31 - 1          # "no stamp": larger than any stamp (now <= 2**31 - 2)
 BIG = 2**31 - 1           # "no request index"
 TILE_ELEMS = 16384        # largest [C, T], [C, C] or [C, D] compare tile (8 warps: 64 elements per thread)
-GROUPINGS = ("scan", "sort")
+GROUPINGS = ("scan", "sort", "rank")
 SCAN_MAX_WORK = 1 << 23  # "scan" grouping while N * B <= 2**23 (8K requests x 1024 buckets): each program reads all N
 MIN_BUCKETS = 128        # sieve_geometry's fewest buckets: about one program per SM of the H200 (132)
 MIN_SLOTS = 32           # ... unless a bucket would hold fewer slots than this (small pools keep larger buckets)
@@ -77,7 +79,7 @@ class SieveConfig:
     req_chunk: int        # C: requests handled together; the fast path needs a bucket's requests <= C
     slot_chunk: int       # T: slots handled together; the bucket stays in registers when S <= T
     num_warps: int
-    grouping: str = "scan"    # "scan" (in the sieve kernel) or "sort" (jnp, `group_requests`): module docstring
+    grouping: str = "scan"    # "scan" (in the sieve kernel), "sort" or "rank" (jnp, `group_requests`): module docstring
     fast_path: bool = True    # registers-only path for buckets with R <= C and S <= T
 
     def __post_init__(self):
@@ -188,20 +190,28 @@ def _key_bits(n: int) -> int:
     return max(1, (n - 1).bit_length())
 
 
-def group_requests(hi, lo, valid, num_buckets: int):
-    """The "sort" grouping: (sorder [N] int32, shi [N] uint32, slo [N] uint32, bstart [B + 2] int32), requests
-    grouped by bucket (invalid ones last), in original order inside each bucket; bucket b owns grouped positions
-    [bstart[b], bstart[b + 1])."""
+def group_requests(hi, lo, valid, num_buckets: int, by: str = "sort"):
+    """The "sort" and "rank" groupings: (sorder [N] int32, shi [N] uint32, slo [N] uint32, bstart [B + 2] int32),
+    requests grouped by bucket (invalid ones last), in original order inside each bucket; bucket b owns grouped
+    positions [bstart[b], bstart[b + 1]). Both give the same order: "sort" by an XLA sort; "rank" places each
+    request at its bucket's start plus the count of earlier requests in its bucket, an N x N compare-count that
+    XLA fuses into one reduction, then a scatter (no sort launch: XLA's sort of a few thousand keys runs in a
+    couple of thread blocks)."""
     n, nb = hi.shape[0], num_buckets
     bkt = jnp.where(valid, bucket_bits(hi, lo, _log2(nb)), nb)
     idx = jnp.arange(n, dtype=jnp.int32)
-    bits = _key_bits(n)
-    if (nb + 1) << bits <= 2**31:  # one int32 key: bucket << bits | index
-        sorder = lax.sort(bkt * jnp.int32(1 << bits) + idx) & jnp.int32((1 << bits) - 1)
-    else:
-        _, sorder = lax.sort((bkt, idx), num_keys=2)
     counts = jnp.zeros((nb + 2,), jnp.int32).at[bkt].add(1)
     bstart = jnp.cumsum(counts) - counts
+    if by == "rank":
+        earlier = (bkt[None, :] == bkt[:, None]) & (idx[None, :] < idx[:, None])          # [N, N]
+        rank = jnp.sum(earlier, axis=1, dtype=jnp.int32)
+        sorder = jnp.zeros((n,), jnp.int32).at[bstart[bkt] + rank].set(idx, unique_indices=True)
+    else:
+        bits = _key_bits(n)
+        if (nb + 1) << bits <= 2**31:  # one int32 key: bucket << bits | index
+            sorder = lax.sort(bkt * jnp.int32(1 << bits) + idx) & jnp.int32((1 << bits) - 1)
+        else:
+            _, sorder = lax.sort((bkt, idx), num_keys=2)
     return sorder, hi[sorder], lo[sorder], bstart
 
 
@@ -563,7 +573,7 @@ def access(slots: Slots, hi, lo, valid, now, *, config: SieveConfig | None = Non
     now = jnp.asarray(now, jnp.int32)
     if cfg.grouping == "scan":
         return sieve_call(slots, (hi, lo, valid), now, cfg, interpret)
-    return sieve_call(slots, group_requests(hi, lo, valid, nb), now, cfg, interpret)
+    return sieve_call(slots, group_requests(hi, lo, valid, nb, by=cfg.grouping), now, cfg, interpret)
 
 
 @jax.jit
