@@ -50,3 +50,17 @@ def test_bad_values_name_the_option(tmp_path, bad, needle):
     with pytest.raises(SystemExit, match=re.escape(needle)):
         oracle_ppl.main(["--tiny", "--window", "256", "--prefix", "192", "--out", str(tmp_path), *bad])
     assert not (tmp_path / "oracle_ppl.json").exists()
+
+
+@pytest.mark.parametrize("content", ["not json", '{"rows": []}', None])
+def test_a_foreign_results_file_stops_the_run_by_name_and_is_kept(tmp_path, content):
+    """An oracle_ppl.json this study did not write (not JSON, another script's, a folder) stops the run before the
+    model loads, naming it, and is left as it was."""
+    target = tmp_path / "oracle_ppl.json"
+    if content is None:
+        target.mkdir()
+    else:
+        target.write_text(content)
+    with pytest.raises(SystemExit, match=re.escape(repr(str(target)))):
+        oracle_ppl.main(["--tiny", "--window", "256", "--prefix", "192", "--out", str(tmp_path)])
+    assert target.is_dir() if content is None else target.read_text() == content

@@ -66,10 +66,7 @@ def summarize(rows: list) -> list:
 
 
 def plot(summary: list, path: str) -> str:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = bench_meta.pyplot().subplots(figsize=(6, 4))
     for pg in sorted({s["page_size"] for s in summary if s["page_size"]}):
         pts = sorted((s["budget_ratio"], 100 * (s["ppl_ratio"] - 1)) for s in summary if s["page_size"] == pg)
         ax.plot(*zip(*pts), marker="o", label=f"oracle, page {pg}")
@@ -79,17 +76,12 @@ def plot(summary: list, path: str) -> str:
     ax.set_ylabel("perplexity above dense (%)")
     ax.set_title("teacher-forced perplexity under the oracle page selection")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return bench_meta.save_figure(fig, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="as the CLI's --model (a preset, a GGUF file)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--text", default="pydoc", help="bench_quality's --text: pydoc, austen, essays, or a text file")
     p.add_argument("--window", type=int, default=8192, help="tokens a window (bench_quality's --ppl-window)")
     p.add_argument("--prefix", type=int, default=4096, help="positions before the first scored (--ppl-prefix)")
@@ -101,9 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=0.0, help="seconds: stop starting windows after it (0: none)")
     p.add_argument("--tiny", action="store_true", help="random tiny model and byte text (tests)")
     p.add_argument("--run", default="", help="a label for this run in the JSON")
-    p.add_argument("--out", required=True, help="folder: oracle_ppl.json (runs appended) and oracle_ppl.png")
-    p.add_argument("--commit", default=None)
-    return p
+    return bench_meta.add_common_args(p, out_required=True, files="oracle_ppl.json (each call appends a run), "
+                                      "oracle_ppl.png", model="qwen2.5-coder-0.5b", dtype="float32")
 
 
 def check_args(a) -> None:
@@ -119,9 +110,27 @@ def check_args(a) -> None:
                                  f"--sink {a.sink} + --recent {a.recent} pages")
 
 
+def earlier_runs(path: str) -> dict:
+    """The JSON's earlier runs ({"runs": [...]}; none if it does not exist), read before any work so that a file
+    this study did not write stops it by name instead of being replaced at the end."""
+    if not os.path.lexists(path):
+        return {"runs": []}
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path!r} exists and is not a readable JSON file ({type(e).__name__}: {e}): move it or "
+                         "pick another --out") from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise SystemExit(f"{path!r} is not an oracle_ppl.json (no 'runs' list): move it or pick another --out")
+    return data
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_args(a)
+    path = os.path.join(a.out, "oracle_ppl.json")
+    data = earlier_runs(path)
     import jax.numpy as jnp
     from flax import nnx
     from scripts import bench_quality
@@ -145,9 +154,6 @@ def main(argv=None) -> int:
     _, params = nnx.split(model)
     prefill = make_prefill(model, 1)
     scorers = {}
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "oracle_ppl.json")
-    data = json.load(open(path)) if os.path.exists(path) else {"runs": []}
     run = {"meta": bench_meta.run_meta(a.commit), "run": a.run, "model": "tiny" if a.tiny else a.model,
            "dtype": a.dtype, "text": source, "window": a.window, "prefix": a.prefix,
            "scored_positions": f"{a.prefix}..{a.window - 2}", "windows": 0, "page_sizes": a.page_size,
@@ -182,9 +188,7 @@ def main(argv=None) -> int:
                   f"top-1 {same.mean():.4f} kl {kl.mean():.5f}", flush=True)
             # written row by row: a call cut by its time limit keeps every configuration it scored
             run["windows"], run["summary"] = w + 1, summarize(rows)
-            with open(path + ".tmp", "w") as fh:
-                json.dump(data, fh, indent=1)
-            os.replace(path + ".tmp", path)
+            bench_meta.write_json(path, data)
         del ref_logp
     print("| configuration | budget / context | ppl | vs dense | top-1 vs dense | KL |\n|---|---|---|---|---|---|")
     for s in run["summary"]:
