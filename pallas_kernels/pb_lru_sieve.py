@@ -63,6 +63,7 @@ NONE = 2**31 - 1          # "no stamp": larger than any stamp (now <= 2**31 - 2)
 BIG = 2**31 - 1           # "no request index"
 TILE_ELEMS = 16384        # largest [C, T], [C, C] or [C, D] compare tile (8 warps: 64 elements per thread)
 GROUPINGS = ("scan", "sort", "rank")
+RANK_MAX_REQUESTS = 16384  # the "rank" grouping's N x N count: 2.7e8 compares at this N, quadratic past it
 SCAN_MAX_WORK = 1 << 23  # "scan" grouping while N * B <= 2**23 (8K requests x 1024 buckets): each program reads all N
 MIN_BUCKETS = 128        # sieve_geometry's fewest buckets: about one program per SM of the H200 (132)
 MIN_SLOTS = 32           # ... unless a bucket would hold fewer slots than this (small pools keep larger buckets)
@@ -203,6 +204,9 @@ def group_requests(hi, lo, valid, num_buckets: int, by: str = "sort"):
     counts = jnp.zeros((nb + 2,), jnp.int32).at[bkt].add(1)
     bstart = jnp.cumsum(counts) - counts
     if by == "rank":
+        if n > RANK_MAX_REQUESTS:
+            raise ValueError(f"the rank grouping takes at most RANK_MAX_REQUESTS = {RANK_MAX_REQUESTS} requests "
+                             f"(its work is N x N), got {n}: group them by the sort")
         earlier = (bkt[None, :] == bkt[:, None]) & (idx[None, :] < idx[:, None])          # [N, N]
         rank = jnp.sum(earlier, axis=1, dtype=jnp.int32)
         sorder = jnp.zeros((n,), jnp.int32).at[bstart[bkt] + rank].set(idx, unique_indices=True)

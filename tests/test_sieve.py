@@ -254,6 +254,13 @@ def test_rank_grouping_equals_sort_grouping(n, nb, universe, invalid):
     assert sorted(np.asarray(b[0]).tolist()) == list(range(n))
 
 
+def test_rank_grouping_refuses_more_requests_than_its_bound():
+    n = sv.RANK_MAX_REQUESTS + 1
+    z = jnp.zeros((n,), jnp.uint32)
+    with pytest.raises(ValueError, match=f"RANK_MAX_REQUESTS = {sv.RANK_MAX_REQUESTS} requests .* got {n}"):
+        sv.group_requests(z, z, jnp.ones((n,), bool), 64, by="rank")
+
+
 def test_config_refuses_unknown_grouping_and_chunks():
     with pytest.raises(ValueError, match="grouping = 'atomic'"):
         sv.SieveConfig(req_chunk=8, slot_chunk=4, num_warps=4, grouping="atomic")
