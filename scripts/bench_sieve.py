@@ -311,7 +311,7 @@ def main(argv=None):
                         rec = safe_bench("pallas", n, nb, ns, work, budget, steps, (), cfg=cfg, profile=True)
                         records.append(rec)
                         show(rec)
-                    if args.variants and nb > 1 and n <= 16384:  # the other groupings
+                    if args.variants and nb > 1 and n <= sv.RANK_MAX_REQUESTS:  # the other groupings
                         base_cfg = sv.choose_config(n, nb, ns)
                         for g in sv.GROUPINGS:
                             if g == base_cfg.grouping:

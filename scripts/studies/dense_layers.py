@@ -356,9 +356,7 @@ def main(argv=None) -> int:
                          "anchor_window": a.anchor_window,
                          "prompts_file": os.path.basename(a.prompts or "tiny"), "prompts": done,
                          "prompts_in_file": len(prompts), "summary": summary, "rows": rows})
-    with open(path + ".tmp", "w") as fh:
-        json.dump(data, fh, indent=1)
-    os.replace(path + ".tmp", path)
+    bench_meta.write_json(path, data)
     plot(data["runs"], os.path.join(a.out, "dense_layers.png"))
     return 0
 

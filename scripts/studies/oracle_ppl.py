@@ -169,12 +169,12 @@ def main(argv=None) -> int:
         ref_logp = ref_top = None
         for kind, pg, budget in configs:
             key = (pg, budget)
-            if key not in scorers:
+            if key not in scorers:      # its compiled scan, and no anchors (make_decoder's pinned pages)
                 step = make_decoder(model, total, page=pg, keep=(budget or total) // pg, sink=a.sink,
                                     recent=a.recent, dense_layers=tuple(range(L)) if kind == "dense" else ())
-                scorers[key] = make_scorer(step, reference=kind == "dense")
-            anchor = jnp.zeros((L, KV, total // pg), bool)
-            nll, top, extra = scorers[key](params, cache, toks, jnp.int32(a.prefix), anchor, ref_logp)
+                scorers[key] = (make_scorer(step, reference=kind == "dense"), jnp.zeros((L, KV, total // pg), bool))
+            score, anchor = scorers[key]
+            nll, top, extra = score(params, cache, toks, jnp.int32(a.prefix), anchor, ref_logp)
             if kind == "dense":
                 ref_logp, ref_top, kl = extra, top, jnp.zeros_like(nll)
             else:
