@@ -15,9 +15,11 @@ requests are grouped by bucket first, so every slot and every request is written
      no atomics, no other launch; O(N * B) work in all, so large N * B use the sort.
    - "sort" (`group_requests`): jnp, an int32 sort of bucket << nbits | index, a scatter-add histogram and a
      cumsum (`bstart`); its cost is the XLA sort, independent of B. The decode's where a pool is too large for the
-     scan's bound (`sieve_geometry`: page 16 at 128K x 3, or 6144 requests a layer at larger batches).
+     scan's bound and N > RANK_FAST_REQUESTS (`sieve_geometry`: page 16 at 128K x 3 and 1/16, 12288 requests).
    - "rank" (`group_requests`): jnp, the same order without a sort: each request's place is its bucket's start
-     plus the count of earlier requests in its bucket (an N x N compare-count fused into one reduction).
+     plus the count of earlier requests in its bucket (an N x N compare-count fused into one reduction). The
+     decode's past the scan's bound up to RANK_FAST_REQUESTS (page 16 at 128K x 3 and 1/32, 6144 requests), where
+     it beat the sort; past that its quadratic count loses.
 2. Sieve, grid (B + 1,): program b < B owns bucket b (S slots, frames b*S .. b*S+S-1), program B writes the
    outputs of invalid requests.
    Fast path (the bucket's slots fit one chunk, S <= T, and its requests fit one chunk, R <= C; chosen per
@@ -64,6 +66,9 @@ BIG = 2**31 - 1           # "no request index"
 TILE_ELEMS = 16384        # largest [C, T], [C, C] or [C, D] compare tile (8 warps: 64 elements per thread)
 GROUPINGS = ("scan", "sort", "rank")
 RANK_MAX_REQUESTS = 16384  # the "rank" grouping's N x N count: 2.7e8 compares at this N, quadratic past it
+# choose_config's "rank" past the scan's bound while N <= this: at 6144 requests into 4096 buckets the rank count
+# beat the sort's XLA sorts, at 12288 its N x N count lost to them (docs/BENCHMARKS.md, PB-LRU sieve, page 16)
+RANK_FAST_REQUESTS = 6144
 SCAN_MAX_WORK = 1 << 23  # "scan" grouping while N * B <= 2**23 (8K requests x 1024 buckets): each program reads all N
 MIN_BUCKETS = 128        # sieve_geometry's fewest buckets: about one program per SM of the H200 (132)
 MIN_SLOTS = 32           # ... unless a bucket would hold fewer slots than this (small pools keep larger buckets)
@@ -112,8 +117,12 @@ def choose_config(num_requests: int, num_buckets: int, slots_per_bucket: int, *,
         # 4 warps took 52 us against 73 us with 8 (docs/BENCHMARKS.md, PB-LRU sieve); (32, 512) was only
         # measured with 8 warps and keeps them
         num_warps = 4 if c * max(c, t) <= 4096 or (c >= 64 and c * t <= 16384) else 8
-    if grouping is None:  # the scan costs O(N * B) hash evaluations in all, the sort a fixed XLA sort
-        grouping = "scan" if num_requests * num_buckets <= SCAN_MAX_WORK else "sort"
+    if grouping is None:  # the scan costs O(N * B) hash evaluations in all, the rank N x N compares, the sort a
+        # fixed XLA sort
+        if num_requests * num_buckets <= SCAN_MAX_WORK:
+            grouping = "scan"
+        else:
+            grouping = "rank" if num_requests <= RANK_FAST_REQUESTS else "sort"
     return SieveConfig(req_chunk=c, slot_chunk=t, num_warps=num_warps, grouping=grouping)
 
 
@@ -124,8 +133,8 @@ def sieve_geometry(num_frames: int, num_requests: int, *, min_buckets: int = MIN
     and its slots one slot chunk of at most GEOMETRY_SLOT_CHUNK) and groups requests inside the kernel
     (N * B <= SCAN_MAX_WORK). When no bucket count satisfies both (a pool too large for buckets of
     GEOMETRY_SLOT_CHUNK slots at N * B <= SCAN_MAX_WORK: 6144 requests into 1.57M frames, page 16 at 128K x 3), the
-    fewest buckets on the fast path with the requests grouped by the sort: the sort costs the same at any bucket
-    count, while the earlier fallback, buckets of 64 slots, launched 8x the programs (32768 there). Failing that too,
+    fewest buckets on the fast path with the requests grouped in jnp (`choose_config`'s rank or sort): neither
+    grows with the bucket count, while the earlier fallback, buckets of 64 slots, launched 8x the programs (32768 there). Failing that too,
     buckets of 64 slots (the general path handles any load).
     Why not fewer, larger buckets (closer to a global LRU): a program's compare tiles grow with its bucket, and
     below about one program per SM the launch takes longer, not shorter (256 requests into 16384 frames: 32 buckets
@@ -137,14 +146,14 @@ def sieve_geometry(num_frames: int, num_requests: int, *, min_buckets: int = MIN
     first = 1
     while first * 2 <= min_buckets and first * 2 * MIN_SLOTS <= num_frames:
         first *= 2
-    for grouping in ("scan", "sort"):
+    for grouping in ("scan", "jnp"):  # first the kernel's own grouping, then choose_config's jnp one (sort or rank)
         b = first
         while b <= num_frames:
             s = -(-num_frames // b)
             cfg = choose_config(num_requests, b, s, max_slot_chunk=GEOMETRY_SLOT_CHUNK)
             if (s <= cfg.slot_chunk and _bucket_load_chunk(num_requests, b) <= cfg.req_chunk
                     and cfg.req_chunk * max(cfg.req_chunk, cfg.slot_chunk) <= TILE_ELEMS
-                    and cfg.grouping in ("scan", grouping)):
+                    and (cfg.grouping == "scan" or grouping == "jnp")):
                 return b, s
             b *= 2
     b = next_pow2(-(-num_frames // 64))

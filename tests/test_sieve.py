@@ -274,9 +274,16 @@ def test_choose_config_bounds():
         assert c.slot_chunk & (c.slot_chunk - 1) == 0 and c.req_chunk & (c.req_chunk - 1) == 0
         assert c.slot_chunk <= 1024 and c.req_chunk * c.slot_chunk <= sv.TILE_ELEMS
         assert c.fast_path
-        assert c.grouping == ("scan" if n * nb <= sv.SCAN_MAX_WORK else "sort")
+        past_scan = "rank" if n <= sv.RANK_FAST_REQUESTS else "sort"
+        assert c.grouping == ("scan" if n * nb <= sv.SCAN_MAX_WORK else past_scan)
     assert sv.choose_config(8192, 1024, 64).grouping == "scan"
     assert sv.choose_config(262144, 1024, 1024).grouping == "sort"
+    # past the scan's bound: the rank count up to RANK_FAST_REQUESTS requests (where it was measured faster), the
+    # sort beyond; an explicit grouping is kept
+    assert sv.choose_config(sv.RANK_FAST_REQUESTS, 4096, 384).grouping == "rank"
+    assert sv.choose_config(sv.RANK_FAST_REQUESTS + 1, 4096, 384).grouping == "sort"
+    assert sv.choose_config(6144, 4096, 384, grouping="sort").grouping == "sort"
+    assert sv.RANK_FAST_REQUESTS <= sv.RANK_MAX_REQUESTS
 
 
 def decode_trace(rng, n, steps, churn=0.1):
@@ -330,10 +337,12 @@ def test_sieve_geometry_fewest_buckets_on_the_fast_path():
     # no bucket count keeps both (65536 requests exceed the scan's N x B bound): 64-slot buckets
     assert sv.sieve_geometry(65536, 65536) == (1024, 64)
     # a pool too large for 512-slot buckets under the scan's bound (page 16, 128K x 3, pool 1/4: 6144 requests into
-    # 1.57M frames): the fewest fast-path buckets with the sort's grouping, not 32768 buckets of 48 slots
-    b, s = sv.sieve_geometry(1572864, 6144)
-    cfg = sv.choose_config(6144, b, s)
-    assert (b, s) == (4096, 384) and cfg.grouping == "sort" and s <= cfg.slot_chunk <= sv.GEOMETRY_SLOT_CHUNK
+    # 1.57M frames): the fewest fast-path buckets with a jnp grouping (the rank count there; the sort at 12288
+    # requests, 1/16), not 32768 buckets of 48 slots
+    for n, grouping in ((6144, "rank"), (12288, "sort")):
+        b, s = sv.sieve_geometry(1572864, n)
+        cfg = sv.choose_config(n, b, s, max_slot_chunk=sv.GEOMETRY_SLOT_CHUNK)
+        assert (b, s) == (4096, 384) and cfg.grouping == grouping and s <= cfg.slot_chunk <= sv.GEOMETRY_SLOT_CHUNK
     with pytest.raises(ValueError, match="num_frames = 0"):
         sv.sieve_geometry(0, 8)
 
