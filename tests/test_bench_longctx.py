@@ -14,6 +14,7 @@ PROMPT_ARGS = ["--tiny", "--tasks", "niah_single,niah_multikey", "--contexts", "
                "--num-prompts", "2", "--haystack", "noise", "--max-new", "8"]   # 8 new tokens: one decode program
 
 
+@pytest.mark.slow  # a benchmark script end to end: the second tier (Makefile)
 def test_prompts_file_then_dense_and_sparse(tmp_path):
     pfile = str(tmp_path / "prompts.json")
     assert bl.main(["--make-prompts", pfile, *PROMPT_ARGS]) is None

@@ -65,6 +65,7 @@ def test_scorer_rejects_bad_windows(model):
         sc.score([[1] * 40] * 3, 20)
 
 
+@pytest.mark.slow  # a benchmark script end to end: the second tier (Makefile)
 def test_tiny_mode_rows(tmp_path):
     bq = _load_script()
     rows, meta = bq.main(["--tiny", "--out", str(tmp_path), "--contexts", "512", "--depths", "50",

@@ -11,6 +11,7 @@ pytest.importorskip("uvicorn")
 from scripts import bench_serve  # noqa: E402
 
 
+@pytest.mark.slow  # a benchmark script end to end: the second tier (Makefile)
 def test_bench_serve_tiny(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     out = tmp_path / "serve"

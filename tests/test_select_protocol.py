@@ -203,11 +203,10 @@ def test_generate_covering_budget_equals_dense_with_prefix_cache(model):
     assert sparse == generate(model, prompts, max_new_tokens=8, attention="dense")
 
 
-def test_small_budget_runs_with_shared_prefixes_and_speculative(model):
-    """Budget 4 pages of 16 (prompts of 100+ tokens select pages): the toy rule runs through the Engine; shared
-    prefixes (the attach writes the sketch) and greedy speculative decoding (its commit rewrites the tail's sketch
-    from committed tokens) give the plain run's tokens; the rule selects other pages than Quest does."""
-    from ulacache_jax import generate
+def _small_budget_runs(model, names):
+    """Budget 4 pages of 16 (prompts of 100+ tokens select pages) with the toy rule: (prompts, cache config, the
+    Engine's tokens for each of `names`: "plain", "shared" (prefix cache; the attach writes the sketch) and "spec"
+    (greedy n-gram speculation; its commit rewrites the tail's sketch from committed tokens))."""
     from ulacache_jax.runtime.engine import Engine, SamplingParams
     from ulacache_jax.runtime.generation import Generator, default_cache_config
     from ulacache_jax.runtime.speculative.rules import SpecConfig
@@ -217,23 +216,40 @@ def test_small_budget_runs_with_shared_prefixes_and_speculative(model):
     cfg = default_cache_config(model.config, num_seqs=2, max_tokens=192, page_size=16, token_budget=64,
                                verify_rows=4, selection=Sketch())
     params = SamplingParams(max_new_tokens=16)
+    kws = {"plain": dict(prefix_cache=False), "shared": dict(prefix_cache=True),
+           "spec": dict(prefix_cache=False, speculative=SpecConfig("ngram", 3))}
     outs = {}
-    for name, kw in (("plain", dict(prefix_cache=False)), ("shared", dict(prefix_cache=True)),
-                     ("spec", dict(prefix_cache=False, speculative=SpecConfig("ngram", 3)))):
-        eng = Engine(generator=Generator(model, cfg, attention="sparse"), **kw)
+    for name in names:
+        eng = Engine(generator=Generator(model, cfg, attention="sparse"), **kws[name])
         reqs = eng.run(prompts, params)
         assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
         outs[name] = [r.tokens for r in reqs]
         if name == "shared":
             assert eng.prefix_stats().hits >= 1
-    assert outs["shared"] == outs["plain"]
+    return prompts, cfg, outs
+
+
+def test_small_budget_runs_with_speculative(model):
+    """The toy rule runs through the Engine at a budget that selects pages; greedy speculative decoding gives the
+    plain run's tokens; the rule selects other pages than Quest does (so the run used it)."""
+    from ulacache_jax import generate
+    prompts, cfg, outs = _small_budget_runs(model, ("plain", "spec"))
     assert outs["spec"] == outs["plain"]
+    quest = generate(model, prompts, max_new_tokens=16, cache_config=dataclasses.replace(cfg, selection=None),
+                     attention="sparse")
+    assert quest != outs["plain"]           # the sketch selected other pages than Quest's bound
+
+
+@pytest.mark.slow
+def test_small_budget_runs_with_shared_prefixes_and_two_stage(model):
+    """The same runs with shared prefixes, through `generate`, and as the second stage under a shortlist of every
+    page: all give the plain Engine run's tokens."""
+    from ulacache_jax import generate
+    prompts, cfg, outs = _small_budget_runs(model, ("plain", "shared"))
+    assert outs["shared"] == outs["plain"]
     small = generate(model, prompts, max_new_tokens=16, cache_config=cfg, attention="sparse")
     assert small == outs["plain"]
     every = TwoStage(Sketch(), keep_pages=cfg.max_pages_per_seq)
     two = generate(model, prompts, max_new_tokens=16, attention="sparse",
                    cache_config=dataclasses.replace(cfg, selection=every))
     assert two == outs["plain"]             # a shortlist of every page: the second stage alone
-    quest = generate(model, prompts, max_new_tokens=16, cache_config=dataclasses.replace(cfg, selection=None),
-                     attention="sparse")
-    assert quest != outs["plain"]           # the sketch selected other pages than Quest's bound
