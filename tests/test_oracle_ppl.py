@@ -64,3 +64,49 @@ def test_a_foreign_results_file_stops_the_run_by_name_and_is_kept(tmp_path, cont
     with pytest.raises(SystemExit, match=re.escape(repr(str(target)))):
         oracle_ppl.main(["--tiny", "--window", "256", "--prefix", "192", "--out", str(tmp_path)])
     assert target.is_dir() if content is None else target.read_text() == content
+
+
+def test_label_logits_with_every_channel_exact_are_the_logits_and_quantised_ones_are_close():
+    """All D channels at bits 0 give the true logits; 8 bits stay close; C channels use whole rotary pairs (the
+    other channels contribute nothing)."""
+    import jax.numpy as jnp
+    from scripts.studies.dense_layers import label_logits
+    rng = np.random.default_rng(0)
+    T, KV, g, D = 64, 2, 3, 16
+    scales = np.ones(D)
+    scales[[D // 2 - 1, D - 1]] = 4.0                     # the pair of largest energy by far
+    K = jnp.asarray(rng.normal(size=(T, KV, D)) * scales, jnp.float32)
+    q = jnp.asarray(rng.normal(size=(KV, g, D)), jnp.float32)
+    true = np.einsum("kgd,tkd->kgt", np.asarray(q), np.asarray(K)) / np.sqrt(D)
+    exact = label_logits(q, K, jnp.int32(T - 1), channels=D, bits=0)
+    np.testing.assert_allclose(np.asarray(exact), true, rtol=1e-5, atol=1e-5)
+    eight = np.asarray(label_logits(q, K, jnp.int32(T - 1), channels=D, bits=8))
+    assert np.abs(eight - true).max() < 0.05 * np.abs(true).max()
+    # 2 channels: the pair (D/2 - 1, D - 1) of the scales above
+    two = np.asarray(label_logits(q, K, jnp.int32(T - 1), channels=2, bits=0))
+    pair = [D // 2 - 1, D - 1]
+    want = np.einsum("kgd,tkd->kgt", np.asarray(q)[..., pair], np.asarray(K)[..., pair]) / np.sqrt(D)
+    np.testing.assert_allclose(two, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad, needle", [(["--label-channels", "3"], "--label-channels 3"),
+                                         (["--label-channels", "-2"], "--label-channels -2"),
+                                         (["--label-channels", "32"], "head_dim 16")])
+def test_bad_label_channels_name_the_option(tmp_path, bad, needle):
+    with pytest.raises(SystemExit, match=re.escape(needle)):
+        oracle_ppl.main(["--tiny", "--window", "256", "--prefix", "192", "--out", str(tmp_path), *bad])
+    assert not (tmp_path / "oracle_ppl.json").exists()
+
+
+@pytest.mark.slow
+def test_labels_over_every_channel_rank_as_the_oracle(tmp_path):
+    """--label-channels D (16) at --label-bits 0 ranks pages by the true logits: the oracle's scores exactly; the labels'
+    configurations are named and carry their channels."""
+    args = ["--tiny", "--window", "256", "--prefix", "192", "--windows", "1", "--page-size", "16", "--budget", "64",
+            "--label-bits", "0", "--out", str(tmp_path)]
+    assert oracle_ppl.main(args + ["--label-channels", "0", "16"]) == 0         # the tiny model: D = 16
+    s = {x["config"]: x for x in json.load(open(tmp_path / "oracle_ppl.json"))["runs"][0]["summary"]}
+    oracle, labels = s["oracle, budget 64, page 16"], s["labels 16 @ 0, budget 64, page 16"]
+    assert labels["label_channels"] == 16 and oracle["label_channels"] == 0
+    assert labels["ppl"] == pytest.approx(oracle["ppl"], rel=1e-5)
+    assert labels["top1_agreement"] == oracle["top1_agreement"]

@@ -108,10 +108,36 @@ def prompt_anchors(k, qw, n, *, page: int, count: int, sink: int):
     return pick & (pid < n // page)
 
 
-def make_decoder(model, total: int, *, page: int, keep: int, sink: int, recent: int, dense_layers: tuple):
+def label_logits(qg, K, pos, *, channels: int, bits: int, calib: int = 1024, group: int = 16):
+    """The labels' estimate of the logits a step (the library's rule, at any page size): qg [KV, g, D] float32
+    queries, K [T, KV, D] float32 keys (positions past pos unread) -> [KV, g, T] float32. Per KV head the
+    `channels` of largest key energy over the first `calib` keys seen, as whole rotary pairs (i, i + D/2: a pair's
+    energy is the same before and after RoPE), each channel quantised to `bits` (0: kept exact) with a min and a
+    scale per `group` consecutive tokens, as the labels store them per page and channel."""
+    import jax
+    import jax.numpy as jnp
+    T, KVh, D = K.shape
+    seen = (jnp.arange(T) < jnp.minimum(calib, pos + 1))[:, None, None]
+    e = jnp.sum(jnp.where(seen, K * K, 0.0), axis=0)                                # [KV, D]
+    pair = e[:, :D // 2] + e[:, D // 2:]                                            # [KV, D/2]
+    _, top = jax.lax.top_k(pair, channels // 2)                                     # [KV, C/2]
+    half = jnp.zeros((KVh, D // 2), bool).at[jnp.arange(KVh)[:, None], top].set(True)
+    m = jnp.concatenate([half, half], axis=1).astype(jnp.float32)                   # [KV, D]
+    if bits:
+        Kg = K.reshape(T // group, group, KVh, D)
+        lo, hi = Kg.min(axis=1, keepdims=True), Kg.max(axis=1, keepdims=True)
+        scale = jnp.where(hi > lo, (hi - lo) / (2 ** bits - 1), 1.0)
+        K = (lo + jnp.clip(jnp.round((Kg - lo) / scale), 0, 2 ** bits - 1) * scale).reshape(T, KVh, D)
+    return jnp.einsum("kgd,tkd->kgt", qg * m[:, None], K) / np.sqrt(D)
+
+
+def make_decoder(model, total: int, *, page: int, keep: int, sink: int, recent: int, dense_layers: tuple,
+                 label_channels: int = 0, label_bits: int = 4):
     """-> step(params, cache, token [1, 1], pos [], anchor [L, KV, total // page] bool) -> (cache, logits [V])
     under this configuration; cache = (k, v) [L, 1, total, KV, D] float32; anchor: pages every sparse layer keeps
-    (prompt_anchors; all False for none). `total` must be a multiple of `page`."""
+    (prompt_anchors; all False for none). `total` must be a multiple of `page` (and of 16 with label_channels).
+    label_channels C > 0: a sparse layer ranks pages by label_logits (C channels at label_bits) instead of the true
+    logits; it still attends its pages with the true ones."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -128,7 +154,9 @@ def make_decoder(model, total: int, *, page: int, keep: int, sink: int, recent: 
         seen = jnp.arange(total) <= pos
         s = jnp.where(seen[None, None], s, -jnp.inf)
         if layer not in dense_layers:
-            s = jnp.where(oracle_keep(s, pos, page=page, keep=keep, sink=sink, recent=recent,
+            r = s if not label_channels else jnp.where(
+                seen[None, None], label_logits(qg, K, pos, channels=label_channels, bits=label_bits), -jnp.inf)
+            s = jnp.where(oracle_keep(r, pos, page=page, keep=keep, sink=sink, recent=recent,
                                       anchor=anchor[layer])[:, None], s, -jnp.inf)
         o = jnp.einsum("kgt,tkd->kgd", jax.nn.softmax(s, axis=-1), V)            # [KV, g, D]
         return (ck, cv), o.reshape(1, 1, -1, D).astype(q.dtype)

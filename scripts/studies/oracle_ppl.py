@@ -59,6 +59,7 @@ def summarize(rows: list) -> list:
         if name == "dense":
             dense = ppl
         out.append({"config": name, "page_size": rs[0]["page_size"], "budget": rs[0]["budget"],
+                    "label_channels": rs[0].get("label_channels", 0),
                     "budget_ratio": rs[0]["budget_ratio"], "n": n, "ppl": ppl,
                     "ppl_ratio": ppl / dense if dense else None,
                     "top1_agreement": sum(r["top1_same"] for r in rs) / n, "kl": sum(r["kl_sum"] for r in rs) / n})
@@ -67,14 +68,15 @@ def summarize(rows: list) -> list:
 
 def plot(summary: list, path: str) -> str:
     fig, ax = bench_meta.pyplot().subplots(figsize=(6, 4))
-    for pg in sorted({s["page_size"] for s in summary if s["page_size"]}):
-        pts = sorted((s["budget_ratio"], 100 * (s["ppl_ratio"] - 1)) for s in summary if s["page_size"] == pg)
-        ax.plot(*zip(*pts), marker="o", label=f"oracle, page {pg}")
+    for c, pg in sorted({(s["label_channels"], s["page_size"]) for s in summary if s["page_size"]}):
+        pts = sorted((s["budget_ratio"], 100 * (s["ppl_ratio"] - 1)) for s in summary
+                     if (s["label_channels"], s["page_size"]) == (c, pg))
+        ax.plot(*zip(*pts), marker="o", label=f"{f'labels {c}' if c else 'oracle'}, page {pg}")
     ax.axhline(1.0, color="gray", ls="--", lw=1, label="+1% (issue 48's target)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("budget / context")
     ax.set_ylabel("perplexity above dense (%)")
-    ax.set_title("teacher-forced perplexity under the oracle page selection")
+    ax.set_title("teacher-forced perplexity under the oracle's and the labels' page selection")
     ax.legend(fontsize=8)
     return bench_meta.save_figure(fig, path)
 
@@ -88,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=2, help="windows spread over the text (--ppl-windows)")
     p.add_argument("--page-size", type=int, nargs="+", default=[16])
     p.add_argument("--budget", type=int, nargs="+", default=[256], help="tokens a sparse layer attends a step")
+    p.add_argument("--label-channels", type=int, nargs="+", default=[0],
+                   help="0: the oracle (true logits) ranks the pages; C > 0 (even): the labels' estimate from C "
+                        "channels in whole rotary pairs at --label-bits (dense_layers.label_logits); each value its "
+                        "own configurations")
+    p.add_argument("--label-bits", type=int, default=4, choices=(0, 4, 8), help="0: the channels kept exact")
     p.add_argument("--sink", type=int, default=1)
     p.add_argument("--recent", type=int, default=2)
     p.add_argument("--deadline", type=float, default=0.0, help="seconds: stop starting windows after it (0: none)")
@@ -103,6 +110,9 @@ def check_args(a) -> None:
     if a.windows < 1 or a.deadline < 0 or a.sink < 0 or a.recent < 0:
         raise SystemExit(f"--windows {a.windows} must be >= 1; --deadline {a.deadline}, --sink {a.sink} and "
                          f"--recent {a.recent} >= 0")
+    for c in a.label_channels:
+        if c < 0 or c % 2:
+            raise SystemExit(f"--label-channels {c} must be 0 (the oracle) or a positive even count (rotary pairs)")
     for pg in a.page_size:
         for b in a.budget:
             if pg <= 0 or b <= 0 or b % pg or b // pg <= a.sink + a.recent:
@@ -148,16 +158,21 @@ def main(argv=None) -> int:
     grid = types.SimpleNamespace(ppl_window=a.window, ppl_prefix=a.prefix, ppl_windows=a.windows)
     wins = bench_quality.ppl_windows(tok, text_ids, grid)
     L, KV = model.config.num_layers, model.config.num_kv_heads
-    unit = int(np.lcm.reduce([CACHE_UNIT, *a.page_size]))
+    D = model.config.head_dim
+    if max(a.label_channels) > D:
+        raise SystemExit(f"--label-channels {max(a.label_channels)} is more than the model's head_dim {D}")
+    unit = int(np.lcm.reduce([CACHE_UNIT, 16, *a.page_size]))      # 16: label_logits' quantisation group
     total = -(-a.window // unit) * unit
-    configs = [("dense", unit, None)] + [("sparse", pg, b) for pg in a.page_size for b in a.budget]
+    configs = [("dense", unit, None, 0)] + [("sparse", pg, b, c) for c in a.label_channels
+                                            for pg in a.page_size for b in a.budget]
     _, params = nnx.split(model)
     prefill = make_prefill(model, 1)
     scorers = {}
     run = {"meta": bench_meta.run_meta(a.commit), "run": a.run, "model": "tiny" if a.tiny else a.model,
            "dtype": a.dtype, "text": source, "window": a.window, "prefix": a.prefix,
            "scored_positions": f"{a.prefix}..{a.window - 2}", "windows": 0, "page_sizes": a.page_size,
-           "budgets": a.budget, "sink": a.sink, "recent": a.recent, "summary": [], "rows": []}
+           "budgets": a.budget, "label_channels": a.label_channels, "label_bits": a.label_bits, "sink": a.sink,
+           "recent": a.recent, "summary": [], "rows": []}
     data["runs"].append(run)
     rows, t0 = run["rows"], time.time()
     for w, ids in enumerate(wins):
@@ -167,11 +182,12 @@ def main(argv=None) -> int:
         cache, _, _ = prefill(params, ids[:a.prefix], total)
         toks = jnp.asarray(ids[a.prefix:], jnp.int32)                            # [n + 1]: positions prefix..T-1
         ref_logp = ref_top = None
-        for kind, pg, budget in configs:
-            key = (pg, budget)
+        for kind, pg, budget, chans in configs:
+            key = (pg, budget, chans)
             if key not in scorers:      # its compiled scan, and no anchors (make_decoder's pinned pages)
                 step = make_decoder(model, total, page=pg, keep=(budget or total) // pg, sink=a.sink,
-                                    recent=a.recent, dense_layers=tuple(range(L)) if kind == "dense" else ())
+                                    recent=a.recent, dense_layers=tuple(range(L)) if kind == "dense" else (),
+                                    label_channels=chans, label_bits=a.label_bits)
                 scorers[key] = (make_scorer(step, reference=kind == "dense"), jnp.zeros((L, KV, total // pg), bool))
             score, anchor = scorers[key]
             nll, top, extra = score(params, cache, toks, jnp.int32(a.prefix), anchor, ref_logp)
@@ -179,9 +195,11 @@ def main(argv=None) -> int:
                 ref_logp, ref_top, kl = extra, top, jnp.zeros_like(nll)
             else:
                 kl = extra
-            name = "dense" if kind == "dense" else f"oracle, budget {budget}, page {pg}"
+            rule = f"labels {chans} @ {a.label_bits}" if chans else "oracle"
+            name = "dense" if kind == "dense" else f"{rule}, budget {budget}, page {pg}"
             nll, same, kl = np.asarray(nll, np.float64), np.asarray(top == ref_top), np.asarray(kl, np.float64)
             rows.append({"window": w, "config": name, "page_size": pg if kind != "dense" else None, "budget": budget,
+                         "label_channels": chans,
                          "budget_ratio": budget / a.window if budget else 1.0, "n": int(nll.size),
                          "nll_sum": float(nll.sum()), "top1_same": int(same.sum()), "kl_sum": float(kl.sum())})
             print(f"[{time.time() - t0:6.0f}s] window {w + 1}/{len(wins)} {name}: ppl {np.exp(nll.mean()):.4f} "
