@@ -134,8 +134,8 @@ def sieve_geometry(num_frames: int, num_requests: int, *, min_buckets: int = MIN
     (N * B <= SCAN_MAX_WORK). When no bucket count satisfies both (a pool too large for buckets of
     GEOMETRY_SLOT_CHUNK slots at N * B <= SCAN_MAX_WORK: 6144 requests into 1.57M frames, page 16 at 128K x 3), the
     fewest buckets on the fast path with the requests grouped in jnp (`choose_config`'s rank or sort): neither
-    grows with the bucket count, while the earlier fallback, buckets of 64 slots, launched 8x the programs (32768 there). Failing that too,
-    buckets of 64 slots (the general path handles any load).
+    grows with the bucket count, while the earlier fallback, buckets of 64 slots, launched 8x the programs (32768
+    there). Failing that too, buckets of 64 slots (the general path handles any load).
     Why not fewer, larger buckets (closer to a global LRU): a program's compare tiles grow with its bucket, and
     below about one program per SM the launch takes longer, not shorter (256 requests into 16384 frames: 32 buckets
     15.9 us, 128 buckets 4.2 us on the H200), while on SmolLM2's selection trace PB-LRU's hit rate barely moves

@@ -100,11 +100,11 @@ def test_bad_label_channels_name_the_option(tmp_path, bad, needle):
 
 @pytest.mark.slow
 def test_labels_over_every_channel_rank_as_the_oracle(tmp_path):
-    """--label-channels D (16) at --label-bits 0 ranks pages by the true logits: the oracle's scores exactly; the labels'
-    configurations are named and carry their channels."""
+    """--label-channels D (16) at --label-bits 0 ranks pages by the true logits: the oracle's scores exactly; the
+    labels' configurations are named and carry their channels."""
     args = ["--tiny", "--window", "256", "--prefix", "192", "--windows", "1", "--page-size", "16", "--budget", "64",
             "--label-bits", "0", "--out", str(tmp_path)]
-    assert oracle_ppl.main(args + ["--label-channels", "0", "16"]) == 0         # the tiny model: D = 16
+    assert oracle_ppl.main(args + ["--label-channels", "0", "16"]) == 0      # the tiny model: D = 16
     s = {x["config"]: x for x in json.load(open(tmp_path / "oracle_ppl.json"))["runs"][0]["summary"]}
     oracle, labels = s["oracle, budget 64, page 16"], s["labels 16 @ 0, budget 64, page 16"]
     assert labels["label_channels"] == 16 and oracle["label_channels"] == 0

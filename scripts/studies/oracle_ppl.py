@@ -12,7 +12,9 @@ perplexity. Each window (bench_quality.ppl_windows: the same windows, the same s
 prefilled densely up to `prefix`; then every configuration feeds the text's tokens one step at a time through
 dense_layers.make_decoder (in a sparse layer each KV head attends the budget's pages of largest true attention mass,
 the first `sink` and last `recent` flushed pages, and the unflushed tail page; "dense" attends every key through
-the same path), scoring each position's next token. KL and top-1 are against that dense pass.
+the same path), scoring each position's next token. KL and top-1 are against that dense pass. --label-channels C
+ranks the pages by the labels' estimate (dense_layers.label_logits) instead of the true logits, to ask how far the
+library's rule is from the oracle at a page size (--page-size 1: single tokens).
 """
 from __future__ import annotations
 
