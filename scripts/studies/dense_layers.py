@@ -111,18 +111,15 @@ def prompt_anchors(k, qw, n, *, page: int, count: int, sink: int):
 def label_logits(qg, K, pos, *, channels: int, bits: int, calib: int = 1024, group: int = 16):
     """The labels' estimate of the logits a step (the library's rule, at any page size): qg [KV, g, D] float32
     queries, K [T, KV, D] float32 keys (positions past pos unread) -> [KV, g, T] float32. Per KV head the
-    `channels` of largest key energy over the first `calib` keys seen, as whole rotary pairs (i, i + D/2: a pair's
-    energy is the same before and after RoPE), each channel quantised to `bits` (0: kept exact) with a min and a
-    scale per `group` consecutive tokens, as the labels store them per page and channel."""
-    import jax
+    `channels` of largest key energy over the first `calib` keys seen, as whole rotary pairs (the library's online
+    pick, `labels.pick_pairs`), each channel quantised to `bits` (0: kept exact) with a min and a scale per `group`
+    consecutive tokens. That quantiser is asymmetric (min / max); the library's (`labels.quantize`) is symmetric
+    per page and channel (max |x|), so at 4 bits this estimate is not bit for bit the library's."""
     import jax.numpy as jnp
+    from ulacache_jax.cache.select.labels import pick_pairs
     T, KVh, D = K.shape
-    seen = (jnp.arange(T) < jnp.minimum(calib, pos + 1))[:, None, None]
-    e = jnp.sum(jnp.where(seen, K * K, 0.0), axis=0)                                # [KV, D]
-    pair = e[:, :D // 2] + e[:, D // 2:]                                            # [KV, D/2]
-    _, top = jax.lax.top_k(pair, channels // 2)                                     # [KV, C/2]
-    half = jnp.zeros((KVh, D // 2), bool).at[jnp.arange(KVh)[:, None], top].set(True)
-    m = jnp.concatenate([half, half], axis=1).astype(jnp.float32)                   # [KV, D]
+    chans = pick_pairs(K, jnp.arange(T) < jnp.minimum(calib, pos + 1), channels)      # [KV, C]
+    m = jnp.zeros((KVh, D), jnp.float32).at[jnp.arange(KVh)[:, None], chans].set(1.0)  # [KV, D]
     if bits:
         Kg = K.reshape(T // group, group, KVh, D)
         lo, hi = Kg.min(axis=1, keepdims=True), Kg.max(axis=1, keepdims=True)
