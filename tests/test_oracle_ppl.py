@@ -46,6 +46,7 @@ def test_summary_pools_windows_by_their_positions():
                                          (["--budget", "40"], "--budget 40"),
                                          (["--budget", "48"], "more than --sink 1 + --recent 2"),
                                          (["--windows", "0"], "--windows 0"),
+                                         (["--shortlist", "-1"], "--shortlist -1"),
                                          (["--label-channels", "3"], "--label-channels 3"),
                                          (["--label-channels", "-2"], "--label-channels -2"),
                                          (["--label-channels", "32"], "head_dim 16")])
@@ -104,3 +105,64 @@ def test_labels_over_every_channel_rank_as_the_oracle(tmp_path):
     assert labels["label_channels"] == 16 and oracle["label_channels"] == 0
     assert labels["ppl"] == pytest.approx(oracle["ppl"], rel=1e-5)
     assert labels["top1_agreement"] == oracle["top1_agreement"]
+
+
+def test_label_logits_quantise_as_the_library_does():
+    """At 4 and 8 bits the estimate is the chosen channels' values as labels.quantize / dequantize store them, one
+    scale per 16 tokens and channel, times the queries' same channels; keys past pos take no part in a scale."""
+    import jax.numpy as jnp
+    from scripts.studies.dense_layers import label_logits
+    from ulacache_jax.cache.select.labels import dequantize, pick_pairs, quantize
+    rng = np.random.default_rng(1)
+    T, KV, g, D, C, pos = 64, 2, 3, 16, 4, 40
+    K = rng.normal(size=(T, KV, D)).astype(np.float32)
+    K[pos + 1:] *= 100.0                                  # unwritten positions: large, must not widen a scale
+    q = rng.normal(size=(KV, g, D)).astype(np.float32)
+    for bits in (4, 8):
+        got = np.asarray(label_logits(jnp.asarray(q), jnp.asarray(K), jnp.int32(pos), channels=C, bits=bits))
+        seen = np.where(np.arange(T)[:, None, None] <= pos, K, 0.0)
+        chans = np.asarray(pick_pairs(jnp.asarray(K), jnp.arange(T) < pos + 1, C))          # [KV, C]
+        kc = np.take_along_axis(seen, chans[None], axis=-1).reshape(T // 16, 16, KV, C)
+        codes, scale = quantize(jnp.asarray(kc), bits)
+        vals = np.asarray(dequantize(codes, scale, bits)).reshape(T, KV, C)
+        qc = np.take_along_axis(q, chans[:, None, :], axis=-1)
+        want = np.einsum("kgc,tkc->kgt", qc, vals) / np.sqrt(D)
+        np.testing.assert_allclose(got[..., :pos + 1], want[..., :pos + 1], rtol=1e-5, atol=1e-5)
+
+
+def test_token_keep_fills_the_budget_with_the_heaviest_tokens():
+    """Sink, recent and tail pages whole; the rest of the budget the flushed tokens of largest mass; a shortlist
+    keeps tokens of the heaviest pages only; a budget past the flushed tokens keeps every one."""
+    import jax.numpy as jnp
+    from scripts.studies.dense_layers import token_keep
+    page, T, pos = 4, 64, 45                               # flushed pages 0..10, the tail page 11 (44..47)
+    s = np.full((1, 2, T), -5.0, np.float32)
+    s[:, :, pos + 1:] = -np.inf
+    s[:, :, [9, 21, 22, 30]] = 3.0                          # heavy tokens in pages 2, 5 and 7
+    s[:, :, 13] = 2.0                                       # page 3: one token, less heavy
+    # a budget of 17 tokens: 12 forced (sink page 0, recent pages 9 and 10) and the 5 heaviest others
+    keep = np.asarray(token_keep(jnp.asarray(s), jnp.int32(pos), page=page, budget=17, sink=1, recent=2))[0]
+    forced = set(range(0, 4)) | set(range(36, 44))
+    tail = set(range(44, 64))
+    assert set(np.flatnonzero(keep)) == forced | tail | {9, 21, 22, 30, 13}
+    # a shortlist of 1 x 17 // 4 = 4 pages: the 3 forced and page 5 (two heavy tokens), so the tokens kept are
+    # those of pages 0, 5, 9 and 10, the 16 candidates under the budget of 17
+    short = np.asarray(token_keep(jnp.asarray(s), jnp.int32(pos), page=page, budget=17, sink=1, recent=2,
+                                  shortlist=1))[0]
+    assert set(np.flatnonzero(short)) == forced | tail | set(range(20, 24))
+    every = np.asarray(token_keep(jnp.asarray(s), jnp.int32(pos), page=page, budget=T, sink=1, recent=2))[0]
+    assert every.all()
+
+
+@pytest.mark.slow
+def test_tokens_over_every_flushed_token_are_dense_and_named(tmp_path):
+    """--select tokens with a budget past the context attends every key (dense's scores exactly); the shortlisted
+    configuration is named by its multiple and a small budget is not dense."""
+    args = ["--tiny", "--window", "256", "--prefix", "192", "--windows", "1", "--page-size", "16",
+            "--budget", "64", "1024", "--select", "tokens", "--shortlist", "0", "2", "--out", str(tmp_path)]
+    assert oracle_ppl.main(args) == 0
+    s = {x["config"]: x for x in json.load(open(tmp_path / "oracle_ppl.json"))["runs"][0]["summary"]}
+    every = s["oracle, budget 1024, tokens (pages of 16 framing)"]
+    assert every["ppl"] == pytest.approx(s["dense"]["ppl"], rel=1e-5) and every["select"] == "tokens"
+    few = s["oracle, budget 64, tokens in 2x the budget's pages of 16"]
+    assert few["shortlist"] == 2 and few["kl"] > 1e-5

@@ -109,32 +109,61 @@ def prompt_anchors(k, qw, n, *, page: int, count: int, sink: int):
 
 
 def label_logits(qg, K, pos, *, channels: int, bits: int, calib: int = 1024, group: int = 16):
-    """The labels' estimate of the logits a step (the library's rule, at any page size): qg [KV, g, D] float32
-    queries, K [T, KV, D] float32 keys (positions past pos unread) -> [KV, g, T] float32. Per KV head the
+    """The labels' estimate of the logits a step (the library's rule, at any selection granularity): qg [KV, g, D]
+    float32 queries, K [T, KV, D] float32 keys (positions past pos unread) -> [KV, g, T] float32. Per KV head the
     `channels` of largest key energy over the first `calib` keys seen, as whole rotary pairs (the library's online
-    pick, `labels.pick_pairs`), each channel quantised to `bits` (0: kept exact) with a min and a scale per `group`
-    consecutive tokens. That quantiser is asymmetric (min / max); the library's (`labels.quantize`) is symmetric
-    per page and channel (max |x|), so at 4 bits this estimate is not bit for bit the library's."""
+    pick, `labels.pick_pairs`), quantised by the library's own `labels.quantize` (symmetric, one scale per `group`
+    tokens, the library's page, and channel; bits 0: kept exact) over the keys seen (later positions count as 0,
+    so a partly written group's scale is its written tokens')."""
     import jax.numpy as jnp
-    from ulacache_jax.cache.select.labels import pick_pairs
+    from ulacache_jax.cache.select.labels import dequantize, pick_pairs, quantize
     T, KVh, D = K.shape
+    seen = jnp.arange(T) <= pos
     chans = pick_pairs(K, jnp.arange(T) < jnp.minimum(calib, pos + 1), channels)      # [KV, C]
-    m = jnp.zeros((KVh, D), jnp.float32).at[jnp.arange(KVh)[:, None], chans].set(1.0)  # [KV, D]
+    Kc = jnp.take_along_axis(jnp.where(seen[:, None, None], K, 0.0), chans[None], axis=-1)   # [T, KV, C]
     if bits:
-        Kg = K.reshape(T // group, group, KVh, D)
-        lo, hi = Kg.min(axis=1, keepdims=True), Kg.max(axis=1, keepdims=True)
-        scale = jnp.where(hi > lo, (hi - lo) / (2 ** bits - 1), 1.0)
-        K = (lo + jnp.clip(jnp.round((Kg - lo) / scale), 0, 2 ** bits - 1) * scale).reshape(T, KVh, D)
-    return jnp.einsum("kgd,tkd->kgt", qg * m[:, None], K) / np.sqrt(D)
+        codes, scale = quantize(Kc.reshape(T // group, group, KVh, channels), bits)
+        Kc = dequantize(codes, scale, bits).reshape(T, KVh, channels)
+    qc = jnp.take_along_axis(qg, chans[:, None, :], axis=-1)                           # [KV, g, C]
+    return jnp.einsum("kgc,tkc->kgt", qc, Kc) / np.sqrt(D)
+
+
+def token_keep(s, pos, *, page: int, budget: int, sink: int, recent: int, shortlist: int = 0):
+    """Keys a sparse layer attends when it selects single tokens: s [KV, g, T] float32 logits (or an estimate; keys
+    past pos masked to -inf), pos [] int32 -> bool [KV, T]. Pages of `page` tokens (the cache's unit) still frame
+    the budget: each KV head keeps the first `sink` and last `recent` flushed pages and the tail page whole, and
+    fills the rest of `budget` tokens with the flushed tokens of largest mass (softmax over the visible keys, summed
+    over its g query heads). shortlist M > 0: those tokens come from the M * budget // page flushed pages of largest
+    mass only (a page shortlist the pool would hold, then tokens within it); 0: from every flushed token."""
+    import jax
+    import jax.numpy as jnp
+    KV, g, T = s.shape
+    npg = T // page
+    p = jax.nn.softmax(s, axis=-1).sum(axis=1)                                     # [KV, T]
+    flushed = pos // page
+    pid = jnp.arange(npg)
+    forced = (pid < sink) | ((pid >= flushed - recent) & (pid < flushed))          # [npg]
+    cand = jnp.broadcast_to(pid < flushed, (KV, npg))
+    if shortlist:
+        mass = jnp.where(pid < flushed, jnp.where(forced, jnp.inf, p.reshape(KV, npg, page).sum(-1)), -jnp.inf)
+        _, top = jax.lax.top_k(mass, min(shortlist * budget // page, npg))         # [KV, M * budget / page]
+        cand = cand & jnp.zeros((KV, npg), bool).at[jnp.arange(KV)[:, None], top].set(True)
+    tok_forced = jnp.repeat(forced, page)
+    score = jnp.where(jnp.repeat(cand, page, axis=1), jnp.where(tok_forced, jnp.inf, p), -jnp.inf)   # [KV, T]
+    _, top = jax.lax.top_k(score, min(budget, T))                                  # [KV, budget]
+    chosen = jnp.zeros((KV, T), bool).at[jnp.arange(KV)[:, None], top].set(True)
+    tid_page = jnp.arange(T) // page
+    return (chosen & (score > -jnp.inf)) | (tid_page >= flushed)[None]              # the tail is always read
 
 
 def make_decoder(model, total: int, *, page: int, keep: int, sink: int, recent: int, dense_layers: tuple,
-                 label_channels: int = 0, label_bits: int = 4):
+                 label_channels: int = 0, label_bits: int = 4, tokens: int = -1):
     """-> step(params, cache, token [1, 1], pos [], anchor [L, KV, total // page] bool) -> (cache, logits [V])
     under this configuration; cache = (k, v) [L, 1, total, KV, D] float32; anchor: pages every sparse layer keeps
     (prompt_anchors; all False for none). `total` must be a multiple of `page` (and of 16 with label_channels).
     label_channels C > 0: a sparse layer ranks pages by label_logits (C channels at label_bits) instead of the true
-    logits; it still attends its pages with the true ones."""
+    logits; it still attends its pages with the true ones. tokens >= 0: a sparse layer selects `keep * page` single
+    tokens instead of `keep` pages (token_keep, shortlist = tokens; anchors unused)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -153,8 +182,11 @@ def make_decoder(model, total: int, *, page: int, keep: int, sink: int, recent: 
         if layer not in dense_layers:
             r = s if not label_channels else jnp.where(
                 seen[None, None], label_logits(qg, K, pos, channels=label_channels, bits=label_bits), -jnp.inf)
-            s = jnp.where(oracle_keep(r, pos, page=page, keep=keep, sink=sink, recent=recent,
-                                      anchor=anchor[layer])[:, None], s, -jnp.inf)
+            if tokens >= 0:
+                kept = token_keep(r, pos, page=page, budget=keep * page, sink=sink, recent=recent, shortlist=tokens)
+            else:
+                kept = oracle_keep(r, pos, page=page, keep=keep, sink=sink, recent=recent, anchor=anchor[layer])
+            s = jnp.where(kept[:, None], s, -jnp.inf)
         o = jnp.einsum("kgt,tkd->kgd", jax.nn.softmax(s, axis=-1), V)            # [KV, g, D]
         return (ck, cv), o.reshape(1, 1, -1, D).astype(q.dtype)
 
