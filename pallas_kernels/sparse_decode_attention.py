@@ -380,18 +380,25 @@ def _pallas_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="sparse_decode_attention")(*args)
     o, m, l = outs[:3]
-    # log-sum-exp merge over the splits: [B, KV, S, Mp, ...]
-    m_all = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - m_all)                                            # an empty split has l = 0, so no weight
-    l_all = jnp.sum(w * l, axis=2)                                    # [B, KV, Mp]
-    o_all = jnp.sum(jnp.where(l[..., None] > 0, w[..., None] * o, 0.0), axis=2)  # [B, KV, Mp, D]
-    out = jnp.where(l_all[..., None] > 0, o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
-    out = out[:, :, :m_rows].reshape(b, kv, nq, r, d).transpose(0, 2, 1, 3, 4).reshape(b, nq, h, d).astype(q.dtype)
+    out = merge_splits(o, m, l, m_rows=m_rows, nq=nq, r=r).astype(q.dtype)
     if not store_misses:
         return out
     if not store:
         return out, pool_k, pool_v
     return out, outs[3], outs[4]
+
+
+def merge_splits(o, m, l, *, m_rows: int, nq: int, r: int):
+    """The log-sum-exp merge of per-split partials: o [B, KV, S, Mp, D] unnormalised, m / l [B, KV, S, Mp] running
+    max and sum -> [B, Q, H, D] float32 (the first m_rows = Q * r of the Mp rows are real; row i * r + x is query i,
+    head j * r + x of KV head j). An empty split (l = 0) has no weight; a row that saw nothing is 0."""
+    b, kv, _, _, d = o.shape
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_all)
+    l_all = jnp.sum(w * l, axis=2)                                    # [B, KV, Mp]
+    o_all = jnp.sum(jnp.where(l[..., None] > 0, w[..., None] * o, 0.0), axis=2)  # [B, KV, Mp, D]
+    out = jnp.where(l_all[..., None] > 0, o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
+    return out[:, :, :m_rows].reshape(b, kv, nq, r, d).transpose(0, 2, 1, 3, 4).reshape(b, nq, kv * r, d)
 
 
 # ----------------------------------------------------------------------------------------------------------------

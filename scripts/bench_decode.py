@@ -160,7 +160,9 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=None, tp=1, 
     from ulacache_jax.pallas_kernels.pb_lru_sieve import sieve_geometry
     page = page_size(args) if page is None else page
     need = (ctx + (args.chunks + 1) * page) // page + 1
-    step_pages = batch * mc.num_kv_heads // tp * (args.budget // page)  # pages one layer of a step selects (rank)
+    shortlist = getattr(args, "token_shortlist", 0) if attention == "sparse" and key_channels else 0
+    # pages one layer of a step selects (rank): the budget's, or --token-shortlist x them
+    step_pages = batch * mc.num_kv_heads // tp * (args.budget // page) * max(1, shortlist)
     kv_pages = batch * mc.num_layers * mc.num_kv_heads // tp * (ctx // page)
     kw = {}
     if attention == "sparse":
@@ -168,6 +170,7 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=None, tp=1, 
         nb, ns = sieve_geometry(frames, step_pages)
         pages = pad_page_count(need)
         kw = dict(num_buckets=nb, slots_per_bucket=ns, max_pages_per_seq=pages, key_channels=key_channels,
+                  token_shortlist=shortlist,
                   label_bits=(getattr(args, "label_bits", 0) if label_bits is None else label_bits)
                   if key_channels else 0)
     else:
@@ -357,6 +360,7 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                **(scorer_fields(cfg) if attention == "sparse" else dict(key_channels=None, label_bits=None,
                                                                          rule=None)),
                two_stage=getattr(args, "two_stage", None) if attention == "sparse" else None,
+               token_shortlist=cfg.token_shortlist if attention == "sparse" else None,
                kv_dtype=cfg.kv_dtype,
                dense_attention=gen.backend.ops.kernels.dense_attention if attention == "dense" else None,
                selection=repr(cfg.selection_rule) if attention == "sparse" else None,
@@ -390,6 +394,8 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
                "--scores", args.scores, "--hot-share", str(getattr(args, "hot_share", 0.0)),
                "--kv-dtype", getattr(args, "kv_dtype", "auto"),
                "--dense-attention", getattr(args, "dense_attention", "auto")]
+        if getattr(args, "token_shortlist", 0):
+            cmd += ["--token-shortlist", str(args.token_shortlist)]
         if getattr(args, "two_stage", None):
             cmd += ["--two-stage", str(args.two_stage), "--first-channels", str(getattr(args, "first_channels", 0))]
         if args.score_launch:
@@ -476,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-bits", type=int, default=0, choices=(0, 4, 8),
                    help="sparse rows with --key-channels: CacheConfig.label_bits (label channels: int8 / int4 codes "
                         "of whole rotary pairs; 0 = the copy in the model's dtype)")
+    p.add_argument("--token-shortlist", type=int, default=0, metavar="M",
+                   help="sparse rows with --key-channels: per-token selection, the budget's tokens of largest label "
+                        "mass among M x the budget's pages (CacheConfig.token_shortlist; 0: whole pages)")
     p.add_argument("--two-stage", type=two_stage_arg, default=None, metavar="MULT",
                    help="sparse rows: the rule above as the second stage of a TwoStage (Quest's page bound "
                         "shortlists MULT x the budget; cache/select/two_stage.py)")
@@ -509,6 +518,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     from ulacache_jax.models import LlamaModel, get_preset
     mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
+    if args.token_shortlist < 0 or (args.token_shortlist and not args.key_channels):
+        raise SystemExit(f"--token-shortlist {args.token_shortlist} must be >= 0, and > 0 only with --key-channels C "
+                         "> 0 (tokens are ranked by the key copy or labels)")
     if args.first_channels and not args.two_stage:
         raise SystemExit(f"--first-channels {args.first_channels} needs --two-stage MULT (it names the first stage)")
     if args.first_channels > mc.head_dim:

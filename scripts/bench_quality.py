@@ -191,8 +191,10 @@ def decode_options(args):
 def selection_fields(args, kc: int) -> dict:
     """The CacheConfig fields of a sparse cell's rule: key_channels = kc (0: Quest summaries) and, for kc > 0,
     --label-bits (0: the key copy in the model's dtype; 4 / 8: labels, channels picked online from the prompt);
-    two_stage: --two-stage's multiple (that rule reranks Quest's shortlist; make_config wraps it)."""
-    return dict(key_channels=kc, label_bits=args.label_bits if kc else 0, two_stage=args.two_stage)
+    two_stage: --two-stage's multiple (that rule reranks Quest's shortlist; make_config wraps it); token_shortlist:
+    --token-shortlist (per-token selection among that multiple of the budget's pages; a copy's cells only)."""
+    return dict(key_channels=kc, label_bits=args.label_bits if kc else 0, two_stage=args.two_stage,
+                token_shortlist=args.token_shortlist if kc else 0)
 
 
 def make_config(mc, *, grid, max_tokens, budget, page, dtype, two_stage=None, **overrides):
@@ -656,13 +658,15 @@ def markdown(rows, meta) -> str:
     return "\n".join(out)
 
 
-def sel_of(r) -> tuple[int, int, int, int]:
-    """A row's selection rule: (summary split, key channels, label bits, two-stage multiple); (1, 0, 0, 0) for
-    dense rows (no selection) and for rows written before the options (Quest over whole-page summaries)."""
+def sel_of(r) -> tuple[int, int, int, int, int]:
+    """A row's selection rule: (summary split, key channels, label bits, two-stage multiple, token shortlist);
+    (1, 0, 0, 0, 0) for dense rows (no selection) and for rows written before the options (Quest over whole-page
+    summaries)."""
     if r.get("attention") == "dense":
-        return (1, 0, 0, 0)
+        return (1, 0, 0, 0, 0)
+    tokens = int(r.get("token_shortlist") or 0) if r.get("key_channels") else 0
     return (int(r.get("summary_split") or 1), int(r.get("key_channels") or 0), int(r.get("label_bits") or 0),
-            int(r.get("two_stage") or 0))
+            int(r.get("two_stage") or 0), tokens)
 
 
 def prompts_of(r) -> str:
@@ -689,11 +693,12 @@ def line_styles():
     return itertools.cycle([ls + m for m in "os^vxd*p+<>" for ls in ("-", "--", "-.", ":")])
 
 
-def sel_name(sel: tuple[int, int, int, int]) -> str:
+def sel_name(sel: tuple[int, int, int, int, int]) -> str:
     """The label suffix of a selection rule (empty for plain Quest)."""
-    sp, kc, bits, two = sel
+    sp, kc, bits, two, tokens = sel
     copy = (f", labels {kc} @ {bits} bits" if bits else f", key copy {kc}") if kc else ""
-    return (f", summary split {sp}" if sp > 1 else "") + copy + (f", two-stage {two}x" if two else "")
+    return (f", summary split {sp}" if sp > 1 else "") + copy + (f", two-stage {two}x" if two else "") + \
+        (f", tokens in {tokens}x pages" if tokens else "")
 
 
 def row_id(r) -> tuple:
@@ -771,6 +776,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--two-stage", type=two_stage_arg, default=None, metavar="MULT",
                     help="the sparse cells' rule (--key-channels C > 0) reranks Quest's shortlist of MULT x the "
                          "budget's pages (cache/select/two_stage.py)")
+    ap.add_argument("--token-shortlist", type=int, default=0, metavar="M",
+                    help="the sparse cells with --key-channels C > 0 select single tokens: the budget's tokens of "
+                         "largest label mass among M x the budget's pages (CacheConfig.token_shortlist; 0: pages)")
     ap.add_argument("--key-channels", default="0",
                     help="comma list: CacheConfig.key_channels of the sparse cells, each value its own cells against "
                          "one dense run (pages scored from an HBM copy of this many channels of every key; "
@@ -822,6 +830,10 @@ def main(argv=None):
         ap.error(f"--key-channels {args.key_channels!r} must be a comma list of ints")
     if not args.key_channels or min(args.key_channels) < 0:
         ap.error(f"--key-channels {args.key_channels} must name at least one value, each >= 0")
+    if args.token_shortlist < 0 or (args.token_shortlist and min(args.key_channels) == 0):
+        ap.error(f"--token-shortlist {args.token_shortlist} must be >= 0, and > 0 only with every --key-channels "
+                 f"value > 0 (tokens are ranked by the key copy or labels; got "
+                 f"{','.join(map(str, args.key_channels))})")
     if args.two_stage and min(args.key_channels) == 0:
         ap.error(f"--two-stage {args.two_stage} reranks Quest's shortlist with the key copy or labels: every "
                  f"--key-channels value must be > 0 (got {','.join(map(str, args.key_channels))})")
@@ -862,7 +874,8 @@ def main(argv=None):
     log(f"model {label} ({time.time() - t0:.1f} s); text {provenance['chars']} chars = {len(text_ids)} tokens")
     stamp = dict(device=jax.devices()[0].device_kind, commit=args.commit or git_commit(), jax=jax.__version__,
                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 summary_split=args.summary_split, **({"two_stage": args.two_stage} if args.two_stage else {}))
+                 summary_split=args.summary_split, **({"two_stage": args.two_stage} if args.two_stage else {}),
+                 **({"token_shortlist": args.token_shortlist} if args.token_shortlist else {}))
     meta = dict(model=label, mode=kind, dtype=args.dtype, grid=dataclasses.asdict(grid), text=provenance,
                 tasks=args.tasks, key_channels=list(args.key_channels), label_bits=args.label_bits,
                 command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),

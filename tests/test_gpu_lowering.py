@@ -86,6 +86,18 @@ def test_sparse_attention_triton_lowers(store_misses):
     assert txt.count(TRITON_CALL) >= 1
 
 
+def test_token_attention_triton_lowers():
+    from ulacache_jax.pallas_kernels.token_decode_attention import _pallas_tokens
+    B, H, G, D, page, N, nf = 3, 32, 8, 128, 16, 4096 + 32, 4096
+    pool = spec((nf, page, 1, D), jnp.bfloat16)
+    lst = spec((B, G, N), jnp.int32)
+    txt = lower_for_h200(lambda q, pk, pv, fr, rw, pos, sl: _pallas_tokens(
+        q, pk, pv, fr, rw, pos, sl, scale=D ** -0.5, softcap=None, interpret=False, num_splits=4,
+        tokens_per_block=64, num_warps=4, num_stages=2),
+        spec((B, 1, H, D), jnp.bfloat16), pool, pool, lst, lst, lst, spec((B,), jnp.int32))
+    assert txt.count(TRITON_CALL) == 1
+
+
 @pytest.mark.parametrize("options,triton,mosaic", [
     (dict(), 6, 1),                                     # tail append, scores, top-k, sieve, fetch, tail flush; Mosaic
     (dict(fused_fetch=True), 6, 0),                     # no fetch launch: Triton attention reads misses from host

@@ -65,6 +65,10 @@ class CacheConfig:
     kv_dtype: str = "auto"           # the page format (cache/codec.py): "auto" = the model's dtype (`dtype`), or
                                      # "float8_e4m3fn" = e4m3 codes with a float32 scale per page and KV head
     page_codec: codec_mod.ModelCodec | None = None  # a codec object instead of kv_dtype's (e.g. a test's own)
+    token_shortlist: int = 0         # 0: the budget attends whole pages. M >= 1: per-token selection: M x the
+                                     # budget's pages are selected (the pool's unit, `shortlist_pages`) and the
+                                     # budget's tokens of largest estimated mass among theirs are attended (a rule
+                                     # with per-token scores: the key copy or labels; decode_layer.select_tokens)
 
     def __post_init__(self):
         def need(ok, msg):
@@ -122,6 +126,16 @@ class CacheConfig:
         need(self.sink_pages + self.recent_pages <= self.select_pages,
              f"sink_pages + recent_pages = {self.sink_pages + self.recent_pages} exceeds token_budget // page_size"
              f" = {self.select_pages}")
+        ts = self.token_shortlist
+        need(isinstance(ts, (int, np.integer)) and not isinstance(ts, bool) and ts >= 0,
+             f"token_shortlist = {ts!r} must be an int >= 0 (0: whole pages; M: tokens among M x the budget's pages)")
+        if ts:
+            need(self.selection_rule.tokens,
+                 f"token_shortlist = {ts} ranks single tokens: the rule {self.rule!r} scores pages only (use "
+                 "key_channels with or without label_bits)")
+            need(self.kv_dtype == "auto" and self.page_codec is None,
+                 f"token_shortlist = {ts} reads pages in the model's dtype: kv_dtype = {self.kv_dtype!r} (a scaled "
+                 "page format) is not supported with it")
         need(self.dtype in ("bfloat16", "float32", "float16"), f"dtype = {self.dtype!r} must be bfloat16, float16 or float32")
         need(self.kv_dtype in codec_mod.KV_DTYPES, f"kv_dtype = {self.kv_dtype!r} must be one of {codec_mod.KV_DTYPES}")
         need(self.page_codec is None or self.kv_dtype == "auto",
@@ -168,6 +182,12 @@ class CacheConfig:
         return self.token_budget // self.page_size
 
     @property
+    def shortlist_pages(self) -> int:
+        """Pages a (sequence, group) selects a step (the sieve's requests, the pool's working set): the budget's
+        pages, or token_shortlist x them with per-token selection."""
+        return self.select_pages * max(1, self.token_shortlist)
+
+    @property
     def summary_size(self) -> int:
         """Tokens under one key summary (a sub-page): page_size // summary_split."""
         return self.page_size // self.summary_split
@@ -183,7 +203,7 @@ class CacheConfig:
         """HBM frames per rank that stage one layer call's overflow pages (misses with no free PB-LRU slot), so
         attention reads only HBM: at most every selected page of every sequence, group and query row overflows (a
         speculative verification attends `verify_rows` rows per sequence in one call, each with its own pages)."""
-        return self.max_seqs * self.groups_per_rank * self.select_pages * self.verify_rows
+        return self.max_seqs * self.groups_per_rank * self.shortlist_pages * self.verify_rows
 
     @property
     def max_context(self) -> int:

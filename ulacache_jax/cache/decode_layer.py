@@ -20,9 +20,10 @@ from ulacache_jax.cache import vtlb as vtlb_mod
 from ulacache_jax.cache.state import (CacheState, HostPool, overflow_frame, pool_pages, ring_arrays, tail_frame,
                                       with_pool, with_ring)
 from ulacache_jax.cache.config import TAIL_PAGES
-from ulacache_jax.cache.kernel_choice import resolved_options
-from ulacache_jax.pallas_kernels import page_copy
+from ulacache_jax.cache.kernel_choice import TOPK_MAX_PAGES, resolved_options
+from ulacache_jax.pallas_kernels import next_pow2, page_copy
 from ulacache_jax.pallas_kernels.sparse_decode_attention import sparse_decode_attention
+from ulacache_jax.pallas_kernels.token_decode_attention import token_decode_attention
 from ulacache_jax.pallas_kernels.tail_append import tail_append
 
 
@@ -84,19 +85,24 @@ def append_token(state: CacheState, layer: int, k_new, v_new, pos, live, *, impl
     return state
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["frame", "start", "src", "host_page", "seq_len"],
-         meta_fields=[])
+@partial(jax.tree_util.register_dataclass, data_fields=["frame", "start", "src", "host_page", "seq_len", "tok_frame",
+                                                      "tok_row", "tok_pos"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PagePlan:
     """What one layer's attention reads, per (sequence, group): the selected pages then the tail pages.
     frame, start, src, host_page [S, G, K + TAIL_PAGES] int32 (HBM frame, first token or -1 = unused, source:
     0 unused / 1 HBM / 2 host, not cached / 3 host, stored into `frame` by the kernel, host page or -1);
-    seq_len [S] int32 visible tokens."""
+    seq_len [S] int32 visible tokens. Per-token selection (config.token_shortlist) also lists the tokens attended,
+    which the attention reads instead of the pages: tok_frame, tok_row, tok_pos [S, G, N + TAIL_PAGES * page] int32
+    (frame, row in it, position or -1 = unused: the budget's tokens, then the tail pages' tokens); None otherwise."""
     frame: jax.Array
     start: jax.Array
     src: jax.Array
     host_page: jax.Array
     seq_len: jax.Array
+    tok_frame: jax.Array | None = None
+    tok_row: jax.Array | None = None
+    tok_pos: jax.Array | None = None
 
 
 def _scores(state: CacheState, layer: int, q, flushed, options: DecodeOptions):
@@ -138,6 +144,51 @@ def _sieve_pages(state: CacheState, layer: int, sel, row_live, row_seq, rank, op
     return pb, table, valid, page, frame, host_idx, miss, filled, miss & (frame < 0), lead
 
 
+def token_list(config, scores, page, valid, frame, flushed, budget, topk: str):
+    """Per-token selection inside the selected pages (config.token_shortlist): scores [R, G, K, page] float32 the
+    rule's token mass (score_tokens), page / valid / frame [R, G, K] the selected pages (ids, taking part, HBM frame
+    holding each), flushed [R] int32, budget [R] int32 pages of tokens a row attends (None: token_budget) -> (frame,
+    row, pos) [R, G, N] int32, N = min(token_budget, K * page): the tokens of largest mass, every token of the sink
+    and recent pages first (as whole pages in page selection), pos -1 where a slot is unused (fewer candidates).
+    The top-k is the page top-k over the K * page tokens (the radix-select kernel where the row fits it)."""
+    c = config
+    P = c.page_size
+    R, G, K = page.shape
+    forced = (page < c.sink_pages) | (page >= flushed[:, None, None] - c.recent_pages)            # [R, G, K]
+    x = jnp.where(valid[..., None], jnp.where(forced[..., None], jnp.inf, scores), -jnp.inf).reshape(R, G, K * P)
+    every = jnp.full((R,), K * P, jnp.int32)
+    impl = topk if next_pow2(K * P) <= TOPK_MAX_PAGES else "ref"
+    ids = selection.select_pages(x, every, select_pages=min(c.token_budget, K * P), sink_pages=0, recent_pages=0,
+                                 impl=impl)                                                   # [R, G, N]
+    if budget is not None:
+        ids = selection.limit_pages(ids, x, every, budget * P, sink_pages=0, recent_pages=0)
+    at = jnp.maximum(ids, 0)
+    use = (ids >= 0) & (jnp.take_along_axis(x, at, axis=-1) > -jnp.inf)
+    slot, row = at // P, at % P
+    pos = jnp.take_along_axis(page, slot, axis=-1) * P + row
+    return (jnp.take_along_axis(frame, slot, axis=-1).astype(jnp.int32), row.astype(jnp.int32),
+            jnp.where(use, pos, -1).astype(jnp.int32))
+
+
+def tail_tokens(page_size: int, t_frame, t_ok, tp, seq_len):
+    """The tail pages as a token list: t_frame, t_ok [R, G, T] (their pool frames: the ring is in the pool with
+    per-token selection), tp [R, T] their page ids, seq_len [R] -> (frame, row, pos) [R, G, T * page] int32, pos -1
+    past the length."""
+    R, G, T = t_frame.shape
+    row = jnp.arange(page_size, dtype=jnp.int32)
+    pos = tp[:, None, :, None] * page_size + row                                                # [R, 1, T, page]
+    ok = t_ok[..., None] & (pos < seq_len[:, None, None, None])                                 # [R, G, T, page]
+    shape = (R, G, T * page_size)
+    return (jnp.broadcast_to(t_frame[..., None], ok.shape).reshape(shape).astype(jnp.int32),
+            jnp.broadcast_to(row, ok.shape).reshape(shape), jnp.where(ok, pos, -1).reshape(shape).astype(jnp.int32))
+
+
+def with_tokens(plan: PagePlan, chosen, tail) -> PagePlan:
+    """`plan` with the token lists of `chosen` and `tail` ((frame, row, pos) each) concatenated."""
+    f, r, p = (jnp.concatenate([a, b], axis=-1) for a, b in zip(chosen, tail))
+    return dataclasses.replace(plan, tok_frame=f, tok_row=r, tok_pos=p)
+
+
 def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, pos, live, *,
                options: DecodeOptions = DecodeOptions(), rank=0, append: bool = True, budget=None):
     """Append -> select -> sieve -> (separate) fetch for one layer: everything before the attention kernel.
@@ -154,11 +205,14 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     # 1. Selection among flushed pages (Quest bound, or the key copy's mass), static count K per (sequence, group).
     flushed = jnp.where(live, state.seqs.flushed, 0)
     scores = _scores(state, layer, q, flushed, options)                               # [S, G, P]
-    sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
+    sel = selection.select_pages(scores, flushed, select_pages=c.shortlist_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [S, G, K]
     if budget is not None:      # per-sequence budgets: the winners past a sequence's budget rank are dropped
-        sel = selection.limit_pages(sel, scores, flushed, budget, sink_pages=c.sink_pages,
-                                    recent_pages=c.recent_pages)
+        sel = selection.limit_pages(sel, scores, flushed, budget * max(1, c.token_shortlist),
+                                    sink_pages=c.sink_pages, recent_pages=c.recent_pages)
+    if c.token_shortlist and options.fused_fetch:
+        raise ValueError(f"token_shortlist = {c.token_shortlist} reads single tokens from HBM frames: the fused fetch "
+                         "(misses read from the host pool by the page kernel) does not apply; leave fused_fetch off")
     # 2. Sieve: hits refresh, misses take frames; the vTLB follows.
     pb, table, valid, page, frame, host_idx, miss, filled, overflow, lead = _sieve_pages(
         state, layer, sel, live, jnp.arange(S), rank, options)                        # [S, G, K] each
@@ -198,6 +252,10 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
         src=jnp.concatenate([src, t_src], axis=-1).astype(jnp.int32),
         host_page=jnp.concatenate([jnp.where(valid, host_idx, -1), t_host], axis=-1).astype(jnp.int32),
         seq_len=seq_len.astype(jnp.int32))
+    if c.token_shortlist:       # the budget's tokens among the selected pages (all in HBM frames now)
+        sc = c.selection_rule.score_tokens(state, layer, q, page, valid, options)      # [S, G, K, page]
+        plan = with_tokens(plan, token_list(c, sc, page, valid, frame, flushed, budget, options.topk),
+                           tail_tokens(P, t_frame, t_ok, tp, seq_len))
     stats = LayerStats(hits=(valid & ~miss).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
                        overflow=overflow.sum().astype(jnp.int32), fetched=fetched.astype(jnp.int32))
     # the clock ticks once per sieve call (every layer of every step), so recency orders the accesses as they
@@ -232,6 +290,14 @@ def _attention(state: CacheState, q, frame, start, seq_len, src, host_page, opti
                                    softcap=options.softcap, impl=options.attention, **kw, **host_kw)
 
 
+def _token_attention(state: CacheState, q, plan: PagePlan, options: DecodeOptions):
+    """The token kernel over a plan's token lists (per-token selection); the Triton kernel wherever the page
+    attention runs a kernel (Mosaic's page walk has no token form), the reference where it runs the reference."""
+    impl = "ref" if options.attention == "ref" else "pallas"
+    return token_decode_attention(q, state.pool_k[0], state.pool_v[0], plan.tok_frame, plan.tok_row, plan.tok_pos,
+                                  plan.seq_len, softcap=options.softcap, impl=impl)
+
+
 def attend_pages(state: CacheState, host: HostPool, q, plan: PagePlan, *,
                  options: DecodeOptions = DecodeOptions()):
     """The attention kernel over a PagePlan. q [S, 1, Hr, D] -> (state, out [S, 1, Hr, D]); with fused fetch the
@@ -239,6 +305,8 @@ def attend_pages(state: CacheState, host: HostPool, q, plan: PagePlan, *,
     otherwise every page is in HBM (misses fetched, overflow staged by `plan_layer`) and the host pool is not an
     operand."""
     options = resolved_options(options, state.config, q)
+    if plan.tok_frame is not None:
+        return state, _token_attention(state, q, plan, options)
     if not options.fused_fetch:
         return state, _attention(state, q, plan.frame, plan.start, plan.seq_len, plan.src, plan.host_page, options)
     res = _attention(state, q, plan.frame, plan.start, plan.seq_len, plan.src, plan.host_page, options,
@@ -370,7 +438,7 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     sflushed = jnp.where(live, state.seqs.flushed, 0)
     sc = [_scores(state, layer, q[:, j:j + 1], sflushed, options) for j in range(Q)]  # Q x [S, G, Pm]
     scores = jnp.stack(sc, axis=1).reshape((V,) + sc[0].shape[1:])                   # [V, G, Pm]
-    sel = selection.select_pages(scores, flushed, select_pages=c.select_pages, sink_pages=c.sink_pages,
+    sel = selection.select_pages(scores, flushed, select_pages=c.shortlist_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [V, G, K]
     # 2. One sieve access; the vTLB follows.
     pb, table, valid, page, frame, host_idx, miss, filled, overflow, lead = _sieve_pages(
@@ -413,8 +481,18 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
                            host_idx.reshape(-1), jnp.where(once, fr, -1).reshape(-1).astype(jnp.int32),
                            impl=options.copy)   # K and V (and their scales) in one launch
     state = with_pool(state, pool_pages(state).of([a[None] for a in pool]))
-    fr = jnp.concatenate([jnp.where(valid, fr, 0), t_frame], axis=-1).astype(jnp.int32)
-    o = _attention(state, qv, fr, start, seq_len.astype(jnp.int32), src, hpage, options)   # [V, 1, Hr, D]
+    if c.token_shortlist:       # each row's budget of tokens among its pages, scored with its own query
+        rows = [c.selection_rule.score_tokens(state, layer, q[:, j:j + 1], by_seq(page).reshape(S, G, Q, K)[:, :, j],
+                                              by_seq(valid).reshape(S, G, Q, K)[:, :, j], options)
+                for j in range(Q)]                                                    # Q x [S, G, K, page]
+        sc = jnp.stack(rows, axis=1).reshape((V, G, K, P))
+        plan = with_tokens(PagePlan(None, None, None, None, seq_len.astype(jnp.int32)),
+                           token_list(c, sc, page, valid, fr, flushed, None, options.topk),
+                           tail_tokens(P, t_frame, t_ok, tp, seq_len))
+        o = _token_attention(state, qv, plan, options)                               # [V, 1, Hr, D]
+    else:
+        fr = jnp.concatenate([jnp.where(valid, fr, 0), t_frame], axis=-1).astype(jnp.int32)
+        o = _attention(state, qv, fr, start, seq_len.astype(jnp.int32), src, hpage, options)   # [V, 1, Hr, D]
     stats = LayerStats(hits=(valid & ~miss).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
                        overflow=overflow.sum().astype(jnp.int32), fetched=once.sum().astype(jnp.int32))
     state = dataclasses.replace(state, pb=jax.tree.map(lambda a: a[None], pb),

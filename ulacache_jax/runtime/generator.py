@@ -86,10 +86,11 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
                          "(tp.prepare_model)")
     groups = num_groups // tp
     every_page = num_seqs * mc.num_layers * groups * pages
-    frames_needed = min(math.ceil(pool_headroom * num_seqs * mc.num_layers * groups * (budget // page_size)),
-                        every_page)
+    # pages a (sequence, group) selects a step: the budget's, or token_shortlist x them (CacheConfig.shortlist_pages)
+    step_pages = budget // page_size * max(1, int(overrides.get("token_shortlist") or 0))
+    frames_needed = min(math.ceil(pool_headroom * num_seqs * mc.num_layers * groups * step_pages), every_page)
     # one sieve call = one layer of a decode step: the largest buckets that keep the Pallas sieve on its fast path
-    requests = num_seqs * groups * (budget // page_size)
+    requests = num_seqs * groups * step_pages
     buckets, slots = sieve_geometry(frames_needed, requests)
     # the sieve scans a bucket in whole slot chunks (a power of two), so the slots up to the chunk's end cost it
     # nothing: the pool takes them (more hits for HBM alone), at most one frame per page

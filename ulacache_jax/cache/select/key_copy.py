@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ulacache_jax.cache.select.rule import SelectionRule
-from ulacache_jax.pallas_kernels.page_lse import page_lse
+from ulacache_jax.pallas_kernels.page_lse import page_lse, ref_dequant
 
 # Online channels come from the keys of a prompt's first CALIB_TOKENS tokens, a window fixed in tokens so that a
 # sequence's channels depend on its own prompt only: a shared prefix that covers the window, or a chunked prefill
@@ -46,6 +46,27 @@ def compress(k, chan):
     """k [..., T, g, D]; chan [..., g, C] -> [..., T, g, C]: each token's key at its KV head's channels."""
     idx = jnp.broadcast_to(chan[..., None, :, :], k.shape[:-1] + chan.shape[-1:])
     return jnp.take_along_axis(k, idx, axis=-1)
+
+
+def token_mass(vals, chan, q, ok):
+    """Per-token attention mass over listed pages: vals [S, G, K, page, g, C] float32 the copy's values of the listed
+    pages (dequantised labels); chan [S, G, g, C] int32; q [S, Q, Hr, D]; ok [S, G, K] bool the listed pages that
+    take part -> [S, G, K, page] float32: each query head's softmax over the approximate logits of every token of the
+    ok pages, summed over the group's heads and query rows (0 on pages not ok). Normalised over the listed pages
+    (the shortlist holds the pages of largest mass, so the rest is the smallest part of each softmax)."""
+    S, G, K, page, g, C = vals.shape
+    Q, Hr, D = q.shape[1], q.shape[2], q.shape[3]
+    h = Hr // (G * g)
+    qg = q.astype(jnp.float32).reshape(S, Q, G, g, h, D)
+    idx = jnp.broadcast_to(chan[:, None, :, :, None, :], (S, Q, G, g, h, C))
+    qc = jnp.take_along_axis(qg, idx, axis=-1) / jnp.sqrt(jnp.float32(D))              # [S, Q, G, g, h, C]
+    logit = jnp.einsum("sqGjhc,sGKtjc->sGjqhKt", qc, vals)                              # [S, G, g, Q, h, K, t]
+    live = ok[:, :, None, None, None, :, None]
+    logit = jnp.where(live, logit, -jnp.inf)
+    top = jnp.max(logit, axis=(-2, -1), keepdims=True)
+    p = jnp.where(live, jnp.exp(logit - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    p = p / jnp.maximum(jnp.sum(p, axis=(-2, -1), keepdims=True), jnp.finfo(jnp.float32).tiny)
+    return jnp.sum(p, axis=(2, 3, 4))                                                   # [S, G, K, t]
 
 
 def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None, bits: int = 0, valid=None):
@@ -238,6 +259,20 @@ class KeyCopy(SelectionRule):
         ksc = None if sel.ksc is None else sel.ksc[0, s, layer, g, pages][:, None]    # [S, 1, G, K, g, C]
         return page_mass(kc, sel.chan[0, :, layer], q, flushed, layer=0, impl=options.scores, bits=self.bits,
                          ksc=ksc, valid=ok)
+
+    tokens: ClassVar[bool] = True
+
+    def score_tokens(self, state, layer, q, pages, ok, options):
+        """The listed pages' tokens' mass from their copy (codes and scales gathered by page id, dequantised):
+        token_mass over the shortlist."""
+        sel = state.sel
+        S, G, K = pages.shape
+        s = jnp.arange(S)[:, None, None]
+        g = jnp.arange(G)[None, :, None]
+        kc = sel.kc[0, s, layer, g, pages]                                              # [S, G, K, page, g, Cs]
+        vals = (kc.astype(jnp.float32) if not self.bits
+                else ref_dequant(kc, sel.ksc[0, s, layer, g, pages], self.bits))        # [S, G, K, page, g, C]
+        return token_mass(vals, sel.chan[0, :, layer], q, ok)
 
     def step_bytes(self, *, context, num_layers, kv_heads, head_dim, itemsize, page_size):
         """The whole copy, every step: C channels of every token."""

@@ -29,6 +29,9 @@ Hooks (defaults: do nothing), in the order a sequence meets them:
 - `score_pages(state, layer, q, flushed, pages, ok, options)` one rank -> [S, G, K] float32: the scores of the listed pages
   only (a two-stage rule's second stage, two_stage.py); the default scores every page and gathers, a rule that
   can read just the listed pages' state overrides it.
+- `score_tokens(state, layer, q, pages, ok, options)` one rank -> [S, G, K, page] float32: the listed pages'
+  tokens' estimated attention mass (per-token selection, CacheConfig.token_shortlist); only rules with `tokens`
+  True have one (the key copy and labels; Quest's bound is per page).
 - `step_bytes(...)` -> bytes the score reads per sequence and decode step (the cost model's term);
   `kernel_bytes(...)` -> the part of them the page log-sum-exp kernel reads (timed at that kernel's own rate).
 - `prefix_sharing(config)` -> None where a sharer may attach another prompt's pages, else the reason why not.
@@ -59,6 +62,7 @@ import jax.numpy as jnp
 class SelectionRule:
     """Base of every page-selection rule: the protocol (module docstring) with do-nothing hooks."""
     name: ClassVar[str] = "rule"
+    tokens: ClassVar[bool] = False     # whether `score_tokens` is implemented (per-token selection)
 
     @classmethod
     def from_config(cls, config) -> "SelectionRule":
@@ -111,6 +115,11 @@ class SelectionRule:
         gathers (right for any rule, no bytes saved); rules whose state is per page read only the listed pages."""
         full = self.score(state, layer, q, flushed, options)                          # [S, G, P]
         return jnp.take_along_axis(full, jnp.clip(pages, 0, full.shape[-1] - 1), axis=-1)
+
+    def score_tokens(self, state, layer, q, pages, ok, options):
+        """One rank. q [S, Q, Hr, D]; pages [S, G, K] int32 page ids, ok [S, G, K] bool -> [S, G, K, page] float32
+        each listed page's tokens' estimated attention mass (any value where not ok). Rules with `tokens` only."""
+        raise NotImplementedError(f"{type(self).__name__} scores pages only (no per-token estimate)")
 
     def step_bytes(self, *, context: int, num_layers: int, kv_heads: float, head_dim: int, itemsize: int,
                    page_size: int) -> float:
