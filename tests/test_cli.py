@@ -275,3 +275,28 @@ def test_selection_flags_resolve_and_fingerprint():
         with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
             parse(*bad)
         assert bad[0] in err.getvalue() and bad[1] in err.getvalue()
+
+
+def test_token_shortlist_flag_builds_the_cache_refuses_bad_values_and_fingerprints():
+    """--token-shortlist M reaches CacheConfig.token_shortlist (the pool sized for M x the budget's pages); 0 and
+    non-ints are refused by name at parsing, Quest (--key-channels 0) by the cache settings' error; the fingerprint
+    holds it when set and leaves files made without it as they were."""
+    from ulacache_jax.app import resume
+    from ulacache_jax.models import get_preset
+    parse = lambda *a: cli.build_parser().parse_args(["generate", "--input", "i", "--output", "o",
+                                                      "--page-size", "16", "--token-budget", "64", "--channel-table",
+                                                      "online", *a])
+    mc = get_preset("tiny")
+    cfg = cli._cache_config(parse("--token-shortlist", "3"), mc, "float32", 2, 256)
+    plain = cli._cache_config(parse(), mc, "float32", 2, 256)
+    assert cfg.token_shortlist == 3 and cfg.shortlist_pages == 12 and plain.token_shortlist == 0
+    assert cfg.num_frames >= 3 * min(plain.num_frames, 2 * mc.num_layers * cfg.groups_per_rank * 4)
+    assert resume.run_settings(parse("--token-shortlist", "3"))["token_shortlist"] == 3
+    assert "token_shortlist" not in resume.run_settings(parse())
+    for bad in ("0", "x", "-2"):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+            parse("--token-shortlist", bad)
+        assert "--token-shortlist" in err.getvalue() and bad in err.getvalue()
+    with pytest.raises(cli.UsageError, match=r"token_shortlist = 2 ranks single tokens: the rule 'quest'"):
+        cli._cache_config(parse("--token-shortlist", "2", "--key-channels", "0"), mc, "float32", 2, 256)
