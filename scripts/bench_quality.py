@@ -469,7 +469,7 @@ def run_trace(trace, grid, args, meta, common):
     end_tokens = grid.ppl_prefix + steps
     total_pages = W * L * G * -(-end_tokens // cc.page_size)
     warm = min(steps // 4, 16) * L
-    lib_frames = W * L * G * cc.select_pages
+    lib_frames = W * L * G * cc.shortlist_pages
     # the library's default pool holds exactly one step's selections of every layer (no headroom); with headroom
     # x1.25 .. x2; then fractions of the whole KV cache
     fracs = [("library default (budget's share)", lib_frames)] + \
