@@ -394,8 +394,7 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
                "--scores", args.scores, "--hot-share", str(getattr(args, "hot_share", 0.0)),
                "--kv-dtype", getattr(args, "kv_dtype", "auto"),
                "--dense-attention", getattr(args, "dense_attention", "auto")]
-        if getattr(args, "token_shortlist", 0):
-            cmd += ["--token-shortlist", str(args.token_shortlist)]
+        cmd += ["--token-shortlist", str(getattr(args, "token_shortlist", 0))]
         if getattr(args, "two_stage", None):
             cmd += ["--two-stage", str(args.two_stage), "--first-channels", str(getattr(args, "first_channels", 0))]
         if args.score_launch:
