@@ -71,15 +71,16 @@ def hot_page_probability(hot_share: float, select_pages: int, ctx: int, page: in
 def synthetic_fill_sparse(m, slots, ctx, seed, chunk=8192, hot_share=0.0):
     """Random K/V (distinct per sequence, made on the device) through the real ingestion path of CacheManager m.
 
-    hot_share > 0 plants locality: a random set of pages per (sequence, layer, KV head), hot_share x the budget's
-    pages on average, gets keys HOT_GAIN times larger. Every step's selection then holds those pages (they win
+    hot_share > 0 plants locality: a random set of pages per (sequence, layer, KV head), hot_share x the pages a
+    step selects on average (the budget's, or per-token selection's shortlist: CacheConfig.shortlist_pages, the
+    pages the sieve receives), gets keys HOT_GAIN times larger. Every step's selection then holds those pages (they win
     under any rule) and fills the rest of its budget by the random queries, so the row's hit rate rises with
     hot_share: the knob that matches a row's hit rate to a trained model's trace (random weights alone select with
     no step-to-step locality). The pages' values and the dense side are unchanged."""
     c = m.config
     chunk = min(ctx, chunk)
     P = c.page_size
-    prob = hot_page_probability(hot_share, c.select_pages, ctx, P)
+    prob = hot_page_probability(hot_share, c.shortlist_pages, ctx, P)
     shape = (c.num_layers, chunk, c.num_kv_heads, c.head_dim)
 
     def make_k(key):
@@ -472,8 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV before decode: a synthetic fill on the device, or random prompts through the "
                    "Generator's prefill (rows then carry the time to first token)")
     p.add_argument("--hot-share", type=hot_share_arg, default=0.0,
-                   help="sparse synthetic fill: plant hot pages (keys x HOT_GAIN), this share of the budget's pages "
-                        "per sequence, layer and KV head on average, so selections repeat step to step; tunes a "
+                   help="sparse synthetic fill: plant hot pages (keys x HOT_GAIN), this share of the pages a step "
+                        "selects (the budget's, or --token-shortlist x them) per sequence, layer and KV head on average, so selections repeat step to step; tunes a "
                         "row's hit rate to a trained model's trace (0: none, the worst case)")
     p.add_argument("--key-channels", type=int, default=0,
                    help="sparse rows: CacheConfig.key_channels (pages scored from an HBM copy of this many channels of "
