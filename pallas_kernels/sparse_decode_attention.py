@@ -308,10 +308,46 @@ def default_tuning(batch: int, num_kv: int, num_slots: int, page: int, has_host:
     npb = 2 if page >= 64 else max(1, 128 // page)
     if has_host or itemsize > 2:
         npb = max(1, npb // 2)
-    steps = max(1, -(-num_slots // npb))
+    return dict(num_splits=split_count(batch, num_kv, -(-num_slots // npb)), pages_per_block=npb, num_warps=4,
+                num_stages=2)
+
+
+def split_count(batch: int, num_kv: int, steps: int) -> int:
+    """Splits of one (b, KV head)'s walk of `steps` loop steps: enough programs to cover the 132 SMs a few times
+    over, splits no shorter than two steps, at most 16 (a power of two)."""
     want = max(1, -(-2 * NUM_SMS_H200 // (batch * num_kv)))
-    splits = min(next_pow2(want), next_pow2(max(1, steps // 2)), 16)
-    return dict(num_splits=max(1, splits), pages_per_block=npb, num_warps=4, num_stages=2)
+    return max(1, min(next_pow2(want), next_pow2(max(1, max(1, steps) // 2)), 16))
+
+
+def query_rows(q, num_kv: int):
+    """q [B, Q, H, D] -> (qr [B, KV, Mp, D], m_rows = Q * r, Mp): each KV head's query rows (query i, head j * r + x
+    -> row i * r + x), zero-padded to Mp = max(16, the next power of two) rows (tl.dot wants >= 16 rows)."""
+    b, nq, h, d = q.shape
+    r = h // num_kv
+    m_rows = nq * r
+    mp = max(16, next_pow2(m_rows))
+    qr = q.reshape(b, nq, num_kv, r, d).transpose(0, 2, 1, 3, 4).reshape(b, num_kv, m_rows, d)
+    if mp != m_rows:
+        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, mp - m_rows), (0, 0)))
+    return qr, m_rows, mp
+
+
+def pad_last(x, pad: int, fill):
+    """x [B, G, K] -> int32 [B, G, K + pad], the new slots `fill`."""
+    x = x.astype(jnp.int32)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, pad)), constant_values=fill) if pad else x
+
+
+def partial_outputs(b: int, kv: int, ns: int, mp: int, d: int):
+    """(out_shape, out_specs) of a split kernel's per-split partials on the grid (b, KV head, split): o [B, KV, S,
+    Mp, D] unnormalised, m / l [B, KV, S, Mp] running max and sum, all float32 (merged by `merge_splits`)."""
+    out_shape = [jax.ShapeDtypeStruct((b, kv, ns, mp, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kv, ns, mp), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kv, ns, mp), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, None, None, mp, d), lambda i, j, s: (i, j, s, 0, 0)),
+                 pl.BlockSpec((None, None, None, mp), lambda i, j, s: (i, j, s, 0)),
+                 pl.BlockSpec((None, None, None, mp), lambda i, j, s: (i, j, s, 0))]
+    return out_shape, out_specs
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "store_misses", "interpret", "num_splits",
@@ -324,25 +360,18 @@ def _pallas_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k
     ng, nslot = page_frame.shape[1:]
     kv = ng * g
     r = h // kv
-    m_rows = nq * r
-    mp = max(16, next_pow2(m_rows))                                  # tl.dot wants >= 16 rows
+    qr, m_rows, mp = query_rows(q, kv)
     npb, ns = pages_per_block, num_splits
     nblk = -(-nslot // (ns * npb))
-    kp = ns * nblk * npb
-    pad = kp - nslot
+    pad = ns * nblk * npb - nslot
     has_host = host_k is not None
     store = bool(store_misses and has_host)
 
     def padk(x, fill):
-        x = x.astype(jnp.int32)
-        return jnp.pad(x, ((0, 0), (0, 0), (0, pad)), constant_values=fill) if pad else x
+        return pad_last(x, pad, fill)
 
     frame = padk(page_frame, 0)
     start = padk(page_start, -1)
-    # q rows of kv head j: query i, head j*r + x -> row i*r + x
-    qr = q.reshape(b, nq, kv, r, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, m_rows, d)
-    if mp != m_rows:
-        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, mp - m_rows), (0, 0)))
     pk, pv = pool_k, pool_v
     args = [frame, start]
     in_specs = [ANY, ANY]
@@ -360,12 +389,7 @@ def _pallas_attention(q, pool_k, pool_v, page_frame, page_start, seq_len, host_k
     if has_host:
         args += [host_k, host_v]
         in_specs += [ANY, ANY]
-    out_shape = [jax.ShapeDtypeStruct((b, kv, ns, mp, d), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kv, ns, mp), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kv, ns, mp), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, None, mp, d), lambda i, j, s: (i, j, s, 0, 0)),
-                 pl.BlockSpec((None, None, None, mp), lambda i, j, s: (i, j, s, 0)),
-                 pl.BlockSpec((None, None, None, mp), lambda i, j, s: (i, j, s, 0))]
+    out_shape, out_specs = partial_outputs(b, kv, ns, mp, d)
     aliases = {}
     if store:
         aliases = {pool_at: 3, pool_at + 1: 4}

@@ -30,8 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from . import next_pow2, on_gpu, pick_impl
-from .sparse_decode_attention import ANY, NEG_INIT, NUM_SMS_H200, merge_splits
+from . import on_gpu, pick_impl
+from .sparse_decode_attention import ANY, NEG_INIT, merge_splits, pad_last, partial_outputs, query_rows, split_count
 
 
 def _check(q, pool_k, pool_v, tok_frame, tok_row, tok_pos, seq_len):
@@ -133,10 +133,8 @@ def default_tuning(batch: int, num_kv: int, num_tokens: int) -> dict:
     """Tokens a block and splits: 64 rows a gather (a 64 x D tile of K and of V in registers, as the page kernel's
     block of 64 tokens), and enough programs to cover the SMs a few times, splits no shorter than two blocks."""
     n = 64
-    steps = max(1, -(-num_tokens // n))
-    want = max(1, -(-2 * NUM_SMS_H200 // (batch * num_kv)))
-    splits = min(next_pow2(want), next_pow2(max(1, steps // 2)), 16)
-    return dict(num_splits=max(1, splits), tokens_per_block=n, num_warps=4, num_stages=2)
+    return dict(num_splits=split_count(batch, num_kv, -(-num_tokens // n)), tokens_per_block=n, num_warps=4,
+                num_stages=2)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "num_splits", "tokens_per_block",
@@ -148,25 +146,11 @@ def _pallas_tokens(q, pool_k, pool_v, tok_frame, tok_row, tok_pos, seq_len, *, s
     ng, ntok = tok_frame.shape[1:]
     kv = ng * g
     r = h // kv
-    m_rows = nq * r
-    mp = max(16, next_pow2(m_rows))                                             # tl.dot wants >= 16 rows
+    qr, m_rows, mp = query_rows(q, kv)
     n, ns = tokens_per_block, num_splits
     nblk = -(-ntok // (ns * n))
     pad = ns * nblk * n - ntok
-
-    def padn(x, fill):
-        x = x.astype(jnp.int32)
-        return jnp.pad(x, ((0, 0), (0, 0), (0, pad)), constant_values=fill) if pad else x
-
-    qr = q.reshape(b, nq, kv, r, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, m_rows, d)
-    if mp != m_rows:
-        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, mp - m_rows), (0, 0)))
-    out_shape = [jax.ShapeDtypeStruct((b, kv, ns, mp, d), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kv, ns, mp), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kv, ns, mp), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, None, mp, d), lambda i, j, s: (i, j, s, 0, 0)),
-                 pl.BlockSpec((None, None, None, mp), lambda i, j, s: (i, j, s, 0)),
-                 pl.BlockSpec((None, None, None, mp), lambda i, j, s: (i, j, s, 0))]
+    out_shape, out_specs = partial_outputs(b, kv, ns, mp, d)
     kernel = functools.partial(_token_kernel, nq=nq, r=r, g=g, d=d, n=n, nblk=nblk, scale=scale, softcap=softcap,
                                fp32=q.dtype == jnp.float32)
     o, m, l = pl.pallas_call(
@@ -174,7 +158,8 @@ def _pallas_tokens(q, pool_k, pool_v, tok_frame, tok_row, tok_pos, seq_len, *, s
         in_specs=[ANY, ANY, ANY, ANY, pl.BlockSpec((None, None, mp, d), lambda i, j, s: (i, j, 0, 0)), ANY, ANY],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret,
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="token_decode_attention")(padn(tok_frame, 0), padn(tok_row, 0), padn(tok_pos, -1),
+        name="token_decode_attention")(pad_last(tok_frame, pad, 0), pad_last(tok_row, pad, 0),
+                                       pad_last(tok_pos, pad, -1),
                                        seq_len.astype(jnp.int32), qr, pool_k, pool_v)
     return merge_splits(o, m, l, m_rows=m_rows, nq=nq, r=r).astype(q.dtype)
 

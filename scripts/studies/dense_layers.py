@@ -56,6 +56,19 @@ def parse_set(text: str, num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def _step_mass(s, pos, *, page: int, sink: int, recent: int):
+    """What both keep rules start from: s [KV, g, T] logits (masked past pos) -> (p [KV, T] each key's softmax mass
+    summed over the KV head's g query heads, flushed [] pages wholly before pos's, pid [T // page] page ids, forced
+    [T // page] bool the first `sink` and last `recent` flushed pages)."""
+    import jax
+    import jax.numpy as jnp
+    p = jax.nn.softmax(s, axis=-1).sum(axis=1)                                     # [KV, T]
+    flushed = pos // page
+    pid = jnp.arange(s.shape[-1] // page)
+    forced = (pid < sink) | ((pid >= flushed - recent) & (pid < flushed))
+    return p, flushed, pid, forced
+
+
 def oracle_keep(s, pos, *, page: int, keep: int, sink: int, recent: int, anchor=None):
     """Keys a sparse layer attends, one decode step: s [KV, g, T] float32 logits (keys past pos masked to -inf),
     pos [] int32 the current token's position -> bool [KV, T]. Each KV head keeps the `keep` flushed pages
@@ -66,11 +79,8 @@ def oracle_keep(s, pos, *, page: int, keep: int, sink: int, recent: int, anchor=
     import jax.numpy as jnp
     KV, g, T = s.shape
     npg = T // page
-    p = jax.nn.softmax(s, axis=-1).sum(axis=1)                                     # [KV, T]
+    p, flushed, pid, forced = _step_mass(s, pos, page=page, sink=sink, recent=recent)
     mass = p.reshape(KV, npg, page).sum(-1)                                       # [KV, npg]
-    flushed = pos // page
-    pid = jnp.arange(npg)
-    forced = (pid < sink) | ((pid >= flushed - recent) & (pid < flushed))
     if anchor is not None:
         forced = forced | anchor
     score = jnp.where(pid < flushed, jnp.where(forced, jnp.inf, mass), -jnp.inf)  # [KV, npg]
@@ -139,10 +149,7 @@ def token_keep(s, pos, *, page: int, budget: int, sink: int, recent: int, shortl
     import jax.numpy as jnp
     KV, g, T = s.shape
     npg = T // page
-    p = jax.nn.softmax(s, axis=-1).sum(axis=1)                                     # [KV, T]
-    flushed = pos // page
-    pid = jnp.arange(npg)
-    forced = (pid < sink) | ((pid >= flushed - recent) & (pid < flushed))          # [npg]
+    p, flushed, pid, forced = _step_mass(s, pos, page=page, sink=sink, recent=recent)   # forced [npg]
     cand = jnp.broadcast_to(pid < flushed, (KV, npg))
     if shortlist:
         mass = jnp.where(pid < flushed, jnp.where(forced, jnp.inf, p.reshape(KV, npg, page).sum(-1)), -jnp.inf)

@@ -48,18 +48,25 @@ def compress(k, chan):
     return jnp.take_along_axis(k, idx, axis=-1)
 
 
+def channel_queries(q, chan, G: int, g: int):
+    """q [S, Q, Hr, D] (Hr query heads of G * g KV heads); chan [S, G, g, C] int32 -> [S, Q, G, g, h, C] float32:
+    each query head at its KV head's copy channels, over sqrt(D) (the logit's scale over the full head)."""
+    S, Q, Hr, D = q.shape
+    C = chan.shape[-1]
+    h = Hr // (G * g)
+    qg = q.astype(jnp.float32).reshape(S, Q, G, g, h, D)
+    idx = jnp.broadcast_to(chan[:, None, :, :, None, :], (S, Q, G, g, h, C))
+    return jnp.take_along_axis(qg, idx, axis=-1) / jnp.sqrt(jnp.float32(D))
+
+
 def token_mass(vals, chan, q, ok):
     """Per-token attention mass over listed pages: vals [S, G, K, page, g, C] float32 the copy's values of the listed
     pages (dequantised labels); chan [S, G, g, C] int32; q [S, Q, Hr, D]; ok [S, G, K] bool the listed pages that
     take part -> [S, G, K, page] float32: each query head's softmax over the approximate logits of every token of the
     ok pages, summed over the group's heads and query rows (0 on pages not ok). Normalised over the listed pages
     (the shortlist holds the pages of largest mass, so the rest is the smallest part of each softmax)."""
-    S, G, K, page, g, C = vals.shape
-    Q, Hr, D = q.shape[1], q.shape[2], q.shape[3]
-    h = Hr // (G * g)
-    qg = q.astype(jnp.float32).reshape(S, Q, G, g, h, D)
-    idx = jnp.broadcast_to(chan[:, None, :, :, None, :], (S, Q, G, g, h, C))
-    qc = jnp.take_along_axis(qg, idx, axis=-1) / jnp.sqrt(jnp.float32(D))              # [S, Q, G, g, h, C]
+    G, g = vals.shape[1], vals.shape[4]
+    qc = channel_queries(q, chan, G, g)                                                 # [S, Q, G, g, h, C]
     logit = jnp.einsum("sqGjhc,sGKtjc->sGjqhKt", qc, vals)                              # [S, G, g, Q, h, K, t]
     live = ok[:, :, None, None, None, :, None]
     logit = jnp.where(live, logit, -jnp.inf)
@@ -84,11 +91,9 @@ def page_mass(kc, chan, q, flushed, *, layer: int, impl: str = "auto", ksc=None,
     those pages)."""
     S, L, G, P, page, g, _ = kc.shape
     C = chan.shape[-1]
-    Q, Hr, D = q.shape[1], q.shape[2], q.shape[3]
+    Q, Hr = q.shape[1], q.shape[2]
     h = Hr // (G * g)
-    qg = q.astype(jnp.float32).reshape(S, Q, G, g, h, D)
-    idx = jnp.broadcast_to(chan[:, None, :, :, None, :], (S, Q, G, g, h, C))
-    qc = jnp.take_along_axis(qg, idx, axis=-1) / jnp.sqrt(jnp.float32(D))              # [S, Q, G, g, h, C]
+    qc = channel_queries(q, chan, G, g)                                                 # [S, Q, G, g, h, C]
     qc = qc.transpose(0, 2, 3, 1, 4, 5).reshape(S, G, g, Q * h, C)                      # rows: (Q, h)
     lse = page_lse(kc, qc, layer=layer, impl=impl, scale=ksc, bits=bits)                # [S, G, g * Q * h, P]
     if valid is None:
