@@ -47,6 +47,7 @@ def test_summary_pools_windows_by_their_positions():
                                          (["--budget", "48"], "more than --sink 1 + --recent 2"),
                                          (["--windows", "0"], "--windows 0"),
                                          (["--shortlist", "-1"], "--shortlist -1"),
+                                         (["--shortlist", "2", "--fetch", "2"], "--fetch 2"),
                                          (["--label-channels", "3"], "--label-channels 3"),
                                          (["--label-channels", "-2"], "--label-channels -2"),
                                          (["--label-channels", "32"], "head_dim 16")])
@@ -152,6 +153,14 @@ def test_token_keep_fills_the_budget_with_the_heaviest_tokens():
     assert set(np.flatnonzero(short)) == forced | tail | set(range(20, 24))
     every = np.asarray(token_keep(jnp.asarray(s), jnp.int32(pos), page=page, budget=T, sink=1, recent=2))[0]
     assert every.all()
+    # fetch 1 of a 3x shortlist reads the 4 pages holding the most chosen mass (the 3 forced and page 5), and
+    # chooses again among their 16 tokens; fetch 2 reads every page holding a chosen token (7 of its 8) and
+    # keeps the whole first choice
+    def fetched(f):
+        return set(np.flatnonzero(np.asarray(token_keep(jnp.asarray(s), jnp.int32(pos), page=page, budget=17,
+                                                        sink=1, recent=2, shortlist=3, fetch=f))[0]))
+    assert fetched(1) == forced | tail | set(range(20, 24))
+    assert fetched(2) == forced | tail | {9, 21, 22, 30, 13}
 
 
 @pytest.mark.slow
@@ -159,10 +168,13 @@ def test_tokens_over_every_flushed_token_are_dense_and_named(tmp_path):
     """--select tokens with a budget past the context attends every key (dense's scores exactly); the shortlisted
     configuration is named by its multiple and a small budget is not dense."""
     args = ["--tiny", "--window", "256", "--prefix", "192", "--windows", "1", "--page-size", "16",
-            "--budget", "64", "1024", "--select", "tokens", "--shortlist", "0", "2", "--out", str(tmp_path)]
+            "--budget", "64", "1024", "--select", "tokens", "--shortlist", "0", "2", "--fetch", "0", "1",
+            "--out", str(tmp_path)]
     assert oracle_ppl.main(args) == 0
     s = {x["config"]: x for x in json.load(open(tmp_path / "oracle_ppl.json"))["runs"][0]["summary"]}
     every = s["oracle, budget 1024, tokens (pages of 16 framing)"]
     assert every["ppl"] == pytest.approx(s["dense"]["ppl"], rel=1e-5) and every["select"] == "tokens"
     few = s["oracle, budget 64, tokens in 2x the budget's pages of 16"]
     assert few["shortlist"] == 2 and few["kl"] > 1e-5
+    read = s["oracle, budget 64, tokens in 2x the budget's pages of 16, 1x read"]
+    assert read["fetch"] == 1 and read["kl"] > 1e-5

@@ -138,13 +138,15 @@ def label_logits(qg, K, pos, *, channels: int, bits: int, calib: int = 1024, gro
     return jnp.einsum("kgc,tkc->kgt", qc, Kc) / np.sqrt(D)
 
 
-def token_keep(s, pos, *, page: int, budget: int, sink: int, recent: int, shortlist: int = 0):
+def token_keep(s, pos, *, page: int, budget: int, sink: int, recent: int, shortlist: int = 0, fetch: int = 0):
     """Keys a sparse layer attends when it selects single tokens: s [KV, g, T] float32 logits (or an estimate; keys
     past pos masked to -inf), pos [] int32 -> bool [KV, T]. Pages of `page` tokens (the cache's unit) still frame
     the budget: each KV head keeps the first `sink` and last `recent` flushed pages and the tail page whole, and
     fills the rest of `budget` tokens with the flushed tokens of largest mass (softmax over the visible keys, summed
     over its g query heads). shortlist M > 0: those tokens come from the M * budget // page flushed pages of largest
-    mass only (a page shortlist the pool would hold, then tokens within it); 0: from every flushed token."""
+    mass only (a page shortlist the pool would hold, then tokens within it); 0: from every flushed token. fetch
+    F > 0 (with a shortlist, F < M): only the F * budget // page pages holding the most chosen mass are read (the
+    pages a step fetches), and the budget is chosen again among their tokens (the library's token_fetch)."""
     import jax
     import jax.numpy as jnp
     KV, g, T = s.shape
@@ -156,21 +158,31 @@ def token_keep(s, pos, *, page: int, budget: int, sink: int, recent: int, shortl
         _, top = jax.lax.top_k(mass, min(shortlist * budget // page, npg))         # [KV, M * budget / page]
         cand = cand & jnp.zeros((KV, npg), bool).at[jnp.arange(KV)[:, None], top].set(True)
     tok_forced = jnp.repeat(forced, page)
-    score = jnp.where(jnp.repeat(cand, page, axis=1), jnp.where(tok_forced, jnp.inf, p), -jnp.inf)   # [KV, T]
-    _, top = jax.lax.top_k(score, min(budget, T))                                  # [KV, budget]
-    chosen = jnp.zeros((KV, T), bool).at[jnp.arange(KV)[:, None], top].set(True)
+
+    def choose(cand):                                                               # [KV, npg] -> [KV, T], score
+        score = jnp.where(jnp.repeat(cand, page, axis=1), jnp.where(tok_forced, jnp.inf, p), -jnp.inf)
+        _, top = jax.lax.top_k(score, min(budget, T))                              # [KV, budget]
+        return jnp.zeros((KV, T), bool).at[jnp.arange(KV)[:, None], top].set(True), score
+
+    chosen, score = choose(cand)
+    if shortlist and fetch and fetch < shortlist:
+        held = jnp.where(chosen, jnp.where(jnp.repeat(forced, page), jnp.inf, p), 0.0).reshape(KV, npg, page).sum(-1)
+        held = jnp.where(cand & chosen.reshape(KV, npg, page).any(-1), held, -jnp.inf)
+        v, top = jax.lax.top_k(held, min(fetch * budget // page, npg))              # [KV, F * budget / page]
+        read = jnp.zeros((KV, npg), bool).at[jnp.arange(KV)[:, None], top].set(v > -jnp.inf)
+        chosen, score = choose(cand & read)
     tid_page = jnp.arange(T) // page
     return (chosen & (score > -jnp.inf)) | (tid_page >= flushed)[None]              # the tail is always read
 
 
 def make_decoder(model, total: int, *, page: int, keep: int, sink: int, recent: int, dense_layers: tuple,
-                 label_channels: int = 0, label_bits: int = 4, tokens: int = -1):
+                 label_channels: int = 0, label_bits: int = 4, tokens: int = -1, fetch: int = 0):
     """-> step(params, cache, token [1, 1], pos [], anchor [L, KV, total // page] bool) -> (cache, logits [V])
     under this configuration; cache = (k, v) [L, 1, total, KV, D] float32; anchor: pages every sparse layer keeps
     (prompt_anchors; all False for none). `total` must be a multiple of `page` (and of 16 with label_channels).
     label_channels C > 0: a sparse layer ranks pages by label_logits (C channels at label_bits) instead of the true
     logits; it still attends its pages with the true ones. tokens >= 0: a sparse layer selects `keep * page` single
-    tokens instead of `keep` pages (token_keep, shortlist = tokens; anchors unused)."""
+    tokens instead of `keep` pages (token_keep, shortlist = tokens, fetch = fetch; anchors unused)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -190,7 +202,8 @@ def make_decoder(model, total: int, *, page: int, keep: int, sink: int, recent: 
             r = s if not label_channels else jnp.where(
                 seen[None, None], label_logits(qg, K, pos, channels=label_channels, bits=label_bits), -jnp.inf)
             if tokens >= 0:
-                kept = token_keep(r, pos, page=page, budget=keep * page, sink=sink, recent=recent, shortlist=tokens)
+                kept = token_keep(r, pos, page=page, budget=keep * page, sink=sink, recent=recent, shortlist=tokens,
+                                  fetch=fetch)
             else:
                 kept = oracle_keep(r, pos, page=page, keep=keep, sink=sink, recent=recent, anchor=anchor[layer])
             s = jnp.where(kept[:, None], s, -jnp.inf)

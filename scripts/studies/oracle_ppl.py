@@ -65,7 +65,7 @@ def summarize(rows: list) -> list:
             dense = ppl
         out.append({"config": name, "page_size": rs[0]["page_size"], "budget": rs[0]["budget"],
                     "label_channels": rs[0].get("label_channels", 0), "select": rs[0].get("select", "pages"),
-                    "shortlist": rs[0].get("shortlist", 0),
+                    "shortlist": rs[0].get("shortlist", 0), "fetch": rs[0].get("fetch", 0),
                     "budget_ratio": rs[0]["budget_ratio"], "n": n, "ppl": ppl,
                     "ppl_ratio": ppl / dense if dense else None,
                     "top1_agreement": sum(r["top1_same"] for r in rs) / n, "kl": sum(r["kl_sum"] for r in rs) / n})
@@ -75,11 +75,12 @@ def summarize(rows: list) -> list:
 def plot(summary: list, path: str) -> str:
     fig, ax = bench_meta.pyplot().subplots(figsize=(6, 4))
     def series(s):
-        return s["label_channels"], s["page_size"], s.get("select", "pages"), s.get("shortlist", 0)
-    for c, pg, sel, m in sorted({series(s) for s in summary if s["page_size"]}):
+        return s["label_channels"], s["page_size"], s.get("select", "pages"), s.get("shortlist", 0), s.get("fetch", 0)
+    for c, pg, sel, m, f in sorted({series(s) for s in summary if s["page_size"]}):
         pts = sorted((s["budget_ratio"], 100 * (s["ppl_ratio"] - 1)) for s in summary
-                     if series(s) == (c, pg, sel, m))
-        unit = f"page {pg}" if sel == "pages" else f"tokens in {m}x pages" if m else "tokens"
+                     if series(s) == (c, pg, sel, m, f))
+        unit = (f"page {pg}" if sel == "pages" else f"tokens in {m}x pages" + (f", {f}x read" if f else "") if m
+                else "tokens")
         ax.plot(*zip(*pts), marker="o", label=f"{f'labels {c}' if c else 'oracle'}, {unit}")
     ax.axhline(1.0, color="gray", ls="--", lw=1, label="+1% (issue 48's target)")
     ax.set_xscale("log", base=2)
@@ -110,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shortlist", type=int, nargs="+", default=[0],
                    help="--select tokens: 0 picks among every flushed token, M > 0 among the tokens of the M x "
                         "budget / page pages of largest mass; each value its own configurations")
+    p.add_argument("--fetch", type=int, nargs="+", default=[0],
+                   help="--select tokens with --shortlist M: 0 reads every shortlisted page; F (< M) only the F x "
+                        "budget / page pages holding the most chosen mass, choosing again among their tokens (the "
+                        "library's token_fetch); each value its own configurations")
     p.add_argument("--sink", type=int, default=1)
     p.add_argument("--recent", type=int, default=2)
     p.add_argument("--deadline", type=float, default=0.0, help="seconds: stop starting windows after it (0: none)")
@@ -128,6 +133,10 @@ def check_args(a) -> None:
     for m in a.shortlist:
         if m < 0:
             raise SystemExit(f"--shortlist {m} must be 0 (every flushed token) or a multiple M >= 1 of the budget")
+    for f in a.fetch:
+        if f < 0 or (f and all(f >= m for m in a.shortlist)):
+            raise SystemExit(f"--fetch {f} must be 0 (every shortlisted page) or below a --shortlist M "
+                             f"({a.shortlist})")
     for c in a.label_channels:
         if c < 0 or c % 2:
             raise SystemExit(f"--label-channels {c} must be 0 (the oracle) or a positive even count (rotary pairs)")
@@ -181,9 +190,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--label-channels {max(a.label_channels)} is more than the model's head_dim {D}")
     unit = int(np.lcm.reduce([CACHE_UNIT, 16, *a.page_size]))      # 16: label_logits' quantisation group
     total = -(-a.window // unit) * unit
-    modes = ([-1] if "pages" in a.select else []) + (list(a.shortlist) if "tokens" in a.select else [])
-    configs = [("dense", unit, None, 0, -1)] + [("sparse", pg, b, c, m) for c in a.label_channels
-                                                for pg in a.page_size for b in a.budget for m in modes]
+    modes = ([(-1, 0)] if "pages" in a.select else []) + ([(m, f) for m in a.shortlist for f in a.fetch
+                                                            if not f or (m and f < m)]
+                                                           if "tokens" in a.select else [])
+    configs = [("dense", unit, None, 0, (-1, 0))] + [("sparse", pg, b, c, m) for c in a.label_channels
+                                                     for pg in a.page_size for b in a.budget for m in modes]
     _, params = nnx.split(model)
     prefill = make_prefill(model, 1)
     scorers = {}
@@ -191,7 +202,7 @@ def main(argv=None) -> int:
            "dtype": a.dtype, "text": source, "window": a.window, "prefix": a.prefix,
            "scored_positions": f"{a.prefix}..{a.window - 2}", "windows": 0, "page_sizes": a.page_size,
            "budgets": a.budget, "label_channels": a.label_channels, "label_bits": a.label_bits, "sink": a.sink,
-           "recent": a.recent, "select": a.select, "shortlist": a.shortlist,
+           "recent": a.recent, "select": a.select, "shortlist": a.shortlist, "fetch": a.fetch,
            "summary": [], "rows": []}
     data["runs"].append(run)
     rows, t0 = run["rows"], time.time()
@@ -202,12 +213,12 @@ def main(argv=None) -> int:
         cache, _, _ = prefill(params, ids[:a.prefix], total)
         toks = jnp.asarray(ids[a.prefix:], jnp.int32)                            # [n + 1]: positions prefix..T-1
         ref_logp = ref_top = None
-        for kind, pg, budget, chans, mode in configs:
-            key = (pg, budget, chans, mode)
+        for kind, pg, budget, chans, (mode, fetch) in configs:
+            key = (pg, budget, chans, mode, fetch)
             if key not in scorers:      # its compiled scan, and no anchors (make_decoder's pinned pages)
                 step = make_decoder(model, total, page=pg, keep=(budget or total) // pg, sink=a.sink,
                                     recent=a.recent, dense_layers=tuple(range(L)) if kind == "dense" else (),
-                                    label_channels=chans, label_bits=a.label_bits, tokens=mode)
+                                    label_channels=chans, label_bits=a.label_bits, tokens=mode, fetch=fetch)
                 scorers[key] = (make_scorer(step, reference=kind == "dense"), jnp.zeros((L, KV, total // pg), bool))
             score, anchor = scorers[key]
             nll, top, extra = score(params, cache, toks, jnp.int32(a.prefix), anchor, ref_logp)
@@ -217,12 +228,13 @@ def main(argv=None) -> int:
                 kl = extra
             rule = f"labels {chans} @ {a.label_bits}" if chans else "oracle"
             unit_name = (f"page {pg}" if mode < 0 else f"tokens (pages of {pg} framing)" if mode == 0
-                         else f"tokens in {mode}x the budget's pages of {pg}")
+                         else f"tokens in {mode}x the budget's pages of {pg}"
+                         + (f", {fetch}x read" if fetch else ""))
             name = "dense" if kind == "dense" else f"{rule}, budget {budget}, {unit_name}"
             nll, same, kl = np.asarray(nll, np.float64), np.asarray(top == ref_top), np.asarray(kl, np.float64)
             rows.append({"window": w, "config": name, "page_size": pg if kind != "dense" else None, "budget": budget,
                          "label_channels": chans, "select": "pages" if mode < 0 else "tokens",
-                         "shortlist": max(mode, 0),
+                         "shortlist": max(mode, 0), "fetch": fetch,
                          "budget_ratio": budget / a.window if budget else 1.0, "n": int(nll.size),
                          "nll_sum": float(nll.sum()), "top1_same": int(same.sum()), "kl_sum": float(kl.sum())})
             print(f"[{time.time() - t0:6.0f}s] window {w + 1}/{len(wins)} {name}: ppl {np.exp(nll.mean()):.4f} "
