@@ -5,10 +5,17 @@ D2D copy when torch is there); our kernel over the selected pages (B in {8, 32},
 64, budgets 1024/2048/4096 tokens + 2 tail pages, contexts 32K/128K/256K, frame tables random permutations);
 the Pallas `paged_attention` op on the same selected pages (page 16); cuDNN dense decode at the full contexts;
 misses served from a pinned_host pool (zero-copy read, fused read+store, separate fetch kernel then attention);
-and a Mosaic GPU page walk (TMA pipeline, no attention math) as the bound a Mosaic kernel could reach. Every
-kernel is checked against the reference before it is timed.
+and a Mosaic GPU page walk (TMA pipeline, no attention math) as the bound a Mosaic kernel could reach. `token`:
+the per-token kernel (token_decode_attention; B in {3, 8}, page 16, g = 1, budgets 2048/4096/8192 tokens + 2 tail
+pages' rows, drawn at random rows of random frames of a 4 GB pool) against the page kernel over the same number of
+tokens as whole pages, and the token kernel over those pages' rows (gather cost apart from per-token work); it
+runs `ceiling` first. Every kernel is checked against the reference before it is timed.
 
-Run (H200): python3 scripts/bench_attention.py --out DIR   (writes attention.json and attention.png to DIR)
+An existing OUT/attention.json is extended, not replaced: the sections this run does not measure are kept, each
+with the meta of the run that measured it (`kept_sections`); --fresh replaces the file whole.
+
+Run (H200): python3 -m scripts.bench_attention --out DIR   (writes attention.json and attention.png to DIR)
+           python3 -m scripts.bench_attention --only ceiling token --out DIR   (the token rows alone)
 Import: `from scripts.bench_attention import main; main(["--only", "kernel"], extra_sections=[fn])`, where
 fn(ctx) -> list of row dicts; ctx is a `BenchContext` (timer, selection builder, ceiling) so that the integrator
 can add layer-level rows (select + sieve + attend) to the same run and JSON.
@@ -33,11 +40,12 @@ from scripts.bench_meta import (add_common_args, median_seconds, pyplot, run_met
                                 write_json)
 from ulacache_jax.pallas_kernels import page_copy
 from ulacache_jax.pallas_kernels import sparse_decode_attention as sda
+from ulacache_jax.pallas_kernels import token_decode_attention as tda
 
 H, KV, D, PAGE, TAIL = 64, 8, 128, 64, 2
 R = H // KV
 DT = jnp.bfloat16
-SECTIONS = ("ceiling", "kernel", "sweep", "msweep", "paged", "cudnn", "miss", "mosaic")
+SECTIONS = ("ceiling", "kernel", "sweep", "msweep", "paged", "cudnn", "miss", "mosaic", "token")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -126,6 +134,7 @@ class BenchContext:
         return max(vals) if vals else None
 
     mosaic_broken: bool = False
+    kept: dict = dataclasses.field(default_factory=dict)   # sections of OUT's earlier file this run does not measure
 
     def best_tuning(self, batch, budget, section="sweep"):
         """The fastest swept tuning for (batch, budget) when this run swept it, else None (library default)."""
@@ -140,9 +149,14 @@ class BenchContext:
         self.save()   # after every row: a section cut by the call's time limit keeps the rows it measured
         return row
 
+    def merged(self) -> dict:
+        """What attention.json holds: this run's results, and the earlier file's sections this run does not measure
+        (`kept_sections`). Kept sections stay out of `results`: this run's ceiling and tunings are its own."""
+        return {**self.results, **{k: v for k, v in self.kept.items() if k not in self.results}}
+
     def save(self):
         if self.args.out:
-            write_json(os.path.join(self.args.out, "attention.json"), self.results)
+            write_json(os.path.join(self.args.out, "attention.json"), self.merged())
 
 
 def attn_step(tuning=None, impl="pallas"):
@@ -521,6 +535,173 @@ def section_mosaic(ctx: BenchContext):
     ctx.save()
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# token: the per-token kernel against the page kernel over the same bytes
+# ----------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TokenWorkload:
+    """One (batch, budget) row of the token section: one pool, one query and the same tail pages, read three ways.
+    Groups hold one KV head each (g = 1, G = KV). Pool rows no list names are NaN, so a stray read shows."""
+    q: jax.Array           # [B, 1, H, D]
+    pool_k: jax.Array      # [F, t, 1, D]
+    pool_v: jax.Array      # [F, t, 1, D]
+    seq_len: jax.Array     # [B] int32
+    scattered: tuple       # (tok_frame, tok_row, tok_pos) [B, G, N + 2t] int32: N random rows of random frames,
+                           # then every row of the 2 tail pages (the last one's unwritten rows pos -1)
+    contiguous: tuple      # (tok_frame, tok_row, tok_pos) [B, G, (N/t + 2) t] int32: every row of `pages`' pages
+    pages: tuple           # (page_frame, page_start) [B, G, N/t + 2] int32: N/t random pages + the 2 tail pages
+    budget: int            # N
+    tokens: int            # attended tokens summed over (b, group): B * G * (N + tail rows), all three variants
+
+    @property
+    def bytes(self) -> int:  # K and V bytes of the attended tokens
+        return self.tokens * self.q.shape[-1] * self.pool_k.dtype.itemsize * 2
+
+    @property
+    def pool_gb(self) -> float:  # K and V
+        return 2 * self.pool_k.size * self.pool_k.dtype.itemsize / 1e9
+
+
+def make_token_workload(batch, budget, context, *, pool_gb, heads=H, kv=KV, d=D, page=16, seed=0,
+                        dtype=DT) -> TokenWorkload:
+    """Per (b, group): `budget` tokens at random rows of random frames (positions random, all before the tail), and
+    for the page kernel budget / page random pages; both lists end with the same 2 tail pages (the last one partial:
+    seq_len = context - page - 1). The pool holds pool_gb of K and V (at least twice the frames the lists name), the
+    frames a random permutation; every row a list names is random normal, every other row NaN."""
+    if budget % page:
+        raise ValueError(f"budget {budget} is not a whole number of pages of {page}")
+    rng = np.random.default_rng(seed)
+    seq_len = context - page - 1
+    n_pages = -(-seq_len // page)
+    n_sel, body = budget // page, n_pages - TAIL          # selected pages; pages before the tail
+    if n_sel > body:
+        raise ValueError(f"budget {budget} exceeds the {body * page} tokens before the tail at context {context}")
+    lists = batch * kv
+    need = lists * (n_sel + TAIL)
+    nf = max(int(pool_gb * 1e9) // (2 * page * d * jnp.dtype(dtype).itemsize), 2 * need)
+    perm = rng.permutation(nf).astype(np.int32)
+    tail_fr = perm[:lists * TAIL].reshape(batch, kv, TAIL)                       # [B, G, 2]
+    page_fr = perm[lists * TAIL:need].reshape(batch, kv, n_sel)                  # [B, G, N/t]
+    picks = rng.choice((nf - lists * TAIL) * page, lists * budget, replace=False)  # any row but the tail frames'
+    sc_fr = perm[lists * TAIL + picks // page].reshape(batch, kv, budget)       # [B, G, N]
+    sc_row = (picks % page).astype(np.int32).reshape(batch, kv, budget)
+    sc_pos = np.stack([rng.choice(body * page, budget, replace=False) for _ in range(lists)])
+    sel_start = np.stack([rng.choice(body, n_sel, replace=False) for _ in range(lists)]) * page
+    tail_start = np.broadcast_to(np.arange(body, n_pages) * page, (lists, TAIL))
+    starts = np.concatenate([sel_start, tail_start], -1).reshape(batch, kv, n_sel + TAIL)
+    frames = np.concatenate([page_fr, tail_fr], -1)                              # [B, G, N/t + 2]
+    order = rng.permuted(np.broadcast_to(np.arange(n_sel + TAIL), frames.shape), axis=-1)  # slots shuffled
+    frames, starts = np.take_along_axis(frames, order, -1), np.take_along_axis(starts, order, -1)
+
+    def rows_of(fr, st):  # every row of pages [B, G, K] -> (frame, row, pos) [B, G, K t]; rows past seq_len pos -1
+        rows = np.arange(page, dtype=np.int32)
+        pos = st[..., None] + rows
+        return (np.repeat(fr, page, -1), np.broadcast_to(rows, pos.shape).reshape(fr.shape[:2] + (-1,)),
+                np.where(pos < seq_len, pos, -1).reshape(fr.shape[:2] + (-1,)))
+
+    tail = rows_of(tail_fr, tail_start.reshape(batch, kv, TAIL))
+    scattered = tuple(np.concatenate([x, y], -1) for x, y in zip((sc_fr, sc_row, sc_pos.reshape(sc_fr.shape)), tail))
+    contiguous = rows_of(frames, starts)
+    used = np.zeros((nf, page), bool)
+    used[frames.reshape(-1)] = True
+    used[sc_fr.reshape(-1), sc_row.reshape(-1)] = True
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    keep = jnp.asarray(used)[:, :, None, None]
+    pool_k = jnp.where(keep, jax.random.normal(k1, (nf, page, 1, d), dtype), jnp.nan).astype(dtype)
+    pool_v = jnp.where(keep, jax.random.normal(k2, (nf, page, 1, d), dtype), jnp.nan).astype(dtype)
+    i32 = lambda xs: tuple(jnp.asarray(x, jnp.int32) for x in xs)
+    return TokenWorkload(q=jax.random.normal(k3, (batch, 1, heads, d), dtype), pool_k=pool_k, pool_v=pool_v,
+                         seq_len=jnp.full((batch,), seq_len, jnp.int32), scattered=i32(scattered),
+                         contiguous=i32(contiguous), pages=i32((frames, starts)), budget=budget,
+                         tokens=lists * (budget + seq_len - body * page))
+
+
+def token_step(impl="pallas", tuning=None):
+    def step(q, pk, pv, frame, row, pos, seq_len):
+        return tda.token_decode_attention(q, pk, pv, frame, row, pos, seq_len, impl=impl, tuning=tuning)
+    return step
+
+
+def check_output(out, ref, *, rtol=2e-2, atol=2e-2) -> dict:
+    """Kernel output against the reference at bf16 tolerance: |out - ref| <= atol * max|ref| + rtol * |ref| for
+    every element, and all finite. atol is scaled by the output's largest value: attention over thousands of random
+    tokens averages to outputs near 0.02, where a fixed atol of 1e-2 would pass half of an all-zero output.
+    Returns max_abs_err, rel_err (the file's norm ratio), scale (max|ref|) and ok."""
+    o = np.asarray(jnp.asarray(out, jnp.float32))
+    r = np.asarray(jnp.asarray(ref, jnp.float32))
+    err = np.abs(o - r)
+    scale = float(np.max(np.abs(r)))
+    ok = bool(np.isfinite(o).all() and (err <= atol * scale + rtol * np.abs(r)).all())
+    return dict(max_abs_err=float(np.max(err)), rel_err=rel_err(o, r), scale=scale, ok=ok)
+
+
+def token_variants(w: TokenWorkload, impl="pallas"):
+    """(variant, kernel step, reference, index lists, tuning) of a workload: the token kernel over the scattered
+    tokens (gather + per-token work), the token kernel over whole pages' rows (per-token work on contiguous rows),
+    and the page kernel over those pages (the same bytes as whole pages)."""
+    b, kv, n = w.scattered[0].shape
+    t = w.pool_k.shape[1]
+    tok_sc = tda.default_tuning(b, kv, n)
+    tok_ct = tda.default_tuning(b, kv, w.contiguous[0].shape[-1])
+    pg = sda.default_tuning(b, kv, w.pages[0].shape[-1], t)
+    return [("scattered", token_step(impl, tok_sc), tda.ref_token_decode_attention, w.scattered, tok_sc),
+            ("contiguous", token_step(impl, tok_ct), tda.ref_token_decode_attention, w.contiguous, tok_ct),
+            ("page", attn_step(pg, impl), sda.ref_sparse_decode_attention, w.pages, pg)]
+
+
+def measure_variant(step, ref_fn, args, nbytes, *, ceiling_tbs=None, timer=time_chain) -> dict:
+    """Check step(*args) against ref_fn(*args) (`check_output`), then time it with `timer` (median seconds per
+    call): max_abs_err, rel_err, us, TB/s over nbytes and the fraction of ceiling_tbs. A kernel that raises or fails
+    the check gives a row with `error` and no time: a wrong kernel's speed is not a result."""
+    try:
+        chk = check_output(jax.jit(step)(*args), jax.jit(ref_fn)(*args))
+    except Exception as e:
+        return dict(error=repr(e)[:300])
+    row = dict(max_abs_err=chk["max_abs_err"], rel_err=chk["rel_err"])
+    if not chk["ok"]:
+        return dict(row, error=f"check failed: max |out - ref| {chk['max_abs_err']:.3g} at output scale "
+                               f"{chk['scale']:.3g}")
+    try:
+        t, _ = timer(step, *args)
+    except Exception as e:
+        return dict(row, error=repr(e)[:300])
+    tbs = nbytes / t / 1e12
+    return dict(row, us=t * 1e6, tbs=tbs, frac_ceiling=tbs / ceiling_tbs if ceiling_tbs else None)
+
+
+def token_rows(w: TokenWorkload, *, impl="pallas", ceiling_tbs=None, timer=time_chain):
+    """The workload's three rows (`token_variants`), each checked then timed (`measure_variant`); yields each row
+    as it is measured, labelled with batch, budget, page, attended tokens and MB, pool GB, list entries (slots for
+    the page kernel) and tuning."""
+    b = w.q.shape[0]
+    for name, step, ref_fn, lists, tune in token_variants(w, impl):
+        label = dict(variant=name, batch=b, budget=w.budget, page=w.pool_k.shape[1], tokens=w.tokens,
+                     attended_mb=w.bytes / 1e6, pool_gb=w.pool_gb, entries=int(lists[0].shape[-1]),
+                     tuning=json.dumps(tune))
+        args = (w.q, w.pool_k, w.pool_v, *lists, w.seq_len)
+        yield dict(label, **measure_variant(step, ref_fn, args, w.bytes, ceiling_tbs=ceiling_tbs, timer=timer))
+
+
+def section_token(ctx: BenchContext):
+    """Token kernel vs page kernel at the 8B shape, page 16, g = 1: for each batch x budget, the scattered tokens,
+    the same count as contiguous rows, and the page kernel over those pages (`token_rows`)."""
+    a = ctx.args
+    for b in a.token_batches:
+        for budget in a.token_budgets:
+            if ctx.time_left() < 0:
+                ctx.add("token", dict(batch=b, budget=budget, skipped="deadline"))
+                continue
+            try:
+                w = make_token_workload(b, budget, a.token_context, pool_gb=a.token_pool_gb, seed=b * 7 + budget)
+            except Exception as e:
+                ctx.add("token", dict(batch=b, budget=budget, error=repr(e)[:300]))
+                continue
+            for row in token_rows(w, ceiling_tbs=ctx.ceiling_tbs):
+                ctx.add("token", row)
+            del w
+    ctx.save()
+
+
 def plot(results, path):
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -609,7 +790,34 @@ def summary(results):
         if "us" in r:
             lines.append(f"mosaic walk B={r['batch']} budget={r['budget']} conc={r['max_concurrent_steps']}: "
                          f"{r['us']:.1f} us {r['tbs']:.2f} TB/s")
+    lines += token_summary(results.get("token", []))
+    for name, meta in results.get("kept_sections", {}).items():
+        lines.append(f"kept from an earlier run: {name} ({meta.get('commit') or meta.get('git_commit')}, "
+                     f"{meta.get('date')})")
     return "\n".join(lines)
+
+
+def token_summary(rows) -> list[str]:
+    """One line per (batch, budget) of the token section: us, TB/s and fraction of the ceiling of the scattered
+    tokens, the contiguous rows and the page kernel; then each error row."""
+    by = {}
+    for r in rows:
+        if "variant" in r:
+            by.setdefault((r["batch"], r["budget"]), {})[r["variant"]] = r
+    lines = []
+    for (b, budget), d in by.items():
+        cells = []
+        for v in ("scattered", "contiguous", "page"):
+            r = d.get(v, {})
+            if "us" in r:
+                frac = f" {r['frac_ceiling']:.2f}c" if r.get("frac_ceiling") else ""
+                cells.append(f"{v} {r['us']:7.1f} us {r['tbs']:.2f} TB/s{frac} err {r['max_abs_err']:.1e}")
+            else:
+                cells.append(f"{v} {'ERROR' if 'error' in r else '-'}")
+        lines.append(f"token B={b} N={budget}: " + " | ".join(cells))
+    lines += [f"token error B={r['batch']} N={r['budget']} {r.get('variant', '')}: {r['error'][:300]}"
+              for r in rows if "error" in r]
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -627,6 +835,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, help="a results JSON to extend (its skipped rows are dropped)")
     p.add_argument("--kernel-rows", nargs="*", default=None,
                    help="BxBUDGETxCONTEXT triples: only these kernel rows (default: every batch x budget x context)")
+    p.add_argument("--token-batches", nargs="*", type=int, default=[3, 8], help="token section: batch sizes")
+    p.add_argument("--token-budgets", nargs="*", type=int, default=[2048, 4096, 8192],
+                   help="token section: listed tokens per (sequence, group), + the 2 tail pages' rows")
+    p.add_argument("--token-context", type=int, default=131072, help="token section: context the tokens come from")
+    p.add_argument("--token-pool-gb", type=float, default=4.0,
+                   help="token section: pool size, K and V together (at least twice the frames the lists name)")
+    p.add_argument("--fresh", action="store_true",
+                   help="replace OUT/attention.json whole (default: keep its sections this run does not measure, "
+                        "each with the meta of the run that measured it, under kept_sections)")
     return p
 
 
@@ -638,8 +855,51 @@ def parse(argv=None):
     return a
 
 
+def sections_to_run(a) -> list[str]:
+    """--only (default: every section) less --skip, in order. `token` reports fractions of the ceiling measured in
+    the same run, so asking for it runs `ceiling` first unless --skip names it."""
+    todo = [s for s in (a.only or SECTIONS) if s not in a.skip]
+    if "token" in todo and "ceiling" not in a.skip:
+        todo = ["ceiling"] + [s for s in todo if s != "ceiling"]
+    return todo
+
+
+def read_results(path) -> dict:
+    """An earlier attention.json, refused by name when it cannot be read (rather than replaced by this run's)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: cannot read the earlier results ({e!r}); move it or pass --fresh") from e
+
+
+def kept_sections(old: dict, measured) -> tuple[dict, dict]:
+    """The sections of an earlier results dict that this run does not measure (names in `measured`), and for each
+    the meta of the run that measured it: the earlier file's own `kept_sections` entry where it had one (a section
+    kept twice keeps its first meta), else the earlier file's top-level fields (device, jax, commit, date, command,
+    shapes, notes) with that section's seconds and error. A section is a named one (SECTIONS), a list of rows (the
+    integrator's extra sections) or an entry of `kept_sections`."""
+    earlier_kept = old.get("kept_sections", {})
+    names = [k for k, v in old.items() if k in SECTIONS or isinstance(v, list) or k in earlier_kept]
+    top = {k: v for k, v in old.items() if k not in names and k not in ("section_seconds", "errors",
+                                                                       "kept_sections")}
+    kept, meta = {}, {}
+    for name in names:
+        if name in measured:
+            continue
+        kept[name] = old[name]
+        if name in earlier_kept:
+            meta[name] = earlier_kept[name]
+        else:
+            meta[name] = dict(top, seconds=old.get("section_seconds", {}).get(name))
+            if name in old.get("errors", {}):
+                meta[name]["error"] = old["errors"][name]
+    return kept, meta
+
+
 def main(argv=None, extra_sections=()):
-    """Run the benchmark; returns the results dict (also written to OUT/attention.json and attention.png)."""
+    """Run the benchmark; returns the results dict as written to OUT/attention.json (this run's sections, and the
+    earlier file's other sections unless --fresh: `kept_sections`) and drawn in attention.png."""
     a = parse(argv)
     results = run_meta(a.commit, shapes=dict(H=H, KV=KV, D=D, page=PAGE, tail_pages=TAIL, dtype="bfloat16"))
     if a.resume:
@@ -651,11 +911,18 @@ def main(argv=None, extra_sections=()):
             elif key not in results or key in ("ceiling", "section_seconds"):
                 results[key] = val
         results["resumed_from"] = {k: old.get(k) for k in ("date", "commit", "command", "device", "jax")}
-    ctx = BenchContext(args=a, results=results, t_start=time.perf_counter())
-    todo = [s for s in (a.only or SECTIONS) if s not in a.skip]
+    todo = sections_to_run(a)
+    kept = {}
+    path = os.path.join(a.out, "attention.json") if a.out else None
+    if path and os.path.exists(path) and not a.fresh:
+        measured = set(todo) | {getattr(fn, "__name__", "extra") for fn in extra_sections} | set(results)
+        kept, meta = kept_sections(read_results(path), measured)
+        if kept:
+            results["kept_sections"] = {**results.get("kept_sections", {}), **meta}
+    ctx = BenchContext(args=a, results=results, t_start=time.perf_counter(), kept=kept)
     fns = dict(ceiling=section_ceiling, kernel=section_kernel, sweep=section_sweep, msweep=section_msweep,
                paged=section_paged,
-               cudnn=section_cudnn, miss=section_miss, mosaic=section_mosaic)
+               cudnn=section_cudnn, miss=section_miss, mosaic=section_mosaic, token=section_token)
     for name in todo:
         t0 = time.perf_counter()
         try:
@@ -670,6 +937,7 @@ def main(argv=None, extra_sections=()):
         for r in rows:
             ctx.add(getattr(fn, "__name__", "extra"), r)
         ctx.save()
+    results = ctx.merged()
     if a.out:
         try:
             plot(results, os.path.join(a.out, "attention.png"))
