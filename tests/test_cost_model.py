@@ -355,3 +355,30 @@ def test_label_rules_time_their_kernel_not_hbm():
     two = CostModel().step_terms("sparse", mc, rule=TwoStage(labels, keep_pages=256), **shape)
     assert two["score"] == pytest.approx(t["score"] * 256 * 64 / 131072)
     assert CostModel().step_terms("sparse", mc, **shape)["score"] == 0.0
+
+
+def test_per_token_selection_counts_the_fetched_pages():
+    """fetch_budget (per-token selection: the pages a group requests, CacheConfig.fetch_pages) scales the page,
+    PCIe, pool and hit-rate terms while the K/V read stays the budget's; resolve_attention passes a token config's
+    fetch_pages, so 'auto' sees its extra sieve and PCIe cost."""
+    mc = get_preset("llama-3.1-8b")
+    shape = dict(batch=3, context=131072, token_budget=4096, page_size=16, itemsize=2, pool_frames=1 << 20,
+                 hit_rate=0.9)
+    pages, tokens = (CostModel().step_terms("sparse", mc, fetch_budget=f, **shape) for f in (None, 2 * 4096))
+    assert tokens["hbm"] == pages["hbm"]
+    assert tokens["page"] == 2 * pages["page"] and tokens["pcie"] == pytest.approx(2 * pages["pcie"])
+    kw = dict(max_seqs=3, max_context=131072, token_budget=4096, page_size=16, dtype="bfloat16",
+              hbm_bytes=H200_LIMIT)
+    d1, d2 = choose_attention(mc, **kw), choose_attention(mc, fetch_budget=8192, **kw)
+    assert d2.pool_frames == 2 * d1.pool_frames and d2.hit_rate == d1.hit_rate
+    assert d2.tokens_per_s["sparse"] < d1.tokens_per_s["sparse"]
+    with pytest.raises(ValueError, match="fetch_budget"):
+        choose_attention(mc, fetch_budget=0, **kw)
+    from ulacache_jax.cache.config import CacheConfig
+    from ulacache_jax.runtime.cost_model import resolve_attention
+    base = dict(num_layers=32, num_kv_heads=8, head_dim=128, max_seqs=3, max_pages_per_seq=8192, page_size=16,
+                num_buckets=256, slots_per_bucket=1024, host_pages=1 << 16, token_budget=4096, key_channels=32,
+                label_bits=4)
+    cfgs = [CacheConfig(**base), CacheConfig(**base, token_shortlist=4, token_fetch=2)]
+    got = [resolve_attention("auto", mc, c, costs=CostModel(default_hbm_bytes=H200_LIMIT)) for c in cfgs]
+    assert got[1].tokens_per_s["sparse"] < got[0].tokens_per_s["sparse"]

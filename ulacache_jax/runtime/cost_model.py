@@ -12,9 +12,10 @@ The model: seconds per decode step of B sequences, per rank (`CostModel.step_sec
 W: weight bytes a step reads (every layer + the LM head); T: context; kv_tok: K + V bytes of one token over all
 layers; A: attended tokens (min(T, budget) + the tail pages); summ: one sequence's page summaries (min and max of
 K per page, all layers; a key copy's or the labels' bytes are `kern` instead, read by the page-lse kernel at its
-own measured rate); G: KV-head groups per rank; P: selected pages per group (budget / page); F: HBM frames
-of the pool (the PB-LRU state the sieve reads grows with it); miss: (1 - hit) * B * L * G * P K+V pages a step
-fetches over PCIe. The constants are a least-squares fit (relative error, `fit`) to the H200 decode rows of
+own measured rate); G: KV-head groups per rank; P: pages a group requests from the sieve a step (budget / page;
+per-token selection: CacheConfig.fetch_pages, more than the budget's, while A stays the budget's tokens); F: HBM
+frames of the pool (the PB-LRU state the sieve reads grows with it); miss: (1 - hit) * B * L * G * P K+V pages a
+step fetches over PCIe. No per-token row is in the fit: for it the page and PCIe terms are extrapolations. The constants are a least-squares fit (relative error, `fit`) to the H200 decode rows of
 docs/benchmarks/decode.json (the one-program pairs among them) and the issue 21 pairs; tests/test_cost_model.py checks
 the model against every one of them and prints predicted vs measured. The hit rate is not predicted here:
 `expected_hit_rate` reads it off PB-LRU's measured curve on a trained model's selections (pool frames / one
@@ -106,14 +107,16 @@ class CostModel:
     def step_terms(self, kind: str, mc, *, batch: int, context: int, token_budget: int, page_size: int,
                    itemsize: int, tp: int = 1, pool_frames: int | None = None,
                    hit_rate: float | None = None, rule=None,
-                   kv_itemsize: float | None = None) -> dict[str, float]:
+                   kv_itemsize: float | None = None, fetch_budget: int | None = None) -> dict[str, float]:
         """The step model's terms (module docstring) in the units their constants multiply: 'hbm' bytes, 'pcie'
         bytes, 'layer' (L), 'page' (L * B * G * P), 'frame' (L * F). pool_frames None: the auto pool; hit_rate
         None: `expected_hit_rate` of that pool; rule: the selection rule object (CacheConfig.selection_rule: Quest
         at any summary split, the key copy, labels, a two-stage rule or one of a user's), whose `step_bytes` the
         scores read every step, `kernel_bytes` of them through the page-lse kernel (None: Quest). kv_itemsize: bytes a
         stored K/V element takes (the page format's: CacheConfig.page_bytes per element, scales included; 1 and a
-        bit for fp8), None: `itemsize`; the weights and the selection metadata stay at `itemsize`."""
+        bit for fp8), None: `itemsize`; the weights and the selection metadata stay at `itemsize`. fetch_budget:
+        tokens of the pages a group requests a step (per-token selection: CacheConfig.fetch_pages * page_size),
+        None: token_budget; the pool, hit rate, page and PCIe terms count those pages, the K/V read the budget's."""
         L, B, T = mc.num_layers, batch, context
         kv_heads = mc.num_kv_heads / tp
         kv_isz = itemsize if kv_itemsize is None else kv_itemsize
@@ -124,12 +127,13 @@ class CostModel:
         if kind != "sparse":
             raise ValueError(f"kind = {kind!r} must be one of {KINDS}")
         G = max(1, self.groups(mc) // tp)
-        P = token_budget // page_size
+        fetched = token_budget if fetch_budget is None else fetch_budget
+        P = fetched // page_size
         if pool_frames is None:
-            pool_frames = self.auto_pool_frames(mc, batch=B, context=T, token_budget=token_budget,
+            pool_frames = self.auto_pool_frames(mc, batch=B, context=T, token_budget=fetched,
                                                 page_size=page_size, tp=tp)
         if hit_rate is None:
-            hit_rate = self.expected_hit_rate(mc, batch=B, context=T, token_budget=token_budget, page_size=page_size,
+            hit_rate = self.expected_hit_rate(mc, batch=B, context=T, token_budget=fetched, page_size=page_size,
                                               pool_frames=pool_frames, tp=tp)
         attended = min(T, token_budget + TAIL_TOKENS_PAGES * page_size)
         if rule is None:
@@ -242,13 +246,14 @@ def itemsize(dtype) -> int:
 def choose_attention(model_config, *, max_seqs: int, max_context: int, token_budget: int, page_size: int, dtype,
                      hbm_bytes: int, tp: int = 1, pool_frames: int | None = None, requested: str = "auto",
                      hbm_source: str = "given", rule=None, kv_itemsize: float | None = None,
-                     costs: CostModel = CostModel()) -> Decision:
+                     fetch_budget: int | None = None, costs: CostModel = CostModel()) -> Decision:
     """The attention for a Generator of max_seqs slots of up to max_context tokens (a full batch at the max
     context: the decision holds for its whole life). Dense when its cache fits in `hbm_bytes` and it is predicted
     no slower (within `costs.dense_margin`), or when every page would be attended anyway (max_context <=
     token_budget: sparse equals dense there, at more cost); sparse otherwise. pool_frames: the sparse cache's HBM
     frames per rank (None: the auto pool). requested 'sparse'/'dense': that kind, with the predictions beside it.
-    kv_itemsize: bytes of a stored K/V element (the page format's, `CostModel.step_terms`), None: dtype's."""
+    kv_itemsize: bytes of a stored K/V element (the page format's, `CostModel.step_terms`), None: dtype's.
+    fetch_budget: tokens of the pages a group requests a step (per-token selection's), None: token_budget."""
     mc = model_config
     if requested not in CHOICES:
         raise ValueError(f"attention = {requested!r} must be one of {CHOICES}")
@@ -259,12 +264,13 @@ def choose_attention(model_config, *, max_seqs: int, max_context: int, token_bud
     if budget % page:
         raise ValueError(f"token_budget = {budget} must be a multiple of page_size = {page}")
     isz = itemsize(dtype)
+    fetched = budget if fetch_budget is None else _positive_int("fetch_budget", fetch_budget)
     shape = dict(batch=S, context=T, token_budget=budget, page_size=page, itemsize=isz, tp=tp,
-                 kv_itemsize=kv_itemsize)
+                 kv_itemsize=kv_itemsize, fetch_budget=fetched)
     if pool_frames is None:
-        pool_frames = costs.auto_pool_frames(mc, batch=S, context=T, token_budget=budget, page_size=page, tp=tp)
+        pool_frames = costs.auto_pool_frames(mc, batch=S, context=T, token_budget=fetched, page_size=page, tp=tp)
     pool_frames = _positive_int("pool_frames", pool_frames)
-    hit = costs.expected_hit_rate(mc, batch=S, context=T, token_budget=budget, page_size=page,
+    hit = costs.expected_hit_rate(mc, batch=S, context=T, token_budget=fetched, page_size=page,
                                   pool_frames=pool_frames, tp=tp)
     sparse = costs.tokens_per_s("sparse", mc, pool_frames=pool_frames, hit_rate=hit, rule=rule, **shape)
     need = costs.dense_hbm_bytes(mc, max_seqs=S, max_context=T, itemsize=isz, tp=tp, kv_itemsize=kv_itemsize)
@@ -335,5 +341,5 @@ def resolve_attention(attention, model_config, cache_config, device=None, costs:
     return choose_attention(model_config, max_seqs=c.max_seqs, max_context=c.max_context,
                             token_budget=c.token_budget, page_size=c.page_size, dtype=c.dtype, hbm_bytes=hbm,
                             tp=c.tp, pool_frames=c.num_frames, requested=attention, hbm_source=source,
-                            rule=c.selection_rule, costs=costs,
+                            rule=c.selection_rule, costs=costs, fetch_budget=c.fetch_pages * c.page_size,
                             kv_itemsize=c.page_bytes / (c.page_size * c.kv_heads_per_group * c.head_dim))
