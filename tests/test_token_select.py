@@ -6,6 +6,8 @@ Checked against references written from what the cache holds: the tokens a plan 
 and then the heaviest of the shortlist by a numpy softmax over the dequantised labels, with the tail pages' tokens
 after them; a covering budget gives dense's tokens through generate; speculative verification (each row's own
 token selection) gives the plain run's greedy tokens; bad settings are refused by name."""
+import dataclasses
+
 import numpy as np
 import pytest
 import jax
@@ -161,7 +163,28 @@ def test_engine_small_budget_speculative_equals_plain_and_tokens_differ_from_pag
         assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
         outs[name] = [r.tokens for r in reqs]
     assert outs["spec"] == outs["plain"]
-    import dataclasses
     pages = Engine(generator=Generator(model, dataclasses.replace(cfg, token_shortlist=0, token_fetch=0),
                                                                 attention="sparse"))
     assert [r.tokens for r in pages.run(prompts, params)] != outs["plain"]
+
+
+def test_two_stage_lists_its_second_stage_tokens():
+    """A TwoStage rule selects tokens through its second stage (`tokens`, `score_tokens`): with a shortlist that
+    holds every page it is the labels alone, so the plans list the same tokens; a Quest second stage (pages only)
+    is refused by name."""
+    from ulacache_jax.cache.select import two_stage
+    S = 3
+    rng = np.random.default_rng(5)
+    qs = [jnp.asarray(rng.standard_normal((S, 1, 2 * QPK, D)) * 2, jnp.float32)]
+    plain = config(token_shortlist=3, token_fetch=2)
+    staged = two_stage.configure(plain, 8)        # 8 x 4 budget pages >= the 32 pages a sequence may hold
+    assert staged.selection.tokens and staged.fetch_pages == plain.fetch_pages
+    state, host, pos = _decoded(plain)
+    live = jnp.ones(S, bool)
+    # the same cache read under either rule: a Quest-first TwoStage keeps its second stage's state as is
+    plan = jax.jit(lambda st, h, q: plan_layer(st, h, 0, q, None, None, pos, live, append=False)[1])
+    a, b = (plan(dataclasses.replace(state, config=c), host, qs[0]) for c in (plain, staged))
+    np.testing.assert_array_equal(np.asarray(a.tok_pos), np.asarray(b.tok_pos))
+    from ulacache_jax.cache.select.quest import Quest
+    with pytest.raises(ValueError, match=r"token_shortlist = 2 ranks single tokens"):
+        config(key_channels=0, label_bits=0, selection=two_stage.TwoStage(Quest(), keep_pages=8))

@@ -166,6 +166,15 @@ class TwoStage(SelectionRule):
         sc = self.second.score_pages(self._view(state, "second"), layer, q, flushed, pages, ok, options)
         return spread(jnp.where(ok, sc, -jnp.inf), pages, ok, c.max_pages_per_seq)
 
+    @property
+    def tokens(self) -> bool:
+        """Per-token selection is the second stage's (it ranks the shortlisted pages' tokens)."""
+        return self.second.tokens
+
+    def score_tokens(self, state, layer, q, pages, ok, options):
+        """The second stage's token mass of the listed pages (per-token selection inside this rule's pages)."""
+        return self.second.score_tokens(self._view(state, "second"), layer, q, pages, ok, options)
+
     def step_bytes(self, *, context, num_layers, kv_heads, head_dim, itemsize, page_size):
         """The first stage's bytes over the whole context (Quest's: one summary per page, as this protocol has no
         config to read a summary_split from), and the second stage's over the shortlist."""
