@@ -275,7 +275,8 @@ def predicted_tokens_per_s(mc, kind, batch, ctx, cfg, hit_rate=None) -> float:
                                     page_size=cfg.page_size, itemsize=cfg.jnp_dtype.itemsize, tp=cfg.tp,
                                     pool_frames=cfg.num_frames if sparse else None,
                                     hit_rate=hit_rate if sparse else None,
-                                    rule=cfg.selection_rule if sparse else None)   # two-stage rows included
+                                    rule=cfg.selection_rule if sparse else None,   # two-stage rows included
+                                    fetch_budget=cfg.fetch_pages * cfg.page_size if sparse else None)
 
 
 def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None, read_bw=None):
