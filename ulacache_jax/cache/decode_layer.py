@@ -196,8 +196,9 @@ def fetch_shortlist(config, sel, scores, flushed, budget, topk: str):
     valid = sel >= 0
     x = _token_mass(c, scores, jnp.where(valid, sel, 0), valid, flushed)                          # [R, G, K * P]
     at, use = _top(x, c.token_budget, None if budget is None else budget * P, topk)             # [R, G, N]
-    chosen = jnp.zeros((R, G, K * P), bool).at[jnp.arange(R)[:, None, None], jnp.arange(G)[None, :, None],
-                                                at].max(use)                                    # [R, G, K * P]
+    # an int32 scatter-max (unused entries point at index 0 with 0, so they never clear a chosen token 0)
+    chosen = jnp.zeros((R, G, K * P), jnp.int32).at[jnp.arange(R)[:, None, None], jnp.arange(G)[None, :, None],
+                                                     at].max(use.astype(jnp.int32)) > 0         # [R, G, K * P]
     held = jnp.where(chosen, x, 0.0).reshape(R, G, K, P).sum(-1)                                   # [R, G, K]
     held = jnp.where(chosen.reshape(R, G, K, P).any(-1), held, -jnp.inf)
     keep_budget = None if budget is None else budget * c.token_fetch
