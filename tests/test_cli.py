@@ -313,3 +313,7 @@ def test_token_shortlist_flag_builds_the_cache_refuses_bad_values_and_fingerprin
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
         parse("--token-shortlist", "3", "--token-fetch", "0")
     assert "--token-fetch" in err.getvalue()
+    # the command refuses it before anything loads or any file is touched
+    rc, _, err = run_cli(["generate", "--model", "tiny", "--input", "missing.jsonl", "--output", "o.jsonl",
+                          "--token-fetch", "1"])
+    assert rc == 2 and "--token-fetch 1 must be below --token-shortlist 0" in err, err

@@ -45,7 +45,7 @@ def test_serve_option_errors_exit_2_before_loading():
                        (["--decode-chunk-steps", "128", "--page-size", "64"], "<= --page-size 64"),
                        (["--decode-chunk-steps", "8", "--speculative", "ngram"], "with --speculative"),
                        (["--key-channels", "8", "--token-shortlist", "2", "--token-fetch", "2"],
-                        "token_fetch = 2 must be below token_shortlist = 2")):
+                        "--token-fetch 2 must be below --token-shortlist 2")):
         rc, _, err = run_cli(["serve", "--model", "tiny", *argv])
         assert rc == 2 and text in err, (argv, err)
 

@@ -691,6 +691,15 @@ def setup_compile_cache(choice: str | None) -> str | None:
     return str(p)
 
 
+def check_token_flags(args) -> None:
+    """--token-fetch F fetches F x the budget's pages of --token-shortlist M's M x: refused before anything loads
+    without a shortlist or at F >= M (the cache config's own check says the same later, for API users)."""
+    tf, ts = getattr(args, "token_fetch", None), getattr(args, "token_shortlist", None)
+    if tf and (not ts or tf >= ts):
+        raise UsageError(f"--token-fetch {tf} must be below --token-shortlist {ts or 0} (it fetches F x the budget's "
+                         "pages of the shortlist's M x; without --token-fetch every shortlisted page is fetched)")
+
+
 def check_tier_flags(args) -> None:
     """--hbm-pages and --host-gb size UlaCache's two tiers: with --attention dense they would be silently ignored
     (refused), and with --attention auto they ask for the sparse cache (auto would otherwise be free to pick dense
@@ -811,6 +820,7 @@ def make_engine(args, loaded: model_loading.LoadedModel, cfg, param_bytes: int, 
 def cmd_generate(args) -> int:
     t_start = time.perf_counter()
     check_tier_flags(args)
+    check_token_flags(args)
     _spec_config(args)                 # its option errors before anything loads
     check_paths(args)
     lock = jsonl_io.OutputLock(args.output).acquire()
@@ -1075,6 +1085,7 @@ def cmd_serve(args) -> int:
     if args.token_budget % args.page_size:
         raise UsageError(f"--token-budget {args.token_budget} must be a multiple of --page-size {args.page_size}")
     check_tier_flags(args)
+    check_token_flags(args)
     _spec_config(args)                 # its option errors before anything loads
     setup_compile_cache(args.compile_cache)
     from ulacache_jax.app import openai_protocol, server
