@@ -73,15 +73,15 @@ def synthetic_fill_sparse(m, slots, ctx, seed, chunk=8192, hot_share=0.0):
     """Random K/V (distinct per sequence, made on the device) through the real ingestion path of CacheManager m.
 
     hot_share > 0 plants locality: a random set of pages per (sequence, layer, KV head), hot_share x the pages a
-    step fetches on average (the budget's, or per-token selection's: CacheConfig.fetch_pages, the pages the
-    sieve receives), gets keys HOT_GAIN times larger. Every step's selection then holds those pages (they win
+    step selects on average (the budget's, or per-token selection's shortlist: CacheConfig.shortlist_pages, the
+    pages the sieve receives), gets keys HOT_GAIN times larger. Every step's selection then holds those pages (they win
     under any rule) and fills the rest of its budget by the random queries, so the row's hit rate rises with
     hot_share: the knob that matches a row's hit rate to a trained model's trace (random weights alone select with
     no step-to-step locality). The pages' values and the dense side are unchanged."""
     c = m.config
     chunk = min(ctx, chunk)
     P = c.page_size
-    prob = hot_page_probability(hot_share, c.fetch_pages, ctx, P)
+    prob = hot_page_probability(hot_share, c.shortlist_pages, ctx, P)
     shape = (c.num_layers, chunk, c.num_kv_heads, c.head_dim)
 
     def make_k(key):
@@ -163,9 +163,8 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=None, tp=1, 
     page = page_size(args) if page is None else page
     need = (ctx + (args.chunks + 1) * page) // page + 1
     shortlist = getattr(args, "token_shortlist", 0) if attention == "sparse" and key_channels else 0
-    fetch = getattr(args, "token_fetch", 0) if shortlist else 0
-    # pages one layer of a step fetches (rank): the budget's, or --token-shortlist / --token-fetch x them
-    step_pages = batch * mc.num_kv_heads // tp * CacheConfig.step_pages(args.budget // page, shortlist, fetch)[1]
+    # pages one layer of a step selects (rank): the budget's, or --token-shortlist x them
+    step_pages = batch * mc.num_kv_heads // tp * CacheConfig.step_pages(args.budget // page, shortlist)
     kv_pages = batch * mc.num_layers * mc.num_kv_heads // tp * (ctx // page)
     kw = {}
     if attention == "sparse":
@@ -173,7 +172,7 @@ def bench_config(mc, attention, batch, ctx, args, kv_fraction, page=None, tp=1, 
         nb, ns = sieve_geometry(frames, step_pages)
         pages = pad_page_count(need)
         kw = dict(num_buckets=nb, slots_per_bucket=ns, max_pages_per_seq=pages, key_channels=key_channels,
-                  token_shortlist=shortlist, token_fetch=fetch,
+                  token_shortlist=shortlist,
                   label_bits=(getattr(args, "label_bits", 0) if label_bits is None else label_bits)
                   if key_channels else 0)
     else:
@@ -276,7 +275,7 @@ def predicted_tokens_per_s(mc, kind, batch, ctx, cfg, hit_rate=None) -> float:
                                     pool_frames=cfg.num_frames if sparse else None,
                                     hit_rate=hit_rate if sparse else None,
                                     rule=cfg.selection_rule if sparse else None,   # two-stage rows included
-                                    fetch_budget=cfg.fetch_pages * cfg.page_size if sparse else None)
+                                    fetch_budget=cfg.shortlist_pages * cfg.page_size if sparse else None)
 
 
 def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, sieve=None, read_bw=None):
@@ -365,7 +364,6 @@ def run_side(model, mc, attention, batch, ctx, args, copy_bw, kv_fraction=None, 
                                                                          rule=None)),
                two_stage=getattr(args, "two_stage", None) if attention == "sparse" else None,
                token_shortlist=cfg.token_shortlist if attention == "sparse" else None,
-               token_fetch=cfg.token_fetch if attention == "sparse" else None,
                kv_dtype=cfg.kv_dtype,
                dense_attention=gen.backend.ops.kernels.dense_attention if attention == "dense" else None,
                selection=repr(cfg.selection_rule) if attention == "sparse" else None,
@@ -399,8 +397,7 @@ def run_isolated(args, commit, side, ctx, batch, frac, sieve) -> dict:
                "--scores", args.scores, "--hot-share", str(getattr(args, "hot_share", 0.0)),
                "--kv-dtype", getattr(args, "kv_dtype", "auto"),
                "--dense-attention", getattr(args, "dense_attention", "auto")]
-        cmd += ["--token-shortlist", str(getattr(args, "token_shortlist", 0)),
-                "--token-fetch", str(getattr(args, "token_fetch", 0))]
+        cmd += ["--token-shortlist", str(getattr(args, "token_shortlist", 0))]
         if getattr(args, "two_stage", None):
             cmd += ["--two-stage", str(args.two_stage), "--first-channels", str(getattr(args, "first_channels", 0))]
         if args.score_launch:
@@ -479,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "Generator's prefill (rows then carry the time to first token)")
     p.add_argument("--hot-share", type=hot_share_arg, default=0.0,
                    help="sparse synthetic fill: plant hot pages (keys x HOT_GAIN), this share of the pages a step "
-                        "fetches (the budget's, or --token-shortlist / --token-fetch x them) per sequence, layer and KV head on average, so selections repeat step to step; tunes a "
+                        "selects (the budget's, or --token-shortlist x them) per sequence, layer and KV head on average, so selections repeat step to step; tunes a "
                         "row's hit rate to a trained model's trace (0: none, the worst case)")
     p.add_argument("--key-channels", type=int, default=0,
                    help="sparse rows: CacheConfig.key_channels (pages scored from an HBM copy of this many channels of "
@@ -490,9 +487,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-shortlist", type=int, default=0, metavar="M",
                    help="sparse rows with --key-channels: per-token selection, the budget's tokens of largest label "
                         "mass among M x the budget's pages (CacheConfig.token_shortlist; 0: whole pages)")
-    p.add_argument("--token-fetch", type=int, default=0, metavar="F",
-                   help="with --token-shortlist M: fetch only the F x the budget's pages (F < M) holding the most "
-                        "chosen mass (CacheConfig.token_fetch; 0: every shortlisted page)")
     p.add_argument("--two-stage", type=two_stage_arg, default=None, metavar="MULT",
                    help="sparse rows: the rule above as the second stage of a TwoStage (Quest's page bound "
                         "shortlists MULT x the budget; cache/select/two_stage.py)")
@@ -529,9 +523,6 @@ def main(argv=None):
     if args.token_shortlist < 0 or (args.token_shortlist and not args.key_channels):
         raise SystemExit(f"--token-shortlist {args.token_shortlist} must be >= 0, and > 0 only with --key-channels C "
                          "> 0 (tokens are ranked by the key copy or labels)")
-    if args.token_fetch < 0 or (args.token_fetch and args.token_fetch >= args.token_shortlist):
-        raise SystemExit(f"--token-fetch {args.token_fetch} must be 0 or below --token-shortlist "
-                         f"{args.token_shortlist} (F x the budget's pages of the shortlist's M x)")
     if args.first_channels and not args.two_stage:
         raise SystemExit(f"--first-channels {args.first_channels} needs --two-stage MULT (it names the first stage)")
     if args.first_channels > mc.head_dim:

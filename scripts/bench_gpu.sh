@@ -254,31 +254,33 @@ for b in "${names[@]}"; do
     # clients, real text, prompts 1K-32K, 256 new tokens, beside the offline Engine on the same requests; a 32K
     # prompt admitted while they stream. $MODEL: Qwen2.5-Coder-0.5B's GGUF path (default the packaged name)
     tokens-decode)  # issue 48: per-token selection's speed at 128K x 3, page 16, labels 32 @ 4, hot share 0.9 on
-                    # the pages a step fetches, each row its own process (~85 s a row on an H100): pages and dense
-                    # (the baselines, same call), tokens of a 4x shortlist with 2x fetched at 1/32 and 1/16, and
-                    # every shortlisted page fetched (token_fetch 0) at 1/32
+                    # the pages a step selects, each row its own process (~85 s a row on an H100): pages and dense
+                    # (the baselines, same call), tokens of a 2x shortlist at 1/32 and 1/16, of a 4x one at 1/32
                 tk=(--out "$OUT/tokens_decode" "${C[@]}" --append --chunks 4 --row-timeout 150 --page-size 16
                     --key-channels 32 --label-bits 4 --hot-share 0.9 --run "${RUN:-tokens-decode}")
                 step "$b" 320 scripts/bench_decode.py "${tk[@]}" --budget 4096 --rows sparse:131072:3,dense:131072:3
                 step "$b" 160 scripts/bench_decode.py "${tk[@]}" --budget 4096 --rows sparse:131072:3 \
-                  --token-shortlist 4 --token-fetch 2
+                  --token-shortlist 2
                 step "$b" 160 scripts/bench_decode.py "${tk[@]}" --budget 8192 --rows sparse:131072:3 \
-                  --token-shortlist 4 --token-fetch 2
+                  --token-shortlist 2
                 step "$b" 160 scripts/bench_decode.py "${tk[@]}" --budget 4096 --rows sparse:131072:3 \
                   --token-shortlist 4 ;;
     tokens-quality) # issue 48: the library's own per-token selection on the 32K Austen windows of quality-austen32k
-                    # (labels 32 @ 4, page 16, tokens of a 4x shortlist, 2x fetched) at 1/32 and 1/16, and the
-                    # selection trace's hit rates at pools 1/4 and 1/8. TEXT, MODEL: as quality-austen32k
+                    # (labels 32 @ 4, page 16, tokens of a 2x shortlist; SHORTLIST=4 for the 4x) at 1/32 and 1/16,
+                    # and the selection trace's hit rates at pools 1/4 and 1/8. TEXT, MODEL: as quality-austen32k
                 step "$b" 560 scripts/bench_quality.py --model "${MODEL:?MODEL=gguf path}" --text "${TEXT:?TEXT=file}" \
                   --dtype bfloat16 --tasks ppl,trace --ppl-window 32768 --ppl-prefix 28672 --ppl-windows 2 \
                   --trace-steps 256 --budgets 1024,2048 --pages 16 --key-channels 32 --label-bits 4 \
-                  --token-shortlist 4 --token-fetch 2 --pools 4,8 --out "$OUT" --name tokens_quality "${C[@]}" ;;
-    tokens-study)   # issue 48: how much of a 4x shortlist's choice survives fetching 1x / 2x the budget's pages
-                    # (oracle_ppl --fetch), labels 32 @ 4, on the study's 4092 positions of the 32K windows
+                  --token-shortlist "${SHORTLIST:-2}" --pools 4,8 --out "$OUT" --name "tokens_quality_${SHORTLIST:-2}" \
+                  "${C[@]}" ;;
+    tokens-study)   # issue 48: how much of a 4x shortlist's choice survives reading only the 2x budget pages
+                    # holding the most chosen mass (oracle_ppl --fetch; the library's token_fetch lost to a 2x
+                    # shortlist at 8K and was deleted: does 32K say otherwise?), labels 32 @ 4, on the study's
+                    # 4092 positions of the 32K windows
                 step "$b" 560 scripts/studies/oracle_ppl.py --model "${MODEL:?MODEL=gguf path}" \
                   --text "${TEXT:?TEXT=file}" --dtype bfloat16 --window 32768 --prefix 30720 --windows 2 \
                   --page-size 16 --budget 1024 2048 --label-channels 32 --label-bits 4 --select tokens \
-                  --shortlist 4 --fetch 1 2 --run tokens-fetch --deadline 500 --out "$OUT" "${C[@]}" ;;
+                  --shortlist 2 4 --fetch 0 2 --run tokens-fetch --deadline 500 --out "$OUT" "${C[@]}" ;;
     token-attention) # the per-token attention kernel against the page kernel over the same tokens
                 step "$b" 400 scripts/bench_attention.py --only ceiling token --out "$OUT" "${C[@]}" --deadline 320 ;;
     serve)      step serve 590 scripts/bench_serve.py --model "${MODEL:-qwen2.5-coder-0.5b}" --dtype bfloat16 \

@@ -192,10 +192,9 @@ def selection_fields(args, kc: int) -> dict:
     """The CacheConfig fields of a sparse cell's rule: key_channels = kc (0: Quest summaries) and, for kc > 0,
     --label-bits (0: the key copy in the model's dtype; 4 / 8: labels, channels picked online from the prompt);
     two_stage: --two-stage's multiple (that rule reranks Quest's shortlist; make_config wraps it); token_shortlist:
-    --token-shortlist (per-token selection among that multiple of the budget's pages; a copy's cells only) and
-    --token-fetch (the multiple of them fetched)."""
+    --token-shortlist (per-token selection among that multiple of the budget's pages; a copy's cells only)."""
     return dict(key_channels=kc, label_bits=args.label_bits if kc else 0, two_stage=args.two_stage,
-                token_shortlist=args.token_shortlist if kc else 0, token_fetch=args.token_fetch if kc else 0)
+                token_shortlist=args.token_shortlist if kc else 0)
 
 
 def make_config(mc, *, grid, max_tokens, budget, page, dtype, two_stage=None, **overrides):
@@ -470,7 +469,7 @@ def run_trace(trace, grid, args, meta, common):
     end_tokens = grid.ppl_prefix + steps
     total_pages = W * L * G * -(-end_tokens // cc.page_size)
     warm = min(steps // 4, 16) * L
-    lib_frames = W * L * G * cc.fetch_pages
+    lib_frames = W * L * G * cc.shortlist_pages
     # the library's default pool holds exactly one step's selections of every layer (no headroom); with headroom
     # x1.25 .. x2; then fractions of the whole KV cache
     fracs = [("library default (budget's share)", lib_frames)] + \
@@ -780,9 +779,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--token-shortlist", type=int, default=0, metavar="M",
                     help="the sparse cells with --key-channels C > 0 select single tokens: the budget's tokens of "
                          "largest label mass among M x the budget's pages (CacheConfig.token_shortlist; 0: pages)")
-    ap.add_argument("--token-fetch", type=int, default=0, metavar="F",
-                    help="with --token-shortlist M: only the F x the budget's pages (F < M) holding the most chosen "
-                         "mass are fetched (CacheConfig.token_fetch; 0: every shortlisted page)")
     ap.add_argument("--key-channels", default="0",
                     help="comma list: CacheConfig.key_channels of the sparse cells, each value its own cells against "
                          "one dense run (pages scored from an HBM copy of this many channels of every key; "
@@ -838,8 +834,6 @@ def main(argv=None):
         ap.error(f"--token-shortlist {args.token_shortlist} must be >= 0, and > 0 only with every --key-channels "
                  f"value > 0 (tokens are ranked by the key copy or labels; got "
                  f"{','.join(map(str, args.key_channels))})")
-    if args.token_fetch < 0 or (args.token_fetch and args.token_fetch >= args.token_shortlist):
-        ap.error(f"--token-fetch {args.token_fetch} must be 0 or below --token-shortlist {args.token_shortlist}")
     if args.two_stage and min(args.key_channels) == 0:
         ap.error(f"--two-stage {args.two_stage} reranks Quest's shortlist with the key copy or labels: every "
                  f"--key-channels value must be > 0 (got {','.join(map(str, args.key_channels))})")
@@ -881,8 +875,7 @@ def main(argv=None):
     stamp = dict(device=jax.devices()[0].device_kind, commit=args.commit or git_commit(), jax=jax.__version__,
                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                  summary_split=args.summary_split, **({"two_stage": args.two_stage} if args.two_stage else {}),
-                 **({"token_shortlist": args.token_shortlist} if args.token_shortlist else {}),
-                 **({"token_fetch": args.token_fetch} if args.token_fetch else {}))
+                 **({"token_shortlist": args.token_shortlist} if args.token_shortlist else {}))
     meta = dict(model=label, mode=kind, dtype=args.dtype, grid=dataclasses.asdict(grid), text=provenance,
                 tasks=args.tasks, key_channels=list(args.key_channels), label_bits=args.label_bits,
                 command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),

@@ -127,7 +127,7 @@ class RecordingOps:
         # SparseOps.attend is attend_layer = plan_layer + attend_pages: its plan holds the pages the sieve received
         state, plan, s = plan_layer(state, host, layer, q, k, v, pos, lv, options=o, rank=rank)
         state, out = attend_pages(state, host, q, plan, options=o)
-        start = plan.start[..., :min(c.fetch_pages, c.max_pages_per_seq)]   # the pages the sieve received
+        start = plan.start[..., :min(c.shortlist_pages, c.max_pages_per_seq)]   # the pages the sieve received
         sel = jnp.where(start >= 0, start // c.page_size, -1)
         rec = dict(pages=rec["pages"].at[layer].set(sel),
                    valid=rec["valid"].at[layer].set((sel >= 0) & lv[:, None, None]),
@@ -143,7 +143,7 @@ def make_step(graphdef, ops: SparseOps):
 
     def step(params, state, host, tok, length, keys, i, sampling):
         c = state.config
-        L, S, G, K = c.num_layers, c.max_seqs, c.groups_per_rank, min(c.fetch_pages, c.max_pages_per_seq)
+        L, S, G, K = c.num_layers, c.max_seqs, c.groups_per_rank, min(c.shortlist_pages, c.max_pages_per_seq)
         model = nnx.merge(graphdef, params)
         live = state.seqs.active
         rec = dict(pages=jnp.full((L, S, G, K), -1, jnp.int32), valid=jnp.zeros((L, S, G, K), bool),

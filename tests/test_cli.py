@@ -300,20 +300,3 @@ def test_token_shortlist_flag_builds_the_cache_refuses_bad_values_and_fingerprin
         assert "--token-shortlist" in err.getvalue() and bad in err.getvalue()
     with pytest.raises(cli.UsageError, match=r"token_shortlist = 2 ranks single tokens: the rule 'quest'"):
         cli._cache_config(parse("--token-shortlist", "2", "--key-channels", "0"), mc, "float32", 2, 256)
-    # --token-fetch F: the pool sized for F x the budget's pages; F >= M, or without a shortlist, refused by name
-    fetch = cli._cache_config(parse("--token-shortlist", "3", "--token-fetch", "2"), mc, "float32", 2, 2048)
-    every = cli._cache_config(parse("--token-shortlist", "3"), mc, "float32", 2, 2048)
-    assert (fetch.shortlist_pages, fetch.fetch_pages) == (12, 8) and fetch.num_frames < every.num_frames
-    assert resume.run_settings(parse("--token-shortlist", "3", "--token-fetch", "2"))["token_fetch"] == 2
-    assert "token_fetch" not in resume.run_settings(parse("--token-shortlist", "3"))
-    for args in (("--token-shortlist", "2", "--token-fetch", "2"), ("--token-fetch", "1")):
-        with pytest.raises(cli.UsageError, match=r"token_fetch = \d must be below token_shortlist"):
-            cli._cache_config(parse(*args), mc, "float32", 2, 256)
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
-        parse("--token-shortlist", "3", "--token-fetch", "0")
-    assert "--token-fetch" in err.getvalue()
-    # the command refuses it before anything loads or any file is touched
-    rc, _, err = run_cli(["generate", "--model", "tiny", "--input", "missing.jsonl", "--output", "o.jsonl",
-                          "--token-fetch", "1"])
-    assert rc == 2 and "--token-fetch 1 must be below --token-shortlist 0" in err, err

@@ -358,9 +358,9 @@ def test_label_rules_time_their_kernel_not_hbm():
 
 
 def test_per_token_selection_counts_the_fetched_pages():
-    """fetch_budget (per-token selection: the pages a group requests, CacheConfig.fetch_pages) scales the page,
+    """fetch_budget (per-token selection: the pages a group requests, CacheConfig.shortlist_pages) scales the page,
     PCIe, pool and hit-rate terms while the K/V read stays the budget's; resolve_attention passes a token config's
-    fetch_pages, so 'auto' sees its extra sieve and PCIe cost."""
+    shortlist, so 'auto' sees its extra sieve and PCIe cost."""
     mc = get_preset("llama-3.1-8b")
     shape = dict(batch=3, context=131072, token_budget=4096, page_size=16, itemsize=2, pool_frames=1 << 20,
                  hit_rate=0.9)
@@ -379,6 +379,6 @@ def test_per_token_selection_counts_the_fetched_pages():
     base = dict(num_layers=32, num_kv_heads=8, head_dim=128, max_seqs=3, max_pages_per_seq=8192, page_size=16,
                 num_buckets=256, slots_per_bucket=1024, host_pages=1 << 16, token_budget=4096, key_channels=32,
                 label_bits=4)
-    cfgs = [CacheConfig(**base), CacheConfig(**base, token_shortlist=4, token_fetch=2)]
+    cfgs = [CacheConfig(**base), CacheConfig(**base, token_shortlist=2)]
     got = [resolve_attention("auto", mc, c, costs=CostModel(default_hbm_bytes=H200_LIMIT)) for c in cfgs]
     assert got[1].tokens_per_s["sparse"] < got[0].tokens_per_s["sparse"]

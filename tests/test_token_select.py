@@ -33,15 +33,6 @@ def test_config_checks_and_sizes():
     assert c.select_pages == 4 and c.shortlist_pages == 8
     assert c.overflow_frames == c.max_seqs * c.groups_per_rank * 8
     assert config(token_shortlist=0).shortlist_pages == 4
-    f = config(token_shortlist=3, token_fetch=2)
-    assert (f.shortlist_pages, f.fetch_pages, f.overflow_frames) == (12, 8, f.max_seqs * f.groups_per_rank * 8)
-    assert c.fetch_pages == 8 and config(token_shortlist=0).fetch_pages == 4
-    for bad in (-1, True, 1.5):
-        with pytest.raises(ValueError, match=r"token_fetch = .* must be an int >= 0"):
-            config(token_fetch=bad)
-    for ts, tf in ((2, 2), (0, 1), (3, 4)):
-        with pytest.raises(ValueError, match=rf"token_fetch = {tf} must be below token_shortlist = {ts}"):
-            config(token_shortlist=ts, token_fetch=tf)
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match=r"token_shortlist = .* must be an int >= 0"):
             config(token_shortlist=bad)
@@ -89,44 +80,25 @@ def _heaviest(tok, mass, forced, n):
 
 
 def test_plan_lists_the_heaviest_tokens_of_the_shortlist():
-    """The plan's tokens: the sink and recent pages', then the heaviest by a numpy softmax over the dequantised
-    labels of the shortlist (the 3 x budget pages the cache lists without token_fetch). token_fetch 2 (a cache of
-    the same contents): only the 2 x budget pages holding the most of that choice's mass are fetched (forced pages
-    first), and the budget is chosen again among their tokens (the mass still normalised over the shortlist)."""
+    """The plan's tokens: the sink and recent pages', then the heaviest of the 3 x budget pages it lists by a numpy
+    softmax over their dequantised labels; the tail pages' tokens after them."""
     S = 3
     rng = np.random.default_rng(11)
     qs = [jnp.asarray(rng.standard_normal((S, 1, 2 * QPK, D)) * 2, jnp.float32) for _ in range(3)]
-    state, pos, shorts = _plans(config(token_shortlist=3), qs)
-    for fetch in (0, 2):
-        c = config(token_shortlist=3, token_fetch=fetch)
-        plans = _plans(c, qs)[2] if fetch else shorts
-        _check_plans(c, state, pos, qs, plans, shorts)
-
-
-def _check_plans(c, state, pos, qs, plans, shorts):
-    S, fetch = len(pos), c.token_fetch
-    K, F, N = c.shortlist_pages, c.fetch_pages, c.token_budget
-    assert (K, F) == (12, 8 if fetch else 12)
-    for q, plan, short in zip(qs, plans, shorts):
+    c = config(token_shortlist=3)
+    state, pos, plans = _plans(c, qs)
+    K, N = c.shortlist_pages, c.token_budget
+    assert K == 12
+    for q, plan in zip(qs, plans):
         tok_pos = np.asarray(plan.tok_pos)
-        assert tok_pos.shape == (S, 2, N + 2 * PAGE) and np.asarray(plan.start).shape[-1] == F + 2
+        assert tok_pos.shape == (S, 2, N + 2 * PAGE) and np.asarray(plan.start).shape[-1] == K + 2
         for s in range(S):
             fl = int(state.seqs.flushed[s])
             for gi in range(2):
-                pages = [int(x) // PAGE for x in np.asarray(short.start)[s, gi, :K] if x >= 0]
+                pages = [int(x) // PAGE for x in np.asarray(plan.start)[s, gi, :K] if x >= 0]
                 assert len(pages) == min(fl, K)
                 tok, mass, forced = _mass(c, state, s, gi, pages, q)
                 want = _heaviest(tok, mass, forced, N)
-                if fetch:
-                    held = {}               # page -> the chosen mass it holds (inf: forced)
-                    for t in want.tolist():
-                        i = pages.index(t // PAGE) * PAGE + t % PAGE
-                        held[t // PAGE] = held.get(t // PAGE, 0.0) + (np.inf if forced[i] else mass[i])
-                    kept = sorted(held, key=lambda pg: -held[pg])[:F]
-                    got_pages = sorted(int(x) // PAGE for x in np.asarray(plan.start)[s, gi, :F] if x >= 0)
-                    assert got_pages == sorted(kept)
-                    sub = np.isin(tok // PAGE, kept)
-                    want = _heaviest(tok[sub], mass[sub], forced[sub], N)
                 got = tok_pos[s, gi, :N]
                 assert set(got[got >= 0].tolist()) == set(want.tolist())
                 tail = tok_pos[s, gi, N:]
@@ -143,9 +115,8 @@ def test_generate_covering_budget_equals_dense(model):
 
 
 def test_engine_small_budget_speculative_equals_plain_and_tokens_differ_from_pages(model):
-    """Budget 4 pages of 16 (prompts of 100+ tokens): per-token selection (tokens of a 3x shortlist, 2x fetched)
-    runs through the Engine; greedy speculative decoding (verification shortlists, fetches and lists each row's
-    tokens from its own query) gives the plain run's tokens;
+    """Budget 4 pages of 16 (prompts of 100+ tokens): per-token selection runs through the Engine; greedy
+    speculative decoding (verification lists each row's tokens from its own query) gives the plain run's tokens;
     whole-page selection at the same budget gives other tokens (the token lists are what is attended)."""
     from ulacache_jax.runtime.engine import Engine, SamplingParams
     from ulacache_jax.runtime.generation import Generator, default_cache_config
@@ -154,7 +125,7 @@ def test_engine_small_budget_speculative_equals_plain_and_tokens_differ_from_pag
     doc = [int(t) for t in rng.integers(0, 256, 100)]
     prompts = [doc + [int(t) for t in rng.integers(0, 256, n)] for n in (5, 23)]
     cfg = default_cache_config(model.config, num_seqs=2, max_tokens=192, page_size=16, token_budget=64,
-                               key_channels=8, label_bits=4, token_shortlist=3, token_fetch=2, verify_rows=4)
+                               key_channels=8, label_bits=4, token_shortlist=2, verify_rows=4)
     params = SamplingParams(max_new_tokens=16)
     outs = {}
     gen = Generator(model, cfg, attention="sparse")
@@ -163,7 +134,7 @@ def test_engine_small_budget_speculative_equals_plain_and_tokens_differ_from_pag
         assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
         outs[name] = [r.tokens for r in reqs]
     assert outs["spec"] == outs["plain"]
-    pages = Engine(generator=Generator(model, dataclasses.replace(cfg, token_shortlist=0, token_fetch=0),
+    pages = Engine(generator=Generator(model, dataclasses.replace(cfg, token_shortlist=0),
                                                                 attention="sparse"))
     assert [r.tokens for r in pages.run(prompts, params)] != outs["plain"]
 
@@ -176,9 +147,9 @@ def test_two_stage_lists_its_second_stage_tokens():
     S = 3
     rng = np.random.default_rng(5)
     qs = [jnp.asarray(rng.standard_normal((S, 1, 2 * QPK, D)) * 2, jnp.float32)]
-    plain = config(token_shortlist=3, token_fetch=2)
+    plain = config(token_shortlist=3)
     staged = two_stage.configure(plain, 8)        # 8 x 4 budget pages >= the 32 pages a sequence may hold
-    assert staged.selection.tokens and staged.fetch_pages == plain.fetch_pages
+    assert staged.selection.tokens and staged.shortlist_pages == plain.shortlist_pages
     state, host, pos = _decoded(plain)
     live = jnp.ones(S, bool)
     # the same cache read under either rule: a Quest-first TwoStage keeps its second stage's state as is

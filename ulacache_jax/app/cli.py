@@ -165,10 +165,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="per-token selection: the --key-channels rule ranks single tokens, and each step attends "
                         "the budget's tokens of largest estimated mass among M x the budget's pages (the pool keeps "
                         "M x the budget's pages in HBM; e.g. 4). Default: whole pages")
-    p.add_argument("--token-fetch", type=positive_int, default=None, metavar="F",
-                   help="with --token-shortlist M: fetch (and keep in HBM) only the F x the budget's pages (F < M) "
-                        "holding the most of the chosen tokens' mass, and choose the budget again among their "
-                        "tokens: fewer sieve requests and PCIe misses a step. Default: every shortlisted page")
     p.add_argument("--two-stage", default=None, metavar="MULT",
                    help="two-stage selection for long contexts: Quest's page bound shortlists MULT x the budget's "
                         "pages and the selection rule (the key copy or the labels; Quest's bound again by "
@@ -544,8 +540,7 @@ def _cache_config(args, mc, dtype, num_seqs: int, max_tokens: int, tp_mod=None):
     def make():
         kw = dict(num_seqs=num_seqs, max_tokens=max_tokens, page_size=args.page_size, token_budget=args.token_budget,
                   dtype=dtype, key_channels=kc, label_bits=bits, channel_table=table, kv_dtype=args.kv_dtype,
-                  token_shortlist=getattr(args, "token_shortlist", None) or 0,
-                  token_fetch=getattr(args, "token_fetch", None) or 0)
+                  token_shortlist=getattr(args, "token_shortlist", None) or 0)
         cfg = default_cache_config(mc, tp=args.tp, pool_headroom=pool_headroom(args.attention), **kw)
         if args.two_stage is None:
             return cfg
@@ -691,15 +686,6 @@ def setup_compile_cache(choice: str | None) -> str | None:
     return str(p)
 
 
-def check_token_flags(args) -> None:
-    """--token-fetch F fetches F x the budget's pages of --token-shortlist M's M x: refused before anything loads
-    without a shortlist or at F >= M (the cache config's own check says the same later, for API users)."""
-    tf, ts = getattr(args, "token_fetch", None), getattr(args, "token_shortlist", None)
-    if tf and (not ts or tf >= ts):
-        raise UsageError(f"--token-fetch {tf} must be below --token-shortlist {ts or 0} (it fetches F x the budget's "
-                         "pages of the shortlist's M x; without --token-fetch every shortlisted page is fetched)")
-
-
 def check_tier_flags(args) -> None:
     """--hbm-pages and --host-gb size UlaCache's two tiers: with --attention dense they would be silently ignored
     (refused), and with --attention auto they ask for the sparse cache (auto would otherwise be free to pick dense
@@ -820,7 +806,6 @@ def make_engine(args, loaded: model_loading.LoadedModel, cfg, param_bytes: int, 
 def cmd_generate(args) -> int:
     t_start = time.perf_counter()
     check_tier_flags(args)
-    check_token_flags(args)
     _spec_config(args)                 # its option errors before anything loads
     check_paths(args)
     lock = jsonl_io.OutputLock(args.output).acquire()
@@ -1085,7 +1070,6 @@ def cmd_serve(args) -> int:
     if args.token_budget % args.page_size:
         raise UsageError(f"--token-budget {args.token_budget} must be a multiple of --page-size {args.page_size}")
     check_tier_flags(args)
-    check_token_flags(args)
     _spec_config(args)                 # its option errors before anything loads
     setup_compile_cache(args.compile_cache)
     from ulacache_jax.app import openai_protocol, server

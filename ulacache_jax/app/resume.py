@@ -41,7 +41,7 @@ NOT_IN_FINGERPRINT = {
 # options fingerprinted only when not at their default, so files written before they were fingerprinted (at the
 # default, the only case that was right then) still resume
 FINGERPRINTED_WHEN_SET = {"key_channels": 0, "label_bits": 0, "channel_table": "auto", "kv_dtype": "auto",
-                           "two_stage": None, "token_shortlist": None, "token_fetch": None,
+                           "two_stage": None, "token_shortlist": None,
                            "speculative": None, "num_speculative_tokens": 4, "draft_model": None,
                            "deterministic": False,
                            "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,

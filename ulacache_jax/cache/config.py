@@ -69,10 +69,6 @@ class CacheConfig:
                                      # budget's pages are selected (the pool's unit, `shortlist_pages`) and the
                                      # budget's tokens of largest estimated mass among theirs are attended (a rule
                                      # with per-token scores: the key copy or labels; decode_layer.token_list)
-    token_fetch: int = 0             # with token_shortlist M: 0 fetches (sieves) every shortlisted page; F in
-                                     # 1..M-1 only the F x budget pages holding the most chosen mass, the budget
-                                     # chosen again among their tokens (decode_layer.fetch_shortlist): fewer
-                                     # sieve requests and PCIe misses a step for a little of the shortlist's mass
 
     def __post_init__(self):
         def need(ok, msg):
@@ -133,11 +129,6 @@ class CacheConfig:
         ts = self.token_shortlist
         need(isinstance(ts, (int, np.integer)) and not isinstance(ts, bool) and ts >= 0,
              f"token_shortlist = {ts!r} must be an int >= 0 (0: whole pages; M: tokens among M x the budget's pages)")
-        tf = self.token_fetch
-        need(isinstance(tf, (int, np.integer)) and not isinstance(tf, bool) and tf >= 0,
-             f"token_fetch = {tf!r} must be an int >= 0 (0: every shortlisted page; F: F x the budget's pages)")
-        need(not tf or tf < ts, f"token_fetch = {tf} must be below token_shortlist = {ts} (it fetches F x the "
-                                "budget's pages of the shortlist's M x; 0 fetches them all)")
         if ts:
             need(self.selection_rule.tokens,
                  f"token_shortlist = {ts} ranks single tokens: the rule {self.rule!r} scores pages only (use "
@@ -191,24 +182,16 @@ class CacheConfig:
         return self.token_budget // self.page_size
 
     @staticmethod
-    def step_pages(select_pages: int, token_shortlist: int = 0, token_fetch: int = 0) -> tuple[int, int]:
-        """(pages a (sequence, group) scores a step, pages it fetches: the sieve's requests, the pool's working
-        set): the budget's pages both, or with per-token selection token_shortlist x and token_fetch x them (0:
-        the shortlist's). A static rule so a pool can be sized before its config exists (default_cache_config)."""
-        short = select_pages * max(1, token_shortlist)
-        return short, (select_pages * token_fetch if token_shortlist > 0 and token_fetch > 0 else short)
+    def step_pages(select_pages: int, token_shortlist: int = 0) -> int:
+        """Pages a (sequence, group) selects a step (the sieve's requests, the pool's working set): the budget's
+        pages, or token_shortlist x them with per-token selection. A static rule so a pool can be sized before its
+        config exists (default_cache_config)."""
+        return select_pages * max(1, token_shortlist)
 
     @property
     def shortlist_pages(self) -> int:
-        """Pages a (sequence, group) selects a step by page score: the budget's pages, or token_shortlist x them
-        with per-token selection (their tokens are scored; `fetch_pages` of them are fetched)."""
-        return self.step_pages(self.select_pages, self.token_shortlist, self.token_fetch)[0]
-
-    @property
-    def fetch_pages(self) -> int:
-        """Pages a (sequence, group) requests from the sieve a step (the pool's working set): `shortlist_pages`,
-        or token_fetch x the budget's pages of them."""
-        return self.step_pages(self.select_pages, self.token_shortlist, self.token_fetch)[1]
+        """`step_pages` of this config."""
+        return self.step_pages(self.select_pages, self.token_shortlist)
 
     @property
     def summary_size(self) -> int:
@@ -226,7 +209,7 @@ class CacheConfig:
         """HBM frames per rank that stage one layer call's overflow pages (misses with no free PB-LRU slot), so
         attention reads only HBM: at most every selected page of every sequence, group and query row overflows (a
         speculative verification attends `verify_rows` rows per sequence in one call, each with its own pages)."""
-        return self.max_seqs * self.groups_per_rank * self.fetch_pages * self.verify_rows
+        return self.max_seqs * self.groups_per_rank * self.shortlist_pages * self.verify_rows
 
     @property
     def max_context(self) -> int:

@@ -183,30 +183,6 @@ def token_list(config, scores, page, valid, frame, flushed, budget, topk: str):
             jnp.where(use, pos, -1).astype(jnp.int32))
 
 
-def fetch_shortlist(config, sel, scores, flushed, budget, topk: str):
-    """config.token_fetch: of the shortlist sel [R, G, K] (page ids, -1 unused) with token mass scores [R, G, K,
-    page], keep the F = config.fetch_pages pages holding the most mass of the budget's tokens chosen among all K
-    (the sink and recent pages first; a page holding no chosen token is not kept) -> (sel [R, G, F], scores
-    [R, G, F, page]). The sieve then requests, and the pool fetches, F pages instead of K; `token_list` chooses
-    the budget again among their tokens (a token whose page was dropped gives its place to one of a kept page).
-    budget [R] pages of tokens a row attends (None: token_budget): rows keep budget * F / M pages at most."""
-    c = config
-    P, F = c.page_size, c.fetch_pages
-    R, G, K = sel.shape
-    valid = sel >= 0
-    x = _token_mass(c, scores, jnp.where(valid, sel, 0), valid, flushed)                          # [R, G, K * P]
-    at, use = _top(x, c.token_budget, None if budget is None else budget * P, topk)             # [R, G, N]
-    # an int32 scatter-max (unused entries point at index 0 with 0, so they never clear a chosen token 0)
-    chosen = jnp.zeros((R, G, K * P), jnp.int32).at[jnp.arange(R)[:, None, None], jnp.arange(G)[None, :, None],
-                                                     at].max(use.astype(jnp.int32)) > 0         # [R, G, K * P]
-    held = jnp.where(chosen, x, 0.0).reshape(R, G, K, P).sum(-1)                                   # [R, G, K]
-    held = jnp.where(chosen.reshape(R, G, K, P).any(-1), held, -jnp.inf)
-    keep_budget = None if budget is None else budget * c.token_fetch
-    slot, use = _top(held, F, keep_budget, topk)                                                 # [R, G, F]
-    return (jnp.where(use, jnp.take_along_axis(sel, slot, axis=-1), -1),
-            jnp.take_along_axis(scores, slot[..., None], axis=2))
-
-
 def tail_tokens(page_size: int, t_frame, t_ok, tp, seq_len):
     """The tail pages as a token list: t_frame, t_ok [R, G, T] (their pool frames: the ring is in the pool with
     per-token selection), tp [R, T] their page ids, seq_len [R] -> (frame, row, pos) [R, G, T * page] int32, pos -1
@@ -254,8 +230,6 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     if c.token_shortlist:       # the shortlist's token mass: the rule's HBM labels, before any page moves
         ok = (sel >= 0) & live[:, None, None]
         sc = c.selection_rule.score_tokens(state, layer, q, jnp.where(ok, sel, 0), ok, options)   # [S, G, K, page]
-        if c.token_fetch:
-            sel, sc = fetch_shortlist(c, jnp.where(ok, sel, -1), sc, flushed, budget, options.topk)
     # 2. Sieve: hits refresh, misses take frames; the vTLB follows.
     pb, table, valid, page, frame, host_idx, miss, filled, overflow, lead = _sieve_pages(
         state, layer, sel, live, jnp.arange(S), rank, options)                        # [S, G, K] each
@@ -295,7 +269,7 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
         src=jnp.concatenate([src, t_src], axis=-1).astype(jnp.int32),
         host_page=jnp.concatenate([jnp.where(valid, host_idx, -1), t_host], axis=-1).astype(jnp.int32),
         seq_len=seq_len.astype(jnp.int32))
-    if c.token_shortlist:       # the budget's tokens among the fetched pages (all in HBM frames now)
+    if c.token_shortlist:       # the budget's tokens among the selected pages (all in HBM frames now)
         plan = with_tokens(plan, token_list(c, sc, page, valid, frame, flushed, budget, options.topk),
                            tail_tokens(P, t_frame, t_ok, tp, seq_len))
     stats = LayerStats(hits=(valid & ~miss).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
@@ -500,8 +474,6 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
                                               by_seq(ok).reshape(S, G, Q, K)[:, :, j], options)
                 for j in range(Q)]                                                    # Q x [S, G, K, page]
         sc = jnp.stack(rows, axis=1).reshape((V, G, K, P))
-        if c.token_fetch:
-            sel, sc = fetch_shortlist(c, jnp.where(ok, sel, -1), sc, flushed, None, options.topk)
     # 2. One sieve access; the vTLB follows.
     pb, table, valid, page, frame, host_idx, miss, filled, overflow, lead = _sieve_pages(
         state, layer, sel, vlive, vseq, rank, options)                                # [V, G, K] each
@@ -538,7 +510,7 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
                            host_idx.reshape(-1), jnp.where(once, fr, -1).reshape(-1).astype(jnp.int32),
                            impl=options.copy)   # K and V (and their scales) in one launch
     state = with_pool(state, pool_pages(state).of([a[None] for a in pool]))
-    if c.token_shortlist:       # each row's budget of tokens among its fetched pages
+    if c.token_shortlist:       # each row's budget of tokens among its selected pages
         plan = with_tokens(PagePlan(None, None, None, None, seq_len.astype(jnp.int32)),
                            token_list(c, sc, page, valid, fr, flushed, None, options.topk),
                            tail_tokens(P, t_frame, t_ok, tp, seq_len))

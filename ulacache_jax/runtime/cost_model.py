@@ -13,7 +13,7 @@ W: weight bytes a step reads (every layer + the LM head); T: context; kv_tok: K 
 layers; A: attended tokens (min(T, budget) + the tail pages); summ: one sequence's page summaries (min and max of
 K per page, all layers; a key copy's or the labels' bytes are `kern` instead, read by the page-lse kernel at its
 own measured rate); G: KV-head groups per rank; P: pages a group requests from the sieve a step (budget / page;
-per-token selection: CacheConfig.fetch_pages, more than the budget's, while A stays the budget's tokens); F: HBM
+per-token selection: CacheConfig.shortlist_pages, more than the budget's, while A stays the budget's tokens); F: HBM
 frames of the pool (the PB-LRU state the sieve reads grows with it); miss: (1 - hit) * B * L * G * P K+V pages a
 step fetches over PCIe. No per-token row is in the fit: for it the page and PCIe terms are extrapolations. The constants are a least-squares fit (relative error, `fit`) to the H200 decode rows of
 docs/benchmarks/decode.json (the one-program pairs among them) and the issue 21 pairs; tests/test_cost_model.py checks
@@ -115,7 +115,7 @@ class CostModel:
         scores read every step, `kernel_bytes` of them through the page-lse kernel (None: Quest). kv_itemsize: bytes a
         stored K/V element takes (the page format's: CacheConfig.page_bytes per element, scales included; 1 and a
         bit for fp8), None: `itemsize`; the weights and the selection metadata stay at `itemsize`. fetch_budget:
-        tokens of the pages a group requests a step (per-token selection: CacheConfig.fetch_pages * page_size),
+        tokens of the pages a group requests a step (per-token selection: CacheConfig.shortlist_pages * page_size),
         None: token_budget; the pool, hit rate, page and PCIe terms count those pages, the K/V read the budget's."""
         L, B, T = mc.num_layers, batch, context
         kv_heads = mc.num_kv_heads / tp
@@ -341,5 +341,5 @@ def resolve_attention(attention, model_config, cache_config, device=None, costs:
     return choose_attention(model_config, max_seqs=c.max_seqs, max_context=c.max_context,
                             token_budget=c.token_budget, page_size=c.page_size, dtype=c.dtype, hbm_bytes=hbm,
                             tp=c.tp, pool_frames=c.num_frames, requested=attention, hbm_source=source,
-                            rule=c.selection_rule, costs=costs, fetch_budget=c.fetch_pages * c.page_size,
+                            rule=c.selection_rule, costs=costs, fetch_budget=c.shortlist_pages * c.page_size,
                             kv_itemsize=c.page_bytes / (c.page_size * c.kv_heads_per_group * c.head_dim))

@@ -86,9 +86,8 @@ def default_cache_config(model_config, *, num_seqs: int, max_tokens: int, page_s
                          "(tp.prepare_model)")
     groups = num_groups // tp
     every_page = num_seqs * mc.num_layers * groups * pages
-    # pages a (sequence, group) fetches a step (CacheConfig.fetch_pages; the config does not exist yet)
-    step_pages = CacheConfig.step_pages(budget // page_size, int(overrides.get("token_shortlist") or 0),
-                                        int(overrides.get("token_fetch") or 0))[1]
+    # pages a (sequence, group) selects a step (CacheConfig.shortlist_pages; the config does not exist yet)
+    step_pages = CacheConfig.step_pages(budget // page_size, int(overrides.get("token_shortlist") or 0))
     frames_needed = min(math.ceil(pool_headroom * num_seqs * mc.num_layers * groups * step_pages), every_page)
     # one sieve call = one layer of a decode step: the largest buckets that keep the Pallas sieve on its fast path
     requests = num_seqs * groups * step_pages
