@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fetch", type=int, nargs="+", default=[0],
                    help="--select tokens with --shortlist M: 0 reads every shortlisted page; F (< M) only the F x "
                         "budget / page pages holding the most chosen mass, choosing again among their tokens (the "
-                        "library's token_fetch); each value its own configurations")
+                        "library's token_fetch of 09a197d, deleted); each value its own configurations")
     p.add_argument("--sink", type=int, default=1)
     p.add_argument("--recent", type=int, default=2)
     p.add_argument("--deadline", type=float, default=0.0, help="seconds: stop starting windows after it (0: none)")
