@@ -153,7 +153,7 @@ class TeacherForcedScorer:
         c = self.config
         model = nnx.merge(self.graphdef, params)
         S, C = toks.shape
-        K = min(c.shortlist_pages, c.max_pages_per_seq)         # the pages the sieve receives
+        K = min(c.shortlist_pages, c.max_pages_per_seq)     # the pages the sieve receives
         ops = self.ops
         rec_ops = _RecordingOps(ops.options)
         state = ops.begin_chunk(state)

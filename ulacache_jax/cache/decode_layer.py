@@ -144,39 +144,26 @@ def _sieve_pages(state: CacheState, layer: int, sel, row_live, row_seq, rank, op
     return pb, table, valid, page, frame, host_idx, miss, filled, miss & (frame < 0), lead
 
 
-def _top(x, count: int, budget, topk: str):
-    """Indices of the `count` largest entries of x [R, G, n] (budget [R]: at most that many a row; None: count)
-    -> (ids [R, G, count] int32, use [R, G, count] bool: the entry exists and is not -inf). The page top-k (the
-    radix-select kernel where the row fits it)."""
-    R, _, n = x.shape
-    every = jnp.full((R,), n, jnp.int32)
-    impl = topk if next_pow2(n) <= TOPK_MAX_PAGES else "ref"
-    ids = selection.select_pages(x, every, select_pages=min(count, n), sink_pages=0, recent_pages=0, impl=impl)
-    if budget is not None:
-        ids = selection.limit_pages(ids, x, every, budget, sink_pages=0, recent_pages=0)
-    at = jnp.maximum(ids, 0)
-    return at, (ids >= 0) & (jnp.take_along_axis(x, at, axis=-1) > -jnp.inf)
-
-
-def _token_mass(config, scores, page, valid, flushed):
-    """scores [R, G, K, page] -> [R, G, K * page] float32: the rule's token mass, +inf on the sink and recent
-    pages' tokens (attended whole, as in page selection), -inf on pages not taking part."""
-    c = config
-    R, G, K = page.shape
-    forced = (page < c.sink_pages) | (page >= flushed[:, None, None] - c.recent_pages)            # [R, G, K]
-    x = jnp.where(valid[..., None], jnp.where(forced[..., None], jnp.inf, scores), -jnp.inf)
-    return x.reshape(R, G, K * c.page_size)
-
-
 def token_list(config, scores, page, valid, frame, flushed, budget, topk: str):
     """Per-token selection inside the selected pages (config.token_shortlist): scores [R, G, K, page] float32 the
     rule's token mass (score_tokens), page / valid / frame [R, G, K] the selected pages (ids, taking part, HBM frame
     holding each), flushed [R] int32, budget [R] int32 pages of tokens a row attends (None: token_budget) -> (frame,
     row, pos) [R, G, N] int32, N = min(token_budget, K * page): the tokens of largest mass, every token of the sink
-    and recent pages first (as whole pages in page selection), pos -1 where a slot is unused (fewer candidates)."""
-    P = config.page_size
-    x = _token_mass(config, scores, page, valid, flushed)                                        # [R, G, K * P]
-    at, use = _top(x, config.token_budget, None if budget is None else budget * P, topk)       # [R, G, N]
+    and recent pages first (as whole pages in page selection), pos -1 where a slot is unused (fewer candidates).
+    The top-k is the page top-k over the K * page tokens (the radix-select kernel where the row fits it)."""
+    c = config
+    P = c.page_size
+    R, G, K = page.shape
+    forced = (page < c.sink_pages) | (page >= flushed[:, None, None] - c.recent_pages)            # [R, G, K]
+    x = jnp.where(valid[..., None], jnp.where(forced[..., None], jnp.inf, scores), -jnp.inf).reshape(R, G, K * P)
+    every = jnp.full((R,), K * P, jnp.int32)
+    impl = topk if next_pow2(K * P) <= TOPK_MAX_PAGES else "ref"
+    ids = selection.select_pages(x, every, select_pages=min(c.token_budget, K * P), sink_pages=0, recent_pages=0,
+                                 impl=impl)                                                   # [R, G, N]
+    if budget is not None:
+        ids = selection.limit_pages(ids, x, every, budget * P, sink_pages=0, recent_pages=0)
+    at = jnp.maximum(ids, 0)
+    use = (ids >= 0) & (jnp.take_along_axis(x, at, axis=-1) > -jnp.inf)
     slot, row = at // P, at % P
     pos = jnp.take_along_axis(page, slot, axis=-1) * P + row
     return (jnp.take_along_axis(frame, slot, axis=-1).astype(jnp.int32), row.astype(jnp.int32),
@@ -226,10 +213,6 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
     if c.token_shortlist and options.fused_fetch:
         raise ValueError(f"token_shortlist = {c.token_shortlist} reads single tokens from HBM frames: the fused fetch "
                          "(misses read from the host pool by the page kernel) does not apply; leave fused_fetch off")
-    sc = None
-    if c.token_shortlist:       # the shortlist's token mass: the rule's HBM labels, before any page moves
-        ok = (sel >= 0) & live[:, None, None]
-        sc = c.selection_rule.score_tokens(state, layer, q, jnp.where(ok, sel, 0), ok, options)   # [S, G, K, page]
     # 2. Sieve: hits refresh, misses take frames; the vTLB follows.
     pb, table, valid, page, frame, host_idx, miss, filled, overflow, lead = _sieve_pages(
         state, layer, sel, live, jnp.arange(S), rank, options)                        # [S, G, K] each
@@ -270,6 +253,7 @@ def plan_layer(state: CacheState, host: HostPool, layer: int, q, k_new, v_new, p
         host_page=jnp.concatenate([jnp.where(valid, host_idx, -1), t_host], axis=-1).astype(jnp.int32),
         seq_len=seq_len.astype(jnp.int32))
     if c.token_shortlist:       # the budget's tokens among the selected pages (all in HBM frames now)
+        sc = c.selection_rule.score_tokens(state, layer, q, page, valid, options)      # [S, G, K, page]
         plan = with_tokens(plan, token_list(c, sc, page, valid, frame, flushed, budget, options.topk),
                            tail_tokens(P, t_frame, t_ok, tp, seq_len))
     stats = LayerStats(hits=(valid & ~miss).sum().astype(jnp.int32), misses=miss.sum().astype(jnp.int32),
@@ -456,24 +440,6 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     scores = jnp.stack(sc, axis=1).reshape((V,) + sc[0].shape[1:])                   # [V, G, Pm]
     sel = selection.select_pages(scores, flushed, select_pages=c.shortlist_pages, sink_pages=c.sink_pages,
                                  recent_pages=c.recent_pages, impl=options.topk)      # [V, G, K]
-
-    def by_seq(x):                                                                    # [V, G, K] -> [S, G, Q*K]
-        K = x.shape[-1]
-        return x.reshape(S, Q, G, K).transpose(0, 2, 1, 3).reshape(S, G, Q * K)
-
-    def by_row(x):                                                                    # [S, G, Q*K] -> [V, G, K]
-        K = x.shape[-1] // Q
-        return x.reshape(S, G, Q, K).transpose(0, 2, 1, 3).reshape(V, G, K)
-
-    sc = None
-    if c.token_shortlist:       # each row's token mass over its shortlist, scored with its own query
-        ok = (sel >= 0) & vlive[:, None, None]
-        K = sel.shape[-1]
-        rows = [c.selection_rule.score_tokens(state, layer, q[:, j:j + 1],
-                                              by_seq(jnp.where(ok, sel, 0)).reshape(S, G, Q, K)[:, :, j],
-                                              by_seq(ok).reshape(S, G, Q, K)[:, :, j], options)
-                for j in range(Q)]                                                    # Q x [S, G, K, page]
-        sc = jnp.stack(rows, axis=1).reshape((V, G, K, P))
     # 2. One sieve access; the vTLB follows.
     pb, table, valid, page, frame, host_idx, miss, filled, overflow, lead = _sieve_pages(
         state, layer, sel, vlive, vseq, rank, options)                                # [V, G, K] each
@@ -482,6 +448,11 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
     # 3. Overflow pages staged once each: a duplicate (same sequence, group and page in another row) takes the
     #    stage of its first occurrence. Each (sequence, group, row, slot) owns an overflow frame (overflow_frames
     #    is sized for verify_rows rows), so the stage is the first occurrence's own slot: no compaction.
+    def by_seq(x):                                                                    # [V, G, K] -> [S, G, Q*K]
+        return x.reshape(S, Q, G, K).transpose(0, 2, 1, 3).reshape(S, G, Q * K)
+
+    def by_row(x):                                                                    # [S, G, Q*K] -> [V, G, K]
+        return x.reshape(S, G, Q, K).transpose(0, 2, 1, 3).reshape(V, G, K)
 
     opg = by_seq(jnp.where(overflow, page, -1))
     same = (opg[..., :, None] == opg[..., None, :]) & (opg[..., :, None] >= 0)        # [S, G, QK, QK]
@@ -510,7 +481,11 @@ def verify_batched(state: CacheState, host: HostPool, layer: int, q, pos, nrows,
                            host_idx.reshape(-1), jnp.where(once, fr, -1).reshape(-1).astype(jnp.int32),
                            impl=options.copy)   # K and V (and their scales) in one launch
     state = with_pool(state, pool_pages(state).of([a[None] for a in pool]))
-    if c.token_shortlist:       # each row's budget of tokens among its selected pages
+    if c.token_shortlist:       # each row's budget of tokens among its pages, scored with its own query
+        rows = [c.selection_rule.score_tokens(state, layer, q[:, j:j + 1], by_seq(page).reshape(S, G, Q, K)[:, :, j],
+                                              by_seq(valid).reshape(S, G, Q, K)[:, :, j], options)
+                for j in range(Q)]                                                    # Q x [S, G, K, page]
+        sc = jnp.stack(rows, axis=1).reshape((V, G, K, P))
         plan = with_tokens(PagePlan(None, None, None, None, seq_len.astype(jnp.int32)),
                            token_list(c, sc, page, valid, fr, flushed, None, options.topk),
                            tail_tokens(P, t_frame, t_ok, tp, seq_len))

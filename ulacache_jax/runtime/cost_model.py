@@ -15,9 +15,10 @@ K per page, all layers; a key copy's or the labels' bytes are `kern` instead, re
 own measured rate); G: KV-head groups per rank; P: pages a group requests from the sieve a step (budget / page;
 per-token selection: CacheConfig.shortlist_pages, more than the budget's, while A stays the budget's tokens); F: HBM
 frames of the pool (the PB-LRU state the sieve reads grows with it); miss: (1 - hit) * B * L * G * P K+V pages a
-step fetches over PCIe. No per-token row is in the fit: for it the page and PCIe terms are extrapolations. The constants are a least-squares fit (relative error, `fit`) to the H200 decode rows of
-docs/benchmarks/decode.json (the one-program pairs among them) and the issue 21 pairs; tests/test_cost_model.py checks
-the model against every one of them and prints predicted vs measured. The hit rate is not predicted here:
+step fetches over PCIe. No per-token row is in the fit: for it the page and PCIe terms are extrapolations. The
+constants are a least-squares fit (relative error, `fit`) to the H200 decode rows of docs/benchmarks/decode.json
+(the one-program pairs among them) and the issue 21 pairs; tests/test_cost_model.py checks the model against every
+one of them and prints predicted vs measured. The hit rate is not predicted here:
 `expected_hit_rate` reads it off PB-LRU's measured curve on a trained model's selections (pool frames / one
 step's selection frames); the auto pool is `pool_headroom` times one step's selection frames.
 """
