@@ -10,7 +10,8 @@ under `jax.profiler.trace`. The trace's device events are summarised three ways:
 Writes `decode_profile.json` (rows + the ordered layer of each row) to --out and prints a table per row.
 `--key-channels C --label-bits B` profile the sparse rows with the key copy or labels (rows record them),
 `--hot-share X` fills them as bench_decode --hot-share does (the trace's hit rate instead of random weights'),
-`--two-stage MULT` profiles them as a two-stage rule's second stage (bench_decode --two-stage).
+`--two-stage MULT` profiles them as a two-stage rule's second stage (bench_decode --two-stage), `--token-shortlist M`
+with per-token selection in M x the budget's pages (bench_decode --token-shortlist).
 """
 from __future__ import annotations
 
@@ -160,7 +161,8 @@ def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
     from ulacache_jax.runtime.sampling import SamplingArrays, row_keys
     mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
     model = LlamaModel(mc, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    ns = argparse.Namespace(chunks=2, budget=args.budget, two_stage=args.two_stage, page_size=args.page_size)
+    ns = argparse.Namespace(chunks=2, budget=args.budget, two_stage=args.two_stage, page_size=args.page_size,
+                            token_shortlist=args.token_shortlist)
     cfg = bd.bench_config(mc, attention, batch, ctx, ns, args.kv_fraction, key_channels=args.key_channels,
                           label_bits=args.label_bits)
     gen = Generator(model, cfg, attention=attention, options=DecodeOptions())
@@ -189,6 +191,7 @@ def profile_row(attention: str, ctx: int, batch: int, args) -> dict:
                label_bits=cfg.label_bits if attention == "sparse" else None,
                hot_share=args.hot_share if attention == "sparse" else None,
                two_stage=args.two_stage if attention == "sparse" else None,
+               token_shortlist=cfg.token_shortlist if attention == "sparse" else None,
                device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                step_ms=res["span_us"] / cfg.page_size / 1e3)
     return res
@@ -267,12 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hot-share", type=bd_hot_share, default=0.0, help="sparse rows: bench_decode --hot-share")
     p.add_argument("--two-stage", type=bd_two_stage, default=None, metavar="MULT",
                    help="sparse rows: the rule above as a TwoStage's second stage (bench_decode --two-stage)")
+    p.add_argument("--token-shortlist", type=int, default=0, metavar="M",
+                   help="sparse rows with --key-channels: per-token selection in M x the budget's pages "
+                   "(bench_decode --token-shortlist)")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # child: run the single row
     return add_common_args(p, files="decode_profile.json")
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.token_shortlist < 0 or (args.token_shortlist and not args.key_channels):
+        raise SystemExit(f"--token-shortlist {args.token_shortlist} must be >= 0, and > 0 only with --key-channels C "
+                         "(per-token selection ranks tokens by the key copy or labels)")
     specs = [(a, int(c), int(b)) for a, c, b in (r.split(":") for r in args.rows.split(","))]
     if args.one:
         (a, c, b), = specs
@@ -292,7 +301,7 @@ def main(argv=None):
                str(args.layers), "--budget", str(args.budget), "--page-size", str(args.page_size),
                "--kv-fraction", str(args.kv_fraction),
                "--key-channels", str(args.key_channels), "--label-bits", str(args.label_bits),
-               "--hot-share", str(args.hot_share)] + (["--two-stage", str(args.two_stage)] if args.two_stage else [])
+               "--hot-share", str(args.hot_share), "--token-shortlist", str(args.token_shortlist)] + (["--two-stage", str(args.two_stage)] if args.two_stage else [])
         row = row_in_child(cmd, args.row_timeout, attention=a, context=c, batch=b)
         row["commit"] = commit
         rows.append(row)

@@ -96,9 +96,9 @@ def test_attach_sources_maps_kernel_names_and_removes_the_dump(prof, tmp_path):
 
 
 def test_rule_options_reach_each_row_process(prof, tmp_path, monkeypatch):
-    """--key-channels / --label-bits / --hot-share / --two-stage go to every row's child process (the row is built
-    there); a bad --hot-share or --two-stage is refused by name before anything runs, and no --two-stage passes
-    none on."""
+    """--key-channels / --label-bits / --hot-share / --two-stage / --token-shortlist go to every row's child process
+    (the row is built there); a bad --hot-share, --two-stage or --token-shortlist is refused by name before anything
+    runs, and no --two-stage passes none on."""
     import scripts.bench_meta as bm
     seen = []
 
@@ -108,12 +108,17 @@ def test_rule_options_reach_each_row_process(prof, tmp_path, monkeypatch):
 
     monkeypatch.setattr(bm, "row_in_child", fake_child)
     prof.main(["--out", str(tmp_path), "--rows", "sparse:4096:1", "--key-channels", "64", "--label-bits", "4",
-               "--hot-share", "0.9", "--two-stage", "4", "--commit", "abc"])
+               "--hot-share", "0.9", "--two-stage", "4", "--token-shortlist", "2", "--commit", "abc"])
     cmd = seen[0]
-    for flag, value in (("--key-channels", "64"), ("--label-bits", "4"), ("--hot-share", "0.9"), ("--two-stage", "4")):
+    for flag, value in (("--key-channels", "64"), ("--label-bits", "4"), ("--hot-share", "0.9"), ("--two-stage", "4"),
+                        ("--token-shortlist", "2")):
         assert cmd[cmd.index(flag) + 1] == value
     prof.main(["--out", str(tmp_path / "b"), "--rows", "sparse:4096:1", "--commit", "abc"])
     assert "--two-stage" not in seen[1]
     for bad in (["--hot-share", "2"], ["--two-stage", "0"], ["--two-stage", "x"]):
         with pytest.raises(SystemExit):
             prof.build_parser().parse_args(bad)
+    for bad in (["--token-shortlist", "-1", "--key-channels", "32"], ["--token-shortlist", "2"]):
+        with pytest.raises(SystemExit, match="--token-shortlist"):
+            prof.main(["--out", str(tmp_path / "c"), "--rows", "sparse:4096:1", "--commit", "abc"] + bad)
+    assert len(seen) == 2
