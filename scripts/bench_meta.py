@@ -359,6 +359,23 @@ def earlier_run(path: str, append: bool) -> tuple[dict, list]:
     return meta, meta.pop("rows", [])
 
 
+def earlier_runs(path: str) -> dict:
+    """A study's JSON of runs ({"runs": [...]}; none if it does not exist), read before any work so that a file the
+    study did not write stops it by name instead of being replaced at the end."""
+    if not os.path.lexists(path):
+        return {"runs": []}
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path!r} exists and is not a readable JSON file ({type(e).__name__}: {e}): move it or "
+                         "pick another --out") from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise SystemExit(f"{path!r} is not a {os.path.basename(path)} of runs (no 'runs' list): move it or pick "
+                         "another --out")
+    return data
+
+
 def appended_meta(earlier: dict, commit: str, command: str, run: str | None = None) -> dict:
     """The `command` and `commit` fields of a JSON this run appends to: the earlier runs' stay, this one's is added."""
     if not earlier:

@@ -22,7 +22,6 @@ M): how much a per-token selection inside the pages a pool would hold keeps.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -147,27 +146,11 @@ def check_args(a) -> None:
                                  f"--sink {a.sink} + --recent {a.recent} pages")
 
 
-def earlier_runs(path: str) -> dict:
-    """The JSON's earlier runs ({"runs": [...]}; none if it does not exist), read before any work so that a file
-    this study did not write stops it by name instead of being replaced at the end."""
-    if not os.path.lexists(path):
-        return {"runs": []}
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"{path!r} exists and is not a readable JSON file ({type(e).__name__}: {e}): move it or "
-                         "pick another --out") from None
-    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
-        raise SystemExit(f"{path!r} is not an oracle_ppl.json (no 'runs' list): move it or pick another --out")
-    return data
-
-
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_args(a)
     path = os.path.join(a.out, "oracle_ppl.json")
-    data = earlier_runs(path)
+    data = bench_meta.earlier_runs(path)
     import jax.numpy as jnp
     from flax import nnx
     from scripts import bench_quality
