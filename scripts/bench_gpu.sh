@@ -11,7 +11,7 @@
 #                              page16-rows sieve-page16 profile-two-stage
 #                              longctx-15b
 #                              speculative-b1 speculative-b4 speculative-step prefix-8b-on prefix-8b-off prefix-smollm2
-#                              serve tokens-decode tokens-quality tokens-study token-attention]
+#                              serve tokens-decode tokens-quality tokens-study token-attention profile-tokens]
 #                              (default: select sieve tiers ingest attention layer decode, in order)
 # (`make bench-gpu BENCH="select decode"` calls this.) Every script checks against its reference before timing
 # and writes its JSON row by row, so a step cut by its timeout keeps what it measured. Output: JSON + PNG under
@@ -281,6 +281,13 @@ for b in "${names[@]}"; do
                   --text "${TEXT:?TEXT=file}" --dtype bfloat16 --window 32768 --prefix 30720 --windows 2 \
                   --page-size 16 --budget 1024 2048 --label-channels 32 --label-bits 4 --select tokens \
                   --shortlist 2 4 --fetch 0 2 --run tokens-fetch --deadline 500 --out "$OUT" "${C[@]}" ;;
+    profile-tokens) # issue 48: where per-token selection's step goes (2x shortlist: 1.05x dense where pages of 16
+                    # give 1.53x, run AL) at 128K x 3, 1/32, page 16, labels 32 @ 4, hot share 0.9: the token row,
+                    # then the pages row it is compared with
+                pt=(--out "$OUT/tokens_profile" "${C[@]}" --row-timeout 220 --budget 4096 --page-size 16
+                    --key-channels 32 --label-bits 4 --hot-share 0.9 --rows sparse:131072:3)
+                step "$b" 240 scripts/profile_decode.py "${pt[@]}" --token-shortlist 2 && \
+                step "$b" 240 scripts/profile_decode.py "${pt[@]}" --append ;;
     token-attention) # the per-token attention kernel against the page kernel over the same tokens
                 step "$b" 400 scripts/bench_attention.py --only ceiling token --out "$OUT" "${C[@]}" --deadline 320 ;;
     serve)      step serve 590 scripts/bench_serve.py --model "${MODEL:-qwen2.5-coder-0.5b}" --dtype bfloat16 \
@@ -296,7 +303,7 @@ for b in "${names[@]}"; do
             "decode-labels decode-labels-256k dense-fp8 exact quality-austen32k quality-austen32k-quest" \
             "quality-austen32k-1of16" \
             "profile-labels profile-page16 page16-rows profile-two-stage longctx-15b serve tokens-decode" \
-            "tokens-quality tokens-study token-attention)"; exit 2 ;;
+            "tokens-quality tokens-study token-attention profile-tokens)"; exit 2 ;;
   esac
 done
 exit $status

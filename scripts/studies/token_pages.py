@@ -117,14 +117,15 @@ def summarize(counts: np.ndarray, budget_pages: int, shortlist: int) -> dict:
 
 
 def plot(runs: list, path: str) -> str:
-    """Pages holding a chosen token (mean, p10-p90 as the bar's error) per run, budget and shortlist."""
+    """Pages holding a chosen token (mean, p10-p90 as the bar's error, clipped at the mean: the mean of a skewed
+    count can lie outside them) per run, budget and shortlist."""
     plt = bench_meta.pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     labels, x = [], 0
     for run in runs:
         for r in run["rows"]:
             m = r["mean_x_budget"]
-            ax.bar(x, m, yerr=[[m - r["p10_x_budget"]], [r["p90_x_budget"] - m]], color="C0" if r["shortlist"]
+            ax.bar(x, m, yerr=[[max(0.0, m - r["p10_x_budget"])], [max(0.0, r["p90_x_budget"] - m)]], color="C0" if r["shortlist"]
                    else "C1", capsize=2)
             labels.append(f"{run['run'] or run['rule']}\nb{r['budget']} " + (f"{r['shortlist']}x" if r["shortlist"]
                                                                             else "all"))
