@@ -32,6 +32,11 @@ def test_tiny_run_counts_every_configuration(tmp_path):
     assert 1.0 <= rows[2]["mean_x_budget"] <= 2.0 and rows[2]["max_x_budget"] <= 2.0
     assert rows[0]["share_of_shortlist"] is None and rows[0]["mean_x_budget"] >= 1.0
     assert rows[2]["n"] == 2 * 2 * 2                   # positions x layers x KV heads of the tiny preset
+    assert all(0.0 < r["recall_mean"] <= 1.0 + 1e-6 for r in rows.values())
+    # ranked by the true logits, a choice among more candidates keeps at least the mass of one among fewer
+    assert token_pages.main(args[:2] + ["0"] + args[3:-1] + [str(tmp_path / "t")]) == 0
+    true = {r["shortlist"]: r for r in json.load(open(tmp_path / "t" / "token_pages.json"))["runs"][0]["rows"]}
+    assert true[0]["recall_mean"] >= true[2]["recall_mean"] - 1e-6 >= true[1]["recall_mean"] - 2e-6
     bad = tmp_path / "b"
     bad.mkdir()
     (bad / "token_pages.json").write_text("[1, 2]")

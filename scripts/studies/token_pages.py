@@ -16,7 +16,8 @@ library's quantiser) or the true logits (--label-channels 0); dense_layers.token
 (sink, recent and tail pages whole) from every flushed token (--shortlist 0) or from the M x budget pages of largest
 mass; the flushed pages holding a chosen token (sink and recent ones included, the tail not: it is never fetched)
 are counted, as a multiple of the budget's pages (1.0: the tokens fill whole pages; M: they touch every shortlisted
-page). Positions are prefill positions, so
+page), and the chosen keys' recall (the true attention mass on them) is reported beside, so page sizes and
+shortlists can be compared on what they keep as well as on what they fetch (--shortlist 1 is whole-page selection). Positions are prefill positions, so
 no decode step runs: the same keys and queries a teacher-forced decode would see, without its cost.
 """
 from __future__ import annotations
@@ -85,7 +86,9 @@ def pages_touched(chosen, pos, *, page: int):
 
 
 def make_counter(model, total: int, a, budget: int, shortlist: int):
-    """-> count(k [T, KV, D], q [H, D], pos) -> int32 [KV]: pages_touched of one layer's choice at one position."""
+    """-> count(k [T, KV, D], q [H, D], pos) -> (int32 [KV] pages_touched of one layer's choice at one position,
+    float32 [KV] its recall: the true attention mass (softmax over the visible keys, mean over the KV head's query
+    heads) on the keys chosen)."""
     import jax
     import jax.numpy as jnp
     D = model.config.head_dim
@@ -102,15 +105,18 @@ def make_counter(model, total: int, a, budget: int, shortlist: int):
         s = jnp.where(seen[None, None], s, -jnp.inf)
         chosen = token_keep(s, pos, page=a.page_size, budget=budget, sink=a.sink, recent=a.recent,
                             shortlist=shortlist)
-        return pages_touched(chosen, pos, page=a.page_size)
+        true = jnp.where(seen[None, None], jnp.einsum("kgd,tkd->kgt", qg, K) / np.sqrt(D), -jnp.inf)
+        recall = (jax.nn.softmax(true, axis=-1) * chosen[:, None]).sum(-1).mean(-1)     # [KV]
+        return pages_touched(chosen, pos, page=a.page_size), recall
     return count
 
 
-def summarize(counts: np.ndarray, budget_pages: int, shortlist: int) -> dict:
-    """counts [n] pages touched (one per layer, KV head and position) -> the row's statistics, as multiples of the
-    budget's pages (what whole-page selection fetches; a shortlist of M fetches M of them)."""
+def summarize(counts: np.ndarray, budget_pages: int, shortlist: int, recall: np.ndarray) -> dict:
+    """counts [n] pages touched, recall [n] (one per layer, KV head and position) -> the row's statistics, the
+    counts as multiples of the budget's pages (what whole-page selection fetches; a shortlist of M fetches M of
+    them)."""
     x = counts / budget_pages
-    return {"n": int(counts.size), "mean_x_budget": float(x.mean()), "p10_x_budget": float(np.quantile(x, 0.1)),
+    return {"n": int(counts.size), "recall_mean": float(recall.mean()), "recall_p10": float(np.quantile(recall, 0.1)), "mean_x_budget": float(x.mean()), "p10_x_budget": float(np.quantile(x, 0.1)),
             "p50_x_budget": float(np.median(x)), "p90_x_budget": float(np.quantile(x, 0.9)),
             "max_x_budget": float(x.max()),
             "share_of_shortlist": float(x.mean() / shortlist) if shortlist else None}
@@ -178,23 +184,25 @@ def main(argv=None) -> int:
         pages = budget // a.page_size
         for m in a.shortlist:
             count = make_counter(model, total, a, budget, m)
-            got = np.asarray([np.asarray(count(ck[layer, 0], qw[layer, j], jnp.int32(first + j)))
-                              for layer in range(L) for j in js])                    # [L * positions, KV]
+            got = [count(ck[layer, 0], qw[layer, j], jnp.int32(first + j)) for layer in range(L) for j in js]
+            n_pages = np.asarray([np.asarray(g[0]) for g in got]).reshape(-1)             # [L * positions * KV]
+            recall = np.asarray([np.asarray(g[1]) for g in got]).reshape(-1)
             row = {"budget": budget, "budget_ratio": budget / len(ids), "shortlist": m, "budget_pages": pages,
-                   **summarize(got.reshape(-1), pages, m)}
+                   **summarize(n_pages, pages, m, recall)}
             run["rows"].append(row)
             bench_meta.write_json(path, data)
             print(f"[{time.time() - t0:6.0f}s] budget {budget} shortlist {m or 'every token'}: pages holding a "
                   f"chosen token {row['mean_x_budget']:.2f}x the budget's (p10 {row['p10_x_budget']:.2f}, p90 "
                   f"{row['p90_x_budget']:.2f})" + (f", {100 * row['share_of_shortlist']:.0f}% of the shortlist"
-                                                   if m else ""), flush=True)
+                                                   if m else "") + f"; recall {row['recall_mean']:.4f}", flush=True)
     plot(data["runs"], os.path.join(a.out, "token_pages.png"))
     print(f"| {rule}, page {a.page_size} | budget | pages holding a chosen token / budget's (mean, p10-p90) | "
-          f"share of the shortlist |\n|---|---|---|---|")
+          f"share of the shortlist | recall (mean, p10) |\n|---|---|---|---|---|")
     for r in run["rows"]:
         sl = f"{100 * r['share_of_shortlist']:.0f}%" if r["shortlist"] else "-"
         print(f"| {'tokens in ' + str(r['shortlist']) + 'x pages' if r['shortlist'] else 'every token'} | "
-              f"{r['budget']} | {r['mean_x_budget']:.2f} ({r['p10_x_budget']:.2f}-{r['p90_x_budget']:.2f}) | {sl} |")
+              f"{r['budget']} | {r['mean_x_budget']:.2f} ({r['p10_x_budget']:.2f}-{r['p90_x_budget']:.2f}) | {sl} | "
+              f"{r['recall_mean']:.4f} ({r['recall_p10']:.4f}) |")
     return 0
 
 
