@@ -17,8 +17,9 @@ library's quantiser) or the true logits (--label-channels 0); dense_layers.token
 mass; the flushed pages holding a chosen token (sink and recent ones included, the tail not: it is never fetched)
 are counted, as a multiple of the budget's pages (1.0: the tokens fill whole pages; M: they touch every shortlisted
 page), and the chosen keys' recall (the true attention mass on them) is reported beside, so page sizes and
-shortlists can be compared on what they keep as well as on what they fetch (--shortlist 1 is whole-page selection). Positions are prefill positions, so
-no decode step runs: the same keys and queries a teacher-forced decode would see, without its cost.
+shortlists can be compared on what they keep as well as on what they fetch (--shortlist 1 is whole-page selection).
+Positions are prefill positions, so no decode step runs: the same keys and queries a teacher-forced decode would
+see, without its cost.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=8192, help="tokens of the one window prefilled")
     p.add_argument("--queries", type=int, default=256, help="the last positions of the window whose queries count")
     p.add_argument("--stride", type=int, default=8, help="every stride-th of those positions")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, nargs="+", default=[16])
     p.add_argument("--budget", type=int, nargs="+", default=[256], help="tokens a layer attends a step")
     p.add_argument("--shortlist", type=int, nargs="+", default=[0, 2, 4],
                    help="0: the tokens chosen among every flushed token; M >= 1: among the M x budget pages of "
@@ -58,15 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(a) -> None:
-    pg = a.page_size
-    if pg < 1 or pg % 16 and a.label_channels:
-        raise SystemExit(f"--page-size {pg} must be >= 1 (a multiple of 16 with labels: their scale group)")
+    for pg in a.page_size:
+        if pg < 1 or pg % 16 and a.label_channels:
+            raise SystemExit(f"--page-size {pg} must be >= 1 (a multiple of 16 with labels: their scale group)")
     if a.queries < 1 or a.stride < 1 or a.queries >= a.window:
         raise SystemExit(f"--queries {a.queries} must be in 1..--window {a.window} - 1, --stride {a.stride} >= 1")
     for m in a.shortlist:
         if m < 0:
             raise SystemExit(f"--shortlist {m} must be 0 (every flushed token) or a multiple M >= 1 of the budget")
-    for b in a.budget:
+    for b, pg in ((b, pg) for b in a.budget for pg in a.page_size):
         if b < 1 or b % pg or b // pg <= a.sink + a.recent or b >= a.window - a.queries:
             raise SystemExit(f"--budget {b} must be a multiple of --page-size {pg} with more than --sink {a.sink} + "
                              f"--recent {a.recent} pages, and below the positions before the queries "
@@ -85,10 +86,11 @@ def pages_touched(chosen, pos, *, page: int):
     return (held & flushed[None]).sum(-1).astype(jnp.int32)
 
 
-def make_counter(model, total: int, a, budget: int, shortlist: int):
-    """-> count(k [T, KV, D], q [H, D], pos) -> (int32 [KV] pages_touched of one layer's choice at one position,
-    float32 [KV] its recall: the true attention mass (softmax over the visible keys, mean over the KV head's query
-    heads) on the keys chosen)."""
+def make_counter(model, total: int, a, configs: list):
+    """-> count(K [T, KV, D], q [H, D], pos) -> (int32 [n, KV] pages_touched, float32 [n, KV] recall) of one layer's
+    choice at one position under each of the n `configs` ((page, budget, shortlist) each). Recall: the true attention
+    mass (softmax over the visible keys, mean over the KV head's query heads) on the keys chosen. One program scores
+    the keys once (the labels' estimate, or the true logits) for every configuration."""
     import jax
     import jax.numpy as jnp
     D = model.config.head_dim
@@ -98,16 +100,16 @@ def make_counter(model, total: int, a, budget: int, shortlist: int):
         KVh = K.shape[1]
         qg = q.reshape(KVh, -1, D)                                                    # [KV, g, D]
         seen = jnp.arange(total) <= pos
-        if a.label_channels:
-            s = label_logits(qg, K, pos, channels=a.label_channels, bits=a.label_bits)
-        else:
-            s = jnp.einsum("kgd,tkd->kgt", qg, K) / np.sqrt(D)
-        s = jnp.where(seen[None, None], s, -jnp.inf)
-        chosen = token_keep(s, pos, page=a.page_size, budget=budget, sink=a.sink, recent=a.recent,
-                            shortlist=shortlist)
         true = jnp.where(seen[None, None], jnp.einsum("kgd,tkd->kgt", qg, K) / np.sqrt(D), -jnp.inf)
-        recall = (jax.nn.softmax(true, axis=-1) * chosen[:, None]).sum(-1).mean(-1)     # [KV]
-        return pages_touched(chosen, pos, page=a.page_size), recall
+        s = true if not a.label_channels else jnp.where(
+            seen[None, None], label_logits(qg, K, pos, channels=a.label_channels, bits=a.label_bits), -jnp.inf)
+        p = jax.nn.softmax(true, axis=-1)                                             # [KV, g, T]
+        touched, recall = [], []
+        for page, budget, shortlist in configs:
+            chosen = token_keep(s, pos, page=page, budget=budget, sink=a.sink, recent=a.recent, shortlist=shortlist)
+            touched.append(pages_touched(chosen, pos, page=page))
+            recall.append((p * chosen[:, None]).sum(-1).mean(-1))                     # [KV]
+        return jnp.stack(touched), jnp.stack(recall)
     return count
 
 
@@ -116,7 +118,8 @@ def summarize(counts: np.ndarray, budget_pages: int, shortlist: int, recall: np.
     counts as multiples of the budget's pages (what whole-page selection fetches; a shortlist of M fetches M of
     them)."""
     x = counts / budget_pages
-    return {"n": int(counts.size), "recall_mean": float(recall.mean()), "recall_p10": float(np.quantile(recall, 0.1)), "mean_x_budget": float(x.mean()), "p10_x_budget": float(np.quantile(x, 0.1)),
+    return {"n": int(counts.size), "recall_mean": float(recall.mean()), "recall_p10": float(np.quantile(recall, 0.1)),
+            "mean_x_budget": float(x.mean()), "p10_x_budget": float(np.quantile(x, 0.1)),
             "p50_x_budget": float(np.median(x)), "p90_x_budget": float(np.quantile(x, 0.9)),
             "max_x_budget": float(x.max()),
             "share_of_shortlist": float(x.mean() / shortlist) if shortlist else None}
@@ -131,10 +134,10 @@ def plot(runs: list, path: str) -> str:
     for run in runs:
         for r in run["rows"]:
             m = r["mean_x_budget"]
-            ax.bar(x, m, yerr=[[max(0.0, m - r["p10_x_budget"])], [max(0.0, r["p90_x_budget"] - m)]], color="C0" if r["shortlist"]
-                   else "C1", capsize=2)
-            labels.append(f"{run['run'] or run['rule']}\nb{r['budget']} " + (f"{r['shortlist']}x" if r["shortlist"]
-                                                                            else "all"))
+            err = [[max(0.0, m - r["p10_x_budget"])], [max(0.0, r["p90_x_budget"] - m)]]
+            ax.bar(x, m, yerr=err, color="C0" if r["shortlist"] else "C1", capsize=2)
+            labels.append(f"{run['run'] or run['rule']}\np{r.get('page_size', run.get('page_size'))} "
+                          f"b{r['budget']} " + (f"{r['shortlist']}x" if r["shortlist"] else "all"))
             x += 1
     ax.set_xticks(range(len(labels)), labels, fontsize=5, rotation=90)
     ax.set_ylabel("pages holding a chosen token / budget's")
@@ -145,6 +148,7 @@ def plot(runs: list, path: str) -> str:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_args(a)
+    import jax
     import jax.numpy as jnp
     from flax import nnx
     from scripts import bench_quality
@@ -166,11 +170,12 @@ def main(argv=None) -> int:
     text_ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
     grid = types.SimpleNamespace(ppl_window=a.window, ppl_prefix=a.window - a.queries, ppl_windows=1)
     ids = bench_quality.ppl_windows(tok, text_ids, grid)[0]
-    unit = int(np.lcm.reduce([CACHE_UNIT, 16, a.page_size]))
+    unit = int(np.lcm.reduce([CACHE_UNIT, 16, *a.page_size]))
     total = -(-len(ids) // unit) * unit
     _, params = nnx.split(model)
     t0 = time.time()
     (ck, _), _, qw = make_prefill(model, a.queries)(params, ids, total)             # qw [L, Q, H, D]
+    jax.block_until_ready((ck, qw))                  # dispatch is asynchronous: time the prefill, not its launch
     print(f"prefill {len(ids)} tokens: {time.time() - t0:.1f} s", flush=True)
     L = model.config.num_layers
     first = len(ids) - a.queries                                                     # position of qw[:, 0]
@@ -178,31 +183,33 @@ def main(argv=None) -> int:
     rule = f"labels {a.label_channels} @ {a.label_bits}" if a.label_channels else "true logits"
     run = {"meta": bench_meta.run_meta(a.commit), "run": a.run, "model": "tiny" if a.tiny else a.model,
            "dtype": a.dtype, "text": source, "window": len(ids), "positions": [first + j for j in js],
-           "page_size": a.page_size, "rule": rule, "sink": a.sink, "recent": a.recent, "rows": []}
+           "page_sizes": a.page_size, "rule": rule, "sink": a.sink, "recent": a.recent, "rows": []}
     data["runs"].append(run)
-    for budget in a.budget:
-        pages = budget // a.page_size
-        for m in a.shortlist:
-            count = make_counter(model, total, a, budget, m)
-            got = [count(ck[layer, 0], qw[layer, j], jnp.int32(first + j)) for layer in range(L) for j in js]
-            n_pages = np.asarray([np.asarray(g[0]) for g in got]).reshape(-1)             # [L * positions * KV]
-            recall = np.asarray([np.asarray(g[1]) for g in got]).reshape(-1)
-            row = {"budget": budget, "budget_ratio": budget / len(ids), "shortlist": m, "budget_pages": pages,
-                   **summarize(n_pages, pages, m, recall)}
-            run["rows"].append(row)
-            bench_meta.write_json(path, data)
-            print(f"[{time.time() - t0:6.0f}s] budget {budget} shortlist {m or 'every token'}: pages holding a "
-                  f"chosen token {row['mean_x_budget']:.2f}x the budget's (p10 {row['p10_x_budget']:.2f}, p90 "
-                  f"{row['p90_x_budget']:.2f})" + (f", {100 * row['share_of_shortlist']:.0f}% of the shortlist"
-                                                   if m else "") + f"; recall {row['recall_mean']:.4f}", flush=True)
+    configs = [(pg, b, m) for pg in a.page_size for b in a.budget for m in a.shortlist]
+    count = make_counter(model, total, a, configs)
+    got = []
+    for layer in range(L):
+        got += [count(ck[layer, 0], qw[layer, j], jnp.int32(first + j)) for j in js]
+        print(f"[{time.time() - t0:6.0f}s] layer {layer + 1}/{L} counted", flush=True)
+    n_pages = np.stack([np.asarray(g[0]) for g in got], axis=1).reshape(len(configs), -1)   # [n, L * pos * KV]
+    recall = np.stack([np.asarray(g[1]) for g in got], axis=1).reshape(len(configs), -1)
+    for i, (pg, budget, m) in enumerate(configs):
+        row = {"page_size": pg, "budget": budget, "budget_ratio": budget / len(ids), "shortlist": m,
+               "budget_pages": budget // pg, **summarize(n_pages[i], budget // pg, m, recall[i])}
+        run["rows"].append(row)
+        print(f"[{time.time() - t0:6.0f}s] page {pg} budget {budget} shortlist {m or 'every token'}: pages holding a "
+              f"chosen token {row['mean_x_budget']:.2f}x the budget's (p10 {row['p10_x_budget']:.2f}, p90 "
+              f"{row['p90_x_budget']:.2f})" + (f", {100 * row['share_of_shortlist']:.0f}% of the shortlist"
+                                               if m else "") + f"; recall {row['recall_mean']:.4f}", flush=True)
+    bench_meta.write_json(path, data)
     plot(data["runs"], os.path.join(a.out, "token_pages.png"))
-    print(f"| {rule}, page {a.page_size} | budget | pages holding a chosen token / budget's (mean, p10-p90) | "
-          f"share of the shortlist | recall (mean, p10) |\n|---|---|---|---|---|")
+    print(f"| {rule} | page | budget | pages holding a chosen token / budget's (mean, p10-p90) | "
+          f"share of the shortlist | recall (mean, p10) |\n|---|---|---|---|---|---|")
     for r in run["rows"]:
         sl = f"{100 * r['share_of_shortlist']:.0f}%" if r["shortlist"] else "-"
         print(f"| {'tokens in ' + str(r['shortlist']) + 'x pages' if r['shortlist'] else 'every token'} | "
-              f"{r['budget']} | {r['mean_x_budget']:.2f} ({r['p10_x_budget']:.2f}-{r['p90_x_budget']:.2f}) | {sl} | "
-              f"{r['recall_mean']:.4f} ({r['recall_p10']:.4f}) |")
+              f"{r['page_size']} | {r['budget']} | {r['mean_x_budget']:.2f} ({r['p10_x_budget']:.2f}-"
+              f"{r['p90_x_budget']:.2f}) | {sl} | {r['recall_mean']:.4f} ({r['recall_p10']:.4f}) |")
     return 0
 
 
