@@ -703,8 +703,14 @@ def section_token(ctx: BenchContext):
 
 
 def plot(results, path):
+    """The page kernel against Pallas paged_attention, the miss variants, and (when measured) the token kernel
+    against the page kernel over the same tokens. A section kept from an earlier run (`kept_sections`) is labelled
+    with that run's device, and this run's ceilings are drawn only beside sections this run measured."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    token = [r for r in results.get("token", []) if "tbs" in r]
+    fig, axes = plt.subplots(1, 3 if token else 2, figsize=(19 if token else 13, 4.5))
+    kept = results.get("kept_sections", {})
+    dev = lambda section: str(kept.get(section, {}).get("device") or results.get("device", "")).replace("gpu ", "")
     ax = axes[0]
     rows = [r for r in results.get("kernel", []) if "tbs" in r and r.get("impl") == "pallas"]
     labels, vals = [], []
@@ -721,13 +727,13 @@ def plot(results, path):
     ax.scatter(px, [paged[(rows[i]["batch"], rows[i]["budget"])] for i in px], color="tab:red", zorder=3,
                label="Pallas paged_attention (same pages)")
     ax.axhline(3.0, ls=":", lw=1, color="green")
-    for name, val in results.get("ceiling", {}).items():
+    for name, val in ({} if "kernel" in kept else results.get("ceiling", {})).items():
         if name.endswith("_tbs") and val:
             ax.axhline(val, ls="--", lw=1, color="gray")
             ax.text(len(vals) - 0.5, val, name.replace("_tbs", ""), fontsize=7, ha="right", va="bottom")
     ax.set_xticks(range(len(vals)), labels, rotation=75, fontsize=6)
     ax.set_ylabel("TB/s over attended K/V bytes")
-    ax.set_title("sparse decode attention, H200, bf16")
+    ax.set_title(f"sparse decode attention, {dev('kernel')}, bf16")
     ax.legend(fontsize=7)
     ax = axes[1]
     for variant, color in (("zero_copy", "tab:orange"), ("fused", "tab:green"), ("separate", "tab:purple"),
@@ -743,8 +749,24 @@ def plot(results, path):
             ax.axhline(r["us"], color="gray", lw=1, ls="-" if r["budget"] == 4096 else ":")
     ax.set_xlabel("% of selected pages served from pinned_host")
     ax.set_ylabel("us per call (B=32)")
-    ax.set_title("misses: zero-copy / fused fill / separate fetch")
+    ax.set_title(f"misses: zero-copy / fused fill / separate fetch, {dev('miss')}")
     ax.legend(fontsize=7)
+    if token:
+        ax = axes[2]
+        cells = sorted({(r["batch"], r["budget"]) for r in token})
+        for k, (variant, color) in enumerate((("scattered", "tab:blue"), ("contiguous", "tab:cyan"),
+                                              ("page", "tab:gray"))):
+            got = {(r["batch"], r["budget"]): r["tbs"] for r in token if r.get("variant") == variant}
+            ax.bar([i + (k - 1) * 0.27 for i in range(len(cells))], [got.get(c, 0.0) for c in cells], width=0.27,
+                   color=color, label="page kernel, same tokens' pages" if variant == "page" else
+                   f"token kernel, {variant} tokens")
+        for name, val in ({} if "token" in kept else results.get("ceiling", {})).items():
+            if name.endswith("_tbs") and val:
+                ax.axhline(val, ls="--", lw=1, color="gray")
+        ax.set_xticks(range(len(cells)), [f"B{b}/{n}" for b, n in cells], fontsize=7)
+        ax.set_ylabel("TB/s over attended K/V bytes")
+        ax.set_title(f"per-token attention, {dev('token')}, bf16")
+        ax.legend(fontsize=7)
     save_figure(fig, path)
 
 

@@ -152,3 +152,20 @@ def test_a_partial_run_keeps_the_other_sections_with_their_meta(tmp_path, monkey
     ba.main(["--only", "token", "--skip", "ceiling", "--out", str(tmp_path), "--commit", "newer", "--fresh"])
     data = json.loads((tmp_path / "attention.json").read_text())
     assert "kernel" not in data and "kept_sections" not in data and data["commit"] == "newer"
+
+
+def test_plot_draws_the_token_section_beside_kept_sections(tmp_path):
+    """A run of the token section alone, merged with kept kernel / miss sections, draws three panels; a run with
+    neither token rows nor kept sections draws the two it always drew."""
+    from scripts import bench_attention as ba
+    kernel = [dict(batch=8, budget=1024, context=32768, impl=impl, tbs=t) for impl, t in (("pallas", 1.0),
+                                                                                        ("mosaic", 1.3))]
+    token = [dict(variant=v, batch=3, budget=4096, tbs=t) for v, t in (("scattered", 0.76), ("contiguous", 0.93),
+                                                                       ("page", 0.69))]
+    merged = dict(device="NVIDIA H100", ceiling={"read_tbs": 3.0}, token=token, kernel=kernel,
+                  kept_sections={"kernel": {"device": "gpu NVIDIA H200"}})
+    ba.plot(merged, str(tmp_path / "a.png"))
+    ba.plot(dict(device="NVIDIA H200", ceiling={"read_tbs": 3.0}, kernel=kernel), str(tmp_path / "b.png"))
+    import matplotlib.image as mpimg
+    wide, narrow = (mpimg.imread(str(tmp_path / n)).shape[1] for n in ("a.png", "b.png"))
+    assert wide > narrow * 1.3
