@@ -711,6 +711,9 @@ def plot(results, path):
     fig, axes = plt.subplots(1, 3 if token else 2, figsize=(19 if token else 13, 4.5))
     kept = results.get("kept_sections", {})
     dev = lambda section: str(kept.get(section, {}).get("device") or results.get("device", "")).replace("gpu ", "")
+    # this run's ceilings, drawn only beside a section this run measured
+    ceilings = lambda section: [(k, v) for k, v in ({} if section in kept else results.get("ceiling", {})).items()
+                                if k.endswith("_tbs") and v]
     ax = axes[0]
     rows = [r for r in results.get("kernel", []) if "tbs" in r and r.get("impl") == "pallas"]
     labels, vals = [], []
@@ -727,10 +730,9 @@ def plot(results, path):
     ax.scatter(px, [paged[(rows[i]["batch"], rows[i]["budget"])] for i in px], color="tab:red", zorder=3,
                label="Pallas paged_attention (same pages)")
     ax.axhline(3.0, ls=":", lw=1, color="green")
-    for name, val in ({} if "kernel" in kept else results.get("ceiling", {})).items():
-        if name.endswith("_tbs") and val:
-            ax.axhline(val, ls="--", lw=1, color="gray")
-            ax.text(len(vals) - 0.5, val, name.replace("_tbs", ""), fontsize=7, ha="right", va="bottom")
+    for name, val in ceilings("kernel"):
+        ax.axhline(val, ls="--", lw=1, color="gray")
+        ax.text(len(vals) - 0.5, val, name.replace("_tbs", ""), fontsize=7, ha="right", va="bottom")
     ax.set_xticks(range(len(vals)), labels, rotation=75, fontsize=6)
     ax.set_ylabel("TB/s over attended K/V bytes")
     ax.set_title(f"sparse decode attention, {dev('kernel')}, bf16")
@@ -760,9 +762,8 @@ def plot(results, path):
             ax.bar([i + (k - 1) * 0.27 for i in range(len(cells))], [got.get(c, 0.0) for c in cells], width=0.27,
                    color=color, label="page kernel, same tokens' pages" if variant == "page" else
                    f"token kernel, {variant} tokens")
-        for name, val in ({} if "token" in kept else results.get("ceiling", {})).items():
-            if name.endswith("_tbs") and val:
-                ax.axhline(val, ls="--", lw=1, color="gray")
+        for _, val in ceilings("token"):
+            ax.axhline(val, ls="--", lw=1, color="gray")
         ax.set_xticks(range(len(cells)), [f"B{b}/{n}" for b, n in cells], fontsize=7)
         ax.set_ylabel("TB/s over attended K/V bytes")
         ax.set_title(f"per-token attention, {dev('token')}, bf16")

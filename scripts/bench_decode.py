@@ -448,6 +448,13 @@ def two_stage_label(v) -> str:
     return f"{v}x"
 
 
+def check_token_shortlist(token_shortlist: int, key_channels: int) -> None:
+    """--token-shortlist M (here and in profile_decode): >= 0, and > 0 only with a rule that ranks tokens."""
+    if token_shortlist < 0 or (token_shortlist and not key_channels):
+        raise SystemExit(f"--token-shortlist {token_shortlist} must be >= 0, and > 0 only with --key-channels C "
+                         "> 0 (tokens are ranked by the key copy or labels)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--contexts", default="32768,131072")
@@ -520,9 +527,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     from ulacache_jax.models import LlamaModel, get_preset
     mc = dataclasses.replace(get_preset("llama-3.1-8b"), num_layers=args.layers)
-    if args.token_shortlist < 0 or (args.token_shortlist and not args.key_channels):
-        raise SystemExit(f"--token-shortlist {args.token_shortlist} must be >= 0, and > 0 only with --key-channels C "
-                         "> 0 (tokens are ranked by the key copy or labels)")
+    check_token_shortlist(args.token_shortlist, args.key_channels)
     if args.first_channels and not args.two_stage:
         raise SystemExit(f"--first-channels {args.first_channels} needs --two-stage MULT (it names the first stage)")
     if args.first_channels > mc.head_dim:

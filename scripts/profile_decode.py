@@ -279,9 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if args.token_shortlist < 0 or (args.token_shortlist and not args.key_channels):
-        raise SystemExit(f"--token-shortlist {args.token_shortlist} must be >= 0, and > 0 only with --key-channels C "
-                         "(per-token selection ranks tokens by the key copy or labels)")
+    from scripts.bench_decode import check_token_shortlist
+    check_token_shortlist(args.token_shortlist, args.key_channels)
     specs = [(a, int(c), int(b)) for a, c, b in (r.split(":") for r in args.rows.split(","))]
     if args.one:
         (a, c, b), = specs
@@ -301,7 +300,8 @@ def main(argv=None):
                str(args.layers), "--budget", str(args.budget), "--page-size", str(args.page_size),
                "--kv-fraction", str(args.kv_fraction),
                "--key-channels", str(args.key_channels), "--label-bits", str(args.label_bits),
-               "--hot-share", str(args.hot_share), "--token-shortlist", str(args.token_shortlist)] + (["--two-stage", str(args.two_stage)] if args.two_stage else [])
+               "--hot-share", str(args.hot_share), "--token-shortlist", str(args.token_shortlist)]
+        cmd += ["--two-stage", str(args.two_stage)] if args.two_stage else []
         row = row_in_child(cmd, args.row_timeout, attention=a, context=c, batch=b)
         row["commit"] = commit
         rows.append(row)

@@ -138,6 +138,25 @@ def label_logits(qg, K, pos, *, channels: int, bits: int, calib: int = 1024, gro
     return jnp.einsum("kgc,tkc->kgt", qc, Kc) / np.sqrt(D)
 
 
+def text_study_inputs(a):
+    """The model and text of a perplexity-window study (oracle_ppl, token_pages) from its options (a.tiny, a.model,
+    a.dtype, a.text) -> (model, tokenizer, text ids int32 [N], the text's source record). --tiny: the random tiny
+    preset over byte text built here (tests)."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from scripts import bench_longctx as lc, bench_quality
+    if a.tiny:
+        from ulacache_jax import models
+        model = models.LlamaModel(models.get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+        tok = models.ByteTokenizer()
+        text = " ".join(f"line {i}: the value of item {i % 37} is {(i * 7919) % 1000}." for i in range(400))
+        source = {"source": "tiny"}
+    else:
+        model, tok = lc.load_model(a.model, a.dtype)
+        text, source = bench_quality.corpus_text(a.text)
+    return model, tok, np.asarray(tok.encode(text, add_special_tokens=False), np.int32), source
+
+
 def token_keep(s, pos, *, page: int, budget: int, sink: int, recent: int, shortlist: int = 0, fetch: int = 0):
     """Keys a sparse layer attends when it selects single tokens: s [KV, g, T] float32 logits (or an estimate; keys
     past pos masked to -inf), pos [] int32 -> bool [KV, T]. Pages of `page` tokens (the cache's unit) still frame

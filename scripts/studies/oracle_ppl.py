@@ -30,7 +30,7 @@ import types
 import numpy as np
 
 from scripts import bench_meta
-from scripts.studies.dense_layers import CACHE_UNIT, make_decoder, make_prefill
+from scripts.studies.dense_layers import CACHE_UNIT, make_decoder, make_prefill, text_study_inputs
 
 
 def make_scorer(step, *, reference: bool):
@@ -154,17 +154,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from flax import nnx
     from scripts import bench_quality
-    if a.tiny:
-        from ulacache_jax import models
-        model = models.LlamaModel(models.get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
-        tok = models.ByteTokenizer()
-        text = " ".join(f"line {i}: the value of item {i % 37} is {(i * 7919) % 1000}." for i in range(400))
-        source = {"source": "tiny"}
-    else:
-        from scripts import bench_longctx as lc
-        model, tok = lc.load_model(a.model, a.dtype)
-        text, source = bench_quality.corpus_text(a.text)
-    text_ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
+    model, tok, text_ids, source = text_study_inputs(a)
     grid = types.SimpleNamespace(ppl_window=a.window, ppl_prefix=a.prefix, ppl_windows=a.windows)
     wins = bench_quality.ppl_windows(tok, text_ids, grid)
     L, KV = model.config.num_layers, model.config.num_kv_heads

@@ -32,7 +32,7 @@ import types
 import numpy as np
 
 from scripts import bench_meta
-from scripts.studies.dense_layers import CACHE_UNIT, label_logits, make_prefill, token_keep
+from scripts.studies.dense_layers import CACHE_UNIT, label_logits, make_prefill, text_study_inputs, token_keep
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,20 +154,10 @@ def main(argv=None) -> int:
     from scripts import bench_quality
     path = os.path.join(a.out, "token_pages.json")
     data = bench_meta.earlier_runs(path)
-    if a.tiny:
-        from ulacache_jax import models
-        model = models.LlamaModel(models.get_preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0))
-        tok = models.ByteTokenizer()
-        text = " ".join(f"line {i}: the value of item {i % 37} is {(i * 7919) % 1000}." for i in range(400))
-        source = {"source": "tiny"}
-    else:
-        from scripts import bench_longctx as lc
-        model, tok = lc.load_model(a.model, a.dtype)
-        text, source = bench_quality.corpus_text(a.text)
+    model, tok, text_ids, source = text_study_inputs(a)
     if a.label_channels > model.config.head_dim:
         raise SystemExit(f"--label-channels {a.label_channels} is more than the model's head_dim "
                          f"{model.config.head_dim}")
-    text_ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
     grid = types.SimpleNamespace(ppl_window=a.window, ppl_prefix=a.window - a.queries, ppl_windows=1)
     ids = bench_quality.ppl_windows(tok, text_ids, grid)[0]
     unit = int(np.lcm.reduce([CACHE_UNIT, 16, *a.page_size]))
